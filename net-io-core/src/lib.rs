@@ -1,0 +1,1 @@
+//! Sans-IO building blocks for bounded TCP servers: errors, limits, buffers, sessions, gates, events, stats and the PROXY parser.
