@@ -6,11 +6,20 @@ use std::process::{Command, ExitCode};
 
 use anyhow::{Context, Result, bail};
 
+mod bench_model;
+mod bench_net;
+mod bench_runtime;
+mod models;
+
 const HELP: &str = "\
 usage: cargo xtask <task>
 
 tasks:
   ci            format check, clippy with -D warnings, then every test
+  bench net     echo, idle memory and churn: net-io-blocking beside std and tokio
+  bench runtime spawn, join, sleep and memory: task-runtime beside tokio, rayon, std, crossbeam
+  bench model   prompt and decode speed: stage-server beside llama.cpp
+  fetch-models  download the real GGUF test models into the cache, sha256 checked
   help          this text
 ";
 
@@ -32,6 +41,13 @@ fn run() -> Result<()> {
     };
     match task.as_str() {
         "ci" => ci(),
+        "bench" => match arguments.get(1).map(String::as_str) {
+            Some("net") => bench_net::run(&arguments[2..]),
+            Some("runtime") => bench_runtime::run(&arguments[2..]),
+            Some("model") => bench_model::run(&arguments[2..]),
+            _ => bail!("`cargo xtask bench` takes one of: net, runtime, model"),
+        },
+        "fetch-models" => models::fetch(&arguments[1..]),
         "help" | "--help" | "-h" => {
             print!("{HELP}");
             Ok(())
@@ -43,7 +59,14 @@ fn run() -> Result<()> {
 /// Runs what CI runs, in the order that fails fastest.
 fn ci() -> Result<()> {
     cargo(&["fmt", "--all", "--", "--check"])?;
-    cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?;
+    cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
     cargo(&["test", "--workspace", "--all-targets"])?;
     cargo(&["test", "--workspace", "--doc"])?;
     Ok(())
