@@ -10,8 +10,14 @@
 
 #![warn(missing_docs)]
 
+pub mod epoll;
 pub mod eventfd;
+pub mod futex;
+pub mod inotify;
+pub mod pidfd;
 pub mod shim;
+pub mod signal;
+pub mod timerfd;
 
 use std::io;
 
