@@ -22,7 +22,22 @@ fn main() {
         println!("{}", memory_child(name));
         return;
     }
-    Runtime::builder().cores(WORKERS).init().expect("init task-runtime");
+    Runtime::builder()
+        .cores(WORKERS)
+        .init()
+        .expect("init task-runtime");
+    if arguments.get(1).map(String::as_str) == Some("--spawn-only") {
+        // For profiling: only our 100k batch, repeated.
+        for _ in 0..20 {
+            let handles: Vec<TaskHandle<u64>> = (0..BATCH as u64)
+                .map(|index| Runtime::task(Compute::compute(move |()| index ^ 1)).spawn())
+                .collect();
+            for handle in handles {
+                std::hint::black_box(handle.join().expect("join"));
+            }
+        }
+        return;
+    }
     let tokio = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(WORKERS)
         .max_blocking_threads(WORKERS)
@@ -122,7 +137,10 @@ fn main() {
     // 2. One spawn-to-join round trip from outside the pool (median, warm pool).
     let ours = median_samples(ROUND_TRIPS, || {
         let started = Instant::now();
-        Runtime::task(Compute::compute(|()| 1u8)).spawn().join().expect("join");
+        Runtime::task(Compute::compute(|()| 1u8))
+            .spawn()
+            .join()
+            .expect("join");
         started.elapsed()
     });
     let tokio_trip = median_samples(ROUND_TRIPS, || {
@@ -159,7 +177,10 @@ fn main() {
     // 3. Sleep accuracy: overshoot past the requested time, median and p99.
     for requested in [Duration::from_micros(100), Duration::from_millis(1)] {
         let ours = overshoot(requested, || {
-            Runtime::task(Sleep::sleep(requested)).spawn().join().expect("sleep");
+            Runtime::task(Sleep::sleep(requested))
+                .spawn()
+                .join()
+                .expect("sleep");
         });
         let relaxed = overshoot(requested, || {
             Runtime::task(Sleep::sleep(requested).relaxed())
@@ -176,13 +197,19 @@ fn main() {
             &format!("sleep {label}: median overshoot"),
             ours.0,
             tokio_sleep.0,
-            &[("ours relaxed", relaxed.0), ("std::thread::sleep", std_sleep.0)],
+            &[
+                ("ours relaxed", relaxed.0),
+                ("std::thread::sleep", std_sleep.0),
+            ],
         ));
         rows.push(Row::durations(
             &format!("sleep {label}: p99 overshoot"),
             ours.1,
             tokio_sleep.1,
-            &[("ours relaxed", relaxed.1), ("std::thread::sleep", std_sleep.1)],
+            &[
+                ("ours relaxed", relaxed.1),
+                ("std::thread::sleep", std_sleep.1),
+            ],
         ));
     }
 
@@ -311,8 +338,14 @@ fn cpu_time() -> Duration {
         return Duration::ZERO;
     };
     let fields: Vec<&str> = stat[close + 2..].split_whitespace().collect();
-    let ticks: u64 = fields.get(11).and_then(|value| value.parse().ok()).unwrap_or(0)
-        + fields.get(12).and_then(|value| value.parse().ok()).unwrap_or(0);
+    let ticks: u64 = fields
+        .get(11)
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(0)
+        + fields
+            .get(12)
+            .and_then(|value| value.parse().ok())
+            .unwrap_or(0);
     Duration::from_millis(ticks * 10)
 }
 
