@@ -8,7 +8,8 @@ use std::io;
 pub enum RuntimeError {
     /// An OS call failed; the errno is attached when there was one.
     #[error(
-        "an OS call failed (errno {0:?}); check the resource (descriptor limits, permissions) and retry"
+        "an OS call failed{}; check the resource (descriptor limits, permissions) and retry",
+        errno_text(.0)
     )]
     CheckError(Option<i32>),
     /// The address is in use.
@@ -68,6 +69,13 @@ pub enum RuntimeError {
     /// The signal cannot be watched.
     #[error("this signal cannot be watched (SIGKILL, SIGSTOP, reserved or out of range)")]
     BadSignal,
+}
+
+fn errno_text(errno: &Option<i32>) -> String {
+    match errno {
+        Some(errno) => format!(" ({})", io::Error::from_raw_os_error(*errno)),
+        None => String::new(),
+    }
 }
 
 impl From<io::Error> for RuntimeError {

@@ -102,11 +102,12 @@ impl Bands {
         if let Some((band, age)) = oldest
             && spawned.saturating_sub(age) > STARVE_AGE
             && band + 1 < BANDS
-            && let Some(mut entry) = self.bands[band].pop_front()
+            && let Some(entry) = self.bands[band].pop_front()
         {
-            entry.age = spawned;
+            // It keeps its age, so the oldest-first relief pops that follow serve it at once.
             self.bands[band + 1].push_front(entry);
-            self.relief = STARVE_RELIEF;
+            self.relief = STARVE_RELIEF - 1;
+            return self.pop_oldest();
         }
         (0..BANDS)
             .rev()
@@ -1096,4 +1097,53 @@ fn thread_ceiling() -> usize {
         }
         ceiling.max(4)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Bands, Entry, STARVE_AGE, STARVE_RELIEF};
+    use crate::table::TaskRef;
+
+    fn entry(index: u32, age: u64) -> Entry {
+        Entry {
+            task: TaskRef {
+                index,
+                generation: 0,
+            },
+            age,
+        }
+    }
+
+    #[test]
+    fn higher_bands_pop_first_and_each_band_is_first_in_first_out() {
+        let mut bands = Bands::default();
+        bands.push(10, entry(1, 0));
+        bands.push(128, entry(2, 1));
+        bands.push(255, entry(3, 2));
+        bands.push(128, entry(4, 3));
+        let order: Vec<u32> = std::iter::from_fn(|| bands.pop(4))
+            .map(|e| e.task.index)
+            .collect();
+        assert_eq!(
+            order,
+            vec![3, 2, 4, 1],
+            "band 3 first, then band 2 in order, then band 0"
+        );
+    }
+
+    #[test]
+    fn a_starving_task_moves_up_and_the_oldest_are_served_for_a_while() {
+        let mut bands = Bands::default();
+        bands.push(0, entry(1, 0));
+        for index in 0..10 {
+            bands.push(255, entry(100 + index, STARVE_AGE + 5));
+        }
+        let first = bands.pop(STARVE_AGE + 10).expect("a task");
+        assert_eq!(
+            first.task.index, 1,
+            "the starving low-priority task should be served first"
+        );
+        assert_eq!(bands.relief, STARVE_RELIEF - 1, "relief pops follow");
+        assert_eq!(bands.len(), 10);
+    }
 }
