@@ -204,3 +204,27 @@ fn processes_run_capture_output_and_die_on_cancel() {
         Err(RuntimeError::BadDirectory)
     );
 }
+
+#[test]
+fn a_spawned_process_can_be_waited_on_and_killed() {
+    init();
+    let child = Process::spawn(Process::command("/bin/sh").args(["-c", "exit 7"])).expect("spawn");
+    assert_eq!(
+        Runtime::task(child.wait()).spawn().join(),
+        Ok(Exit::Code(7))
+    );
+    let sleeper =
+        Process::spawn(Process::command("/bin/sh").args(["-c", "sleep 30"])).expect("spawn");
+    let waiting = Runtime::task(sleeper.wait()).spawn();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(
+        waiting.is_running(),
+        "the wait parks on the pidfd while the child runs"
+    );
+    sleeper.kill();
+    assert_eq!(
+        waiting.join_with_timeout(Duration::from_secs(10)),
+        Ok(Exit::Signal(libc::SIGKILL)),
+        "a kill wakes the wait with the signal"
+    );
+}
