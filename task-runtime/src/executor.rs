@@ -166,8 +166,14 @@ pub(crate) fn run(pool: &Arc<Pool>, task: TaskRef) {
 }
 
 /// Leaves the Running state; a wake that arrived during the step schedules the task again.
+///
+/// The word may also have moved on entirely: a task that settled can have had its slot released
+/// (which bumps the sequence) and even reused before we get here. Only our own `(sequence, Running)`
+/// or `(sequence, Notified)` is ours to change; anything else is left alone, or a recycled slot would
+/// be marked Scheduled with nothing queued and never run.
 fn go_idle(slot: &Slot, task: TaskRef, sequence: u64) {
     let running = sequence << 2 | SCHED_RUNNING;
+    let notified = sequence << 2 | SCHED_NOTIFIED;
     if slot
         .sched
         .compare_exchange(
@@ -181,9 +187,18 @@ fn go_idle(slot: &Slot, task: TaskRef, sequence: u64) {
         return;
     }
     // Notified while running: queue it again (a fresh sequence is taken when it next runs).
-    slot.sched
-        .store(sequence << 2 | SCHED_SCHEDULED, Ordering::Release);
-    enqueue(task, slot);
+    if slot
+        .sched
+        .compare_exchange(
+            notified,
+            sequence << 2 | SCHED_SCHEDULED,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        )
+        .is_ok()
+    {
+        enqueue(task, slot);
+    }
 }
 
 /// Under the lock: applies aborts, starts a new run when one is due, and takes the job out.

@@ -10,7 +10,7 @@ use crate::error::{JoinPolicy, RuntimeError, TaskState};
 use crate::executor;
 use crate::handle::{Registration, TaskHandle, register_dependant};
 use crate::manager::{self, Reactor};
-use crate::pool::{Config, Pool, current_pool, global_pool, set_global};
+use crate::pool::{Config, Pool, global_pool, set_global, with_current_pool};
 use crate::table::{SCHED_SCHEDULED, TaskRef, table};
 use crate::task::{Forward, Gather, Job, JobOf, Plan, Shape, Step, Task, ThreadWake, Waker};
 
@@ -456,8 +456,7 @@ pub(crate) fn spawn_built<K: Task, G>(
         u32::from(options.priority) | if blocking { 0x100 } else { 0 },
         Ordering::Relaxed,
     );
-    let pool = current_pool();
-    let Some(pool) = pool else {
+    if !with_current_pool(|pool| pool.is_some()) {
         let error = if EVER_STOPPED.load(Ordering::Acquire) == 1 {
             RuntimeError::TaskFailed
         } else {
@@ -470,8 +469,7 @@ pub(crate) fn spawn_built<K: Task, G>(
         drop(body);
         table().release(task);
         return handle;
-    };
-    let now = Instant::now();
+    }
     let needs_plan = wired
         || options.repeat
         || options.series.is_some()
@@ -485,6 +483,7 @@ pub(crate) fn spawn_built<K: Task, G>(
         body.priority = options.priority;
         body.blocking = blocking;
         if needs_plan {
+            let now = Instant::now();
             let mut plan = Plan::new();
             plan.shape = match (options.repeat, options.series) {
                 (_, Some(period)) => Shape::Series(period),
@@ -544,7 +543,7 @@ pub(crate) fn spawn_built<K: Task, G>(
     let sequence = slot.sched.load(Ordering::Acquire) >> 2;
     slot.sched
         .store(sequence << 2 | SCHED_SCHEDULED, Ordering::Release);
-    pool.push(task, slot);
+    executor::enqueue(task, slot);
     handle
 }
 

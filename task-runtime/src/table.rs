@@ -185,6 +185,11 @@ impl Table {
         slot.claims.store(claims, Ordering::Relaxed);
         slot.abort.store(ABORT_NONE, Ordering::Relaxed);
         let generation = slot.generation();
+        // A fresh scheduling sequence in the Idle state: nothing left over from the slot's last task
+        // (a late wake, a stale Scheduled mark) can match or block the new one.
+        let sched = slot.sched.load(Ordering::Acquire);
+        slot.sched
+            .store(((sched >> 2) + 1) << 2 | SCHED_IDLE, Ordering::Release);
         slot.word.store(
             generation << 4 | TaskState::Pending as u32,
             Ordering::Release,

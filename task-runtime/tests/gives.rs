@@ -223,3 +223,33 @@ fn a_thousand_stage_pipeline_carries_a_value_through() {
     );
     stages.iter().for_each(TaskHandle::cancel);
 }
+
+#[test]
+fn waiting_tasks_in_recycled_slots_still_run_on_a_give() {
+    init();
+    // Fire-and-forget tasks free their slots as they finish; waiting tasks then reuse those slots.
+    // A late scheduling mark left by a finished task must not stop the new task from running.
+    for round in 0..20u64 {
+        for index in 0..200u64 {
+            drop(Runtime::task(Compute::compute(move |()| round + index)).spawn());
+        }
+        let waiting: Vec<_> = (0..50u64)
+            .map(|_| {
+                Runtime::task(Compute::compute(|value: u64| value + 1))
+                    .wait_for::<u64>()
+                    .spawn()
+            })
+            .collect();
+        for (index, handle) in waiting.iter().enumerate() {
+            handle.give(index as u64).expect("give");
+        }
+        for (index, handle) in waiting.iter().enumerate() {
+            assert_eq!(
+                handle.join_with_timeout(Duration::from_secs(10)),
+                Ok(index as u64 + 1),
+                "round {round}: a waiting task in a recycled slot did not run"
+            );
+            handle.cancel();
+        }
+    }
+}
