@@ -283,7 +283,16 @@ fn start_run(
             && (plan.wired || runs == 0)
         {
             plan.delay_done = true;
-            pool.add_timer(now + after, task, sequence);
+            if !pool.add_timer(now + after, task, sequence) {
+                // No manager will end the delay: the task is written off (we hold its lock, so settle here).
+                settle(
+                    body,
+                    slot,
+                    TaskState::Failed,
+                    Some(RuntimeError::TaskFailed),
+                );
+                return Started::Ended;
+            }
             return Started::Wait;
         }
         plan.delay_done = false;
@@ -319,7 +328,15 @@ fn start_run(
                 slot.set_state(TaskState::Running);
             }
             let clone = body.job.as_ref().and_then(|job| job.clone_job());
-            pool.add_timer(next, task, sequence);
+            if !pool.add_timer(next, task, sequence) {
+                settle(
+                    body,
+                    slot,
+                    TaskState::Failed,
+                    Some(RuntimeError::TaskFailed),
+                );
+                return Started::Ended;
+            }
             if let Some(clone) = clone {
                 crate::runtime::spawn_child(
                     pool,
@@ -347,7 +364,8 @@ fn start_run(
     }
     slot.set_state(TaskState::Running);
     if let Some(timeout) = timeout {
-        pool.add_timeout(now + timeout, task, body.runs);
+        // Without a manager the limit cannot be enforced; the run goes ahead unlimited.
+        let _ = pool.add_timeout(now + timeout, task, body.runs);
     }
     Started::Yes
 }
@@ -386,8 +404,12 @@ fn park(
         body.job = Some(job);
     }
     let waker = Waker::Task { task, sequence };
-    if let Some(deadline) = wait.deadline {
-        pool.add_timer(deadline, task, sequence);
+    if let Some(deadline) = wait.deadline
+        && !pool.add_timer(deadline, task, sequence)
+    {
+        // No manager will ever fire the deadline: write the task off (no slot lock is held here).
+        write_off(task);
+        return false;
     }
     if let Some((source, direction)) = wait.source
         && !source.register(direction, waker.clone())
@@ -396,7 +418,10 @@ fn park(
     }
     if wait.deadline.is_none() && !pool.manager_alive() && !pool.closed() {
         // Without a manager nothing will deliver kernel events; poll instead.
-        pool.add_timer(Instant::now() + crate::pool::READY_POLL, task, sequence);
+        if !pool.add_timer(Instant::now() + crate::pool::READY_POLL, task, sequence) {
+            write_off(task);
+            return false;
+        }
     }
     true
 }
@@ -513,7 +538,9 @@ fn publish(
         }
         Next::After(at) => {
             let sequence = slot.sched.load(Ordering::Acquire) >> 2;
-            pool.add_timer(at, task, sequence);
+            if !pool.add_timer(at, task, sequence) {
+                write_off(task);
+            }
         }
         Next::Idle | Next::Settle => {}
     }

@@ -146,27 +146,30 @@ impl Reactor {
         }
     }
 
-    pub(crate) fn add_wake_timer(&self, at: Instant, task: TaskRef, sequence: u64) {
+    /// Adds a wake timer; false when no manager will ever fire it (the caller writes the task off,
+    /// outside any slot lock it holds).
+    #[must_use]
+    pub(crate) fn add_wake_timer(&self, at: Instant, task: TaskRef, sequence: u64) -> bool {
         self.add_timer(Timer {
             at: monotonic_nanos(at),
             task,
             kind: TimerKind::Wake(sequence),
-        });
+        })
     }
 
-    pub(crate) fn add_timeout_timer(&self, at: Instant, task: TaskRef, stamp: u64) {
+    /// Adds a run-timeout timer; false when no manager will fire it.
+    #[must_use]
+    pub(crate) fn add_timeout_timer(&self, at: Instant, task: TaskRef, stamp: u64) -> bool {
         self.add_timer(Timer {
             at: monotonic_nanos(at),
             task,
             kind: TimerKind::Timeout(stamp),
-        });
+        })
     }
 
-    fn add_timer(&self, timer: Timer) {
+    fn add_timer(&self, timer: Timer) -> bool {
         if !self.alive() {
-            // Nobody will fire it: the task depended on the manager and is written off.
-            executor::write_off(timer.task);
-            return;
+            return false;
         }
         let mut timers = self.timers.lock().unwrap_or_else(|p| p.into_inner());
         let earliest = timers.armed.is_none_or(|armed| timer.at < armed);
@@ -176,6 +179,7 @@ impl Reactor {
             timers.armed = Some(timer.at);
             let _ = self.timer.set_absolute(Duration::from_nanos(timer.at));
         }
+        true
     }
 
     /// Timers waiting in the heap (including tombstones).

@@ -532,12 +532,17 @@ impl Pool {
         });
     }
 
-    pub(crate) fn add_timer(&self, at: Instant, task: TaskRef, sequence: u64) {
-        self.reactor.add_wake_timer(at, task, sequence);
+    /// Adds a wake timer; false when the manager is gone for good (never call `write_off` while
+    /// holding the task's own slot lock: it takes that lock).
+    #[must_use]
+    pub(crate) fn add_timer(&self, at: Instant, task: TaskRef, sequence: u64) -> bool {
+        self.reactor.add_wake_timer(at, task, sequence)
     }
 
-    pub(crate) fn add_timeout(&self, at: Instant, task: TaskRef, stamp: u64) {
-        self.reactor.add_timeout_timer(at, task, stamp);
+    /// Adds a run-timeout timer; false when the manager is gone for good.
+    #[must_use]
+    pub(crate) fn add_timeout(&self, at: Instant, task: TaskRef, stamp: u64) -> bool {
+        self.reactor.add_timeout_timer(at, task, stamp)
     }
 
     /// Starts workers up to the floor.
