@@ -310,8 +310,12 @@ impl Runtime {
         (winner, losers)
     }
 
-    /// Drains and stops the runtime: later spawns read `TaskFailed`; queued work still runs; blocks until
-    /// every task has settled or parked work is written off. Idempotent. Never call it from a task.
+    /// Drains and stops the runtime: queued and running work finishes first, then the manager stops,
+    /// work parked on it (sleeps, delays, gaps, sockets, watches) is written off as `TaskFailed`, the
+    /// pool threads stop, and later spawns read `TaskFailed`. Idempotent; `init` starts a new runtime
+    /// afterwards and old handles keep their values. A task that never stops queueing itself (an
+    /// unbounded `repeat()` without a gap) keeps the drain waiting: cancel it first. Never call it from
+    /// a task.
     pub fn shutdown() {
         loop {
             match LIFECYCLE.compare_exchange(RUNNING, STOPPING, Ordering::AcqRel, Ordering::Acquire)
