@@ -139,15 +139,27 @@ fn a_repeated_watch_loses_no_change_between_runs() {
     let directory = scratch("watch");
     let path = directory.join("watched");
     std::fs::write(&path, b"a").expect("write");
-    let watch = Runtime::task(File::watch(&path)).repeat().count(2).spawn();
+    // A 300 ms gap between runs: the second write lands while the watch is not parked at all.
+    let watch = Runtime::task(File::watch(&path))
+        .repeat()
+        .every(Duration::from_millis(300))
+        .count(2)
+        .spawn();
     std::thread::sleep(Duration::from_millis(50));
     std::fs::write(&path, b"bb").expect("write");
-    std::fs::write(&path, b"ccc").expect("write");
     let deadline = Instant::now() + Duration::from_secs(10);
+    while watch.try_join().is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the first change should end the first run"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::fs::write(&path, b"ccc").expect("write");
     while !watch.is_finished() {
         assert!(
             Instant::now() < deadline,
-            "two changes should end a count of two"
+            "the change made between runs should end the second run"
         );
         std::thread::sleep(Duration::from_millis(5));
     }
