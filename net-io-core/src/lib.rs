@@ -13,6 +13,7 @@
 
 pub mod addr;
 pub mod buffer;
+pub mod checksum;
 pub mod clock;
 pub mod close;
 pub mod completion;
@@ -49,6 +50,9 @@ pub use info::ConnectionInfo;
 pub use input::{Input, ReadBuffer};
 pub use limits::{ConfigError, Limits, MinRateRule, ResolvedLimits};
 pub use output::{Output, OutputFull};
-pub use proxy::ProxyError;
+pub use proxy::{
+    ProxyCommand, ProxyError, ProxyHeader, ProxyMode, ProxyParser, ProxyStatus, ProxyTransport,
+    ProxyVersion,
+};
 pub use session::{Phase, Session, SessionContext, SessionFactory, SessionRequests, Step};
 pub use stats::{Counters, ServerCounters, Stats, WorkerCounters};
