@@ -28,6 +28,7 @@ pub mod limits;
 mod loom;
 pub mod output;
 pub mod proxy;
+pub mod rate;
 pub mod session;
 pub mod stats;
 
@@ -54,5 +55,6 @@ pub use proxy::{
     ProxyCommand, ProxyError, ProxyHeader, ProxyMode, ProxyParser, ProxyStatus, ProxyTransport,
     ProxyVersion,
 };
+pub use rate::{MinRate, RateVerdict};
 pub use session::{Phase, Session, SessionContext, SessionFactory, SessionRequests, Step};
 pub use stats::{Counters, ServerCounters, Stats, WorkerCounters};
