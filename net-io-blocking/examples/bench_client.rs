@@ -4,6 +4,7 @@
 //! bench_client echo  --addr ADDR --connections C [--threads T] [--warmup-ms 500] [--duration-ms 2000] [--size 64]
 //! bench_client idle  --addr ADDR --connections 5000
 //! bench_client churn --addr ADDR [--threads 4] [--duration-ms 2000]
+//! bench_client count --addr ADDR [--round-trips 10000] [--size 64]
 //! ```
 //!
 //! Every mode prints `key=value` lines that the benchmark parses:
@@ -22,6 +23,9 @@
 //!   neither side keeps the socket in TIME_WAIT and the port range cannot run out. A connect that takes over
 //!   500 ms (a dropped SYN waiting for its 1 s retransmit) counts as stalled. It prints
 //!   `churn connects=.. seconds=.. per_s=.. stalled=.. errors=.. max_ms=..`.
+//! - `count`: opens one connection, does one round trip, prints `ready`, waits for a line on standard input,
+//!   then does exactly N round trips and prints `count round_trips=.. seconds=..`. The benchmark attaches a
+//!   system-call counter (`strace -c -f`) to the server between `ready` and its go line.
 
 use std::io::{self, BufRead, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -45,6 +49,7 @@ enum Mode {
     Echo,
     Idle,
     Churn,
+    Count,
 }
 
 /// Command-line options.
@@ -57,6 +62,7 @@ struct Options {
     warmup: Duration,
     duration: Duration,
     size: usize,
+    round_trips: usize,
 }
 
 /// What one echo thread measured.
@@ -72,7 +78,7 @@ fn main() -> ExitCode {
         Err(message) => {
             eprintln!("bench_client: {message}");
             eprintln!(
-                "usage: bench_client echo|idle|churn --addr ADDR [--connections C] [--threads T] [--warmup-ms MS] [--duration-ms MS] [--size BYTES]"
+                "usage: bench_client echo|idle|churn|count --addr ADDR [--connections C] [--threads T] [--warmup-ms MS] [--duration-ms MS] [--size BYTES] [--round-trips N]"
             );
             return ExitCode::from(2);
         }
@@ -81,6 +87,7 @@ fn main() -> ExitCode {
         Mode::Echo => run_echo(&options),
         Mode::Idle => run_idle(&options),
         Mode::Churn => run_churn(&options),
+        Mode::Count => run_count(&options),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -96,8 +103,9 @@ fn parse_options(mut arguments: impl Iterator<Item = String>) -> Result<Options,
         Some("echo") => Mode::Echo,
         Some("idle") => Mode::Idle,
         Some("churn") => Mode::Churn,
+        Some("count") => Mode::Count,
         Some(other) => return Err(format!("unknown mode `{other}`")),
-        None => return Err("a mode is required: echo, idle or churn".to_owned()),
+        None => return Err("a mode is required: echo, idle, churn or count".to_owned()),
     };
     let mut options = Options {
         mode,
@@ -109,6 +117,7 @@ fn parse_options(mut arguments: impl Iterator<Item = String>) -> Result<Options,
         warmup: Duration::from_millis(500),
         duration: Duration::from_millis(2000),
         size: 64,
+        round_trips: 10_000,
     };
     while let Some(flag) = arguments.next() {
         let text = arguments
@@ -131,6 +140,7 @@ fn parse_options(mut arguments: impl Iterator<Item = String>) -> Result<Options,
             "--warmup-ms" => options.warmup = Duration::from_millis(count()? as u64),
             "--duration-ms" => options.duration = Duration::from_millis(count()? as u64),
             "--size" => options.size = count()?,
+            "--round-trips" => options.round_trips = count()?,
             other => return Err(format!("unknown flag `{other}`")),
         }
     }
@@ -285,6 +295,26 @@ fn run_idle(options: &Options) -> io::Result<()> {
         line.clear();
     }
     drop(held);
+    Ok(())
+}
+
+fn run_count(options: &Options) -> io::Result<()> {
+    let mut stream = open_served(options.address, options.size)?;
+    say("ready");
+    let mut line = String::new();
+    io::stdin().lock().read_line(&mut line)?;
+    let message = vec![b'c'; options.size];
+    let mut echo = vec![0u8; options.size];
+    let began = Instant::now();
+    for _ in 0..options.round_trips {
+        stream.write_all(&message)?;
+        stream.read_exact(&mut echo)?;
+    }
+    say(&format!(
+        "count round_trips={} seconds={:.3}",
+        options.round_trips,
+        began.elapsed().as_secs_f64()
+    ));
     Ok(())
 }
 

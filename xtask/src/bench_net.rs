@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::env;
 use std::fmt::Write as _;
 use std::fs;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write as _};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
@@ -31,7 +31,7 @@ use crate::workspace_root;
 const USAGE: &str = "\
 usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,handler,sessions]
                              [--duration-ms MS] [--warmup-ms MS] [--churn-ms MS] [--idle N]
-                             [--output PATH | --no-write]
+                             [--output PATH | --no-write] [--no-strace]
 
   --quick        one short round for a smoke test (does not write the report unless --output is given)
   --rounds N     rounds per kind, order rotated each round; medians are reported (default 3)
@@ -41,6 +41,7 @@ usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,handler,s
   --churn-ms     length of the connect-and-close churn (default 3000)
   --idle N       idle connections held for the memory figure (default 5000)
   --output PATH  where to write the markdown report (default docs/performance/netbench.md)
+  --no-strace    skip the system-call count with `strace -c -f` (done by default when strace is installed)
 ";
 
 /// Connection counts of the closed-loop echo loads.
@@ -51,6 +52,9 @@ const ECHO_THREADS: [u32; 3] = [1, 2, 2];
 
 /// Client threads doing connect-and-close.
 const CHURN_THREADS: u32 = 4;
+
+/// Round trips counted under strace; start-up calls are outside the counted span.
+const STRACE_ROUND_TRIPS: u32 = 5_000;
 
 /// The longest any child may take to print an expected line.
 const LINE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -99,6 +103,8 @@ struct Options {
     churn_duration: Duration,
     idle_connections: u32,
     output: Option<PathBuf>,
+    /// Count system calls per round trip with `strace -c -f` when it is installed.
+    strace: bool,
 }
 
 /// One echo load's result for one kind in one round.
@@ -167,10 +173,24 @@ pub fn run(arguments: &[String]) -> Result<()> {
             results[index].push(measured);
         }
     }
+    let mut system_calls = Vec::new();
+    if options.strace && command_output("strace", &["-V"]).is_some() {
+        for kind in &options.kinds {
+            eprintln!(
+                "xtask: system calls per round trip under strace: {}",
+                kind.name
+            );
+            let counted = count_system_calls(&binaries, *kind)
+                .with_context(|| format!("counting system calls of {}", kind.name))?;
+            eprintln!("xtask:   {:.2} per round trip", counted.per_round_trip);
+            system_calls.push((*kind, counted));
+        }
+    }
     let load_after = read_load_average();
     let report = render_report(
         &options,
         &results,
+        &system_calls,
         started.elapsed(),
         &load_before,
         &load_after,
@@ -202,6 +222,7 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
         churn_duration: Duration::from_millis(3_000),
         idle_connections: 5_000,
         output: Some(PathBuf::from("docs/performance/netbench.md")),
+        strace: true,
     };
     let mut quick = false;
     let mut output_given = false;
@@ -234,6 +255,7 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
                 output_given = true;
             }
             "--no-write" => no_write = true,
+            "--no-strace" => options.strace = false,
             "--kinds" => {
                 let list = value()?;
                 let mut kinds = Vec::new();
@@ -486,6 +508,114 @@ fn measure_churn(
     let line = expect_line(&client, |line| line.starts_with("churn "))?;
     finish(client)?;
     Ok(fields(&line))
+}
+
+/// System calls the server made per round trip, counted from outside by `strace -c -f`.
+#[derive(Debug, Clone, Default)]
+struct SystemCalls {
+    per_round_trip: f64,
+    /// The most frequent calls and their count per round trip, most frequent first.
+    top: Vec<(String, f64)>,
+}
+
+/// Attaches `strace -c -f` to a server after its one connection is open, runs a fixed number of round trips,
+/// and divides the calls strace counted by them.
+fn count_system_calls(binaries: &Binaries, kind: ServerKind) -> Result<SystemCalls> {
+    let server = start_server(binaries, kind)?;
+    let mut client = spawn(
+        Command::new(&binaries.client).args([
+            "count",
+            "--addr",
+            &server.address,
+            "--round-trips",
+            &STRACE_ROUND_TRIPS.to_string(),
+        ]),
+        "bench_client count",
+        true,
+    )?;
+    expect_line(&client, |line| line == "ready")?;
+    let summary_path = env::temp_dir().join(format!(
+        "netbench-strace-{}-{}.txt",
+        std::process::id(),
+        kind.name
+    ));
+    let mut strace = Command::new("strace")
+        .args(["-c", "-f", "-p", &server.child.id().to_string(), "-o"])
+        .arg(&summary_path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("could not start strace")?;
+    let strace_stderr = strace.stderr.take().context("strace has no stderr pipe")?;
+    let (sender, attached) = mpsc::channel();
+    thread::spawn(move || {
+        for line in BufReader::new(strace_stderr).lines() {
+            let Ok(line) = line else { return };
+            if line.contains("attached") && sender.send(()).is_err() {
+                return;
+            }
+        }
+    });
+    attached
+        .recv_timeout(Duration::from_secs(10))
+        .context("strace did not attach to the server within 10 s")?;
+    // strace announces each thread as it attaches; give it time to reach all of them.
+    thread::sleep(Duration::from_millis(500));
+    if let Some(stdin) = client.stdin.as_mut() {
+        writeln!(stdin, "go").context("could not tell the client to start")?;
+    }
+    let line = expect_line(&client, |line| line.starts_with("count "))?;
+    finish(client)?;
+    // strace writes its summary when interrupted; `kill` targets only the strace this function started.
+    let status = Command::new("kill")
+        .args(["-INT", &strace.id().to_string()])
+        .status()
+        .context("could not run kill to stop strace")?;
+    if !status.success() {
+        bail!("kill -INT of strace failed with {status}");
+    }
+    wait_with_deadline(&mut strace, Duration::from_secs(10))?;
+    stop(server)?;
+    let summary = fs::read_to_string(&summary_path).with_context(|| {
+        format!(
+            "could not read the strace summary {}",
+            summary_path.display()
+        )
+    })?;
+    let _ = fs::remove_file(&summary_path);
+    let round_trips = number(&fields(&line), "round_trips")?;
+    let mut total = 0.0;
+    let mut rows = Vec::new();
+    for row in summary.lines() {
+        let words: Vec<&str> = row.split_whitespace().collect();
+        // Rows are: % time, seconds, usecs/call, calls, [errors,] name.
+        let (Some(name), Some(calls)) = (
+            words.last(),
+            words.get(3).and_then(|calls| calls.parse::<f64>().ok()),
+        ) else {
+            continue;
+        };
+        if words.len() < 5 {
+            continue;
+        }
+        if *name == "total" {
+            total = calls;
+        } else {
+            rows.push(((*name).to_owned(), calls / round_trips));
+        }
+    }
+    if total == 0.0 {
+        bail!("the strace summary had no total line:\n{summary}");
+    }
+    rows.sort_by(|left, right| right.1.total_cmp(&left.1));
+    // Calls made once (start-up, the last close) round to 0.00 per round trip and say nothing here.
+    rows.retain(|(_, per_round_trip)| *per_round_trip >= 0.005);
+    rows.truncate(4);
+    Ok(SystemCalls {
+        per_round_trip: total / round_trips,
+        top: rows,
+    })
 }
 
 /// Starts a server and reads the `listening on ADDR` line it prints once bound.
@@ -752,6 +882,7 @@ fn ratio(value: f64, base: Option<f64>) -> String {
 fn render_report(
     options: &Options,
     results: &[Vec<KindRound>],
+    system_calls: &[(ServerKind, SystemCalls)],
     elapsed: Duration,
     load_before: &str,
     load_after: &str,
@@ -882,6 +1013,35 @@ fn render_report(
                 tokio_medians.map(|m| m.churn_per_second)
             ),
         );
+    }
+
+    if !system_calls.is_empty() {
+        let _ = writeln!(
+            out,
+            "\n## System calls per round trip, counted from outside\n\n\
+             `strace -c -f` attached to the server (all its threads) after the client's one connection was open, \
+             over {STRACE_ROUND_TRIPS} round trips of 64 B; the client's own calls are not counted. strace slows \
+             every call, which can change how often an event loop finds nothing ready, so read this as a count, \
+             not a speed.\n"
+        );
+        let _ = writeln!(
+            out,
+            "| Server | Calls per round trip | Most frequent (per round trip) |"
+        );
+        let _ = writeln!(out, "|---|---:|---|");
+        for (kind, counted) in system_calls {
+            let top = counted
+                .top
+                .iter()
+                .map(|(name, count)| format!("{name} {count:.2}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            let _ = writeln!(
+                out,
+                "| {} | {:.2} | {top} |",
+                kind.label, counted.per_round_trip
+            );
+        }
     }
 
     let _ = writeln!(out, "\n## Targets of issue 2, checked against this run\n");
