@@ -1,0 +1,991 @@
+//! The thread pool: the priority injector, per-worker queues, workers, blocking threads, parking, growth,
+//! reaping, helping waits and recovery from a dying thread.
+//!
+//! ```text
+//!   spawn (outside) ──> injector [band 3][band 2][band 1][band 0] ──┐
+//!   spawn (worker)  ──> that worker's local deque ──────────────────┤──> worker: local (LIFO),
+//!                                                                   │    injector by band, steal
+//!   blocking tasks  ──> blocking queue ──> blocking ("sleep") threads
+//! ```
+//!
+//! Workers park on one futex word (`work_word`); a push bumps it and wakes one parked worker, and only
+//! makes the system call when a worker is parked.
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use net_io_sys::futex;
+
+use crate::error::TaskState;
+use crate::executor;
+use crate::manager::Reactor;
+use crate::table::{Slot, TaskRef, table};
+
+/// Idle time before a parked thread above the floor stops.
+pub(crate) const IDLE_REAP: Duration = Duration::from_millis(500);
+/// Idle time before a thread above the target stops.
+pub(crate) const IDLE_REAP_OVER: Duration = Duration::from_millis(50);
+/// Nesting limit for helping waits.
+pub(crate) const HELP_DEPTH: usize = 64;
+/// Longest sleep slice of a helping waiter.
+pub(crate) const HELP_POLL: Duration = Duration::from_millis(10);
+/// How often a parked socket wait re-checks when no manager can deliver events.
+pub(crate) const READY_POLL: Duration = Duration::from_millis(10);
+/// Priority bands: band = priority >> 6.
+const BANDS: usize = 4;
+/// A ready task older than this many spawns moves up a band.
+const STARVE_AGE: u64 = 1_000_000;
+/// Oldest-first pops after an ageing promotion.
+const STARVE_RELIEF: u32 = 64;
+/// Local takes in a row before the injector gets a turn.
+const LIFO_STREAK: u32 = 3;
+/// Spins (with a yield each) a worker makes before parking.
+const SPINS_BEFORE_PARK: u32 = 64;
+
+/// Sizes chosen at `init`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Config {
+    pub(crate) cores: usize,
+    pub(crate) workers_per_core: usize,
+    pub(crate) sleep_threads_per_core: usize,
+    pub(crate) worker_stack: usize,
+}
+
+impl Config {
+    pub(crate) fn floor(&self) -> usize {
+        self.cores
+    }
+    pub(crate) fn target(&self) -> usize {
+        self.cores * self.workers_per_core
+    }
+    pub(crate) fn sleep_target(&self) -> usize {
+        self.cores * self.sleep_threads_per_core
+    }
+    pub(crate) fn ceiling(&self) -> usize {
+        thread_ceiling()
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Entry {
+    task: TaskRef,
+    age: u64,
+}
+
+#[derive(Default)]
+struct Bands {
+    bands: [VecDeque<Entry>; BANDS],
+    relief: u32,
+}
+
+impl Bands {
+    fn push(&mut self, priority: u8, entry: Entry) {
+        self.bands[usize::from(priority >> 6)].push_back(entry);
+    }
+
+    fn pop(&mut self, spawned: u64) -> Option<Entry> {
+        if self.relief > 0 {
+            self.relief -= 1;
+            return self.pop_oldest();
+        }
+        // Ageing: the oldest waiting task of any band moves up once it is STARVE_AGE spawns old.
+        let oldest = (0..BANDS)
+            .filter_map(|band| self.bands[band].front().map(|entry| (band, entry.age)))
+            .min_by_key(|&(_, age)| age);
+        if let Some((band, age)) = oldest
+            && spawned.saturating_sub(age) > STARVE_AGE
+            && band + 1 < BANDS
+            && let Some(mut entry) = self.bands[band].pop_front()
+        {
+            entry.age = spawned;
+            self.bands[band + 1].push_front(entry);
+            self.relief = STARVE_RELIEF;
+        }
+        (0..BANDS)
+            .rev()
+            .find_map(|band| self.bands[band].pop_front())
+    }
+
+    fn pop_oldest(&mut self) -> Option<Entry> {
+        let band = (0..BANDS)
+            .filter_map(|band| self.bands[band].front().map(|entry| (band, entry.age)))
+            .min_by_key(|&(_, age)| age)?
+            .0;
+        self.bands[band].pop_front()
+    }
+
+    fn len(&self) -> usize {
+        self.bands.iter().map(VecDeque::len).sum()
+    }
+
+    fn drain(&mut self) -> Vec<TaskRef> {
+        self.bands
+            .iter_mut()
+            .flat_map(|band| band.drain(..))
+            .map(|entry| entry.task)
+            .collect()
+    }
+}
+
+/// One worker's shared record.
+pub(crate) struct WorkerSlot {
+    local: Mutex<VecDeque<TaskRef>>,
+    local_len: AtomicUsize,
+    /// The task being stepped (packed index << 32 | generation), `u64::MAX` for none.
+    running: AtomicU64,
+    pub(crate) busy: AtomicBool,
+    pub(crate) completed: AtomicU64,
+    stop: AtomicBool,
+    last_completed: AtomicU64,
+    stuck_ticks: AtomicU32,
+}
+
+impl WorkerSlot {
+    fn new() -> Self {
+        WorkerSlot {
+            local: Mutex::new(VecDeque::new()),
+            local_len: AtomicUsize::new(0),
+            running: AtomicU64::new(u64::MAX),
+            busy: AtomicBool::new(false),
+            completed: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            last_completed: AtomicU64::new(0),
+            stuck_ticks: AtomicU32::new(0),
+        }
+    }
+
+    fn pop_back(&self) -> Option<TaskRef> {
+        if self.local_len.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let mut local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        let task = local.pop_back();
+        self.local_len.store(local.len(), Ordering::Release);
+        task
+    }
+
+    fn steal_front(&self) -> Option<TaskRef> {
+        if self.local_len.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let mut local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        let task = local.pop_front();
+        self.local_len.store(local.len(), Ordering::Release);
+        task
+    }
+
+    /// Takes `wanted` out of the newest end of the deque if it is among the last few entries.
+    fn take_specific(&self, wanted: TaskRef) -> Option<TaskRef> {
+        if self.local_len.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let mut local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        let length = local.len();
+        let position = (length.saturating_sub(8)..length)
+            .rev()
+            .find(|&position| local[position] == wanted)?;
+        let task = local.remove(position);
+        self.local_len.store(local.len(), Ordering::Release);
+        task
+    }
+}
+
+/// One blocking thread's shared record.
+struct SleeperSlot {
+    stop: AtomicBool,
+}
+
+/// Counters that feed `Runtime::pool()`.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) peak_workers: AtomicUsize,
+    pub(crate) peak_sleepers: AtomicUsize,
+    pub(crate) deaths: AtomicU64,
+}
+
+/// A running pool. Dropped once shutdown has stopped every thread.
+pub(crate) struct Pool {
+    pub(crate) config: Config,
+    closed: AtomicBool,
+    injector: Mutex<Bands>,
+    injected: AtomicUsize,
+    blocking: Mutex<VecDeque<TaskRef>>,
+    blocking_queued: AtomicUsize,
+    work_word: AtomicU32,
+    parked_workers: AtomicU32,
+    blocking_word: AtomicU32,
+    parked_sleepers: AtomicU32,
+    workers: Mutex<Vec<Arc<WorkerSlot>>>,
+    pub(crate) live_workers: AtomicUsize,
+    sleepers: Mutex<Vec<Arc<SleeperSlot>>>,
+    pub(crate) live_sleepers: AtomicUsize,
+    pub(crate) busy_sleepers: AtomicUsize,
+    waiting_workers: AtomicUsize,
+    pub(crate) counters: Counters,
+    pub(crate) reactor: Arc<Reactor>,
+    /// Fault hook: pool threads that should die on their next loop.
+    pub(crate) kill_threads: AtomicU32,
+    /// Fault hook: the help depth in use.
+    pub(crate) help_depth: AtomicUsize,
+}
+
+struct Context {
+    pool: Arc<Pool>,
+    worker: Option<Arc<WorkerSlot>>,
+    depth: usize,
+}
+
+thread_local! {
+    static CONTEXT: RefCell<Option<Context>> = const { RefCell::new(None) };
+}
+
+static GLOBAL: RwLock<Option<Arc<Pool>>> = RwLock::new(None);
+
+/// The pool of the calling pool thread, or the running global pool.
+pub(crate) fn current_pool() -> Option<Arc<Pool>> {
+    let local = CONTEXT.with(|context| {
+        context
+            .borrow()
+            .as_ref()
+            .filter(|context| !context.pool.closed())
+            .map(|context| Arc::clone(&context.pool))
+    });
+    if local.is_some() {
+        return local;
+    }
+    GLOBAL.read().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+/// The running global pool, if any (not the one a stopping pool thread belongs to).
+pub(crate) fn global_pool() -> Option<Arc<Pool>> {
+    GLOBAL.read().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+pub(crate) fn set_global(pool: Option<Arc<Pool>>) {
+    *GLOBAL.write().unwrap_or_else(|p| p.into_inner()) = pool;
+}
+
+impl Pool {
+    pub(crate) fn new(config: Config, reactor: Arc<Reactor>) -> Arc<Self> {
+        Arc::new(Pool {
+            config,
+            closed: AtomicBool::new(false),
+            injector: Mutex::new(Bands::default()),
+            injected: AtomicUsize::new(0),
+            blocking: Mutex::new(VecDeque::new()),
+            blocking_queued: AtomicUsize::new(0),
+            work_word: AtomicU32::new(0),
+            parked_workers: AtomicU32::new(0),
+            blocking_word: AtomicU32::new(0),
+            parked_sleepers: AtomicU32::new(0),
+            workers: Mutex::new(Vec::new()),
+            live_workers: AtomicUsize::new(0),
+            sleepers: Mutex::new(Vec::new()),
+            live_sleepers: AtomicUsize::new(0),
+            busy_sleepers: AtomicUsize::new(0),
+            waiting_workers: AtomicUsize::new(0),
+            counters: Counters::default(),
+            reactor,
+            kill_threads: AtomicU32::new(0),
+            help_depth: AtomicUsize::new(HELP_DEPTH),
+        })
+    }
+
+    pub(crate) fn closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn manager_alive(&self) -> bool {
+        self.reactor.alive()
+    }
+
+    /// Queues a scheduled task: blocking tasks to the blocking threads, others to a worker.
+    pub(crate) fn push(self: &Arc<Self>, task: TaskRef, slot: &Slot) {
+        let class = slot.class.load(Ordering::Relaxed);
+        if class & 0x100 != 0 {
+            self.push_blocking(task);
+            return;
+        }
+        let pushed_locally = CONTEXT.with(|context| {
+            let context = context.borrow();
+            let Some(context) = context.as_ref() else {
+                return false;
+            };
+            let Some(worker) = context.worker.as_ref() else {
+                return false;
+            };
+            if !Arc::ptr_eq(&context.pool, self) || worker.stop.load(Ordering::Relaxed) {
+                return false;
+            }
+            let mut local = worker.local.lock().unwrap_or_else(|p| p.into_inner());
+            local.push_back(task);
+            worker.local_len.store(local.len(), Ordering::Release);
+            true
+        });
+        if !pushed_locally {
+            let mut injector = self.injector.lock().unwrap_or_else(|p| p.into_inner());
+            injector.push(
+                class as u8,
+                Entry {
+                    task,
+                    age: table().spawned(),
+                },
+            );
+            self.injected.store(injector.len(), Ordering::Release);
+        }
+        self.notify_worker();
+    }
+
+    fn notify_worker(&self) {
+        // SeqCst pairs with the parking worker's increment of `parked_workers` and its re-check of the
+        // queues: either it sees our push, or we see it parked and wake it.
+        self.work_word.fetch_add(1, Ordering::SeqCst);
+        if self.parked_workers.load(Ordering::SeqCst) > 0 {
+            futex::wake(&self.work_word, 1);
+        }
+    }
+
+    fn push_blocking(self: &Arc<Self>, task: TaskRef) {
+        {
+            let mut queue = self.blocking.lock().unwrap_or_else(|p| p.into_inner());
+            queue.push_back(task);
+            self.blocking_queued.store(queue.len(), Ordering::Release);
+        }
+        self.blocking_word.fetch_add(1, Ordering::SeqCst);
+        if self.parked_sleepers.load(Ordering::SeqCst) > 0 {
+            futex::wake(&self.blocking_word, 1);
+            return;
+        }
+        let live = self.live_sleepers.load(Ordering::Acquire);
+        if live < self.config.sleep_target() && !self.closed() {
+            self.start_sleeper();
+        }
+    }
+
+    pub(crate) fn queued(&self) -> usize {
+        let workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        self.injected.load(Ordering::Acquire)
+            + workers
+                .iter()
+                .map(|worker| worker.local_len.load(Ordering::Acquire))
+                .sum::<usize>()
+    }
+
+    pub(crate) fn blocking_queued(&self) -> usize {
+        self.blocking_queued.load(Ordering::Acquire)
+    }
+
+    fn has_work(&self, me: Option<&WorkerSlot>) -> bool {
+        if self.injected.load(Ordering::Acquire) > 0 {
+            return true;
+        }
+        if me.is_some_and(|me| me.local_len.load(Ordering::Acquire) > 0) {
+            return true;
+        }
+        let workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        workers
+            .iter()
+            .any(|worker| worker.local_len.load(Ordering::Acquire) > 0)
+    }
+
+    fn pop_injector(&self) -> Option<TaskRef> {
+        if self.injected.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let mut injector = self.injector.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = injector.pop(table().spawned());
+        self.injected.store(injector.len(), Ordering::Release);
+        entry.map(|entry| entry.task)
+    }
+
+    fn steal(&self, me: &WorkerSlot) -> Option<TaskRef> {
+        let workers: Vec<Arc<WorkerSlot>> = self
+            .workers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        workers
+            .iter()
+            .filter(|worker| !std::ptr::eq(worker.as_ref(), me))
+            .find_map(|worker| worker.steal_front())
+    }
+
+    fn find_work(&self, me: &WorkerSlot, streak: &mut u32) -> Option<TaskRef> {
+        if *streak >= LIFO_STREAK {
+            *streak = 0;
+            if let Some(task) = self.pop_injector() {
+                return Some(task);
+            }
+        }
+        if let Some(task) = me.pop_back() {
+            *streak += 1;
+            return Some(task);
+        }
+        *streak = 0;
+        self.pop_injector().or_else(|| self.steal(me))
+    }
+
+    pub(crate) fn note_running(&self, task: TaskRef) {
+        CONTEXT.with(|context| {
+            if let Some(worker) = context
+                .borrow()
+                .as_ref()
+                .and_then(|context| context.worker.as_ref())
+            {
+                let packed = if task == TaskRef::NONE {
+                    u64::MAX
+                } else {
+                    u64::from(task.index) << 32 | u64::from(task.generation)
+                };
+                worker.running.store(packed, Ordering::Release);
+            }
+        });
+    }
+
+    pub(crate) fn add_timer(&self, at: Instant, task: TaskRef, sequence: u64) {
+        self.reactor.add_wake_timer(at, task, sequence);
+    }
+
+    pub(crate) fn add_timeout(&self, at: Instant, task: TaskRef, stamp: u64) {
+        self.reactor.add_timeout_timer(at, task, stamp);
+    }
+
+    /// Starts workers up to the floor.
+    pub(crate) fn ensure_floor(self: &Arc<Self>) {
+        while self.live_workers.load(Ordering::Acquire) < self.config.floor() && !self.closed() {
+            if !self.start_worker() {
+                break;
+            }
+        }
+    }
+
+    /// Starts one worker; false when the thread could not be created or the ceiling is reached.
+    pub(crate) fn start_worker(self: &Arc<Self>) -> bool {
+        let live = self.live_workers.fetch_add(1, Ordering::AcqRel) + 1;
+        if live > self.config.ceiling() {
+            self.live_workers.fetch_sub(1, Ordering::AcqRel);
+            return false;
+        }
+        self.counters.peak_workers.fetch_max(live, Ordering::AcqRel);
+        let slot = Arc::new(WorkerSlot::new());
+        self.workers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Arc::clone(&slot));
+        let pool = Arc::clone(self);
+        let started = std::thread::Builder::new()
+            .name("task-worker".into())
+            .stack_size(self.config.worker_stack)
+            .spawn(move || worker_main(pool, slot));
+        if started.is_err() {
+            self.live_workers.fetch_sub(1, Ordering::AcqRel);
+            return false;
+        }
+        true
+    }
+
+    fn start_sleeper(self: &Arc<Self>) -> bool {
+        let live = self.live_sleepers.fetch_add(1, Ordering::AcqRel) + 1;
+        self.counters
+            .peak_sleepers
+            .fetch_max(live, Ordering::AcqRel);
+        let slot = Arc::new(SleeperSlot {
+            stop: AtomicBool::new(false),
+        });
+        self.sleepers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Arc::clone(&slot));
+        let pool = Arc::clone(self);
+        let started = std::thread::Builder::new()
+            .name("task-blocking".into())
+            .stack_size(self.config.worker_stack)
+            .spawn(move || sleeper_main(pool, slot));
+        if started.is_err() {
+            self.live_sleepers.fetch_sub(1, Ordering::AcqRel);
+            return false;
+        }
+        true
+    }
+
+    /// Whether the pool has anything to look after (the manager ticks only then).
+    pub(crate) fn busy(&self) -> bool {
+        let workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        self.injected.load(Ordering::Acquire) > 0
+            || self.blocking_queued() > 0
+            || workers.iter().any(|worker| {
+                worker.busy.load(Ordering::Acquire) || worker.local_len.load(Ordering::Acquire) > 0
+            })
+            || workers.len() > self.config.floor()
+    }
+
+    /// The manager's policy pass: grow when workers are stuck while work waits; grow blocking threads.
+    pub(crate) fn tick(self: &Arc<Self>) {
+        if self.closed() {
+            return;
+        }
+        self.ensure_floor();
+        let workers: Vec<Arc<WorkerSlot>> = self
+            .workers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let pending = self.queued();
+        let mut stuck = 0;
+        for worker in &workers {
+            let completed = worker.completed.load(Ordering::Acquire);
+            let last = worker.last_completed.swap(completed, Ordering::AcqRel);
+            if worker.busy.load(Ordering::Acquire) && completed == last {
+                worker.stuck_ticks.fetch_add(1, Ordering::AcqRel);
+                stuck += 1;
+            } else {
+                worker.stuck_ticks.store(0, Ordering::Release);
+            }
+        }
+        let live = self.live_workers.load(Ordering::Acquire);
+        let all_stuck = stuck > 0 && stuck >= live;
+        if pending > 0 && all_stuck {
+            let long_stuck = workers
+                .iter()
+                .filter(|worker| worker.stuck_ticks.load(Ordering::Acquire) >= 2)
+                .count();
+            if live < self.config.target() {
+                if long_stuck >= live {
+                    let start = (self.config.target() - live).min(pending);
+                    for _ in 0..start {
+                        self.start_worker();
+                    }
+                }
+            } else if long_stuck >= live
+                && workers.iter().all(|worker| {
+                    worker.stuck_ticks.load(Ordering::Acquire) as usize
+                        > live - self.config.target() + 2
+                })
+            {
+                self.start_worker();
+            }
+        }
+        // Blocking threads: if all are busy and work waits past the target, add one.
+        let blocking_pending = self.blocking_queued();
+        if blocking_pending > 0 && self.parked_sleepers.load(Ordering::Acquire) == 0 {
+            let live = self.live_sleepers.load(Ordering::Acquire);
+            let busy = self.busy_sleepers.load(Ordering::Acquire);
+            if busy >= live {
+                let start = blocking_pending.min(live.max(1));
+                for _ in 0..start {
+                    self.start_sleeper();
+                }
+            }
+        }
+    }
+
+    /// Asks every thread to stop between tasks and wakes them all.
+    pub(crate) fn stop_threads(&self) {
+        for worker in self
+            .workers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            worker.stop.store(true, Ordering::Release);
+        }
+        for sleeper in self
+            .sleepers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            sleeper.stop.store(true, Ordering::Release);
+        }
+        self.work_word.fetch_add(1, Ordering::SeqCst);
+        futex::wake_all(&self.work_word);
+        self.blocking_word.fetch_add(1, Ordering::SeqCst);
+        futex::wake_all(&self.blocking_word);
+    }
+
+    /// Wakes every parked worker (fault hooks use it so a kill lands at once).
+    #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
+    pub(crate) fn stop_threads_wake(&self) {
+        self.work_word.fetch_add(1, Ordering::SeqCst);
+        futex::wake_all(&self.work_word);
+    }
+
+    /// Takes every queued task out of every queue (shutdown writes them off).
+    pub(crate) fn drain_queues(&self) -> Vec<TaskRef> {
+        let mut tasks = self
+            .injector
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain();
+        self.injected.store(0, Ordering::Release);
+        tasks.extend(
+            self.blocking
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .drain(..),
+        );
+        self.blocking_queued.store(0, Ordering::Release);
+        for worker in self
+            .workers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            tasks.extend(
+                worker
+                    .local
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .drain(..),
+            );
+            worker.local_len.store(0, Ordering::Release);
+        }
+        tasks
+    }
+
+    /// A snapshot of the per-worker numbers: (busy, backlog, completed).
+    pub(crate) fn worker_snapshot(&self) -> Vec<(bool, usize, u64)> {
+        self.workers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|worker| {
+                (
+                    worker.busy.load(Ordering::Acquire),
+                    worker.local_len.load(Ordering::Acquire),
+                    worker.completed.load(Ordering::Acquire),
+                )
+            })
+            .collect()
+    }
+
+    fn remove_worker(&self, me: &Arc<WorkerSlot>) {
+        let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        workers.retain(|worker| !Arc::ptr_eq(worker, me));
+    }
+}
+
+/// Exit guard of a pool thread: on an unwinding death it fails the task in hand, hands the local queue
+/// back and starts a replacement so nothing is stranded.
+struct DeathGuard {
+    pool: Arc<Pool>,
+    worker: Arc<WorkerSlot>,
+}
+
+impl Drop for DeathGuard {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let pool = &self.pool;
+        pool.counters.deaths.fetch_add(1, Ordering::AcqRel);
+        pool.live_workers.fetch_sub(1, Ordering::AcqRel);
+        pool.remove_worker(&self.worker);
+        let packed = self.worker.running.swap(u64::MAX, Ordering::AcqRel);
+        if packed != u64::MAX {
+            executor::write_off(TaskRef {
+                index: (packed >> 32) as u32,
+                generation: packed as u32,
+            });
+        }
+        let stranded: Vec<TaskRef> = self
+            .worker
+            .local
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+            .collect();
+        self.worker.local_len.store(0, Ordering::Release);
+        for task in stranded {
+            if let Some(slot) = table().get(task) {
+                let mut injector = pool.injector.lock().unwrap_or_else(|p| p.into_inner());
+                injector.push(
+                    slot.class.load(Ordering::Relaxed) as u8,
+                    Entry {
+                        task,
+                        age: table().spawned(),
+                    },
+                );
+                pool.injected.store(injector.len(), Ordering::Release);
+            }
+        }
+        if !pool.closed() {
+            pool.ensure_floor();
+        }
+        pool.notify_worker();
+    }
+}
+
+fn worker_main(pool: Arc<Pool>, me: Arc<WorkerSlot>) {
+    CONTEXT.with(|context| {
+        *context.borrow_mut() = Some(Context {
+            pool: Arc::clone(&pool),
+            worker: Some(Arc::clone(&me)),
+            depth: 0,
+        });
+    });
+    let _guard = DeathGuard {
+        pool: Arc::clone(&pool),
+        worker: Arc::clone(&me),
+    };
+    let mut streak = 0;
+    loop {
+        if me.stop.load(Ordering::Acquire) {
+            break;
+        }
+        if pool.kill_threads.load(Ordering::Acquire) > 0
+            && pool
+                .kill_threads
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| {
+                    left.checked_sub(1)
+                })
+                .is_ok()
+        {
+            std::panic::resume_unwind(Box::new("injected pool thread death"));
+        }
+        if let Some(task) = pool.find_work(&me, &mut streak) {
+            me.busy.store(true, Ordering::Release);
+            pool.reactor.note_activity();
+            executor::run(&pool, task);
+            me.completed.fetch_add(1, Ordering::AcqRel);
+            me.busy.store(false, Ordering::Release);
+            continue;
+        }
+        let mut found = false;
+        for _ in 0..SPINS_BEFORE_PARK {
+            if pool.has_work(Some(&me)) || me.stop.load(Ordering::Acquire) {
+                found = true;
+                break;
+            }
+            std::thread::yield_now();
+        }
+        if found {
+            continue;
+        }
+        let epoch = pool.work_word.load(Ordering::SeqCst);
+        pool.parked_workers.fetch_add(1, Ordering::SeqCst);
+        if pool.has_work(Some(&me)) || me.stop.load(Ordering::Acquire) {
+            pool.parked_workers.fetch_sub(1, Ordering::SeqCst);
+            continue;
+        }
+        let live = pool.live_workers.load(Ordering::Acquire);
+        let timeout = if live > pool.config.target() {
+            Some(IDLE_REAP_OVER)
+        } else if live > pool.config.floor() {
+            Some(IDLE_REAP)
+        } else {
+            None
+        };
+        let woke = futex::wait(&pool.work_word, epoch, timeout);
+        pool.parked_workers.fetch_sub(1, Ordering::SeqCst);
+        if matches!(woke, Ok(futex::Wake::TimedOut)) && !pool.has_work(Some(&me)) {
+            // Retire if still above the floor; the CAS keeps two idle workers from both leaving.
+            let retired = pool
+                .live_workers
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |live| {
+                    (live > pool.config.floor()).then(|| live - 1)
+                })
+                .is_ok();
+            if retired {
+                pool.remove_worker(&me);
+                hand_back(&pool, &me);
+                forget_context();
+
+                return;
+            }
+        }
+    }
+    // Stopped by shutdown.
+    pool.live_workers.fetch_sub(1, Ordering::AcqRel);
+    pool.remove_worker(&me);
+    hand_back(&pool, &me);
+    forget_context();
+}
+
+fn hand_back(pool: &Arc<Pool>, me: &WorkerSlot) {
+    let leftover: Vec<TaskRef> = me
+        .local
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .drain(..)
+        .collect();
+    me.local_len.store(0, Ordering::Release);
+    for task in leftover {
+        if let Some(slot) = table().get(task) {
+            let mut injector = pool.injector.lock().unwrap_or_else(|p| p.into_inner());
+            injector.push(
+                slot.class.load(Ordering::Relaxed) as u8,
+                Entry {
+                    task,
+                    age: table().spawned(),
+                },
+            );
+            pool.injected.store(injector.len(), Ordering::Release);
+        }
+    }
+    pool.notify_worker();
+}
+
+fn forget_context() {
+    CONTEXT.with(|context| *context.borrow_mut() = None);
+}
+
+fn sleeper_main(pool: Arc<Pool>, me: Arc<SleeperSlot>) {
+    CONTEXT.with(|context| {
+        *context.borrow_mut() = Some(Context {
+            pool: Arc::clone(&pool),
+            worker: None,
+            depth: 0,
+        });
+    });
+    let _ = net_io_sys::timerfd::set_thread_timer_slack(Duration::from_nanos(1));
+    loop {
+        if me.stop.load(Ordering::Acquire) {
+            break;
+        }
+        let task = {
+            let mut queue = pool.blocking.lock().unwrap_or_else(|p| p.into_inner());
+            let task = queue.pop_front();
+            pool.blocking_queued.store(queue.len(), Ordering::Release);
+            task
+        };
+        if let Some(task) = task {
+            pool.busy_sleepers.fetch_add(1, Ordering::AcqRel);
+            pool.reactor.note_activity();
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                executor::run(&pool, task);
+            }));
+            pool.busy_sleepers.fetch_sub(1, Ordering::AcqRel);
+            if outcome.is_err() {
+                executor::write_off(task);
+            }
+            continue;
+        }
+        let epoch = pool.blocking_word.load(Ordering::SeqCst);
+        pool.parked_sleepers.fetch_add(1, Ordering::SeqCst);
+        if pool.blocking_queued() > 0 || me.stop.load(Ordering::Acquire) {
+            pool.parked_sleepers.fetch_sub(1, Ordering::SeqCst);
+            continue;
+        }
+        let timeout = if pool.live_sleepers.load(Ordering::Acquire) > pool.config.sleep_target() {
+            IDLE_REAP_OVER
+        } else {
+            IDLE_REAP
+        };
+        let woke = futex::wait(&pool.blocking_word, epoch, Some(timeout));
+        pool.parked_sleepers.fetch_sub(1, Ordering::SeqCst);
+        if matches!(woke, Ok(futex::Wake::TimedOut)) && pool.blocking_queued() == 0 {
+            break;
+        }
+    }
+    pool.live_sleepers.fetch_sub(1, Ordering::AcqRel);
+    pool.sleepers
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .retain(|sleeper| !Arc::ptr_eq(sleeper, &me));
+    forget_context();
+}
+
+/// Waits until `slot` settles, for at most `deadline`. On a worker it helps: runs the awaited task if it
+/// is still in this worker's deque, then other queued work, and sleeps in short slices in between.
+pub(crate) fn wait_settled(slot: &Slot, task: TaskRef, deadline: Option<Instant>) -> bool {
+    let helper = CONTEXT.with(|context| {
+        context.borrow().as_ref().and_then(|context| {
+            context
+                .worker
+                .as_ref()
+                .map(|worker| (Arc::clone(&context.pool), Arc::clone(worker), context.depth))
+        })
+    });
+    let mut slice = Duration::from_micros(50);
+    loop {
+        let word = slot.word.load(Ordering::SeqCst);
+        if TaskState::from_bits(word).is_settled() || word >> 4 != task.generation {
+            return true;
+        }
+        let now = Instant::now();
+        if deadline.is_some_and(|deadline| now >= deadline) {
+            return false;
+        }
+        if let Some((pool, worker, depth)) = helper.as_ref() {
+            let limit = pool.help_depth.load(Ordering::Relaxed);
+            if *depth < limit {
+                let mut streak = 0;
+                let found = worker.take_specific(task).or_else(|| {
+                    if *depth < limit / 2 {
+                        pool.find_work(worker, &mut streak)
+                    } else {
+                        worker.pop_back()
+                    }
+                });
+                if let Some(found) = found {
+                    set_depth(depth + 1);
+                    let saved = worker.running.load(Ordering::Acquire);
+                    executor::run(pool, found);
+                    worker.running.store(saved, Ordering::Release);
+                    set_depth(*depth);
+                    slice = Duration::from_micros(50);
+                    continue;
+                }
+            }
+            // Nothing to help with: this worker is blocked. If every worker is, start a replacement.
+            let waiting = pool.waiting_workers.fetch_add(1, Ordering::AcqRel) + 1;
+            if waiting >= pool.live_workers.load(Ordering::Acquire) && pool.has_work(Some(worker)) {
+                pool.start_worker();
+            }
+            let mut timeout = slice;
+            if let Some(deadline) = deadline {
+                timeout = timeout.min(deadline.saturating_duration_since(now));
+            }
+            sleep_on(slot, word, Some(timeout));
+            pool.waiting_workers.fetch_sub(1, Ordering::AcqRel);
+            slice = (slice * 2).min(HELP_POLL);
+        } else {
+            let timeout = deadline.map(|deadline| deadline.saturating_duration_since(now));
+            sleep_on(slot, word, timeout);
+        }
+    }
+}
+
+fn sleep_on(slot: &Slot, word: u32, timeout: Option<Duration>) {
+    slot.waiters.fetch_add(1, Ordering::SeqCst);
+    if slot.word.load(Ordering::SeqCst) == word {
+        let _ = futex::wait(&slot.word, word, timeout);
+    }
+    slot.waiters.fetch_sub(1, Ordering::SeqCst);
+}
+
+fn set_depth(depth: usize) {
+    CONTEXT.with(|context| {
+        if let Some(context) = context.borrow_mut().as_mut() {
+            context.depth = depth;
+        }
+    });
+}
+
+/// The most threads the pool may start: min(threads-max / 2, RLIMIT_NPROC, cgroup pids.max) less a reserve.
+fn thread_ceiling() -> usize {
+    static CEILING: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CEILING.get_or_init(|| {
+        let read = |path: &str| {
+            std::fs::read_to_string(path)
+                .ok()
+                .and_then(|text| text.trim().parse::<usize>().ok())
+        };
+        let mut ceiling = 4096usize;
+        if let Some(threads) = read("/proc/sys/kernel/threads-max") {
+            ceiling = ceiling.min(threads / 2);
+        }
+        if let Some(pids) = read("/sys/fs/cgroup/pids.max") {
+            ceiling = ceiling.min(pids.saturating_sub(256));
+        }
+        ceiling.max(4)
+    })
+}
