@@ -11,11 +11,14 @@ mod bench_net;
 mod bench_runtime;
 mod llama_ref;
 mod models;
+mod run;
 
 const HELP: &str = "\
 usage: cargo xtask <task>
 
 tasks:
+  run [ARGS]    fetch the default model, then run the stage pipeline (stage-server ARGS; by default a
+                chat prompt on SmolLM2 split into three in-process stages)
   ci            format check, clippy with -D warnings, then every test
   bench net     echo, idle memory and churn: net-io-blocking beside std and tokio
   bench runtime spawn, join, sleep and memory: task-runtime beside tokio, rayon, std, crossbeam
@@ -47,6 +50,7 @@ fn run() -> Result<()> {
         return Ok(());
     };
     match task.as_str() {
+        "run" => run::run(&arguments[1..]),
         "ci" => ci(),
         "bench" => match arguments.get(1).map(String::as_str) {
             Some("net") => bench_net::run(&arguments[2..]),
@@ -90,7 +94,7 @@ fn ci() -> Result<()> {
 }
 
 /// Runs `$CARGO` (the cargo that started xtask) in the workspace root.
-fn cargo(arguments: &[&str]) -> Result<()> {
+pub(crate) fn cargo(arguments: &[&str]) -> Result<()> {
     let program = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     eprintln!("xtask: cargo {}", arguments.join(" "));
     let status = Command::new(program)
