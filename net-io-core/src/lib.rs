@@ -13,6 +13,7 @@
 
 pub mod addr;
 pub mod buffer;
+pub mod caps;
 pub mod checksum;
 pub mod clock;
 pub mod close;
@@ -34,6 +35,7 @@ pub mod stats;
 
 pub use addr::{Cidr, CidrError, PrefixKey, PrefixPolicy, TrustedProxies, normalize};
 pub use buffer::{BudgetExhausted, Buffer, BufferPool, SizeClass, WorkerBuffers};
+pub use caps::{Cap, SourceCaps};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use close::{CloseReason, Direction, LimitKind, OsErrorClass, RefusalCause, TimeoutKind};
 pub use completion::{

@@ -149,3 +149,21 @@ proptest! {
         );
     }
 }
+
+#[test]
+fn every_fuzz_seed_is_a_complete_header() {
+    let directory = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/proxy");
+    let mut seeds = 0;
+    for entry in std::fs::read_dir(&directory).expect("the fuzz seed corpus is missing") {
+        let path = entry.unwrap().path();
+        let bytes = std::fs::read(&path).unwrap();
+        let result = ProxyParser::new(ProxyMode::Any, 1024).parse(&bytes);
+        assert!(
+            matches!(result, Ok(ProxyStatus::Done { .. })),
+            "seed {} does not parse: {result:?}",
+            path.display()
+        );
+        seeds += 1;
+    }
+    assert!(seeds >= 5, "only {seeds} seeds found");
+}
