@@ -400,7 +400,8 @@ fn start<G: Gate, W: Workload>(
         manual_clock,
         events: settings.events,
         events_enabled,
-        counters: Counters::new(workers),
+        // One close slot per worker, per accept thread, and one for the thread that shuts down.
+        counters: Counters::new(workers + listener_shared.len() + 1),
         caps: Arc::new(Caps::new(limits.max_connections, &listener_caps)),
         workers: worker_shared,
         listeners: listener_shared,

@@ -97,8 +97,9 @@ impl Wake for WakeSignal {
 
 impl<G: Gate, W: Workload> QueueCloser for Runtime<G, W> {
     fn close_queue(&self) {
+        let slot = self.core.workers.len() + self.listeners.len();
         for job in self.handover.close() {
-            self.refuse_job(job, RefusalCause::DoorClosed);
+            self.refuse_job(job, RefusalCause::DoorClosed, slot);
         }
     }
 }
@@ -309,12 +310,13 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             listener: index,
         };
         if let Err(job) = self.handover.offer(job) {
-            self.refuse_job(job, RefusalCause::Busy);
+            self.refuse_job(job, RefusalCause::Busy, core.workers.len() + index);
         }
     }
 
-    /// Refuses a job the gate already admitted: the ticket goes back with the refusal as its reason.
-    fn refuse_job(&self, job: Job<G::Ticket>, cause: RefusalCause) {
+    /// Closes a job the gate already admitted but no worker will serve: it counts as admitted and closed with
+    /// `Refused(cause)`, so the ticket, the `Closed` event and the stats all see one close.
+    fn refuse_job(&self, job: Job<G::Ticket>, cause: RefusalCause, counter_slot: usize) {
         let Job {
             socket,
             info,
@@ -322,15 +324,21 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             reservation,
             ..
         } = job;
-        close_ticket(&self.gate, ticket, &info, CloseReason::Refused(cause));
+        let reason = CloseReason::Refused(cause);
         reset(socket);
-        drop(reservation);
-        self.core.counters.server().record_refused(cause);
-        self.core.emit(Event::Refused {
-            peer: info.peer,
-            listener: info.listener,
-            cause,
+        close_ticket(&self.gate, ticket, &info, reason);
+        self.core
+            .counters
+            .slot(counter_slot)
+            .record_close(reason, 0, 0);
+        self.core.emit(Event::Closed {
+            id: info.id,
+            reason,
+            bytes_in: 0,
+            bytes_out: 0,
+            lifetime: self.core.now().saturating_duration_since(info.accepted_at),
         });
+        drop(reservation);
     }
 
     /// Applies a control-line state on the accept thread.

@@ -93,7 +93,10 @@ fn an_address_in_use_names_the_address_and_the_remedy() {
         .allow_all()
         .build()
         .expect_err("the port is taken");
-    assert!(matches!(error, NetError::AddressInUse { .. }), "got {error:?}");
+    assert!(
+        matches!(error, NetError::AddressInUse { .. }),
+        "got {error:?}"
+    );
     let text = error
         .to_string()
         .replace(&address.port().to_string(), "PORT");
