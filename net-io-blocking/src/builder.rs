@@ -5,6 +5,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64};
 use std::sync::{Arc, Condvar, Mutex};
 
+use net_io_core::proxy::ProxyMode;
 use net_io_core::{
     AllowAll, BufferPool, Clock, ConfigError, ControlLine, Counters, Event, EventSink, Gate,
     IdAllocator, Limits, ListenerId, NetError, NoopSink, SessionFactory, TrustedProxies,
@@ -16,7 +17,6 @@ use net_io_sys::socket::{self, ConnectionOptions, Keepalive, ListenOptions};
 use crate::caps::Caps;
 use crate::connection::TcpConnection;
 use crate::handover::HandOver;
-use crate::handshake::ProxyMode;
 use crate::runtime::{ListenerRuntime, Runtime, Workload};
 use crate::server::{Core, ListenerShared, QueueCloser, Server, ServerHandle, WorkerShared};
 use crate::sessions::{HandlerWorkload, SessionWorkload};
@@ -50,7 +50,7 @@ pub struct Sessions<F>(F);
 pub struct ListenerSpec {
     address: SocketAddr,
     limits: Limits,
-    proxy: ProxyMode,
+    proxy: Option<ProxyMode>,
     trusted: TrustedProxies,
     reuse_port: bool,
     receive_buffer: Option<usize>,
@@ -84,7 +84,7 @@ impl ListenerSpec {
         Self {
             address,
             limits: Limits::new(),
-            proxy: ProxyMode::Off,
+            proxy: None,
             trusted: TrustedProxies::new(),
             reuse_port: false,
             receive_buffer: None,
@@ -98,9 +98,10 @@ impl ListenerSpec {
         self
     }
 
-    /// Requires a PROXY header from a peer in `trusted`; other peers close with `ProxyUntrusted`.
+    /// Requires a PROXY header (v1, v2 or either) from a peer in `trusted`, read under the handshake
+    /// deadline; other peers close with `ProxyUntrusted` before anything is read.
     pub fn proxy(mut self, mode: ProxyMode, trusted: TrustedProxies) -> Self {
-        self.proxy = mode;
+        self.proxy = Some(mode);
         self.trusted = trusted;
         self
     }
@@ -355,7 +356,7 @@ fn start<G: Gate, W: Workload>(
             }
             .into());
         }
-        if spec.proxy != ProxyMode::Off && spec.trusted.is_empty() {
+        if spec.proxy.is_some() && spec.trusted.is_empty() {
             return Err(ConfigError::Zero {
                 field: "trusted_proxies",
             }

@@ -63,14 +63,15 @@ pub use builder::{
     NoWorkload, ServerBuilder, Sessions,
 };
 pub use connection::{TcpConnection, connect};
-pub use handshake::ProxyMode;
 pub use server::{DrainReport, KillHandle, Server, ServerHandle};
 
+pub use net_io_core::proxy::ProxyMode;
 pub use net_io_core::{
     AllowAll, CloseReason, Completer, ConnectionId, ConnectionInfo, ControlLine, ControlState,
     Direction, Event, EventSink, Gate, Input, LimitKind, Limits, MinRateRule, NetError, Output,
     Phase, RefusalCause, Session, SessionContext, SessionFactory, Stats, Step, TimeoutKind,
 };
+pub use net_io_core::{ManualClock, TrustedProxies};
 pub use net_io_sys::socket::Keepalive;
 
 /// Starts a server on `address` that runs `handler` for each connection, with default limits and no

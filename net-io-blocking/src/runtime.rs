@@ -21,9 +21,10 @@ use net_io_sys::wait::{self, Interest};
 
 use crate::caps::{CapRefusal, Reservation};
 use crate::handover::HandOver;
-use crate::handshake::{self, ProxyMode};
+use crate::handshake;
 use crate::link::{Link, OWNER_CODE};
 use crate::server::{CODE_SHED, Core, KillHandle, QueueCloser, reason_for_code};
+use net_io_core::proxy::ProxyMode;
 
 /// An admitted connection waiting for a worker.
 pub(crate) struct Job<T> {
@@ -37,7 +38,7 @@ pub(crate) struct Job<T> {
 /// One listener and how its connections are admitted.
 pub(crate) struct ListenerRuntime {
     pub(crate) listener: Listener,
-    pub(crate) proxy: ProxyMode,
+    pub(crate) proxy: Option<ProxyMode>,
     pub(crate) trusted: TrustedProxies,
 }
 
@@ -460,11 +461,14 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             early = Some(CloseReason::from_io(&error));
         }
         let listener_runtime = &self.listeners[listener];
-        if early.is_none() && listener_runtime.proxy != ProxyMode::Off {
+        if early.is_none()
+            && let Some(mode) = listener_runtime.proxy
+        {
+            let started = core.now();
             match handshake::read_proxy_header(
                 link,
                 &info,
-                listener_runtime.proxy,
+                mode,
                 &listener_runtime.trusted,
                 &core.limits,
                 prefix,
@@ -482,6 +486,12 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 }
                 Ok(None) => {}
                 Err(reason) => early = Some(reason),
+            }
+            if early.is_none() {
+                core.emit(Event::HandshakeDone {
+                    id: info.id,
+                    took: core.now().saturating_duration_since(started),
+                });
             }
         }
         let reason = match early {
