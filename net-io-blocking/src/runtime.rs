@@ -19,6 +19,7 @@ use net_io_sys::kill::SlotOwner;
 use net_io_sys::socket::{self, AcceptFailure, ConnectionOptions, Linger, Listener};
 use net_io_sys::wait::{self, Interest};
 
+use crate::backoff::Backoff;
 use crate::caps::{CapRefusal, Reservation};
 use crate::handover::HandOver;
 use crate::handshake;
@@ -114,7 +115,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         let listener_id = ListenerId(index as u32);
         let mut ids = self.ids.block();
         let mut reserve = socket_reserve();
-        let mut backoff = Duration::from_millis(1);
+        let mut backoff = Backoff::new();
         let mut coalescer = Coalescer::new();
         let mut watch = ControlWatch::new();
         let control_poll = self.control.as_ref().map(|_| Duration::from_millis(100));
@@ -149,10 +150,14 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             if !core.door_open.load(Ordering::Acquire) {
                 continue;
             }
+            if reserve.is_none() {
+                // The spare could not be reopened after the last pressure episode; try again now.
+                reserve = socket_reserve();
+            }
             for _ in 0..core.limits.accept_batch {
                 match listener.listener.accept() {
                     Ok(accepted) => {
-                        backoff = Duration::from_millis(1);
+                        backoff.reset();
                         self.admit(
                             index,
                             accepted.socket,
@@ -177,13 +182,13 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                                 reset(shed.socket);
                             }
                             reserve = socket_reserve();
+                            let pause = backoff.step();
                             core.counters.server().record_descriptor_pressure();
                             core.emit(Event::DescriptorPressure {
                                 listener: listener_id,
-                                backoff,
+                                backoff: pause,
                             });
-                            let _ = wait::wait_readable(wake.as_fd(), Some(backoff));
-                            backoff = (backoff * 2).min(Duration::from_secs(1));
+                            let _ = wait::wait_readable(wake.as_fd(), Some(pause));
                             break;
                         }
                         AcceptFailure::Pause => {
@@ -191,8 +196,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                                 listener: listener_id,
                                 class: OsErrorClass::of(&error),
                             });
-                            let _ = wait::wait_readable(wake.as_fd(), Some(backoff));
-                            backoff = (backoff * 2).min(Duration::from_secs(1));
+                            let _ = wait::wait_readable(wake.as_fd(), Some(backoff.step()));
                             break;
                         }
                         AcceptFailure::ListenerFailed => {
