@@ -2,7 +2,7 @@
 //! build with the door closed, which opens last.
 
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU16, AtomicU64};
 use std::sync::{Arc, Condvar, Mutex};
 
 use net_io_core::proxy::ProxyMode;
@@ -386,6 +386,7 @@ fn start<G: Gate, W: Workload>(
         worker_shared.push(WorkerShared {
             slot: Arc::new(KillSlot::new()),
             wake: Arc::new(EventFd::new()?),
+            lane: AtomicU8::new(0),
         });
     }
     let mut listener_shared = Vec::with_capacity(bound.len());
@@ -413,6 +414,7 @@ fn start<G: Gate, W: Workload>(
         stop_requested: Mutex::new(false),
         stop_signal: Condvar::new(),
         busy_workers: AtomicU64::new(0),
+        shed_lane: AtomicU16::new(u16::MAX),
         drain_lock: Mutex::new(()),
     });
     for (index, listener) in bound.iter().enumerate() {
@@ -441,7 +443,6 @@ fn start<G: Gate, W: Workload>(
         ids: IdAllocator::new(),
         control: settings.control,
         connection_options: settings.connection_options,
-        shed_lane: AtomicU16::new(u16::MAX),
         lockdown: AtomicBool::new(false),
     });
     let handle = ServerHandle {

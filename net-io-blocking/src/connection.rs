@@ -143,6 +143,9 @@ impl<'a> TcpConnection<'a> {
         if idle && self.is_draining() {
             return Err(self.fail(CloseReason::Drained));
         }
+        if idle && self.core.is_some_and(|core| core.is_shed(self.info.lane)) {
+            return Err(self.fail(CloseReason::Shed));
+        }
         let now = self.link().now();
         let (timeout, kind) = if idle {
             (self.idle_timeout, TimeoutKind::Idle)

@@ -80,7 +80,6 @@ pub(crate) struct Runtime<G: Gate, W: Workload> {
     pub(crate) ids: IdAllocator,
     pub(crate) control: Option<Arc<ControlLine>>,
     pub(crate) connection_options: ConnectionOptions,
-    pub(crate) shed_lane: std::sync::atomic::AtomicU16,
     pub(crate) lockdown: std::sync::atomic::AtomicBool,
 }
 
@@ -214,7 +213,11 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                     },
                 }
             }
-            coalescer.flush(&*core.events, core.now());
+            if core.events_enabled {
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    coalescer.flush(&*core.events, core.now())
+                }));
+            }
         }
     }
 
@@ -235,15 +238,15 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         let refuse = |socket: OwnedFd, cause: RefusalCause, coalescer: &mut Coalescer| {
             core.counters.server().record_refused(cause);
             if core.events_enabled {
-                coalescer.emit(
-                    &*core.events,
-                    Event::Refused {
-                        peer,
-                        listener: listener_id,
-                        cause,
-                    },
-                    core.now(),
-                );
+                let event = Event::Refused {
+                    peer,
+                    listener: listener_id,
+                    cause,
+                };
+                // A panicking sink must not take the accept thread down with it.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    coalescer.emit(&*core.events, event, core.now())
+                }));
             }
             reset(socket);
         };
@@ -259,11 +262,10 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                     CapRefusal::Source => (RefusalCause::SourceCap, LimitKind::PerSource),
                 };
                 if core.events_enabled {
-                    coalescer.emit(
-                        &*core.events,
-                        Event::LimitHit { id: None, which },
-                        core.now(),
-                    );
+                    let event = Event::LimitHit { id: None, which };
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        coalescer.emit(&*core.events, event, core.now())
+                    }));
                 }
                 return refuse(socket, cause, coalescer);
             }
@@ -300,7 +302,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             }
         };
         info.lane = admission.lane;
-        let shed_lane = self.shed_lane.load(Ordering::Acquire);
+        let shed_lane = self.core.shed_lane.load(Ordering::Acquire);
         if u16::from(admission.lane.0) >= shed_lane {
             close_ticket(
                 &self.gate,
@@ -363,14 +365,19 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         match state {
             ControlState::Running => {
                 self.lockdown.store(false, Ordering::Release);
-                self.shed_lane.store(u16::MAX, Ordering::Release);
+                self.core.shed_lane.store(u16::MAX, Ordering::Release);
                 handle.open_door();
             }
             ControlState::Lockdown => self.lockdown.store(true, Ordering::Release),
             ControlState::Shed { lane } => {
-                self.shed_lane.store(u16::from(lane.0), Ordering::Release);
-                // Idle connections are closed by the worker loop's own check; kill idle ones now.
+                self.core
+                    .shed_lane
+                    .store(u16::from(lane.0), Ordering::Release);
+                // Idle connections in a shed lane close now; busy ones close when they next go idle.
                 for worker in &self.core.workers {
+                    if u16::from(worker.lane.load(Ordering::Acquire)) < u16::from(lane.0) {
+                        continue;
+                    }
                     if let Some(id) = worker.slot.occupant()
                         && worker.slot.kill(
                             id,
@@ -452,6 +459,9 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             listener,
         } = job;
         info.worker = Some(WorkerId(index as u32));
+        core.workers[index]
+            .lane
+            .store(info.lane.0, Ordering::Release);
         link.owner_mut().occupy(info.id.get(), socket);
         link.reset(core.limits.min_rate);
         receiver.bind(info.id);

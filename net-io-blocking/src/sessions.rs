@@ -231,12 +231,11 @@ impl<S: Session> Driver<'_, '_, S> {
         let core = self.run.core;
         let now = core.now();
         let draining = core.draining.load(Ordering::Acquire);
-        let pressure =
-            core.busy_workers.load(Ordering::Relaxed) as f32 / core.workers.len().max(1) as f32;
+        let pressure = core.pressure();
         let completer: &Completer = self.run.completer;
         let mut context = SessionContext::new(self.run.info, self.output, &mut self.requests, now)
             .with_draining(draining)
-            .with_pressure(pressure.min(1.0))
+            .with_pressure(pressure)
             .with_completer(completer);
         let result = catch_unwind(AssertUnwindSafe(|| call(session, &mut context))).ok();
         self.apply_requests();
@@ -292,6 +291,9 @@ impl<S: Session> Driver<'_, '_, S> {
             self.phase == Phase::Idle && self.read.unread_len() == 0 && self.output.is_empty();
         if idle && core.draining.load(Ordering::Acquire) {
             return Err(CloseReason::Drained);
+        }
+        if idle && core.is_shed(self.run.info.lane) {
+            return Err(CloseReason::Shed);
         }
         let now = core.now();
         let (timeout, kind) = if self.phase == Phase::Idle {
