@@ -14,7 +14,7 @@ use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::KillSlot;
 use net_io_sys::socket::{self, ConnectionOptions, Keepalive, ListenOptions};
 
-use crate::caps::Caps;
+use crate::caps::{Caps, ListenerCaps};
 use crate::connection::TcpConnection;
 use crate::handover::HandOver;
 use crate::runtime::{ListenerRuntime, Runtime, Workload};
@@ -362,7 +362,11 @@ fn start<G: Gate, W: Workload>(
             }
             .into());
         }
-        listener_caps.push((merged.max_per_listener, merged.max_per_source));
+        listener_caps.push(ListenerCaps {
+            max_per_listener: merged.max_per_listener,
+            max_per_source: merged.max_per_source,
+            policy: merged.source_prefix,
+        });
     }
     // Bind everything before any thread starts: a taken port fails the build with nothing to undo.
     let mut bound = Vec::with_capacity(settings.listeners.len());
