@@ -343,11 +343,13 @@ fn start<G: Gate, W: Workload>(
     let descriptor_limit = net_io_sys::rlimit::descriptor_limit()?.soft;
     let limits = settings.limits.validate(workers, descriptor_limit)?;
     let mut listener_caps = Vec::with_capacity(settings.listeners.len());
+    let mut listener_limits = Vec::with_capacity(settings.listeners.len());
     for spec in &settings.listeners {
         let merged = spec
             .limits
             .or(settings.limits)
             .validate(workers, descriptor_limit)?;
+        listener_limits.push(merged);
         if merged.max_per_listener > limits.max_connections {
             return Err(ConfigError::AboveGlobal {
                 field: "max_per_listener",
@@ -431,8 +433,10 @@ fn start<G: Gate, W: Workload>(
     let listeners = bound
         .into_iter()
         .zip(settings.listeners)
-        .map(|(listener, spec)| ListenerRuntime {
+        .zip(listener_limits)
+        .map(|((listener, spec), limits)| ListenerRuntime {
             listener,
+            limits,
             proxy: spec.proxy,
             trusted: spec.trusted,
         })

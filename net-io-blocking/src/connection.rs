@@ -53,6 +53,7 @@ impl<'a> TcpConnection<'a> {
         link: &'a mut Link,
         info: ConnectionInfo,
         core: &'a Core,
+        limits: &ResolvedLimits,
         check: &'a mut dyn FnMut(usize, bool) -> Verdict,
         kill: KillHandle,
         prefix: &'a [u8],
@@ -60,7 +61,7 @@ impl<'a> TcpConnection<'a> {
         Self {
             link: Holder::Served(link),
             info,
-            limits: core.limits,
+            limits: *limits,
             check: Some(check),
             core: Some(core),
             kill,
@@ -69,7 +70,7 @@ impl<'a> TcpConnection<'a> {
             terminal: None,
             peer_closed: false,
             exchange_deadline: None,
-            idle_timeout: core.limits.idle_timeout,
+            idle_timeout: limits.idle_timeout,
         }
     }
 

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use net_io_core::{
     AllowAll, BufferPool, CloseReason, Coalescer, Completer, CompletionReceiver, CompletionRing,
     ConnectionInfo, ControlLine, ControlState, ControlWatch, Event, Gate, IdAllocator, LimitKind,
-    ListenerId, OsErrorClass, Refusal, RefusalCause, TrustedProxies, Verdict, WorkerId, WriteFacts,
-    admit_or_refuse, check_or_deny, close_ticket, normalize,
+    ListenerId, OsErrorClass, Refusal, RefusalCause, ResolvedLimits, TrustedProxies, Verdict,
+    WorkerId, WriteFacts, admit_or_refuse, check_or_deny, close_ticket, normalize,
 };
 use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::SlotOwner;
@@ -39,6 +39,8 @@ pub(crate) struct Job<T> {
 /// One listener and how its connections are admitted.
 pub(crate) struct ListenerRuntime {
     pub(crate) listener: Listener,
+    /// The listener's limits laid over the server's: deadlines, rates, buffers and batch size.
+    pub(crate) limits: ResolvedLimits,
     pub(crate) proxy: Option<ProxyMode>,
     pub(crate) trusted: TrustedProxies,
 }
@@ -48,6 +50,7 @@ pub(crate) struct Run<'a> {
     pub(crate) link: &'a mut Link,
     pub(crate) info: &'a ConnectionInfo,
     pub(crate) core: &'a Core,
+    pub(crate) limits: &'a ResolvedLimits,
     pub(crate) check: &'a mut dyn FnMut(usize, bool) -> Verdict,
     pub(crate) completer: &'a Completer,
     pub(crate) receiver: &'a mut CompletionReceiver,
@@ -153,7 +156,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 // The spare could not be reopened after the last pressure episode; try again now.
                 reserve = socket_reserve();
             }
-            for _ in 0..core.limits.accept_batch {
+            for _ in 0..listener.limits.accept_batch {
                 match listener.listener.accept() {
                     Ok(accepted) => {
                         backoff.reset();
@@ -294,7 +297,9 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 return refuse(socket, RefusalCause::Gate(code), coalescer);
             }
             Err(Refusal::Reply { code, bytes }) => {
-                let limit = bytes.len().min(core.limits.refusal_bytes_max);
+                let limit = bytes
+                    .len()
+                    .min(self.listeners[index].limits.refusal_bytes_max);
                 // One non-blocking attempt only: the refusal path must not become an amplifier.
                 let _ = socket::send(socket.as_fd(), &bytes[..limit]);
                 drop(reservation);
@@ -463,7 +468,9 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             .lane
             .store(info.lane.0, Ordering::Release);
         link.owner_mut().occupy(info.id.get(), socket);
-        link.reset(core.limits.min_rate);
+        let listener_runtime = &self.listeners[listener];
+        let limits = &listener_runtime.limits;
+        link.reset(limits.min_rate);
         receiver.bind(info.id);
         let completer = receiver.completer(info.id, waker.clone());
         let kill = KillHandle {
@@ -480,7 +487,6 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         {
             early = Some(CloseReason::from_io(&error));
         }
-        let listener_runtime = &self.listeners[listener];
         if early.is_none()
             && let Some(mode) = listener_runtime.proxy
         {
@@ -490,7 +496,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 &info,
                 mode,
                 &listener_runtime.trusted,
-                &core.limits,
+                limits,
                 prefix,
             ) {
                 Ok(Some(real_peer)) => {
@@ -533,6 +539,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                         link,
                         info: &info,
                         core,
+                        limits,
                         check: &mut check,
                         completer: &completer,
                         receiver,
@@ -551,8 +558,8 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         };
         link.close(
             !reason.is_abortive(),
-            core.limits.linger_timeout,
-            core.limits.linger_bytes,
+            limits.linger_timeout,
+            limits.linger_bytes,
         );
         drop(completer);
         receiver.unbind();

@@ -436,6 +436,11 @@ impl Server {
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
+        for index in 0..self.handle.core.listeners.len() {
+            self.handle.core.emit(Event::ListenerClosed {
+                listener: net_io_core::ListenerId(index as u32),
+            });
+        }
         self.handle.request_stop();
         report
     }

@@ -95,3 +95,35 @@ fn a_per_connection_idle_timeout_overrides_the_server_one() {
         "the override was ignored"
     );
 }
+
+#[test]
+fn a_listener_s_own_idle_timeout_applies_only_to_its_connections() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listener(
+            net_io_blocking::ListenerSpec::new("127.0.0.1:0".parse().unwrap())
+                .limits(Limits::new().idle_timeout(Duration::from_millis(150))),
+        )
+        .listen("127.0.0.1:0")
+        .workers(2)
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .idle_timeout(Duration::from_secs(10)),
+        )
+        .events(recorder.clone())
+        .handler(echo_fours)
+        .allow_all()
+        .build()
+        .unwrap();
+    let addresses = server.handle().local_addrs();
+    let mut short = client(addresses[0]);
+    let mut long = client(addresses[1]);
+    assert_eq!(recorder.single_close(SOON), CloseReason::Idle);
+    assert!(common::is_closed_by_server(&mut short));
+    assert_eq!(
+        round_trip(&mut long, b"live"),
+        b"live",
+        "the other listener's connection used the short idle timeout"
+    );
+}
