@@ -310,8 +310,8 @@ impl Link {
     /// Parks until the wake fires or `until` passes; returns `true` when woken.
     pub(crate) fn park(&mut self, until: Instant) -> io::Result<bool> {
         let now = self.clock.now();
-        let timeout = until.saturating_duration_since(now);
-        let woken = wait::wait_readable(self.wake_fd(), Some(timeout))?;
+        let timeout = self.cap_wait(Some(until.saturating_duration_since(now)));
+        let woken = wait::wait_readable(self.wake_fd(), timeout)?;
         if woken {
             self.wake.drain()?;
         }
