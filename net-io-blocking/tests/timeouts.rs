@@ -127,3 +127,37 @@ fn a_listener_s_own_idle_timeout_applies_only_to_its_connections() {
         "the other listener's connection used the short idle timeout"
     );
 }
+
+#[test]
+fn an_injected_manual_clock_drives_the_idle_deadline() {
+    let recorder = Recorder::default();
+    let clock = std::sync::Arc::new(net_io_blocking::ManualClock::new());
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(1)
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .idle_timeout(Duration::from_secs(60)),
+        )
+        .clock(clock.clone())
+        .events(recorder.clone())
+        .handler(echo_fours)
+        .allow_all()
+        .build()
+        .unwrap();
+    let mut stream = client(server.local_addr());
+    assert_eq!(round_trip(&mut stream, b"tick"), b"tick");
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        recorder.closes().is_empty(),
+        "the connection closed before the clock moved"
+    );
+    let real_start = Instant::now();
+    clock.advance(Duration::from_secs(61));
+    assert_eq!(recorder.single_close(SOON), CloseReason::Idle);
+    assert!(
+        real_start.elapsed() < Duration::from_secs(5),
+        "the idle deadline followed real time, not the injected clock"
+    );
+}
