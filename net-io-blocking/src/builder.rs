@@ -382,6 +382,11 @@ fn start<G: Gate, W: Workload>(
         };
         let listener = socket::listen(spec.address, &options)
             .map_err(|error| NetError::from_bind(spec.address, error))?;
+        // Accepted sockets inherit these from the listener, so workers need not set them per connection.
+        socket::apply_connection_options(
+            std::os::fd::AsFd::as_fd(&listener),
+            &settings.connection_options,
+        )?;
         bound.push(listener);
     }
     let events_enabled = settings.events.enabled();
@@ -450,7 +455,6 @@ fn start<G: Gate, W: Workload>(
         pool: BufferPool::new(limits.buffer_budget, limits.wipe_buffers),
         ids: IdAllocator::new(),
         control: settings.control,
-        connection_options: settings.connection_options,
         lockdown: AtomicBool::new(false),
     });
     let handle = ServerHandle {

@@ -131,14 +131,13 @@ impl Link {
 
     /// Marks the start or end of a busy stretch in one direction; the rate rule counts only busy time.
     pub(crate) fn set_busy(&mut self, direction: Direction, busy: bool) {
-        let now = self.clock.now();
         let rate = match direction {
             Direction::In => self.rate_in.as_mut(),
             Direction::Out => self.rate_out.as_mut(),
         };
         if let Some(rate) = rate {
             if busy {
-                rate.start(now);
+                rate.start(self.clock.now());
             } else {
                 rate.stop();
             }

@@ -16,7 +16,7 @@ use net_io_core::{
 };
 use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::SlotOwner;
-use net_io_sys::socket::{self, AcceptFailure, ConnectionOptions, Linger, Listener};
+use net_io_sys::socket::{self, AcceptFailure, Linger, Listener};
 use net_io_sys::wait::{self, Interest};
 
 use crate::backoff::Backoff;
@@ -82,7 +82,6 @@ pub(crate) struct Runtime<G: Gate, W: Workload> {
     pub(crate) pool: BufferPool,
     pub(crate) ids: IdAllocator,
     pub(crate) control: Option<Arc<ControlLine>>,
-    pub(crate) connection_options: ConnectionOptions,
     pub(crate) lockdown: std::sync::atomic::AtomicBool,
 }
 
@@ -480,12 +479,10 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         };
         prefix.clear();
         let mut early: Option<CloseReason> = None;
+        // TCP_NODELAY and keepalive were set on the listener; Linux copies them to every accepted socket,
+        // so a connection costs no setsockopt here.
         if core.drain_expired.load(Ordering::Acquire) {
             early = Some(CloseReason::DrainDeadline);
-        } else if let Some(socket) = link.owner().socket()
-            && let Err(error) = socket::apply_connection_options(socket, &self.connection_options)
-        {
-            early = Some(CloseReason::from_io(&error));
         }
         if early.is_none()
             && let Some(mode) = listener_runtime.proxy
