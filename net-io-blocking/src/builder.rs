@@ -372,7 +372,7 @@ fn start<G: Gate, W: Workload>(
     }
     // Bind everything before any thread starts: a taken port fails the build with nothing to undo.
     let mut bound = Vec::with_capacity(settings.listeners.len());
-    for spec in &settings.listeners {
+    for (spec, limits) in settings.listeners.iter().zip(&listener_limits) {
         let options = ListenOptions {
             backlog: spec.limits.or(settings.limits).resolve(workers).backlog,
             reuse_port: spec.reuse_port,
@@ -386,6 +386,11 @@ fn start<G: Gate, W: Workload>(
         socket::apply_connection_options(
             std::os::fd::AsFd::as_fd(&listener),
             &settings.connection_options,
+        )?;
+        // Likewise SO_RCVTIMEO: a new connection's first wait is usually the idle one, already armed.
+        socket::set_receive_timeout(
+            std::os::fd::AsFd::as_fd(&listener),
+            Some(limits.idle_timeout),
         )?;
         bound.push(listener);
     }

@@ -102,8 +102,14 @@ impl Link {
     }
 
     /// Resets per-connection state for a new connection in the same slot (the owner is re-occupied).
-    pub(crate) fn reset(&mut self, min_rate: Option<MinRateRule>) {
-        self.armed = None;
+    ///
+    /// `inherited_timeout` is the `SO_RCVTIMEO` the socket got from its listener.
+    pub(crate) fn reset(
+        &mut self,
+        min_rate: Option<MinRateRule>,
+        inherited_timeout: Option<Duration>,
+    ) {
+        self.armed = inherited_timeout;
         self.rate_in = min_rate.map(RateWindow::new);
         self.rate_out = min_rate.map(RateWindow::new);
         self.bytes_in = 0;

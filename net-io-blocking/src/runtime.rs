@@ -469,7 +469,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         link.owner_mut().occupy(info.id.get(), socket);
         let listener_runtime = &self.listeners[listener];
         let limits = &listener_runtime.limits;
-        link.reset(limits.min_rate);
+        link.reset(limits.min_rate, Some(limits.idle_timeout));
         receiver.bind(info.id);
         let completer = receiver.completer(info.id, waker.clone());
         let kill = KillHandle {
