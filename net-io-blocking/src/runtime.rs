@@ -431,15 +431,24 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         let mut prefix = Vec::with_capacity(handshake::PREFIX_CAPACITY);
         while let Some(job) = self.handover.take() {
             core.busy_workers.fetch_add(1, Ordering::Relaxed);
-            self.run_job(
-                index,
-                &mut link,
-                &mut receiver,
-                &waker,
-                &mut state,
-                &mut prefix,
-                job,
-            );
+            let busy = BusyGuard {
+                core: &core,
+                handover: &self.handover,
+            };
+            // Every hook is contained already; this catches a bug in the driver itself, so that the worker
+            // (and its place in the Busy rule, given back by the guard) survives it.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.run_job(
+                    index,
+                    &mut link,
+                    &mut receiver,
+                    &waker,
+                    &mut state,
+                    &mut prefix,
+                    job,
+                    busy,
+                )
+            }));
         }
     }
 
@@ -453,6 +462,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         state: &mut W::State,
         prefix: &mut Vec<u8>,
         job: Job<G::Ticket>,
+        busy: BusyGuard<'_, G::Ticket>,
     ) {
         let core = &*self.core;
         let Job {
@@ -576,8 +586,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         // Caps and the worker are free before anyone can see the close, so a client that reconnects on the
         // Closed event is never refused by a connection that is already gone.
         drop(reservation);
-        core.busy_workers.fetch_sub(1, Ordering::Relaxed);
-        self.handover.done();
+        drop(busy);
         match reason {
             CloseReason::Killed(code) => core.emit(Event::Killed { id: info.id, code }),
             CloseReason::Limit(which) => core.emit(Event::LimitHit {
@@ -594,6 +603,19 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             bytes_out: link.bytes_out,
             lifetime: core.now().saturating_duration_since(info.accepted_at),
         });
+    }
+}
+
+/// Marks a worker free again when dropped: at the normal end of a connection, or while unwinding.
+struct BusyGuard<'a, T> {
+    core: &'a Core,
+    handover: &'a HandOver<Job<T>>,
+}
+
+impl<T> Drop for BusyGuard<'_, T> {
+    fn drop(&mut self) {
+        self.core.busy_workers.fetch_sub(1, Ordering::Relaxed);
+        self.handover.done();
     }
 }
 
