@@ -157,3 +157,124 @@ fn a_burst_of_new_connections_does_not_stall_an_established_one() {
         "an established connection stalled for {slowest:?} during the burst"
     );
 }
+
+/// Allows the first `allowed` write calls and denies the rest, counting every check.
+struct CountingGate {
+    checks: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    allowed: usize,
+}
+
+impl Gate for CountingGate {
+    type Ticket = ();
+
+    fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
+        Ok(Admission {
+            ticket: (),
+            lane: Lane::DEFAULT,
+        })
+    }
+
+    fn check(&self, _ticket: &(), _write: &WriteFacts) -> Verdict {
+        let seen = self
+            .checks
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if seen < self.allowed {
+            Verdict::Allow
+        } else {
+            Verdict::Deny(9)
+        }
+    }
+}
+
+/// Answers any input with 130 separate static chunks of 100 bytes, each filled with its index.
+struct Chunks;
+
+static CHUNK_BYTES: [[u8; 100]; 130] = {
+    let mut chunks = [[0u8; 100]; 130];
+    let mut index = 0;
+    while index < 130 {
+        chunks[index] = [index as u8; 100];
+        index += 1;
+    }
+    chunks
+};
+
+impl Session for Chunks {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        input.consume_all();
+        for chunk in &CHUNK_BYTES {
+            if context.output().push_static(chunk).is_err() {
+                return Step::Abort;
+            }
+        }
+        Step::Write
+    }
+
+    fn on_denied(&mut self, _code: u16, output: &mut Output) {
+        let _ = output.push(b"denied\n");
+    }
+}
+
+fn chunk_server(recorder: &Recorder, gate: CountingGate) -> net_io_blocking::Server {
+    ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(1)
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(Chunks))
+        .gate(gate)
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn more_than_64_chunks_go_out_in_order_over_several_gate_checked_writes() {
+    let recorder = Recorder::default();
+    let checks = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let server = chunk_server(
+        &recorder,
+        CountingGate {
+            checks: checks.clone(),
+            allowed: usize::MAX,
+        },
+    );
+    let mut stream = client(server.local_addr());
+    stream.write_all(b"go").unwrap();
+    let mut received = vec![0u8; 130 * 100];
+    stream.read_exact(&mut received).unwrap();
+    for (index, chunk) in received.chunks(100).enumerate() {
+        assert!(
+            chunk.iter().all(|&byte| byte == index as u8),
+            "chunk {index} arrived out of order or torn"
+        );
+    }
+    assert!(
+        checks.load(std::sync::atomic::Ordering::SeqCst) >= 3,
+        "130 chunks need at least three write calls, each checked by the gate"
+    );
+}
+
+#[test]
+fn a_denial_in_the_middle_of_a_response_resets_without_denial_text() {
+    let recorder = Recorder::default();
+    let server = chunk_server(
+        &recorder,
+        CountingGate {
+            checks: std::sync::Arc::default(),
+            allowed: 1,
+        },
+    );
+    let mut stream = client(server.local_addr());
+    stream.write_all(b"go").unwrap();
+    let mut received = Vec::new();
+    let _ = stream.read_to_end(&mut received);
+    assert!(
+        !received.windows(6).any(|window| window == b"denied"),
+        "denial text was sent after part of the response"
+    );
+    assert!(
+        received.len() < 130 * 100,
+        "the denied rest of the response reached the peer"
+    );
+    assert_eq!(recorder.single_close(SOON), CloseReason::EgressDenied(9));
+}
