@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
 
+use net_io_core::proxy::ProxyMode;
 use net_io_core::{
     AllowAll, BufferPool, CloseReason, Coalescer, Completer, CompletionReceiver, CompletionRing,
     ConnectionInfo, ControlLine, ControlState, ControlWatch, Event, Gate, IdAllocator, LimitKind,
@@ -25,7 +26,6 @@ use crate::handover::HandOver;
 use crate::handshake;
 use crate::link::{Link, OWNER_CODE};
 use crate::server::{CODE_SHED, Core, KillHandle, QueueCloser, reason_for_code};
-use net_io_core::proxy::ProxyMode;
 
 /// An admitted connection waiting for a worker.
 pub(crate) struct Job<T> {
@@ -119,12 +119,14 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         let mut backoff = Backoff::new();
         let mut coalescer = Coalescer::new();
         let mut watch = ControlWatch::new();
-        let control_poll = self.control.as_ref().map(|_| Duration::from_millis(100));
+        // The first accept thread alone watches the control line, so each change is applied once.
+        let control = self.control.as_ref().filter(|_| index == 0);
+        let control_poll = control.map(|_| Duration::from_millis(100));
         loop {
             if core.stopping.load(Ordering::Acquire) {
                 return;
             }
-            if let Some(control) = &self.control
+            if let Some(control) = control
                 && let Some(state) = watch.poll(control)
             {
                 self.react(state);
