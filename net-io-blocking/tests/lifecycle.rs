@@ -239,3 +239,35 @@ fn the_client_connect_echoes_and_applies_the_idle_deadline() {
     assert!(started.elapsed() >= Duration::from_millis(180));
     assert_eq!(silent.close_reason(), Some(CloseReason::Idle));
 }
+
+#[test]
+fn the_control_line_drains_then_stops_the_server() {
+    let recorder = Recorder::default();
+    let control = Arc::new(net_io_blocking::ControlLine::new());
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(2)
+        .events(recorder.clone())
+        .control(Arc::clone(&control))
+        .handler(echo)
+        .allow_all()
+        .build()
+        .unwrap();
+    let handle = server.handle();
+    let mut stream = client(server.local_addr());
+    assert_eq!(round_trip(&mut stream, b"hi"), b"hi");
+    control.set(net_io_blocking::ControlState::Draining {
+        deadline: Some(Instant::now() + Duration::from_secs(2)),
+    });
+    assert_eq!(recorder.single_close(SOON), CloseReason::Drained);
+    assert!(
+        eventually(SOON, || !handle.is_door_open()),
+        "the door stayed open"
+    );
+    control.set(net_io_blocking::ControlState::Stopping);
+    assert!(
+        handle.wait_for_stop_timeout(SOON),
+        "Stopping on the control line did not request a stop"
+    );
+    drop(server);
+}
