@@ -219,3 +219,20 @@ fn shedding_closes_idle_connections_in_shed_lanes_and_spares_lower_lanes() {
     );
     assert_eq!(recorder.closes().len(), 1);
 }
+
+#[test]
+fn an_ipv6_loopback_listener_serves_and_reports_its_address() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("[::1]:0")
+        .workers(1)
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(Echo))
+        .allow_all()
+        .build()
+        .expect("an IPv6 loopback listener should start");
+    assert!(server.local_addr().is_ipv6());
+    let mut stream = client(server.local_addr());
+    assert_eq!(round_trip(&mut stream, b"six"), b"six");
+}
