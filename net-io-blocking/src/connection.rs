@@ -242,6 +242,18 @@ impl<'a> TcpConnection<'a> {
         }
     }
 
+    /// Sends FIN (half close): the peer sees the end of our stream and we can still read its reply.
+    pub fn shutdown_write(&mut self) -> Result<(), NetError> {
+        if let Some(reason) = self.terminal {
+            return Err(NetError::Closed(reason));
+        }
+        let Some(socket) = self.link().owner().socket() else {
+            return Err(NetError::Closed(CloseReason::SessionClosed));
+        };
+        socket::shutdown(socket, std::net::Shutdown::Write)?;
+        Ok(())
+    }
+
     /// The close reason a handler's return value leads to.
     pub(crate) fn final_reason(&self, result: &Result<(), NetError>) -> CloseReason {
         if let Some(reason) = self.terminal {

@@ -271,3 +271,25 @@ fn the_control_line_drains_then_stops_the_server() {
     );
     drop(server);
 }
+
+#[test]
+fn a_client_half_close_still_receives_the_whole_reply() {
+    let server = serve("127.0.0.1:0", echo).unwrap();
+    let mut connection = connect(server.local_addr(), &Limits::new()).unwrap();
+    connection.write_all(b"all of it").unwrap();
+    connection.shutdown_write().unwrap();
+    let mut received = Vec::new();
+    let mut buffer = [0u8; 64];
+    loop {
+        let count = connection.read(&mut buffer).unwrap();
+        if count == 0 {
+            break;
+        }
+        received.extend_from_slice(&buffer[..count]);
+    }
+    assert_eq!(
+        received, b"all of it",
+        "the reply to a half-closed request was cut"
+    );
+    assert_eq!(connection.close(), CloseReason::PeerClosed);
+}
