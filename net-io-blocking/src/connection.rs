@@ -208,21 +208,18 @@ impl<'a> TcpConnection<'a> {
         {
             return Err(self.fail(CloseReason::EgressDenied(code)));
         }
-        let deadline = self.link().now() + self.limits.write_timeout;
-        let deadline = match self.exchange_deadline {
-            Some(exchange) if exchange < deadline => exchange,
-            _ => deadline,
-        };
-        let exchange_first = self.exchange_deadline == Some(deadline);
+        let write_timeout = self.limits.write_timeout;
+        let exchange = self.exchange_deadline;
         self.link().set_busy(Direction::In, false);
         self.link().set_busy(Direction::Out, true);
-        let sent = self.link().send_all(bytes, Some(deadline));
+        let sent = self.link().send_all(bytes, write_timeout, exchange);
         self.link().set_busy(Direction::Out, false);
         self.receiving = false;
+        let exchange_passed = exchange.is_some_and(|exchange| self.link().now() >= exchange);
         match sent {
             Sent::Done => Ok(()),
             Sent::Deadline => {
-                let kind = if exchange_first {
+                let kind = if exchange_passed {
                     TimeoutKind::Exchange
                 } else {
                     TimeoutKind::Write

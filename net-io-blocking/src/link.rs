@@ -205,8 +205,15 @@ impl Link {
         }
     }
 
-    /// Sends all of `bytes` before `deadline`.
-    pub(crate) fn send_all(&mut self, bytes: &[u8], deadline: Option<Instant>) -> Sent {
+    /// Sends all of `bytes`, failing when the peer takes nothing for `progress_timeout` or `hard_deadline`
+    /// (an exchange deadline) passes.
+    pub(crate) fn send_all(
+        &mut self,
+        bytes: &[u8],
+        progress_timeout: Duration,
+        hard_deadline: Option<Instant>,
+    ) -> Sent {
+        let mut deadline = earliest(Some(self.clock.now() + progress_timeout), hard_deadline);
         let mut offset = 0;
         let mut zero_sends = 0;
         while offset < bytes.len() {
@@ -229,6 +236,8 @@ impl Link {
                     zero_sends = 0;
                     offset += count;
                     self.account_sent(count);
+                    // Progress restarts the write deadline; the exchange deadline stays where it is.
+                    deadline = earliest(Some(self.clock.now() + progress_timeout), hard_deadline);
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
                     if let Some(outcome) = self.wait_writable(deadline) {
@@ -241,15 +250,18 @@ impl Link {
         Sent::Done
     }
 
-    /// Flushes `output` with vectored sends before `deadline`, asking `check` before each write call.
+    /// Flushes `output` with vectored sends, asking `check` before each write call; fails when the peer
+    /// takes nothing for `progress_timeout` or `hard_deadline` (an exchange deadline) passes.
     ///
     /// `check` is called once per write call before its first system call, not again after `EAGAIN`.
     pub(crate) fn flush(
         &mut self,
         output: &mut Output,
-        deadline: Option<Instant>,
+        progress_timeout: Duration,
+        hard_deadline: Option<Instant>,
         check: &mut dyn FnMut(usize, bool) -> Verdict,
     ) -> Sent {
+        let mut deadline = earliest(Some(self.clock.now() + progress_timeout), hard_deadline);
         let mut checked = false;
         let mut zero_sends = 0;
         while !output.is_empty() {
@@ -288,6 +300,7 @@ impl Link {
                     zero_sends = 0;
                     output.advance(count);
                     self.account_sent(count);
+                    deadline = earliest(Some(self.clock.now() + progress_timeout), hard_deadline);
                     // The rest of a partial write belongs to the same write call (no new gate check);
                     // chunks beyond the IO_SLICES_MAX just written start a new one.
                     if count == offered && !output.is_empty() {

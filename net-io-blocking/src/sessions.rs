@@ -394,20 +394,17 @@ impl<S: Session> Driver<'_, '_, S> {
             return Ok(());
         }
         let core = self.run.core;
-        let now = core.now();
-        let mut deadline = now + self.run.limits.write_timeout;
-        let mut exchange_first = false;
-        if let Some(exchange) = self.exchange
-            && exchange < deadline
-        {
-            deadline = exchange;
-            exchange_first = true;
-        }
         let link = &mut *self.run.link;
         link.set_busy(Direction::Out, true);
         let started = self.output.response_started();
-        let sent = link.flush(self.output, Some(deadline), &mut *self.run.check);
+        let sent = link.flush(
+            self.output,
+            self.run.limits.write_timeout,
+            self.exchange,
+            &mut *self.run.check,
+        );
         link.set_busy(Direction::Out, false);
+        let exchange_passed = self.exchange.is_some_and(|exchange| core.now() >= exchange);
         match sent {
             Sent::Done => {
                 if self.read.unread_len() == 0 && self.phase_override.is_none() {
@@ -416,7 +413,7 @@ impl<S: Session> Driver<'_, '_, S> {
                 }
                 Ok(())
             }
-            Sent::Deadline => Err(if exchange_first {
+            Sent::Deadline => Err(if exchange_passed {
                 CloseReason::ExchangeDeadline
             } else {
                 CloseReason::WriteTimeout

@@ -161,3 +161,66 @@ fn an_injected_manual_clock_drives_the_idle_deadline() {
         "the idle deadline followed real time, not the injected clock"
     );
 }
+
+/// Sends 512 KiB as soon as the connection opens.
+struct Bulk;
+
+impl net_io_blocking::Session for Bulk {
+    fn on_open(
+        &mut self,
+        context: &mut net_io_blocking::SessionContext<'_>,
+    ) -> net_io_blocking::Step {
+        let _ = context.output().push_static(&[b'b'; 512 * 1024]);
+        net_io_blocking::Step::Write
+    }
+
+    fn on_data(
+        &mut self,
+        input: &mut net_io_blocking::Input<'_>,
+        _context: &mut net_io_blocking::SessionContext<'_>,
+    ) -> net_io_blocking::Step {
+        input.consume_all();
+        net_io_blocking::Step::Read
+    }
+}
+
+#[test]
+fn a_slow_but_steady_reader_is_not_cut_off_by_the_write_deadline() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listener(
+            net_io_blocking::ListenerSpec::new("127.0.0.1:0".parse().unwrap())
+                .send_buffer(32 * 1024),
+        )
+        .workers(1)
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .write_timeout(Duration::from_millis(300)),
+        )
+        .events(recorder.clone())
+        .sessions(|_info: &net_io_blocking::ConnectionInfo| Some(Bulk))
+        .allow_all()
+        .build()
+        .unwrap();
+    let mut stream = client(server.local_addr());
+    socket2::SockRef::from(&stream)
+        .set_recv_buffer_size(16 * 1024)
+        .unwrap();
+    let started = Instant::now();
+    let mut received = 0usize;
+    let mut buffer = [0u8; 8 * 1024];
+    while received < 512 * 1024 {
+        let count =
+            std::io::Read::read(&mut stream, &mut buffer).expect("the server cut the reader off");
+        assert!(count > 0, "the server closed after {received} bytes");
+        received += count;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        started.elapsed() > Duration::from_millis(300),
+        "the transfer was too quick to exercise the write deadline"
+    );
+    drop(stream);
+    assert_eq!(recorder.single_close(SOON), CloseReason::PeerClosed);
+}
