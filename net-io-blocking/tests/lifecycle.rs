@@ -293,3 +293,56 @@ fn a_client_half_close_still_receives_the_whole_reply() {
     );
     assert_eq!(connection.close(), CloseReason::PeerClosed);
 }
+
+/// Answers one line and closes.
+struct OneShot;
+
+impl Session for OneShot {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        let taken = context.output().push_partial(input.bytes());
+        input.consume(taken);
+        Step::Close
+    }
+}
+
+#[test]
+fn a_kill_racing_the_session_s_own_close_gives_one_close_and_a_truthful_answer() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(1)
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(OneShot))
+        .allow_all()
+        .build()
+        .unwrap();
+    let handle = server.handle();
+    let mut kills_won = 0u64;
+    for round in 0..40usize {
+        let mut stream = client(server.local_addr());
+        assert!(eventually(SOON, || !handle.connections().is_empty()));
+        let id = handle.connections()[0];
+        stream.write_all(b"bye").unwrap();
+        if handle.kill(id, 5) {
+            kills_won += 1;
+        }
+        let closes = recorder.wait_for_closes(round + 1, SOON);
+        assert_eq!(
+            closes.len(),
+            round + 1,
+            "round {round}: a connection closed twice or never"
+        );
+        assert_eq!(closes[round].0, id);
+        drop(stream);
+    }
+    let killed = recorder
+        .closes()
+        .iter()
+        .filter(|(_, reason)| *reason == CloseReason::Killed(5))
+        .count() as u64;
+    assert_eq!(
+        killed, kills_won,
+        "a kill reported a win it did not get, or the reverse"
+    );
+}
