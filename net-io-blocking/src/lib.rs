@@ -46,7 +46,10 @@
 //! - **Injected clocks** ([`ServerBuilder::clock`]) drive every deadline; since the kernel's timeouts run on
 //!   real time, waits are then cut to one tick so a test that moves the clock is noticed within a tick.
 //! - **Not here**: Unix sockets, TLS, listener hand-off and systemd sockets, adding or removing listeners at
-//!   run time, and `Gate::readmit` after a PROXY header.
+//!   run time, `Gate::readmit` after a PROXY header, and turning a graceful linger abortive when a kill
+//!   arrives during it (once a close has begun, kills lose).
+//! - **Handlers must do IO to be killable**: a kill shuts the socket's read side and wakes the worker, so a
+//!   handler stuck in pure computation is ended only when it next reads or writes; shutdown waits for it.
 //!
 //! ```no_run
 //! use net_io_blocking::{NetError, TcpConnection, serve};
