@@ -1,1 +1,101 @@
 //! A bounded blocking TCP server driver: accept threads, a bounded worker pool, caps, deadlines, kill and drain.
+//!
+//! ```text
+//!                       door (open/closed)
+//!   listener ──poll(listener, wake)──▶ accept thread (one per listener)
+//!                                        │ accept4 up to accept_batch per wake
+//!                                        │ caps: global, listener, source  ── full ──▶ RST (nothing read)
+//!                                        │ Gate::admit                       ── no  ──▶ RST
+//!                                        ▼
+//!                        hand-over queue (bounded: queued + busy < workers, else Busy ──▶ RST)
+//!                                        │
+//!                                        ▼
+//!   worker 0..N (one connection each) ── PROXY header ── handler(&mut TcpConnection) or Session
+//!     recv under SO_RCVTIMEO, send with MSG_DONTWAIT; poll(socket, wake) only on EAGAIN
+//!     deadlines by phase, minimum rate, kill slot ◀── ServerHandle::kill / drain (any thread)
+//!        ▲
+//!        │ wake (eventfd)
+//!   completion ring (per worker) ◀── Completer::post(token, value) from offload threads
+//!                                     ──▶ Session::on_wake while the session is parked
+//! ```
+//!
+//! Every connection closes exactly once, with one [`CloseReason`] that the session's `on_close`, the gate's
+//! `closed` and the [`Event::Closed`] event all see. Only the worker that owns a connection closes its
+//! socket; other threads kill through the connection's kill slot, and one of them wins.
+//!
+//! ```no_run
+//! use net_io_blocking::{NetError, TcpConnection, serve};
+//!
+//! let server = serve("127.0.0.1:7000", |connection: &mut TcpConnection<'_>| {
+//!     let mut buffer = [0u8; 4096];
+//!     loop {
+//!         let count = connection.read(&mut buffer)?;
+//!         if count == 0 {
+//!             return Ok::<(), NetError>(());
+//!         }
+//!         connection.write_all(&buffer[..count])?;
+//!     }
+//! })?;
+//! println!("listening on {}", server.local_addr());
+//! server.handle().wait_for_stop();
+//! # Ok::<(), NetError>(())
+//! ```
+
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+mod builder;
+mod caps;
+mod clock;
+mod connection;
+mod handover;
+mod handshake;
+mod link;
+mod rate;
+mod runtime;
+mod server;
+mod sessions;
+
+use std::net::ToSocketAddrs;
+
+pub use builder::{
+    DEFAULT_WORKER_STACK, DEFAULT_WORKERS, Handler, LISTENERS_MAX, ListenerSpec, NoGate,
+    NoWorkload, ServerBuilder, Sessions,
+};
+pub use connection::{TcpConnection, connect};
+pub use server::{DrainReport, KillHandle, Server, ServerHandle};
+
+pub use net_io_core::proxy::ProxyMode;
+pub use net_io_core::{
+    AllowAll, CloseReason, Completer, ConnectionId, ConnectionInfo, ControlLine, ControlState,
+    Direction, Event, EventSink, Gate, Input, LimitKind, Limits, MinRateRule, NetError, Output,
+    Phase, RefusalCause, Session, SessionContext, SessionFactory, Stats, Step, TimeoutKind,
+};
+pub use net_io_core::{ManualClock, TrustedProxies};
+pub use net_io_sys::socket::Keepalive;
+
+/// Starts a server on `address` that runs `handler` for each connection, with default limits and no
+/// admission policy ([`AllowAll`]). The door is open when this returns.
+pub fn serve<H>(address: impl ToSocketAddrs, handler: H) -> Result<Server, NetError>
+where
+    H: Fn(&mut TcpConnection<'_>) -> Result<(), NetError> + Send + Sync + 'static,
+{
+    ServerBuilder::new()
+        .listen(address)
+        .handler(handler)
+        .allow_all()
+        .build()
+}
+
+/// Starts a server on `address` that drives a session made by `factory` for each connection, with default
+/// limits and no admission policy ([`AllowAll`]).
+pub fn serve_sessions<F: SessionFactory>(
+    address: impl ToSocketAddrs,
+    factory: F,
+) -> Result<Server, NetError> {
+    ServerBuilder::new()
+        .listen(address)
+        .sessions(factory)
+        .allow_all()
+        .build()
+}

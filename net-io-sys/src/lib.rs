@@ -11,7 +11,12 @@
 #![warn(missing_docs)]
 
 pub mod eventfd;
+pub mod kill;
+pub mod rlimit;
 pub mod shim;
+pub mod socket;
+pub mod termination;
+pub mod wait;
 
 use std::io;
 
