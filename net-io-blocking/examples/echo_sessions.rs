@@ -36,15 +36,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .allow_all()
         .build()?;
     println!("listening on {}", server.local_addr());
-    let handle = server.handle();
+    let stopper = server.handle();
     std::thread::spawn(move || {
         if signals.wait().is_ok() {
-            handle.request_stop();
+            stopper.request_stop();
         }
     });
-    server.handle().wait_for_stop();
-    let stats = server.stats();
+    let handle = server.handle();
+    handle.wait_for_stop();
     let report = server.shutdown(Instant::now() + Duration::from_secs(5));
+    let stats = handle.stats();
     flags::print_report(&report);
     println!(
         "stats: accepted {} refused {} closed {} bytes in {} out {}",

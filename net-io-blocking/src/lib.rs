@@ -44,6 +44,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+mod backoff;
 mod builder;
 mod caps;
 mod clock;

@@ -19,6 +19,7 @@ use net_io_sys::kill::SlotOwner;
 use net_io_sys::socket::{self, AcceptFailure, ConnectionOptions, Linger, Listener};
 use net_io_sys::wait::{self, Interest};
 
+use crate::backoff::Backoff;
 use crate::caps::{CapRefusal, Reservation};
 use crate::handover::HandOver;
 use crate::handshake;
@@ -114,7 +115,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         let listener_id = ListenerId(index as u32);
         let mut ids = self.ids.block();
         let mut reserve = socket_reserve();
-        let mut backoff = Duration::from_millis(1);
+        let mut backoff = Backoff::new();
         let mut coalescer = Coalescer::new();
         let mut watch = ControlWatch::new();
         let control_poll = self.control.as_ref().map(|_| Duration::from_millis(100));
@@ -149,10 +150,14 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             if !core.door_open.load(Ordering::Acquire) {
                 continue;
             }
+            if reserve.is_none() {
+                // The spare could not be reopened after the last pressure episode; try again now.
+                reserve = socket_reserve();
+            }
             for _ in 0..core.limits.accept_batch {
                 match listener.listener.accept() {
                     Ok(accepted) => {
-                        backoff = Duration::from_millis(1);
+                        backoff.reset();
                         self.admit(
                             index,
                             accepted.socket,
@@ -177,13 +182,13 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                                 reset(shed.socket);
                             }
                             reserve = socket_reserve();
+                            let pause = backoff.step();
                             core.counters.server().record_descriptor_pressure();
                             core.emit(Event::DescriptorPressure {
                                 listener: listener_id,
-                                backoff,
+                                backoff: pause,
                             });
-                            let _ = wait::wait_readable(wake.as_fd(), Some(backoff));
-                            backoff = (backoff * 2).min(Duration::from_secs(1));
+                            let _ = wait::wait_readable(wake.as_fd(), Some(pause));
                             break;
                         }
                         AcceptFailure::Pause => {
@@ -191,8 +196,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                                 listener: listener_id,
                                 class: OsErrorClass::of(&error),
                             });
-                            let _ = wait::wait_readable(wake.as_fd(), Some(backoff));
-                            backoff = (backoff * 2).min(Duration::from_secs(1));
+                            let _ = wait::wait_readable(wake.as_fd(), Some(backoff.step()));
                             break;
                         }
                         AcceptFailure::ListenerFailed => {
@@ -227,8 +231,8 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         let peer = normalize(peer);
         core.counters.server().record_accepted();
         let listener_id = ListenerId(index as u32);
+        // Counted and reported before the reset, so whoever sees the RST also sees the refusal.
         let refuse = |socket: OwnedFd, cause: RefusalCause, coalescer: &mut Coalescer| {
-            reset(socket);
             core.counters.server().record_refused(cause);
             if core.events_enabled {
                 coalescer.emit(
@@ -241,6 +245,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                     core.now(),
                 );
             }
+            reset(socket);
         };
         if self.lockdown.load(Ordering::Acquire) {
             return refuse(socket, RefusalCause::Lockdown, coalescer);
@@ -248,11 +253,18 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         let reservation = match core.caps.reserve(index, peer.ip()) {
             Ok(reservation) => reservation,
             Err(refusal) => {
-                let cause = match refusal {
-                    CapRefusal::Global => RefusalCause::GlobalCap,
-                    CapRefusal::Listener => RefusalCause::ListenerCap,
-                    CapRefusal::Source => RefusalCause::SourceCap,
+                let (cause, which) = match refusal {
+                    CapRefusal::Global => (RefusalCause::GlobalCap, LimitKind::Connections),
+                    CapRefusal::Listener => (RefusalCause::ListenerCap, LimitKind::PerListener),
+                    CapRefusal::Source => (RefusalCause::SourceCap, LimitKind::PerSource),
                 };
+                if core.events_enabled {
+                    coalescer.emit(
+                        &*core.events,
+                        Event::LimitHit { id: None, which },
+                        core.now(),
+                    );
+                }
                 return refuse(socket, cause, coalescer);
             }
         };
@@ -326,7 +338,6 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             ..
         } = job;
         let reason = CloseReason::Refused(cause);
-        reset(socket);
         close_ticket(&self.gate, ticket, &info, reason);
         self.core
             .counters
@@ -340,6 +351,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             lifetime: self.core.now().saturating_duration_since(info.accepted_at),
         });
         drop(reservation);
+        reset(socket);
     }
 
     /// Applies a control-line state on the accept thread.
@@ -417,8 +429,6 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 &mut prefix,
                 job,
             );
-            core.busy_workers.fetch_sub(1, Ordering::Relaxed);
-            self.handover.done();
         }
     }
 
@@ -549,8 +559,19 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         core.counters
             .slot(index)
             .record_close(reason, link.bytes_in, link.bytes_out);
-        if let CloseReason::Killed(code) = reason {
-            core.emit(Event::Killed { id: info.id, code });
+        // Caps and the worker are free before anyone can see the close, so a client that reconnects on the
+        // Closed event is never refused by a connection that is already gone.
+        drop(reservation);
+        core.busy_workers.fetch_sub(1, Ordering::Relaxed);
+        self.handover.done();
+        match reason {
+            CloseReason::Killed(code) => core.emit(Event::Killed { id: info.id, code }),
+            CloseReason::Limit(which) => core.emit(Event::LimitHit {
+                id: Some(info.id),
+                which,
+            }),
+            CloseReason::EgressDenied(code) => core.emit(Event::EgressDenied { id: info.id, code }),
+            _ => {}
         }
         core.emit(Event::Closed {
             id: info.id,
@@ -559,7 +580,6 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             bytes_out: link.bytes_out,
             lifetime: core.now().saturating_duration_since(info.accepted_at),
         });
-        drop(reservation);
     }
 }
 

@@ -18,9 +18,15 @@
 //! clear, so a killer can never shut down a descriptor number the kernel has handed to someone else. The
 //! generation changes on every `occupy`, so a kill aimed at an earlier connection in the slot fails its CAS.
 
+#[cfg(loom)]
+use loom::sync::Arc;
+#[cfg(loom)]
+use loom::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::net::Shutdown;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+#[cfg(not(loom))]
 use std::sync::Arc;
+#[cfg(not(loom))]
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 
 use crate::socket;
@@ -49,6 +55,10 @@ pub struct KillSlot {
     id: AtomicU64,
     descriptor: AtomicI32,
     claimed: AtomicBool,
+    /// Under loom only: set while a killer uses the descriptor, so the model can check the owner never
+    /// hands it back during that time.
+    #[cfg(loom)]
+    using: AtomicBool,
 }
 
 /// The owning half of a slot: holds the connection's descriptor and is the only one that can give it up.
@@ -60,12 +70,14 @@ pub struct SlotOwner {
 
 impl KillSlot {
     /// An empty slot.
-    pub const fn new() -> Self {
+    pub fn new() -> Self {
         Self {
             word: AtomicU64::new(0),
             id: AtomicU64::new(0),
             descriptor: AtomicI32::new(-1),
             claimed: AtomicBool::new(false),
+            #[cfg(loom)]
+            using: AtomicBool::new(false),
         }
     }
 
@@ -103,6 +115,8 @@ impl KillSlot {
                 Err(actual) => current = actual,
             }
         }
+        #[cfg(loom)]
+        self.using.store(true, Ordering::SeqCst);
         let raw = self.descriptor.load(Ordering::Acquire);
         if raw >= 0 {
             // SAFETY: KILLING is set and the owner does not close or hand out the descriptor until it is cleared
@@ -111,6 +125,8 @@ impl KillSlot {
             // A failure (the peer already reset) changes nothing: the owner sees CLOSING on its next check.
             let _ = socket::shutdown(socket, Shutdown::Read);
         }
+        #[cfg(loom)]
+        self.using.store(false, Ordering::SeqCst);
         // Release: the owner's acquire load of a clear KILLING happens after our last use of the descriptor.
         self.word.fetch_and(!KILLING, Ordering::Release);
         true
@@ -245,12 +261,20 @@ impl SlotOwner {
         let mut spins = 0u32;
         while self.slot.word.load(Ordering::Acquire) & KILLING != 0 {
             spins += 1;
+            #[cfg(loom)]
+            loom::thread::yield_now();
+            #[cfg(not(loom))]
             if spins < 64 {
                 std::hint::spin_loop();
             } else {
                 std::thread::yield_now();
             }
         }
+        #[cfg(loom)]
+        assert!(
+            !self.slot.using.load(Ordering::SeqCst),
+            "the descriptor was handed back while a killer used it"
+        );
         self.slot.descriptor.store(-1, Ordering::Relaxed);
         let current = self.slot.word.load(Ordering::Relaxed);
         self.slot.word.store(
@@ -268,7 +292,65 @@ impl Drop for SlotOwner {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+
+    fn descriptor() -> OwnedFd {
+        crate::rlimit::open_reserve().expect("open /dev/null")
+    }
+
+    #[test]
+    fn a_kill_racing_the_owners_close_has_one_winner_and_never_outlives_the_descriptor() {
+        loom::model(|| {
+            let slot = Arc::new(KillSlot::new());
+            let mut owner = SlotOwner::claim(Arc::clone(&slot)).expect("first claim");
+            owner.occupy(1, descriptor());
+            let killer_slot = Arc::clone(&slot);
+            let killer = loom::thread::spawn(move || killer_slot.kill(1, 5, KillCondition::Always));
+            let winner = owner.begin_close(u16::MAX);
+            let socket = owner.release();
+            let killed = killer.join().expect("killer thread");
+            assert_eq!(
+                killed,
+                winner == 5,
+                "the kill's result and the stored reason disagree"
+            );
+            assert!(socket.is_some(), "the owner lost its descriptor");
+        });
+    }
+
+    #[test]
+    fn two_killers_and_a_reoccupied_slot_never_kill_the_next_connection() {
+        // Three threads and a slot reuse: bound the preemptions so the model checks in seconds, not minutes.
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(2);
+        builder.check(|| {
+            let slot = Arc::new(KillSlot::new());
+            let mut owner = SlotOwner::claim(Arc::clone(&slot)).expect("first claim");
+            owner.occupy(1, descriptor());
+            let first = {
+                let slot = Arc::clone(&slot);
+                loom::thread::spawn(move || slot.kill(1, 5, KillCondition::Always))
+            };
+            let second = {
+                let slot = Arc::clone(&slot);
+                loom::thread::spawn(move || slot.kill(1, 6, KillCondition::Always))
+            };
+            drop(owner.release());
+            owner.occupy(2, descriptor());
+            let wins = usize::from(first.join().unwrap()) + usize::from(second.join().unwrap());
+            assert!(wins <= 1, "two killers won");
+            assert_eq!(
+                owner.closing(),
+                None,
+                "a kill for connection 1 reached connection 2"
+            );
+        });
+    }
+}
+
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use std::net::TcpListener;
