@@ -130,6 +130,10 @@ struct KindRound {
     churn_stalled: f64,
     churn_errors: f64,
     churn_slowest_milliseconds: f64,
+    /// `TcpExtListenOverflows` growth during the churn (machine-wide, so other helpers' servers count too).
+    churn_listen_overflows: f64,
+    /// Connections the server reported accepting, over the churn's length.
+    churn_server_accepts_per_second: f64,
 }
 
 /// A child process with its stdout lines arriving on a channel.
@@ -416,12 +420,21 @@ fn measure_kind(
     stop(server)?;
 
     let server = start_server(binaries, kind)?;
+    let overflows_before = listen_overflows();
     let churn = measure_churn(binaries, &server, options.churn_duration)?;
+    let overflows_after = listen_overflows();
     round.churn_per_second = number(&churn, "per_s")?;
     round.churn_stalled = number(&churn, "stalled")?;
     round.churn_errors = number(&churn, "errors")?;
     round.churn_slowest_milliseconds = number(&churn, "max_ms")?;
-    stop(server)?;
+    round.churn_listen_overflows = match (overflows_before, overflows_after) {
+        (Some(before), Some(after)) => after.saturating_sub(before) as f64,
+        _ => f64::NAN,
+    };
+    let seconds = number(&churn, "seconds")?;
+    let accepted = stop(server)?;
+    round.churn_server_accepts_per_second =
+        accepted.map_or(f64::NAN, |count| count as f64 / seconds);
     Ok(round)
 }
 
@@ -731,14 +744,36 @@ fn finish(mut running: Running) -> Result<()> {
     Ok(())
 }
 
-/// Asks a server to stop by closing its stdin; kills it (by its own pid) if it has not exited in 10 s.
-fn stop(mut running: Running) -> Result<()> {
+/// Asks a server to stop by closing its stdin (killing it, by its own pid, if it has not exited in 10 s) and
+/// returns the count from its `served connections=N` line.
+fn stop(mut running: Running) -> Result<Option<u64>> {
     drop(running.stdin.take());
     let status = wait_with_deadline(&mut running.child, Duration::from_secs(10))?;
     if !status.success() {
         bail!("{} exited with {status} when asked to stop", running.what);
     }
-    Ok(())
+    let served = running
+        .lines
+        .try_iter()
+        .chain(running.lines.recv_timeout(Duration::from_secs(1)))
+        .find_map(|line| {
+            line.strip_prefix("served connections=")
+                .and_then(|count| count.trim().parse().ok())
+        });
+    Ok(served)
+}
+
+/// `TcpExtListenOverflows` from `/proc/net/netstat`: SYNs dropped because an accept queue was full.
+fn listen_overflows() -> Option<u64> {
+    let text = fs::read_to_string("/proc/net/netstat").ok()?;
+    let mut lines = text.lines().filter(|line| line.starts_with("TcpExt:"));
+    let names = lines.next()?;
+    let values = lines.next()?;
+    names
+        .split_whitespace()
+        .zip(values.split_whitespace())
+        .find(|(name, _)| *name == "ListenOverflows")
+        .and_then(|(_, value)| value.parse().ok())
 }
 
 fn wait_with_deadline(child: &mut Child, timeout: Duration) -> Result<std::process::ExitStatus> {
@@ -848,10 +883,13 @@ fn summarise(round: &KindRound) -> String {
     }
     let _ = write!(
         text,
-        "idle {:.1} KiB/conn; churn {:.0}/s stalled {}",
+        "idle {:.1} KiB/conn ({:.1} whole); churn {:.0}/s (server {:.0}/s) stalled {} overflows {}",
         round.idle_bytes_per_connection / 1024.0,
+        round.idle_total_bytes_per_connection / 1024.0,
         round.churn_per_second,
-        round.churn_stalled
+        round.churn_server_accepts_per_second,
+        round.churn_stalled,
+        round.churn_listen_overflows
     );
     text
 }
@@ -881,6 +919,8 @@ struct KindMedians {
     churn_stalled: f64,
     churn_errors: f64,
     churn_slowest_milliseconds: f64,
+    churn_listen_overflows: f64,
+    churn_server_accepts_per_second: f64,
 }
 
 fn medians(rounds: &[KindRound]) -> KindMedians {
@@ -904,6 +944,8 @@ fn medians(rounds: &[KindRound]) -> KindMedians {
         churn_stalled: of(&|round| round.churn_stalled),
         churn_errors: of(&|round| round.churn_errors),
         churn_slowest_milliseconds: of(&|round| round.churn_slowest_milliseconds),
+        churn_listen_overflows: of(&|round| round.churn_listen_overflows),
+        churn_server_accepts_per_second: of(&|round| round.churn_server_accepts_per_second),
     }
 }
 
@@ -1024,20 +1066,25 @@ fn render_report(
     let _ = writeln!(out, "\n## Idle memory and connect-and-close churn\n");
     let _ = writeln!(
         out,
-        "| Server | RSS growth per idle connection (KiB) | Whole RSS / idle connections (KiB) | Idle connections served | Churn connects/s | Stalled connects (> 500 ms) | Connect errors | Slowest connect (ms) | churn vs std | churn vs tokio |"
+        "| Server | RSS growth per idle connection (KiB) | Whole RSS / idle connections (KiB) | Idle connections served | Churn connects/s | Server accepts/s | Stalled connects (> 500 ms) | Listen overflows | Connect errors | Slowest connect (ms) | churn vs std | churn vs tokio |"
     );
-    let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(
+        out,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
     for (kind, medians) in &summary {
         let _ = writeln!(
             out,
-            "| {} | {:.1} | {:.1} | {:.0} of {} | {:.0} | {:.0} | {:.0} | {:.1} | {} | {} |",
+            "| {} | {:.1} | {:.1} | {:.0} of {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1} | {} | {} |",
             kind.label,
             medians.idle_kib_per_connection,
             medians.idle_total_kib_per_connection,
             medians.idle_served,
             options.idle_connections,
             medians.churn_per_second,
+            medians.churn_server_accepts_per_second,
             medians.churn_stalled,
+            medians.churn_listen_overflows,
             medians.churn_errors,
             medians.churn_slowest_milliseconds,
             ratio(
@@ -1123,8 +1170,11 @@ fn render_report(
          - Churn (`bench_client churn`): {CHURN_THREADS} threads connect and close as fast as they can for {} ms; \
          every close is an RST (`SO_LINGER` 0) so no TIME_WAIT piles up on either side. Connects per second \
          over the whole time including the tail of slow connects; a connect over 500 ms (a dropped SYN waiting \
-         for its 1 s retransmit, which is what a full accept backlog causes) counts as stalled. std and tokio \
-         listen with their default backlog (128 from `TcpListener::bind`).\n\
+         for its 1 s retransmit, which is what a full accept backlog causes) counts as stalled. Server accepts/s \
+         is the count the server reports at exit over the churn's length; listen overflows is the growth of \
+         `TcpExtListenOverflows` in `/proc/net/netstat` during the churn (machine-wide, so another helper's \
+         server could add to it). std and tokio listen with their default backlog (128 from \
+         `TcpListener::bind`), net-io-blocking with 1,024.\n\
          - Client and server share the same two cores, so from 16 connections on the client takes a large share \
          of the CPU and the throughput figures are partly client-bound.\n\
          - Each round runs every kind once, with the order rotated by one each round; the medians over rounds \
