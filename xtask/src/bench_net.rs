@@ -31,6 +31,7 @@ use crate::workspace_root;
 const USAGE: &str = "\
 usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,handler,sessions]
                              [--duration-ms MS] [--warmup-ms MS] [--churn-ms MS] [--idle N]
+                             [--client-threads N]
                              [--output PATH | --no-write] [--no-strace]
 
   --quick        one short round for a smoke test (does not write the report unless --output is given)
@@ -40,15 +41,13 @@ usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,handler,s
   --warmup-ms    warm-up before each echo window (default 500)
   --churn-ms     length of the connect-and-close churn (default 3000)
   --idle N       idle connections held for the memory figure (default 5000)
+  --client-threads N  echo client threads at 16 and 256 connections (default 2; 1 at one connection)
   --output PATH  where to write the markdown report (default docs/performance/netbench.md)
   --no-strace    skip the system-call count with `strace -c -f` (done by default when strace is installed)
 ";
 
 /// Connection counts of the closed-loop echo loads.
 const ECHO_CONNECTIONS: [u32; 3] = [1, 16, 256];
-
-/// Client threads for the echo loads: one for a single connection, else two (this machine has two cores).
-const ECHO_THREADS: [u32; 3] = [1, 2, 2];
 
 /// Client threads doing connect-and-close.
 const CHURN_THREADS: u32 = 4;
@@ -105,6 +104,8 @@ struct Options {
     echo_warmup: Duration,
     churn_duration: Duration,
     idle_connections: u32,
+    /// Client threads for the 16- and 256-connection loads.
+    client_threads: u32,
     output: Option<PathBuf>,
     /// Count system calls per round trip with `strace -c -f` when it is installed.
     strace: bool,
@@ -229,6 +230,7 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
         echo_warmup: Duration::from_millis(500),
         churn_duration: Duration::from_millis(3_000),
         idle_connections: 5_000,
+        client_threads: 2,
         output: Some(PathBuf::from("docs/performance/netbench.md")),
         strace: true,
     };
@@ -258,6 +260,7 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
             "--warmup-ms" => options.echo_warmup = Duration::from_millis(count("--warmup-ms")?),
             "--churn-ms" => options.churn_duration = Duration::from_millis(count("--churn-ms")?),
             "--idle" => options.idle_connections = count("--idle")? as u32,
+            "--client-threads" => options.client_threads = count("--client-threads")? as u32,
             "--output" => {
                 options.output = Some(PathBuf::from(value()?));
                 output_given = true;
@@ -390,7 +393,12 @@ fn measure_kind(
     let mut round = KindRound::default();
 
     let mut server = start_server(binaries, kind)?;
-    for (connections, threads) in ECHO_CONNECTIONS.iter().zip(ECHO_THREADS) {
+    for connections in &ECHO_CONNECTIONS {
+        let threads = if *connections == 1 {
+            1
+        } else {
+            options.client_threads
+        };
         let result = measure_echo(
             binaries,
             &mut server,
@@ -562,7 +570,14 @@ struct SystemCalls {
 /// Attaches `strace -c -f` to a server after its one connection is open, runs a fixed number of round trips,
 /// and divides the calls strace counted by them.
 fn count_system_calls(binaries: &Binaries, kind: ServerKind) -> Result<SystemCalls> {
-    let server = start_server(binaries, kind)?;
+    // Attaching interrupts every waiting thread once (a futex restarted with EAGAIN); with 320 idle workers
+    // that adds about 0.06 calls per round trip that the echo never makes, so the pool is small here.
+    let arguments: &[&str] = if kind.pooled {
+        &["--workers", "2"]
+    } else {
+        &[]
+    };
+    let server = start_server_with(binaries, kind, arguments)?;
     let mut client = spawn(
         Command::new(&binaries.client).args([
             "count",
@@ -1103,7 +1118,9 @@ fn render_report(
             out,
             "\n## System calls per round trip, counted from outside\n\n\
              `strace -c -f` attached to the server (all its threads) after the client's one connection was open, \
-             over {STRACE_ROUND_TRIPS} round trips of 64 B; the client's own calls are not counted. strace slows \
+             over {STRACE_ROUND_TRIPS} round trips of 64 B, with 2 workers for the net-io-blocking kinds (attaching \
+             interrupts every idle worker's wait once, which a large pool would add to the count); the client's \
+             own calls are not counted. strace slows \
              every call, which can change how often an event loop finds nothing ready, so read this as a count, \
              not a speed.\n"
         );
@@ -1143,6 +1160,7 @@ fn render_report(
     }
 
     let _ = writeln!(out, "## Method\n");
+    let threads = options.client_threads;
     let _ = writeln!(
         out,
         "- Servers (`net-io-blocking/examples/bench_server.rs`), each its own process bound to 127.0.0.1 port 0: \
@@ -1154,11 +1172,17 @@ fn render_report(
          10-minute idle timeout (std and tokio have none); every other limit is the default (backlog 1,024). \
          A fresh server process is started for the echo loads, for the idle figure and for the churn.\n\
          - Echo client (`bench_client echo`): closed loop, one 64 B message in flight per connection. It opens \
-         the connections (one round trip each, so all are served), then splits them over {} client threads for \
+         the connections (one round trip each, so all are served), then splits them over 1, {threads} and {threads} client threads for \
          1, 16 and 256 connections; each thread writes one message on each of its connections, then reads each \
          echo in order, with blocking sockets. A round trip's latency runs from its write to the end of its \
          read; all round trips inside the window are sampled. Warm-up {} ms, timed window {} ms. Closed-loop p99 \
-         understates the latency an open-loop load would see (coordinated omission).\n\
+         understates the latency an open-loop load would see (coordinated omission). How to read the latency \
+         at 16 and 256 connections: in a lock-step round a message also waits for the client to write and read \
+         the others of its thread, so p50 there is mostly the client's round time; and by Little's law a closed \
+         loop with N messages in flight has a mean latency of N divided by its throughput, so with 256 \
+         connections a p99 under 2 ms needs well over 128,000 round trips/s, which client and server sharing \
+         two cores cannot reach here. `--client-threads` changes the split (256 gives one thread per \
+         connection).\n\
          - Server CPU per round trip: utime + stime of the server from `/proc/PID/stat` at the start and end of \
          the timed window (10 ms ticks, so at low rates it is coarse), divided by the round trips in the window.\n\
          - Idle memory: the server's `VmRSS` from `/proc/PID/status` before and 300 ms after the client opened \
@@ -1179,11 +1203,6 @@ fn render_report(
          of the CPU and the throughput figures are partly client-bound.\n\
          - Each round runs every kind once, with the order rotated by one each round; the medians over rounds \
          are reported. Raw per-round figures follow.",
-        ECHO_THREADS
-            .iter()
-            .map(u32::to_string)
-            .collect::<Vec<_>>()
-            .join(", "),
         options.echo_warmup.as_millis(),
         options.echo_duration.as_millis(),
         options.idle_connections,
