@@ -641,6 +641,11 @@ fn count_system_calls(binaries: &Binaries, kind: ServerKind) -> Result<SystemCal
     })?;
     let _ = fs::remove_file(&summary_path);
     let round_trips = number(&fields(&line), "round_trips")?;
+    parse_strace_summary(&summary, round_trips)
+}
+
+/// Reads the table `strace -c` writes and divides its counts by `round_trips`.
+fn parse_strace_summary(summary: &str, round_trips: f64) -> Result<SystemCalls> {
     let mut total = 0.0;
     let mut rows = Vec::new();
     for row in summary.lines() {
@@ -1319,6 +1324,35 @@ mod tests {
         assert!(
             number(&parsed, "p99_us").is_err(),
             "a missing key must be an error"
+        );
+    }
+
+    #[test]
+    fn an_strace_summary_divides_into_calls_per_round_trip() {
+        let summary = "\
+% time     seconds  usecs/call     calls    errors syscall
+------ ----------- ----------- --------- --------- ----------------
+ 55.00    0.010000           2      5001           recvfrom
+ 45.00    0.008000           1      5000           sendto
+  0.00    0.000000           0         3         1 futex
+------ ----------- ----------- --------- --------- ----------------
+100.00    0.018000           1     10004         1 total
+";
+        let counted = parse_strace_summary(summary, 5_000.0).unwrap();
+        assert!(
+            (counted.per_round_trip - 2.0008).abs() < 1e-9,
+            "total calls per round trip came out as {}",
+            counted.per_round_trip
+        );
+        let names: Vec<&str> = counted.top.iter().map(|(name, _)| name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["recvfrom", "sendto"],
+            "the once-only futex should be dropped and the rest sorted by count"
+        );
+        assert!(
+            parse_strace_summary("no table here", 1.0).is_err(),
+            "a summary without a total line must be an error"
         );
     }
 
