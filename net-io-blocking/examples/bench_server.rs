@@ -32,7 +32,7 @@ use net_io_blocking::{
     TcpConnection,
 };
 
-/// Size of the per-connection receive buffer for the std and tokio servers.
+/// Size of the per-connection receive buffer of every kind (the net-io-blocking read buffer too).
 const BUFFER_SIZE: usize = 4096;
 
 /// The server stack to run.
