@@ -19,7 +19,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crate::error::{RuntimeError, TaskState};
-use crate::pool::{Pool, current_pool};
+use crate::pool::{Pool, with_current_pool};
 use crate::table::{
     ABORT_CANCEL, ABORT_FAIL, ABORT_NONE, ABORT_TIMEOUT, Body, SCHED_IDLE, SCHED_NOTIFIED,
     SCHED_RUNNING, SCHED_SCHEDULED, Slot, TaskRef, table,
@@ -65,9 +65,16 @@ pub(crate) fn nudge(task: TaskRef) {
 
 /// Puts a scheduled task on the right queue of the current pool; without a pool it is written off.
 pub(crate) fn enqueue(task: TaskRef, slot: &Slot) {
-    match current_pool() {
-        Some(pool) => pool.push(task, slot),
-        None => {
+    let pushed = with_current_pool(|pool| match pool {
+        Some(pool) => {
+            pool.push(task, slot);
+            true
+        }
+        None => false,
+    });
+    match pushed {
+        true => {}
+        false => {
             // No pool will ever run it: settle it so joiners do not hang.
             let mut body = slot.lock();
             settle(
@@ -243,7 +250,12 @@ fn start_run(
     sequence: u64,
 ) -> Started {
     let runs = body.runs;
-    let now = Instant::now();
+    // Reading the clock costs a vDSO call; plain one-shot tasks never need it.
+    let now = if body.plan.is_some() {
+        Instant::now()
+    } else {
+        pool.epoch()
+    };
     let mut input: Box<dyn Any + Send> = Box::new(());
     let mut timeout = None;
     if let Some(plan) = body.plan.as_mut() {
@@ -417,7 +429,11 @@ fn publish(
     }
     body.output = Some(output);
     body.published = true;
-    let now = Instant::now();
+    let now = if body.plan.is_some() {
+        Instant::now()
+    } else {
+        pool.epoch()
+    };
     let runs = body.runs;
     let mut next = Next::Settle;
     if let Some(plan) = body.plan.as_mut() {

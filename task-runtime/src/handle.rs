@@ -176,7 +176,8 @@ fn read<T>(
 ) -> Result<T, RuntimeError> {
     let body = slot.lock();
     match slot.state() {
-        TaskState::Ready => body
+        // A repeat between runs reads Ready; one that started its next run still shows the last output.
+        TaskState::Ready | TaskState::Pending | TaskState::Running if body.output.is_some() => body
             .output
             .as_deref()
             .and_then(copy)

@@ -42,8 +42,12 @@ const STARVE_AGE: u64 = 1_000_000;
 const STARVE_RELIEF: u32 = 64;
 /// Local takes in a row before the injector gets a turn.
 const LIFO_STREAK: u32 = 3;
-/// Spins (with a yield each) a worker makes before parking.
-const SPINS_BEFORE_PARK: u32 = 64;
+/// How long a worker that ran out of work keeps looking before it parks (yielding in between).
+const SPIN_BEFORE_PARK: Duration = Duration::from_micros(50);
+/// Checks of the state word a joiner off the pool makes before it sleeps (a few microseconds).
+const SPIN_BEFORE_SLEEP: u32 = 2000;
+/// Most tasks a worker moves from the injector to its own deque at once.
+const REFILL: usize = 32;
 
 /// Sizes chosen at `init`.
 #[derive(Debug, Clone, Copy)]
@@ -157,28 +161,34 @@ impl WorkerSlot {
         }
     }
 
-    fn pop_back(&self) -> Option<TaskRef> {
+    fn pop_back(&self, total: &AtomicUsize) -> Option<TaskRef> {
         if self.local_len.load(Ordering::Acquire) == 0 {
             return None;
         }
         let mut local = self.local.lock().unwrap_or_else(|p| p.into_inner());
         let task = local.pop_back();
         self.local_len.store(local.len(), Ordering::Release);
+        if task.is_some() {
+            total.fetch_sub(1, Ordering::AcqRel);
+        }
         task
     }
 
-    fn steal_front(&self) -> Option<TaskRef> {
+    fn steal_front(&self, total: &AtomicUsize) -> Option<TaskRef> {
         if self.local_len.load(Ordering::Acquire) == 0 {
             return None;
         }
         let mut local = self.local.lock().unwrap_or_else(|p| p.into_inner());
         let task = local.pop_front();
         self.local_len.store(local.len(), Ordering::Release);
+        if task.is_some() {
+            total.fetch_sub(1, Ordering::AcqRel);
+        }
         task
     }
 
     /// Takes `wanted` out of the newest end of the deque if it is among the last few entries.
-    fn take_specific(&self, wanted: TaskRef) -> Option<TaskRef> {
+    fn take_specific(&self, wanted: TaskRef, total: &AtomicUsize) -> Option<TaskRef> {
         if self.local_len.load(Ordering::Acquire) == 0 {
             return None;
         }
@@ -189,6 +199,9 @@ impl WorkerSlot {
             .find(|&position| local[position] == wanted)?;
         let task = local.remove(position);
         self.local_len.store(local.len(), Ordering::Release);
+        if task.is_some() {
+            total.fetch_sub(1, Ordering::AcqRel);
+        }
         task
     }
 }
@@ -224,12 +237,17 @@ pub(crate) struct Pool {
     pub(crate) live_sleepers: AtomicUsize,
     pub(crate) busy_sleepers: AtomicUsize,
     waiting_workers: AtomicUsize,
+    /// Tasks in all workers' local deques together, so idle checks need no lock.
+    local_queued: AtomicUsize,
+    /// A wake is on its way to a parked worker; later pushes need not make another system call.
+    wake_pending: AtomicBool,
     pub(crate) counters: Counters,
     pub(crate) reactor: Arc<Reactor>,
     /// Fault hook: pool threads that should die on their next loop.
     pub(crate) kill_threads: AtomicU32,
     /// Fault hook: the help depth in use.
     pub(crate) help_depth: AtomicUsize,
+    created: Instant,
 }
 
 struct Context {
@@ -243,6 +261,12 @@ thread_local! {
 }
 
 static GLOBAL: RwLock<Option<Arc<Pool>>> = RwLock::new(None);
+/// Bumped whenever GLOBAL changes, so threads outside the pool can cache it (see `current_pool`).
+static GLOBAL_EPOCH: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    static CACHED: RefCell<(u64, Option<Arc<Pool>>)> = const { RefCell::new((0, None)) };
+}
 
 /// The pool of the calling pool thread, or the running global pool.
 pub(crate) fn current_pool() -> Option<Arc<Pool>> {
@@ -256,7 +280,40 @@ pub(crate) fn current_pool() -> Option<Arc<Pool>> {
     if local.is_some() {
         return local;
     }
-    GLOBAL.read().unwrap_or_else(|p| p.into_inner()).clone()
+    // Outside the pool: reuse this thread's copy unless the global pool changed since it was taken,
+    // so a spawning thread does not take the global lock on every spawn.
+    let epoch = GLOBAL_EPOCH.load(Ordering::Acquire);
+    CACHED.with(|cached| {
+        let mut cached = cached.borrow_mut();
+        if cached.0 != epoch {
+            *cached = (
+                epoch,
+                GLOBAL.read().unwrap_or_else(|p| p.into_inner()).clone(),
+            );
+        }
+        cached.1.clone()
+    })
+}
+
+/// Calls `visit` with the current pool (as [`current_pool`] finds it) without cloning the `Arc`, so the
+/// hot spawn and wake paths do not bounce the pool's reference count between cores.
+pub(crate) fn with_current_pool<R>(visit: impl FnOnce(Option<&Arc<Pool>>) -> R) -> R {
+    let mut visit = Some(visit);
+    let on_pool = CONTEXT.with(|context| {
+        let context = context.borrow();
+        let context = context.as_ref().filter(|context| !context.pool.closed())?;
+        let visit = visit.take()?;
+        Some(visit(Some(&context.pool)))
+    });
+    if let Some(result) = on_pool {
+        return result;
+    }
+    // Off the pool the thread's cached copy is cloned; only this thread touches that count.
+    let pool = current_pool();
+    match visit.take() {
+        Some(visit) => visit(pool.as_ref()),
+        None => unreachable!("the visitor runs exactly once"),
+    }
 }
 
 /// The running global pool, if any (not the one a stopping pool thread belongs to).
@@ -266,6 +323,7 @@ pub(crate) fn global_pool() -> Option<Arc<Pool>> {
 
 pub(crate) fn set_global(pool: Option<Arc<Pool>>) {
     *GLOBAL.write().unwrap_or_else(|p| p.into_inner()) = pool;
+    GLOBAL_EPOCH.fetch_add(1, Ordering::AcqRel);
 }
 
 impl Pool {
@@ -287,11 +345,19 @@ impl Pool {
             live_sleepers: AtomicUsize::new(0),
             busy_sleepers: AtomicUsize::new(0),
             waiting_workers: AtomicUsize::new(0),
+            local_queued: AtomicUsize::new(0),
+            wake_pending: AtomicBool::new(false),
             counters: Counters::default(),
             reactor,
             kill_threads: AtomicU32::new(0),
             help_depth: AtomicUsize::new(HELP_DEPTH),
+            created: Instant::now(),
         })
+    }
+
+    /// A fixed instant for code paths that need an `Instant` value but not the current time.
+    pub(crate) fn epoch(&self) -> Instant {
+        self.created
     }
 
     pub(crate) fn closed(&self) -> bool {
@@ -327,6 +393,7 @@ impl Pool {
             let mut local = worker.local.lock().unwrap_or_else(|p| p.into_inner());
             local.push_back(task);
             worker.local_len.store(local.len(), Ordering::Release);
+            self.local_queued.fetch_add(1, Ordering::AcqRel);
             true
         });
         if !pushed_locally {
@@ -344,10 +411,14 @@ impl Pool {
     }
 
     fn notify_worker(&self) {
-        // SeqCst pairs with the parking worker's increment of `parked_workers` and its re-check of the
-        // queues: either it sees our push, or we see it parked and wake it.
-        self.work_word.fetch_add(1, Ordering::SeqCst);
-        if self.parked_workers.load(Ordering::SeqCst) > 0 {
+        // The fence pairs with the parking worker's SeqCst increment of `parked_workers` and its re-check
+        // of the queues: either it sees our push, or we see it parked and wake it. Only one wake is in
+        // flight at a time; the woken worker wakes the next one if work remains (see `worker_main`).
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.parked_workers.load(Ordering::SeqCst) > 0
+            && !self.wake_pending.swap(true, Ordering::AcqRel)
+        {
+            self.work_word.fetch_add(1, Ordering::SeqCst);
             futex::wake(&self.work_word, 1);
         }
     }
@@ -382,54 +453,65 @@ impl Pool {
         self.blocking_queued.load(Ordering::Acquire)
     }
 
-    fn has_work(&self, me: Option<&WorkerSlot>) -> bool {
-        if self.injected.load(Ordering::Acquire) > 0 {
-            return true;
-        }
-        if me.is_some_and(|me| me.local_len.load(Ordering::Acquire) > 0) {
-            return true;
-        }
-        let workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
-        workers
-            .iter()
-            .any(|worker| worker.local_len.load(Ordering::Acquire) > 0)
+    fn has_work(&self, _me: Option<&WorkerSlot>) -> bool {
+        self.injected.load(Ordering::Acquire) > 0 || self.local_queued.load(Ordering::Acquire) > 0
     }
 
-    fn pop_injector(&self) -> Option<TaskRef> {
+    /// Pops one task from the injector and, for a worker, moves a share of the rest into its own deque
+    /// (min(length / live workers, REFILL)) so the injector lock is taken once per batch, not per task.
+    fn pop_injector(&self, me: Option<&WorkerSlot>) -> Option<TaskRef> {
         if self.injected.load(Ordering::Acquire) == 0 {
             return None;
         }
         let mut injector = self.injector.lock().unwrap_or_else(|p| p.into_inner());
-        let entry = injector.pop(table().spawned());
+        let spawned = table().spawned();
+        let entry = injector.pop(spawned)?;
+        if let Some(me) = me {
+            let live = self.live_workers.load(Ordering::Acquire).max(1);
+            let share = (injector.len() / live).min(REFILL);
+            if share > 0 {
+                let mut local = me.local.lock().unwrap_or_else(|p| p.into_inner());
+                let mut batch: Vec<TaskRef> = Vec::with_capacity(share);
+                for _ in 0..share {
+                    match injector.pop(spawned) {
+                        Some(entry) => batch.push(entry.task),
+                        None => break,
+                    }
+                }
+                // The deque pops from the back, so store the batch reversed to keep it first-in first-out.
+                self.local_queued.fetch_add(batch.len(), Ordering::AcqRel);
+                local.extend(batch.into_iter().rev());
+                me.local_len.store(local.len(), Ordering::Release);
+            }
+        }
         self.injected.store(injector.len(), Ordering::Release);
-        entry.map(|entry| entry.task)
+        Some(entry.task)
     }
 
     fn steal(&self, me: &WorkerSlot) -> Option<TaskRef> {
-        let workers: Vec<Arc<WorkerSlot>> = self
-            .workers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        if self.local_queued.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
         workers
             .iter()
             .filter(|worker| !std::ptr::eq(worker.as_ref(), me))
-            .find_map(|worker| worker.steal_front())
+            .find_map(|worker| worker.steal_front(&self.local_queued))
     }
 
     fn find_work(&self, me: &WorkerSlot, streak: &mut u32) -> Option<TaskRef> {
         if *streak >= LIFO_STREAK {
             *streak = 0;
-            if let Some(task) = self.pop_injector() {
+            if let Some(task) = self.pop_injector(Some(me)) {
                 return Some(task);
             }
         }
-        if let Some(task) = me.pop_back() {
+        if let Some(task) = me.pop_back(&self.local_queued) {
             *streak += 1;
             return Some(task);
         }
         *streak = 0;
-        self.pop_injector().or_else(|| self.steal(me))
+        self.pop_injector(Some(me)).or_else(|| self.steal(me))
     }
 
     pub(crate) fn note_running(&self, task: TaskRef) {
@@ -638,13 +720,9 @@ impl Pool {
             .unwrap_or_else(|p| p.into_inner())
             .iter()
         {
-            tasks.extend(
-                worker
-                    .local
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .drain(..),
-            );
+            let mut local = worker.local.lock().unwrap_or_else(|p| p.into_inner());
+            self.local_queued.fetch_sub(local.len(), Ordering::AcqRel);
+            tasks.extend(local.drain(..));
             worker.local_len.store(0, Ordering::Release);
         }
         tasks
@@ -703,6 +781,8 @@ impl Drop for DeathGuard {
             .drain(..)
             .collect();
         self.worker.local_len.store(0, Ordering::Release);
+        pool.local_queued
+            .fetch_sub(stranded.len(), Ordering::AcqRel);
         for task in stranded {
             if let Some(slot) = table().get(task) {
                 let mut injector = pool.injector.lock().unwrap_or_else(|p| p.into_inner());
@@ -751,6 +831,10 @@ fn worker_main(pool: Arc<Pool>, me: Arc<WorkerSlot>) {
             std::panic::resume_unwind(Box::new("injected pool thread death"));
         }
         if let Some(task) = pool.find_work(&me, &mut streak) {
+            // Chain wake: more work is queued and a worker is parked, so pass the wake on.
+            if pool.parked_workers.load(Ordering::Relaxed) > 0 && pool.has_work(None) {
+                pool.notify_worker();
+            }
             me.busy.store(true, Ordering::Release);
             pool.reactor.note_activity();
             executor::run(&pool, task);
@@ -759,7 +843,8 @@ fn worker_main(pool: Arc<Pool>, me: Arc<WorkerSlot>) {
             continue;
         }
         let mut found = false;
-        for _ in 0..SPINS_BEFORE_PARK {
+        let spin_started = Instant::now();
+        while spin_started.elapsed() < SPIN_BEFORE_PARK {
             if pool.has_work(Some(&me)) || me.stop.load(Ordering::Acquire) {
                 found = true;
                 break;
@@ -771,6 +856,11 @@ fn worker_main(pool: Arc<Pool>, me: Arc<WorkerSlot>) {
         }
         let epoch = pool.work_word.load(Ordering::SeqCst);
         pool.parked_workers.fetch_add(1, Ordering::SeqCst);
+        // A wake flagged pending may have gone to a worker that was already awake; clear it so the
+        // next push wakes us. Either that push comes after our queue check below (and wakes us), or
+        // its epoch bump makes our futex wait return at once.
+        pool.wake_pending.store(false, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
         if pool.has_work(Some(&me)) || me.stop.load(Ordering::Acquire) {
             pool.parked_workers.fetch_sub(1, Ordering::SeqCst);
             continue;
@@ -785,6 +875,7 @@ fn worker_main(pool: Arc<Pool>, me: Arc<WorkerSlot>) {
         };
         let woke = futex::wait(&pool.work_word, epoch, timeout);
         pool.parked_workers.fetch_sub(1, Ordering::SeqCst);
+        pool.wake_pending.store(false, Ordering::Release);
         if matches!(woke, Ok(futex::Wake::TimedOut)) && !pool.has_work(Some(&me)) {
             // Retire if still above the floor; the CAS keeps two idle workers from both leaving.
             let retired = pool
@@ -817,6 +908,8 @@ fn hand_back(pool: &Arc<Pool>, me: &WorkerSlot) {
         .drain(..)
         .collect();
     me.local_len.store(0, Ordering::Release);
+    pool.local_queued
+        .fetch_sub(leftover.len(), Ordering::AcqRel);
     for task in leftover {
         if let Some(slot) = table().get(task) {
             let mut injector = pool.injector.lock().unwrap_or_else(|p| p.into_inner());
@@ -905,24 +998,28 @@ pub(crate) fn wait_settled(slot: &Slot, task: TaskRef, deadline: Option<Instant>
         })
     });
     let mut slice = Duration::from_micros(50);
+    let mut spins = 0u32;
     loop {
         let word = slot.word.load(Ordering::SeqCst);
         if TaskState::from_bits(word).is_settled() || word >> 4 != task.generation {
             return true;
         }
-        let now = Instant::now();
-        if deadline.is_some_and(|deadline| now >= deadline) {
+        // Only timed waits need the clock (a vDSO call per check is measurable on the join path).
+        let now = deadline.map(|_| Instant::now());
+        if let (Some(deadline), Some(now)) = (deadline, now)
+            && now >= deadline
+        {
             return false;
         }
         if let Some((pool, worker, depth)) = helper.as_ref() {
             let limit = pool.help_depth.load(Ordering::Relaxed);
             if *depth < limit {
                 let mut streak = 0;
-                let found = worker.take_specific(task).or_else(|| {
+                let found = worker.take_specific(task, &pool.local_queued).or_else(|| {
                     if *depth < limit / 2 {
                         pool.find_work(worker, &mut streak)
                     } else {
-                        worker.pop_back()
+                        worker.pop_back(&pool.local_queued)
                     }
                 });
                 if let Some(found) = found {
@@ -941,14 +1038,25 @@ pub(crate) fn wait_settled(slot: &Slot, task: TaskRef, deadline: Option<Instant>
                 pool.start_worker();
             }
             let mut timeout = slice;
-            if let Some(deadline) = deadline {
+            if let (Some(deadline), Some(now)) = (deadline, now) {
                 timeout = timeout.min(deadline.saturating_duration_since(now));
             }
             sleep_on(slot, word, Some(timeout));
             pool.waiting_workers.fetch_sub(1, Ordering::AcqRel);
             slice = (slice * 2).min(HELP_POLL);
         } else {
-            let timeout = deadline.map(|deadline| deadline.saturating_duration_since(now));
+            // Off the pool: spin briefly first, since most joins of short tasks settle within a wake-up.
+            if spins < SPIN_BEFORE_SLEEP {
+                spins += 1;
+                std::hint::spin_loop();
+                if spins.is_multiple_of(64) {
+                    std::thread::yield_now();
+                }
+                continue;
+            }
+            let timeout = deadline
+                .zip(now)
+                .map(|(deadline, now)| deadline.saturating_duration_since(now));
             sleep_on(slot, word, timeout);
         }
     }

@@ -525,27 +525,19 @@ pub(crate) fn spawn_built<K: Task, G>(
         return handle;
     }
     if wired && gather_members.is_empty() {
-        let gathering = slot
+        // An empty gather set runs once at once. Collect outside the slot lock: give takes it again.
+        let value = slot
             .lock()
             .plan
             .as_ref()
-            .is_some_and(|plan| plan.gather.is_some());
-        if gathering {
-            // An empty set runs once at once.
-            if let Some(value) = slot
-                .lock()
-                .plan
-                .as_ref()
-                .and_then(|plan| plan.gather.as_ref())
-                .map(|gather| gather.set.collect())
-            {
-                match value {
-                    Ok(value) => {
-                        let _ = executor::give(task, value);
-                    }
-                    Err(_) => executor::write_off(task),
-                }
+            .and_then(|plan| plan.gather.as_ref())
+            .map(|gather| gather.set.collect());
+        match value {
+            Some(Ok(value)) => {
+                let _ = executor::give(task, value);
             }
+            Some(Err(_)) => executor::write_off(task),
+            None => {}
         }
         return handle;
     }

@@ -539,7 +539,13 @@ impl TcpRecv {
                     self.keep(excess);
                     return Some(Ok(std::mem::take(&mut self.received)));
                 }
-                (self.received.len() > limit).then_some(Err(RuntimeError::TooLong))
+                if self.received.len() > limit {
+                    // Leave the bytes for the next receive: TooLong loses no data.
+                    let received = std::mem::take(&mut self.received);
+                    self.keep(received);
+                    return Some(Err(RuntimeError::TooLong));
+                }
+                None
             }
             _ => None,
         }

@@ -1,0 +1,206 @@
+//! Task kinds: channels, files, file watches and processes.
+
+use std::time::{Duration, Instant};
+
+use task_runtime::{
+    Change, Channel, Exit, File, FileOutput, Process, Runtime, RuntimeError, TaskState,
+};
+
+fn init() {
+    match Runtime::init() {
+        Ok(()) | Err(RuntimeError::AlreadyInit) => {}
+        Err(error) => panic!("init failed: {error}"),
+    }
+}
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let directory = std::env::temp_dir().join(format!("kinds-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("dir");
+    directory
+}
+
+#[test]
+fn a_channel_keeps_order_parks_a_receive_and_closes_after_draining() {
+    init();
+    let (sender, receiver) = Channel::unbounded::<u32>();
+    for value in 0..5 {
+        sender.send(value).expect("send");
+    }
+    for value in 0..5 {
+        assert_eq!(
+            Runtime::task(receiver.receive()).spawn().take(),
+            Ok(value),
+            "order is kept"
+        );
+    }
+    let parked = Runtime::task(receiver.receive()).spawn();
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(
+        parked.state(),
+        TaskState::Running,
+        "an empty channel parks the receive"
+    );
+    sender.send(99).expect("send");
+    assert_eq!(parked.take(), Ok(99), "a send wakes the parked receive");
+    sender.send(1).expect("send");
+    sender.close();
+    assert_eq!(
+        Runtime::task(receiver.receive()).spawn().take(),
+        Ok(1),
+        "close drains first"
+    );
+    assert_eq!(
+        Runtime::task(receiver.receive()).spawn().take(),
+        Err(RuntimeError::Closed),
+        "then reads Closed"
+    );
+}
+
+#[test]
+fn a_cancelled_receive_takes_nothing_and_a_receive_can_time_out() {
+    init();
+    let (sender, receiver) = Channel::unbounded::<u32>();
+    let cancelled = Runtime::task(receiver.receive()).spawn();
+    std::thread::sleep(Duration::from_millis(10));
+    cancelled.cancel();
+    sender.send(5).expect("send");
+    assert_eq!(
+        Runtime::task(receiver.receive()).spawn().take(),
+        Ok(5),
+        "the value is still there"
+    );
+    let timed = Runtime::task(receiver.receive())
+        .timeout(Duration::from_millis(50))
+        .spawn();
+    assert_eq!(
+        timed.join(),
+        Err(RuntimeError::TimedOut),
+        "a receive can time out"
+    );
+}
+
+#[test]
+fn a_bounded_send_parks_while_full() {
+    init();
+    let (sender, receiver) = Channel::bounded::<u32>(1);
+    sender.send(1).expect("first fits");
+    assert_eq!(
+        sender.send(2),
+        Err(RuntimeError::NotReady),
+        "the second does not"
+    );
+    let parked = Runtime::task(sender.send_task(2)).spawn();
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(parked.is_running(), "the bounded send parks");
+    assert_eq!(receiver.try_receive(), Ok(1));
+    assert_eq!(parked.join(), Ok(()), "room wakes the send");
+    assert_eq!(receiver.try_receive(), Ok(2));
+}
+
+#[test]
+fn files_are_written_appended_read_and_listed_on_blocking_threads() {
+    init();
+    let directory = scratch("files");
+    let path = directory.join("data");
+    let written = Runtime::task(File::write(&path, b"one ".to_vec()))
+        .spawn()
+        .take();
+    assert!(matches!(written, Ok(FileOutput::Written(4))), "{written:?}");
+    Runtime::task(File::append(&path, b"two".to_vec()))
+        .spawn()
+        .take()
+        .expect("append");
+    match Runtime::task(File::read(&path)).spawn().take() {
+        Ok(FileOutput::Bytes(bytes)) => assert_eq!(bytes, b"one two"),
+        other => panic!("read gave {other:?}"),
+    }
+    match Runtime::task(File::metadata(&path)).spawn().take() {
+        Ok(FileOutput::Metadata(metadata)) => assert_eq!(metadata.len(), 7),
+        other => panic!("metadata gave {other:?}"),
+    }
+    match Runtime::task(File::read_dir(&directory)).spawn().take() {
+        Ok(FileOutput::Entries(entries)) => assert_eq!(entries, vec![path.clone()]),
+        other => panic!("read_dir gave {other:?}"),
+    }
+    assert_eq!(
+        Runtime::task(File::read(directory.join("missing")))
+            .spawn()
+            .take()
+            .map(|_| ()),
+        Err(RuntimeError::BadPath),
+        "a missing file reads BadPath"
+    );
+    std::fs::remove_dir_all(&directory).expect("clean up");
+}
+
+#[test]
+fn a_repeated_watch_loses_no_change_between_runs() {
+    init();
+    let directory = scratch("watch");
+    let path = directory.join("watched");
+    std::fs::write(&path, b"a").expect("write");
+    let watch = Runtime::task(File::watch(&path)).repeat().count(2).spawn();
+    std::thread::sleep(Duration::from_millis(50));
+    std::fs::write(&path, b"bb").expect("write");
+    std::fs::write(&path, b"ccc").expect("write");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !watch.is_finished() {
+        assert!(
+            Instant::now() < deadline,
+            "two changes should end a count of two"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(watch.join(), Ok(Change::Written));
+    std::fs::remove_dir_all(&directory).expect("clean up");
+}
+
+#[test]
+fn processes_run_capture_output_and_die_on_cancel() {
+    init();
+    assert_eq!(
+        Runtime::task(Process::run("/bin/sh", ["-c", "exit 3"]))
+            .spawn()
+            .join(),
+        Ok(Exit::Code(3)),
+        "run returns the exit code"
+    );
+    let output = Runtime::task(
+        Process::command("/bin/sh")
+            .args([
+                "-c",
+                "head -c 300000 /dev/zero; head -c 300000 /dev/zero >&2; cat",
+            ])
+            .input(b"echoed".to_vec())
+            .output(),
+    )
+    .spawn()
+    .take()
+    .expect("output");
+    assert_eq!(
+        output.stdout.len(),
+        300_006,
+        "stdout floods without deadlock"
+    );
+    assert_eq!(output.stderr.len(), 300_000, "stderr too");
+    let started = Instant::now();
+    let long = Runtime::task(Process::run("/bin/sh", ["-c", "sleep 30"]))
+        .timeout(Duration::from_millis(100))
+        .spawn();
+    assert_eq!(
+        long.join(),
+        Err(RuntimeError::TimedOut),
+        "a timeout stops the child"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(
+        Runtime::task(
+            Process::command("/bin/true")
+                .current_dir("/no/such/dir")
+                .run()
+        )
+        .spawn()
+        .join(),
+        Err(RuntimeError::BadDirectory)
+    );
+}

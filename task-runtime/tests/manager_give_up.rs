@@ -1,0 +1,46 @@
+//! Manager faults past the restart limit: the supervisor gives up and every dependent task settles.
+
+use std::time::{Duration, Instant};
+
+use task_runtime::{Compute, Runtime, RuntimeError, Sleep, faults};
+
+#[test]
+fn past_the_restart_limit_everything_that_depends_on_the_manager_settles() {
+    std::panic::set_hook(Box::new(|_| {}));
+    Runtime::builder().cores(2).init().expect("init");
+    let sleep = Runtime::task(Sleep::sleep(Duration::from_secs(60))).spawn();
+    let repeat = Runtime::task(Compute::compute(|()| 1))
+        .repeat()
+        .every(Duration::from_secs(60))
+        .spawn();
+    std::thread::sleep(Duration::from_millis(50));
+    faults::panic_manager(10);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Runtime::status().manager_alive {
+        assert!(Instant::now() < deadline, "the supervisor should give up");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        sleep.join_with_timeout(Duration::from_secs(5)),
+        Err(RuntimeError::TaskFailed),
+        "a parked sleep is written off"
+    );
+    repeat.wait();
+    assert!(repeat.is_finished(), "a gapped repeat is written off");
+    assert_eq!(
+        Runtime::task(Compute::compute(|()| 2)).spawn().join(),
+        Ok(2),
+        "computes still run without a manager"
+    );
+    assert!(
+        !Runtime::healthy(),
+        "without a manager the runtime is not healthy"
+    );
+    Runtime::shutdown();
+    Runtime::init().expect("init works again after a give-up");
+    assert!(Runtime::healthy());
+    assert_eq!(
+        Runtime::task(Compute::compute(|()| 3)).spawn().join(),
+        Ok(3)
+    );
+}

@@ -1,0 +1,70 @@
+//! Manager faults: the supervisor restarts the manager and timers and parked tasks survive.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use task_runtime::{Compute, Runtime, Sleep, faults};
+
+#[test]
+fn the_manager_recovers_from_three_faults_and_keeps_timers() {
+    // Injected panics are expected; keep their messages (and slow backtraces) out of the way.
+    std::panic::set_hook(Box::new(|_| {}));
+    Runtime::builder().cores(2).init().expect("init");
+    let runs = Arc::new(AtomicU32::new(0));
+    let counted = Arc::clone(&runs);
+    let repeat = Runtime::task(Compute::compute(move |()| {
+        counted.fetch_add(1, Ordering::SeqCst)
+    }))
+    .repeat()
+    .every(Duration::from_millis(20))
+    .spawn();
+    let parked = Runtime::task(Sleep::sleep(Duration::from_millis(400))).spawn();
+    let timed = Runtime::task(Sleep::sleep(Duration::from_secs(30)))
+        .timeout(Duration::from_millis(300))
+        .spawn();
+    std::thread::sleep(Duration::from_millis(50));
+    for restart in 1..=3 {
+        faults::panic_manager(1);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Runtime::status().manager_restarts < restart {
+            assert!(
+                Instant::now() < deadline,
+                "restart {restart} should happen within 5 s"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    let status = Runtime::status();
+    assert!(
+        status.manager_restarts >= 3,
+        "three faults mean three restarts: {status:?}"
+    );
+    assert!(
+        status.manager_alive,
+        "the manager should be back: {status:?}"
+    );
+    let before = runs.load(Ordering::SeqCst);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while runs.load(Ordering::SeqCst) < before + 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the timed repeat should resume within 5 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let slept = parked
+        .join()
+        .expect("a sleep parked across restarts still ends");
+    assert!(
+        slept >= Duration::from_millis(400),
+        "and not early: {slept:?}"
+    );
+    assert_eq!(
+        timed.join(),
+        Err(task_runtime::RuntimeError::TimedOut),
+        "a timeout survives manager restarts"
+    );
+    repeat.cancel();
+    assert!(Runtime::healthy());
+}

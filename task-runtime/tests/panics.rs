@@ -1,0 +1,79 @@
+//! Panics: a panicking task fails alone and its neighbours finish; a flood of panics leaves others correct.
+
+use task_runtime::{Compute, Runtime, RuntimeError, TaskState};
+
+fn init() {
+    match Runtime::init() {
+        Ok(()) | Err(RuntimeError::AlreadyInit) => {}
+        Err(error) => panic!("init failed: {error}"),
+    }
+}
+
+#[test]
+fn a_panicking_task_fails_alone_and_its_neighbours_finish() {
+    init();
+    std::panic::set_hook(Box::new(|_| {}));
+    let before: Vec<_> = (0..10u32)
+        .map(|index| Runtime::task(Compute::compute(move |()| index)).spawn())
+        .collect();
+    let panicking = Runtime::task(Compute::compute(|()| -> u32 { panic!("on purpose") })).spawn();
+    let after: Vec<_> = (10..20u32)
+        .map(|index| Runtime::task(Compute::compute(move |()| index)).spawn())
+        .collect();
+    assert_eq!(
+        panicking.join(),
+        Err(RuntimeError::TaskFailed),
+        "the panic should fail the task"
+    );
+    assert_eq!(panicking.state(), TaskState::Failed);
+    for (index, handle) in before.into_iter().chain(after).enumerate() {
+        assert_eq!(
+            handle.join(),
+            Ok(index as u32),
+            "a neighbour of the panic should finish"
+        );
+    }
+}
+
+#[test]
+fn a_parent_sees_its_child_panic_and_a_flood_of_panics_leaves_the_rest_correct() {
+    init();
+    std::panic::set_hook(Box::new(|_| {}));
+    let parent = Runtime::task(Compute::compute(|()| {
+        let child = Runtime::task(Compute::compute(|()| -> u8 { panic!("child fails") })).spawn();
+        child.join()
+    }))
+    .spawn();
+    assert_eq!(
+        parent.join(),
+        Ok(Err(RuntimeError::TaskFailed)),
+        "the parent sees the failure"
+    );
+    let handles: Vec<_> = (0..2000u32)
+        .map(|index| {
+            Runtime::task(Compute::compute(move |()| {
+                if index % 2 == 0 {
+                    panic!("flood");
+                }
+                index
+            }))
+            .spawn()
+        })
+        .collect();
+    for (index, handle) in handles.into_iter().enumerate() {
+        let result = handle.join();
+        if index % 2 == 0 {
+            assert_eq!(result, Err(RuntimeError::TaskFailed), "even tasks panic");
+        } else {
+            assert_eq!(
+                result,
+                Ok(index as u32),
+                "odd tasks are untouched by the flood"
+            );
+        }
+    }
+    assert!(
+        Runtime::healthy(),
+        "the pool should stay healthy after a flood of panics"
+    );
+}

@@ -1,0 +1,77 @@
+//! Parked waits hold no thread: 500 parked TCP receives and 300 parked file watches.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use task_runtime::{File, Runtime, Tcp};
+
+#[test]
+fn five_hundred_parked_receives_and_three_hundred_watches_hold_no_thread() {
+    Runtime::builder().cores(2).init().expect("init");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let address = listener.local_addr().expect("address");
+    let mut peers = Vec::new();
+    let mut receives = Vec::new();
+    let mut connections = Vec::new();
+    for _ in 0..500 {
+        let connection = Runtime::task(Tcp::connect(address))
+            .spawn()
+            .take()
+            .expect("connect");
+        let (peer, _) = listener.accept().expect("accept");
+        receives.push(Runtime::task(connection.recv(16)).spawn());
+        connections.push(connection);
+        peers.push(peer);
+    }
+    let directory = std::env::temp_dir().join(format!("parked-watches-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("dir");
+    let paths: Vec<_> = (0..300)
+        .map(|index| {
+            let path = directory.join(format!("file-{index}"));
+            std::fs::write(&path, b"start").expect("write");
+            path
+        })
+        .collect();
+    let watches: Vec<_> = paths
+        .iter()
+        .map(|path| Runtime::task(File::watch(path)).spawn())
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let pool = Runtime::pool();
+    assert!(
+        receives.iter().all(|handle| handle.is_running()),
+        "all receives are parked"
+    );
+    assert!(
+        watches.iter().all(|handle| handle.is_running()),
+        "all watches are parked"
+    );
+    assert!(
+        pool.worker_count <= pool.target && pool.sleep_threads <= 1,
+        "800 parked waits should hold no extra threads: {pool}"
+    );
+    // Each wakes on its own event.
+    peers[123].write_all(b"ping").expect("write");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !receives[123].is_settled() {
+        assert!(Instant::now() < deadline, "receive 123 should wake");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(receives[123].join(), Ok(b"ping".to_vec()));
+    assert!(
+        receives[122].is_running() && receives[124].is_running(),
+        "neighbours stay parked"
+    );
+    std::fs::write(&paths[42], b"changed").expect("write");
+    while !watches[42].is_settled() {
+        assert!(Instant::now() < deadline, "watch 42 should wake");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(
+        watches[41].is_running() && watches[43].is_running(),
+        "other watches stay parked"
+    );
+    receives.iter().for_each(|handle| handle.cancel());
+    watches.iter().for_each(|handle| handle.cancel());
+    std::fs::remove_dir_all(&directory).expect("clean up");
+}

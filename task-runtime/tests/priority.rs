@@ -1,0 +1,36 @@
+//! Priority: a priority-255 task overtakes a deep queue of default-priority work.
+
+use std::time::{Duration, Instant};
+
+use task_runtime::{Compute, Runtime, RuntimeError};
+
+#[test]
+fn a_priority_255_task_overtakes_a_deep_queue() {
+    Runtime::builder().cores(2).init().expect("init");
+    let batch_started = Instant::now();
+    let queued: Vec<_> = (0..10_000)
+        .map(|_| {
+            Runtime::task(Compute::compute(|()| {
+                let until = Instant::now() + Duration::from_micros(50);
+                while Instant::now() < until {
+                    std::hint::spin_loop();
+                }
+            }))
+            .spawn()
+        })
+        .collect();
+    let spawned = Instant::now();
+    let urgent = Runtime::task(Compute::compute(move |()| spawned.elapsed()))
+        .priority(255)
+        .spawn();
+    let waited = urgent.join().expect("the urgent task should run");
+    for handle in queued {
+        handle.join().expect("queued work should finish");
+    }
+    let batch = batch_started.elapsed();
+    assert!(
+        waited * 4 < batch,
+        "the urgent task waited {waited:?}, not well under the batch's {batch:?}"
+    );
+    let _ = RuntimeError::NotReady;
+}

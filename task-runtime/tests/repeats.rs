@@ -1,0 +1,304 @@
+//! Repeats and schedules: count, every, at_rate, deadlines, whichever ends first, start delays.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use task_runtime::{Compute, Runtime, RuntimeError, Sleep, TaskState};
+
+fn init() {
+    match Runtime::init() {
+        Ok(()) | Err(RuntimeError::AlreadyInit) => {}
+        Err(error) => panic!("init failed: {error}"),
+    }
+}
+
+fn counter() -> (
+    Arc<AtomicU32>,
+    impl FnMut(()) -> u32 + Send + Clone + 'static,
+) {
+    let runs = Arc::new(AtomicU32::new(0));
+    let inside = Arc::clone(&runs);
+    (runs, move |()| inside.fetch_add(1, Ordering::SeqCst) + 1)
+}
+
+#[test]
+fn a_counted_repeat_runs_exactly_that_many_times() {
+    init();
+    let (runs, body) = counter();
+    let handle = Runtime::task(Compute::compute(body))
+        .repeat()
+        .count(5)
+        .spawn();
+    handle.wait();
+    assert!(handle.is_finished(), "a counted repeat should finish");
+    assert_eq!(
+        handle.join(),
+        Ok(5),
+        "the last output should be from the fifth run"
+    );
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        5,
+        "it should run exactly five times"
+    );
+}
+
+#[test]
+fn a_repeat_with_a_gap_holds_no_thread_between_runs() {
+    init();
+    let (runs, body) = counter();
+    let handle = Runtime::task(Compute::compute(body))
+        .repeat()
+        .every(Duration::from_millis(400))
+        .count(2)
+        .spawn();
+    std::thread::sleep(Duration::from_millis(200));
+    let pool = Runtime::pool();
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "one run before the gap ends"
+    );
+    assert_eq!(
+        handle.state(),
+        TaskState::Ready,
+        "between runs a repeat reads Ready"
+    );
+    assert!(
+        pool.workers.iter().all(|worker| worker.1 == 0),
+        "no backlog mid-gap: {pool}"
+    );
+    handle.wait();
+    while !handle.is_finished() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the second run comes after the gap"
+    );
+}
+
+#[test]
+fn count_and_deadline_end_at_whichever_comes_first() {
+    init();
+    let (runs, body) = counter();
+    let started = Instant::now();
+    let handle = Runtime::task(Compute::compute(body))
+        .repeat()
+        .every(Duration::from_millis(20))
+        .count(1000)
+        .for_duration(Duration::from_millis(300))
+        .spawn();
+    while !handle.is_finished() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the deadline should end it"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let count = runs.load(Ordering::SeqCst);
+    assert!(
+        (3..=16).contains(&count),
+        "about 300 ms / 20 ms runs should happen, not 1000: {count}"
+    );
+    let (runs, body) = counter();
+    let handle = Runtime::task(Compute::compute(body))
+        .repeat()
+        .count(3)
+        .for_duration(Duration::from_secs(60))
+        .spawn();
+    while !handle.is_finished() {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        3,
+        "the count should end it first"
+    );
+}
+
+#[test]
+fn a_bounded_duration_stops_before_the_run_that_would_overrun() {
+    init();
+    let (runs, body) = counter();
+    let handle = Runtime::task(Compute::compute(body))
+        .repeat()
+        .every(Duration::from_millis(750))
+        .for_duration(Duration::from_secs(1))
+        .spawn();
+    while !handle.is_finished() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "a 750 ms gap in 1 s runs twice"
+    );
+}
+
+#[test]
+fn a_delayed_task_can_be_cancelled_before_it_starts() {
+    init();
+    let (runs, body) = counter();
+    let handle = Runtime::task(Compute::compute(body))
+        .after(Duration::from_millis(200))
+        .spawn();
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(
+        handle.state(),
+        TaskState::Pending,
+        "a delayed task reads Pending"
+    );
+    handle.cancel();
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "a cancelled delay never runs"
+    );
+    assert_eq!(handle.join(), Err(RuntimeError::Cancelled));
+}
+
+#[test]
+fn a_start_delay_is_honoured() {
+    init();
+    let started = Instant::now();
+    let handle = Runtime::task(Compute::compute(move |()| started.elapsed()))
+        .after(Duration::from_millis(100))
+        .spawn();
+    let waited = handle.join().expect("the delayed task should run");
+    assert!(
+        waited >= Duration::from_millis(100),
+        "it should start after 100 ms: {waited:?}"
+    );
+}
+
+#[test]
+fn two_thousand_delayed_tasks_hold_no_threads() {
+    init();
+    let before = Runtime::pool();
+    let handles: Vec<_> = (0..2000u32)
+        .map(|index| {
+            Runtime::task(Compute::compute(move |()| index))
+                .after(Duration::from_millis(300))
+                .spawn()
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let during = Runtime::pool();
+    assert!(
+        during.sleep_threads <= before.sleep_threads.max(1) && during.worker_count <= during.target,
+        "delays should hold no threads: before {before}, during {during}"
+    );
+    for (index, handle) in handles.into_iter().enumerate() {
+        assert_eq!(
+            handle.join(),
+            Ok(index as u32),
+            "every delayed task should run"
+        );
+    }
+}
+
+#[test]
+fn until_in_the_past_runs_once() {
+    init();
+    let (runs, body) = counter();
+    let handle = Runtime::task(Compute::compute(body))
+        .repeat()
+        .until(Instant::now() - Duration::from_millis(1))
+        .spawn();
+    while !handle.is_finished() {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "a deadline in the past still runs once"
+    );
+}
+
+#[test]
+fn runs_of_a_repeat_never_overlap() {
+    init();
+    let inside = Arc::new(AtomicBool::new(false));
+    let overlapped = Arc::new(AtomicBool::new(false));
+    let (flag, seen) = (Arc::clone(&inside), Arc::clone(&overlapped));
+    let handle = Runtime::task(Compute::compute(move |()| {
+        if flag.swap(true, Ordering::SeqCst) {
+            seen.store(true, Ordering::SeqCst);
+        }
+        std::thread::sleep(Duration::from_millis(2));
+        flag.store(false, Ordering::SeqCst);
+    }))
+    .repeat()
+    .count(30)
+    .spawn();
+    while !handle.is_finished() {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        !overlapped.load(Ordering::SeqCst),
+        "two runs of one repeat overlapped"
+    );
+}
+
+#[test]
+fn at_rate_overlaps_its_runs() {
+    init();
+    let started = Instant::now();
+    let handle = Runtime::task(Sleep::sleep(Duration::from_millis(200)).relaxed())
+        .at_rate(Duration::from_millis(50))
+        .count(5)
+        .spawn();
+    while !handle.is_finished() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the series should end"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let total = started.elapsed();
+    assert!(
+        total < Duration::from_millis(750),
+        "five overlapping 200 ms runs every 50 ms should take well under the 1 s serial time: {total:?}"
+    );
+    assert!(
+        handle.join().is_ok(),
+        "the series should leave the last output"
+    );
+}
+
+#[test]
+fn at_rate_with_count_zero_reads_task_failed() {
+    init();
+    let handle = Runtime::task(Compute::compute(|()| 1))
+        .at_rate(Duration::from_millis(10))
+        .count(0)
+        .spawn();
+    assert_eq!(
+        handle.join(),
+        Err(RuntimeError::TaskFailed),
+        "a series of no runs fails"
+    );
+}
+
+#[test]
+fn a_wrong_but_valid_looking_chain_still_compiles_where_it_should() {
+    init();
+    // The positive control for the compile_fail doctests: the same options in a valid order compile.
+    let handle = Runtime::task(Compute::compute(|()| 3))
+        .priority(200)
+        .repeat()
+        .every(Duration::from_millis(1))
+        .count(2)
+        .timeout(Duration::from_secs(5))
+        .after(Duration::from_millis(1))
+        .spawn();
+    while !handle.is_finished() {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(handle.join(), Ok(3));
+}

@@ -1,0 +1,40 @@
+//! Signals: a parked signal wait wakes on delivery and reports the count (own binary: signals are process-wide).
+
+use std::time::Duration;
+
+use task_runtime::{Runtime, RuntimeError, Signal};
+
+#[test]
+fn a_signal_wakes_its_waiter_and_bad_signals_are_refused() {
+    Runtime::builder().cores(2).init().expect("init");
+    let waiter = Runtime::task(Signal::wait(libc::SIGUSR1)).spawn();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(waiter.is_running(), "the wait parks until a signal arrives");
+    net_io_sys::signal::send_to_self(libc::SIGUSR1).expect("kill");
+    assert_eq!(
+        waiter.join_with_timeout(Duration::from_secs(5)),
+        Ok(1),
+        "one delivery is reported"
+    );
+    let repeating = Runtime::task(Signal::wait(libc::SIGUSR1))
+        .repeat()
+        .count(2)
+        .spawn();
+    std::thread::sleep(Duration::from_millis(20));
+    net_io_sys::signal::send_to_self(libc::SIGUSR1).expect("kill");
+    std::thread::sleep(Duration::from_millis(100));
+    net_io_sys::signal::send_to_self(libc::SIGUSR1).expect("kill");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !repeating.is_finished() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "two deliveries end a count of two"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        Runtime::task(Signal::wait(libc::SIGKILL)).spawn().join(),
+        Err(RuntimeError::BadSignal),
+        "SIGKILL cannot be watched"
+    );
+}

@@ -1,0 +1,111 @@
+//! Timeouts: per run, an overrun ends a repeat, the start delay does not count, cancel keeps TimedOut.
+
+use std::time::{Duration, Instant};
+
+use task_runtime::{Compute, Runtime, RuntimeError, Sleep, TaskState};
+
+fn init() {
+    match Runtime::init() {
+        Ok(()) | Err(RuntimeError::AlreadyInit) => {}
+        Err(error) => panic!("init failed: {error}"),
+    }
+}
+
+#[test]
+fn a_slow_compute_and_a_long_sleep_time_out() {
+    init();
+    let slow = Runtime::task(Compute::compute(|()| {
+        std::thread::sleep(Duration::from_millis(500))
+    }))
+    .timeout(Duration::from_millis(50))
+    .spawn();
+    let started = Instant::now();
+    assert_eq!(
+        slow.join(),
+        Err(RuntimeError::TimedOut),
+        "the compute should time out"
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(450),
+        "the timeout settles without waiting for the compute"
+    );
+    let sleep = Runtime::task(Sleep::sleep(Duration::from_secs(30)))
+        .timeout(Duration::from_millis(50))
+        .spawn();
+    assert_eq!(
+        sleep.join_with_timeout(Duration::from_secs(5)),
+        Err(RuntimeError::TimedOut),
+        "the parked sleep should time out"
+    );
+    assert_eq!(sleep.state(), TaskState::TimedOut);
+    sleep.cancel();
+    assert_eq!(
+        sleep.state(),
+        TaskState::TimedOut,
+        "a cancel after a timeout keeps TimedOut"
+    );
+}
+
+#[test]
+fn the_limit_is_per_run_and_an_overrun_ends_a_repeat() {
+    init();
+    let mut run = 0u32;
+    let handle = Runtime::task(Compute::compute(move |()| {
+        run += 1;
+        if run == 4 {
+            std::thread::sleep(Duration::from_millis(300));
+        } else {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        run
+    }))
+    .repeat()
+    .count(10)
+    .timeout(Duration::from_millis(100))
+    .spawn();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !handle.is_finished() {
+        assert!(Instant::now() < deadline, "the repeat should end");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        handle.join(),
+        Err(RuntimeError::TimedOut),
+        "three 20 ms runs fit a 100 ms limit each; the fourth overruns and ends the repeat"
+    );
+}
+
+#[test]
+fn the_start_delay_is_not_counted() {
+    init();
+    let handle = Runtime::task(Compute::compute(|()| 5))
+        .timeout(Duration::from_millis(50))
+        .after(Duration::from_millis(200))
+        .spawn();
+    assert_eq!(
+        handle.join(),
+        Ok(5),
+        "a 200 ms delay does not count against a 50 ms limit"
+    );
+}
+
+#[test]
+fn a_waiting_task_is_limited_only_while_running() {
+    init();
+    let handle = Runtime::task(Compute::compute(|value: u32| value))
+        .wait_for::<u32>()
+        .timeout(Duration::from_millis(30))
+        .spawn();
+    std::thread::sleep(Duration::from_millis(100));
+    handle.give(4).expect("give");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while handle.try_join().is_err() {
+        assert!(Instant::now() < deadline, "the give should run");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(
+        handle.join(),
+        Ok(4),
+        "waiting 100 ms for a give is not a timeout"
+    );
+}
