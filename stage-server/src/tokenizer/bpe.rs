@@ -4,7 +4,9 @@
 //! result get a piece number, so a merge step is one hash lookup on a pair of integers and never allocates.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
+
+use super::hash::FastMap;
 
 /// A piece number; `NO_PIECE` marks text that is neither a token nor a merge side.
 type Piece = u32;
@@ -17,11 +19,11 @@ type Candidate = Reverse<(u32, usize, usize, Piece, Piece)>;
 #[derive(Debug)]
 pub(crate) struct Merges {
     /// Piece number of every interned string.
-    pieces: HashMap<Box<str>, Piece>,
+    pieces: FastMap<Box<str>, Piece>,
     /// The token id of each piece, if the piece is a token.
     piece_token: Vec<Option<u32>>,
     /// `(left, right)` -> (rank, merged piece).
-    ranks: HashMap<(Piece, Piece), (u32, Piece)>,
+    ranks: FastMap<(Piece, Piece), (u32, Piece)>,
 }
 
 /// One symbol of a word during merging: a byte range of the word and its neighbours.
@@ -38,9 +40,12 @@ impl Merges {
     /// Interns the vocabulary and the merges (`"left right"` strings, rank = position).
     pub fn new(tokens: &[String], merges: &[String]) -> Self {
         let mut table = Self {
-            pieces: HashMap::with_capacity(tokens.len() + merges.len()),
+            pieces: FastMap::with_capacity_and_hasher(
+                tokens.len() + merges.len(),
+                Default::default(),
+            ),
             piece_token: Vec::with_capacity(tokens.len() + merges.len()),
-            ranks: HashMap::with_capacity(merges.len()),
+            ranks: FastMap::with_capacity_and_hasher(merges.len(), Default::default()),
         };
         for (id, text) in tokens.iter().enumerate() {
             let piece = table.intern(text);

@@ -14,6 +14,7 @@
 //! UTF-8 character so a stream never shows half a character.
 
 mod bpe;
+mod hash;
 mod pretokenize;
 mod spm;
 mod stream;
@@ -26,6 +27,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 pub use stream::StreamDecoder;
 
 use bpe::Merges;
+use hash::FastMap;
 use pretokenize::PreTokenizer;
 use unicode::ByteAlphabet;
 
@@ -153,7 +155,7 @@ pub struct Tokenizer {
     attributes: Vec<Attributes>,
     /// The decoded bytes of each token with control tokens rendered as their text.
     pieces: Vec<Box<[u8]>>,
-    token_to_id: HashMap<String, u32>,
+    token_to_id: FastMap<String, u32>,
     /// Control, user-defined and unknown tokens, longest text first: the partition order.
     special_tokens: Vec<u32>,
     end_of_generation: HashSet<u32>,
@@ -229,7 +231,7 @@ impl Tokenizer {
             }
             None => vec![Attributes(Attributes::NORMAL); count],
         };
-        let mut token_to_id = HashMap::with_capacity(count);
+        let mut token_to_id = FastMap::with_capacity_and_hasher(count, Default::default());
         for (id, text) in texts.iter().enumerate() {
             token_to_id.insert(text.clone(), id as u32);
         }
@@ -576,12 +578,20 @@ impl Tokenizer {
             return fragments;
         }
         fragments.push(Fragment::Text(text));
+        // Most special tokens start with a byte the text lacks (often `<`): skip those without a search.
+        let mut present = [false; 256];
+        for &byte in text.as_bytes() {
+            present[byte as usize] = true;
+        }
         for &id in &self.special_tokens {
             let attributes = self.attributes[id as usize];
             if !parse_special && attributes.has(Attributes::CONTROL | Attributes::UNKNOWN) {
                 continue;
             }
             let special = self.texts[id as usize].as_str();
+            if !special.bytes().all(|byte| present[byte as usize]) {
+                continue;
+            }
             let occurs = fragments
                 .iter()
                 .any(|f| matches!(f, Fragment::Text(t) if t.contains(special)));
