@@ -324,7 +324,7 @@ fn a_file_without_a_tokenizer_is_a_clear_error() {
 fn unsupported_and_malformed_tokenizers_are_clear_errors() {
     let mut unknown_model = bpe_metadata("smollm");
     unknown_model[1] = ("tokenizer.ggml.model", text("t5"));
-    let unknown_pre = bpe_metadata("qwen2");
+    let unknown_pre = bpe_metadata("deepseek-coder");
     let mut short_types = bpe_metadata("smollm");
     short_types[4] = (
         "tokenizer.ggml.token_type",

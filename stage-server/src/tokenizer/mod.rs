@@ -69,7 +69,7 @@ pub enum TokenizerError {
     UnsupportedModel(String),
     /// `tokenizer.ggml.pre` names a BPE pre-tokenizer this crate does not implement.
     #[error(
-        "BPE pre-tokenizer `{0}` is not supported (supported: gpt-2, smollm/starcoder, llama3 families); pass --prompt-ids instead"
+        "BPE pre-tokenizer `{0}` is not supported (supported: gpt-2, smollm/starcoder, llama3 and qwen2 families); pass --prompt-ids instead"
     )]
     UnsupportedPreTokenizer(String),
     /// SentencePiece byte fallback met a byte with no `<0xXX>` token.

@@ -17,6 +17,8 @@ pub(crate) enum PreTokenizer {
     DigitsThenGpt2,
     /// Llama 3: `(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`.
     Llama3,
+    /// Qwen2: Llama 3's rules with every `\p{N}` alone instead of groups of three.
+    Qwen2,
 }
 
 /// What a pre-tokenizer name implies beyond the splitting rules.
@@ -34,7 +36,10 @@ pub(crate) struct PreTokenizerSpec {
 enum Stage {
     Digits,
     Gpt2,
-    Llama3,
+    /// Llama 3's rules with numbers cut into groups of at most this many digits.
+    Llama3 {
+        digit_group: usize,
+    },
 }
 
 impl PreTokenizer {
@@ -52,6 +57,9 @@ impl PreTokenizer {
             "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral"
             | "midm-2.0" | "lfm2" | "jina-v5-nano" => Some(spec(Self::Llama3, true, true)),
             "dbrx" | "smaug-bpe" => Some(spec(Self::Llama3, false, false)),
+            "qwen2" | "deepseek-r1-qwen" | "stablelm2" | "megrez" => {
+                Some(spec(Self::Qwen2, false, false))
+            }
             _ => None,
         }
     }
@@ -60,7 +68,8 @@ impl PreTokenizer {
         match self {
             Self::Gpt2 => &[Stage::Gpt2],
             Self::DigitsThenGpt2 => &[Stage::Digits, Stage::Gpt2],
-            Self::Llama3 => &[Stage::Llama3],
+            Self::Llama3 => &[Stage::Llama3 { digit_group: 3 }],
+            Self::Qwen2 => &[Stage::Llama3 { digit_group: 1 }],
         }
     }
 
@@ -82,7 +91,7 @@ impl PreTokenizer {
                 match stage {
                     Stage::Digits => segment.split_digits(&mut next),
                     Stage::Gpt2 => segment.split_gpt2(&mut next),
-                    Stage::Llama3 => segment.split_llama3(&mut next),
+                    Stage::Llama3 { digit_group } => segment.split_llama3(digit_group, &mut next),
                 }
                 start += length;
             }
@@ -247,7 +256,7 @@ impl Segment<'_> {
     }
 
     /// `(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`
-    fn split_llama3(&self, out: &mut Vec<usize>) {
+    fn split_llama3(&self, digit_group: usize, out: &mut Vec<usize>) {
         let mut cuts = Cuts { out, previous: 0 };
         let mut position = 0;
         let is_line_break = |c: Option<char>| matches!(c, Some('\r' | '\n'));
@@ -269,12 +278,12 @@ impl Segment<'_> {
                 cuts.cut(position);
                 continue;
             }
-            // `\p{N}{1,3}`
+            // `\p{N}{1,3}` (Qwen2: `\p{N}`)
             if class.number {
                 let mut group_start = position;
                 while self.class_at(position).number {
                     position += 1;
-                    if position - group_start >= 3 {
+                    if position - group_start >= digit_group {
                         cuts.cut(position);
                         group_start = position;
                     }
@@ -375,12 +384,21 @@ mod tests {
     }
 
     #[test]
+    fn qwen2_cuts_numbers_into_single_digits() {
+        assert_eq!(
+            split(PreTokenizer::Qwen2, "x 2024\n"),
+            ["x", " ", "2", "0", "2", "4", "\n"]
+        );
+    }
+
+    #[test]
     fn splitting_never_loses_a_character() {
         let text = "  mixed \t\n 12ab 😀 'll\r\n";
         for pre in [
             PreTokenizer::Gpt2,
             PreTokenizer::DigitsThenGpt2,
             PreTokenizer::Llama3,
+            PreTokenizer::Qwen2,
         ] {
             assert_eq!(
                 split(pre, text).concat(),
