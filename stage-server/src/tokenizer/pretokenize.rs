@@ -343,6 +343,81 @@ impl Segment<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    const GPT2_PATTERN: &str =
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+    const LLAMA3_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    const QWEN2_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+    /// Splits with a backtracking regex engine, keeping the text between matches as pieces: an
+    /// independent statement of what the hand-written splitters must do.
+    fn regex_split<'t>(pattern: &'static str, text: &'t str, out: &mut Vec<&'t str>) {
+        // Compiling is the slow part (unoptimised in test builds): keep one compiled copy per pattern.
+        static COMPILED: std::sync::Mutex<Vec<(&str, fancy_regex::Regex)>> =
+            std::sync::Mutex::new(Vec::new());
+        let regex = {
+            let mut compiled = COMPILED.lock().unwrap();
+            if !compiled.iter().any(|(known, _)| *known == pattern) {
+                compiled.push((pattern, fancy_regex::Regex::new(pattern).unwrap()));
+            }
+            compiled
+                .iter()
+                .find(|(known, _)| *known == pattern)
+                .unwrap()
+                .1
+                .clone()
+        };
+        let mut previous = 0;
+        for found in regex.find_iter(text) {
+            let found = found.unwrap();
+            if found.start() > previous {
+                out.push(&text[previous..found.start()]);
+            }
+            if found.end() > found.start() {
+                out.push(found.as_str());
+            }
+            previous = found.end();
+        }
+        if previous < text.len() {
+            out.push(&text[previous..]);
+        }
+    }
+
+    fn regex_reference(pre: PreTokenizer, text: &str) -> Vec<&str> {
+        let mut out = Vec::new();
+        match pre {
+            PreTokenizer::Gpt2 => regex_split(GPT2_PATTERN, text, &mut out),
+            PreTokenizer::Llama3 => regex_split(LLAMA3_PATTERN, text, &mut out),
+            PreTokenizer::Qwen2 => regex_split(QWEN2_PATTERN, text, &mut out),
+            PreTokenizer::DigitsThenGpt2 => {
+                let mut pieces = Vec::new();
+                regex_split(r"\p{N}", text, &mut pieces);
+                for piece in pieces {
+                    regex_split(GPT2_PATTERN, piece, &mut out);
+                }
+            }
+        }
+        out
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, .. ProptestConfig::default() })]
+
+        #[test]
+        fn splitters_agree_with_their_regular_expressions(
+            text in "[ \t\n\ra-zA-Z0-9'éü中😀.,!?_\u{3000}\u{a0}\u{2028}٣-]{0,40}"
+        ) {
+            for pre in [
+                PreTokenizer::Gpt2,
+                PreTokenizer::DigitsThenGpt2,
+                PreTokenizer::Llama3,
+                PreTokenizer::Qwen2,
+            ] {
+                prop_assert_eq!(pre.split(&text), regex_reference(pre, &text), "{:?} on {:?}", pre, text);
+            }
+        }
+    }
 
     fn split(pre: PreTokenizer, text: &str) -> Vec<&str> {
         pre.split(text)
