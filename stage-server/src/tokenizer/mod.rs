@@ -26,7 +26,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 
 pub use stream::StreamDecoder;
 
-use bpe::Merges;
+use bpe::{Merges, Scratch};
 use hash::FastMap;
 use pretokenize::PreTokenizer;
 use unicode::ByteAlphabet;
@@ -393,6 +393,7 @@ impl Tokenizer {
             } => {
                 let alphabet = ByteAlphabet::get();
                 let mut spelled = String::new();
+                let mut scratch = Scratch::default();
                 for fragment in fragments {
                     match fragment {
                         Fragment::Token(id) => output.push(id),
@@ -400,7 +401,12 @@ impl Tokenizer {
                             for word in pre_tokenizer.split(text) {
                                 spelled.clear();
                                 alphabet.encode_into(word, &mut spelled);
-                                merges.encode_word(&spelled, *ignore_merges, &mut output);
+                                merges.encode_word(
+                                    &spelled,
+                                    *ignore_merges,
+                                    &mut scratch,
+                                    &mut output,
+                                );
                             }
                         }
                     }
