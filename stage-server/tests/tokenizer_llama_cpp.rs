@@ -15,6 +15,7 @@ struct Fixture {
 struct ModelCases {
     bos: u32,
     eos: u32,
+    end_of_generation: Vec<u32>,
     cases: Vec<Case>,
 }
 

@@ -397,3 +397,22 @@ proptest! {
         prop_assert_eq!(joined, tokenizer.decode(&ids));
     }
 }
+
+#[test]
+fn tokenizers_and_templates_can_be_shared_between_threads() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Tokenizer>();
+    shareable::<stage_server::chat::ChatTemplate>();
+    let tokenizer = std::sync::Arc::new(bpe());
+    let handles: Vec<_> = (0..2)
+        .map(|_| {
+            let tokenizer = tokenizer.clone();
+            std::thread::spawn(move || tokenizer.encode("the sing", false, false).unwrap())
+        })
+        .collect();
+    let results: Vec<Vec<u32>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(
+        results[0], results[1],
+        "two threads encoding the same text disagree"
+    );
+}
