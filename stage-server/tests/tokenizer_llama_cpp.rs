@@ -72,6 +72,11 @@ fn check_model(name: &str) {
         Some(expected.eos),
         "EOS id differs from llama.cpp's"
     );
+    assert_eq!(
+        tokenizer.end_of_generation_ids(),
+        expected.end_of_generation,
+        "the end-of-generation ids differ from llama.cpp's"
+    );
     let mut mismatches = Vec::new();
     for case in &expected.cases {
         let ids = tokenizer
