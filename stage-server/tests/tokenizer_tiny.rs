@@ -416,3 +416,14 @@ fn tokenizers_and_templates_can_be_shared_between_threads() {
         "two threads encoding the same text disagree"
     );
 }
+
+#[test]
+fn debug_output_is_a_summary_not_the_vocabulary() {
+    let text = format!("{:?}", bpe());
+    assert!(
+        text.len() < 400,
+        "Debug printed {} bytes: {text}",
+        text.len()
+    );
+    insta::assert_snapshot!("tokenizer_debug", text);
+}

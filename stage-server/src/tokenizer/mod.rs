@@ -146,8 +146,7 @@ enum Fragment<'t> {
 ///
 /// Building it interns the vocabulary and merges (about 50k to 260k strings; tens of milliseconds).
 /// Encoding costs one pass over the special tokens plus merges per word; the tokenizer is immutable and
-/// can be shared between threads.
-#[derive(Debug)]
+/// can be shared between threads. Its `Debug` output is a summary, not the vocabulary.
 pub struct Tokenizer {
     model: Model,
     /// Vocabulary text of each token (empty entries replaced as llama.cpp does).
@@ -624,6 +623,26 @@ impl Tokenizer {
             fragments = next;
         }
         fragments
+    }
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let model = match &self.model {
+            Model::BytePairs { pre_tokenizer, .. } => format!("byte-level BPE ({pre_tokenizer:?})"),
+            Model::SentencePiece { .. } => "SentencePiece".to_string(),
+        };
+        formatter
+            .debug_struct("Tokenizer")
+            .field("model", &model)
+            .field("vocab_size", &self.vocab_size())
+            .field("special_tokens", &self.special_tokens.len())
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .field("add_bos", &self.add_bos)
+            .field("add_space_prefix", &self.add_space_prefix)
+            .field("end_of_generation", &self.end_of_generation_ids())
+            .finish_non_exhaustive()
     }
 }
 
