@@ -509,6 +509,11 @@ impl Tokenizer {
         self.add_bos && self.bos.is_some()
     }
 
+    /// Whether `encode(.., add_special = true, ..)` puts EOS last (`tokenizer.ggml.add_eos_token`).
+    pub fn add_eos(&self) -> bool {
+        self.add_eos && self.eos.is_some()
+    }
+
     /// Whether generation should stop at `id`: EOS, end-of-turn tokens (`<|im_end|>`, `<end_of_turn>`,
     /// `<|eot_id|>` ...), and the ids the metadata names as end of turn or message.
     pub fn is_end_of_generation(&self, id: u32) -> bool {
