@@ -427,3 +427,57 @@ fn debug_output_is_a_summary_not_the_vocabulary() {
     );
     insta::assert_snapshot!("tokenizer_debug", text);
 }
+
+/// Metadata straight into a `Content`, for fuzzing without the writer's cost.
+fn content(metadata: Vec<(&str, Value)>) -> Content {
+    Content {
+        magic: gguf_file::VersionedMagic::GgufV3,
+        metadata: metadata
+            .into_iter()
+            .map(|(key, value)| (key.to_string(), value))
+            .collect(),
+        tensor_infos: Default::default(),
+        tensor_data_offset: 0,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, .. ProptestConfig::default() })]
+
+    #[test]
+    fn arbitrary_vocabularies_never_panic_loading_or_encoding(
+        sentencepiece in any::<bool>(),
+        tokens in proptest::collection::vec("[a-c ▁<>|0x]{0,4}", 0..24),
+        merges in proptest::collection::vec("[a-c ▁]{0,5}", 0..12),
+        types in proptest::collection::vec(-1i32..8, 0..30),
+        scores in proptest::collection::vec(-10.0f32..1.0, 0..30),
+        bos in -2i64..40,
+        text in "[a-d <>|▁\\n😀]{0,20}",
+    ) {
+        let mut metadata = vec![
+            ("tokenizer.ggml.model", text_value(if sentencepiece { "llama" } else { "gpt2" })),
+            ("tokenizer.ggml.pre", text_value("smollm")),
+            ("tokenizer.ggml.tokens", strings(&tokens)),
+            ("tokenizer.ggml.merges", strings(&merges)),
+            ("tokenizer.ggml.token_type", Value::Array(types.into_iter().map(Value::I32).collect())),
+            ("tokenizer.ggml.scores", Value::Array(scores.into_iter().map(Value::F32).collect())),
+            ("tokenizer.ggml.bos_token_id", Value::I64(bos)),
+        ];
+        metadata.push(("tokenizer.ggml.add_bos_token", Value::Bool(true)));
+        if let Ok(tokenizer) = Tokenizer::from_gguf(&content(metadata)) {
+            for parse_special in [false, true] {
+                if let Ok(ids) = tokenizer.encode(&text, true, parse_special) {
+                    let _ = tokenizer.decode(&ids);
+                    let mut stream = StreamDecoder::new(&tokenizer);
+                    for id in ids {
+                        let _ = stream.push(id);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn text_value(s: &str) -> Value {
+    Value::String(s.to_string())
+}

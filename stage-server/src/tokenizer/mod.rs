@@ -225,6 +225,7 @@ impl Tokenizer {
                 check_length("tokenizer.ggml.token_type", types.len(), count)?;
                 types
                     .iter()
+                    .take(count)
                     .map(|&t| Attributes::from_token_type(t))
                     .collect()
             }
