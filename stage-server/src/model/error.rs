@@ -186,5 +186,22 @@ pub enum ModelError {
     },
     /// A tensor operation failed inside candle.
     #[error("tensor computation failed: {0}")]
-    Compute(#[from] candle_core::Error),
+    Compute(String),
+}
+
+impl From<candle_core::Error> for ModelError {
+    fn from(error: candle_core::Error) -> Self {
+        Self::Compute(candle_message(&error))
+    }
+}
+
+/// The first line of a candle error: its message without the backtrace candle appends when
+/// `RUST_BACKTRACE` is set.
+pub(crate) fn candle_message(error: &candle_core::Error) -> String {
+    error
+        .to_string()
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_string()
 }
