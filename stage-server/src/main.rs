@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
+use stage_server::chat::{ChatMessage, ChatTemplate};
 use stage_server::model::{
     self, GenerateOptions, ModelFile, Pipeline, Sampler, SamplingParams, StageOptions,
 };
@@ -143,11 +144,25 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
                 .as_ref()
                 .map_err(|error| anyhow::anyhow!("{error}"))?;
             if args.chat {
-                bail!("--chat needs the chat template support, which this build lacks");
+                let template = ChatTemplate::from_gguf(file.content())
+                    .map_err(|error| anyhow::anyhow!("{error}"))?
+                    .context("the model has no chat template; drop --chat")?;
+                let rendered = template
+                    .render(&[ChatMessage::new("user", text.as_str())], true)
+                    .map_err(|error| anyhow::anyhow!("{error}"))?;
+                // A template that writes BOS itself must not get a second one from the tokenizer.
+                let starts_with_bos = tokenizer
+                    .bos()
+                    .and_then(|bos| tokenizer.token_text(bos))
+                    .is_some_and(|bos| rendered.starts_with(bos));
+                tokenizer
+                    .encode(&rendered, !starts_with_bos, true)
+                    .map_err(|error| anyhow::anyhow!("{error}"))?
+            } else {
+                tokenizer
+                    .encode(text, true, false)
+                    .map_err(|error| anyhow::anyhow!("{error}"))?
             }
-            tokenizer
-                .encode(text, true, false)
-                .map_err(|error| anyhow::anyhow!("{error}"))?
         }
         (None, None) => bail!("pass --prompt or --prompt-ids"),
     };
