@@ -168,10 +168,8 @@ fn layer_ranges_outside_the_model_are_refused() {
     }
     let error = Pipeline::load(&path, &[3, 2], StageOptions::default())
         .expect_err("a falling split loaded");
-    assert!(
-        matches!(error, ModelError::LayerRange { .. }),
-        "got {error:?}"
-    );
+    assert!(matches!(error, ModelError::Split { .. }), "got {error:?}");
+    insta::assert_snapshot!("split_falling", text(&error, &dir));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

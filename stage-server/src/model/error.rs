@@ -98,6 +98,18 @@ pub enum ModelError {
         /// Layers the model has.
         block_count: usize,
     },
+    /// Split boundaries that do not cut the model into non-empty consecutive stages.
+    #[error(
+        "{path}: cannot split at layers {boundaries:?}; boundaries must rise strictly and lie inside 1..{block_count} (the model has {block_count} layers)"
+    )]
+    Split {
+        /// The model file.
+        path: PathBuf,
+        /// The boundaries asked for.
+        boundaries: Vec<usize>,
+        /// Layers the model has.
+        block_count: usize,
+    },
     /// A stage was built without lanes.
     #[error("a stage needs at least one lane; pass lane_count >= 1")]
     NoLanes,

@@ -180,7 +180,10 @@ impl TinyModel {
             ("general.architecture".into(), Value::String(arch.into())),
             (
                 "general.name".into(),
-                Value::String(format!("tiny {arch} {:?}", self.weight_type)),
+                Value::String(format!(
+                    "tiny {arch} {}",
+                    super::type_name(self.weight_type)
+                )),
             ),
             (format!("{arch}.block_count"), u32_value(self.block_count)),
             (
