@@ -316,13 +316,13 @@ fn linear_matches_candle_dequantize_and_matmul_on_quantised_random_weights() {
 }
 
 #[test]
-fn linear_leaves_other_types_to_candle_and_gives_its_exact_result() {
+fn linear_leaves_k_quants_and_floats_to_candle_and_gives_its_exact_result() {
     let mut rng = StdRng::seed_from_u64(0x5eed_0005);
     for dtype in [
-        GgmlDType::Q8_0,
-        GgmlDType::Q4_0,
         GgmlDType::Q4K,
+        GgmlDType::Q6K,
         GgmlDType::F32,
+        GgmlDType::F16,
     ] {
         let (rows, columns) = (16, 256);
         let values: Vec<f32> = (0..rows * columns)
@@ -348,6 +348,46 @@ fn linear_leaves_other_types_to_candle_and_gives_its_exact_result() {
         let got = linear.forward(&x).unwrap().to_vec2::<f32>().unwrap();
         let expected = reference.forward(&x).unwrap().to_vec2::<f32>().unwrap();
         assert_eq!(got, expected, "{dtype:?}: Linear must be candle's QMatMul");
+    }
+}
+
+#[test]
+fn linear_runs_q4_0_and_q8_0_heads_on_our_kernels() {
+    let mut rng = StdRng::seed_from_u64(0x5eed_0007);
+    // 640 values per row (gemma's width) is not a multiple of 256, so candle would not repack Q8_0 either.
+    for dtype in [GgmlDType::Q4_0, GgmlDType::Q8_0] {
+        let (rows, columns) = (37, 640);
+        let values: Vec<f32> = (0..rows * columns)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let dense = Tensor::from_vec(values, (rows, columns), &Device::Cpu).unwrap();
+        let quantised = QTensor::quantize(&dense, dtype).unwrap();
+        let format = WeightFormat::from_ggml(dtype).unwrap();
+        let weights = dequantize(format, &quantised.data().unwrap(), rows, columns);
+        let linear = Linear::from_qtensor(quantised).unwrap();
+        assert!(
+            linear.uses_own_kernels(),
+            "{dtype:?} should run on our kernels"
+        );
+        let input = random_input(2, columns, &mut rng);
+        let x = Tensor::from_vec(input.clone(), (2, columns), &Device::Cpu).unwrap();
+        let got = linear
+            .forward(&x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        for (index, (value, (exact, bound))) in got
+            .iter()
+            .zip(reference(&weights, &input, rows, columns))
+            .enumerate()
+        {
+            assert!(
+                (*value as f64 - exact).abs() <= bound,
+                "{dtype:?}: element {index} is {value}, exact {exact}, beyond the bound {bound}"
+            );
+        }
     }
 }
 

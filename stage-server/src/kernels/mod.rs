@@ -302,18 +302,30 @@ impl QuantizedMatrix {
 }
 
 impl Linear {
-    /// Wraps a quantised weight tensor of shape `[out_features, in_features]`: our kernels for Q4_1, Q5_0 and
-    /// Q5_1 at the best SIMD level of this CPU, candle's `QMatMul` for every other type.
+    /// Wraps a quantised weight tensor of shape `[out_features, in_features]`, choosing the faster backend
+    /// (measurements in `docs/performance/kernels.md`):
+    /// - Q4_0, Q4_1, Q5_0, Q5_1: our kernels at the best SIMD level of this CPU (candle has no SIMD for three of
+    ///   them and is slower on Q4_0);
+    /// - Q8_0: ours, except where candle repacks the weight for AVX-512 VNNI (rows a multiple of 256 values and a
+    ///   multiple of 16 rows), which beats a kernel on the plain block layout;
+    /// - everything else (K-quants, F32, F16, BF16): candle's `QMatMul`.
     pub fn from_qtensor(weight: QTensor) -> candle_core::Result<Self> {
         let (out_features, in_features) = weight.shape().dims2()?;
-        let ours = matches!(
-            WeightFormat::from_ggml(weight.dtype()),
-            Some(WeightFormat::Q4_1 | WeightFormat::Q5_0 | WeightFormat::Q5_1)
-        );
+        let level = SimdLevel::detect();
+        let ours = match WeightFormat::from_ggml(weight.dtype()) {
+            Some(WeightFormat::Q8_0) => {
+                let candle_repacks = level == SimdLevel::Avx512Vnni
+                    && in_features % 256 == 0
+                    && out_features % 16 == 0;
+                !candle_repacks
+            }
+            Some(_) => true,
+            None => false,
+        };
         let inner = if ours {
             let matrix =
                 QuantizedMatrix::new(Arc::new(weight)).map_err(candle_core::Error::wrap)?;
-            Backend::Ours(matrix, SimdLevel::detect())
+            Backend::Ours(matrix, level)
         } else {
             Backend::Candle(QMatMul::from_qtensor(weight)?)
         };

@@ -7,8 +7,8 @@
 //! (`sign`/`abs`) so the unsigned-by-signed multiply still applies.
 //!
 //! A tile is `W` weight rows by `X` activation rows: each weight block is expanded once per tile and each
-//! activation block loaded once per tile. Decode uses 4 x 1; a batch 4 x 2 (AVX2, 16 registers) or 4 x 4 (VNNI,
-//! 32 registers).
+//! activation block loaded once per tile. Decode uses 1 x 1 (one sequential stream per thread); a batch 4 x 2
+//! (AVX2, 16 registers) or 4 x 4 (VNNI, 32 registers).
 
 use std::arch::x86_64::*;
 
@@ -140,11 +140,14 @@ macro_rules! kernel_body {
                     x += TILE_X;
                 }
                 while x < inputs {
-                    // SAFETY: as above with one activation row.
-                    let sums =
-                        unsafe { tile::<F, QUAD, 1>(weights, row_bytes, row, activations, x) };
-                    for (i, line) in sums.iter().enumerate() {
-                        output.write(x, row + i, line[0]);
+                    // A single activation row (decode) walks the weight rows one at a time rather than four
+                    // interleaved: measured 1.6x faster on weights streamed from DRAM, since one sequential stream
+                    // per thread keeps the hardware prefetcher ahead.
+                    for i in 0..QUAD {
+                        // SAFETY: as above with one weight row and one activation row.
+                        let sums =
+                            unsafe { tile::<F, 1, 1>(weights, row_bytes, row + i, activations, x) };
+                        output.write(x, row + i, sums[0][0]);
                     }
                     x += 1;
                 }
