@@ -509,18 +509,30 @@ impl Block {
                 candle_nn::rotary_emb::rope(&key, cos, sin)?,
             ),
         };
-        let key = key.squeeze(0)?;
+        // Keys, values, queries and attention weights are rounded to f16 as llama.cpp's default f16
+        // KV cache does (its matmuls convert the other operand to f16 too); this keeps our logits
+        // within its noise instead of drifting with head width.
+        let key = round_to_half(&key.squeeze(0)?)?;
+        let value = round_to_half(&value)?;
         let (keys, values) = cache.append(&key, &value, position)?;
         let total = position + rows;
         // Query heads h*group..(h+1)*group share key head h: fold them into one matrix per key head
         // so the cached keys and values are used in place, never repeated.
         let query = query.reshape((kv_heads, group * rows, head_width))?;
-        let scores = (query.matmul(&keys.t()?)? * config.attention_scale as f64)?;
+        let scores = match config.architecture {
+            // Gemma scales the queries before the product, llama the scores after it.
+            Architecture::Gemma3 => {
+                round_to_half(&(query * config.attention_scale as f64)?)?.matmul(&keys.t()?)?
+            }
+            Architecture::Llama => {
+                (round_to_half(&query)?.matmul(&keys.t()?)? * config.attention_scale as f64)?
+            }
+        };
         let scores = match attention_mask(rows, group, position, total, self.attention.window)? {
             Some(mask) => scores.broadcast_add(&mask)?,
             None => scores,
         };
-        let probabilities = candle_nn::ops::softmax_last_dim(&scores)?;
+        let probabilities = round_to_half(&candle_nn::ops::softmax_last_dim(&scores)?)?;
         let attended = probabilities
             .matmul(&values)?
             .reshape((heads, rows, head_width))?
@@ -537,7 +549,8 @@ impl Block {
         let gate = self.gate.forward(&normed)?;
         let activated = match config.architecture {
             Architecture::Llama => candle_nn::ops::silu(&gate)?,
-            Architecture::Gemma3 => gate.gelu()?,
+            // llama.cpp's CPU GELU reads a table indexed by the f16 input and holding f16 outputs.
+            Architecture::Gemma3 => round_to_half(&round_to_half(&gate)?.gelu()?)?,
         };
         let mixed = (activated * self.up.forward(&normed)?)?;
         let mut ffn_out = self.down.forward(&mixed)?;
@@ -732,6 +745,11 @@ fn attention_mask(
     )?))
 }
 
+/// `values` rounded to the nearest f16 and back to f32.
+fn round_to_half(values: &Tensor) -> candle_core::Result<Tensor> {
+    values.to_dtype(DType::F16)?.to_dtype(DType::F32)
+}
+
 /// Loads a norm vector as f32, checking its length.
 fn load_vector(file: &ModelFile, name: &str, length: usize) -> Result<Tensor, ModelError> {
     let tensor = file.tensor(name)?;
@@ -765,6 +783,6 @@ fn load_linear(
     Linear::from_qtensor(tensor).map_err(|error| ModelError::Tensor {
         path: file.path().to_path_buf(),
         tensor: name.to_string(),
-        detail: error.to_string(),
+        detail: super::error::candle_message(&error),
     })
 }
