@@ -5,9 +5,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
+use stage_server::chat::{ChatMessage, ChatTemplate};
 use stage_server::model::{
     self, GenerateOptions, ModelFile, Pipeline, Sampler, SamplingParams, StageOptions,
 };
+use stage_server::tokenizer::StreamDecoder;
 
 /// Runs layer ranges of GGUF language models.
 #[derive(Debug, Parser)]
@@ -142,11 +144,25 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
                 .as_ref()
                 .map_err(|error| anyhow::anyhow!("{error}"))?;
             if args.chat {
-                bail!("--chat needs the chat template support, which this build lacks");
+                let template = ChatTemplate::from_gguf(file.content())
+                    .map_err(|error| anyhow::anyhow!("{error}"))?
+                    .context("the model has no chat template; drop --chat")?;
+                let rendered = template
+                    .render(&[ChatMessage::new("user", text.as_str())], true)
+                    .map_err(|error| anyhow::anyhow!("{error}"))?;
+                // A template that writes BOS itself must not get a second one from the tokenizer.
+                let starts_with_bos = tokenizer
+                    .bos()
+                    .and_then(|bos| tokenizer.token_text(bos))
+                    .is_some_and(|bos| rendered.starts_with(bos));
+                tokenizer
+                    .encode(&rendered, !starts_with_bos, true)
+                    .map_err(|error| anyhow::anyhow!("{error}"))?
+            } else {
+                tokenizer
+                    .encode(text, true, false)
+                    .map_err(|error| anyhow::anyhow!("{error}"))?
             }
-            tokenizer
-                .encode(text, true, false)
-                .map_err(|error| anyhow::anyhow!("{error}"))?
         }
         (None, None) => bail!("pass --prompt or --prompt-ids"),
     };
@@ -171,17 +187,34 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     });
     let generate_options = GenerateOptions {
         max_tokens: args.max_tokens,
-        stop_tokens: stop_tokens(&file),
+        stop_tokens: match &tokenizer {
+            Ok(tokenizer) => tokenizer.end_of_generation_ids(),
+            Err(_) => stop_tokens(&file),
+        },
         keep_logits: args.logits_out.is_some(),
     };
     let stream = !args.json;
     let mut stdout = std::io::stdout().lock();
+    let mut decoder = tokenizer.as_ref().ok().map(StreamDecoder::new);
+    let mut text = String::new();
     let generation = pipeline.generate(0, &prompt, &mut sampler, &generate_options, |token| {
+        let piece = match decoder.as_mut() {
+            Some(decoder) => decoder.push(token),
+            None => format!("{token} "),
+        };
         if stream {
-            let _ = write!(stdout, "{token} ");
+            let _ = write!(stdout, "{piece}");
             let _ = stdout.flush();
         }
+        text.push_str(&piece);
     })?;
+    if let Some(decoder) = decoder.as_mut() {
+        let rest = decoder.finish();
+        if stream {
+            write!(stdout, "{rest}")?;
+        }
+        text.push_str(&rest);
+    }
     if let Some(out) = &args.logits_out {
         let bytes = model::encode_activations(&generation.logits);
         std::fs::write(out, bytes).with_context(|| format!("writing {}", out.display()))?;
@@ -195,7 +228,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         let object = serde_json::json!({
             "prompt_tokens": prompt,
             "tokens": generation.tokens,
-            "text": serde_json::Value::Null,
+            "text": text,
             "prompt_tokens_per_second": prompt_rate,
             "decode_tokens_per_second": decode_rate,
         });

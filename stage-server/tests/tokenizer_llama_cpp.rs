@@ -121,3 +121,34 @@ fn smollm2_ids_equal_llama_cpp_on_every_fixture_string() {
 fn gemma3_ids_equal_llama_cpp_on_every_fixture_string() {
     check_model("gemma-3-270m-q4_k_m.gguf");
 }
+
+/// Random id sequences over a real vocabulary: the stream equals the whole decode, piece by piece.
+fn stream_matches_decode_on_random_ids(name: &str) {
+    use proptest::test_runner::{Config, TestRunner};
+    let Some(tokenizer) = load(name) else { return };
+    let vocab = tokenizer.vocab_size() as u32;
+    let mut runner = TestRunner::new(Config {
+        cases: 200,
+        ..Config::default()
+    });
+    let ids = proptest::collection::vec(0..vocab, 0..48);
+    runner
+        .run(&ids, |ids| {
+            let mut stream = StreamDecoder::new(&tokenizer);
+            let mut joined: String = ids.iter().map(|&id| stream.push(id)).collect();
+            joined.push_str(&stream.finish());
+            proptest::prop_assert_eq!(joined, tokenizer.decode(&ids));
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[test]
+fn smollm2_streaming_random_ids_equals_decode() {
+    stream_matches_decode_on_random_ids("SmolLM2-135M-Instruct.Q4_1.gguf");
+}
+
+#[test]
+fn gemma3_streaming_random_ids_equals_decode() {
+    stream_matches_decode_on_random_ids("gemma-3-270m-q4_k_m.gguf");
+}

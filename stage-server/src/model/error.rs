@@ -98,6 +98,18 @@ pub enum ModelError {
         /// Layers the model has.
         block_count: usize,
     },
+    /// Split boundaries that do not cut the model into non-empty consecutive stages.
+    #[error(
+        "{path}: cannot split at layers {boundaries:?}; boundaries must rise strictly and lie inside 1..{block_count} (the model has {block_count} layers)"
+    )]
+    Split {
+        /// The model file.
+        path: PathBuf,
+        /// The boundaries asked for.
+        boundaries: Vec<usize>,
+        /// Layers the model has.
+        block_count: usize,
+    },
     /// A stage was built without lanes.
     #[error("a stage needs at least one lane; pass lane_count >= 1")]
     NoLanes,
@@ -186,5 +198,22 @@ pub enum ModelError {
     },
     /// A tensor operation failed inside candle.
     #[error("tensor computation failed: {0}")]
-    Compute(#[from] candle_core::Error),
+    Compute(String),
+}
+
+impl From<candle_core::Error> for ModelError {
+    fn from(error: candle_core::Error) -> Self {
+        Self::Compute(candle_message(&error))
+    }
+}
+
+/// The first line of a candle error: its message without the backtrace candle appends when
+/// `RUST_BACKTRACE` is set.
+pub(crate) fn candle_message(error: &candle_core::Error) -> String {
+    error
+        .to_string()
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_string()
 }

@@ -8,6 +8,7 @@ use candle_core::Device;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 
+use super::error::candle_message;
 use super::{ModelConfig, ModelError};
 
 /// A GGUF file whose header has been read and checked; tensors are read only when asked for.
@@ -147,7 +148,7 @@ impl ModelFile {
             .map_err(|error| ModelError::Tensor {
                 path: self.path.clone(),
                 tensor: name.to_string(),
-                detail: error.to_string(),
+                detail: candle_message(&error),
             })
     }
 
@@ -181,7 +182,7 @@ pub fn type_name(dtype: GgmlDType) -> String {
 
 /// Classifies a header-reading failure: an unknown tensor type, or a malformed file.
 fn header_error(path: &Path, error: candle_core::Error) -> ModelError {
-    let detail = error.to_string();
+    let detail = candle_message(&error);
     if detail.contains("unknown dtype") {
         ModelError::UnsupportedTensorType {
             path: path.to_path_buf(),

@@ -68,13 +68,11 @@ impl Pipeline {
         options: StageOptions,
     ) -> Result<Self, ModelError> {
         let block_count = file.config().block_count;
-        let specs =
-            StageSpec::split(block_count, boundaries).map_err(|error| ModelError::LayerRange {
-                path: file.path().to_path_buf(),
-                start: error.boundary,
-                end: error.boundary,
-                block_count,
-            })?;
+        let specs = StageSpec::split(block_count, boundaries).map_err(|_| ModelError::Split {
+            path: file.path().to_path_buf(),
+            boundaries: boundaries.to_vec(),
+            block_count,
+        })?;
         let stages = specs
             .into_iter()
             .map(|spec| Stage::from_file(file, spec, options.clone()))

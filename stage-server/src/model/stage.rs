@@ -765,6 +765,6 @@ fn load_linear(
     Linear::from_qtensor(tensor).map_err(|error| ModelError::Tensor {
         path: file.path().to_path_buf(),
         tensor: name.to_string(),
-        detail: error.to_string(),
+        detail: super::error::candle_message(&error),
     })
 }

@@ -123,9 +123,16 @@ impl TinyModel {
         let gemma = self.architecture == Architecture::Gemma3;
 
         let mut tensors: Vec<(String, QTensor)> = Vec::new();
+        // Gemma multiplies embeddings by sqrt(width) and reuses them as the output matrix; rows of
+        // standard deviation 1/sqrt(width) keep its logits near 1 so sampling tests see a spread.
+        let embedding_scale = if gemma {
+            1.0 / (width as f32).sqrt()
+        } else {
+            1.0
+        };
         tensors.push((
             "token_embd.weight".to_string(),
-            random.matrix(vocabulary.len(), width, 1.0, GgmlDType::Q8_0)?,
+            random.matrix(vocabulary.len(), width, embedding_scale, GgmlDType::Q8_0)?,
         ));
         for layer in 0..self.block_count {
             let name = |suffix: &str| format!("blk.{layer}.{suffix}.weight");
@@ -173,7 +180,10 @@ impl TinyModel {
             ("general.architecture".into(), Value::String(arch.into())),
             (
                 "general.name".into(),
-                Value::String(format!("tiny {arch} {:?}", self.weight_type)),
+                Value::String(format!(
+                    "tiny {arch} {}",
+                    super::type_name(self.weight_type)
+                )),
             ),
             (format!("{arch}.block_count"), u32_value(self.block_count)),
             (
