@@ -12,6 +12,7 @@ mod bench_runtime;
 mod llama_ref;
 mod models;
 mod run;
+mod tidy;
 
 const HELP: &str = "\
 usage: cargo xtask <task>

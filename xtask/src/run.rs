@@ -22,7 +22,14 @@ const DEFAULT_GENERATE: &[&str] = &[
 /// with none, it runs [`DEFAULT_GENERATE`].
 pub fn run(arguments: &[String]) -> Result<()> {
     models::fetch(&["smollm2".to_owned()])?;
-    let mut command = vec!["run", "--release", "--quiet", "--package", "stage-server", "--"];
+    let mut command = vec![
+        "run",
+        "--release",
+        "--quiet",
+        "--package",
+        "stage-server",
+        "--",
+    ];
     if arguments.is_empty() {
         command.extend_from_slice(DEFAULT_GENERATE);
     } else {
