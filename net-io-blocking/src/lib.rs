@@ -1,1 +1,131 @@
 //! A bounded blocking TCP server driver: accept threads, a bounded worker pool, caps, deadlines, kill and drain.
+//!
+//! ```text
+//!                       door (open/closed)
+//!   listener ──poll(listener, wake)──▶ accept thread (one per listener)
+//!                                        │ accept4 up to accept_batch per wake
+//!                                        │ caps: global, listener, source  ── full ──▶ RST (nothing read)
+//!                                        │ Gate::admit                       ── no  ──▶ RST
+//!                                        ▼
+//!                        hand-over queue (bounded: queued + busy < workers, else Busy ──▶ RST)
+//!                                        │
+//!                                        ▼
+//!   worker 0..N (one connection each) ── PROXY header ── handler(&mut TcpConnection) or Session
+//!     recv under SO_RCVTIMEO, send with MSG_DONTWAIT; poll(socket, wake) only on EAGAIN
+//!     deadlines by phase, minimum rate, kill slot ◀── ServerHandle::kill / drain (any thread)
+//!        ▲
+//!        │ wake (eventfd)
+//!   completion ring (per worker) ◀── Completer::post(token, value) from offload threads
+//!                                     ──▶ Session::on_wake while the session is parked
+//! ```
+//!
+//! Every connection closes exactly once, with one [`CloseReason`] that the session's `on_close`, the gate's
+//! `closed` and the [`Event::Closed`] event all see. Only the worker that owns a connection closes its
+//! socket; other threads kill through the connection's kill slot, and one of them wins.
+//!
+//! # Behaviour and costs
+//!
+//! - **Admission** happens on the accept thread before any byte is read: the global, per-listener and
+//!   per-source caps, then the Busy rule (queued plus busy workers must stay below the worker count, checked
+//!   before the gate is asked), then [`Gate::admit`]. Every refusal is an RST.
+//! - **Deadlines by phase.** Between exchanges the idle timeout applies (5 s by default, short because an
+//!   idle blocking connection holds a worker); once a request has started, the read timeout; while output is
+//!   pending, the write timeout; a session may add an exchange deadline and park with a park deadline; a
+//!   PROXY header must arrive within the handshake timeout. The minimum transfer rate judges a direction only
+//!   while it is busy.
+//! - **Two system calls per keep-alive round trip**: a blocking `recv` under `SO_RCVTIMEO` (re-armed only
+//!   when the wanted timeout moves by more than a tick) and a `send` with `MSG_DONTWAIT`; `poll` runs only
+//!   when the send buffer is full. A warmed-up worker serves round trips without allocating.
+//! - **Close styles.** `PeerClosed`, `Idle`, `Drained` and `SessionClosed` close gracefully: FIN, then up to
+//!   64 KiB / 2 s of unread input is read and discarded so our last reply is not destroyed by an RST. Every
+//!   other reason resets (linger 0).
+//! - **Drain** closes the door, closes idle connections at once (`Drained`), lets busy ones finish (their
+//!   queued output is flushed) and kills what is left at the deadline (`DrainDeadline`).
+//! - **Panics** in a handler, a session hook or the gate close only that connection (`SessionPanicked`, or a
+//!   refusal or denial for the gate); the worker serves on.
+//! - **Injected clocks** ([`ServerBuilder::clock`]) drive every deadline; since the kernel's timeouts run on
+//!   real time, waits are then cut to one tick so a test that moves the clock is noticed within a tick.
+//! - **Not here**: Unix sockets, TLS, listener hand-off and systemd sockets, adding or removing listeners at
+//!   run time, `Gate::readmit` after a PROXY header, and turning a graceful linger abortive when a kill
+//!   arrives during it (once a close has begun, kills lose).
+//! - **Handlers must do IO to be killable**: a kill shuts the socket's read side and wakes the worker, so a
+//!   handler stuck in pure computation is ended only when it next reads or writes; shutdown waits for it.
+//!
+//! ```no_run
+//! use net_io_blocking::{NetError, TcpConnection, serve};
+//!
+//! let server = serve("127.0.0.1:7000", |connection: &mut TcpConnection<'_>| {
+//!     let mut buffer = [0u8; 4096];
+//!     loop {
+//!         let count = connection.read(&mut buffer)?;
+//!         if count == 0 {
+//!             return Ok::<(), NetError>(());
+//!         }
+//!         connection.write_all(&buffer[..count])?;
+//!     }
+//! })?;
+//! println!("listening on {}", server.local_addr());
+//! server.handle().wait_for_stop();
+//! # Ok::<(), NetError>(())
+//! ```
+
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+mod backoff;
+mod builder;
+mod caps;
+mod clock;
+mod connection;
+mod handover;
+mod handshake;
+mod link;
+mod rate;
+mod runtime;
+mod server;
+mod sessions;
+
+use std::net::ToSocketAddrs;
+
+pub use builder::{
+    DEFAULT_WORKER_STACK, DEFAULT_WORKERS, Handler, LISTENERS_MAX, ListenerSpec, NoGate,
+    NoWorkload, ServerBuilder, Sessions,
+};
+pub use connection::{TcpConnection, connect};
+pub use server::{DrainReport, KillHandle, Server, ServerHandle};
+
+pub use net_io_core::proxy::ProxyMode;
+pub use net_io_core::{
+    Admission, AllowAll, CloseReason, Completer, ConnectionId, ConnectionInfo, ControlLine,
+    ControlState, Direction, Event, EventSink, Gate, Input, Lane, LimitKind, Limits, MinRateRule,
+    NetError, Output, Phase, Refusal, RefusalCause, Session, SessionContext, SessionFactory, Stats,
+    Step, TimeoutKind, Verdict, WriteFacts,
+};
+pub use net_io_core::{ManualClock, TrustedProxies};
+pub use net_io_sys::socket::Keepalive;
+
+/// Starts a server on `address` that runs `handler` for each connection, with default limits and no
+/// admission policy ([`AllowAll`]). The door is open when this returns.
+pub fn serve<H>(address: impl ToSocketAddrs, handler: H) -> Result<Server, NetError>
+where
+    H: Fn(&mut TcpConnection<'_>) -> Result<(), NetError> + Send + Sync + 'static,
+{
+    ServerBuilder::new()
+        .listen(address)
+        .handler(handler)
+        .allow_all()
+        .build()
+}
+
+/// Starts a server on `address` that drives a session made by `factory` for each connection, with default
+/// limits and no admission policy ([`AllowAll`]).
+pub fn serve_sessions<F: SessionFactory>(
+    address: impl ToSocketAddrs,
+    factory: F,
+) -> Result<Server, NetError> {
+    ServerBuilder::new()
+        .listen(address)
+        .sessions(factory)
+        .allow_all()
+        .build()
+}

@@ -14,10 +14,15 @@ pub mod epoll;
 pub mod eventfd;
 pub mod futex;
 pub mod inotify;
+pub mod kill;
 pub mod pidfd;
+pub mod rlimit;
 pub mod shim;
 pub mod signal;
+pub mod socket;
+pub mod termination;
 pub mod timerfd;
+pub mod wait;
 
 use std::io;
 

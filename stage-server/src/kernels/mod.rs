@@ -1,21 +1,334 @@
 //! Quantised linear layers: our own SIMD kernels where candle has none, candle's `QMatMul` elsewhere.
+//!
+//! candle 0.11.1 has no SIMD dot product for Q4_1, Q5_0 and Q5_1 (the formats of SmolLM2 and of gemma-3's
+//! projections), so its matmul falls back to scalar code there. For those formats [`Linear`] runs the kernels of
+//! this module instead; every other format goes to candle's `QMatMul`.
+//!
+//! How a product `y = x · Wᵀ` is computed (the ggml method):
+//!
+//! ```text
+//!   x rows (f32) --quantize once--> QuantizedActivations (i8 values, scale and scale·Σq per block of 32)
+//!                                              |
+//!   W rows (raw ggml blocks) --decode 32 weights to small integers per block, in registers--+
+//!                                              v
+//!        per block: integer dot product (AVX2 maddubs+madd, AVX-512 VNNI dpbusd)
+//!                   then  acc += w_scale·x_scale·dot + w_offset·(x_scale·Σq)
+//! ```
+//!
+//! Work is split over output rows in groups of four ([`QUAD`]): each output element is computed start to finish
+//! by one thread with a fixed order of operations, so results are identical for any thread count.
+//!
+//! `unsafe` is allowed in this module only, for two reasons: `std::arch` intrinsics behind runtime feature
+//! detection (`is_x86_feature_detected!`), and writing disjoint output elements from several threads. Each
+//! `unsafe` block says which invariant it relies on.
+#![allow(unsafe_code)]
+
+mod activation;
+mod format;
+mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use std::num::NonZeroUsize;
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::quantized::{QMatMul, QTensor};
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Device, Module, Storage, Tensor};
+
+pub use activation::QuantizedActivations;
+pub use format::{BLOCK, WeightFormat};
+
+/// Output rows handed to one kernel call together: a tile of four weight rows shares each activation load.
+pub const QUAD: usize = 4;
+
+/// Below this many multiply-adds a product runs on the calling thread: waking the pool costs more than it saves.
+const PARALLEL_THRESHOLD: usize = 64 * 1024;
+
+/// An instruction-set level for the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum SimdLevel {
+    /// Portable Rust, no intrinsics.
+    Scalar,
+    /// AVX2 with FMA and F16C (Haswell and later).
+    Avx2,
+    /// AVX-512 F, BW, VL and VNNI on 256-bit registers (Ice Lake, Sapphire Rapids, Zen 4): `vpdpbusd` replaces the
+    /// two-step `maddubs`/`madd`, and mask registers expand the fifth bits of Q5 blocks in one instruction.
+    Avx512Vnni,
+}
+
+impl SimdLevel {
+    /// Every level, slowest first.
+    pub const ALL: [SimdLevel; 3] = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni];
+
+    /// The best level this CPU supports (checked at run time).
+    pub fn detect() -> Self {
+        Self::ALL
+            .into_iter()
+            .rev()
+            .find(|level| level.is_available())
+            .unwrap_or(SimdLevel::Scalar)
+    }
+
+    /// Whether this CPU can run the level.
+    pub fn is_available(self) -> bool {
+        match self {
+            SimdLevel::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx2 => x86::avx2_available(),
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512Vnni => x86::avx512_vnni_available(),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+}
+
+/// How many threads a product may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Threads {
+    /// candle's own persistent worker pool (`candle_core::utils::barrier_pool`), the one its matmuls use. Its size
+    /// is fixed at first use from `CANDLE_NUM_THREADS`, else `RAYON_NUM_THREADS`, else the physical core count.
+    /// Sharing it keeps two sets of spinning workers from fighting over the cores.
+    Pool,
+    /// Exactly this many threads, spawned for the call (for tests and comparisons; slower to start).
+    Exactly(NonZeroUsize),
+}
+
+/// Errors from building or running a kernel.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KernelError {
+    /// The weight tensor is not a matrix.
+    #[error(
+        "a linear weight must have two dimensions, this one has shape {shape:?}; pass a [out, in] matrix"
+    )]
+    NotAMatrix {
+        /// The shape found.
+        shape: Vec<usize>,
+    },
+    /// The weight's type has no kernel here.
+    #[error("no kernel for weight type {dtype:?}; use candle's QMatMul for it")]
+    UnsupportedFormat {
+        /// The type found.
+        dtype: candle_core::quantized::GgmlDType,
+    },
+    /// The weight bytes do not match the shape.
+    #[error(
+        "the weight holds {found} bytes but {rows} rows of {columns} {format:?} values need {expected}; the tensor is truncated or mislabelled"
+    )]
+    WrongSize {
+        /// Format of the weight.
+        format: WeightFormat,
+        /// Output rows.
+        rows: usize,
+        /// Input columns.
+        columns: usize,
+        /// Bytes needed.
+        expected: usize,
+        /// Bytes present.
+        found: usize,
+    },
+    /// The row length is not a whole number of blocks.
+    #[error(
+        "rows of {columns} values are not a whole number of 32-value blocks; the tensor is malformed"
+    )]
+    PartialBlock {
+        /// Input columns.
+        columns: usize,
+    },
+    /// The input or output slices do not match the matrix.
+    #[error(
+        "input of {input} values or output of {output} values does not fit {rows} rows through a [{out_features}, {in_features}] matrix"
+    )]
+    ShapeMismatch {
+        /// Input values given.
+        input: usize,
+        /// Output values given.
+        output: usize,
+        /// Activation rows.
+        rows: usize,
+        /// Weight rows.
+        out_features: usize,
+        /// Weight columns.
+        in_features: usize,
+    },
+    /// A SIMD level this CPU lacks was requested.
+    #[error("the CPU does not support the {0:?} kernels; use SimdLevel::detect()")]
+    LevelUnavailable(SimdLevel),
+}
+
+/// A quantised weight matrix `[out_features, in_features]` in one of the [`WeightFormat`]s, with its products.
+///
+/// It keeps the `QTensor` and borrows its bytes on each call (candle hands out CPU storage without copying), so
+/// loading a layer costs no second copy of the weights.
+#[derive(Debug, Clone)]
+pub struct QuantizedMatrix {
+    tensor: Arc<QTensor>,
+    format: WeightFormat,
+    out_features: usize,
+    in_features: usize,
+}
 
 /// A linear layer `y = x · Wᵀ` over a quantised weight matrix of shape `[out_features, in_features]`.
 #[derive(Debug)]
 pub struct Linear {
-    inner: QMatMul,
+    inner: Backend,
     in_features: usize,
     out_features: usize,
 }
 
+#[derive(Debug)]
+enum Backend {
+    Ours(QuantizedMatrix, SimdLevel),
+    Candle(QMatMul),
+}
+
+/// Where one product writes: `output[x * out_features + o]`, shared by the threads of one call.
+///
+/// Threads get disjoint weight-row ranges, so no two ever write the same element.
+pub(crate) struct Output<'a> {
+    pointer: *mut f32,
+    length: usize,
+    out_features: usize,
+    _borrow: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+/// A range of weight rows handed to a kernel: a whole number of quads, except possibly a last partial one.
+pub(crate) type RowRange = Range<usize>;
+
+impl QuantizedMatrix {
+    /// Wraps a weight tensor of one of our formats, checking its shape and size.
+    pub fn new(tensor: Arc<QTensor>) -> Result<Self, KernelError> {
+        let Some(format) = WeightFormat::from_ggml(tensor.dtype()) else {
+            return Err(KernelError::UnsupportedFormat {
+                dtype: tensor.dtype(),
+            });
+        };
+        let dims = tensor.shape().dims().to_vec();
+        let &[out_features, in_features] = dims.as_slice() else {
+            return Err(KernelError::NotAMatrix { shape: dims });
+        };
+        if in_features % BLOCK != 0 {
+            return Err(KernelError::PartialBlock {
+                columns: in_features,
+            });
+        }
+        let expected = out_features * in_features / BLOCK * format.block_bytes();
+        let found = tensor.storage_size_in_bytes();
+        if found != expected || !tensor.device().is_cpu() {
+            return Err(KernelError::WrongSize {
+                format,
+                rows: out_features,
+                columns: in_features,
+                expected,
+                found,
+            });
+        }
+        Ok(Self {
+            tensor,
+            format,
+            out_features,
+            in_features,
+        })
+    }
+
+    /// The weight format.
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    /// Rows of the weight (the width of an output row).
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    /// Columns of the weight (the width of an input row).
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    /// Computes `output = input · Wᵀ` for `rows` input rows (`input.len() == rows * in_features`,
+    /// `output.len() == rows * out_features`, both row-major).
+    ///
+    /// Cost: one pass quantising the input, then `rows * out_features * in_features` multiply-adds on integers.
+    /// The result depends on `level` (float sums are grouped differently) but never on `threads`.
+    pub fn matmul(
+        &self,
+        input: &[f32],
+        rows: usize,
+        output: &mut [f32],
+        level: SimdLevel,
+        threads: Threads,
+    ) -> Result<(), KernelError> {
+        if input.len() != rows * self.in_features || output.len() != rows * self.out_features {
+            return Err(KernelError::ShapeMismatch {
+                input: input.len(),
+                output: output.len(),
+                rows,
+                out_features: self.out_features,
+                in_features: self.in_features,
+            });
+        }
+        if !level.is_available() {
+            return Err(KernelError::LevelUnavailable(level));
+        }
+        let activations = QuantizedActivations::quantize(input, rows, self.in_features);
+        let bytes = self
+            .tensor
+            .data()
+            .map_err(|_| KernelError::UnsupportedFormat {
+                dtype: self.tensor.dtype(),
+            })?;
+        let weights: &[u8] = &bytes;
+        let target = Output::new(output, self.out_features);
+        let quads = self.out_features.div_ceil(QUAD);
+        let work = rows * self.out_features * self.in_features;
+        let format = self.format;
+        let out_features = self.out_features;
+        let run = |items: Range<usize>| {
+            let range = items.start * QUAD..(items.end * QUAD).min(out_features);
+            run_kernel(level, format, weights, &activations, range, &target);
+        };
+        if work < PARALLEL_THRESHOLD {
+            run(0..quads);
+        } else {
+            run_items(threads, quads, run);
+        }
+        Ok(())
+    }
+}
+
 impl Linear {
-    /// Wraps a quantised weight tensor of shape `[out_features, in_features]`.
-    pub fn from_qtensor(weight: QTensor) -> Result<Self> {
+    /// Wraps a quantised weight tensor of shape `[out_features, in_features]`, choosing the faster backend
+    /// (measurements in `docs/performance/kernels.md`):
+    /// - Q4_0, Q4_1, Q5_0, Q5_1: our kernels at the best SIMD level of this CPU (candle has no SIMD for three of
+    ///   them and is slower on Q4_0);
+    /// - Q8_0: ours, except where candle repacks the weight for AVX-512 VNNI (rows a multiple of 256 values and a
+    ///   multiple of 16 rows), which beats a kernel on the plain block layout;
+    /// - everything else (K-quants, F32, F16, BF16): candle's `QMatMul`.
+    pub fn from_qtensor(weight: QTensor) -> candle_core::Result<Self> {
         let (out_features, in_features) = weight.shape().dims2()?;
-        let inner = QMatMul::from_qtensor(weight)?;
+        let level = SimdLevel::detect();
+        let ours = match WeightFormat::from_ggml(weight.dtype()) {
+            Some(WeightFormat::Q8_0) => {
+                let candle_repacks = level == SimdLevel::Avx512Vnni
+                    && in_features % 256 == 0
+                    && out_features % 16 == 0;
+                !candle_repacks
+            }
+            Some(_) => true,
+            None => false,
+        };
+        let inner = if ours {
+            let matrix =
+                QuantizedMatrix::new(Arc::new(weight)).map_err(candle_core::Error::wrap)?;
+            Backend::Ours(matrix, level)
+        } else {
+            Backend::Candle(QMatMul::from_qtensor(weight)?)
+        };
         Ok(Self {
             inner,
             in_features,
@@ -23,9 +336,51 @@ impl Linear {
         })
     }
 
+    /// Wraps the weight in candle's `QMatMul` whatever its type (the comparison point for benchmarks).
+    pub fn candle_only(weight: QTensor) -> candle_core::Result<Self> {
+        let (out_features, in_features) = weight.shape().dims2()?;
+        Ok(Self {
+            inner: Backend::Candle(QMatMul::from_qtensor(weight)?),
+            in_features,
+            out_features,
+        })
+    }
+
     /// Multiplies `input` of shape `[..., in_features]` (f32) by the transposed weight, giving `[..., out_features]`.
-    pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        candle_core::Module::forward(&self.inner, input)
+    pub fn forward(&self, input: &Tensor) -> candle_core::Result<Tensor> {
+        let Backend::Ours(matrix, level) = &self.inner else {
+            let Backend::Candle(inner) = &self.inner else {
+                unreachable!("two variants")
+            };
+            return inner.forward(input);
+        };
+        let mut dims = input.dims().to_vec();
+        let Some(last) = dims.last_mut() else {
+            candle_core::bail!("a linear layer needs an input with at least one dimension");
+        };
+        if *last != self.in_features {
+            candle_core::bail!(
+                "input rows have {} values but the layer takes {}",
+                *last,
+                self.in_features
+            );
+        }
+        *last = self.out_features;
+        let rows = input.elem_count() / self.in_features;
+        let input = input.to_dtype(DType::F32)?.contiguous()?;
+        let mut output = vec![0f32; rows * self.out_features];
+        {
+            let (storage, layout) = input.storage_and_layout();
+            let Storage::Cpu(cpu) = &*storage else {
+                candle_core::bail!("our quantised kernels run on the CPU only");
+            };
+            let start = layout.start_offset();
+            let values = &cpu.as_slice::<f32>()?[start..start + rows * self.in_features];
+            matrix
+                .matmul(values, rows, &mut output, *level, Threads::Pool)
+                .map_err(candle_core::Error::wrap)?;
+        }
+        Tensor::from_vec(output, dims, &Device::Cpu)
     }
 
     /// The width of an input row.
@@ -36,5 +391,82 @@ impl Linear {
     /// The width of an output row.
     pub fn out_features(&self) -> usize {
         self.out_features
+    }
+
+    /// Whether this layer runs our kernels (true) or candle's (false).
+    pub fn uses_own_kernels(&self) -> bool {
+        matches!(self.inner, Backend::Ours(..))
+    }
+}
+
+impl<'a> Output<'a> {
+    fn new(output: &'a mut [f32], out_features: usize) -> Self {
+        Self {
+            pointer: output.as_mut_ptr(),
+            length: output.len(),
+            out_features,
+            _borrow: std::marker::PhantomData,
+        }
+    }
+
+    /// Stores the product of activation row `x` with weight row `row`.
+    #[inline]
+    pub(crate) fn write(&self, x: usize, row: usize, value: f32) {
+        let index = x * self.out_features + row;
+        assert!(
+            index < self.length && row < self.out_features,
+            "output index out of range"
+        );
+        // SAFETY: the index is in bounds (checked above) of a slice borrowed mutably for 'a; each (x, row) is written
+        // by exactly one thread because threads receive disjoint row ranges (see `run_items`).
+        unsafe { self.pointer.add(index).write(value) }
+    }
+}
+
+// SAFETY: `Output` is only a pointer into a `&mut [f32]` that outlives it; threads write disjoint elements.
+unsafe impl Sync for Output<'_> {}
+
+/// Runs the kernel of `level` over weight rows `rows`.
+fn run_kernel(
+    level: SimdLevel,
+    format: WeightFormat,
+    weights: &[u8],
+    activations: &QuantizedActivations,
+    rows: RowRange,
+    output: &Output<'_>,
+) {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 | SimdLevel::Avx512Vnni => {
+            x86::matmul_rows(level, format, weights, activations, rows, output)
+        }
+        _ => scalar::matmul_rows(format, weights, activations, rows, output),
+    }
+}
+
+/// Calls `work` on disjoint ranges covering `0..items`, on the threads `threads` names.
+fn run_items(threads: Threads, items: usize, work: impl Fn(Range<usize>) + Sync) {
+    match threads {
+        Threads::Pool => candle_core::utils::barrier_pool().execute_chunked(items, work),
+        Threads::Exactly(count) => {
+            let count = count.get().min(items.max(1));
+            let chunk = items.div_ceil(count * 8).max(1);
+            let cursor = AtomicUsize::new(0);
+            let take = || {
+                loop {
+                    let start = cursor.fetch_add(chunk, Ordering::Relaxed);
+                    if start >= items {
+                        break;
+                    }
+                    work(start..items.min(start + chunk));
+                }
+            };
+            std::thread::scope(|scope| {
+                for _ in 1..count {
+                    scope.spawn(take);
+                }
+                take();
+            });
+        }
     }
 }

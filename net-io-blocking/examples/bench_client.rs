@@ -1,0 +1,386 @@
+//! Load generator for `cargo xtask bench net`: closed-loop echo, idle connections and connect-and-close churn.
+//!
+//! ```text
+//! bench_client echo  --addr ADDR --connections C [--threads T] [--warmup-ms 500] [--duration-ms 2000] [--size 64]
+//! bench_client idle  --addr ADDR --connections 5000
+//! bench_client churn --addr ADDR [--threads 4] [--duration-ms 2000]
+//! bench_client count --addr ADDR [--round-trips 10000] [--size 64]
+//! ```
+//!
+//! Every mode prints `key=value` lines that the benchmark parses:
+//!
+//! - `echo`: opens C connections with `TCP_NODELAY` (one round trip each, so every one is served before the
+//!   load starts) and splits them over T client threads (default: 1 for one connection, else 2, the core
+//!   count of the benchmark machine). Each thread runs a closed loop in lock-step rounds over its own
+//!   connections with blocking sockets: it writes one message on each, then reads each echo in the same
+//!   order. A round trip's latency runs from its write to the end of its read, so one message is in flight
+//!   per connection at all times. Only round trips that start after the warm-up and end before the
+//!   deadline count. It prints `measuring` when the timed window opens, `measured` when it closes, then
+//!   `echo connections=.. round_trips=.. seconds=.. rt_per_s=.. p50_us=.. p99_us=..`.
+//! - `idle`: opens C connections one after the other, each with one 8-byte round trip, prints
+//!   `idle opened=.. served=.. failed=..`, then holds them until its standard input closes.
+//! - `churn`: T threads connect and close as fast as they can; every close is an RST (`SO_LINGER` 0) so that
+//!   neither side keeps the socket in TIME_WAIT and the port range cannot run out. A connect that takes over
+//!   500 ms (a dropped SYN waiting for its 1 s retransmit) counts as stalled. It prints
+//!   `churn connects=.. seconds=.. per_s=.. stalled=.. errors=.. max_ms=..`.
+//! - `count`: opens one connection, does one round trip, prints `ready`, waits for a line on standard input,
+//!   then does exactly N round trips and prints `count round_trips=.. seconds=..`. The benchmark attaches a
+//!   system-call counter (`strace -c -f`) to the server between `ready` and its go line.
+
+use std::io::{self, BufRead, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use socket2::SockRef;
+
+/// A connect slower than this waited for a SYN retransmit.
+const STALL_THRESHOLD: Duration = Duration::from_millis(500);
+
+/// No single read or connect may hang the benchmark longer than this.
+const IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What to measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Echo,
+    Idle,
+    Churn,
+    Count,
+}
+
+/// Command-line options.
+#[derive(Debug)]
+struct Options {
+    mode: Mode,
+    address: SocketAddr,
+    connections: usize,
+    threads: Option<usize>,
+    warmup: Duration,
+    duration: Duration,
+    size: usize,
+    round_trips: usize,
+}
+
+/// What one echo thread measured.
+#[derive(Debug, Default)]
+struct EchoTally {
+    /// Latency of each counted round trip, in nanoseconds.
+    samples: Vec<u64>,
+}
+
+fn main() -> ExitCode {
+    let options = match parse_options(std::env::args().skip(1)) {
+        Ok(options) => options,
+        Err(message) => {
+            eprintln!("bench_client: {message}");
+            eprintln!(
+                "usage: bench_client echo|idle|churn|count --addr ADDR [--connections C] [--threads T] [--warmup-ms MS] [--duration-ms MS] [--size BYTES] [--round-trips N]"
+            );
+            return ExitCode::from(2);
+        }
+    };
+    let result = match options.mode {
+        Mode::Echo => run_echo(&options),
+        Mode::Idle => run_idle(&options),
+        Mode::Churn => run_churn(&options),
+        Mode::Count => run_count(&options),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("bench_client: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn parse_options(mut arguments: impl Iterator<Item = String>) -> Result<Options, String> {
+    let mode = match arguments.next().as_deref() {
+        Some("echo") => Mode::Echo,
+        Some("idle") => Mode::Idle,
+        Some("churn") => Mode::Churn,
+        Some("count") => Mode::Count,
+        Some(other) => return Err(format!("unknown mode `{other}`")),
+        None => return Err("a mode is required: echo, idle, churn or count".to_owned()),
+    };
+    let mut options = Options {
+        mode,
+        address: "127.0.0.1:7000"
+            .parse()
+            .map_err(|_| "bad default address")?,
+        connections: 1,
+        threads: None,
+        warmup: Duration::from_millis(500),
+        duration: Duration::from_millis(2000),
+        size: 64,
+        round_trips: 10_000,
+    };
+    while let Some(flag) = arguments.next() {
+        let text = arguments
+            .next()
+            .ok_or_else(|| format!("{flag} needs a value"))?;
+        let count = || match text.parse::<usize>() {
+            Ok(count) if count > 0 => Ok(count),
+            _ => Err(format!(
+                "{flag} takes a positive whole number, not `{text}`"
+            )),
+        };
+        match flag.as_str() {
+            "--addr" => {
+                options.address = text
+                    .parse()
+                    .map_err(|_| format!("`{text}` is not an address like 127.0.0.1:7000"))?
+            }
+            "--connections" => options.connections = count()?,
+            "--threads" => options.threads = Some(count()?),
+            "--warmup-ms" => options.warmup = Duration::from_millis(count()? as u64),
+            "--duration-ms" => options.duration = Duration::from_millis(count()? as u64),
+            "--size" => options.size = count()?,
+            "--round-trips" => options.round_trips = count()?,
+            other => return Err(format!("unknown flag `{other}`")),
+        }
+    }
+    Ok(options)
+}
+
+/// Prints one line and flushes, because the benchmark acts on each line as it arrives.
+fn say(line: &str) {
+    let mut stdout = io::stdout().lock();
+    let _ = writeln!(stdout, "{line}");
+    let _ = stdout.flush();
+}
+
+/// Connects with `TCP_NODELAY` and the I/O timeouts, then does one round trip so the server has taken it.
+fn open_served(address: SocketAddr, size: usize) -> io::Result<TcpStream> {
+    let mut stream = TcpStream::connect_timeout(&address, IO_TIMEOUT)?;
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(IO_TIMEOUT))?;
+    stream.set_write_timeout(Some(IO_TIMEOUT))?;
+    let message = vec![b'x'; size];
+    let mut echo = vec![0u8; size];
+    stream.write_all(&message)?;
+    stream.read_exact(&mut echo)?;
+    if echo != message {
+        return Err(io::Error::other("the echo differs from what was sent"));
+    }
+    Ok(stream)
+}
+
+fn run_echo(options: &Options) -> io::Result<()> {
+    let mut connections = Vec::with_capacity(options.connections);
+    for _ in 0..options.connections {
+        connections.push(open_served(options.address, options.size)?);
+    }
+    let thread_count = options
+        .threads
+        .unwrap_or(if options.connections == 1 { 1 } else { 2 })
+        .min(options.connections);
+    let mut groups: Vec<Vec<TcpStream>> = (0..thread_count).map(|_| Vec::new()).collect();
+    for (index, connection) in connections.into_iter().enumerate() {
+        groups[index % thread_count].push(connection);
+    }
+    let start = Instant::now();
+    let window_opens = start + options.warmup;
+    let window_closes = window_opens + options.duration;
+    let size = options.size;
+    let handles: Vec<_> = groups
+        .into_iter()
+        .map(|group| thread::spawn(move || echo_loop(group, size, window_opens, window_closes)))
+        .collect();
+    sleep_until(window_opens);
+    say("measuring");
+    sleep_until(window_closes);
+    say("measured");
+    let mut samples = Vec::new();
+    for handle in handles {
+        let tally = handle
+            .join()
+            .map_err(|_| io::Error::other("an echo thread panicked"))??;
+        samples.extend(tally.samples);
+    }
+    if samples.is_empty() {
+        return Err(io::Error::other(
+            "no round trip completed inside the window",
+        ));
+    }
+    samples.sort_unstable();
+    let seconds = options.duration.as_secs_f64();
+    say(&format!(
+        "echo connections={} threads={} round_trips={} seconds={:.3} rt_per_s={:.0} p50_us={:.1} p99_us={:.1}",
+        options.connections,
+        thread_count,
+        samples.len(),
+        seconds,
+        samples.len() as f64 / seconds,
+        percentile(&samples, 0.50) as f64 / 1_000.0,
+        percentile(&samples, 0.99) as f64 / 1_000.0,
+    ));
+    Ok(())
+}
+
+/// One client thread's closed loop: write on every connection, then read every echo in the same order.
+fn echo_loop(
+    mut group: Vec<TcpStream>,
+    size: usize,
+    window_opens: Instant,
+    window_closes: Instant,
+) -> io::Result<EchoTally> {
+    let message = vec![b'e'; size];
+    let mut echo = vec![0u8; size];
+    let mut written_at = vec![window_opens; group.len()];
+    let mut tally = EchoTally {
+        samples: Vec::with_capacity(1 << 20),
+    };
+    loop {
+        let round_start = Instant::now();
+        if round_start >= window_closes {
+            return Ok(tally);
+        }
+        for (stream, at) in group.iter_mut().zip(written_at.iter_mut()) {
+            *at = Instant::now();
+            stream.write_all(&message)?;
+        }
+        for (stream, at) in group.iter_mut().zip(written_at.iter()) {
+            stream.read_exact(&mut echo)?;
+            let done = Instant::now();
+            if *at >= window_opens && done <= window_closes {
+                tally.samples.push((done - *at).as_nanos() as u64);
+            }
+        }
+    }
+}
+
+/// The value below which `fraction` of the sorted samples lie (nearest rank).
+fn percentile(sorted: &[u64], fraction: f64) -> u64 {
+    let rank = ((sorted.len() as f64 * fraction).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+fn sleep_until(deadline: Instant) {
+    let now = Instant::now();
+    if deadline > now {
+        thread::sleep(deadline - now);
+    }
+}
+
+fn run_idle(options: &Options) -> io::Result<()> {
+    let mut held = Vec::with_capacity(options.connections);
+    let mut failed = 0usize;
+    let mut first_error = None;
+    for _ in 0..options.connections {
+        match open_served(options.address, 8) {
+            Ok(stream) => held.push(stream),
+            Err(error) => {
+                failed += 1;
+                first_error.get_or_insert(error);
+            }
+        }
+    }
+    if let Some(error) = first_error {
+        eprintln!("bench_client: first failed idle connection: {error}");
+    }
+    say(&format!(
+        "idle opened={} served={} failed={failed}",
+        options.connections,
+        held.len()
+    ));
+    let stdin = io::stdin();
+    let mut line = String::new();
+    let mut locked = stdin.lock();
+    while matches!(locked.read_line(&mut line), Ok(read) if read > 0) {
+        line.clear();
+    }
+    drop(held);
+    Ok(())
+}
+
+fn run_count(options: &Options) -> io::Result<()> {
+    let mut stream = open_served(options.address, options.size)?;
+    say("ready");
+    let mut line = String::new();
+    io::stdin().lock().read_line(&mut line)?;
+    let message = vec![b'c'; options.size];
+    let mut echo = vec![0u8; options.size];
+    let began = Instant::now();
+    for _ in 0..options.round_trips {
+        stream.write_all(&message)?;
+        stream.read_exact(&mut echo)?;
+    }
+    say(&format!(
+        "count round_trips={} seconds={:.3}",
+        options.round_trips,
+        began.elapsed().as_secs_f64()
+    ));
+    Ok(())
+}
+
+/// What one churn thread counted.
+#[derive(Debug, Default)]
+struct ChurnTally {
+    connects: u64,
+    stalled: u64,
+    errors: u64,
+    slowest: Duration,
+}
+
+fn run_churn(options: &Options) -> io::Result<()> {
+    let thread_count = options.threads.unwrap_or(4);
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let deadline = start + options.duration;
+    let address = options.address;
+    let handles: Vec<_> = (0..thread_count)
+        .map(|_| {
+            let stop = Arc::clone(&stop);
+            thread::spawn(move || churn_loop(address, deadline, &stop))
+        })
+        .collect();
+    sleep_until(deadline);
+    stop.store(true, Ordering::Relaxed);
+    let mut total = ChurnTally::default();
+    for handle in handles {
+        let tally = handle
+            .join()
+            .map_err(|_| io::Error::other("a churn thread panicked"))?;
+        total.connects += tally.connects;
+        total.stalled += tally.stalled;
+        total.errors += tally.errors;
+        total.slowest = total.slowest.max(tally.slowest);
+    }
+    // A connect stuck in a SYN retransmit ends after the deadline; count the whole time it ran.
+    let seconds = start.elapsed().as_secs_f64();
+    say(&format!(
+        "churn connects={} seconds={seconds:.3} per_s={:.0} stalled={} errors={} max_ms={:.1}",
+        total.connects,
+        total.connects as f64 / seconds,
+        total.stalled,
+        total.errors,
+        total.slowest.as_secs_f64() * 1_000.0,
+    ));
+    Ok(())
+}
+
+fn churn_loop(address: SocketAddr, deadline: Instant, stop: &AtomicBool) -> ChurnTally {
+    let mut tally = ChurnTally::default();
+    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+        let began = Instant::now();
+        match TcpStream::connect_timeout(&address, IO_TIMEOUT) {
+            Ok(stream) => {
+                let took = began.elapsed();
+                tally.connects += 1;
+                if took > STALL_THRESHOLD {
+                    tally.stalled += 1;
+                }
+                tally.slowest = tally.slowest.max(took);
+                // Close with RST: no TIME_WAIT on either side, so the port range cannot run out.
+                let _ = SockRef::from(&stream).set_linger(Some(Duration::ZERO));
+            }
+            Err(_) => tally.errors += 1,
+        }
+    }
+    tally
+}

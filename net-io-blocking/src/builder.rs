@@ -1,0 +1,491 @@
+//! [`ServerBuilder`]: listeners, workers, limits, gate, events, control line and clock; validated and bound at
+//! build with the door closed, which opens last.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU16, AtomicU64};
+use std::sync::{Arc, Condvar, Mutex};
+
+use net_io_core::proxy::ProxyMode;
+use net_io_core::{
+    AllowAll, BufferPool, Clock, ConfigError, ControlLine, Counters, Event, EventSink, Gate,
+    IdAllocator, Limits, ListenerId, NetError, NoopSink, SessionFactory, TrustedProxies,
+};
+use net_io_sys::eventfd::EventFd;
+use net_io_sys::kill::KillSlot;
+use net_io_sys::socket::{self, ConnectionOptions, Keepalive, ListenOptions};
+
+use crate::caps::{Caps, ListenerCaps};
+use crate::connection::TcpConnection;
+use crate::handover::HandOver;
+use crate::runtime::{ListenerRuntime, Runtime, Workload};
+use crate::server::{Core, ListenerShared, QueueCloser, Server, ServerHandle, WorkerShared};
+use crate::sessions::{HandlerWorkload, SessionWorkload};
+
+/// The most listeners one server takes.
+pub const LISTENERS_MAX: usize = 64;
+/// Workers when none are configured.
+pub const DEFAULT_WORKERS: usize = 128;
+/// Worker stack size when none is configured.
+pub const DEFAULT_WORKER_STACK: usize = 256 * 1024;
+
+/// The builder's state before a workload is chosen.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoWorkload;
+
+/// The builder's state before a gate is chosen: there is no `build()` until [`ServerBuilder::gate`] or
+/// [`ServerBuilder::allow_all`] picks one, so "no admission policy" is always a visible decision.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoGate;
+
+/// A blocking handler workload.
+#[derive(Debug, Clone, Copy)]
+pub struct Handler<H>(H);
+
+/// A session factory workload.
+#[derive(Debug, Clone, Copy)]
+pub struct Sessions<F>(F);
+
+/// One listening address and its own settings.
+#[derive(Debug, Clone)]
+pub struct ListenerSpec {
+    address: SocketAddr,
+    limits: Limits,
+    proxy: Option<ProxyMode>,
+    trusted: TrustedProxies,
+    reuse_port: bool,
+    receive_buffer: Option<usize>,
+    send_buffer: Option<usize>,
+}
+
+/// Builds a [`Server`]. See the crate docs for an example.
+pub struct ServerBuilder<W = NoWorkload, G = NoGate> {
+    workload: W,
+    gate: G,
+    settings: Settings,
+}
+
+/// Everything but the workload and the gate.
+struct Settings {
+    listeners: Vec<ListenerSpec>,
+    address_error: Option<NetError>,
+    workers: usize,
+    worker_stack: usize,
+    limits: Limits,
+    events: Arc<dyn EventSink>,
+    control: Option<Arc<ControlLine>>,
+    clock: Option<Arc<dyn Clock>>,
+    connection_options: ConnectionOptions,
+    open_door: bool,
+}
+
+impl ListenerSpec {
+    /// A listener on `address` with the server's limits and no PROXY header.
+    pub fn new(address: SocketAddr) -> Self {
+        Self {
+            address,
+            limits: Limits::new(),
+            proxy: None,
+            trusted: TrustedProxies::new(),
+            reuse_port: false,
+            receive_buffer: None,
+            send_buffer: None,
+        }
+    }
+
+    /// Limits for this listener; fields left unset fall back to the server's.
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Requires a PROXY header (v1, v2 or either) from a peer in `trusted`, read under the handshake
+    /// deadline; other peers close with `ProxyUntrusted` before anything is read.
+    pub fn proxy(mut self, mode: ProxyMode, trusted: TrustedProxies) -> Self {
+        self.proxy = Some(mode);
+        self.trusted = trusted;
+        self
+    }
+
+    /// Sets `SO_REUSEPORT` so several servers can share the port.
+    pub fn reuse_port(mut self, reuse: bool) -> Self {
+        self.reuse_port = reuse;
+        self
+    }
+
+    /// Sets `SO_RCVBUF` on the listener (accepted sockets inherit it).
+    pub fn receive_buffer(mut self, bytes: usize) -> Self {
+        self.receive_buffer = Some(bytes);
+        self
+    }
+
+    /// Sets `SO_SNDBUF` on the listener (accepted sockets inherit it); a small one bounds a slow reader.
+    pub fn send_buffer(mut self, bytes: usize) -> Self {
+        self.send_buffer = Some(bytes);
+        self
+    }
+}
+
+impl ServerBuilder<NoWorkload, NoGate> {
+    /// A builder with no listener, workload or gate yet.
+    pub fn new() -> Self {
+        Self {
+            workload: NoWorkload,
+            gate: NoGate,
+            settings: Settings {
+                listeners: Vec::new(),
+                address_error: None,
+                workers: DEFAULT_WORKERS,
+                worker_stack: DEFAULT_WORKER_STACK,
+                limits: Limits::new(),
+                events: Arc::new(NoopSink),
+                control: None,
+                clock: None,
+                connection_options: ConnectionOptions {
+                    nodelay: true,
+                    ..ConnectionOptions::default()
+                },
+                open_door: true,
+            },
+        }
+    }
+}
+
+impl Default for ServerBuilder<NoWorkload, NoGate> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<W, G> ServerBuilder<W, G> {
+    /// Adds a listener on `address` (the first address it resolves to). Port 0 picks a free port.
+    pub fn listen(mut self, address: impl ToSocketAddrs) -> Self {
+        match address
+            .to_socket_addrs()
+            .map(|mut addresses| addresses.next())
+        {
+            Ok(Some(address)) => self.settings.listeners.push(ListenerSpec::new(address)),
+            Ok(None) => {
+                self.settings
+                    .address_error
+                    .get_or_insert(NetError::from(std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        "the listen address resolved to nothing",
+                    )));
+            }
+            Err(error) => {
+                self.settings
+                    .address_error
+                    .get_or_insert(NetError::from(error));
+            }
+        }
+        self
+    }
+
+    /// Adds a listener with its own settings.
+    pub fn listener(mut self, spec: ListenerSpec) -> Self {
+        self.settings.listeners.push(spec);
+        self
+    }
+
+    /// Sets the worker count (128 by default); each worker serves one connection at a time.
+    pub fn workers(mut self, workers: usize) -> Self {
+        self.settings.workers = workers;
+        self
+    }
+
+    /// Sets each worker's stack size (256 KiB by default); raise it for handlers with deep stacks.
+    pub fn worker_stack_size(mut self, bytes: usize) -> Self {
+        self.settings.worker_stack = bytes;
+        self
+    }
+
+    /// Sets the server's limits; unset fields take the defaults of [`Limits`].
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.settings.limits = limits;
+        self
+    }
+
+    /// Sends events to `sink` (on worker and accept threads; it must not block).
+    pub fn events(mut self, sink: impl EventSink) -> Self {
+        self.settings.events = Arc::new(sink);
+        self
+    }
+
+    /// Sends events to a shared sink.
+    pub fn events_shared(mut self, sink: Arc<dyn EventSink>) -> Self {
+        self.settings.events = sink;
+        self
+    }
+
+    /// Watches `control` for drain, stop, shed and lockdown (accept threads poll it every 100 ms at most).
+    pub fn control(mut self, control: Arc<ControlLine>) -> Self {
+        self.settings.control = Some(control);
+        self
+    }
+
+    /// Uses `clock` for every deadline (tests inject a manual clock; waits are then cut to one tick).
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.settings.clock = Some(clock);
+        self
+    }
+
+    /// Sets `TCP_NODELAY` on every connection (on by default).
+    pub fn nodelay(mut self, nodelay: bool) -> Self {
+        self.settings.connection_options.nodelay = nodelay;
+        self
+    }
+
+    /// Sets TCP keepalive probing on every connection.
+    pub fn keepalive(mut self, keepalive: Option<Keepalive>) -> Self {
+        self.settings.connection_options.keepalive = keepalive;
+        self
+    }
+
+    /// Whether `build` opens the door at its end (the default) or leaves it closed for
+    /// [`ServerHandle::open_door`] (for example after dropping privileges).
+    pub fn open_door_at_build(mut self, open: bool) -> Self {
+        self.settings.open_door = open;
+        self
+    }
+
+    /// Serves each connection with a blocking `handler`.
+    pub fn handler<H>(self, handler: H) -> ServerBuilder<Handler<H>, G>
+    where
+        H: Fn(&mut TcpConnection<'_>) -> Result<(), NetError> + Send + Sync + 'static,
+    {
+        ServerBuilder {
+            workload: Handler(handler),
+            gate: self.gate,
+            settings: self.settings,
+        }
+    }
+
+    /// Serves each connection with a session made by `factory`.
+    pub fn sessions<F: SessionFactory>(self, factory: F) -> ServerBuilder<Sessions<F>, G> {
+        ServerBuilder {
+            workload: Sessions(factory),
+            gate: self.gate,
+            settings: self.settings,
+        }
+    }
+
+    /// Uses `gate` for admission and egress policy.
+    pub fn gate<G2: Gate>(self, gate: G2) -> ServerBuilder<W, G2> {
+        ServerBuilder {
+            workload: self.workload,
+            gate,
+            settings: self.settings,
+        }
+    }
+
+    /// Admits everything: the explicit choice of no admission policy.
+    pub fn allow_all(self) -> ServerBuilder<W, AllowAll> {
+        self.gate(AllowAll)
+    }
+}
+
+impl<H, G> ServerBuilder<Handler<H>, G>
+where
+    H: Fn(&mut TcpConnection<'_>) -> Result<(), NetError> + Send + Sync + 'static,
+    G: Gate,
+{
+    /// Validates the configuration, binds every listener, starts the threads and opens the door.
+    pub fn build(self) -> Result<Server, NetError> {
+        let Handler(handler) = self.workload;
+        start(self.settings, self.gate, HandlerWorkload { handler })
+    }
+}
+
+impl<F, G> ServerBuilder<Sessions<F>, G>
+where
+    F: SessionFactory,
+    G: Gate,
+{
+    /// Validates the configuration, binds every listener, starts the threads and opens the door.
+    pub fn build(self) -> Result<Server, NetError> {
+        let Sessions(factory) = self.workload;
+        start(self.settings, self.gate, SessionWorkload { factory })
+    }
+}
+
+impl<W, G> std::fmt::Debug for ServerBuilder<W, G> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("ServerBuilder")
+            .field("listeners", &self.settings.listeners)
+            .field("workers", &self.settings.workers)
+            .field("limits", &self.settings.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Validates, binds with the door closed, starts workers and accept threads, then opens the door.
+fn start<G: Gate, W: Workload>(
+    settings: Settings,
+    gate: G,
+    workload: W,
+) -> Result<Server, NetError> {
+    if let Some(error) = settings.address_error {
+        return Err(error);
+    }
+    if settings.listeners.is_empty() {
+        return Err(ConfigError::Zero { field: "listeners" }.into());
+    }
+    if settings.listeners.len() > LISTENERS_MAX {
+        return Err(ConfigError::TooLarge {
+            field: "listeners",
+            value: settings.listeners.len() as u64,
+            max: LISTENERS_MAX as u64,
+        }
+        .into());
+    }
+    let workers = settings.workers;
+    let descriptor_limit = net_io_sys::rlimit::descriptor_limit()?.soft;
+    let limits = settings.limits.validate(workers, descriptor_limit)?;
+    let mut listener_caps = Vec::with_capacity(settings.listeners.len());
+    let mut listener_limits = Vec::with_capacity(settings.listeners.len());
+    for spec in &settings.listeners {
+        let merged = spec
+            .limits
+            .or(settings.limits)
+            .validate(workers, descriptor_limit)?;
+        listener_limits.push(merged);
+        if merged.max_per_listener > limits.max_connections {
+            return Err(ConfigError::AboveGlobal {
+                field: "max_per_listener",
+                value: merged.max_per_listener,
+                global: limits.max_connections,
+            }
+            .into());
+        }
+        if spec.proxy.is_some() && spec.trusted.is_empty() {
+            return Err(ConfigError::Zero {
+                field: "trusted_proxies",
+            }
+            .into());
+        }
+        listener_caps.push(ListenerCaps {
+            max_per_listener: merged.max_per_listener,
+            max_per_source: merged.max_per_source,
+            policy: merged.source_prefix,
+        });
+    }
+    // Bind everything before any thread starts: a taken port fails the build with nothing to undo.
+    let mut bound = Vec::with_capacity(settings.listeners.len());
+    for (spec, limits) in settings.listeners.iter().zip(&listener_limits) {
+        let options = ListenOptions {
+            backlog: spec.limits.or(settings.limits).resolve(workers).backlog,
+            reuse_port: spec.reuse_port,
+            receive_buffer: spec.receive_buffer,
+            send_buffer: spec.send_buffer,
+            ..ListenOptions::default()
+        };
+        let listener = socket::listen(spec.address, &options)
+            .map_err(|error| NetError::from_bind(spec.address, error))?;
+        // Accepted sockets inherit these from the listener, so workers need not set them per connection.
+        socket::apply_connection_options(
+            std::os::fd::AsFd::as_fd(&listener),
+            &settings.connection_options,
+        )?;
+        // Likewise SO_RCVTIMEO: a new connection's first wait is usually the idle one, already armed.
+        socket::set_receive_timeout(
+            std::os::fd::AsFd::as_fd(&listener),
+            Some(limits.idle_timeout),
+        )?;
+        bound.push(listener);
+    }
+    let events_enabled = settings.events.enabled();
+    let manual_clock = settings.clock.is_some();
+    let clock = settings.clock.unwrap_or_else(crate::clock::system);
+    let mut worker_shared = Vec::with_capacity(workers);
+    for _ in 0..workers {
+        worker_shared.push(WorkerShared {
+            slot: Arc::new(KillSlot::new()),
+            wake: Arc::new(EventFd::new()?),
+            lane: AtomicU8::new(0),
+        });
+    }
+    let mut listener_shared = Vec::with_capacity(bound.len());
+    for listener in &bound {
+        listener_shared.push(ListenerShared {
+            local: listener.local_addr(),
+            wake: Arc::new(EventFd::new()?),
+        });
+    }
+    let core = Arc::new(Core {
+        limits,
+        clock,
+        manual_clock,
+        events: settings.events,
+        events_enabled,
+        // One close slot per worker, per accept thread, and one for the thread that shuts down.
+        counters: Counters::new(workers + listener_shared.len() + 1),
+        caps: Arc::new(Caps::new(limits.max_connections, &listener_caps)),
+        workers: worker_shared,
+        listeners: listener_shared,
+        door_open: AtomicBool::new(false),
+        draining: AtomicBool::new(false),
+        drain_expired: AtomicBool::new(false),
+        stopping: AtomicBool::new(false),
+        stop_requested: Mutex::new(false),
+        stop_signal: Condvar::new(),
+        busy_workers: AtomicU64::new(0),
+        shed_lane: AtomicU16::new(u16::MAX),
+        drain_lock: Mutex::new(()),
+    });
+    for (index, listener) in bound.iter().enumerate() {
+        core.emit(Event::ListenerOpened {
+            listener: ListenerId(index as u32),
+            local: listener.local_addr(),
+            backlog: listener.backlog(),
+        });
+    }
+    let listeners = bound
+        .into_iter()
+        .zip(settings.listeners)
+        .zip(listener_limits)
+        .map(|((listener, spec), limits)| ListenerRuntime {
+            listener,
+            limits,
+            proxy: spec.proxy,
+            trusted: spec.trusted,
+        })
+        .collect();
+    let runtime = Arc::new(Runtime {
+        core: Arc::clone(&core),
+        gate,
+        workload,
+        handover: HandOver::new(workers),
+        listeners,
+        pool: BufferPool::new(limits.buffer_budget, limits.wipe_buffers),
+        ids: IdAllocator::new(),
+        control: settings.control,
+        lockdown: AtomicBool::new(false),
+    });
+    let handle = ServerHandle {
+        core: Arc::clone(&core),
+    };
+    let closer: Arc<dyn QueueCloser> = runtime.clone();
+    let mut server = Server::new(handle.clone(), Vec::new(), closer);
+    for index in 0..workers {
+        let runtime = Arc::clone(&runtime);
+        let thread = std::thread::Builder::new()
+            .name(format!("net-io-worker-{index}"))
+            .stack_size(settings.worker_stack)
+            .spawn(move || runtime.worker_loop(index))?;
+        server.push_thread(thread);
+    }
+    for index in 0..core.listeners.len() {
+        let runtime = Arc::clone(&runtime);
+        let thread = std::thread::Builder::new()
+            .name(format!("net-io-accept-{index}"))
+            .stack_size(DEFAULT_WORKER_STACK)
+            .spawn(move || runtime.accept_loop(index))?;
+        server.push_thread(thread);
+    }
+    // The door opens last, once every thread runs.
+    if settings.open_door {
+        handle.open_door();
+    }
+    Ok(server)
+}

@@ -1,0 +1,401 @@
+//! [`TcpConnection`]: the blocking handler's view of one connection, and the client made by [`connect`].
+//!
+//! Reads wait under the idle deadline between exchanges and under the read deadline once bytes of a request
+//! have arrived; writes wait under the write deadline. The first deadline, kill, reset or gate denial becomes
+//! the connection's close reason and every later call reports it.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use net_io_core::{
+    CloseReason, ConnectionId, ConnectionInfo, Direction, Limits, ListenerId, NetError,
+    ResolvedLimits, TimeoutKind, Verdict,
+};
+use net_io_sys::eventfd::EventFd;
+use net_io_sys::kill::{KillSlot, SlotOwner};
+use net_io_sys::socket::{self, ConnectionOptions};
+
+use crate::link::{Link, OWNER_CODE, Received, Sent};
+use crate::server::{Core, KillHandle, reason_for_code};
+
+/// Ids for client connections, counted from the top half so they never look like a server's ids.
+static CLIENT_IDS: AtomicU64 = AtomicU64::new(1 << 63);
+
+/// One TCP connection with deadlines, rate checks and a kill handle.
+///
+/// A handler gets `&mut TcpConnection` for the connection it serves; [`connect`] makes a standalone one
+/// that closes gracefully when dropped. Implements [`io::Read`] and [`io::Write`] as well.
+pub struct TcpConnection<'a> {
+    link: Holder<'a>,
+    info: ConnectionInfo,
+    limits: ResolvedLimits,
+    check: Option<&'a mut dyn FnMut(usize, bool) -> Verdict>,
+    core: Option<&'a Core>,
+    kill: KillHandle,
+    prefix: &'a [u8],
+    receiving: bool,
+    terminal: Option<CloseReason>,
+    peer_closed: bool,
+    exchange_deadline: Option<Instant>,
+    idle_timeout: Duration,
+}
+
+enum Holder<'a> {
+    Served(&'a mut Link),
+    Owned(Box<Link>),
+}
+
+impl<'a> TcpConnection<'a> {
+    pub(crate) fn served(
+        link: &'a mut Link,
+        info: ConnectionInfo,
+        core: &'a Core,
+        limits: &ResolvedLimits,
+        check: &'a mut dyn FnMut(usize, bool) -> Verdict,
+        kill: KillHandle,
+        prefix: &'a [u8],
+    ) -> Self {
+        Self {
+            link: Holder::Served(link),
+            info,
+            limits: *limits,
+            check: Some(check),
+            core: Some(core),
+            kill,
+            prefix,
+            receiving: false,
+            terminal: None,
+            peer_closed: false,
+            exchange_deadline: None,
+            idle_timeout: limits.idle_timeout,
+        }
+    }
+
+    fn link(&mut self) -> &mut Link {
+        match &mut self.link {
+            Holder::Served(link) => link,
+            Holder::Owned(link) => link,
+        }
+    }
+
+    /// The connection's facts.
+    pub fn info(&self) -> &ConnectionInfo {
+        &self.info
+    }
+
+    /// The connection's id.
+    pub fn id(&self) -> ConnectionId {
+        self.info.id
+    }
+
+    /// The client's address (the real client behind a trusted PROXY header).
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.info.client_addr()
+    }
+
+    /// A handle that ends this connection from any thread.
+    pub fn kill_handle(&self) -> KillHandle {
+        self.kill.clone()
+    }
+
+    /// Whether the server is draining: finish the current exchange and return.
+    pub fn is_draining(&self) -> bool {
+        self.core
+            .is_some_and(|core| core.draining.load(Ordering::Acquire))
+    }
+
+    /// The close reason once one is fixed (a deadline, kill, reset or denial), else `None`.
+    pub fn close_reason(&self) -> Option<CloseReason> {
+        self.terminal
+    }
+
+    /// Sets a deadline for the whole exchange (`ExchangeDeadline`), or clears it.
+    pub fn set_exchange_deadline(&mut self, deadline: Option<Instant>) {
+        self.exchange_deadline = deadline;
+    }
+
+    /// Sets this connection's idle timeout (between exchanges).
+    pub fn set_idle_timeout(&mut self, timeout: Duration) {
+        self.idle_timeout = timeout;
+    }
+
+    /// Reads what has arrived, waiting under the idle or read deadline. `Ok(0)` means the peer closed.
+    pub fn read(&mut self, buffer: &mut [u8]) -> Result<usize, NetError> {
+        if let Some(reason) = self.terminal {
+            return Err(NetError::Closed(reason));
+        }
+        if buffer.is_empty() {
+            return Ok(0);
+        }
+        if !self.prefix.is_empty() {
+            let count = self.prefix.len().min(buffer.len());
+            buffer[..count].copy_from_slice(&self.prefix[..count]);
+            self.prefix = &self.prefix[count..];
+            self.receiving = true;
+            return Ok(count);
+        }
+        if self.peer_closed {
+            return Ok(0);
+        }
+        let idle = !self.receiving;
+        if idle && self.is_draining() {
+            return Err(self.fail(CloseReason::Drained));
+        }
+        if idle && self.core.is_some_and(|core| core.is_shed(self.info.lane)) {
+            return Err(self.fail(CloseReason::Shed));
+        }
+        let now = self.link().now();
+        let (timeout, kind) = if idle {
+            (self.idle_timeout, TimeoutKind::Idle)
+        } else {
+            (self.limits.read_timeout, TimeoutKind::Read)
+        };
+        let mut deadline = now + timeout;
+        let mut deadline_kind = kind;
+        if let Some(exchange) = self.exchange_deadline
+            && exchange < deadline
+        {
+            deadline = exchange;
+            deadline_kind = TimeoutKind::Exchange;
+        }
+        if idle {
+            self.link().owner().set_idle(true);
+        }
+        let received = self.link().receive(buffer, Some(deadline));
+        if idle {
+            self.link().owner().set_idle(false);
+        }
+        match received {
+            Received::Data(count) => {
+                if idle {
+                    self.receiving = true;
+                    self.link().set_busy(Direction::In, true);
+                }
+                Ok(count)
+            }
+            Received::Eof => {
+                self.peer_closed = true;
+                Ok(0)
+            }
+            Received::Deadline => {
+                self.terminal = Some(deadline_kind.close_reason());
+                Err(NetError::Timeout(deadline_kind))
+            }
+            Received::Slow => Err(self.fail(CloseReason::SlowPeer {
+                direction: Direction::In,
+            })),
+            Received::Killed(code) => Err(self.fail(reason_for_code(code))),
+            Received::Failed(error) => {
+                self.terminal = Some(CloseReason::from_io(&error));
+                Err(NetError::from(error))
+            }
+        }
+    }
+
+    /// Writes all of `bytes` under the write deadline; the gate checks the write first.
+    pub fn write_all(&mut self, bytes: &[u8]) -> Result<(), NetError> {
+        if let Some(reason) = self.terminal {
+            return Err(NetError::Closed(reason));
+        }
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        if let Some(check) = self.check.as_mut()
+            && let Verdict::Deny(code) = check(bytes.len(), false)
+        {
+            return Err(self.fail(CloseReason::EgressDenied(code)));
+        }
+        let write_timeout = self.limits.write_timeout;
+        let exchange = self.exchange_deadline;
+        self.link().set_busy(Direction::In, false);
+        self.link().set_busy(Direction::Out, true);
+        let sent = self.link().send_all(bytes, write_timeout, exchange);
+        self.link().set_busy(Direction::Out, false);
+        self.receiving = false;
+        let exchange_passed = exchange.is_some_and(|exchange| self.link().now() >= exchange);
+        match sent {
+            Sent::Done => Ok(()),
+            Sent::Deadline => {
+                let kind = if exchange_passed {
+                    TimeoutKind::Exchange
+                } else {
+                    TimeoutKind::Write
+                };
+                self.terminal = Some(kind.close_reason());
+                Err(NetError::Timeout(kind))
+            }
+            Sent::Slow => Err(self.fail(CloseReason::SlowPeer {
+                direction: Direction::Out,
+            })),
+            Sent::Killed(code) => Err(self.fail(reason_for_code(code))),
+            Sent::Denied(code) => Err(self.fail(CloseReason::EgressDenied(code))),
+            Sent::Failed(error) => {
+                self.terminal = Some(CloseReason::from_io(&error));
+                Err(NetError::from(error))
+            }
+        }
+    }
+
+    /// Sends FIN (half close): the peer sees the end of our stream and we can still read its reply.
+    pub fn shutdown_write(&mut self) -> Result<(), NetError> {
+        if let Some(reason) = self.terminal {
+            return Err(NetError::Closed(reason));
+        }
+        let Some(socket) = self.link().owner().socket() else {
+            return Err(NetError::Closed(CloseReason::SessionClosed));
+        };
+        socket::shutdown(socket, std::net::Shutdown::Write)?;
+        Ok(())
+    }
+
+    /// The close reason a handler's return value leads to.
+    pub(crate) fn final_reason(&self, result: &Result<(), NetError>) -> CloseReason {
+        if let Some(reason) = self.terminal {
+            return reason;
+        }
+        if self.peer_closed {
+            return CloseReason::PeerClosed;
+        }
+        match result {
+            Ok(()) => CloseReason::SessionClosed,
+            Err(_) => CloseReason::SessionError,
+        }
+    }
+
+    fn fail(&mut self, reason: CloseReason) -> NetError {
+        self.terminal = Some(reason);
+        NetError::Closed(reason)
+    }
+}
+
+impl TcpConnection<'static> {
+    /// Closes a standalone connection now: FIN and a short linger, or RST if it already failed.
+    pub fn close(mut self) -> CloseReason {
+        self.close_owned()
+    }
+
+    fn close_owned(&mut self) -> CloseReason {
+        let reason = self.final_reason(&Ok(()));
+        let Holder::Owned(link) = &mut self.link else {
+            return reason;
+        };
+        if link.owner().socket().is_none() {
+            return reason;
+        }
+        let code = link.owner().begin_close(OWNER_CODE);
+        let reason = if code == OWNER_CODE {
+            reason
+        } else {
+            reason_for_code(code)
+        };
+        link.close(
+            !reason.is_abortive(),
+            self.limits.linger_timeout,
+            self.limits.linger_bytes,
+        );
+        reason
+    }
+}
+
+/// Connects to `address` within the handshake timeout of `limits` and returns a connection that applies
+/// the same deadlines, rate checks and kill handle as a served one.
+pub fn connect(address: SocketAddr, limits: &Limits) -> Result<TcpConnection<'static>, NetError> {
+    let resolved = limits.resolve(1);
+    let socket = socket::connect(address, Some(resolved.handshake_timeout)).map_err(|error| {
+        if error.kind() == io::ErrorKind::TimedOut || error.kind() == io::ErrorKind::WouldBlock {
+            NetError::Timeout(TimeoutKind::Connect)
+        } else {
+            NetError::from(error)
+        }
+    })?;
+    socket::apply_connection_options(
+        std::os::fd::AsFd::as_fd(&socket),
+        &ConnectionOptions {
+            nodelay: true,
+            ..ConnectionOptions::default()
+        },
+    )?;
+    let local = socket::local_addr(std::os::fd::AsFd::as_fd(&socket))?;
+    let raw_id = CLIENT_IDS.fetch_add(1, Ordering::Relaxed);
+    let id = ConnectionId::new(raw_id).ok_or(NetError::ServerStopped)?;
+    let slot = Arc::new(KillSlot::new());
+    let wake = Arc::new(EventFd::new()?);
+    let mut owner = SlotOwner::claim(Arc::clone(&slot)).ok_or(NetError::ServerStopped)?;
+    owner.occupy(raw_id, socket);
+    let link = Link::new(
+        owner,
+        Arc::clone(&wake),
+        crate::clock::system(),
+        resolved.tick,
+        resolved.min_rate,
+        false,
+    );
+    let info = ConnectionInfo::new(id, ListenerId(u32::MAX), local, address, Instant::now());
+    Ok(TcpConnection {
+        link: Holder::Owned(Box::new(link)),
+        info,
+        limits: resolved,
+        check: None,
+        core: None,
+        kill: KillHandle { slot, wake, id },
+        prefix: &[],
+        receiving: false,
+        terminal: None,
+        peer_closed: false,
+        exchange_deadline: None,
+        idle_timeout: resolved.idle_timeout,
+    })
+}
+
+impl Drop for TcpConnection<'_> {
+    fn drop(&mut self) {
+        if let Holder::Owned(link) = &mut self.link
+            && link.owner().socket().is_some()
+        {
+            let reason = self.terminal.unwrap_or(CloseReason::SessionClosed);
+            let code = link.owner().begin_close(OWNER_CODE);
+            let reason = if code == OWNER_CODE {
+                reason
+            } else {
+                reason_for_code(code)
+            };
+            link.close(
+                !reason.is_abortive(),
+                self.limits.linger_timeout,
+                self.limits.linger_bytes,
+            );
+        }
+    }
+}
+
+impl io::Read for TcpConnection<'_> {
+    fn read(&mut self, buffer: &mut [u8]) -> io::Result<usize> {
+        TcpConnection::read(self, buffer).map_err(io::Error::from)
+    }
+}
+
+impl io::Write for TcpConnection<'_> {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        self.write_all(bytes).map_err(io::Error::from)?;
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for TcpConnection<'_> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("TcpConnection")
+            .field("info", &self.info)
+            .field("receiving", &self.receiving)
+            .field("terminal", &self.terminal)
+            .field("peer_closed", &self.peer_closed)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,68 @@
+//! The connection handshake before the workload runs: a PROXY v1/v2 header from a trusted proxy, read under the
+//! handshake deadline. Trust is checked before the first read; bytes after the header are application data.
+
+use std::net::SocketAddr;
+
+use net_io_core::proxy::{ProxyCommand, ProxyMode, ProxyParser, ProxyStatus, V1_MAX};
+use net_io_core::{CloseReason, ConnectionInfo, ProxyError, ResolvedLimits, TrustedProxies};
+
+use crate::link::{Link, Received};
+use crate::server::reason_for_code;
+
+/// Room kept per worker for header bytes and the application bytes that arrive with them.
+pub(crate) const PREFIX_CAPACITY: usize = 64 * 1024 + 512;
+/// The fixed part of a v2 header before its body.
+const V2_FIXED: usize = 16;
+
+/// Reads the PROXY header the listener requires; returns the real client address if the header named one
+/// (`LOCAL` health checks and `UNKNOWN` transports keep the TCP peer).
+///
+/// Bytes that arrived after the header are left in `prefix` for the workload.
+pub(crate) fn read_proxy_header(
+    link: &mut Link,
+    info: &ConnectionInfo,
+    mode: ProxyMode,
+    trusted: &TrustedProxies,
+    limits: &ResolvedLimits,
+    prefix: &mut Vec<u8>,
+) -> Result<Option<SocketAddr>, CloseReason> {
+    if !trusted.contains(info.peer.ip()) {
+        return Err(CloseReason::ProxyUntrusted);
+    }
+    let parser = ProxyParser::new(mode, limits.proxy_header_max);
+    let most = (V2_FIXED + limits.proxy_header_max).max(V1_MAX);
+    let deadline = link.now() + limits.handshake_timeout;
+    prefix.clear();
+    let mut chunk = [0u8; 512];
+    loop {
+        // Read no further than the longest possible header, so application data is not pulled in bulk.
+        let want = (most - prefix.len().min(most)).clamp(1, chunk.len());
+        match link.receive(&mut chunk[..want], Some(deadline)) {
+            Received::Data(count) => prefix.extend_from_slice(&chunk[..count]),
+            Received::Eof => {
+                return Err(if prefix.is_empty() {
+                    CloseReason::ProxyMissing
+                } else {
+                    CloseReason::ProxyInvalid
+                });
+            }
+            Received::Deadline | Received::Slow => return Err(CloseReason::HandshakeTimeout),
+            Received::Killed(code) => return Err(reason_for_code(code)),
+            Received::Failed(error) => return Err(CloseReason::from_io(&error)),
+        }
+        match parser.parse(prefix) {
+            Ok(ProxyStatus::NeedMore) if prefix.len() < most => {}
+            Ok(ProxyStatus::NeedMore) => return Err(CloseReason::ProxyInvalid),
+            Ok(ProxyStatus::Done { header, consumed }) => {
+                prefix.drain(..consumed.min(prefix.len()));
+                let real = match header.command {
+                    ProxyCommand::Proxy => header.source,
+                    ProxyCommand::Local => None,
+                };
+                return Ok(real);
+            }
+            Err(ProxyError::NotProxy) => return Err(CloseReason::ProxyMissing),
+            Err(_) => return Err(CloseReason::ProxyInvalid),
+        }
+    }
+}

@@ -1,0 +1,476 @@
+//! The connection IO core shared by handlers, sessions and the client: deadline-bound `recv` and `send`,
+//! the minimum-rate checks, kill detection and the two close styles.
+//!
+//! Reads are a plain blocking `recv` under `SO_RCVTIMEO`. The socket timeout is re-set only when the wanted
+//! timeout differs from the armed one by more than a tick, so a keep-alive connection whose deadline is
+//! always "idle timeout from now" pays no `setsockopt` per request. Writes are `send`/`sendmsg` with
+//! `MSG_DONTWAIT | MSG_NOSIGNAL`; only on `EAGAIN` does the link `poll` the socket and the worker's wake.
+//! An echo round trip therefore costs one `recv` and one `send`.
+
+use std::io::{self, IoSlice};
+use std::net::Shutdown;
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use net_io_core::{Direction, MinRateRule, Output, Verdict};
+use net_io_sys::eventfd::EventFd;
+use net_io_sys::kill::SlotOwner;
+use net_io_sys::socket::{self, Linger};
+use net_io_sys::wait::{self, Interest, Readiness};
+
+use crate::clock::SharedClock;
+use crate::rate::RateWindow;
+
+/// The code an owner passes to its own `begin_close`; any other code that comes back is a killer's.
+pub(crate) const OWNER_CODE: u16 = u16::MAX;
+
+/// What a receive produced.
+#[derive(Debug)]
+pub(crate) enum Received {
+    /// This many bytes arrived.
+    Data(usize),
+    /// The peer sent FIN.
+    Eof,
+    /// The deadline passed with nothing received.
+    Deadline,
+    /// The inbound minimum rate was not met.
+    Slow,
+    /// Another thread killed the connection with this slot code.
+    Killed(u16),
+    /// The socket failed.
+    Failed(io::Error),
+}
+
+/// What a send produced.
+#[derive(Debug)]
+pub(crate) enum Sent {
+    /// Every byte went out.
+    Done,
+    /// The deadline passed before the peer took every byte.
+    Deadline,
+    /// The outbound minimum rate was not met.
+    Slow,
+    /// Another thread killed the connection with this slot code.
+    Killed(u16),
+    /// The gate denied the write with this code.
+    Denied(u16),
+    /// The socket failed.
+    Failed(io::Error),
+}
+
+/// One connection's socket, its kill slot, its wake and its transfer accounting.
+#[derive(Debug)]
+pub(crate) struct Link {
+    owner: SlotOwner,
+    wake: Arc<EventFd>,
+    clock: SharedClock,
+    tick: Duration,
+    armed: Option<Duration>,
+    max_wait: Option<Duration>,
+    rate_in: Option<RateWindow>,
+    rate_out: Option<RateWindow>,
+    pub(crate) bytes_in: u64,
+    pub(crate) bytes_out: u64,
+    pub(crate) eof_seen: bool,
+}
+
+impl Link {
+    /// A link over the socket already placed in `owner`'s slot.
+    pub(crate) fn new(
+        owner: SlotOwner,
+        wake: Arc<EventFd>,
+        clock: SharedClock,
+        tick: Duration,
+        min_rate: Option<MinRateRule>,
+        manual_clock: bool,
+    ) -> Self {
+        Self {
+            owner,
+            wake,
+            clock,
+            tick,
+            armed: None,
+            // An injected clock may jump at any moment, so waits are cut to a tick to notice it.
+            max_wait: manual_clock.then_some(tick),
+            rate_in: min_rate.map(RateWindow::new),
+            rate_out: min_rate.map(RateWindow::new),
+            bytes_in: 0,
+            bytes_out: 0,
+            eof_seen: false,
+        }
+    }
+
+    /// Resets per-connection state for a new connection in the same slot (the owner is re-occupied).
+    ///
+    /// `inherited_timeout` is the `SO_RCVTIMEO` the socket got from its listener.
+    pub(crate) fn reset(
+        &mut self,
+        min_rate: Option<MinRateRule>,
+        inherited_timeout: Option<Duration>,
+    ) {
+        self.armed = inherited_timeout;
+        self.rate_in = min_rate.map(RateWindow::new);
+        self.rate_out = min_rate.map(RateWindow::new);
+        self.bytes_in = 0;
+        self.bytes_out = 0;
+        self.eof_seen = false;
+    }
+
+    pub(crate) fn owner(&self) -> &SlotOwner {
+        &self.owner
+    }
+
+    pub(crate) fn owner_mut(&mut self) -> &mut SlotOwner {
+        &mut self.owner
+    }
+
+    pub(crate) fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    fn socket(&self) -> io::Result<BorrowedFd<'_>> {
+        self.owner
+            .socket()
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotConnected))
+    }
+
+    /// Marks the start or end of a busy stretch in one direction; the rate rule counts only busy time.
+    pub(crate) fn set_busy(&mut self, direction: Direction, busy: bool) {
+        let rate = match direction {
+            Direction::In => self.rate_in.as_mut(),
+            Direction::Out => self.rate_out.as_mut(),
+        };
+        if let Some(rate) = rate {
+            if busy {
+                rate.start(self.clock.now());
+            } else {
+                rate.stop();
+            }
+        }
+    }
+
+    /// Receives into `buffer`, waiting at most until `deadline`.
+    pub(crate) fn receive(&mut self, buffer: &mut [u8], deadline: Option<Instant>) -> Received {
+        loop {
+            if let Some(code) = self.owner.closing() {
+                return Received::Killed(code);
+            }
+            let now = self.clock.now();
+            if deadline.is_some_and(|deadline| now >= deadline) {
+                return Received::Deadline;
+            }
+            let mut wake_at = deadline;
+            if let Some(rate) = self.rate_in.as_mut() {
+                if rate.is_too_slow(now) {
+                    return Received::Slow;
+                }
+                wake_at = earliest(wake_at, rate.next_check(now));
+            }
+            let wanted = self.cap_wait(wake_at.map(|at| at.saturating_duration_since(now)));
+            if let Err(error) = self.arm(wanted) {
+                return Received::Failed(error);
+            }
+            let socket = match self.socket() {
+                Ok(socket) => socket,
+                Err(error) => return Received::Failed(error),
+            };
+            match socket::recv(socket, buffer) {
+                Ok(0) if !buffer.is_empty() => {
+                    if let Some(code) = self.owner.closing() {
+                        return Received::Killed(code);
+                    }
+                    self.eof_seen = true;
+                    return Received::Eof;
+                }
+                Ok(count) => {
+                    self.bytes_in += count as u64;
+                    if let Some(rate) = self.rate_in.as_mut() {
+                        rate.record(count as u64, self.clock.now());
+                    }
+                    return Received::Data(count);
+                }
+                Err(error)
+                    if matches!(
+                        error.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) => {}
+                Err(error) => {
+                    if let Some(code) = self.owner.closing() {
+                        return Received::Killed(code);
+                    }
+                    return Received::Failed(error);
+                }
+            }
+        }
+    }
+
+    /// Sends all of `bytes`, failing when the peer takes nothing for `progress_timeout` or `hard_deadline`
+    /// (an exchange deadline) passes.
+    pub(crate) fn send_all(
+        &mut self,
+        bytes: &[u8],
+        progress_timeout: Duration,
+        hard_deadline: Option<Instant>,
+    ) -> Sent {
+        let mut deadline = earliest(Some(self.clock.now() + progress_timeout), hard_deadline);
+        let mut offset = 0;
+        let mut zero_sends = 0;
+        while offset < bytes.len() {
+            if let Some(code) = self.owner.closing() {
+                return Sent::Killed(code);
+            }
+            let socket = match self.socket() {
+                Ok(socket) => socket,
+                Err(error) => return Sent::Failed(error),
+            };
+            match socket::send(socket, &bytes[offset..]) {
+                Ok(0) => {
+                    // A zero-byte send is "try again" once and an error the second time.
+                    zero_sends += 1;
+                    if zero_sends > 1 {
+                        return Sent::Failed(io::Error::from(io::ErrorKind::WriteZero));
+                    }
+                }
+                Ok(count) => {
+                    zero_sends = 0;
+                    offset += count;
+                    self.account_sent(count);
+                    // Progress restarts the write deadline; the exchange deadline stays where it is.
+                    deadline = earliest(Some(self.clock.now() + progress_timeout), hard_deadline);
+                }
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                    if let Some(outcome) = self.wait_writable(deadline) {
+                        return outcome;
+                    }
+                }
+                Err(error) => return self.send_failure(error),
+            }
+        }
+        Sent::Done
+    }
+
+    /// Flushes `output` with vectored sends, asking `check` before each write call; fails when the peer
+    /// takes nothing for `progress_timeout` or `hard_deadline` (an exchange deadline) passes.
+    ///
+    /// `check` is called once per write call before its first system call, not again after `EAGAIN`.
+    pub(crate) fn flush(
+        &mut self,
+        output: &mut Output,
+        progress_timeout: Duration,
+        hard_deadline: Option<Instant>,
+        check: &mut dyn FnMut(usize, bool) -> Verdict,
+    ) -> Sent {
+        let mut deadline = earliest(Some(self.clock.now() + progress_timeout), hard_deadline);
+        let mut checked = false;
+        let mut zero_sends = 0;
+        while !output.is_empty() {
+            if let Some(code) = self.owner.closing() {
+                return Sent::Killed(code);
+            }
+            if !checked {
+                if let Verdict::Deny(code) = check(output.pending(), output.response_started()) {
+                    return Sent::Denied(code);
+                }
+                checked = true;
+            }
+            let socket = match self.socket() {
+                Ok(socket) => socket,
+                Err(error) => return Sent::Failed(error),
+            };
+            let (result, offered) = {
+                let mut slices = [IoSlice::new(&[]); net_io_core::output::IO_SLICES_MAX];
+                let filled = output.fill_io_slices(&mut slices);
+                let offered: usize = slices[..filled].iter().map(|slice| slice.len()).sum();
+                let result = if filled == 1 {
+                    socket::send(socket, &slices[0])
+                } else {
+                    socket::send_vectored(socket, &slices[..filled])
+                };
+                (result, offered)
+            };
+            match result {
+                Ok(0) => {
+                    zero_sends += 1;
+                    if zero_sends > 1 {
+                        return Sent::Failed(io::Error::from(io::ErrorKind::WriteZero));
+                    }
+                }
+                Ok(count) => {
+                    zero_sends = 0;
+                    output.advance(count);
+                    self.account_sent(count);
+                    deadline = earliest(Some(self.clock.now() + progress_timeout), hard_deadline);
+                    // The rest of a partial write belongs to the same write call (no new gate check);
+                    // chunks beyond the IO_SLICES_MAX just written start a new one.
+                    if count == offered && !output.is_empty() {
+                        checked = false;
+                    }
+                }
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                    if let Some(outcome) = self.wait_writable(deadline) {
+                        return outcome;
+                    }
+                }
+                Err(error) => return self.send_failure(error),
+            }
+        }
+        Sent::Done
+    }
+
+    /// One non-blocking send attempt, for a refusal or denial text; the result is deliberately not retried.
+    pub(crate) fn send_once(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        let sent = socket::send(self.socket()?, bytes)?;
+        self.bytes_out += sent as u64;
+        Ok(sent)
+    }
+
+    /// Parks until the wake fires or `until` passes; returns `true` when woken.
+    pub(crate) fn park(&mut self, until: Instant) -> io::Result<bool> {
+        let now = self.clock.now();
+        let timeout = self.cap_wait(Some(until.saturating_duration_since(now)));
+        let woken = wait::wait_readable(self.wake_fd(), timeout)?;
+        if woken {
+            self.wake.drain()?;
+        }
+        Ok(woken)
+    }
+
+    /// Closes the connection: FIN and a bounded linger read when `graceful`, RST otherwise.
+    ///
+    /// The slot must already be closing (the caller called `begin_close`). The linger read is skipped when
+    /// the peer already closed or nothing is waiting to be read.
+    pub(crate) fn close(&mut self, graceful: bool, linger_timeout: Duration, linger_bytes: usize) {
+        if let Ok(socket) = self.socket() {
+            if graceful {
+                let _ = socket::shutdown(socket, Shutdown::Write);
+                if !self.eof_seen {
+                    self.linger(linger_timeout, linger_bytes);
+                }
+            } else {
+                let _ = socket::set_linger(socket, Linger::Abortive);
+            }
+        }
+        let socket: Option<OwnedFd> = self.owner.release();
+        drop(socket);
+    }
+
+    /// Reads and discards what the peer still sends after our FIN, so that closing with unread data does not
+    /// turn into an RST that could destroy our last reply in flight.
+    fn linger(&mut self, timeout: Duration, max_bytes: usize) {
+        let mut scratch = [0u8; 1024];
+        let Ok(socket) = self.socket() else {
+            return;
+        };
+        match socket::recv_nonblocking(socket, &mut scratch) {
+            Ok(0) => return,
+            Ok(count) if count >= max_bytes => return,
+            Ok(_) => {}
+            // Nothing waiting: a close now sends FIN with an empty receive queue.
+            Err(_) => return,
+        }
+        let end = Instant::now() + timeout;
+        let mut discarded = 0usize;
+        while discarded < max_bytes {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            if self.arm(Some(left)).is_err() {
+                return;
+            }
+            let Ok(socket) = self.socket() else {
+                return;
+            };
+            match socket::recv(socket, &mut scratch) {
+                Ok(0) => return,
+                Ok(count) => discarded += count,
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return,
+            }
+        }
+    }
+
+    fn wake_fd(&self) -> BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.wake.as_fd()
+    }
+
+    /// Waits for room in the send buffer; `Some` ends the send.
+    fn wait_writable(&mut self, deadline: Option<Instant>) -> Option<Sent> {
+        loop {
+            let now = self.clock.now();
+            if deadline.is_some_and(|deadline| now >= deadline) {
+                return Some(Sent::Deadline);
+            }
+            let mut wake_at = deadline;
+            if let Some(rate) = self.rate_out.as_mut() {
+                if rate.is_too_slow(now) {
+                    return Some(Sent::Slow);
+                }
+                wake_at = earliest(wake_at, rate.next_check(now));
+            }
+            let timeout = self.cap_wait(wake_at.map(|at| at.saturating_duration_since(now)));
+            let socket = match self.socket() {
+                Ok(socket) => socket,
+                Err(error) => return Some(Sent::Failed(error)),
+            };
+            match wait::wait(socket, Interest::Writable, Some(self.wake_fd()), timeout) {
+                Ok(Readiness::Socket) => return None,
+                Ok(Readiness::Woken) => {
+                    let _ = self.wake.drain();
+                    if let Some(code) = self.owner.closing() {
+                        return Some(Sent::Killed(code));
+                    }
+                }
+                Ok(Readiness::TimedOut) => {}
+                Err(error) => return Some(Sent::Failed(error)),
+            }
+        }
+    }
+
+    fn cap_wait(&self, wanted: Option<Duration>) -> Option<Duration> {
+        match (wanted, self.max_wait) {
+            (Some(wanted), Some(cap)) => Some(wanted.min(cap)),
+            (None, cap) => cap,
+            (wanted, None) => wanted,
+        }
+    }
+
+    fn account_sent(&mut self, count: usize) {
+        self.bytes_out += count as u64;
+        if let Some(rate) = self.rate_out.as_mut() {
+            rate.record(count as u64, self.clock.now());
+        }
+    }
+
+    fn send_failure(&self, error: io::Error) -> Sent {
+        if let Some(code) = self.owner.closing() {
+            return Sent::Killed(code);
+        }
+        Sent::Failed(error)
+    }
+
+    /// Sets `SO_RCVTIMEO` to `wanted` unless the armed value is already within a tick of it.
+    fn arm(&mut self, wanted: Option<Duration>) -> io::Result<()> {
+        let close_enough = match (self.armed, wanted) {
+            (None, None) => true,
+            (Some(armed), Some(wanted)) => armed.abs_diff(wanted) <= self.tick && !wanted.is_zero(),
+            _ => false,
+        };
+        if close_enough {
+            return Ok(());
+        }
+        socket::set_receive_timeout(self.socket()?, wanted)?;
+        self.armed = wanted;
+        Ok(())
+    }
+}
+
+fn earliest(first: Option<Instant>, second: Option<Instant>) -> Option<Instant> {
+    match (first, second) {
+        (Some(first), Some(second)) => Some(first.min(second)),
+        (first, None) => first,
+        (None, second) => second,
+    }
+}

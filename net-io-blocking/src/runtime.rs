@@ -1,0 +1,632 @@
+//! The generic part of a running server: accept threads, the hand-over queue, and the worker loop that runs one
+//! connection at a time and closes it exactly once.
+
+use std::any::TypeId;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Wake, Waker};
+use std::time::{Duration, Instant};
+
+use net_io_core::proxy::ProxyMode;
+use net_io_core::{
+    AllowAll, BufferPool, CloseReason, Coalescer, Completer, CompletionReceiver, CompletionRing,
+    ConnectionInfo, ControlLine, ControlState, ControlWatch, Event, Gate, IdAllocator, LimitKind,
+    ListenerId, OsErrorClass, Refusal, RefusalCause, ResolvedLimits, TrustedProxies, Verdict,
+    WorkerId, WriteFacts, admit_or_refuse, check_or_deny, close_ticket, normalize,
+};
+use net_io_sys::eventfd::EventFd;
+use net_io_sys::kill::SlotOwner;
+use net_io_sys::socket::{self, AcceptFailure, Linger, Listener};
+use net_io_sys::wait::{self, Interest};
+
+use crate::backoff::Backoff;
+use crate::caps::{CapRefusal, Reservation};
+use crate::handover::HandOver;
+use crate::handshake;
+use crate::link::{Link, OWNER_CODE};
+use crate::server::{CODE_SHED, Core, KillHandle, QueueCloser, reason_for_code};
+
+/// An admitted connection waiting for a worker.
+pub(crate) struct Job<T> {
+    pub(crate) socket: OwnedFd,
+    pub(crate) info: ConnectionInfo,
+    pub(crate) ticket: T,
+    pub(crate) reservation: Reservation,
+    pub(crate) listener: usize,
+}
+
+/// One listener and how its connections are admitted.
+pub(crate) struct ListenerRuntime {
+    pub(crate) listener: Listener,
+    /// The listener's limits laid over the server's: deadlines, rates, buffers and batch size.
+    pub(crate) limits: ResolvedLimits,
+    pub(crate) proxy: Option<ProxyMode>,
+    pub(crate) trusted: TrustedProxies,
+}
+
+/// What a workload sees while it runs one connection.
+pub(crate) struct Run<'a> {
+    pub(crate) link: &'a mut Link,
+    pub(crate) info: &'a ConnectionInfo,
+    pub(crate) core: &'a Core,
+    pub(crate) limits: &'a ResolvedLimits,
+    pub(crate) check: &'a mut dyn FnMut(usize, bool) -> Verdict,
+    pub(crate) completer: &'a Completer,
+    pub(crate) receiver: &'a mut CompletionReceiver,
+    pub(crate) kill: KillHandle,
+    pub(crate) prefix: &'a [u8],
+}
+
+/// A handler or a session factory, run by workers.
+pub(crate) trait Workload: Send + Sync + 'static {
+    /// Per-worker state kept across connections (buffers, output queue), so serving does not allocate.
+    type State: Send;
+
+    fn new_state(&self, core: &Core, pool: &BufferPool) -> Self::State;
+
+    /// Serves one connection and returns why it should close.
+    fn serve(&self, state: &mut Self::State, run: Run<'_>) -> CloseReason;
+
+    /// Tells the workload the final close reason, exactly once per served connection.
+    fn closed(&self, state: &mut Self::State, info: &ConnectionInfo, reason: CloseReason);
+}
+
+/// The generic runtime of one server.
+pub(crate) struct Runtime<G: Gate, W: Workload> {
+    pub(crate) core: Arc<Core>,
+    pub(crate) gate: G,
+    pub(crate) workload: W,
+    pub(crate) handover: HandOver<Job<G::Ticket>>,
+    pub(crate) listeners: Vec<ListenerRuntime>,
+    pub(crate) pool: BufferPool,
+    pub(crate) ids: IdAllocator,
+    pub(crate) control: Option<Arc<ControlLine>>,
+    pub(crate) lockdown: std::sync::atomic::AtomicBool,
+}
+
+/// Wakes a worker by signalling its eventfd; used as the completer's waker.
+struct WakeSignal(Arc<EventFd>);
+
+impl Wake for WakeSignal {
+    fn wake(self: Arc<Self>) {
+        let _ = self.0.signal();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let _ = self.0.signal();
+    }
+}
+
+impl<G: Gate, W: Workload> QueueCloser for Runtime<G, W> {
+    fn close_queue(&self) {
+        let slot = self.core.workers.len() + self.listeners.len();
+        for job in self.handover.close() {
+            self.refuse_job(job, RefusalCause::DoorClosed, slot);
+        }
+    }
+}
+
+impl<G: Gate, W: Workload> Runtime<G, W> {
+    /// The loop of the accept thread for listener `index`.
+    pub(crate) fn accept_loop(self: Arc<Self>, index: usize) {
+        let core = &self.core;
+        let listener = &self.listeners[index];
+        let wake = Arc::clone(&core.listeners[index].wake);
+        let listener_id = ListenerId(index as u32);
+        let mut ids = self.ids.block();
+        let mut reserve = socket_reserve();
+        let mut backoff = Backoff::new();
+        let mut coalescer = Coalescer::new();
+        let mut watch = ControlWatch::new();
+        // The first accept thread alone watches the control line, so each change is applied once.
+        let control = self.control.as_ref().filter(|_| index == 0);
+        let control_poll = control.map(|_| Duration::from_millis(100));
+        loop {
+            if core.stopping.load(Ordering::Acquire) {
+                return;
+            }
+            if let Some(control) = control
+                && let Some(state) = watch.poll(control)
+            {
+                self.react(state);
+            }
+            let door_open = core.door_open.load(Ordering::Acquire);
+            let waited = if door_open {
+                wait::wait(
+                    listener.listener.as_fd(),
+                    Interest::Readable,
+                    Some(wake.as_fd()),
+                    control_poll,
+                )
+                .map(|_| ())
+            } else {
+                wait::wait_readable(wake.as_fd(), control_poll).map(|_| ())
+            };
+            if waited.is_err() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = wake.drain();
+            if core.stopping.load(Ordering::Acquire) {
+                return;
+            }
+            if !core.door_open.load(Ordering::Acquire) {
+                continue;
+            }
+            if reserve.is_none() {
+                // The spare could not be reopened after the last pressure episode; try again now.
+                reserve = socket_reserve();
+            }
+            for _ in 0..listener.limits.accept_batch {
+                match listener.listener.accept() {
+                    Ok(accepted) => {
+                        backoff.reset();
+                        self.admit(
+                            index,
+                            accepted.socket,
+                            accepted.peer,
+                            &mut ids,
+                            &mut coalescer,
+                        );
+                    }
+                    Err(error) => match socket::classify_accept(&error) {
+                        AcceptFailure::Empty => break,
+                        AcceptFailure::PerConnection => {
+                            core.emit(Event::AcceptError {
+                                listener: listener_id,
+                                class: OsErrorClass::of(&error),
+                            });
+                        }
+                        AcceptFailure::DescriptorPressure => {
+                            // Give the spare descriptor back to the kernel, take the waiting connection
+                            // and reset it, so the backlog drains instead of the loop spinning.
+                            drop(reserve.take());
+                            if let Ok(shed) = listener.listener.accept() {
+                                reset(shed.socket);
+                            }
+                            reserve = socket_reserve();
+                            let pause = backoff.step();
+                            core.counters.server().record_descriptor_pressure();
+                            core.emit(Event::DescriptorPressure {
+                                listener: listener_id,
+                                backoff: pause,
+                            });
+                            let _ = wait::wait_readable(wake.as_fd(), Some(pause));
+                            break;
+                        }
+                        AcceptFailure::Pause => {
+                            core.emit(Event::AcceptError {
+                                listener: listener_id,
+                                class: OsErrorClass::of(&error),
+                            });
+                            let _ = wait::wait_readable(wake.as_fd(), Some(backoff.step()));
+                            break;
+                        }
+                        AcceptFailure::ListenerFailed => {
+                            core.emit(Event::ListenerFailed {
+                                listener: listener_id,
+                                class: OsErrorClass::of(&error),
+                            });
+                            // Wait for the stop instead of spinning on a broken listener.
+                            while !core.stopping.load(Ordering::Acquire) {
+                                let _ = wait::wait_readable(wake.as_fd(), None);
+                                let _ = wake.drain();
+                            }
+                            return;
+                        }
+                    },
+                }
+            }
+            if core.events_enabled {
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    coalescer.flush(&*core.events, core.now())
+                }));
+            }
+        }
+    }
+
+    /// Runs caps, the gate and the hand-over for one accepted connection; refuses with RST on any no.
+    fn admit(
+        &self,
+        index: usize,
+        socket: OwnedFd,
+        peer: std::net::SocketAddr,
+        ids: &mut net_io_core::IdBlock,
+        coalescer: &mut Coalescer,
+    ) {
+        let core = &self.core;
+        let peer = normalize(peer);
+        core.counters.server().record_accepted();
+        let listener_id = ListenerId(index as u32);
+        // Counted and reported before the reset, so whoever sees the RST also sees the refusal.
+        let refuse = |socket: OwnedFd, cause: RefusalCause, coalescer: &mut Coalescer| {
+            core.counters.server().record_refused(cause);
+            if core.events_enabled {
+                let event = Event::Refused {
+                    peer,
+                    listener: listener_id,
+                    cause,
+                };
+                // A panicking sink must not take the accept thread down with it.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    coalescer.emit(&*core.events, event, core.now())
+                }));
+            }
+            reset(socket);
+        };
+        if self.lockdown.load(Ordering::Acquire) {
+            return refuse(socket, RefusalCause::Lockdown, coalescer);
+        }
+        let reservation = match core.caps.reserve(index, peer.ip()) {
+            Ok(reservation) => reservation,
+            Err(refusal) => {
+                let (cause, which) = match refusal {
+                    CapRefusal::Global => (RefusalCause::GlobalCap, LimitKind::Connections),
+                    CapRefusal::Listener => (RefusalCause::ListenerCap, LimitKind::PerListener),
+                    CapRefusal::Source => (RefusalCause::SourceCap, LimitKind::PerSource),
+                };
+                if core.events_enabled {
+                    let event = Event::LimitHit { id: None, which };
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        coalescer.emit(&*core.events, event, core.now())
+                    }));
+                }
+                return refuse(socket, cause, coalescer);
+            }
+        };
+        if !self.handover.has_room() {
+            drop(reservation);
+            return refuse(socket, RefusalCause::Busy, coalescer);
+        }
+        let id = ids.next_id();
+        let mut local = self.listeners[index].listener.local_addr();
+        if local.ip().is_unspecified()
+            && let Ok(actual) = socket::local_addr(socket.as_fd())
+        {
+            local = actual;
+        }
+        let mut info = ConnectionInfo::new(id, listener_id, local, peer, core.now());
+        core.emit(Event::Accepted {
+            id,
+            peer,
+            listener: listener_id,
+        });
+        let admission = match admit_or_refuse(&self.gate, &info) {
+            Ok(admission) => admission,
+            Err(Refusal::Reset { code }) => {
+                drop(reservation);
+                return refuse(socket, RefusalCause::Gate(code), coalescer);
+            }
+            Err(Refusal::Reply { code, bytes }) => {
+                let limit = bytes
+                    .len()
+                    .min(self.listeners[index].limits.refusal_bytes_max);
+                // One non-blocking attempt only: the refusal path must not become an amplifier.
+                let _ = socket::send(socket.as_fd(), &bytes[..limit]);
+                drop(reservation);
+                return refuse(socket, RefusalCause::Gate(code), coalescer);
+            }
+        };
+        info.lane = admission.lane;
+        let shed_lane = self.core.shed_lane.load(Ordering::Acquire);
+        if u16::from(admission.lane.0) >= shed_lane {
+            close_ticket(
+                &self.gate,
+                admission.ticket,
+                &info,
+                CloseReason::Refused(RefusalCause::Shed),
+            );
+            drop(reservation);
+            return refuse(socket, RefusalCause::Shed, coalescer);
+        }
+        core.emit(Event::Admitted {
+            id,
+            lane: admission.lane,
+        });
+        let job = Job {
+            socket,
+            info,
+            ticket: admission.ticket,
+            reservation,
+            listener: index,
+        };
+        if let Err(job) = self.handover.offer(job) {
+            self.refuse_job(job, RefusalCause::Busy, core.workers.len() + index);
+        }
+    }
+
+    /// Closes a job the gate already admitted but no worker will serve: it counts as admitted and closed with
+    /// `Refused(cause)`, so the ticket, the `Closed` event and the stats all see one close.
+    fn refuse_job(&self, job: Job<G::Ticket>, cause: RefusalCause, counter_slot: usize) {
+        let Job {
+            socket,
+            info,
+            ticket,
+            reservation,
+            ..
+        } = job;
+        let reason = CloseReason::Refused(cause);
+        close_ticket(&self.gate, ticket, &info, reason);
+        self.core
+            .counters
+            .slot(counter_slot)
+            .record_close(reason, 0, 0);
+        self.core.emit(Event::Closed {
+            id: info.id,
+            reason,
+            bytes_in: 0,
+            bytes_out: 0,
+            lifetime: self.core.now().saturating_duration_since(info.accepted_at),
+        });
+        drop(reservation);
+        reset(socket);
+    }
+
+    /// Applies a control-line state on the accept thread.
+    fn react(self: &Arc<Self>, state: ControlState) {
+        let handle = crate::server::ServerHandle {
+            core: Arc::clone(&self.core),
+        };
+        self.core.emit(Event::ControlReacted { state });
+        match state {
+            ControlState::Running => {
+                self.lockdown.store(false, Ordering::Release);
+                self.core.shed_lane.store(u16::MAX, Ordering::Release);
+                handle.open_door();
+            }
+            ControlState::Lockdown => self.lockdown.store(true, Ordering::Release),
+            ControlState::Shed { lane } => {
+                self.core
+                    .shed_lane
+                    .store(u16::from(lane.0), Ordering::Release);
+                // Idle connections in a shed lane close now; busy ones close when they next go idle.
+                for worker in &self.core.workers {
+                    if u16::from(worker.lane.load(Ordering::Acquire)) < u16::from(lane.0) {
+                        continue;
+                    }
+                    if let Some(id) = worker.slot.occupant()
+                        && worker.slot.kill(
+                            id,
+                            CODE_SHED,
+                            net_io_sys::kill::KillCondition::OnlyIdle,
+                        )
+                    {
+                        let _ = worker.wake.signal();
+                    }
+                }
+            }
+            ControlState::Draining { deadline } => {
+                let deadline =
+                    deadline.unwrap_or_else(|| Instant::now() + self.core.limits.drain_timeout);
+                handle.close_door();
+                let _ = std::thread::Builder::new()
+                    .name("net-io-drain".into())
+                    .spawn(move || {
+                        handle.drain(deadline);
+                    });
+            }
+            ControlState::Stopping => {
+                handle.close_door();
+                handle.request_stop();
+            }
+        }
+    }
+
+    /// The loop of worker `index`: one connection at a time until the queue closes.
+    pub(crate) fn worker_loop(self: Arc<Self>, index: usize) {
+        let core = Arc::clone(&self.core);
+        let shared = &core.workers[index];
+        let Some(owner) = SlotOwner::claim(Arc::clone(&shared.slot)) else {
+            return;
+        };
+        let mut link = Link::new(
+            owner,
+            Arc::clone(&shared.wake),
+            Arc::clone(&core.clock),
+            core.limits.tick,
+            core.limits.min_rate,
+            core.manual_clock,
+        );
+        let (_ring, mut receiver) = CompletionRing::with_capacity(core.limits.completion_queue);
+        let waker = Waker::from(Arc::new(WakeSignal(Arc::clone(&shared.wake))));
+        let mut state = self.workload.new_state(&core, &self.pool);
+        let mut prefix = Vec::with_capacity(handshake::PREFIX_CAPACITY);
+        while let Some(job) = self.handover.take() {
+            core.busy_workers.fetch_add(1, Ordering::Relaxed);
+            let busy = BusyGuard {
+                core: &core,
+                handover: &self.handover,
+            };
+            // Every hook is contained already; this catches a bug in the driver itself, so that the worker
+            // (and its place in the Busy rule, given back by the guard) survives it.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.run_job(
+                    index,
+                    &mut link,
+                    &mut receiver,
+                    &waker,
+                    &mut state,
+                    &mut prefix,
+                    job,
+                    busy,
+                )
+            }));
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_job(
+        &self,
+        index: usize,
+        link: &mut Link,
+        receiver: &mut CompletionReceiver,
+        waker: &Waker,
+        state: &mut W::State,
+        prefix: &mut Vec<u8>,
+        job: Job<G::Ticket>,
+        busy: BusyGuard<'_, G::Ticket>,
+    ) {
+        let core = &*self.core;
+        let Job {
+            socket,
+            mut info,
+            ticket,
+            mut reservation,
+            listener,
+        } = job;
+        info.worker = Some(WorkerId(index as u32));
+        core.workers[index]
+            .lane
+            .store(info.lane.0, Ordering::Release);
+        link.owner_mut().occupy(info.id.get(), socket);
+        let listener_runtime = &self.listeners[listener];
+        let limits = &listener_runtime.limits;
+        link.reset(limits.min_rate, Some(limits.idle_timeout));
+        receiver.bind(info.id);
+        let completer = receiver.completer(info.id, waker.clone());
+        let kill = KillHandle {
+            slot: Arc::clone(&core.workers[index].slot),
+            wake: Arc::clone(&core.workers[index].wake),
+            id: info.id,
+        };
+        prefix.clear();
+        let mut early: Option<CloseReason> = None;
+        // TCP_NODELAY and keepalive were set on the listener; Linux copies them to every accepted socket,
+        // so a connection costs no setsockopt here.
+        if core.drain_expired.load(Ordering::Acquire) {
+            early = Some(CloseReason::DrainDeadline);
+        }
+        if early.is_none()
+            && let Some(mode) = listener_runtime.proxy
+        {
+            let started = core.now();
+            match handshake::read_proxy_header(
+                link,
+                &info,
+                mode,
+                &listener_runtime.trusted,
+                limits,
+                prefix,
+            ) {
+                Ok(Some(real_peer)) => {
+                    info.set_real_peer(real_peer);
+                    if reservation.move_source(real_peer.ip()).is_err() {
+                        early = Some(CloseReason::Limit(LimitKind::PerSource));
+                    } else {
+                        core.emit(Event::ProxyResolved {
+                            id: info.id,
+                            real_peer,
+                        });
+                    }
+                }
+                Ok(None) => {}
+                Err(reason) => early = Some(reason),
+            }
+            if early.is_none() {
+                core.emit(Event::HandshakeDone {
+                    id: info.id,
+                    took: core.now().saturating_duration_since(started),
+                });
+            }
+        }
+        let reason = match early {
+            Some(reason) => reason,
+            None => {
+                let gate = &self.gate;
+                let ticket_ref = &ticket;
+                let (id, lane) = (info.id, info.lane);
+                let allow_all = TypeId::of::<G>() == TypeId::of::<AllowAll>();
+                let mut check = move |bytes: usize, started: bool| {
+                    if allow_all {
+                        return Verdict::Allow;
+                    }
+                    check_or_deny(gate, ticket_ref, &WriteFacts::new(id, lane, bytes, started))
+                };
+                self.workload.serve(
+                    state,
+                    Run {
+                        link,
+                        info: &info,
+                        core,
+                        limits,
+                        check: &mut check,
+                        completer: &completer,
+                        receiver,
+                        kill,
+                        prefix,
+                    },
+                )
+            }
+        };
+        // One winner: our own close or a killer that got there first.
+        let code = link.owner().begin_close(OWNER_CODE);
+        let reason = if code == OWNER_CODE {
+            reason
+        } else {
+            reason_for_code(code)
+        };
+        link.close(
+            !reason.is_abortive(),
+            limits.linger_timeout,
+            limits.linger_bytes,
+        );
+        drop(completer);
+        receiver.unbind();
+        let stale = receiver.take_stale();
+        if stale > 0 {
+            core.counters.server().record_stale_completions(stale);
+            core.emit(Event::StaleCompletion {
+                worker: WorkerId(index as u32),
+                count: stale,
+            });
+        }
+        self.workload.closed(state, &info, reason);
+        close_ticket(&self.gate, ticket, &info, reason);
+        core.counters
+            .slot(index)
+            .record_close(reason, link.bytes_in, link.bytes_out);
+        // Caps and the worker are free before anyone can see the close, so a client that reconnects on the
+        // Closed event is never refused by a connection that is already gone.
+        drop(reservation);
+        drop(busy);
+        match reason {
+            CloseReason::Killed(code) => core.emit(Event::Killed { id: info.id, code }),
+            CloseReason::Limit(which) => core.emit(Event::LimitHit {
+                id: Some(info.id),
+                which,
+            }),
+            CloseReason::EgressDenied(code) => core.emit(Event::EgressDenied { id: info.id, code }),
+            _ => {}
+        }
+        core.emit(Event::Closed {
+            id: info.id,
+            reason,
+            bytes_in: link.bytes_in,
+            bytes_out: link.bytes_out,
+            lifetime: core.now().saturating_duration_since(info.accepted_at),
+        });
+    }
+}
+
+/// Marks a worker free again when dropped: at the normal end of a connection, or while unwinding.
+struct BusyGuard<'a, T> {
+    core: &'a Core,
+    handover: &'a HandOver<Job<T>>,
+}
+
+impl<T> Drop for BusyGuard<'_, T> {
+    fn drop(&mut self) {
+        self.core.busy_workers.fetch_sub(1, Ordering::Relaxed);
+        self.handover.done();
+    }
+}
+
+/// Resets a connection: linger zero, then close, so the kernel sends RST and nothing lingers in TIME_WAIT.
+pub(crate) fn reset(socket: OwnedFd) {
+    let _ = socket::set_linger(socket.as_fd(), Linger::Abortive);
+    drop(socket);
+}
+
+fn socket_reserve() -> Option<OwnedFd> {
+    net_io_sys::rlimit::open_reserve().ok()
+}

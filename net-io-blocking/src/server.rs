@@ -1,0 +1,485 @@
+//! The running server: its shared state, the [`Server`] owner, the cloneable [`ServerHandle`], the per-connection
+//! [`KillHandle`], drain and shutdown.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU16, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use net_io_core::{CloseReason, ConnectionId, Counters, Event, EventSink, ResolvedLimits, Stats};
+use net_io_sys::eventfd::EventFd;
+use net_io_sys::kill::{KillCondition, KillSlot};
+
+use crate::caps::Caps;
+use crate::clock::SharedClock;
+
+/// Slot codes at or above this value are the driver's own; user kill codes are capped just below.
+pub(crate) const RESERVED_CODES: u16 = 0xff00;
+/// Kill code: closed by a drain while idle (graceful).
+pub(crate) const CODE_DRAINED: u16 = 0xff01;
+/// Kill code: still busy at the drain deadline (abortive).
+pub(crate) const CODE_DRAIN_DEADLINE: u16 = 0xff02;
+/// Kill code: the server shut down.
+pub(crate) const CODE_SHUTDOWN: u16 = 0xff03;
+/// Kill code: shed by the control line.
+pub(crate) const CODE_SHED: u16 = 0xff04;
+
+/// The close reason a slot code stands for.
+pub(crate) fn reason_for_code(code: u16) -> CloseReason {
+    match code {
+        CODE_DRAINED => CloseReason::Drained,
+        CODE_DRAIN_DEADLINE => CloseReason::DrainDeadline,
+        CODE_SHUTDOWN => CloseReason::Shutdown,
+        CODE_SHED => CloseReason::Shed,
+        code => CloseReason::Killed(code),
+    }
+}
+
+/// What a drain did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DrainReport {
+    /// Connections that closed on their own or as idle (`Drained`) before the deadline.
+    pub graceful: u64,
+    /// Connections still busy at the deadline and killed (`DrainDeadline`).
+    pub killed: u64,
+    /// How long the drain took.
+    pub elapsed: Duration,
+}
+
+/// One worker's shared parts: its kill slot and its wake.
+#[derive(Debug)]
+pub(crate) struct WorkerShared {
+    pub(crate) slot: Arc<KillSlot>,
+    pub(crate) wake: Arc<EventFd>,
+    /// The lane of the connection the worker holds, for shedding.
+    pub(crate) lane: AtomicU8,
+}
+
+/// One listener's shared parts.
+#[derive(Debug)]
+pub(crate) struct ListenerShared {
+    pub(crate) local: SocketAddr,
+    pub(crate) wake: Arc<EventFd>,
+}
+
+/// Everything the threads and handles of one server share, independent of the gate and workload types.
+pub(crate) struct Core {
+    pub(crate) limits: ResolvedLimits,
+    pub(crate) clock: SharedClock,
+    pub(crate) manual_clock: bool,
+    pub(crate) events: Arc<dyn EventSink>,
+    pub(crate) events_enabled: bool,
+    pub(crate) counters: Counters,
+    pub(crate) caps: Arc<Caps>,
+    pub(crate) workers: Vec<WorkerShared>,
+    pub(crate) listeners: Vec<ListenerShared>,
+    pub(crate) door_open: AtomicBool,
+    pub(crate) draining: AtomicBool,
+    pub(crate) drain_expired: AtomicBool,
+    pub(crate) stopping: AtomicBool,
+    pub(crate) stop_requested: Mutex<bool>,
+    pub(crate) stop_signal: Condvar,
+    pub(crate) busy_workers: AtomicU64,
+    /// Lanes at or above this value are shed; `u16::MAX` sheds nothing.
+    pub(crate) shed_lane: AtomicU16,
+    pub(crate) drain_lock: Mutex<()>,
+}
+
+/// Closes the hand-over queue of a running server; implemented by the generic runtime.
+pub(crate) trait QueueCloser: Send + Sync {
+    fn close_queue(&self);
+}
+
+/// A cloneable, thread-safe handle to a running server: kill, door, drain, stop, stats.
+#[derive(Clone)]
+pub struct ServerHandle {
+    pub(crate) core: Arc<Core>,
+}
+
+/// Ends one connection from any thread. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct KillHandle {
+    pub(crate) slot: Arc<KillSlot>,
+    pub(crate) wake: Arc<EventFd>,
+    pub(crate) id: ConnectionId,
+}
+
+/// A running server. Dropping it runs [`Server::shutdown`] with the configured `drain_timeout`.
+#[must_use = "dropping the server shuts it down at once"]
+pub struct Server {
+    handle: ServerHandle,
+    threads: Vec<JoinHandle<()>>,
+    closer: Arc<dyn QueueCloser>,
+    finished: bool,
+}
+
+impl Core {
+    pub(crate) fn emit(&self, event: Event) {
+        if self.events_enabled {
+            let sink = &self.events;
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sink.emit(event)));
+        }
+    }
+
+    pub(crate) fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    /// Whether a connection in `lane` should close instead of waiting idle.
+    pub(crate) fn is_shed(&self, lane: net_io_core::Lane) -> bool {
+        u16::from(lane.0) >= self.shed_lane.load(Ordering::Acquire)
+    }
+
+    /// The share of busy workers for `SessionContext::pressure`, 1.0 while shedding.
+    pub(crate) fn pressure(&self) -> f32 {
+        if self.shed_lane.load(Ordering::Relaxed) != u16::MAX {
+            return 1.0;
+        }
+        let busy = self.busy_workers.load(Ordering::Relaxed) as f32;
+        (busy / self.workers.len().max(1) as f32).min(1.0)
+    }
+
+    /// Wakes every accept thread (door or stop changed).
+    pub(crate) fn wake_acceptors(&self) {
+        for listener in &self.listeners {
+            let _ = listener.wake.signal();
+        }
+    }
+
+    fn kill_where(&self, id: ConnectionId, code: u16, condition: KillCondition) -> bool {
+        for worker in &self.workers {
+            if worker.slot.occupant() == Some(id.get())
+                && worker.slot.kill(id.get(), code, condition)
+            {
+                let _ = worker.wake.signal();
+                return true;
+            }
+        }
+        false
+    }
+}
+
+impl ServerHandle {
+    /// The address of the first listener (with the real port when port 0 was asked for).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.core.listeners[0].local
+    }
+
+    /// The addresses of every listener, in the order they were added.
+    pub fn local_addrs(&self) -> Vec<SocketAddr> {
+        self.core
+            .listeners
+            .iter()
+            .map(|listener| listener.local)
+            .collect()
+    }
+
+    /// A consistent snapshot of the counters.
+    pub fn stats(&self) -> Stats {
+        self.core.counters.snapshot()
+    }
+
+    /// Connections admitted and not yet closed (including those waiting for a worker).
+    pub fn open_connections(&self) -> usize {
+        self.core.caps.open()
+    }
+
+    /// Ends connection `id` with `Killed(code)` (codes of 0xff00 and above are the driver's and are lowered
+    /// to 0xfeff). Returns `false` if the connection is not open on this server or someone else closed it
+    /// first. Only the connection's worker closes the socket; this call shuts its read side and wakes it.
+    pub fn kill(&self, id: ConnectionId, code: u16) -> bool {
+        self.core
+            .kill_where(id, code.min(RESERVED_CODES - 1), KillCondition::Always)
+    }
+
+    /// The ids of the connections workers hold right now.
+    pub fn connections(&self) -> Vec<ConnectionId> {
+        self.core
+            .workers
+            .iter()
+            .filter_map(|worker| worker.slot.occupant().and_then(ConnectionId::new))
+            .collect()
+    }
+
+    /// Starts accepting. Idempotent; the door starts closed until `build` finishes or this is called.
+    pub fn open_door(&self) {
+        if self.core.stopping.load(Ordering::Acquire) || self.core.draining.load(Ordering::Acquire)
+        {
+            return;
+        }
+        if !self.core.door_open.swap(true, Ordering::AcqRel) {
+            self.core.emit(Event::DoorOpened);
+            self.core.wake_acceptors();
+        }
+    }
+
+    /// Stops accepting. The listeners stay bound; new connections wait in the kernel backlog. Idempotent.
+    pub fn close_door(&self) {
+        if self.core.door_open.swap(false, Ordering::AcqRel) {
+            self.core.emit(Event::DoorClosed);
+            self.core.wake_acceptors();
+        }
+    }
+
+    /// Whether the door is open.
+    pub fn is_door_open(&self) -> bool {
+        self.core.door_open.load(Ordering::Acquire)
+    }
+
+    /// Whether a drain has started.
+    pub fn is_draining(&self) -> bool {
+        self.core.draining.load(Ordering::Acquire)
+    }
+
+    /// Interrupts every worker's wait (parked sessions and sends waiting for room see a wake).
+    pub fn wake_all(&self) {
+        for worker in &self.core.workers {
+            let _ = worker.wake.signal();
+        }
+    }
+
+    /// Closes the door, closes idle connections at once (`Drained`, graceful), lets busy ones finish, and
+    /// kills what is still open at `deadline` (`DrainDeadline`, abortive). A deadline already past kills at
+    /// once. Returns when every connection is closed (or a second after the deadline kills, at the latest).
+    pub fn drain(&self, deadline: Instant) -> DrainReport {
+        let _serial = self
+            .core
+            .drain_lock
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let started = Instant::now();
+        self.close_door();
+        self.core.draining.store(true, Ordering::Release);
+        let open_at_start = self.core.caps.open() as u64;
+        self.core.emit(Event::DrainStarted {
+            open: open_at_start,
+        });
+        let tick = self.core.limits.tick.max(Duration::from_millis(1));
+        let mut killed = 0u64;
+        loop {
+            if self.core.caps.open() == 0 {
+                break;
+            }
+            if Instant::now() >= deadline {
+                for worker in &self.core.workers {
+                    if let Some(id) = worker.slot.occupant()
+                        && worker
+                            .slot
+                            .kill(id, CODE_DRAIN_DEADLINE, KillCondition::Always)
+                    {
+                        killed += 1;
+                        let _ = worker.wake.signal();
+                    }
+                }
+                // Connections still queued for a worker are closed by it at once (it sees the expiry).
+                self.core.drain_expired.store(true, Ordering::Release);
+                let limit = Instant::now() + Duration::from_secs(1);
+                while self.core.caps.open() > 0 && Instant::now() < limit {
+                    std::thread::sleep(tick);
+                }
+                break;
+            }
+            for worker in &self.core.workers {
+                if let Some(id) = worker.slot.occupant()
+                    && worker.slot.kill(id, CODE_DRAINED, KillCondition::OnlyIdle)
+                {
+                    let _ = worker.wake.signal();
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            std::thread::sleep(tick.min(left).max(Duration::from_micros(100)));
+        }
+        let report = DrainReport {
+            graceful: open_at_start.saturating_sub(killed),
+            killed,
+            elapsed: started.elapsed(),
+        };
+        self.core.emit(Event::DrainFinished {
+            graceful: report.graceful,
+            killed: report.killed,
+        });
+        report
+    }
+
+    /// Asks whoever waits in [`wait_for_stop`](Self::wait_for_stop) to stop the server. Safe from inside a
+    /// handler or session.
+    pub fn request_stop(&self) {
+        let mut requested = self
+            .core
+            .stop_requested
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        *requested = true;
+        self.core.stop_signal.notify_all();
+    }
+
+    /// Sleeps without using CPU until [`request_stop`](Self::request_stop) is called.
+    pub fn wait_for_stop(&self) {
+        let mut requested = self
+            .core
+            .stop_requested
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        while !*requested {
+            requested = self
+                .core
+                .stop_signal
+                .wait(requested)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+    }
+
+    /// Like [`wait_for_stop`](Self::wait_for_stop) but gives up after `timeout`; true when a stop was asked.
+    pub fn wait_for_stop_timeout(&self, timeout: Duration) -> bool {
+        let requested = self
+            .core
+            .stop_requested
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let (requested, _) = self
+            .core
+            .stop_signal
+            .wait_timeout_while(requested, timeout, |requested| !*requested)
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        *requested
+    }
+
+    /// The limits the server runs with, defaults filled in.
+    pub fn limits(&self) -> &ResolvedLimits {
+        &self.core.limits
+    }
+}
+
+impl KillHandle {
+    /// Ends the connection with `Killed(code)`; returns `false` if it already closed or someone else won.
+    pub fn kill(&self, code: u16) -> bool {
+        let won = self.slot.kill(
+            self.id.get(),
+            code.min(RESERVED_CODES - 1),
+            KillCondition::Always,
+        );
+        if won {
+            let _ = self.wake.signal();
+        }
+        won
+    }
+
+    /// The connection this handle kills.
+    pub fn id(&self) -> ConnectionId {
+        self.id
+    }
+}
+
+impl Server {
+    pub(crate) fn new(
+        handle: ServerHandle,
+        threads: Vec<JoinHandle<()>>,
+        closer: Arc<dyn QueueCloser>,
+    ) -> Self {
+        Self {
+            handle,
+            threads,
+            closer,
+            finished: false,
+        }
+    }
+
+    pub(crate) fn push_thread(&mut self, thread: JoinHandle<()>) {
+        self.threads.push(thread);
+    }
+
+    /// A cloneable handle for other threads.
+    pub fn handle(&self) -> ServerHandle {
+        self.handle.clone()
+    }
+
+    /// The address of the first listener.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.handle.local_addr()
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> Stats {
+        self.handle.stats()
+    }
+
+    /// Drains until `deadline`, stops the accept threads and workers, closes the listeners and joins every
+    /// thread. Connections still in the kernel backlog are reset when the listeners close.
+    pub fn shutdown(mut self, deadline: Instant) -> DrainReport {
+        self.stop(deadline)
+    }
+
+    /// Sleeps until [`ServerHandle::request_stop`], then shuts down with the `drain_timeout`.
+    pub fn run_until_stopped(self) -> DrainReport {
+        self.handle.wait_for_stop();
+        let deadline = Instant::now() + self.handle.core.limits.drain_timeout;
+        self.shutdown(deadline)
+    }
+
+    fn stop(&mut self, deadline: Instant) -> DrainReport {
+        if self.finished {
+            return DrainReport {
+                graceful: 0,
+                killed: 0,
+                elapsed: Duration::ZERO,
+            };
+        }
+        self.finished = true;
+        let report = self.handle.drain(deadline);
+        self.handle.core.stopping.store(true, Ordering::Release);
+        self.handle.core.wake_acceptors();
+        self.closer.close_queue();
+        self.handle.wake_all();
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+        for index in 0..self.handle.core.listeners.len() {
+            self.handle.core.emit(Event::ListenerClosed {
+                listener: net_io_core::ListenerId(index as u32),
+            });
+        }
+        self.handle.request_stop();
+        report
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let deadline = Instant::now() + self.handle.core.limits.drain_timeout;
+        self.stop(deadline);
+    }
+}
+
+impl fmt::Debug for Core {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter
+            .debug_struct("Core")
+            .field("listeners", &self.listeners)
+            .field("workers", &self.workers.len())
+            .field("door_open", &self.door_open)
+            .field("draining", &self.draining)
+            .finish_non_exhaustive()
+    }
+}
+
+impl fmt::Debug for ServerHandle {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter
+            .debug_struct("ServerHandle")
+            .field("core", &self.core)
+            .finish()
+    }
+}
+
+impl fmt::Debug for Server {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter
+            .debug_struct("Server")
+            .field("handle", &self.handle)
+            .field("threads", &self.threads.len())
+            .finish_non_exhaustive()
+    }
+}

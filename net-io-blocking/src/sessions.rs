@@ -1,0 +1,480 @@
+//! The two workloads a worker runs: a blocking handler over a [`TcpConnection`], and the sans-IO session
+//! driver that performs every read, write, timer and limit for a [`Session`].
+
+use std::marker::PhantomData;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use net_io_core::{
+    BufferPool, CloseReason, Completer, ConnectionInfo, Direction, Event, LimitKind, NetError,
+    Output, Phase, ReadBuffer, Session, SessionContext, SessionFactory, SessionRequests, SizeClass,
+    Step, TimeoutKind, WorkerBuffers,
+};
+
+use crate::connection::TcpConnection;
+use crate::link::{Received, Sent};
+use crate::runtime::{Run, Workload};
+use crate::server::{Core, reason_for_code};
+
+/// A blocking handler: one call per connection.
+pub(crate) struct HandlerWorkload<H> {
+    pub(crate) handler: H,
+}
+
+/// A session factory and its driver.
+pub(crate) struct SessionWorkload<F> {
+    pub(crate) factory: F,
+}
+
+/// A worker's reusable session state.
+pub(crate) struct SessionState<S> {
+    buffers: WorkerBuffers,
+    read: Option<ReadBuffer>,
+    output: Output,
+    session: Option<S>,
+}
+
+impl<H> Workload for HandlerWorkload<H>
+where
+    H: Fn(&mut TcpConnection<'_>) -> Result<(), NetError> + Send + Sync + 'static,
+{
+    type State = ();
+
+    fn new_state(&self, _core: &Core, _pool: &BufferPool) {}
+
+    fn serve(&self, _state: &mut (), run: Run<'_>) -> CloseReason {
+        let Run {
+            link,
+            info,
+            core,
+            limits,
+            check,
+            kill,
+            prefix,
+            ..
+        } = run;
+        let mut connection = TcpConnection::served(link, *info, core, limits, check, kill, prefix);
+        match catch_unwind(AssertUnwindSafe(|| (self.handler)(&mut connection))) {
+            Ok(result) => connection.final_reason(&result),
+            Err(_) => {
+                core.emit(Event::SessionPanicked { id: info.id });
+                CloseReason::SessionPanicked
+            }
+        }
+    }
+
+    fn closed(&self, _state: &mut (), _info: &ConnectionInfo, _reason: CloseReason) {}
+}
+
+impl<F: SessionFactory> Workload for SessionWorkload<F> {
+    type State = SessionState<F::Session>;
+
+    fn new_state(&self, core: &Core, pool: &BufferPool) -> Self::State {
+        SessionState {
+            buffers: pool.worker(),
+            read: None,
+            output: Output::new(core.limits.output_budget),
+            session: None,
+        }
+    }
+
+    fn serve(&self, state: &mut Self::State, run: Run<'_>) -> CloseReason {
+        let info = *run.info;
+        let limits_read_buffer = run.limits.read_buffer;
+        let session = match catch_unwind(AssertUnwindSafe(|| self.factory.create(&info))) {
+            Ok(Some(session)) => session,
+            Ok(None) => return CloseReason::Refused(net_io_core::RefusalCause::Session),
+            Err(_) => {
+                run.core.emit(Event::SessionPanicked { id: info.id });
+                return CloseReason::SessionPanicked;
+            }
+        };
+        state.session = Some(session);
+        state.output.reset(run.limits.output_budget);
+        if state.read.is_none() {
+            let class = SizeClass::for_size(run.limits.read_buffer).unwrap_or(SizeClass::Large);
+            match state.buffers.acquire(class) {
+                Ok(buffer) => state.read = Some(ReadBuffer::new(buffer)),
+                Err(_) => return CloseReason::Limit(LimitKind::BufferBudget),
+            }
+        }
+        let SessionState {
+            buffers,
+            read,
+            output,
+            session,
+        } = state;
+        let (Some(read), Some(session)) = (read.as_mut(), session.as_mut()) else {
+            return CloseReason::SessionError;
+        };
+        read.clear();
+        if !run.prefix.is_empty() && read.extend_from_slice(run.prefix) < run.prefix.len() {
+            return CloseReason::Limit(LimitKind::ReadBuffer);
+        }
+        let reason = Driver {
+            run,
+            read,
+            output,
+            buffers,
+            requests: SessionRequests::default(),
+            phase: Phase::Idle,
+            phase_override: None,
+            exchange: None,
+            idle_timeout: None,
+            pending: None,
+            peer_closed: false,
+            _session: PhantomData,
+        }
+        .drive(session);
+        // A grown read buffer goes back to the pool; the next connection starts with the usual class.
+        let usual = SizeClass::for_size(limits_read_buffer).unwrap_or(SizeClass::Large);
+        if state
+            .read
+            .as_ref()
+            .is_some_and(|read| read.class() != usual)
+            && let Some(grown) = state.read.take()
+        {
+            state.buffers.release(grown.into_buffer());
+        }
+        reason
+    }
+
+    fn closed(&self, state: &mut Self::State, info: &ConnectionInfo, reason: CloseReason) {
+        if let Some(mut session) = state.session.take() {
+            let _ = catch_unwind(AssertUnwindSafe(|| session.on_close(info, reason)));
+            let _ = catch_unwind(AssertUnwindSafe(move || drop(session)));
+        }
+        state.output.clear();
+        if let Some(read) = state.read.as_mut() {
+            read.clear();
+        }
+    }
+}
+
+/// The state of one session run.
+struct Driver<'r, 'a, S> {
+    run: Run<'a>,
+    read: &'r mut ReadBuffer,
+    output: &'r mut Output,
+    buffers: &'r mut WorkerBuffers,
+    requests: SessionRequests,
+    phase: Phase,
+    phase_override: Option<Phase>,
+    exchange: Option<Instant>,
+    idle_timeout: Option<std::time::Duration>,
+    /// A reason fixed by a deadline or the peer's FIN, kept if the session then closes.
+    pending: Option<CloseReason>,
+    peer_closed: bool,
+    _session: PhantomData<S>,
+}
+
+impl<S: Session> Driver<'_, '_, S> {
+    fn drive(mut self, session: &mut S) -> CloseReason {
+        let Some(mut step) = self.hook(session, |session, context| session.on_open(context)) else {
+            return self.panicked();
+        };
+        let mut input_changed = self.read.unread_len() > 0;
+        loop {
+            step = match step {
+                Step::Read => {
+                    if input_changed {
+                        input_changed = false;
+                        match self.on_data(session, &mut input_changed) {
+                            Some(next) => next,
+                            None => return self.panicked(),
+                        }
+                    } else {
+                        match self.receive(session, &mut input_changed) {
+                            Ok(next) => next,
+                            Err(reason) => return reason,
+                        }
+                    }
+                }
+                Step::Write => match self.flush(session) {
+                    Ok(()) => {
+                        match self.hook(session, |session, context| session.on_writable(context)) {
+                            Some(next) => next,
+                            None => return self.panicked(),
+                        }
+                    }
+                    Err(reason) => return reason,
+                },
+                Step::Park { until } => match self.park(session, until) {
+                    Ok(next) => next,
+                    Err(reason) => return reason,
+                },
+                Step::Close => {
+                    if let Err(reason) = self.flush(session) {
+                        return reason;
+                    }
+                    return self.pending.unwrap_or(CloseReason::SessionClosed);
+                }
+                Step::Abort => return self.pending.unwrap_or(CloseReason::SessionError),
+            };
+        }
+    }
+
+    fn panicked(&self) -> CloseReason {
+        self.run.core.emit(Event::SessionPanicked {
+            id: self.run.info.id,
+        });
+        CloseReason::SessionPanicked
+    }
+
+    /// Calls a hook under `catch_unwind` with a fresh context, then applies what the session asked for.
+    fn hook<T>(
+        &mut self,
+        session: &mut S,
+        call: impl FnOnce(&mut S, &mut SessionContext<'_>) -> T,
+    ) -> Option<T> {
+        let core = self.run.core;
+        let now = core.now();
+        let draining = core.draining.load(Ordering::Acquire);
+        let pressure = core.pressure();
+        let completer: &Completer = self.run.completer;
+        let mut context = SessionContext::new(self.run.info, self.output, &mut self.requests, now)
+            .with_draining(draining)
+            .with_pressure(pressure)
+            .with_completer(completer);
+        let result = catch_unwind(AssertUnwindSafe(|| call(session, &mut context))).ok();
+        self.apply_requests();
+        result
+    }
+
+    fn apply_requests(&mut self) {
+        let requests = std::mem::take(&mut self.requests);
+        if let Some(exchange) = requests.exchange_deadline {
+            self.exchange = exchange;
+        }
+        if let Some(phase) = requests.phase {
+            self.phase_override = Some(phase);
+            self.phase = phase;
+        }
+        if let Some(idle) = requests.idle_timeout {
+            self.idle_timeout = Some(idle);
+        }
+    }
+
+    fn on_data(&mut self, session: &mut S, input_changed: &mut bool) -> Option<Step> {
+        let core = self.run.core;
+        let now = core.now();
+        let draining = core.draining.load(Ordering::Acquire);
+        let completer: &Completer = self.run.completer;
+        let read: &ReadBuffer = self.read;
+        let mut input = read.input();
+        let before = input.len();
+        let mut context = SessionContext::new(self.run.info, self.output, &mut self.requests, now)
+            .with_draining(draining)
+            .with_completer(completer);
+        let step = catch_unwind(AssertUnwindSafe(|| {
+            session.on_data(&mut input, &mut context)
+        }));
+        let consumed = input.consumed().min(before);
+        self.apply_requests();
+        self.read.consume(consumed);
+        *input_changed = consumed > 0 && self.read.unread_len() > 0;
+        step.ok()
+    }
+
+    /// Receives more input under the deadline of the phase; returns the session's next step.
+    fn receive(&mut self, session: &mut S, input_changed: &mut bool) -> Result<Step, CloseReason> {
+        if self.peer_closed {
+            return Err(self.pending.unwrap_or(CloseReason::PeerClosed));
+        }
+        if self.read.is_full() {
+            self.grow()?;
+        }
+        let core = self.run.core;
+        let limits = self.run.limits;
+        let idle =
+            self.phase == Phase::Idle && self.read.unread_len() == 0 && self.output.is_empty();
+        if idle && core.draining.load(Ordering::Acquire) {
+            return Err(CloseReason::Drained);
+        }
+        if idle && core.is_shed(self.run.info.lane) {
+            return Err(CloseReason::Shed);
+        }
+        let now = core.now();
+        let (timeout, kind) = if self.phase == Phase::Idle {
+            (
+                self.idle_timeout.unwrap_or(limits.idle_timeout),
+                TimeoutKind::Idle,
+            )
+        } else {
+            (limits.read_timeout, TimeoutKind::Read)
+        };
+        let mut deadline = now + timeout;
+        let mut deadline_kind = kind;
+        if let Some(exchange) = self.exchange
+            && exchange < deadline
+        {
+            deadline = exchange;
+            deadline_kind = TimeoutKind::Exchange;
+        }
+        let link = &mut *self.run.link;
+        if idle {
+            link.owner().set_idle(true);
+            link.set_busy(Direction::In, false);
+        } else {
+            link.set_busy(Direction::In, true);
+        }
+        let received = link.receive(self.read.spare_mut(), Some(deadline));
+        if idle {
+            link.owner().set_idle(false);
+        }
+        match received {
+            Received::Data(count) => {
+                self.read.commit(count);
+                if self.phase == Phase::Idle && self.phase_override.is_none() {
+                    self.phase = Phase::Receiving;
+                    self.run.link.set_busy(Direction::In, true);
+                }
+                self.on_data(session, input_changed)
+                    .ok_or_else(|| self.panicked())
+            }
+            Received::Eof => {
+                self.peer_closed = true;
+                self.pending = Some(CloseReason::PeerClosed);
+                self.hook(session, |session, context| session.on_peer_closed(context))
+                    .ok_or_else(|| self.panicked())
+            }
+            Received::Deadline => {
+                self.pending = Some(deadline_kind.close_reason());
+                let step = self
+                    .hook(session, |session, context| {
+                        session.on_timeout(deadline_kind, context)
+                    })
+                    .ok_or_else(|| self.panicked())?;
+                if matches!(step, Step::Read | Step::Write | Step::Park { .. }) {
+                    // The session chose to carry on: the deadline starts again from now.
+                    self.pending = None;
+                    if deadline_kind == TimeoutKind::Exchange {
+                        self.exchange = None;
+                    }
+                }
+                Ok(step)
+            }
+            Received::Slow => Err(CloseReason::SlowPeer {
+                direction: Direction::In,
+            }),
+            Received::Killed(code) => Err(reason_for_code(code)),
+            Received::Failed(error) => Err(CloseReason::from_io(&error)),
+        }
+    }
+
+    /// Moves the input to the next larger buffer class, or fails with `Limit(ReadBuffer)`.
+    fn grow(&mut self) -> Result<(), CloseReason> {
+        let limit = self.run.limits.read_buffer_max;
+        let Some(larger) = self.read.class().larger() else {
+            return Err(CloseReason::Limit(LimitKind::ReadBuffer));
+        };
+        if larger.bytes() > limit {
+            return Err(CloseReason::Limit(LimitKind::ReadBuffer));
+        }
+        let buffer = self
+            .buffers
+            .acquire(larger)
+            .map_err(|_| CloseReason::Limit(LimitKind::BufferBudget))?;
+        match self.read.grow(buffer) {
+            Ok(old) => {
+                self.buffers.release(old);
+                Ok(())
+            }
+            Err(unused) => {
+                self.buffers.release(unused);
+                Err(CloseReason::Limit(LimitKind::ReadBuffer))
+            }
+        }
+    }
+
+    /// Flushes the output under the write deadline, asking the gate before each write call.
+    fn flush(&mut self, session: &mut S) -> Result<(), CloseReason> {
+        if self.output.is_empty() {
+            return Ok(());
+        }
+        let core = self.run.core;
+        let link = &mut *self.run.link;
+        link.set_busy(Direction::Out, true);
+        let started = self.output.response_started();
+        let sent = link.flush(
+            self.output,
+            self.run.limits.write_timeout,
+            self.exchange,
+            &mut *self.run.check,
+        );
+        link.set_busy(Direction::Out, false);
+        let exchange_passed = self.exchange.is_some_and(|exchange| core.now() >= exchange);
+        match sent {
+            Sent::Done => {
+                if self.read.unread_len() == 0 && self.phase_override.is_none() {
+                    self.phase = Phase::Idle;
+                    self.run.link.set_busy(Direction::In, false);
+                }
+                Ok(())
+            }
+            Sent::Deadline => Err(if exchange_passed {
+                CloseReason::ExchangeDeadline
+            } else {
+                CloseReason::WriteTimeout
+            }),
+            Sent::Slow => Err(CloseReason::SlowPeer {
+                direction: Direction::Out,
+            }),
+            Sent::Killed(code) => Err(reason_for_code(code)),
+            Sent::Denied(code) => {
+                // Denial text only on a clean response boundary; otherwise the close is an RST anyway.
+                let nothing_sent = !started && !self.output.response_started();
+                self.output.clear();
+                let _ = catch_unwind(AssertUnwindSafe(|| session.on_denied(code, self.output)));
+                if nothing_sent && !self.output.is_empty() {
+                    // The denial text goes out once, without blocking, at most 512 bytes.
+                    let limit = self.run.limits.refusal_bytes_max;
+                    let front = self.output.front();
+                    let text = &front[..front.len().min(limit)];
+                    let _ = self.run.link.send_once(text);
+                }
+                self.output.clear();
+                Err(CloseReason::EgressDenied(code))
+            }
+            Sent::Failed(error) => Err(CloseReason::from_io(&error)),
+        }
+    }
+
+    /// Waits for a completion, a kill or the park deadline.
+    fn park(&mut self, session: &mut S, until: Instant) -> Result<Step, CloseReason> {
+        let core = self.run.core;
+        let until = until.min(core.now() + self.run.limits.park_timeout);
+        self.run.link.set_busy(Direction::In, false);
+        loop {
+            if let Some(completion) = self.run.receiver.pop() {
+                return self
+                    .hook(session, |session, context| {
+                        session.on_wake(completion.token, completion.value, context)
+                    })
+                    .ok_or_else(|| self.panicked());
+            }
+            if let Some(code) = self.run.link.owner().closing() {
+                return Err(reason_for_code(code));
+            }
+            if core.now() >= until {
+                self.pending = Some(CloseReason::ParkDeadline);
+                let step = self
+                    .hook(session, |session, context| {
+                        session.on_timeout(TimeoutKind::Park, context)
+                    })
+                    .ok_or_else(|| self.panicked())?;
+                if matches!(step, Step::Read | Step::Write) {
+                    self.pending = None;
+                }
+                if let Step::Park { .. } = step {
+                    self.pending = None;
+                }
+                return Ok(step);
+            }
+            if let Err(error) = self.run.link.park(until) {
+                return Err(CloseReason::from_io(&error));
+            }
+        }
+    }
+}

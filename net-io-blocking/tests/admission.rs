@@ -1,0 +1,238 @@
+//! Admission before any read: the global cap, the per-source cap and the Busy rule of the hand-over queue.
+
+mod common;
+
+use std::io::Write;
+use std::time::Duration;
+
+use common::{Recorder, SOON, client, eventually, is_closed_by_server, round_trip};
+use net_io_blocking::{
+    ConnectionInfo, Event, Input, Limits, RefusalCause, Server, ServerBuilder, Session,
+    SessionContext, Step,
+};
+
+struct Echo;
+
+impl Session for Echo {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        let taken = context.output().push_partial(input.bytes());
+        input.consume(taken);
+        Step::Write
+    }
+}
+
+fn echo_server(workers: usize, limits: Limits, recorder: &Recorder) -> Server {
+    ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(workers)
+        .limits(limits.min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(Echo))
+        .allow_all()
+        .build()
+        .expect("the test server should start")
+}
+
+fn refusals(recorder: &Recorder) -> Vec<RefusalCause> {
+    recorder
+        .events()
+        .into_iter()
+        .filter_map(|event| match event {
+            Event::Refused { cause, .. } => Some(cause),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn with_one_worker_the_second_connection_is_busy_and_the_third_is_served_after_the_first_closes() {
+    let recorder = Recorder::default();
+    let server = echo_server(
+        1,
+        Limits::new().max_connections(4).max_per_source(4),
+        &recorder,
+    );
+    let mut first = client(server.local_addr());
+    assert_eq!(round_trip(&mut first, b"one"), b"one");
+    let mut second = client(server.local_addr());
+    assert!(
+        is_closed_by_server(&mut second),
+        "the second connection should be reset while the only worker is busy"
+    );
+    assert_eq!(refusals(&recorder), vec![RefusalCause::Busy]);
+    drop(first);
+    assert!(
+        eventually(SOON, || recorder.closes().len() == 1),
+        "the first connection should close"
+    );
+    let mut third = client(server.local_addr());
+    assert_eq!(
+        round_trip(&mut third, b"three"),
+        b"three",
+        "the third connection should be served once the worker is free"
+    );
+    assert_eq!(server.stats().refused_by(RefusalCause::Busy), 1);
+}
+
+#[test]
+fn the_global_cap_refuses_before_reading_and_frees_its_slot_at_close() {
+    let recorder = Recorder::default();
+    let server = echo_server(
+        4,
+        Limits::new().max_connections(2).max_per_source(2),
+        &recorder,
+    );
+    let mut first = client(server.local_addr());
+    let mut second = client(server.local_addr());
+    assert_eq!(round_trip(&mut first, b"a"), b"a");
+    assert_eq!(round_trip(&mut second, b"b"), b"b");
+    let mut third = client(server.local_addr());
+    third.write_all(b"never read").ok();
+    assert!(
+        is_closed_by_server(&mut third),
+        "the third connection passed the global cap"
+    );
+    assert_eq!(refusals(&recorder), vec![RefusalCause::GlobalCap]);
+    assert_eq!(server.handle().open_connections(), 2);
+    drop(first);
+    assert!(eventually(SOON, || server.handle().open_connections() == 1));
+    let mut fourth = client(server.local_addr());
+    assert_eq!(
+        round_trip(&mut fourth, b"d"),
+        b"d",
+        "a freed slot should admit again"
+    );
+}
+
+#[test]
+fn the_per_source_cap_refuses_a_third_connection_from_one_address() {
+    let recorder = Recorder::default();
+    let server = echo_server(
+        4,
+        Limits::new().max_connections(4).max_per_source(2),
+        &recorder,
+    );
+    let mut first = client(server.local_addr());
+    let mut second = client(server.local_addr());
+    assert_eq!(round_trip(&mut first, b"a"), b"a");
+    assert_eq!(round_trip(&mut second, b"b"), b"b");
+    let mut third = client(server.local_addr());
+    assert!(
+        is_closed_by_server(&mut third),
+        "the per-source cap let a third connection in"
+    );
+    assert_eq!(refusals(&recorder), vec![RefusalCause::SourceCap]);
+    let stats = server.stats();
+    assert_eq!(stats.refused_by(RefusalCause::SourceCap), 1);
+    assert_eq!(stats.accepted, 3);
+    drop((first, second));
+    assert!(eventually(SOON, || server.stats().closed == 2));
+}
+
+#[test]
+fn a_closed_door_accepts_nothing_and_opening_it_serves_the_waiting_connection() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(2)
+        .events(recorder.clone())
+        .open_door_at_build(false)
+        .sessions(|_info: &ConnectionInfo| Some(Echo))
+        .allow_all()
+        .build()
+        .unwrap();
+    let handle = server.handle();
+    assert!(!handle.is_door_open());
+    let mut waiting = client(server.local_addr());
+    waiting.write_all(b"early").unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        server.stats().accepted,
+        0,
+        "a closed door accepted a connection"
+    );
+    handle.open_door();
+    handle.open_door();
+    let mut reply = [0u8; 5];
+    std::io::Read::read_exact(&mut waiting, &mut reply).unwrap();
+    assert_eq!(
+        &reply, b"early",
+        "the backlog connection should be served after the door opens"
+    );
+}
+
+/// Puts the first connection in lane 5 and every later one in lane 0.
+struct LaneByOrder {
+    admitted: std::sync::atomic::AtomicUsize,
+}
+
+impl net_io_blocking::Gate for LaneByOrder {
+    type Ticket = ();
+
+    fn admit(
+        &self,
+        _info: &ConnectionInfo,
+    ) -> Result<net_io_core::Admission<()>, net_io_core::Refusal> {
+        let order = self
+            .admitted
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(net_io_core::Admission {
+            ticket: (),
+            lane: net_io_core::Lane(if order == 0 { 5 } else { 0 }),
+        })
+    }
+}
+
+#[test]
+fn shedding_closes_idle_connections_in_shed_lanes_and_spares_lower_lanes() {
+    let recorder = Recorder::default();
+    let control = std::sync::Arc::new(net_io_blocking::ControlLine::new());
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(4)
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .control(std::sync::Arc::clone(&control))
+        .sessions(|_info: &ConnectionInfo| Some(Echo))
+        .gate(LaneByOrder {
+            admitted: std::sync::atomic::AtomicUsize::new(0),
+        })
+        .build()
+        .unwrap();
+    let mut high = client(server.local_addr());
+    assert_eq!(round_trip(&mut high, b"h"), b"h");
+    let mut low = client(server.local_addr());
+    assert_eq!(round_trip(&mut low, b"l"), b"l");
+    control.set(net_io_blocking::ControlState::Shed {
+        lane: net_io_core::Lane(5),
+    });
+    let closes = recorder.wait_for_closes(1, SOON);
+    assert_eq!(closes[0].1, net_io_blocking::CloseReason::Shed);
+    assert!(
+        is_closed_by_server(&mut high),
+        "the lane-5 connection stayed open"
+    );
+    assert_eq!(
+        round_trip(&mut low, b"still"),
+        b"still",
+        "the lane-0 connection was shed"
+    );
+    assert_eq!(recorder.closes().len(), 1);
+}
+
+#[test]
+fn an_ipv6_loopback_listener_serves_and_reports_its_address() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("[::1]:0")
+        .workers(1)
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(Echo))
+        .allow_all()
+        .build()
+        .expect("an IPv6 loopback listener should start");
+    assert!(server.local_addr().is_ipv6());
+    let mut stream = client(server.local_addr());
+    assert_eq!(round_trip(&mut stream, b"six"), b"six");
+}

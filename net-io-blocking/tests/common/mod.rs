@@ -1,0 +1,121 @@
+//! Helpers shared by the integration tests: an event recorder, `eventually`, and small std clients.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use net_io_blocking::{CloseReason, ConnectionId, Event, EventSink};
+
+/// Records every event, for assertions about closes.
+#[derive(Clone, Default)]
+pub struct Recorder {
+    events: Arc<Mutex<Vec<Event>>>,
+}
+
+impl EventSink for Recorder {
+    fn emit(&self, event: Event) {
+        self.events.lock().unwrap().push(event);
+    }
+}
+
+impl Recorder {
+    pub fn events(&self) -> Vec<Event> {
+        self.events.lock().unwrap().clone()
+    }
+
+    /// Every (id, reason) of a `Closed` event, in order.
+    pub fn closes(&self) -> Vec<(ConnectionId, CloseReason)> {
+        self.events()
+            .into_iter()
+            .filter_map(|event| match event {
+                Event::Closed { id, reason, .. } => Some((id, reason)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Every id of an `Admitted` event.
+    pub fn admitted(&self) -> Vec<ConnectionId> {
+        self.events()
+            .into_iter()
+            .filter_map(|event| match event {
+                Event::Admitted { id, .. } => Some(id),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Waits until `count` closes were recorded and returns them.
+    pub fn wait_for_closes(
+        &self,
+        count: usize,
+        timeout: Duration,
+    ) -> Vec<(ConnectionId, CloseReason)> {
+        eventually(timeout, || self.closes().len() >= count);
+        self.closes()
+    }
+
+    /// Waits for exactly one close and returns its reason; fails the test if none or several happen.
+    pub fn single_close(&self, timeout: Duration) -> CloseReason {
+        let closes = self.wait_for_closes(1, timeout);
+        // A second close would show up quickly if the driver closed twice.
+        std::thread::sleep(Duration::from_millis(50));
+        let closes_after = self.closes();
+        assert_eq!(
+            closes_after.len(),
+            1,
+            "expected exactly one close, saw {closes_after:?}"
+        );
+        closes[0].1
+    }
+}
+
+/// Polls `condition` every 5 ms until it holds or `timeout` passes; returns whether it held.
+pub fn eventually(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + timeout;
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A std client with a read timeout so a broken server fails the test instead of hanging it.
+pub fn client(address: SocketAddr) -> TcpStream {
+    let stream = TcpStream::connect(address).expect("connect to the test server");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    stream.set_nodelay(true).unwrap();
+    stream
+}
+
+/// Sends `bytes` and reads exactly as many back.
+pub fn round_trip(stream: &mut TcpStream, bytes: &[u8]) -> Vec<u8> {
+    stream.write_all(bytes).expect("write to the server");
+    let mut reply = vec![0u8; bytes.len()];
+    stream.read_exact(&mut reply).expect("read the echo");
+    reply
+}
+
+/// True when the server reset or closed the connection: a read returns EOF or an error.
+pub fn is_closed_by_server(stream: &mut TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    !matches!(stream.read(&mut byte), Ok(count) if count > 0)
+}
+
+/// Makes the client's close an RST (linger 0).
+pub fn reset(stream: TcpStream) {
+    let socket = socket2::SockRef::from(&stream);
+    socket.set_linger(Some(Duration::ZERO)).unwrap();
+    drop(stream);
+}
+
+/// Generous upper bound for anything that should happen "at once" on a loaded 2-core machine.
+pub const SOON: Duration = Duration::from_secs(5);

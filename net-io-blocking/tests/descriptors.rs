@@ -1,0 +1,162 @@
+//! No descriptor left behind: thousands of RST-closed connections through a handler and a sessions server.
+//!
+//! Its own test binary because it counts `/proc/self/fd`, which every test in a process would disturb.
+
+#![deny(unsafe_code)]
+
+use std::fs;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use net_io_blocking::{
+    ConnectionInfo, Input, NetError, Server, ServerBuilder, Session, SessionContext, Step,
+    TcpConnection,
+};
+use socket2::SockRef;
+
+/// Echoes each read back until the peer closes.
+fn echo_handler(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
+    let mut buffer = [0_u8; 4096];
+    loop {
+        let read = connection.read(&mut buffer)?;
+        if read == 0 {
+            return Ok(());
+        }
+        connection.write_all(&buffer[..read])?;
+    }
+}
+
+/// Echoes whatever arrives, as much as the output budget takes each time.
+#[derive(Debug)]
+struct Echo;
+
+impl Session for Echo {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        let taken = context.output().push_partial(input.bytes());
+        input.consume(taken);
+        Step::Write
+    }
+}
+
+/// Descriptors this process has open now (the directory handle itself is counted every time, so it cancels).
+fn open_descriptors() -> usize {
+    fs::read_dir("/proc/self/fd")
+        .expect("could not list /proc/self/fd")
+        .count()
+}
+
+/// Polls `condition` every 10 ms until it holds or `timeout` passes; returns whether it held.
+fn eventually(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// One connection: send an 8-byte index, read the echo, close with RST (`SO_LINGER` 0, so no TIME_WAIT).
+fn round_trip_and_reset(address: SocketAddr, index: u64) {
+    let mut stream = TcpStream::connect(address).expect("could not connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("could not set a read timeout");
+    let message = index.to_le_bytes();
+    stream
+        .write_all(&message)
+        .expect("could not send the index");
+    let mut echo = [0_u8; 8];
+    stream
+        .read_exact(&mut echo)
+        .unwrap_or_else(|error| panic!("connection {index} got no echo: {error}"));
+    assert_eq!(echo, message, "connection {index} got a different echo");
+    SockRef::from(&stream)
+        .set_linger(Some(Duration::ZERO))
+        .expect("could not set SO_LINGER 0");
+}
+
+fn start_servers() -> (Server, Server) {
+    let handler = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(16)
+        .handler(echo_handler)
+        .allow_all()
+        .build()
+        .expect("the handler echo server did not start");
+    let sessions = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(16)
+        .sessions(|_: &ConnectionInfo| Some(Echo))
+        .allow_all()
+        .build()
+        .expect("the sessions echo server did not start");
+    (handler, sessions)
+}
+
+fn connections_leave_no_descriptor_behind(connections: u64) {
+    // Any lazily opened process-wide descriptor (std's, the test harness's) opens before the baseline.
+    let warm = start_servers();
+    round_trip_and_reset(warm.0.local_addr(), 0);
+    drop(warm);
+    let baseline = open_descriptors();
+
+    let (handler, sessions) = start_servers();
+    round_trip_and_reset(handler.local_addr(), 0);
+    round_trip_and_reset(sessions.local_addr(), 0);
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            handler.stats().closed == 1 && sessions.stats().closed == 1
+        }),
+        "the two warm-up connections did not close"
+    );
+    let steady = open_descriptors();
+
+    for index in 0..connections {
+        let address = if index % 2 == 0 {
+            handler.local_addr()
+        } else {
+            sessions.local_addr()
+        };
+        round_trip_and_reset(address, index);
+    }
+
+    let closed = || handler.stats().closed + sessions.stats().closed;
+    assert!(
+        eventually(Duration::from_secs(30), || closed() == connections + 2),
+        "after {connections} connections plus 2 warm-ups only {} closes were counted",
+        closed()
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || open_descriptors() == steady),
+        "the process holds {} descriptors after {connections} closed connections, {steady} before them",
+        open_descriptors()
+    );
+    let refused = handler.stats().refused + sessions.stats().refused;
+    assert_eq!(refused, 0, "{refused} connections were refused");
+
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let _ = handler.shutdown(deadline);
+    let _ = sessions.shutdown(deadline);
+    assert!(
+        eventually(Duration::from_secs(5), || open_descriptors() == baseline),
+        "the process holds {} descriptors after both servers shut down, {baseline} before they started",
+        open_descriptors()
+    );
+}
+
+#[test]
+fn ten_thousand_rst_closed_connections_leave_no_descriptor_behind() {
+    connections_leave_no_descriptor_behind(10_000);
+}
+
+/// Run with `cargo test --release -p net-io-blocking --test descriptors -- --ignored`.
+#[test]
+#[ignore = "100,000 connections; run in release with --ignored"]
+fn a_hundred_thousand_rst_closed_connections_leave_no_descriptor_behind() {
+    connections_leave_no_descriptor_behind(100_000);
+}

@@ -1,0 +1,348 @@
+//! Kill, drain, stop and shutdown from other threads, panicking handlers, and the client `connect`.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use common::{Recorder, SOON, client, eventually, round_trip};
+use net_io_blocking::{
+    CloseReason, ConnectionInfo, Input, Limits, NetError, ServerBuilder, Session, SessionContext,
+    Step, TcpConnection, connect, serve,
+};
+
+fn echo(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
+    let mut buffer = [0u8; 1024];
+    loop {
+        let count = connection.read(&mut buffer)?;
+        if count == 0 {
+            return Ok(());
+        }
+        connection.write_all(&buffer[..count])?;
+    }
+}
+
+#[test]
+fn sixty_four_threads_killing_one_connection_give_one_close_and_sixty_three_false() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(2)
+        .events(recorder.clone())
+        .handler(echo)
+        .allow_all()
+        .build()
+        .unwrap();
+    let mut stream = client(server.local_addr());
+    assert_eq!(round_trip(&mut stream, b"x"), b"x");
+    let handle = server.handle();
+    assert!(eventually(SOON, || handle.connections().len() == 1));
+    let id = handle.connections()[0];
+    let barrier = Arc::new(Barrier::new(64));
+    let winners = Arc::new(AtomicUsize::new(0));
+    let killers: Vec<_> = (0..64)
+        .map(|code| {
+            let handle = handle.clone();
+            let barrier = Arc::clone(&barrier);
+            let winners = Arc::clone(&winners);
+            std::thread::spawn(move || {
+                barrier.wait();
+                if handle.kill(id, code) {
+                    winners.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    for killer in killers {
+        killer.join().unwrap();
+    }
+    assert_eq!(
+        winners.load(Ordering::Relaxed),
+        1,
+        "exactly one killer should win"
+    );
+    let reason = recorder.single_close(SOON);
+    assert!(
+        matches!(reason, CloseReason::Killed(code) if code < 64),
+        "got {reason:?}"
+    );
+    assert_eq!(server.stats().killed, 1);
+}
+
+#[test]
+fn a_kill_handle_from_inside_the_handler_ends_it_from_another_thread() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(1)
+        .events(recorder.clone())
+        .handler(|connection: &mut TcpConnection<'_>| {
+            let killer = connection.kill_handle();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                killer.kill(99);
+            });
+            let mut buffer = [0u8; 16];
+            // Blocks until the kill shuts the read side.
+            connection.read(&mut buffer).map(|_| ())
+        })
+        .allow_all()
+        .build()
+        .unwrap();
+    let _stream = client(server.local_addr());
+    assert_eq!(recorder.single_close(SOON), CloseReason::Killed(99));
+}
+
+#[test]
+fn a_panicking_handler_closes_only_its_connection_and_the_worker_serves_on() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(1)
+        .events(recorder.clone())
+        .handler(|connection: &mut TcpConnection<'_>| {
+            let mut buffer = [0u8; 64];
+            let count = connection.read(&mut buffer)?;
+            if &buffer[..count] == b"panic" {
+                panic!("handler bug on purpose");
+            }
+            connection.write_all(&buffer[..count])
+        })
+        .allow_all()
+        .build()
+        .unwrap();
+    let mut bad = client(server.local_addr());
+    bad.write_all(b"panic").unwrap();
+    assert!(common::is_closed_by_server(&mut bad));
+    // The Closed event comes after the worker is free again, so the next connection is not Busy.
+    recorder.wait_for_closes(1, SOON);
+    let mut good = client(server.local_addr());
+    assert_eq!(
+        round_trip(&mut good, b"fine"),
+        b"fine",
+        "the worker died with the panic"
+    );
+    drop(good);
+    let closes = recorder.wait_for_closes(2, SOON);
+    assert_eq!(closes[0].1, CloseReason::SessionPanicked);
+    assert_eq!(server.stats().session_panics, 1);
+}
+
+/// Queues a large reply slowly enough that a drain finds it busy, then closes once it is flushed.
+struct BigReply;
+
+impl Session for BigReply {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        input.consume_all();
+        context
+            .output()
+            .push_static(&[b'z'; 256 * 1024])
+            .expect("static slices do not count");
+        Step::Write
+    }
+}
+
+#[test]
+fn data_a_session_queued_before_a_drain_is_flushed_before_the_close() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(2)
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(BigReply))
+        .allow_all()
+        .build()
+        .unwrap();
+    let mut stream = client(server.local_addr());
+    stream.write_all(b"go").unwrap();
+    // Let the reply fill the socket buffers, then drain while it is still being written.
+    std::thread::sleep(Duration::from_millis(100));
+    let handle = server.handle();
+    let drainer = std::thread::spawn(move || handle.drain(Instant::now() + Duration::from_secs(5)));
+    let mut received = Vec::new();
+    stream.read_to_end(&mut received).unwrap();
+    let report = drainer.join().unwrap();
+    assert_eq!(
+        received.len(),
+        256 * 1024,
+        "the queued reply was cut short by the drain"
+    );
+    assert_eq!(report.killed, 0);
+    assert_eq!(recorder.single_close(SOON), CloseReason::Drained);
+}
+
+#[test]
+fn a_drain_with_nothing_open_returns_at_once_and_shutdown_joins_every_thread() {
+    let server = serve("127.0.0.1:0", echo).unwrap();
+    let started = Instant::now();
+    let report = server
+        .handle()
+        .drain(Instant::now() + Duration::from_secs(10));
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "an empty drain waited"
+    );
+    assert_eq!((report.graceful, report.killed), (0, 0));
+    let report = server.shutdown(Instant::now() + Duration::from_secs(1));
+    assert_eq!(report.killed, 0);
+}
+
+#[test]
+fn request_stop_from_inside_a_handler_wakes_wait_for_stop() {
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(1)
+        .handler(|connection: &mut TcpConnection<'_>| {
+            let _ = connection;
+            Ok(())
+        })
+        .allow_all()
+        .build()
+        .unwrap();
+    let handle = server.handle();
+    let stopper = server.handle();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        stopper.request_stop();
+    });
+    assert!(
+        handle.wait_for_stop_timeout(SOON),
+        "wait_for_stop did not return after request_stop"
+    );
+    drop(server);
+}
+
+#[test]
+fn the_client_connect_echoes_and_applies_the_idle_deadline() {
+    let server = serve("127.0.0.1:0", echo).unwrap();
+    let limits = Limits::new().idle_timeout(Duration::from_millis(200));
+    let mut connection = connect(server.local_addr(), &limits).unwrap();
+    connection.write_all(b"hello").unwrap();
+    let mut reply = [0u8; 5];
+    let mut got = 0;
+    while got < 5 {
+        got += connection.read(&mut reply[got..]).unwrap();
+    }
+    assert_eq!(&reply, b"hello");
+    drop(connection);
+    // A fresh connection that waits for a reply that never comes hits the idle deadline.
+    let mut silent = connect(server.local_addr(), &limits).unwrap();
+    let started = Instant::now();
+    let error = silent.read(&mut reply).unwrap_err();
+    assert!(
+        matches!(error, NetError::Timeout(net_io_blocking::TimeoutKind::Idle)),
+        "expected the idle deadline, got {error}"
+    );
+    assert!(started.elapsed() >= Duration::from_millis(180));
+    assert_eq!(silent.close_reason(), Some(CloseReason::Idle));
+}
+
+#[test]
+fn the_control_line_drains_then_stops_the_server() {
+    let recorder = Recorder::default();
+    let control = Arc::new(net_io_blocking::ControlLine::new());
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(2)
+        .events(recorder.clone())
+        .control(Arc::clone(&control))
+        .handler(echo)
+        .allow_all()
+        .build()
+        .unwrap();
+    let handle = server.handle();
+    let mut stream = client(server.local_addr());
+    assert_eq!(round_trip(&mut stream, b"hi"), b"hi");
+    control.set(net_io_blocking::ControlState::Draining {
+        deadline: Some(Instant::now() + Duration::from_secs(2)),
+    });
+    assert_eq!(recorder.single_close(SOON), CloseReason::Drained);
+    assert!(
+        eventually(SOON, || !handle.is_door_open()),
+        "the door stayed open"
+    );
+    control.set(net_io_blocking::ControlState::Stopping);
+    assert!(
+        handle.wait_for_stop_timeout(SOON),
+        "Stopping on the control line did not request a stop"
+    );
+    drop(server);
+}
+
+#[test]
+fn a_client_half_close_still_receives_the_whole_reply() {
+    let server = serve("127.0.0.1:0", echo).unwrap();
+    let mut connection = connect(server.local_addr(), &Limits::new()).unwrap();
+    connection.write_all(b"all of it").unwrap();
+    connection.shutdown_write().unwrap();
+    let mut received = Vec::new();
+    let mut buffer = [0u8; 64];
+    loop {
+        let count = connection.read(&mut buffer).unwrap();
+        if count == 0 {
+            break;
+        }
+        received.extend_from_slice(&buffer[..count]);
+    }
+    assert_eq!(
+        received, b"all of it",
+        "the reply to a half-closed request was cut"
+    );
+    assert_eq!(connection.close(), CloseReason::PeerClosed);
+}
+
+/// Answers one line and closes.
+struct OneShot;
+
+impl Session for OneShot {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        let taken = context.output().push_partial(input.bytes());
+        input.consume(taken);
+        Step::Close
+    }
+}
+
+#[test]
+fn a_kill_racing_the_session_s_own_close_gives_one_close_and_a_truthful_answer() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(1)
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(OneShot))
+        .allow_all()
+        .build()
+        .unwrap();
+    let handle = server.handle();
+    let mut kills_won = 0u64;
+    for round in 0..40usize {
+        let mut stream = client(server.local_addr());
+        assert!(eventually(SOON, || !handle.connections().is_empty()));
+        let id = handle.connections()[0];
+        stream.write_all(b"bye").unwrap();
+        if handle.kill(id, 5) {
+            kills_won += 1;
+        }
+        let closes = recorder.wait_for_closes(round + 1, SOON);
+        assert_eq!(
+            closes.len(),
+            round + 1,
+            "round {round}: a connection closed twice or never"
+        );
+        assert_eq!(closes[round].0, id);
+        drop(stream);
+    }
+    let killed = recorder
+        .closes()
+        .iter()
+        .filter(|(_, reason)| *reason == CloseReason::Killed(5))
+        .count() as u64;
+    assert_eq!(
+        killed, kills_won,
+        "a kill reported a win it did not get, or the reverse"
+    );
+}

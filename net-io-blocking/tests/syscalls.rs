@@ -1,0 +1,169 @@
+//! System calls per echo round trip, counted at every call site of `net-io-sys` by the fault-injection shim.
+//!
+//! Needs the shim, which only a `cfg` switches on:
+//! `RUSTFLAGS="--cfg net_io_shim" cargo test -p net-io-blocking --test syscalls`. Without it the test
+//! prints that it was skipped. Its own binary because the shim's counters are process-wide.
+
+#![deny(unsafe_code)]
+
+#[cfg(not(net_io_shim))]
+#[test]
+fn system_calls_per_round_trip_are_counted_only_with_the_shim() {
+    println!(
+        "skipped: the system-call count needs the shim; run \
+         RUSTFLAGS=\"--cfg net_io_shim\" cargo test -p net-io-blocking --test syscalls"
+    );
+}
+
+#[cfg(net_io_shim)]
+mod counted {
+    use std::fs;
+    use std::io::{Read, Write};
+    use std::net::{SocketAddr, TcpStream};
+    use std::path::Path;
+    use std::sync::Mutex;
+    use std::time::{Duration, Instant};
+
+    use net_io_blocking::{
+        ConnectionInfo, Input, NetError, Server, ServerBuilder, Session, SessionContext, Step,
+        TcpConnection,
+    };
+    use net_io_sys::shim;
+
+    /// The shim's counters are process-wide, so the two tests take turns.
+    static TURN: Mutex<()> = Mutex::new(());
+
+    const WARM_UP_ROUND_TRIPS: u64 = 100;
+    const COUNTED_ROUND_TRIPS: u64 = 1_000;
+
+    fn echo_handler(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
+        let mut buffer = [0_u8; 4096];
+        loop {
+            let read = connection.read(&mut buffer)?;
+            if read == 0 {
+                return Ok(());
+            }
+            connection.write_all(&buffer[..read])?;
+        }
+    }
+
+    #[derive(Debug)]
+    struct Echo;
+
+    impl Session for Echo {
+        fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+            let taken = context.output().push_partial(input.bytes());
+            input.consume(taken);
+            Step::Write
+        }
+    }
+
+    /// Every name that could be a call site of net-io-sys: each identifier-like string literal in its
+    /// source. Some sites are passed through helpers (`receive_with_flags(.., "recv")`), so the test takes
+    /// every such literal; those that are not sites count zero. A new call site is thus counted without
+    /// anyone updating this test.
+    fn call_sites() -> Vec<String> {
+        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("../net-io-sys/src");
+        let mut sites = Vec::new();
+        let mut folders = vec![source];
+        while let Some(folder) = folders.pop() {
+            for entry in fs::read_dir(&folder).expect("could not list the net-io-sys sources") {
+                let path = entry.expect("unreadable directory entry").path();
+                if path.is_dir() {
+                    folders.push(path);
+                    continue;
+                }
+                if path.extension().is_none_or(|extension| extension != "rs") {
+                    continue;
+                }
+                let text = fs::read_to_string(&path).expect("could not read a net-io-sys source");
+                // Odd pieces of a split on quotes are the insides of string literals.
+                for literal in text.split('"').skip(1).step_by(2) {
+                    let is_identifier = !literal.is_empty()
+                        && literal.bytes().all(|byte| {
+                            byte.is_ascii_lowercase() || byte.is_ascii_digit() || byte == b'_'
+                        });
+                    if is_identifier {
+                        sites.push(literal.to_owned());
+                    }
+                }
+            }
+        }
+        sites.sort();
+        sites.dedup();
+        assert!(
+            sites.iter().any(|site| site == "recv") && sites.iter().any(|site| site == "send"),
+            "no recv or send call site found in net-io-sys: {sites:?}"
+        );
+        sites
+    }
+
+    fn snapshot(sites: &[String]) -> Vec<u64> {
+        sites.iter().map(|site| shim::calls(site)).collect()
+    }
+
+    fn calls_per_round_trip(server: Server) {
+        let sites = call_sites();
+        let address: SocketAddr = server.local_addr();
+        let mut stream = TcpStream::connect(address).expect("could not connect");
+        stream.set_nodelay(true).expect("could not set TCP_NODELAY");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("could not set a read timeout");
+        let message = [0x42_u8; 64];
+        let mut echo = [0_u8; 64];
+        for _ in 0..WARM_UP_ROUND_TRIPS {
+            stream.write_all(&message).expect("warm-up write failed");
+            stream.read_exact(&mut echo).expect("warm-up read failed");
+        }
+        let before = snapshot(&sites);
+        for _ in 0..COUNTED_ROUND_TRIPS {
+            stream.write_all(&message).expect("write failed");
+            stream.read_exact(&mut echo).expect("read failed");
+        }
+        let after = snapshot(&sites);
+        assert_eq!(echo, message, "the server echoed different bytes");
+        let by_site: Vec<(&str, u64)> = sites
+            .iter()
+            .zip(before.iter().zip(&after))
+            .map(|(site, (before, after))| (site.as_str(), after - before))
+            .filter(|(_, calls)| *calls > 0)
+            .collect();
+        let total: u64 = by_site.iter().map(|(_, calls)| calls).sum();
+        let per_round_trip = total as f64 / COUNTED_ROUND_TRIPS as f64;
+        println!("{per_round_trip:.3} system calls per round trip: {by_site:?}");
+        assert_eq!(
+            per_round_trip, 2.0,
+            "a keep-alive echo round trip must take one recv and one send; counted {per_round_trip:.3} \
+             per round trip, by site: {by_site:?}"
+        );
+        drop(stream);
+        let _ = server.shutdown(Instant::now() + Duration::from_secs(2));
+    }
+
+    #[test]
+    fn a_handler_echo_round_trip_takes_two_system_calls() {
+        let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let server = ServerBuilder::new()
+            .listen("127.0.0.1:0")
+            .workers(1)
+            .handler(echo_handler)
+            .allow_all()
+            .build()
+            .expect("the handler echo server did not start");
+        calls_per_round_trip(server);
+    }
+
+    #[test]
+    fn a_sessions_echo_round_trip_takes_two_system_calls() {
+        let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let server = ServerBuilder::new()
+            .listen("127.0.0.1:0")
+            .workers(1)
+            .sessions(|_: &ConnectionInfo| Some(Echo))
+            .allow_all()
+            .build()
+            .expect("the sessions echo server did not start");
+        calls_per_round_trip(server);
+    }
+}

@@ -1,0 +1,237 @@
+//! The sans-IO [`Session`]: the driver does every read, write, timer and limit; the session answers with a [`Step`].
+//!
+//! ```text
+//!   driver ──on_open──────────▶ session ──Step──▶ driver
+//!   recv ───on_data(Input)────▶ session ──Step──▶ Read: recv again / Write: flush Output, then on_writable
+//!   wake ───on_wake(token,v)──▶ session          Park{until}: stop reading until a post or `until`
+//!   timer ──on_timeout(kind)──▶ session          Close: flush, FIN, linger / Abort: RST
+//!   close ──on_close(info, reason), exactly once
+//! ```
+//!
+//! Every hook gets a [`SessionContext`] with the connection facts, the output queue, the time, and setters
+//! for the exchange deadline, the phase and the idle timeout.
+
+use std::time::{Duration, Instant};
+
+use crate::close::{CloseReason, TimeoutKind};
+use crate::completion::Completer;
+use crate::id::WorkerId;
+use crate::info::ConnectionInfo;
+use crate::input::Input;
+use crate::output::Output;
+
+/// What the session wants the driver to do next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Read more input. Does not flush queued output (return `Write` for that).
+    Read,
+    /// Flush queued output, then call `on_writable`.
+    Write,
+    /// Stop reading (and the idle timer) until a completion is posted or `until` passes.
+    Park {
+        /// The park deadline; the driver also caps it at `park_timeout`.
+        until: Instant,
+    },
+    /// Flush queued output, send FIN, linger, close (`SessionClosed`).
+    Close,
+    /// Reset the connection at once (`SessionError`).
+    Abort,
+}
+
+/// Which deadline applies while the connection waits for the peer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// Between requests: the idle timeout applies.
+    #[default]
+    Idle,
+    /// A request is arriving: the read timeout applies.
+    Receiving,
+    /// A reply is going out: the write timeout applies.
+    Sending,
+}
+
+/// What a session asked of the driver during one hook; the driver reads and clears it after each hook.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SessionRequests {
+    /// `Some(Some(t))` sets the exchange deadline to `t`, `Some(None)` clears it.
+    pub exchange_deadline: Option<Option<Instant>>,
+    /// A phase to switch to, overriding the automatic phase.
+    pub phase: Option<Phase>,
+    /// A per-connection idle timeout.
+    pub idle_timeout: Option<Duration>,
+}
+
+/// What a session sees and can ask for during a hook. Made by the driver for each hook call.
+#[derive(Debug)]
+pub struct SessionContext<'a> {
+    info: &'a ConnectionInfo,
+    output: &'a mut Output,
+    requests: &'a mut SessionRequests,
+    now: Instant,
+    worker: Option<WorkerId>,
+    draining: bool,
+    pressure: f32,
+    completer: Option<&'a Completer>,
+}
+
+/// A sans-IO connection handler. Only [`Session::on_data`] is required.
+///
+/// The driver contains panics: a panicking hook closes only this connection, with `SessionPanicked`.
+pub trait Session: Send + 'static {
+    /// The connection was admitted. Default: read.
+    fn on_open(&mut self, context: &mut SessionContext<'_>) -> Step {
+        let _ = context;
+        Step::Read
+    }
+
+    /// New input arrived. Consume what you used; unconsumed bytes stay for the next call.
+    /// After `Step::Read` this is called again at once only if the input changed.
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step;
+
+    /// Every queued byte was written. Default: read.
+    fn on_writable(&mut self, context: &mut SessionContext<'_>) -> Step {
+        let _ = context;
+        Step::Read
+    }
+
+    /// A completion posted for this connection arrived while parked. Default: abort, since a session that
+    /// parks without handling wake-ups is a bug.
+    fn on_wake(&mut self, token: u64, value: u64, context: &mut SessionContext<'_>) -> Step {
+        let _ = (token, value, context);
+        Step::Abort
+    }
+
+    /// A deadline fired. `Close` or `Abort` keep the deadline's own close reason. Default: close.
+    fn on_timeout(&mut self, kind: TimeoutKind, context: &mut SessionContext<'_>) -> Step {
+        let _ = (kind, context);
+        Step::Close
+    }
+
+    /// The peer sent FIN. The session may keep writing (half close). Default: close.
+    fn on_peer_closed(&mut self, context: &mut SessionContext<'_>) -> Step {
+        let _ = context;
+        Step::Close
+    }
+
+    /// The gate denied a write with `code`. Pending output was wiped; anything queued here is the denial
+    /// text, sent only if no byte of the current response went out yet. Default: nothing.
+    fn on_denied(&mut self, code: u16, output: &mut Output) {
+        let _ = (code, output);
+    }
+
+    /// The connection closed, exactly once, with its one reason.
+    fn on_close(&mut self, info: &ConnectionInfo, reason: CloseReason) {
+        let _ = (info, reason);
+    }
+}
+
+/// Makes one session per admitted connection. `None` refuses the connection (`Refused(Session)`).
+pub trait SessionFactory: Send + Sync + 'static {
+    /// The session type.
+    type Session: Session;
+
+    /// A session for a new connection.
+    fn create(&self, info: &ConnectionInfo) -> Option<Self::Session>;
+}
+
+impl<F, S> SessionFactory for F
+where
+    F: Fn(&ConnectionInfo) -> Option<S> + Send + Sync + 'static,
+    S: Session,
+{
+    type Session = S;
+
+    fn create(&self, info: &ConnectionInfo) -> Option<S> {
+        self(info)
+    }
+}
+
+impl<'a> SessionContext<'a> {
+    /// A context for one hook call. Drivers make one; sessions only use it.
+    pub fn new(
+        info: &'a ConnectionInfo,
+        output: &'a mut Output,
+        requests: &'a mut SessionRequests,
+        now: Instant,
+    ) -> SessionContext<'a> {
+        SessionContext {
+            info,
+            output,
+            requests,
+            now,
+            worker: info.worker,
+            draining: false,
+            pressure: 0.0,
+            completer: None,
+        }
+    }
+
+    /// Sets whether the server is draining.
+    pub fn with_draining(mut self, draining: bool) -> SessionContext<'a> {
+        self.draining = draining;
+        self
+    }
+
+    /// Sets the load figure (share of busy workers, 1.0 under shed).
+    pub fn with_pressure(mut self, pressure: f32) -> SessionContext<'a> {
+        self.pressure = pressure;
+        self
+    }
+
+    /// Gives the session a completer for offloaded work.
+    pub fn with_completer(mut self, completer: &'a Completer) -> SessionContext<'a> {
+        self.completer = Some(completer);
+        self
+    }
+
+    /// The connection's facts.
+    pub fn info(&self) -> &ConnectionInfo {
+        self.info
+    }
+
+    /// The output queue.
+    pub fn output(&mut self) -> &mut Output {
+        self.output
+    }
+
+    /// The time the hook was called (from the server's clock).
+    pub fn now(&self) -> Instant {
+        self.now
+    }
+
+    /// The worker serving this connection.
+    pub fn worker(&self) -> Option<WorkerId> {
+        self.worker
+    }
+
+    /// True while the server drains: finish the current exchange and close.
+    pub fn draining(&self) -> bool {
+        self.draining
+    }
+
+    /// The share of busy workers, 0.0 to 1.0 (1.0 while shedding).
+    pub fn pressure(&self) -> f32 {
+        self.pressure
+    }
+
+    /// A handle that posts completions to this connection from another thread, if the driver offers one.
+    pub fn completer(&self) -> Option<Completer> {
+        self.completer.cloned()
+    }
+
+    /// Sets a deadline for the whole exchange (`ExchangeDeadline` when it passes), or clears it with `None`.
+    pub fn set_exchange_deadline(&mut self, deadline: Option<Instant>) {
+        self.requests.exchange_deadline = Some(deadline);
+    }
+
+    /// Overrides the automatic phase.
+    pub fn set_phase(&mut self, phase: Phase) {
+        self.requests.phase = Some(phase);
+    }
+
+    /// Sets this connection's idle timeout.
+    pub fn set_idle_timeout(&mut self, timeout: Duration) {
+        self.requests.idle_timeout = Some(timeout);
+    }
+}

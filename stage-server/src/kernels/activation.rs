@@ -1,0 +1,93 @@
+//! Activation rows quantised to 8 bits per value in blocks of 32, with each block's sum carried along.
+//!
+//! This is ggml's Q8_1 idea in our own layout: one scale per block (`d = max|x| / 127`), the rounded values
+//! `round(x / d)` as `i8`, and `d * Σq` so that a weight format with an offset (`w = scale·q + offset`) costs one
+//! extra multiply per block instead of a second pass. Values, scales and sums sit in three separate arrays so the
+//! SIMD kernels load 32 values with one instruction.
+
+use super::format::BLOCK;
+
+/// Rows of activations quantised to 8 bits in blocks of 32.
+#[derive(Debug, Clone, Default)]
+pub struct QuantizedActivations {
+    rows: usize,
+    blocks_per_row: usize,
+    values: Vec<i8>,
+    scales: Vec<f32>,
+    sums: Vec<f32>,
+}
+
+impl QuantizedActivations {
+    /// Quantises `rows` rows of `width` values each (`width` a multiple of 32, `input.len() == rows * width`).
+    ///
+    /// The same input always gives the same bytes: the kernels at every SIMD level then see identical integers.
+    pub fn quantize(input: &[f32], rows: usize, width: usize) -> Self {
+        debug_assert_eq!(
+            width % BLOCK,
+            0,
+            "the width must be a whole number of blocks"
+        );
+        debug_assert_eq!(
+            input.len(),
+            rows * width,
+            "the input must hold rows * width values"
+        );
+        let blocks_per_row = width / BLOCK;
+        let total_blocks = rows * blocks_per_row;
+        let mut values = vec![0i8; total_blocks * BLOCK];
+        let mut scales = vec![0f32; total_blocks];
+        let mut sums = vec![0f32; total_blocks];
+        for (((chunk, block_values), scale), sum) in input
+            .chunks_exact(BLOCK)
+            .zip(values.chunks_exact_mut(BLOCK))
+            .zip(scales.iter_mut())
+            .zip(sums.iter_mut())
+        {
+            let maximum = chunk.iter().fold(0f32, |acc, x| acc.max(x.abs()));
+            let d = maximum / 127.0;
+            let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut total = 0i32;
+            for (value, x) in block_values.iter_mut().zip(chunk) {
+                // |x * inverse| <= 127 up to rounding, so the cast never saturates in practice; `as` clamps anyway.
+                let q = (x * inverse).round() as i8;
+                *value = q;
+                total += i32::from(q);
+            }
+            *scale = d;
+            *sum = d * total as f32;
+        }
+        Self {
+            rows,
+            blocks_per_row,
+            values,
+            scales,
+            sums,
+        }
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Blocks of 32 per row.
+    pub fn blocks_per_row(&self) -> usize {
+        self.blocks_per_row
+    }
+
+    /// The quantised values of row `row`.
+    pub fn row_values(&self, row: usize) -> &[i8] {
+        let width = self.blocks_per_row * BLOCK;
+        &self.values[row * width..(row + 1) * width]
+    }
+
+    /// The per-block scales of row `row`.
+    pub fn row_scales(&self, row: usize) -> &[f32] {
+        &self.scales[row * self.blocks_per_row..(row + 1) * self.blocks_per_row]
+    }
+
+    /// The per-block `scale * Σq` of row `row`.
+    pub fn row_sums(&self, row: usize) -> &[f32] {
+        &self.sums[row * self.blocks_per_row..(row + 1) * self.blocks_per_row]
+    }
+}

@@ -1,0 +1,204 @@
+//! In-process pipelines: a model split into stages that pass each other f32 activation bytes, and generation.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use super::{
+    Logits, ModelError, ModelFile, Sampler, Stage, StageInput, StageOptions, StageOutput, StageSpec,
+};
+
+/// A whole model run as consecutive stages in one process. Between stages the activations are turned
+/// into little-endian f32 bytes and back, exactly what a stage would send over the wire.
+#[derive(Debug)]
+pub struct Pipeline {
+    stages: Vec<Stage>,
+}
+
+/// What one generation produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Generation {
+    /// The generated token ids (without the prompt; the end-of-generation token is not included).
+    pub tokens: Vec<u32>,
+    /// One logit row per generated step when asked for, `tokens x vocab_size` values (the row that
+    /// produced each token, and the row that produced the stop token if generation stopped on one).
+    pub logits: Vec<f32>,
+    /// Wall time of the prompt prefill.
+    pub prompt_time: Duration,
+    /// Wall time of the decode steps after the first token.
+    pub decode_time: Duration,
+    /// Why generation ended.
+    pub finish: Finish,
+}
+
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// The model produced an end-of-generation token.
+    Stop,
+    /// The token budget ran out.
+    Length,
+}
+
+/// Settings of [`Pipeline::generate`].
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// Tokens to generate at most.
+    pub max_tokens: usize,
+    /// Tokens that end generation (EOS, end-of-turn).
+    pub stop_tokens: Vec<u32>,
+    /// Keep each step's logit row in [`Generation::logits`].
+    pub keep_logits: bool,
+}
+
+impl Pipeline {
+    /// Loads the model at `path` split at `boundaries` (empty: one stage) with `options` on every stage.
+    pub fn load(
+        path: &Path,
+        boundaries: &[usize],
+        options: StageOptions,
+    ) -> Result<Self, ModelError> {
+        let file = ModelFile::open(path)?;
+        Self::from_file(&file, boundaries, options)
+    }
+
+    /// Builds the stages from an open model file.
+    pub fn from_file(
+        file: &ModelFile,
+        boundaries: &[usize],
+        options: StageOptions,
+    ) -> Result<Self, ModelError> {
+        let block_count = file.config().block_count;
+        let specs = StageSpec::split(block_count, boundaries).map_err(|_| ModelError::Split {
+            path: file.path().to_path_buf(),
+            boundaries: boundaries.to_vec(),
+            block_count,
+        })?;
+        let stages = specs
+            .into_iter()
+            .map(|spec| Stage::from_file(file, spec, options.clone()))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { stages })
+    }
+
+    /// The stages, first to last.
+    pub fn stages(&self) -> &[Stage] {
+        &self.stages
+    }
+
+    /// The model configuration.
+    pub fn config(&self) -> &super::ModelConfig {
+        self.stages[0].config()
+    }
+
+    /// Runs `tokens` at `position` on `lane` through every stage and returns the logit rows.
+    pub fn forward(
+        &mut self,
+        lane: usize,
+        position: usize,
+        tokens: &[u32],
+        logits: Logits,
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut wire: Vec<u8> = Vec::new();
+        let mut activations: Vec<f32>;
+        let stage_count = self.stages.len();
+        for (index, stage) in self.stages.iter_mut().enumerate() {
+            let input = if index == 0 {
+                StageInput::Tokens(tokens)
+            } else {
+                activations = decode_activations(&wire);
+                StageInput::Activations(&activations)
+            };
+            match stage.forward(lane, position, input, logits)? {
+                StageOutput::Logits(rows) => return Ok(rows),
+                StageOutput::Activations(rows) => {
+                    debug_assert!(index + 1 < stage_count, "only the last stage has a head");
+                    wire = encode_activations(&rows);
+                }
+            }
+        }
+        Err(ModelError::WrongInput {
+            expected: "a last stage that owns the head",
+        })
+    }
+
+    /// Cuts `lane` back to `length` positions on every stage.
+    pub fn trim(&mut self, lane: usize, length: usize) -> Result<(), ModelError> {
+        self.stages
+            .iter_mut()
+            .try_for_each(|stage| stage.trim(lane, length))
+    }
+
+    /// Empties `lane` on every stage.
+    pub fn reset(&mut self, lane: usize) -> Result<(), ModelError> {
+        self.stages
+            .iter_mut()
+            .try_for_each(|stage| stage.reset(lane))
+    }
+
+    /// Prefills `prompt` on an empty `lane` in one chunk, then decodes until a stop token or
+    /// `max_tokens`. `on_token` sees each token as it is chosen.
+    pub fn generate(
+        &mut self,
+        lane: usize,
+        prompt: &[u32],
+        sampler: &mut Sampler,
+        options: &GenerateOptions,
+        mut on_token: impl FnMut(u32),
+    ) -> Result<Generation, ModelError> {
+        self.reset(lane)?;
+        for &token in prompt {
+            sampler.accept(token);
+        }
+        let mut generation = Generation {
+            tokens: Vec::new(),
+            logits: Vec::new(),
+            prompt_time: Duration::ZERO,
+            decode_time: Duration::ZERO,
+            finish: Finish::Length,
+        };
+        if options.max_tokens == 0 {
+            return Ok(generation);
+        }
+        let started = Instant::now();
+        let mut row = self.forward(lane, 0, prompt, Logits::Last)?;
+        generation.prompt_time = started.elapsed();
+        let decode_started = Instant::now();
+        let mut position = prompt.len();
+        loop {
+            let token = sampler.sample(&row);
+            if options.keep_logits {
+                generation.logits.extend_from_slice(&row);
+            }
+            if options.stop_tokens.contains(&token) {
+                generation.finish = Finish::Stop;
+                break;
+            }
+            sampler.accept(token);
+            generation.tokens.push(token);
+            on_token(token);
+            if generation.tokens.len() >= options.max_tokens {
+                break;
+            }
+            row = self.forward(lane, position, &[token], Logits::Last)?;
+            position += 1;
+        }
+        generation.decode_time = decode_started.elapsed();
+        Ok(generation)
+    }
+}
+
+/// Activation rows as the wire carries them: little-endian f32.
+pub fn encode_activations(values: &[f32]) -> Vec<u8> {
+    values
+        .iter()
+        .flat_map(|value| value.to_le_bytes())
+        .collect()
+}
+
+/// Little-endian f32 bytes back into values (a trailing partial value is ignored).
+pub fn decode_activations(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|chunk| f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]))
+        .collect()
+}

@@ -1,0 +1,286 @@
+//! Token sampling on the last stage: penalties, top-k, top-p, min-p, temperature and a seeded RNG.
+
+/// Sampler settings, in the order llama.cpp's default chain applies them:
+/// penalties, top-k, top-p, min-p, temperature, then a seeded draw (or argmax when `temperature <= 0`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// `<= 0` means greedy (argmax after penalties).
+    pub temperature: f32,
+    /// Keep the `k` most likely tokens; 0 keeps all.
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches `top_p`; 1 keeps all.
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one; 0 keeps all.
+    pub min_p: f32,
+    /// Seed of the random draw; the same seed and logits give the same tokens.
+    pub seed: u64,
+    /// Divides positive (multiplies negative) logits of recently seen tokens; 1 disables.
+    pub repeat_penalty: f32,
+    /// Subtracted once from the logit of every recently seen token.
+    pub presence_penalty: f32,
+    /// Subtracted from a recently seen token's logit once per occurrence.
+    pub frequency_penalty: f32,
+    /// How many recent tokens the penalties look at; 0 disables them.
+    pub penalty_last_n: usize,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            seed: 0,
+            repeat_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            penalty_last_n: 64,
+        }
+    }
+}
+
+/// A sampler with its own RNG state and the history the penalties need.
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    random: SplitMix64,
+    history: Vec<u32>,
+}
+
+impl Sampler {
+    /// A sampler seeded from `params.seed`.
+    pub fn new(params: SamplingParams) -> Self {
+        Self {
+            random: SplitMix64(params.seed),
+            params,
+            history: Vec::new(),
+        }
+    }
+
+    /// The settings.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Records `token` as seen (prompt tokens and generated ones), for the penalties.
+    pub fn accept(&mut self, token: u32) {
+        self.history.push(token);
+    }
+
+    /// Picks the next token from one row of logits. Does not record it; call [`Sampler::accept`].
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let mut candidates: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(id, &logit)| (id as u32, logit))
+            .collect();
+        self.apply_penalties(&mut candidates);
+        if self.params.temperature <= 0.0 {
+            return argmax(&candidates);
+        }
+        // Sort by logit, highest first; ties keep the lower id first so draws are reproducible.
+        candidates.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if self.params.top_k > 0 {
+            candidates.truncate(self.params.top_k.max(1));
+        }
+        let probabilities = softmax(&candidates, 1.0);
+        if self.params.top_p < 1.0 {
+            let mut cumulative = 0.0;
+            let mut keep = candidates.len();
+            for (index, probability) in probabilities.iter().enumerate() {
+                cumulative += probability;
+                if cumulative >= f64::from(self.params.top_p) {
+                    keep = index + 1;
+                    break;
+                }
+            }
+            candidates.truncate(keep.max(1));
+        }
+        if self.params.min_p > 0.0 {
+            let probabilities = softmax(&candidates, 1.0);
+            let threshold = probabilities[0] * f64::from(self.params.min_p);
+            let keep = probabilities
+                .iter()
+                .take_while(|&&probability| probability >= threshold)
+                .count();
+            candidates.truncate(keep.max(1));
+        }
+        let probabilities = softmax(&candidates, self.params.temperature);
+        let draw = self.random.next_unit();
+        let mut cumulative = 0.0;
+        for (candidate, probability) in candidates.iter().zip(&probabilities) {
+            cumulative += probability;
+            if draw < cumulative {
+                return candidate.0;
+            }
+        }
+        candidates.last().map_or(0, |candidate| candidate.0)
+    }
+
+    fn apply_penalties(&self, candidates: &mut [(u32, f32)]) {
+        let params = &self.params;
+        let neutral = params.repeat_penalty == 1.0
+            && params.presence_penalty == 0.0
+            && params.frequency_penalty == 0.0;
+        if neutral || params.penalty_last_n == 0 {
+            return;
+        }
+        let recent = &self.history[self.history.len().saturating_sub(params.penalty_last_n)..];
+        let mut counts: Vec<(u32, usize)> = Vec::new();
+        for &token in recent {
+            match counts.iter_mut().find(|(seen, _)| *seen == token) {
+                Some(entry) => entry.1 += 1,
+                None => counts.push((token, 1)),
+            }
+        }
+        for (token, count) in counts {
+            let Some(candidate) = candidates.get_mut(token as usize) else {
+                continue;
+            };
+            if candidate.1 <= 0.0 {
+                candidate.1 *= params.repeat_penalty;
+            } else {
+                candidate.1 /= params.repeat_penalty;
+            }
+            candidate.1 -= count as f32 * params.frequency_penalty + params.presence_penalty;
+        }
+    }
+}
+
+/// The id of the largest logit; the lowest id wins a tie.
+fn argmax(candidates: &[(u32, f32)]) -> u32 {
+    let mut best = (0, f32::NEG_INFINITY);
+    for &(id, logit) in candidates {
+        if logit > best.1 {
+            best = (id, logit);
+        }
+    }
+    best.0
+}
+
+/// Probabilities of `candidates` (sorted, highest first) at `temperature`.
+fn softmax(candidates: &[(u32, f32)], temperature: f32) -> Vec<f64> {
+    let Some(&(_, top)) = candidates.first() else {
+        return Vec::new();
+    };
+    let weights: Vec<f64> = candidates
+        .iter()
+        .map(|&(_, logit)| (((logit - top) / temperature) as f64).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    weights.iter().map(|weight| weight / total).collect()
+}
+
+/// A small, fast, seedable generator (Steele, Lea and Flood's SplitMix64); good enough for sampling.
+#[derive(Clone, Debug)]
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A uniform draw in `[0, 1)`.
+    fn next_unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_takes_the_largest_logit_after_penalties() {
+        let mut sampler = Sampler::new(SamplingParams {
+            repeat_penalty: 2.0,
+            ..SamplingParams::default()
+        });
+        assert_eq!(
+            sampler.sample(&[0.0, 3.0, 2.0]),
+            1,
+            "argmax without history"
+        );
+        sampler.accept(1);
+        assert_eq!(
+            sampler.sample(&[0.0, 3.0, 2.0]),
+            2,
+            "a repeat penalty of 2 should halve token 1's logit below token 2's"
+        );
+    }
+
+    #[test]
+    fn top_k_of_one_is_greedy_at_any_temperature() {
+        let mut sampler = Sampler::new(SamplingParams {
+            temperature: 5.0,
+            top_k: 1,
+            seed: 7,
+            ..SamplingParams::default()
+        });
+        for _ in 0..20 {
+            assert_eq!(sampler.sample(&[0.5, 0.1, 0.9, 0.2]), 2);
+        }
+    }
+
+    #[test]
+    fn the_same_seed_draws_the_same_tokens() {
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 42,
+            ..SamplingParams::default()
+        };
+        let logits = [1.0, 1.1, 0.9, 1.05, 0.95];
+        let draw = |params: &SamplingParams| {
+            let mut sampler = Sampler::new(params.clone());
+            (0..32).map(|_| sampler.sample(&logits)).collect::<Vec<_>>()
+        };
+        let first = draw(&params);
+        assert_eq!(first, draw(&params), "same seed, different tokens");
+        assert!(
+            first.iter().any(|&token| token != first[0]),
+            "near-uniform logits at temperature 1 should not always give one token: {first:?}"
+        );
+        let other = draw(&SamplingParams { seed: 43, ..params });
+        assert_ne!(first, other, "a different seed gave the same 32 draws");
+    }
+
+    #[test]
+    fn min_p_removes_unlikely_tokens() {
+        let mut sampler = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.5,
+            seed: 1,
+            ..SamplingParams::default()
+        });
+        for _ in 0..50 {
+            let token = sampler.sample(&[5.0, 0.0, 4.9, -3.0]);
+            assert!(
+                token == 0 || token == 2,
+                "min-p 0.5 let token {token} through"
+            );
+        }
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_lower_seen_tokens() {
+        let mut sampler = Sampler::new(SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.5,
+            ..SamplingParams::default()
+        });
+        sampler.accept(0);
+        sampler.accept(0);
+        // Token 0: 2.0 - 2 * 0.5 - 0.5 = 0.5 < 1.0.
+        assert_eq!(sampler.sample(&[2.0, 1.0]), 1);
+    }
+}

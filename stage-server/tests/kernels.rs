@@ -1,0 +1,414 @@
+//! The quantised matmul kernels against a scalar f32 reference and against candle, on seeded random blocks.
+//!
+//! Tolerance: the kernels quantise each activation block of 32 values to 8 bits with step `d = max|x| / 127`, so
+//! each activation moves by at most `d / 2`. An output element therefore differs from the exact product by at most
+//! `Σ_blocks (d_block / 2) · Σ_j |w_j|`, plus float rounding (bounded by 1e-5 of `Σ|w·x|` here). Every comparison
+//! with a dequantised reference uses exactly that bound, computed per element, so it can fail on a real error
+//! (a wrong nibble, bit or scale moves an element by far more) but not on the quantisation the method implies.
+
+use std::borrow::Cow;
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::{Device, Module, Tensor};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use stage_server::kernels::{Linear, QuantizedMatrix, SimdLevel, Threads, WeightFormat};
+
+/// (out_features, in_features): odd row counts, partial quads, widths that are not multiples of 256.
+const SHAPES: [(usize, usize); 7] = [
+    (1, 32),
+    (5, 96),
+    (7, 640),
+    (13, 160),
+    (64, 576),
+    (129, 640),
+    (31, 1536),
+];
+
+/// Activation rows per product: decode, a small batch, and one that leaves partial tiles at every level.
+const BATCHES: [usize; 3] = [1, 3, 9];
+
+/// Random blocks of `format`: random nibbles, fifth bits and signed bytes, with scales of both signs.
+fn random_blocks(format: WeightFormat, blocks: usize, rng: &mut StdRng) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(blocks * format.block_bytes());
+    for _ in 0..blocks {
+        let start = bytes.len();
+        let scale = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
+        bytes.extend_from_slice(&scale.to_bits().to_le_bytes());
+        if matches!(format, WeightFormat::Q4_1 | WeightFormat::Q5_1) {
+            let minimum = half::f16::from_f32(rng.random_range(-0.5f32..0.5));
+            bytes.extend_from_slice(&minimum.to_bits().to_le_bytes());
+        }
+        while bytes.len() - start < format.block_bytes() {
+            bytes.push(rng.random());
+        }
+    }
+    assert_eq!(
+        bytes.len(),
+        blocks * format.block_bytes(),
+        "block generator wrote the wrong size"
+    );
+    bytes
+}
+
+fn random_tensor(format: WeightFormat, rows: usize, columns: usize, rng: &mut StdRng) -> QTensor {
+    let bytes = random_blocks(format, rows * columns / 32, rng);
+    let storage = QStorage::from_data(Cow::Owned(bytes), &Device::Cpu, format.ggml()).unwrap();
+    QTensor::new(storage, (rows, columns)).unwrap()
+}
+
+fn random_input(rows: usize, columns: usize, rng: &mut StdRng) -> Vec<f32> {
+    // A few large values per row, as real activations have, so block scales vary widely.
+    (0..rows * columns)
+        .map(|i| {
+            let base = rng.random_range(-1.0f32..1.0);
+            if i % 97 == 5 { base * 40.0 } else { base }
+        })
+        .collect()
+}
+
+/// Reads the f16 at `at`.
+fn f16_at(bytes: &[u8], at: usize) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([bytes[at], bytes[at + 1]])).to_f32()
+}
+
+/// Our own plain dequantisation of one block, written from the ggml layout description, not from the kernels.
+fn dequantize_block(format: WeightFormat, block: &[u8]) -> [f32; 32] {
+    let mut out = [0f32; 32];
+    let d = f16_at(block, 0);
+    match format {
+        WeightFormat::Q4_0 => {
+            for j in 0..16 {
+                out[j] = d * ((block[2 + j] & 15) as f32 - 8.0);
+                out[j + 16] = d * ((block[2 + j] >> 4) as f32 - 8.0);
+            }
+        }
+        WeightFormat::Q4_1 => {
+            let m = f16_at(block, 2);
+            for j in 0..16 {
+                out[j] = d * (block[4 + j] & 15) as f32 + m;
+                out[j + 16] = d * (block[4 + j] >> 4) as f32 + m;
+            }
+        }
+        WeightFormat::Q5_0 => {
+            let high = u32::from_le_bytes(block[2..6].try_into().unwrap());
+            for j in 0..16 {
+                let low = (block[6 + j] & 15) as u32 | (((high >> j) & 1) << 4);
+                let upper = (block[6 + j] >> 4) as u32 | (((high >> (j + 16)) & 1) << 4);
+                out[j] = d * (low as f32 - 16.0);
+                out[j + 16] = d * (upper as f32 - 16.0);
+            }
+        }
+        WeightFormat::Q5_1 => {
+            let m = f16_at(block, 2);
+            let high = u32::from_le_bytes(block[4..8].try_into().unwrap());
+            for j in 0..16 {
+                let low = (block[8 + j] & 15) as u32 | (((high >> j) & 1) << 4);
+                let upper = (block[8 + j] >> 4) as u32 | (((high >> (j + 16)) & 1) << 4);
+                out[j] = d * low as f32 + m;
+                out[j + 16] = d * upper as f32 + m;
+            }
+        }
+        WeightFormat::Q8_0 => {
+            for j in 0..32 {
+                out[j] = d * (block[2 + j] as i8) as f32;
+            }
+        }
+        other => panic!("test reference lacks format {other:?}"),
+    }
+    out
+}
+
+fn dequantize(format: WeightFormat, bytes: &[u8], rows: usize, columns: usize) -> Vec<f32> {
+    let weights: Vec<f32> = bytes
+        .chunks_exact(format.block_bytes())
+        .flat_map(|block| dequantize_block(format, block))
+        .collect();
+    assert_eq!(weights.len(), rows * columns, "dequantised size");
+    weights
+}
+
+/// The exact product in f64 and, per element, the bound on what 8-bit activations may change (see the file doc).
+fn reference(weights: &[f32], input: &[f32], rows: usize, columns: usize) -> Vec<(f64, f64)> {
+    let batch = input.len() / columns;
+    let mut result = Vec::with_capacity(batch * rows);
+    for x in input.chunks_exact(columns) {
+        for w in weights.chunks_exact(columns) {
+            let mut exact = 0f64;
+            let mut magnitude = 0f64;
+            let mut quantisation = 0f64;
+            for (w_block, x_block) in w.chunks_exact(32).zip(x.chunks_exact(32)) {
+                let step = x_block.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / 127.0;
+                let mut block_weight = 0f64;
+                for (a, b) in w_block.iter().zip(x_block) {
+                    exact += *a as f64 * *b as f64;
+                    magnitude += (*a as f64 * *b as f64).abs();
+                    block_weight += (*a as f64).abs();
+                }
+                quantisation += step / 2.0 * block_weight;
+            }
+            result.push((exact, quantisation * 1.001 + magnitude * 1e-5 + 1e-6));
+        }
+    }
+    result
+}
+
+fn run(
+    matrix: &QuantizedMatrix,
+    input: &[f32],
+    batch: usize,
+    level: SimdLevel,
+    threads: Threads,
+) -> Vec<f32> {
+    let mut output = vec![f32::NAN; batch * matrix.out_features()];
+    matrix
+        .matmul(input, batch, &mut output, level, threads)
+        .unwrap();
+    output
+}
+
+fn levels() -> Vec<SimdLevel> {
+    let levels: Vec<SimdLevel> = SimdLevel::ALL
+        .into_iter()
+        .filter(|level| level.is_available())
+        .collect();
+    levels
+}
+
+fn threads(count: usize) -> Threads {
+    Threads::Exactly(NonZeroUsize::new(count).unwrap())
+}
+
+#[test]
+fn every_kernel_matches_the_dequantised_reference_within_the_activation_quantisation_bound() {
+    let mut rng = StdRng::seed_from_u64(0x5eed_0001);
+    for format in WeightFormat::ALL {
+        for (rows, columns) in SHAPES {
+            let tensor = random_tensor(format, rows, columns, &mut rng);
+            let weights = dequantize(format, &tensor.data().unwrap(), rows, columns);
+            let matrix = QuantizedMatrix::new(Arc::new(tensor)).unwrap();
+            for batch in BATCHES {
+                let input = random_input(batch, columns, &mut rng);
+                let expected = reference(&weights, &input, rows, columns);
+                for level in levels() {
+                    let got = run(&matrix, &input, batch, level, threads(1));
+                    for (index, (value, (exact, bound))) in got.iter().zip(&expected).enumerate() {
+                        let error = (*value as f64 - exact).abs();
+                        assert!(
+                            error <= *bound,
+                            "{format:?} {rows}x{columns} batch {batch} at {level:?}: element {index} is {value}, \
+                             exact {exact}, error {error} exceeds the quantisation bound {bound}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_simd_level_agrees_with_the_scalar_kernel_to_float_rounding() {
+    let mut rng = StdRng::seed_from_u64(0x5eed_0002);
+    for format in WeightFormat::ALL {
+        for (rows, columns) in SHAPES {
+            let tensor = random_tensor(format, rows, columns, &mut rng);
+            let weights = dequantize(format, &tensor.data().unwrap(), rows, columns);
+            let matrix = QuantizedMatrix::new(Arc::new(tensor)).unwrap();
+            for batch in BATCHES {
+                let input = random_input(batch, columns, &mut rng);
+                let magnitudes = reference(&weights, &input, rows, columns);
+                let scalar = run(&matrix, &input, batch, SimdLevel::Scalar, threads(1));
+                for level in levels() {
+                    let got = run(&matrix, &input, batch, level, threads(1));
+                    for (index, (a, b)) in got.iter().zip(&scalar).enumerate() {
+                        // Same integers, different float summation order: differences are rounding only.
+                        let allowed =
+                            1e-5 * (magnitudes[index].0.abs() + magnitudes[index].1) + 1e-6;
+                        assert!(
+                            ((a - b) as f64).abs() <= allowed,
+                            "{format:?} {rows}x{columns} batch {batch}: {level:?} gives {a} at {index}, scalar {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn results_are_bit_identical_for_every_thread_count() {
+    let mut rng = StdRng::seed_from_u64(0x5eed_0003);
+    for format in WeightFormat::ALL {
+        // Large enough to be split across threads (the kernel runs small products on one thread).
+        for (rows, columns, batch) in [(259, 640, 1), (130, 576, 5), (67, 1536, 2)] {
+            let tensor = random_tensor(format, rows, columns, &mut rng);
+            let matrix = QuantizedMatrix::new(Arc::new(tensor)).unwrap();
+            let input = random_input(batch, columns, &mut rng);
+            for level in levels() {
+                let one = run(&matrix, &input, batch, level, threads(1));
+                for other in [threads(2), threads(3), threads(7), Threads::Pool] {
+                    let got = run(&matrix, &input, batch, level, other);
+                    let same = one
+                        .iter()
+                        .zip(&got)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{format:?} {rows}x{columns} at {level:?}: {other:?} differs from one thread"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn linear_matches_candle_dequantize_and_matmul_on_quantised_random_weights() {
+    let mut rng = StdRng::seed_from_u64(0x5eed_0004);
+    for dtype in [GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1] {
+        for (rows, columns) in [(7, 640), (64, 576), (33, 1536)] {
+            let values: Vec<f32> = (0..rows * columns)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let dense = Tensor::from_vec(values, (rows, columns), &Device::Cpu).unwrap();
+            let quantised = QTensor::quantize(&dense, dtype).unwrap();
+            let candle_weights = quantised.dequantize(&Device::Cpu).unwrap();
+            let format = WeightFormat::from_ggml(dtype).unwrap();
+            let our_weights = dequantize(format, &quantised.data().unwrap(), rows, columns);
+            let linear = Linear::from_qtensor(quantised).unwrap();
+            assert!(
+                linear.uses_own_kernels(),
+                "{dtype:?} should run on our kernels"
+            );
+            for batch in [1, 4] {
+                let input = random_input(2 * batch, columns, &mut rng);
+                let x = Tensor::from_vec(input.clone(), (2, batch, columns), &Device::Cpu).unwrap();
+                let got = linear.forward(&x).unwrap();
+                assert_eq!(got.dims(), &[2, batch, rows], "output shape");
+                let got = got.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let expected = x
+                    .reshape((2 * batch, columns))
+                    .unwrap()
+                    .matmul(&candle_weights.t().unwrap())
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
+                let bounds = reference(&our_weights, &input, rows, columns);
+                for (index, ((a, b), (exact, bound))) in
+                    got.iter().zip(&expected).zip(&bounds).enumerate()
+                {
+                    assert!(
+                        ((b - *exact as f32).abs() as f64) < 1e-4 * bound.max(1.0),
+                        "candle's dequantisation disagrees with ours at {index}: {b} vs {exact}"
+                    );
+                    assert!(
+                        ((a - b).abs() as f64) <= *bound,
+                        "{dtype:?} {rows}x{columns}: ours {a} vs candle {b} at {index}, beyond the bound {bound}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn linear_leaves_k_quants_and_floats_to_candle_and_gives_its_exact_result() {
+    let mut rng = StdRng::seed_from_u64(0x5eed_0005);
+    for dtype in [
+        GgmlDType::Q4K,
+        GgmlDType::Q6K,
+        GgmlDType::F32,
+        GgmlDType::F16,
+    ] {
+        let (rows, columns) = (16, 256);
+        let values: Vec<f32> = (0..rows * columns)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let dense = Tensor::from_vec(values, (rows, columns), &Device::Cpu).unwrap();
+        let quantised = QTensor::quantize(&dense, dtype).unwrap();
+        let reference = candle_core::quantized::QMatMul::from_qtensor(
+            QTensor::quantize(&dense, dtype).unwrap(),
+        )
+        .unwrap();
+        let linear = Linear::from_qtensor(quantised).unwrap();
+        assert!(
+            !linear.uses_own_kernels(),
+            "{dtype:?} should stay on candle's QMatMul"
+        );
+        let x = Tensor::from_vec(
+            random_input(3, columns, &mut rng),
+            (3, columns),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let got = linear.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        let expected = reference.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(got, expected, "{dtype:?}: Linear must be candle's QMatMul");
+    }
+}
+
+#[test]
+fn linear_runs_q4_0_and_q8_0_heads_on_our_kernels() {
+    let mut rng = StdRng::seed_from_u64(0x5eed_0007);
+    // 640 values per row (gemma's width) is not a multiple of 256, so candle would not repack Q8_0 either.
+    for dtype in [GgmlDType::Q4_0, GgmlDType::Q8_0] {
+        let (rows, columns) = (37, 640);
+        let values: Vec<f32> = (0..rows * columns)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let dense = Tensor::from_vec(values, (rows, columns), &Device::Cpu).unwrap();
+        let quantised = QTensor::quantize(&dense, dtype).unwrap();
+        let format = WeightFormat::from_ggml(dtype).unwrap();
+        let weights = dequantize(format, &quantised.data().unwrap(), rows, columns);
+        let linear = Linear::from_qtensor(quantised).unwrap();
+        assert!(
+            linear.uses_own_kernels(),
+            "{dtype:?} should run on our kernels"
+        );
+        let input = random_input(2, columns, &mut rng);
+        let x = Tensor::from_vec(input.clone(), (2, columns), &Device::Cpu).unwrap();
+        let got = linear
+            .forward(&x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        for (index, (value, (exact, bound))) in got
+            .iter()
+            .zip(reference(&weights, &input, rows, columns))
+            .enumerate()
+        {
+            assert!(
+                (*value as f64 - exact).abs() <= bound,
+                "{dtype:?}: element {index} is {value}, exact {exact}, beyond the bound {bound}"
+            );
+        }
+    }
+}
+
+#[test]
+fn mismatched_shapes_and_unknown_types_are_errors_not_panics() {
+    let mut rng = StdRng::seed_from_u64(0x5eed_0006);
+    let matrix =
+        QuantizedMatrix::new(Arc::new(random_tensor(WeightFormat::Q4_1, 4, 64, &mut rng))).unwrap();
+    let mut output = vec![0f32; 4];
+    let error = matrix
+        .matmul(&[0.0; 63], 1, &mut output, SimdLevel::Scalar, Threads::Pool)
+        .unwrap_err();
+    assert!(
+        error.to_string().contains("does not fit"),
+        "unexpected error text: {error}"
+    );
+    let dense = Tensor::zeros((4, 256), candle_core::DType::F32, &Device::Cpu).unwrap();
+    let q4k = QTensor::quantize(&dense, GgmlDType::Q4K).unwrap();
+    let error = QuantizedMatrix::new(Arc::new(q4k)).unwrap_err();
+    assert!(
+        error.to_string().contains("no kernel for weight type"),
+        "unexpected error text: {error}"
+    );
+}
