@@ -286,23 +286,35 @@ macro_rules! kernel_body {
                     _mm256_loadu_si256(x_values[j].add(block_index * BLOCK) as *const __m256i)
                 };
             }
+            // In a large tile, scales as vectors: one multiply per (weight row, activation row) pair instead of a
+            // scalar multiply and a broadcast. (Unused, and removed by the compiler, in small tiles.)
+            let mut x_scale = [_mm256_setzero_ps(); X];
+            for j in 0..X {
+                x_scale[j] = _mm256_set1_ps(x_scales[j][block_index]);
+            }
             for i in 0..W {
                 // SAFETY: row first_row+i is inside the weights and block_index is below the row's block count
                 // (contract), so the block's `block_bytes` bytes are in bounds.
                 let (q, scale, offset) = unsafe {
                     decode::<F>(base.add((first_row + i) * row_bytes + block_index * block_bytes))
                 };
+                let weight_scale = _mm256_set1_ps(scale);
                 for j in 0..X {
                     let dot = if F == FORMAT_Q8_0 {
                         mul_sum_signed(q, x_block[j])
                     } else {
                         mul_sum_unsigned(q, x_block[j])
                     };
-                    let factor = _mm256_set1_ps(scale * x_scales[j][block_index]);
+                    let factor = if W * X >= 4 {
+                        _mm256_mul_ps(weight_scale, x_scale[j])
+                    } else {
+                        _mm256_set1_ps(scale * x_scales[j][block_index])
+                    };
                     accumulators[i][j] =
                         _mm256_fmadd_ps(factor, _mm256_cvtepi32_ps(dot), accumulators[i][j]);
                     if F != FORMAT_Q8_0 {
-                        offsets[i][j] += offset * x_sums[j][block_index];
+                        // One fused instruction (FMA is enabled here).
+                        offsets[i][j] = offset.mul_add(x_sums[j][block_index], offsets[i][j]);
                     }
                 }
             }
