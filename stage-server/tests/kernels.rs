@@ -419,3 +419,10 @@ fn mismatched_shapes_and_unknown_types_are_errors_not_panics() {
         "unexpected error text: {error}"
     );
 }
+
+#[test]
+fn layers_can_be_shared_between_threads() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Linear>();
+    shareable::<QuantizedMatrix>();
+}
