@@ -18,6 +18,9 @@
 //! that this store-then-load pattern (Dekker) cannot lose a wake-up; fences rather than `SeqCst`
 //! accesses because loom models fences exactly. The slots follow Vyukov's bounded queue, with the payload in atomics so that no
 //! `unsafe` is needed.
+//!
+//! Loom models (two producers and a consumer; a post racing a close) run with
+//! `LOOM_MAX_PREEMPTIONS=4 RUSTFLAGS="--cfg loom" cargo test -p net-io-core --lib --release loom_models`.
 
 use std::fmt;
 use std::task::Waker;
