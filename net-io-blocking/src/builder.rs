@@ -2,7 +2,7 @@
 //! build with the door closed, which opens last.
 
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU16, AtomicU64};
 use std::sync::{Arc, Condvar, Mutex};
 
 use net_io_core::proxy::ProxyMode;
@@ -14,7 +14,7 @@ use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::KillSlot;
 use net_io_sys::socket::{self, ConnectionOptions, Keepalive, ListenOptions};
 
-use crate::caps::Caps;
+use crate::caps::{Caps, ListenerCaps};
 use crate::connection::TcpConnection;
 use crate::handover::HandOver;
 use crate::runtime::{ListenerRuntime, Runtime, Workload};
@@ -343,11 +343,13 @@ fn start<G: Gate, W: Workload>(
     let descriptor_limit = net_io_sys::rlimit::descriptor_limit()?.soft;
     let limits = settings.limits.validate(workers, descriptor_limit)?;
     let mut listener_caps = Vec::with_capacity(settings.listeners.len());
+    let mut listener_limits = Vec::with_capacity(settings.listeners.len());
     for spec in &settings.listeners {
         let merged = spec
             .limits
             .or(settings.limits)
             .validate(workers, descriptor_limit)?;
+        listener_limits.push(merged);
         if merged.max_per_listener > limits.max_connections {
             return Err(ConfigError::AboveGlobal {
                 field: "max_per_listener",
@@ -362,11 +364,15 @@ fn start<G: Gate, W: Workload>(
             }
             .into());
         }
-        listener_caps.push((merged.max_per_listener, merged.max_per_source));
+        listener_caps.push(ListenerCaps {
+            max_per_listener: merged.max_per_listener,
+            max_per_source: merged.max_per_source,
+            policy: merged.source_prefix,
+        });
     }
     // Bind everything before any thread starts: a taken port fails the build with nothing to undo.
     let mut bound = Vec::with_capacity(settings.listeners.len());
-    for spec in &settings.listeners {
+    for (spec, limits) in settings.listeners.iter().zip(&listener_limits) {
         let options = ListenOptions {
             backlog: spec.limits.or(settings.limits).resolve(workers).backlog,
             reuse_port: spec.reuse_port,
@@ -376,6 +382,16 @@ fn start<G: Gate, W: Workload>(
         };
         let listener = socket::listen(spec.address, &options)
             .map_err(|error| NetError::from_bind(spec.address, error))?;
+        // Accepted sockets inherit these from the listener, so workers need not set them per connection.
+        socket::apply_connection_options(
+            std::os::fd::AsFd::as_fd(&listener),
+            &settings.connection_options,
+        )?;
+        // Likewise SO_RCVTIMEO: a new connection's first wait is usually the idle one, already armed.
+        socket::set_receive_timeout(
+            std::os::fd::AsFd::as_fd(&listener),
+            Some(limits.idle_timeout),
+        )?;
         bound.push(listener);
     }
     let events_enabled = settings.events.enabled();
@@ -386,6 +402,7 @@ fn start<G: Gate, W: Workload>(
         worker_shared.push(WorkerShared {
             slot: Arc::new(KillSlot::new()),
             wake: Arc::new(EventFd::new()?),
+            lane: AtomicU8::new(0),
         });
     }
     let mut listener_shared = Vec::with_capacity(bound.len());
@@ -413,6 +430,7 @@ fn start<G: Gate, W: Workload>(
         stop_requested: Mutex::new(false),
         stop_signal: Condvar::new(),
         busy_workers: AtomicU64::new(0),
+        shed_lane: AtomicU16::new(u16::MAX),
         drain_lock: Mutex::new(()),
     });
     for (index, listener) in bound.iter().enumerate() {
@@ -425,8 +443,10 @@ fn start<G: Gate, W: Workload>(
     let listeners = bound
         .into_iter()
         .zip(settings.listeners)
-        .map(|(listener, spec)| ListenerRuntime {
+        .zip(listener_limits)
+        .map(|((listener, spec), limits)| ListenerRuntime {
             listener,
+            limits,
             proxy: spec.proxy,
             trusted: spec.trusted,
         })
@@ -440,8 +460,6 @@ fn start<G: Gate, W: Workload>(
         pool: BufferPool::new(limits.buffer_budget, limits.wipe_buffers),
         ids: IdAllocator::new(),
         control: settings.control,
-        connection_options: settings.connection_options,
-        shed_lane: AtomicU16::new(u16::MAX),
         lockdown: AtomicBool::new(false),
     });
     let handle = ServerHandle {

@@ -1,18 +1,13 @@
-//! Connection caps checked before any read: global, per listener, and per source prefix within a listener.
+//! The server's caps checked before any read: one global [`Cap`], one per listener, and per-source caps per
+//! listener, held by a [`Reservation`] that gives its counts back exactly once, when it is dropped.
 //!
-//! Each cap is a counter raised with a compare-and-swap, so a burst can never overshoot it. The per-source
-//! table is split into 16 shards keyed by a randomly keyed SipHash of the source prefix (a /32 for IPv4, a
-//! /64 for IPv6), each a mutex-guarded map sized up front so that admission does not allocate. A
-//! [`Reservation`] gives its counts back exactly once, when it is dropped.
+//! The counters themselves are `net-io-core`'s ([`Cap`]: a compare-and-swap counter that never overshoots;
+//! [`SourceCaps`]: 16 keyed-SipHash shards sized up front). This module ties them together per connection.
 
-use std::collections::HashMap;
-use std::collections::hash_map::RandomState;
-use std::hash::BuildHasher;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-const SHARDS: usize = 16;
+use net_io_core::{Cap, PrefixKey, PrefixPolicy, SourceCaps};
 
 /// Which cap refused a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,32 +17,20 @@ pub(crate) enum CapRefusal {
     Source,
 }
 
-/// A fixed-size key for a source prefix: 16 address bytes with the host part cleared, plus the family.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) struct SourceKey {
-    bytes: [u8; 16],
-    v6: bool,
-}
-
-#[derive(Debug)]
-struct Counter {
-    open: AtomicUsize,
-    max: usize,
-}
-
-#[derive(Debug)]
-struct SourceTable {
-    shards: Vec<Mutex<HashMap<SourceKey, usize>>>,
-    hasher: RandomState,
-    max: usize,
+/// One listener's caps: (per-listener cap, per-source cap, source key policy).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ListenerCaps {
+    pub(crate) max_per_listener: usize,
+    pub(crate) max_per_source: usize,
+    pub(crate) policy: PrefixPolicy,
 }
 
 /// Every cap of one server.
 #[derive(Debug)]
 pub(crate) struct Caps {
-    global: Counter,
-    listeners: Vec<Counter>,
-    sources: Vec<SourceTable>,
+    global: Cap,
+    listeners: Vec<Cap>,
+    sources: Vec<SourceCaps>,
 }
 
 /// Counts held by one admitted connection, released when dropped.
@@ -55,112 +38,29 @@ pub(crate) struct Caps {
 pub(crate) struct Reservation {
     caps: Arc<Caps>,
     listener: usize,
-    source: Option<SourceKey>,
-}
-
-impl SourceKey {
-    /// The /32 of an IPv4 address or the /64 of an IPv6 one; IPv4-mapped IPv6 counts as IPv4.
-    pub(crate) fn of(address: IpAddr) -> Self {
-        match address.to_canonical() {
-            IpAddr::V4(v4) => {
-                let mut bytes = [0u8; 16];
-                bytes[..4].copy_from_slice(&v4.octets());
-                Self { bytes, v6: false }
-            }
-            IpAddr::V6(v6) => {
-                let mut bytes = v6.octets();
-                bytes[8..].fill(0);
-                Self { bytes, v6: true }
-            }
-        }
-    }
-}
-
-impl Counter {
-    fn new(max: usize) -> Self {
-        Self {
-            open: AtomicUsize::new(0),
-            max,
-        }
-    }
-
-    fn try_acquire(&self) -> bool {
-        self.open
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |open| {
-                (open < self.max).then_some(open + 1)
-            })
-            .is_ok()
-    }
-
-    fn release(&self) {
-        self.open.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-impl SourceTable {
-    fn new(max: usize, expected_sources: usize) -> Self {
-        let per_shard = expected_sources.div_ceil(SHARDS).max(4);
-        Self {
-            shards: (0..SHARDS)
-                .map(|_| Mutex::new(HashMap::with_capacity(per_shard)))
-                .collect(),
-            hasher: RandomState::new(),
-            max,
-        }
-    }
-
-    fn shard(&self, key: &SourceKey) -> &Mutex<HashMap<SourceKey, usize>> {
-        let index = (self.hasher.hash_one(key) as usize) % SHARDS;
-        &self.shards[index]
-    }
-
-    fn try_acquire(&self, key: SourceKey) -> bool {
-        let mut shard = self
-            .shard(&key)
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let count = shard.entry(key).or_insert(0);
-        if *count >= self.max {
-            return false;
-        }
-        *count += 1;
-        true
-    }
-
-    fn release(&self, key: SourceKey) {
-        let mut shard = self
-            .shard(&key)
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(count) = shard.get_mut(&key) {
-            *count -= 1;
-            if *count == 0 {
-                // Removing keeps the table bounded by the number of open connections.
-                shard.remove(&key);
-            }
-        }
-    }
+    source: Option<PrefixKey>,
 }
 
 impl Caps {
-    /// Caps for `listener_caps.len()` listeners, each entry being (per-listener cap, per-source cap).
-    pub(crate) fn new(global: usize, listener_caps: &[(usize, usize)]) -> Self {
+    pub(crate) fn new(global: usize, listeners: &[ListenerCaps]) -> Self {
         Self {
-            global: Counter::new(global),
-            listeners: listener_caps
+            global: Cap::new(global),
+            listeners: listeners
                 .iter()
-                .map(|&(listener, _)| Counter::new(listener))
+                .map(|caps| Cap::new(caps.max_per_listener))
                 .collect(),
-            sources: listener_caps
+            sources: listeners
                 .iter()
-                .map(|&(listener, source)| SourceTable::new(source, listener))
+                .map(|caps| {
+                    SourceCaps::new(caps.max_per_source, caps.policy, caps.max_per_listener)
+                })
                 .collect(),
         }
     }
 
     /// Connections open across every listener.
     pub(crate) fn open(&self) -> usize {
-        self.global.open.load(Ordering::Acquire)
+        self.global.open()
     }
 
     /// Takes one count from each cap for a connection from `source` on `listener`, or names the cap that is full.
@@ -176,12 +76,11 @@ impl Caps {
             self.global.release();
             return Err(CapRefusal::Listener);
         }
-        let key = SourceKey::of(source);
-        if !self.sources[listener].try_acquire(key) {
+        let Some(key) = self.sources[listener].try_acquire(source.to_canonical()) else {
             self.listeners[listener].release();
             self.global.release();
             return Err(CapRefusal::Source);
-        }
+        };
         Ok(Reservation {
             caps: Arc::clone(self),
             listener,
@@ -193,14 +92,14 @@ impl Caps {
 impl Reservation {
     /// Moves the per-source count to `real_source` (after a PROXY header named the real client).
     pub(crate) fn move_source(&mut self, real_source: IpAddr) -> Result<(), CapRefusal> {
-        let key = SourceKey::of(real_source);
-        if self.source == Some(key) {
+        let table = &self.caps.sources[self.listener];
+        let real_source = real_source.to_canonical();
+        if self.source == Some(table.policy().key(real_source)) {
             return Ok(());
         }
-        let table = &self.caps.sources[self.listener];
-        if !table.try_acquire(key) {
+        let Some(key) = table.try_acquire(real_source) else {
             return Err(CapRefusal::Source);
-        }
+        };
         if let Some(old) = self.source.replace(key) {
             table.release(old);
         }
@@ -222,9 +121,17 @@ impl Drop for Reservation {
 mod tests {
     use super::*;
 
+    fn listener(max_per_listener: usize, max_per_source: usize) -> ListenerCaps {
+        ListenerCaps {
+            max_per_listener,
+            max_per_source,
+            policy: PrefixPolicy::default(),
+        }
+    }
+
     #[test]
     fn each_cap_refuses_at_its_limit_and_a_dropped_reservation_frees_its_counts() {
-        let caps = Arc::new(Caps::new(3, &[(2, 1), (3, 3)]));
+        let caps = Arc::new(Caps::new(3, &[listener(2, 1), listener(3, 3)]));
         let a: IpAddr = "10.0.0.1".parse().unwrap();
         let b: IpAddr = "10.0.0.2".parse().unwrap();
         let first = caps.reserve(0, a).expect("first connection");
@@ -246,14 +153,28 @@ mod tests {
     }
 
     #[test]
-    fn ipv4_mapped_ipv6_and_the_same_ipv6_64_share_a_source_key() {
-        let mapped: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
-        let plain: IpAddr = "10.0.0.1".parse().unwrap();
-        assert_eq!(SourceKey::of(mapped), SourceKey::of(plain));
-        let one: IpAddr = "2001:db8:1:2::1".parse().unwrap();
-        let two: IpAddr = "2001:db8:1:2:ffff::9".parse().unwrap();
-        let other: IpAddr = "2001:db8:1:3::1".parse().unwrap();
-        assert_eq!(SourceKey::of(one), SourceKey::of(two));
-        assert_ne!(SourceKey::of(one), SourceKey::of(other));
+    fn an_ipv4_mapped_peer_counts_against_the_same_source_as_plain_ipv4() {
+        let caps = Arc::new(Caps::new(4, &[listener(4, 1)]));
+        let _held = caps.reserve(0, "10.0.0.1".parse().unwrap()).unwrap();
+        assert_eq!(
+            caps.reserve(0, "::ffff:10.0.0.1".parse().unwrap())
+                .unwrap_err(),
+            CapRefusal::Source,
+            "the mapped address escaped the per-source cap"
+        );
+    }
+
+    #[test]
+    fn moving_a_reservation_to_the_real_client_respects_the_real_clients_cap() {
+        let caps = Arc::new(Caps::new(4, &[listener(4, 1)]));
+        let proxy: IpAddr = "10.0.0.1".parse().unwrap();
+        let client: IpAddr = "192.0.2.9".parse().unwrap();
+        let _other = caps.reserve(0, client).unwrap();
+        let mut reservation = caps.reserve(0, proxy).unwrap();
+        assert_eq!(reservation.move_source(client), Err(CapRefusal::Source));
+        let fresh: IpAddr = "192.0.2.10".parse().unwrap();
+        reservation.move_source(fresh).unwrap();
+        caps.reserve(0, proxy)
+            .expect("the proxy's slot should be free after the move");
     }
 }

@@ -53,6 +53,7 @@ impl<'a> TcpConnection<'a> {
         link: &'a mut Link,
         info: ConnectionInfo,
         core: &'a Core,
+        limits: &ResolvedLimits,
         check: &'a mut dyn FnMut(usize, bool) -> Verdict,
         kill: KillHandle,
         prefix: &'a [u8],
@@ -60,7 +61,7 @@ impl<'a> TcpConnection<'a> {
         Self {
             link: Holder::Served(link),
             info,
-            limits: core.limits,
+            limits: *limits,
             check: Some(check),
             core: Some(core),
             kill,
@@ -69,7 +70,7 @@ impl<'a> TcpConnection<'a> {
             terminal: None,
             peer_closed: false,
             exchange_deadline: None,
-            idle_timeout: core.limits.idle_timeout,
+            idle_timeout: limits.idle_timeout,
         }
     }
 
@@ -143,6 +144,9 @@ impl<'a> TcpConnection<'a> {
         if idle && self.is_draining() {
             return Err(self.fail(CloseReason::Drained));
         }
+        if idle && self.core.is_some_and(|core| core.is_shed(self.info.lane)) {
+            return Err(self.fail(CloseReason::Shed));
+        }
         let now = self.link().now();
         let (timeout, kind) = if idle {
             (self.idle_timeout, TimeoutKind::Idle)
@@ -204,21 +208,18 @@ impl<'a> TcpConnection<'a> {
         {
             return Err(self.fail(CloseReason::EgressDenied(code)));
         }
-        let deadline = self.link().now() + self.limits.write_timeout;
-        let deadline = match self.exchange_deadline {
-            Some(exchange) if exchange < deadline => exchange,
-            _ => deadline,
-        };
-        let exchange_first = self.exchange_deadline == Some(deadline);
+        let write_timeout = self.limits.write_timeout;
+        let exchange = self.exchange_deadline;
         self.link().set_busy(Direction::In, false);
         self.link().set_busy(Direction::Out, true);
-        let sent = self.link().send_all(bytes, Some(deadline));
+        let sent = self.link().send_all(bytes, write_timeout, exchange);
         self.link().set_busy(Direction::Out, false);
         self.receiving = false;
+        let exchange_passed = exchange.is_some_and(|exchange| self.link().now() >= exchange);
         match sent {
             Sent::Done => Ok(()),
             Sent::Deadline => {
-                let kind = if exchange_first {
+                let kind = if exchange_passed {
                     TimeoutKind::Exchange
                 } else {
                     TimeoutKind::Write
@@ -236,6 +237,18 @@ impl<'a> TcpConnection<'a> {
                 Err(NetError::from(error))
             }
         }
+    }
+
+    /// Sends FIN (half close): the peer sees the end of our stream and we can still read its reply.
+    pub fn shutdown_write(&mut self) -> Result<(), NetError> {
+        if let Some(reason) = self.terminal {
+            return Err(NetError::Closed(reason));
+        }
+        let Some(socket) = self.link().owner().socket() else {
+            return Err(NetError::Closed(CloseReason::SessionClosed));
+        };
+        socket::shutdown(socket, std::net::Shutdown::Write)?;
+        Ok(())
     }
 
     /// The close reason a handler's return value leads to.

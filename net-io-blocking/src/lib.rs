@@ -23,6 +23,34 @@
 //! `closed` and the [`Event::Closed`] event all see. Only the worker that owns a connection closes its
 //! socket; other threads kill through the connection's kill slot, and one of them wins.
 //!
+//! # Behaviour and costs
+//!
+//! - **Admission** happens on the accept thread before any byte is read: the global, per-listener and
+//!   per-source caps, then the Busy rule (queued plus busy workers must stay below the worker count, checked
+//!   before the gate is asked), then [`Gate::admit`]. Every refusal is an RST.
+//! - **Deadlines by phase.** Between exchanges the idle timeout applies (5 s by default, short because an
+//!   idle blocking connection holds a worker); once a request has started, the read timeout; while output is
+//!   pending, the write timeout; a session may add an exchange deadline and park with a park deadline; a
+//!   PROXY header must arrive within the handshake timeout. The minimum transfer rate judges a direction only
+//!   while it is busy.
+//! - **Two system calls per keep-alive round trip**: a blocking `recv` under `SO_RCVTIMEO` (re-armed only
+//!   when the wanted timeout moves by more than a tick) and a `send` with `MSG_DONTWAIT`; `poll` runs only
+//!   when the send buffer is full. A warmed-up worker serves round trips without allocating.
+//! - **Close styles.** `PeerClosed`, `Idle`, `Drained` and `SessionClosed` close gracefully: FIN, then up to
+//!   64 KiB / 2 s of unread input is read and discarded so our last reply is not destroyed by an RST. Every
+//!   other reason resets (linger 0).
+//! - **Drain** closes the door, closes idle connections at once (`Drained`), lets busy ones finish (their
+//!   queued output is flushed) and kills what is left at the deadline (`DrainDeadline`).
+//! - **Panics** in a handler, a session hook or the gate close only that connection (`SessionPanicked`, or a
+//!   refusal or denial for the gate); the worker serves on.
+//! - **Injected clocks** ([`ServerBuilder::clock`]) drive every deadline; since the kernel's timeouts run on
+//!   real time, waits are then cut to one tick so a test that moves the clock is noticed within a tick.
+//! - **Not here**: Unix sockets, TLS, listener hand-off and systemd sockets, adding or removing listeners at
+//!   run time, `Gate::readmit` after a PROXY header, and turning a graceful linger abortive when a kill
+//!   arrives during it (once a close has begun, kills lose).
+//! - **Handlers must do IO to be killable**: a kill shuts the socket's read side and wakes the worker, so a
+//!   handler stuck in pure computation is ended only when it next reads or writes; shutdown waits for it.
+//!
 //! ```no_run
 //! use net_io_blocking::{NetError, TcpConnection, serve};
 //!
@@ -68,9 +96,10 @@ pub use server::{DrainReport, KillHandle, Server, ServerHandle};
 
 pub use net_io_core::proxy::ProxyMode;
 pub use net_io_core::{
-    AllowAll, CloseReason, Completer, ConnectionId, ConnectionInfo, ControlLine, ControlState,
-    Direction, Event, EventSink, Gate, Input, LimitKind, Limits, MinRateRule, NetError, Output,
-    Phase, RefusalCause, Session, SessionContext, SessionFactory, Stats, Step, TimeoutKind,
+    Admission, AllowAll, CloseReason, Completer, ConnectionId, ConnectionInfo, ControlLine,
+    ControlState, Direction, Event, EventSink, Gate, Input, Lane, LimitKind, Limits, MinRateRule,
+    NetError, Output, Phase, Refusal, RefusalCause, Session, SessionContext, SessionFactory, Stats,
+    Step, TimeoutKind, Verdict, WriteFacts,
 };
 pub use net_io_core::{ManualClock, TrustedProxies};
 pub use net_io_sys::socket::Keepalive;

@@ -102,8 +102,14 @@ impl Link {
     }
 
     /// Resets per-connection state for a new connection in the same slot (the owner is re-occupied).
-    pub(crate) fn reset(&mut self, min_rate: Option<MinRateRule>) {
-        self.armed = None;
+    ///
+    /// `inherited_timeout` is the `SO_RCVTIMEO` the socket got from its listener.
+    pub(crate) fn reset(
+        &mut self,
+        min_rate: Option<MinRateRule>,
+        inherited_timeout: Option<Duration>,
+    ) {
+        self.armed = inherited_timeout;
         self.rate_in = min_rate.map(RateWindow::new);
         self.rate_out = min_rate.map(RateWindow::new);
         self.bytes_in = 0;
@@ -131,14 +137,13 @@ impl Link {
 
     /// Marks the start or end of a busy stretch in one direction; the rate rule counts only busy time.
     pub(crate) fn set_busy(&mut self, direction: Direction, busy: bool) {
-        let now = self.clock.now();
         let rate = match direction {
             Direction::In => self.rate_in.as_mut(),
             Direction::Out => self.rate_out.as_mut(),
         };
         if let Some(rate) = rate {
             if busy {
-                rate.start(now);
+                rate.start(self.clock.now());
             } else {
                 rate.stop();
             }
@@ -200,8 +205,15 @@ impl Link {
         }
     }
 
-    /// Sends all of `bytes` before `deadline`.
-    pub(crate) fn send_all(&mut self, bytes: &[u8], deadline: Option<Instant>) -> Sent {
+    /// Sends all of `bytes`, failing when the peer takes nothing for `progress_timeout` or `hard_deadline`
+    /// (an exchange deadline) passes.
+    pub(crate) fn send_all(
+        &mut self,
+        bytes: &[u8],
+        progress_timeout: Duration,
+        hard_deadline: Option<Instant>,
+    ) -> Sent {
+        let mut deadline = earliest(Some(self.clock.now() + progress_timeout), hard_deadline);
         let mut offset = 0;
         let mut zero_sends = 0;
         while offset < bytes.len() {
@@ -224,6 +236,8 @@ impl Link {
                     zero_sends = 0;
                     offset += count;
                     self.account_sent(count);
+                    // Progress restarts the write deadline; the exchange deadline stays where it is.
+                    deadline = earliest(Some(self.clock.now() + progress_timeout), hard_deadline);
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
                     if let Some(outcome) = self.wait_writable(deadline) {
@@ -236,15 +250,18 @@ impl Link {
         Sent::Done
     }
 
-    /// Flushes `output` with vectored sends before `deadline`, asking `check` before each write call.
+    /// Flushes `output` with vectored sends, asking `check` before each write call; fails when the peer
+    /// takes nothing for `progress_timeout` or `hard_deadline` (an exchange deadline) passes.
     ///
     /// `check` is called once per write call before its first system call, not again after `EAGAIN`.
     pub(crate) fn flush(
         &mut self,
         output: &mut Output,
-        deadline: Option<Instant>,
+        progress_timeout: Duration,
+        hard_deadline: Option<Instant>,
         check: &mut dyn FnMut(usize, bool) -> Verdict,
     ) -> Sent {
+        let mut deadline = earliest(Some(self.clock.now() + progress_timeout), hard_deadline);
         let mut checked = false;
         let mut zero_sends = 0;
         while !output.is_empty() {
@@ -283,6 +300,7 @@ impl Link {
                     zero_sends = 0;
                     output.advance(count);
                     self.account_sent(count);
+                    deadline = earliest(Some(self.clock.now() + progress_timeout), hard_deadline);
                     // The rest of a partial write belongs to the same write call (no new gate check);
                     // chunks beyond the IO_SLICES_MAX just written start a new one.
                     if count == offered && !output.is_empty() {
@@ -310,8 +328,8 @@ impl Link {
     /// Parks until the wake fires or `until` passes; returns `true` when woken.
     pub(crate) fn park(&mut self, until: Instant) -> io::Result<bool> {
         let now = self.clock.now();
-        let timeout = until.saturating_duration_since(now);
-        let woken = wait::wait_readable(self.wake_fd(), Some(timeout))?;
+        let timeout = self.cap_wait(Some(until.saturating_duration_since(now)));
+        let woken = wait::wait_readable(self.wake_fd(), timeout)?;
         if woken {
             self.wake.drain()?;
         }

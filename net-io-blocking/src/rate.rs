@@ -1,111 +1,70 @@
-//! The minimum transfer rate for one direction: byte counts in a ring of buckets spanning the window.
+//! The minimum transfer rate for one direction, judged once per `check` interval.
 //!
-//! A direction counts only while it is busy (a request is arriving, or output is pending). After `grace` of
-//! busy time, every `check` the bytes of the last `min(window, busy time)` must reach `bytes_per_second`
-//! times that span, or the peer is too slow (`SlowPeer`). An idle keep-alive connection is never judged.
+//! `net-io-core`'s [`MinRate`] keeps the ring of byte buckets and judges the rate; this wrapper remembers when
+//! the next judgement is due, so the receive loop (which runs on every `recv`) pays one comparison between
+//! checks and tells the socket wait when to wake up for the next one.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use net_io_core::MinRateRule;
+use net_io_core::{MinRate, MinRateRule, RateVerdict};
 
-const BUCKETS_MAX: usize = 64;
-
-/// One direction's rate window.
+/// One direction's rate rule and its next due check.
 #[derive(Debug, Clone)]
 pub(crate) struct RateWindow {
-    rule: MinRateRule,
-    buckets: [u64; BUCKETS_MAX],
-    count: usize,
-    current: usize,
-    bucket_start: Instant,
-    busy_since: Option<Instant>,
-    next_check: Option<Instant>,
+    rate: MinRate,
+    due: Option<Instant>,
 }
 
 impl RateWindow {
     pub(crate) fn new(rule: MinRateRule) -> Self {
-        let check = rule.check.max(Duration::from_millis(1));
-        let count =
-            (rule.window.as_nanos() / check.as_nanos()).clamp(1, BUCKETS_MAX as u128) as usize;
         Self {
-            rule: MinRateRule { check, ..rule },
-            buckets: [0; BUCKETS_MAX],
-            count,
-            current: 0,
-            bucket_start: Instant::now(),
-            busy_since: None,
-            next_check: None,
+            rate: MinRate::new(rule),
+            due: None,
         }
     }
 
     /// The direction became busy at `now`; a direction already busy keeps its start.
     pub(crate) fn start(&mut self, now: Instant) {
-        if self.busy_since.is_some() {
+        if self.rate.is_busy() {
             return;
         }
-        self.buckets = [0; BUCKETS_MAX];
-        self.current = 0;
-        self.bucket_start = now;
-        self.busy_since = Some(now);
-        self.next_check = Some(now + self.rule.grace);
+        self.rate.start(now);
+        self.due = self.rate.next_check(now);
     }
 
     /// The direction went idle: nothing is judged until it is busy again.
     pub(crate) fn stop(&mut self) {
-        self.busy_since = None;
-        self.next_check = None;
+        self.rate.stop();
+        self.due = None;
     }
 
     /// Counts `bytes` moved at `now`.
     pub(crate) fn record(&mut self, bytes: u64, now: Instant) {
-        if self.busy_since.is_none() {
-            return;
-        }
-        self.rotate(now);
-        self.buckets[self.current] += bytes;
+        self.rate.record(now, bytes);
     }
 
     /// When the next judgement is due, if the direction is busy.
     pub(crate) fn next_check(&self, _now: Instant) -> Option<Instant> {
-        self.next_check
+        self.due
     }
 
     /// Judges the rate if a check is due; true when the peer is too slow.
     pub(crate) fn is_too_slow(&mut self, now: Instant) -> bool {
-        let (Some(busy_since), Some(due)) = (self.busy_since, self.next_check) else {
+        let Some(due) = self.due else {
             return false;
         };
         if now < due {
             return false;
         }
-        self.next_check = Some(now + self.rule.check);
-        self.rotate(now);
-        let span = now
-            .saturating_duration_since(busy_since)
-            .min(self.rule.window);
-        let moved: u64 = self.buckets[..self.count].iter().sum();
-        let needed = self.rule.bytes_per_second as f64 * span.as_secs_f64();
-        (moved as f64) < needed
-    }
-
-    /// Advances the ring to the bucket holding `now`, zeroing the buckets passed over.
-    fn rotate(&mut self, now: Instant) {
-        let elapsed = now.saturating_duration_since(self.bucket_start);
-        let steps = (elapsed.as_nanos() / self.rule.check.as_nanos()) as usize;
-        if steps == 0 {
-            return;
-        }
-        for _ in 0..steps.min(self.count) {
-            self.current = (self.current + 1) % self.count;
-            self.buckets[self.current] = 0;
-        }
-        self.bucket_start += self.rule.check * steps as u32;
+        self.due = self.rate.next_check(now);
+        self.rate.check(now) == RateVerdict::TooSlow
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn rule() -> MinRateRule {
         MinRateRule {

@@ -8,15 +8,16 @@ use std::sync::atomic::Ordering;
 use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
 
+use net_io_core::proxy::ProxyMode;
 use net_io_core::{
     AllowAll, BufferPool, CloseReason, Coalescer, Completer, CompletionReceiver, CompletionRing,
     ConnectionInfo, ControlLine, ControlState, ControlWatch, Event, Gate, IdAllocator, LimitKind,
-    ListenerId, OsErrorClass, Refusal, RefusalCause, TrustedProxies, Verdict, WorkerId, WriteFacts,
-    admit_or_refuse, check_or_deny, close_ticket, normalize,
+    ListenerId, OsErrorClass, Refusal, RefusalCause, ResolvedLimits, TrustedProxies, Verdict,
+    WorkerId, WriteFacts, admit_or_refuse, check_or_deny, close_ticket, normalize,
 };
 use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::SlotOwner;
-use net_io_sys::socket::{self, AcceptFailure, ConnectionOptions, Linger, Listener};
+use net_io_sys::socket::{self, AcceptFailure, Linger, Listener};
 use net_io_sys::wait::{self, Interest};
 
 use crate::backoff::Backoff;
@@ -25,7 +26,6 @@ use crate::handover::HandOver;
 use crate::handshake;
 use crate::link::{Link, OWNER_CODE};
 use crate::server::{CODE_SHED, Core, KillHandle, QueueCloser, reason_for_code};
-use net_io_core::proxy::ProxyMode;
 
 /// An admitted connection waiting for a worker.
 pub(crate) struct Job<T> {
@@ -39,6 +39,8 @@ pub(crate) struct Job<T> {
 /// One listener and how its connections are admitted.
 pub(crate) struct ListenerRuntime {
     pub(crate) listener: Listener,
+    /// The listener's limits laid over the server's: deadlines, rates, buffers and batch size.
+    pub(crate) limits: ResolvedLimits,
     pub(crate) proxy: Option<ProxyMode>,
     pub(crate) trusted: TrustedProxies,
 }
@@ -48,6 +50,7 @@ pub(crate) struct Run<'a> {
     pub(crate) link: &'a mut Link,
     pub(crate) info: &'a ConnectionInfo,
     pub(crate) core: &'a Core,
+    pub(crate) limits: &'a ResolvedLimits,
     pub(crate) check: &'a mut dyn FnMut(usize, bool) -> Verdict,
     pub(crate) completer: &'a Completer,
     pub(crate) receiver: &'a mut CompletionReceiver,
@@ -79,8 +82,6 @@ pub(crate) struct Runtime<G: Gate, W: Workload> {
     pub(crate) pool: BufferPool,
     pub(crate) ids: IdAllocator,
     pub(crate) control: Option<Arc<ControlLine>>,
-    pub(crate) connection_options: ConnectionOptions,
-    pub(crate) shed_lane: std::sync::atomic::AtomicU16,
     pub(crate) lockdown: std::sync::atomic::AtomicBool,
 }
 
@@ -118,12 +119,14 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         let mut backoff = Backoff::new();
         let mut coalescer = Coalescer::new();
         let mut watch = ControlWatch::new();
-        let control_poll = self.control.as_ref().map(|_| Duration::from_millis(100));
+        // The first accept thread alone watches the control line, so each change is applied once.
+        let control = self.control.as_ref().filter(|_| index == 0);
+        let control_poll = control.map(|_| Duration::from_millis(100));
         loop {
             if core.stopping.load(Ordering::Acquire) {
                 return;
             }
-            if let Some(control) = &self.control
+            if let Some(control) = control
                 && let Some(state) = watch.poll(control)
             {
                 self.react(state);
@@ -154,7 +157,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 // The spare could not be reopened after the last pressure episode; try again now.
                 reserve = socket_reserve();
             }
-            for _ in 0..core.limits.accept_batch {
+            for _ in 0..listener.limits.accept_batch {
                 match listener.listener.accept() {
                     Ok(accepted) => {
                         backoff.reset();
@@ -214,7 +217,11 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                     },
                 }
             }
-            coalescer.flush(&*core.events, core.now());
+            if core.events_enabled {
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    coalescer.flush(&*core.events, core.now())
+                }));
+            }
         }
     }
 
@@ -235,15 +242,15 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         let refuse = |socket: OwnedFd, cause: RefusalCause, coalescer: &mut Coalescer| {
             core.counters.server().record_refused(cause);
             if core.events_enabled {
-                coalescer.emit(
-                    &*core.events,
-                    Event::Refused {
-                        peer,
-                        listener: listener_id,
-                        cause,
-                    },
-                    core.now(),
-                );
+                let event = Event::Refused {
+                    peer,
+                    listener: listener_id,
+                    cause,
+                };
+                // A panicking sink must not take the accept thread down with it.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    coalescer.emit(&*core.events, event, core.now())
+                }));
             }
             reset(socket);
         };
@@ -259,11 +266,10 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                     CapRefusal::Source => (RefusalCause::SourceCap, LimitKind::PerSource),
                 };
                 if core.events_enabled {
-                    coalescer.emit(
-                        &*core.events,
-                        Event::LimitHit { id: None, which },
-                        core.now(),
-                    );
+                    let event = Event::LimitHit { id: None, which };
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        coalescer.emit(&*core.events, event, core.now())
+                    }));
                 }
                 return refuse(socket, cause, coalescer);
             }
@@ -292,7 +298,9 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 return refuse(socket, RefusalCause::Gate(code), coalescer);
             }
             Err(Refusal::Reply { code, bytes }) => {
-                let limit = bytes.len().min(core.limits.refusal_bytes_max);
+                let limit = bytes
+                    .len()
+                    .min(self.listeners[index].limits.refusal_bytes_max);
                 // One non-blocking attempt only: the refusal path must not become an amplifier.
                 let _ = socket::send(socket.as_fd(), &bytes[..limit]);
                 drop(reservation);
@@ -300,7 +308,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             }
         };
         info.lane = admission.lane;
-        let shed_lane = self.shed_lane.load(Ordering::Acquire);
+        let shed_lane = self.core.shed_lane.load(Ordering::Acquire);
         if u16::from(admission.lane.0) >= shed_lane {
             close_ticket(
                 &self.gate,
@@ -363,14 +371,19 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         match state {
             ControlState::Running => {
                 self.lockdown.store(false, Ordering::Release);
-                self.shed_lane.store(u16::MAX, Ordering::Release);
+                self.core.shed_lane.store(u16::MAX, Ordering::Release);
                 handle.open_door();
             }
             ControlState::Lockdown => self.lockdown.store(true, Ordering::Release),
             ControlState::Shed { lane } => {
-                self.shed_lane.store(u16::from(lane.0), Ordering::Release);
-                // Idle connections are closed by the worker loop's own check; kill idle ones now.
+                self.core
+                    .shed_lane
+                    .store(u16::from(lane.0), Ordering::Release);
+                // Idle connections in a shed lane close now; busy ones close when they next go idle.
                 for worker in &self.core.workers {
+                    if u16::from(worker.lane.load(Ordering::Acquire)) < u16::from(lane.0) {
+                        continue;
+                    }
                     if let Some(id) = worker.slot.occupant()
                         && worker.slot.kill(
                             id,
@@ -420,15 +433,24 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         let mut prefix = Vec::with_capacity(handshake::PREFIX_CAPACITY);
         while let Some(job) = self.handover.take() {
             core.busy_workers.fetch_add(1, Ordering::Relaxed);
-            self.run_job(
-                index,
-                &mut link,
-                &mut receiver,
-                &waker,
-                &mut state,
-                &mut prefix,
-                job,
-            );
+            let busy = BusyGuard {
+                core: &core,
+                handover: &self.handover,
+            };
+            // Every hook is contained already; this catches a bug in the driver itself, so that the worker
+            // (and its place in the Busy rule, given back by the guard) survives it.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.run_job(
+                    index,
+                    &mut link,
+                    &mut receiver,
+                    &waker,
+                    &mut state,
+                    &mut prefix,
+                    job,
+                    busy,
+                )
+            }));
         }
     }
 
@@ -442,6 +464,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         state: &mut W::State,
         prefix: &mut Vec<u8>,
         job: Job<G::Ticket>,
+        busy: BusyGuard<'_, G::Ticket>,
     ) {
         let core = &*self.core;
         let Job {
@@ -452,8 +475,13 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             listener,
         } = job;
         info.worker = Some(WorkerId(index as u32));
+        core.workers[index]
+            .lane
+            .store(info.lane.0, Ordering::Release);
         link.owner_mut().occupy(info.id.get(), socket);
-        link.reset(core.limits.min_rate);
+        let listener_runtime = &self.listeners[listener];
+        let limits = &listener_runtime.limits;
+        link.reset(limits.min_rate, Some(limits.idle_timeout));
         receiver.bind(info.id);
         let completer = receiver.completer(info.id, waker.clone());
         let kill = KillHandle {
@@ -463,14 +491,11 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         };
         prefix.clear();
         let mut early: Option<CloseReason> = None;
+        // TCP_NODELAY and keepalive were set on the listener; Linux copies them to every accepted socket,
+        // so a connection costs no setsockopt here.
         if core.drain_expired.load(Ordering::Acquire) {
             early = Some(CloseReason::DrainDeadline);
-        } else if let Some(socket) = link.owner().socket()
-            && let Err(error) = socket::apply_connection_options(socket, &self.connection_options)
-        {
-            early = Some(CloseReason::from_io(&error));
         }
-        let listener_runtime = &self.listeners[listener];
         if early.is_none()
             && let Some(mode) = listener_runtime.proxy
         {
@@ -480,7 +505,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 &info,
                 mode,
                 &listener_runtime.trusted,
-                &core.limits,
+                limits,
                 prefix,
             ) {
                 Ok(Some(real_peer)) => {
@@ -523,6 +548,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                         link,
                         info: &info,
                         core,
+                        limits,
                         check: &mut check,
                         completer: &completer,
                         receiver,
@@ -541,8 +567,8 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         };
         link.close(
             !reason.is_abortive(),
-            core.limits.linger_timeout,
-            core.limits.linger_bytes,
+            limits.linger_timeout,
+            limits.linger_bytes,
         );
         drop(completer);
         receiver.unbind();
@@ -562,8 +588,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         // Caps and the worker are free before anyone can see the close, so a client that reconnects on the
         // Closed event is never refused by a connection that is already gone.
         drop(reservation);
-        core.busy_workers.fetch_sub(1, Ordering::Relaxed);
-        self.handover.done();
+        drop(busy);
         match reason {
             CloseReason::Killed(code) => core.emit(Event::Killed { id: info.id, code }),
             CloseReason::Limit(which) => core.emit(Event::LimitHit {
@@ -580,6 +605,19 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             bytes_out: link.bytes_out,
             lifetime: core.now().saturating_duration_since(info.accepted_at),
         });
+    }
+}
+
+/// Marks a worker free again when dropped: at the normal end of a connection, or while unwinding.
+struct BusyGuard<'a, T> {
+    core: &'a Core,
+    handover: &'a HandOver<Job<T>>,
+}
+
+impl<T> Drop for BusyGuard<'_, T> {
+    fn drop(&mut self) {
+        self.core.busy_workers.fetch_sub(1, Ordering::Relaxed);
+        self.handover.done();
     }
 }
 

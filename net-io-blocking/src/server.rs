@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -54,6 +54,8 @@ pub struct DrainReport {
 pub(crate) struct WorkerShared {
     pub(crate) slot: Arc<KillSlot>,
     pub(crate) wake: Arc<EventFd>,
+    /// The lane of the connection the worker holds, for shedding.
+    pub(crate) lane: AtomicU8,
 }
 
 /// One listener's shared parts.
@@ -81,6 +83,8 @@ pub(crate) struct Core {
     pub(crate) stop_requested: Mutex<bool>,
     pub(crate) stop_signal: Condvar,
     pub(crate) busy_workers: AtomicU64,
+    /// Lanes at or above this value are shed; `u16::MAX` sheds nothing.
+    pub(crate) shed_lane: AtomicU16,
     pub(crate) drain_lock: Mutex<()>,
 }
 
@@ -122,6 +126,20 @@ impl Core {
 
     pub(crate) fn now(&self) -> Instant {
         self.clock.now()
+    }
+
+    /// Whether a connection in `lane` should close instead of waiting idle.
+    pub(crate) fn is_shed(&self, lane: net_io_core::Lane) -> bool {
+        u16::from(lane.0) >= self.shed_lane.load(Ordering::Acquire)
+    }
+
+    /// The share of busy workers for `SessionContext::pressure`, 1.0 while shedding.
+    pub(crate) fn pressure(&self) -> f32 {
+        if self.shed_lane.load(Ordering::Relaxed) != u16::MAX {
+            return 1.0;
+        }
+        let busy = self.busy_workers.load(Ordering::Relaxed) as f32;
+        (busy / self.workers.len().max(1) as f32).min(1.0)
     }
 
     /// Wakes every accept thread (door or stop changed).
@@ -417,6 +435,11 @@ impl Server {
         self.handle.wake_all();
         for thread in self.threads.drain(..) {
             let _ = thread.join();
+        }
+        for index in 0..self.handle.core.listeners.len() {
+            self.handle.core.emit(Event::ListenerClosed {
+                listener: net_io_core::ListenerId(index as u32),
+            });
         }
         self.handle.request_stop();
         report

@@ -48,12 +48,13 @@ where
             link,
             info,
             core,
+            limits,
             check,
             kill,
             prefix,
             ..
         } = run;
-        let mut connection = TcpConnection::served(link, *info, core, check, kill, prefix);
+        let mut connection = TcpConnection::served(link, *info, core, limits, check, kill, prefix);
         match catch_unwind(AssertUnwindSafe(|| (self.handler)(&mut connection))) {
             Ok(result) => connection.final_reason(&result),
             Err(_) => {
@@ -80,7 +81,7 @@ impl<F: SessionFactory> Workload for SessionWorkload<F> {
 
     fn serve(&self, state: &mut Self::State, run: Run<'_>) -> CloseReason {
         let info = *run.info;
-        let limits_read_buffer = run.core.limits.read_buffer;
+        let limits_read_buffer = run.limits.read_buffer;
         let session = match catch_unwind(AssertUnwindSafe(|| self.factory.create(&info))) {
             Ok(Some(session)) => session,
             Ok(None) => return CloseReason::Refused(net_io_core::RefusalCause::Session),
@@ -90,10 +91,9 @@ impl<F: SessionFactory> Workload for SessionWorkload<F> {
             }
         };
         state.session = Some(session);
-        state.output.reset(run.core.limits.output_budget);
+        state.output.reset(run.limits.output_budget);
         if state.read.is_none() {
-            let class =
-                SizeClass::for_size(run.core.limits.read_buffer).unwrap_or(SizeClass::Large);
+            let class = SizeClass::for_size(run.limits.read_buffer).unwrap_or(SizeClass::Large);
             match state.buffers.acquire(class) {
                 Ok(buffer) => state.read = Some(ReadBuffer::new(buffer)),
                 Err(_) => return CloseReason::Limit(LimitKind::BufferBudget),
@@ -231,12 +231,11 @@ impl<S: Session> Driver<'_, '_, S> {
         let core = self.run.core;
         let now = core.now();
         let draining = core.draining.load(Ordering::Acquire);
-        let pressure =
-            core.busy_workers.load(Ordering::Relaxed) as f32 / core.workers.len().max(1) as f32;
+        let pressure = core.pressure();
         let completer: &Completer = self.run.completer;
         let mut context = SessionContext::new(self.run.info, self.output, &mut self.requests, now)
             .with_draining(draining)
-            .with_pressure(pressure.min(1.0))
+            .with_pressure(pressure)
             .with_completer(completer);
         let result = catch_unwind(AssertUnwindSafe(|| call(session, &mut context))).ok();
         self.apply_requests();
@@ -287,11 +286,14 @@ impl<S: Session> Driver<'_, '_, S> {
             self.grow()?;
         }
         let core = self.run.core;
-        let limits = &core.limits;
+        let limits = self.run.limits;
         let idle =
             self.phase == Phase::Idle && self.read.unread_len() == 0 && self.output.is_empty();
         if idle && core.draining.load(Ordering::Acquire) {
             return Err(CloseReason::Drained);
+        }
+        if idle && core.is_shed(self.run.info.lane) {
+            return Err(CloseReason::Shed);
         }
         let now = core.now();
         let (timeout, kind) = if self.phase == Phase::Idle {
@@ -363,7 +365,7 @@ impl<S: Session> Driver<'_, '_, S> {
 
     /// Moves the input to the next larger buffer class, or fails with `Limit(ReadBuffer)`.
     fn grow(&mut self) -> Result<(), CloseReason> {
-        let limit = self.run.core.limits.read_buffer_max;
+        let limit = self.run.limits.read_buffer_max;
         let Some(larger) = self.read.class().larger() else {
             return Err(CloseReason::Limit(LimitKind::ReadBuffer));
         };
@@ -392,20 +394,17 @@ impl<S: Session> Driver<'_, '_, S> {
             return Ok(());
         }
         let core = self.run.core;
-        let now = core.now();
-        let mut deadline = now + core.limits.write_timeout;
-        let mut exchange_first = false;
-        if let Some(exchange) = self.exchange
-            && exchange < deadline
-        {
-            deadline = exchange;
-            exchange_first = true;
-        }
         let link = &mut *self.run.link;
         link.set_busy(Direction::Out, true);
         let started = self.output.response_started();
-        let sent = link.flush(self.output, Some(deadline), &mut *self.run.check);
+        let sent = link.flush(
+            self.output,
+            self.run.limits.write_timeout,
+            self.exchange,
+            &mut *self.run.check,
+        );
         link.set_busy(Direction::Out, false);
+        let exchange_passed = self.exchange.is_some_and(|exchange| core.now() >= exchange);
         match sent {
             Sent::Done => {
                 if self.read.unread_len() == 0 && self.phase_override.is_none() {
@@ -414,7 +413,7 @@ impl<S: Session> Driver<'_, '_, S> {
                 }
                 Ok(())
             }
-            Sent::Deadline => Err(if exchange_first {
+            Sent::Deadline => Err(if exchange_passed {
                 CloseReason::ExchangeDeadline
             } else {
                 CloseReason::WriteTimeout
@@ -430,7 +429,7 @@ impl<S: Session> Driver<'_, '_, S> {
                 let _ = catch_unwind(AssertUnwindSafe(|| session.on_denied(code, self.output)));
                 if nothing_sent && !self.output.is_empty() {
                     // The denial text goes out once, without blocking, at most 512 bytes.
-                    let limit = core.limits.refusal_bytes_max;
+                    let limit = self.run.limits.refusal_bytes_max;
                     let front = self.output.front();
                     let text = &front[..front.len().min(limit)];
                     let _ = self.run.link.send_once(text);
@@ -445,7 +444,7 @@ impl<S: Session> Driver<'_, '_, S> {
     /// Waits for a completion, a kill or the park deadline.
     fn park(&mut self, session: &mut S, until: Instant) -> Result<Step, CloseReason> {
         let core = self.run.core;
-        let until = until.min(core.now() + core.limits.park_timeout);
+        let until = until.min(core.now() + self.run.limits.park_timeout);
         self.run.link.set_busy(Direction::In, false);
         loop {
             if let Some(completion) = self.run.receiver.pop() {

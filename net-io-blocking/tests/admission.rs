@@ -160,3 +160,79 @@ fn a_closed_door_accepts_nothing_and_opening_it_serves_the_waiting_connection() 
         "the backlog connection should be served after the door opens"
     );
 }
+
+/// Puts the first connection in lane 5 and every later one in lane 0.
+struct LaneByOrder {
+    admitted: std::sync::atomic::AtomicUsize,
+}
+
+impl net_io_blocking::Gate for LaneByOrder {
+    type Ticket = ();
+
+    fn admit(
+        &self,
+        _info: &ConnectionInfo,
+    ) -> Result<net_io_core::Admission<()>, net_io_core::Refusal> {
+        let order = self
+            .admitted
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(net_io_core::Admission {
+            ticket: (),
+            lane: net_io_core::Lane(if order == 0 { 5 } else { 0 }),
+        })
+    }
+}
+
+#[test]
+fn shedding_closes_idle_connections_in_shed_lanes_and_spares_lower_lanes() {
+    let recorder = Recorder::default();
+    let control = std::sync::Arc::new(net_io_blocking::ControlLine::new());
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(4)
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .control(std::sync::Arc::clone(&control))
+        .sessions(|_info: &ConnectionInfo| Some(Echo))
+        .gate(LaneByOrder {
+            admitted: std::sync::atomic::AtomicUsize::new(0),
+        })
+        .build()
+        .unwrap();
+    let mut high = client(server.local_addr());
+    assert_eq!(round_trip(&mut high, b"h"), b"h");
+    let mut low = client(server.local_addr());
+    assert_eq!(round_trip(&mut low, b"l"), b"l");
+    control.set(net_io_blocking::ControlState::Shed {
+        lane: net_io_core::Lane(5),
+    });
+    let closes = recorder.wait_for_closes(1, SOON);
+    assert_eq!(closes[0].1, net_io_blocking::CloseReason::Shed);
+    assert!(
+        is_closed_by_server(&mut high),
+        "the lane-5 connection stayed open"
+    );
+    assert_eq!(
+        round_trip(&mut low, b"still"),
+        b"still",
+        "the lane-0 connection was shed"
+    );
+    assert_eq!(recorder.closes().len(), 1);
+}
+
+#[test]
+fn an_ipv6_loopback_listener_serves_and_reports_its_address() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("[::1]:0")
+        .workers(1)
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(Echo))
+        .allow_all()
+        .build()
+        .expect("an IPv6 loopback listener should start");
+    assert!(server.local_addr().is_ipv6());
+    let mut stream = client(server.local_addr());
+    assert_eq!(round_trip(&mut stream, b"six"), b"six");
+}

@@ -239,3 +239,150 @@ fn the_client_connect_echoes_and_applies_the_idle_deadline() {
     assert!(started.elapsed() >= Duration::from_millis(180));
     assert_eq!(silent.close_reason(), Some(CloseReason::Idle));
 }
+
+#[test]
+fn the_control_line_drains_then_stops_the_server() {
+    let recorder = Recorder::default();
+    let control = Arc::new(net_io_blocking::ControlLine::new());
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(2)
+        .events(recorder.clone())
+        .control(Arc::clone(&control))
+        .handler(echo)
+        .allow_all()
+        .build()
+        .unwrap();
+    let handle = server.handle();
+    let mut stream = client(server.local_addr());
+    assert_eq!(round_trip(&mut stream, b"hi"), b"hi");
+    control.set(net_io_blocking::ControlState::Draining {
+        deadline: Some(Instant::now() + Duration::from_secs(2)),
+    });
+    assert_eq!(recorder.single_close(SOON), CloseReason::Drained);
+    assert!(
+        eventually(SOON, || !handle.is_door_open()),
+        "the door stayed open"
+    );
+    control.set(net_io_blocking::ControlState::Stopping);
+    assert!(
+        handle.wait_for_stop_timeout(SOON),
+        "Stopping on the control line did not request a stop"
+    );
+    drop(server);
+}
+
+#[test]
+fn a_client_half_close_still_receives_the_whole_reply() {
+    let server = serve("127.0.0.1:0", echo).unwrap();
+    let mut connection = connect(server.local_addr(), &Limits::new()).unwrap();
+    connection.write_all(b"all of it").unwrap();
+    connection.shutdown_write().unwrap();
+    let mut received = Vec::new();
+    let mut buffer = [0u8; 64];
+    loop {
+        let count = connection.read(&mut buffer).unwrap();
+        if count == 0 {
+            break;
+        }
+        received.extend_from_slice(&buffer[..count]);
+    }
+    assert_eq!(
+        received, b"all of it",
+        "the reply to a half-closed request was cut"
+    );
+    assert_eq!(connection.close(), CloseReason::PeerClosed);
+}
+
+/// Answers one line and closes.
+struct OneShot;
+
+impl Session for OneShot {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        let taken = context.output().push_partial(input.bytes());
+        input.consume(taken);
+        Step::Close
+    }
+}
+
+#[test]
+fn a_kill_racing_the_session_s_own_close_gives_one_close_and_a_truthful_answer() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(1)
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(OneShot))
+        .allow_all()
+        .build()
+        .unwrap();
+    let handle = server.handle();
+    let mut kills_won = 0u64;
+    for round in 0..40usize {
+        let mut stream = client(server.local_addr());
+        assert!(eventually(SOON, || !handle.connections().is_empty()));
+        let id = handle.connections()[0];
+        stream.write_all(b"bye").unwrap();
+        if handle.kill(id, 5) {
+            kills_won += 1;
+        }
+        let closes = recorder.wait_for_closes(round + 1, SOON);
+        assert_eq!(
+            closes.len(),
+            round + 1,
+            "round {round}: a connection closed twice or never"
+        );
+        assert_eq!(closes[round].0, id);
+        drop(stream);
+    }
+    let killed = recorder
+        .closes()
+        .iter()
+        .filter(|(_, reason)| *reason == CloseReason::Killed(5))
+        .count() as u64;
+    assert_eq!(
+        killed, kills_won,
+        "a kill reported a win it did not get, or the reverse"
+    );
+}
+
+#[test]
+fn a_kill_reaches_the_peer_as_a_reset_promptly_and_a_closed_door_stops_accepting_at_once() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(2)
+        .events(recorder.clone())
+        .handler(echo)
+        .allow_all()
+        .build()
+        .unwrap();
+    let handle = server.handle();
+    let mut stream = client(server.local_addr());
+    assert_eq!(round_trip(&mut stream, b"k"), b"k");
+    let id = handle.connections()[0];
+    let killed_at = Instant::now();
+    assert!(handle.kill(id, 3));
+    let mut byte = [0u8; 1];
+    let outcome = stream.read(&mut byte);
+    let latency = killed_at.elapsed();
+    assert!(
+        matches!(&outcome, Err(error) if error.kind() == std::io::ErrorKind::ConnectionReset),
+        "a kill should reset the peer, got {outcome:?}"
+    );
+    // Generous bound for a loaded 2-core machine; the benchmark measures the real latency.
+    assert!(
+        latency < Duration::from_millis(500),
+        "the reset took {latency:?}"
+    );
+    handle.close_door();
+    let accepted = handle.stats().accepted;
+    let _waiting = client(server.local_addr());
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        handle.stats().accepted,
+        accepted,
+        "a connection was accepted after close_door returned"
+    );
+}

@@ -95,3 +95,132 @@ fn a_per_connection_idle_timeout_overrides_the_server_one() {
         "the override was ignored"
     );
 }
+
+#[test]
+fn a_listener_s_own_idle_timeout_applies_only_to_its_connections() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listener(
+            net_io_blocking::ListenerSpec::new("127.0.0.1:0".parse().unwrap())
+                .limits(Limits::new().idle_timeout(Duration::from_millis(150))),
+        )
+        .listen("127.0.0.1:0")
+        .workers(2)
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .idle_timeout(Duration::from_secs(10)),
+        )
+        .events(recorder.clone())
+        .handler(echo_fours)
+        .allow_all()
+        .build()
+        .unwrap();
+    let addresses = server.handle().local_addrs();
+    let mut short = client(addresses[0]);
+    let mut long = client(addresses[1]);
+    assert_eq!(recorder.single_close(SOON), CloseReason::Idle);
+    assert!(common::is_closed_by_server(&mut short));
+    assert_eq!(
+        round_trip(&mut long, b"live"),
+        b"live",
+        "the other listener's connection used the short idle timeout"
+    );
+}
+
+#[test]
+fn an_injected_manual_clock_drives_the_idle_deadline() {
+    let recorder = Recorder::default();
+    let clock = std::sync::Arc::new(net_io_blocking::ManualClock::new());
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(1)
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .idle_timeout(Duration::from_secs(60)),
+        )
+        .clock(clock.clone())
+        .events(recorder.clone())
+        .handler(echo_fours)
+        .allow_all()
+        .build()
+        .unwrap();
+    let mut stream = client(server.local_addr());
+    assert_eq!(round_trip(&mut stream, b"tick"), b"tick");
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        recorder.closes().is_empty(),
+        "the connection closed before the clock moved"
+    );
+    let real_start = Instant::now();
+    clock.advance(Duration::from_secs(61));
+    assert_eq!(recorder.single_close(SOON), CloseReason::Idle);
+    assert!(
+        real_start.elapsed() < Duration::from_secs(5),
+        "the idle deadline followed real time, not the injected clock"
+    );
+}
+
+/// Sends 512 KiB as soon as the connection opens.
+struct Bulk;
+
+impl net_io_blocking::Session for Bulk {
+    fn on_open(
+        &mut self,
+        context: &mut net_io_blocking::SessionContext<'_>,
+    ) -> net_io_blocking::Step {
+        let _ = context.output().push_static(&[b'b'; 512 * 1024]);
+        net_io_blocking::Step::Write
+    }
+
+    fn on_data(
+        &mut self,
+        input: &mut net_io_blocking::Input<'_>,
+        _context: &mut net_io_blocking::SessionContext<'_>,
+    ) -> net_io_blocking::Step {
+        input.consume_all();
+        net_io_blocking::Step::Read
+    }
+}
+
+#[test]
+fn a_slow_but_steady_reader_is_not_cut_off_by_the_write_deadline() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listener(
+            net_io_blocking::ListenerSpec::new("127.0.0.1:0".parse().unwrap())
+                .send_buffer(32 * 1024),
+        )
+        .workers(1)
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .write_timeout(Duration::from_millis(300)),
+        )
+        .events(recorder.clone())
+        .sessions(|_info: &net_io_blocking::ConnectionInfo| Some(Bulk))
+        .allow_all()
+        .build()
+        .unwrap();
+    let mut stream = client(server.local_addr());
+    socket2::SockRef::from(&stream)
+        .set_recv_buffer_size(16 * 1024)
+        .unwrap();
+    let started = Instant::now();
+    let mut received = 0usize;
+    let mut buffer = [0u8; 8 * 1024];
+    while received < 512 * 1024 {
+        let count =
+            std::io::Read::read(&mut stream, &mut buffer).expect("the server cut the reader off");
+        assert!(count > 0, "the server closed after {received} bytes");
+        received += count;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        started.elapsed() > Duration::from_millis(300),
+        "the transfer was too quick to exercise the write deadline"
+    );
+    drop(stream);
+    assert_eq!(recorder.single_close(SOON), CloseReason::PeerClosed);
+}

@@ -71,6 +71,12 @@ impl SizeClass {
     }
 }
 
+impl fmt::Display for SizeClass {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(formatter, "{} KiB", self.bytes() / 1024)
+    }
+}
+
 /// The shared side of the pool: the budget. Cheap to clone.
 #[derive(Clone)]
 pub struct BufferPool {
@@ -97,7 +103,7 @@ pub struct Buffer {
 /// The buffer budget had no room for another buffer of the asked class.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "the buffer budget of {budget} bytes has no room for another {class:?} buffer; raise buffer_budget or lower max_connections"
+    "the buffer budget of {budget} bytes has no room for another {class} buffer; raise buffer_budget or lower max_connections"
 )]
 pub struct BudgetExhausted {
     /// The class asked for.

@@ -124,6 +124,20 @@ pub enum LimitKind {
 }
 
 impl LimitKind {
+    /// Every limit once.
+    pub const ALL: [LimitKind; 10] = [
+        LimitKind::Connections,
+        LimitKind::PerListener,
+        LimitKind::PerSource,
+        LimitKind::BufferBudget,
+        LimitKind::OutputBudget,
+        LimitKind::CompletionQueue,
+        LimitKind::ProxyHeader,
+        LimitKind::AcceptBatch,
+        LimitKind::ReadBuffer,
+        LimitKind::Descriptors,
+    ];
+
     /// A stable snake_case name.
     pub const fn as_str(self) -> &'static str {
         match self {
@@ -164,6 +178,18 @@ pub enum TimeoutKind {
 }
 
 impl TimeoutKind {
+    /// Every deadline once.
+    pub const ALL: [TimeoutKind; 8] = [
+        TimeoutKind::Handshake,
+        TimeoutKind::Idle,
+        TimeoutKind::Read,
+        TimeoutKind::Write,
+        TimeoutKind::Exchange,
+        TimeoutKind::Park,
+        TimeoutKind::Connect,
+        TimeoutKind::Drain,
+    ];
+
     /// A stable snake_case name.
     pub const fn as_str(self) -> &'static str {
         match self {
@@ -234,6 +260,27 @@ pub enum OsErrorClass {
 }
 
 impl OsErrorClass {
+    /// Every class once.
+    pub const ALL: [OsErrorClass; 17] = [
+        OsErrorClass::WouldBlock,
+        OsErrorClass::Interrupted,
+        OsErrorClass::ConnectionReset,
+        OsErrorClass::ConnectionAborted,
+        OsErrorClass::BrokenPipe,
+        OsErrorClass::TimedOut,
+        OsErrorClass::NotConnected,
+        OsErrorClass::ConnectionRefused,
+        OsErrorClass::NetworkUnreachable,
+        OsErrorClass::HostUnreachable,
+        OsErrorClass::DescriptorsExhausted,
+        OsErrorClass::NoBuffers,
+        OsErrorClass::AddressInUse,
+        OsErrorClass::AddressNotAvailable,
+        OsErrorClass::PermissionDenied,
+        OsErrorClass::InvalidDescriptor,
+        OsErrorClass::Other,
+    ];
+
     /// Classifies an [`std::io::Error`] by its OS code when it has one, else by its kind.
     pub fn of(error: &std::io::Error) -> OsErrorClass {
         if let Some(code) = error.raw_os_error() {

@@ -13,6 +13,7 @@
 
 pub mod addr;
 pub mod buffer;
+pub mod caps;
 pub mod checksum;
 pub mod clock;
 pub mod close;
@@ -28,11 +29,13 @@ pub mod limits;
 mod loom;
 pub mod output;
 pub mod proxy;
+pub mod rate;
 pub mod session;
 pub mod stats;
 
 pub use addr::{Cidr, CidrError, PrefixKey, PrefixPolicy, TrustedProxies, normalize};
 pub use buffer::{BudgetExhausted, Buffer, BufferPool, SizeClass, WorkerBuffers};
+pub use caps::{Cap, SourceCaps};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use close::{CloseReason, Direction, LimitKind, OsErrorClass, RefusalCause, TimeoutKind};
 pub use completion::{
@@ -54,5 +57,6 @@ pub use proxy::{
     ProxyCommand, ProxyError, ProxyHeader, ProxyMode, ProxyParser, ProxyStatus, ProxyTransport,
     ProxyVersion,
 };
+pub use rate::{MinRate, RateVerdict};
 pub use session::{Phase, Session, SessionContext, SessionFactory, SessionRequests, Step};
 pub use stats::{Counters, ServerCounters, Stats, WorkerCounters};

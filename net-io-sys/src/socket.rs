@@ -592,6 +592,42 @@ mod tests {
     }
 
     #[test]
+    fn accepted_sockets_inherit_nodelay_keepalive_and_the_receive_timeout_from_the_listener() {
+        let listener = loopback_listener();
+        apply_connection_options(
+            listener.as_fd(),
+            &ConnectionOptions {
+                nodelay: true,
+                keepalive: Some(Keepalive {
+                    idle: Duration::from_secs(30),
+                    interval: Duration::from_secs(5),
+                    count: 3,
+                }),
+                ..ConnectionOptions::default()
+            },
+        )
+        .unwrap();
+        set_receive_timeout(listener.as_fd(), Some(Duration::from_secs(5))).unwrap();
+        let _client = TcpStream::connect(listener.local_addr()).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        let accepted = listener.accept().expect("accept");
+        let socket = SockRef::from(&accepted.socket);
+        assert_eq!(
+            socket.read_timeout().unwrap(),
+            Some(Duration::from_secs(5)),
+            "SO_RCVTIMEO was not inherited; the driver relies on it"
+        );
+        assert!(
+            socket.tcp_nodelay().unwrap(),
+            "TCP_NODELAY was not inherited; the driver relies on it"
+        );
+        assert!(
+            socket.keepalive().unwrap(),
+            "SO_KEEPALIVE was not inherited"
+        );
+    }
+
+    #[test]
     fn shutdown_twice_and_abortive_linger_are_not_errors() {
         let listener = loopback_listener();
         let client = connect(listener.local_addr(), Some(Duration::from_secs(5))).expect("connect");

@@ -1,0 +1,280 @@
+//! Edge cases from the reference list: denial text on a clean boundary, an exchange deadline that answers
+//! before closing, and a connection burst that does not stall an established connection.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use common::{Recorder, SOON, client, round_trip};
+use net_io_blocking::{
+    CloseReason, ConnectionInfo, Gate, Input, Limits, Output, ServerBuilder, Session,
+    SessionContext, Step, TimeoutKind,
+};
+use net_io_core::{Admission, Lane, Refusal, Verdict, WriteFacts};
+
+struct DenyAll;
+
+impl Gate for DenyAll {
+    type Ticket = ();
+
+    fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
+        Ok(Admission {
+            ticket: (),
+            lane: Lane::DEFAULT,
+        })
+    }
+
+    fn check(&self, _ticket: &(), _write: &WriteFacts) -> Verdict {
+        Verdict::Deny(403)
+    }
+}
+
+/// Replies to each line, explains a denial, and answers an exchange timeout before closing.
+struct Polite;
+
+impl Session for Polite {
+    fn on_open(&mut self, context: &mut SessionContext<'_>) -> Step {
+        context.set_exchange_deadline(Some(context.now() + Duration::from_millis(200)));
+        Step::Read
+    }
+
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        let taken = context.output().push_partial(input.bytes());
+        input.consume(taken);
+        Step::Write
+    }
+
+    fn on_timeout(&mut self, kind: TimeoutKind, context: &mut SessionContext<'_>) -> Step {
+        if kind == TimeoutKind::Exchange {
+            let _ = context.output().push_static(b"too slow, goodbye\n");
+        }
+        Step::Close
+    }
+
+    fn on_denied(&mut self, code: u16, output: &mut Output) {
+        let _ = output.push(format!("denied {code}\n").as_bytes());
+    }
+}
+
+#[test]
+fn a_denial_before_any_byte_of_the_response_sends_the_denial_text_once_then_resets() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(1)
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(Polite))
+        .gate(DenyAll)
+        .build()
+        .unwrap();
+    let mut stream = client(server.local_addr());
+    stream.write_all(b"secret please").unwrap();
+    let mut received = Vec::new();
+    let _ = stream.read_to_end(&mut received);
+    assert_eq!(
+        received, b"denied 403\n",
+        "the peer should see the denial text and nothing of the response"
+    );
+    assert_eq!(recorder.single_close(SOON), CloseReason::EgressDenied(403));
+}
+
+#[test]
+fn an_exchange_deadline_can_answer_before_the_connection_closes() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(1)
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(Polite))
+        .allow_all()
+        .build()
+        .unwrap();
+    let mut stream = client(server.local_addr());
+    // The deadline's close is abortive, so the answer is followed by an RST rather than a FIN.
+    let mut received = Vec::new();
+    let _ = stream.read_to_end(&mut received);
+    assert_eq!(
+        received, b"too slow, goodbye\n",
+        "the answer to the timeout was lost"
+    );
+    assert_eq!(recorder.single_close(SOON), CloseReason::ExchangeDeadline);
+}
+
+struct Echo;
+
+impl Session for Echo {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        let taken = context.output().push_partial(input.bytes());
+        input.consume(taken);
+        Step::Write
+    }
+}
+
+#[test]
+fn a_burst_of_new_connections_does_not_stall_an_established_one() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(2)
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .max_connections(2)
+                .max_per_source(2),
+        )
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(Echo))
+        .allow_all()
+        .build()
+        .unwrap();
+    let address = server.local_addr();
+    let mut established = client(address);
+    assert_eq!(round_trip(&mut established, b"warm"), b"warm");
+    let burst = std::thread::spawn(move || {
+        let mut streams = Vec::new();
+        for _ in 0..300 {
+            if let Ok(stream) = std::net::TcpStream::connect(address) {
+                streams.push(stream);
+            }
+        }
+        streams.len()
+    });
+    let mut slowest = Duration::ZERO;
+    for round in 0..200u32 {
+        let started = Instant::now();
+        let message = round.to_be_bytes();
+        assert_eq!(round_trip(&mut established, &message), message);
+        slowest = slowest.max(started.elapsed());
+    }
+    let connected = burst.join().unwrap();
+    assert!(connected > 0);
+    // Generous: on a loaded 2-core machine a round trip can take milliseconds, but never a second.
+    assert!(
+        slowest < Duration::from_secs(1),
+        "an established connection stalled for {slowest:?} during the burst"
+    );
+}
+
+/// Allows the first `allowed` write calls and denies the rest, counting every check.
+struct CountingGate {
+    checks: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    allowed: usize,
+}
+
+impl Gate for CountingGate {
+    type Ticket = ();
+
+    fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
+        Ok(Admission {
+            ticket: (),
+            lane: Lane::DEFAULT,
+        })
+    }
+
+    fn check(&self, _ticket: &(), _write: &WriteFacts) -> Verdict {
+        let seen = self
+            .checks
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if seen < self.allowed {
+            Verdict::Allow
+        } else {
+            Verdict::Deny(9)
+        }
+    }
+}
+
+/// Answers any input with 130 separate static chunks of 100 bytes, each filled with its index.
+struct Chunks;
+
+static CHUNK_BYTES: [[u8; 100]; 130] = {
+    let mut chunks = [[0u8; 100]; 130];
+    let mut index = 0;
+    while index < 130 {
+        chunks[index] = [index as u8; 100];
+        index += 1;
+    }
+    chunks
+};
+
+impl Session for Chunks {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        input.consume_all();
+        for chunk in &CHUNK_BYTES {
+            if context.output().push_static(chunk).is_err() {
+                return Step::Abort;
+            }
+        }
+        Step::Write
+    }
+
+    fn on_denied(&mut self, _code: u16, output: &mut Output) {
+        let _ = output.push(b"denied\n");
+    }
+}
+
+fn chunk_server(recorder: &Recorder, gate: CountingGate) -> net_io_blocking::Server {
+    ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(1)
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(Chunks))
+        .gate(gate)
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn more_than_64_chunks_go_out_in_order_over_several_gate_checked_writes() {
+    let recorder = Recorder::default();
+    let checks = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let server = chunk_server(
+        &recorder,
+        CountingGate {
+            checks: checks.clone(),
+            allowed: usize::MAX,
+        },
+    );
+    let mut stream = client(server.local_addr());
+    stream.write_all(b"go").unwrap();
+    let mut received = vec![0u8; 130 * 100];
+    stream.read_exact(&mut received).unwrap();
+    for (index, chunk) in received.chunks(100).enumerate() {
+        assert!(
+            chunk.iter().all(|&byte| byte == index as u8),
+            "chunk {index} arrived out of order or torn"
+        );
+    }
+    assert!(
+        checks.load(std::sync::atomic::Ordering::SeqCst) >= 3,
+        "130 chunks need at least three write calls, each checked by the gate"
+    );
+}
+
+#[test]
+fn a_denial_in_the_middle_of_a_response_resets_without_denial_text() {
+    let recorder = Recorder::default();
+    let server = chunk_server(
+        &recorder,
+        CountingGate {
+            checks: std::sync::Arc::default(),
+            allowed: 1,
+        },
+    );
+    let mut stream = client(server.local_addr());
+    stream.write_all(b"go").unwrap();
+    let mut received = Vec::new();
+    let _ = stream.read_to_end(&mut received);
+    assert!(
+        !received.windows(6).any(|window| window == b"denied"),
+        "denial text was sent after part of the response"
+    );
+    assert!(
+        received.len() < 130 * 100,
+        "the denied rest of the response reached the peer"
+    );
+    assert_eq!(recorder.single_close(SOON), CloseReason::EgressDenied(9));
+}

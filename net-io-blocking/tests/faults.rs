@@ -1,0 +1,154 @@
+//! Fault injection through the `net_io_shim` cfg: accept errors of every class, a failing `recv`, spurious
+//! `EAGAIN` and `EINTR`. Run with `RUSTFLAGS="--cfg net_io_shim" cargo test -p net-io-blocking --test faults`.
+//!
+//! The shim's faults are process-wide, so every scenario runs in one test, one after another.
+
+#![cfg(net_io_shim)]
+
+mod common;
+
+use std::io::{Read, Write};
+use std::time::Duration;
+
+use common::{Recorder, SOON, client, eventually, round_trip};
+use net_io_blocking::{
+    CloseReason, ConnectionInfo, Event, Input, Limits, Server, ServerBuilder, Session,
+    SessionContext, Step,
+};
+use net_io_sys::shim;
+
+struct Echo;
+
+impl Session for Echo {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        let taken = context.output().push_partial(input.bytes());
+        input.consume(taken);
+        Step::Write
+    }
+}
+
+fn server(recorder: &Recorder) -> Server {
+    ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(2)
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(Echo))
+        .allow_all()
+        .build()
+        .expect("the test server should start")
+}
+
+fn has_event(recorder: &Recorder, wanted: impl Fn(&Event) -> bool) -> bool {
+    eventually(SOON, || recorder.events().iter().any(&wanted))
+}
+
+fn a_per_connection_accept_error_is_counted_and_the_next_connection_served() {
+    let recorder = Recorder::default();
+    let server = server(&recorder);
+    shim::inject("accept4", 0, 1, libc::ECONNABORTED);
+    let _lost = std::net::TcpStream::connect(server.local_addr()).unwrap();
+    assert!(has_event(&recorder, |event| matches!(
+        event,
+        Event::AcceptError { .. }
+    )));
+    let mut stream = client(server.local_addr());
+    assert_eq!(round_trip(&mut stream, b"next"), b"next");
+}
+
+fn a_kernel_memory_shortage_pauses_accepting_then_resumes() {
+    let recorder = Recorder::default();
+    let server = server(&recorder);
+    shim::inject("accept4", 0, 3, libc::ENOBUFS);
+    let mut stream = client(server.local_addr());
+    assert_eq!(
+        round_trip(&mut stream, b"later"),
+        b"later",
+        "accepting did not resume after ENOBUFS"
+    );
+}
+
+fn descriptor_pressure_sheds_one_connection_and_then_serves() {
+    let recorder = Recorder::default();
+    let server = server(&recorder);
+    shim::inject("accept4", 0, 1, libc::EMFILE);
+    let mut shed = client(server.local_addr());
+    assert!(
+        common::is_closed_by_server(&mut shed),
+        "the shed connection was served"
+    );
+    assert!(has_event(&recorder, |event| matches!(
+        event,
+        Event::DescriptorPressure { .. }
+    )));
+    assert_eq!(server.stats().descriptor_pressure, 1);
+    let mut stream = client(server.local_addr());
+    assert_eq!(round_trip(&mut stream, b"after"), b"after");
+}
+
+fn a_broken_listener_stops_accepting_without_spinning() {
+    let recorder = Recorder::default();
+    let server = server(&recorder);
+    shim::inject("accept4", 0, 1, libc::EBADF);
+    let _stream = std::net::TcpStream::connect(server.local_addr()).unwrap();
+    assert!(has_event(&recorder, |event| matches!(
+        event,
+        Event::ListenerFailed { .. }
+    )));
+    let calls = shim::calls("accept4");
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        shim::calls("accept4"),
+        calls,
+        "the failed listener kept calling accept4"
+    );
+}
+
+fn a_failing_recv_closes_only_its_connection() {
+    let recorder = Recorder::default();
+    let server = server(&recorder);
+    let mut other = client(server.local_addr());
+    assert_eq!(round_trip(&mut other, b"warm"), b"warm");
+    // Let the other connection's worker enter its blocking recv first, so the fault hits the new one.
+    std::thread::sleep(Duration::from_millis(100));
+    shim::inject("recv", 0, 1, libc::ECONNRESET);
+    let mut victim = client(server.local_addr());
+    victim.write_all(b"x").ok();
+    let closes = recorder.wait_for_closes(1, SOON);
+    assert!(
+        matches!(closes[0].1, CloseReason::PeerReset),
+        "got {:?}",
+        closes[0].1
+    );
+    let mut reply = [0u8; 5];
+    other.write_all(b"alive").unwrap();
+    other.read_exact(&mut reply).unwrap();
+    assert_eq!(&reply, b"alive");
+}
+
+fn spurious_eagain_and_eintr_are_retried() {
+    let recorder = Recorder::default();
+    let server = server(&recorder);
+    let mut stream = client(server.local_addr());
+    assert_eq!(round_trip(&mut stream, b"warm"), b"warm");
+    shim::inject("send", 0, 1, libc::EAGAIN);
+    assert_eq!(round_trip(&mut stream, b"again"), b"again");
+    shim::inject("recv", 0, 1, libc::EINTR);
+    assert_eq!(round_trip(&mut stream, b"intr"), b"intr");
+    shim::inject("recv", 0, 1, libc::EAGAIN);
+    assert_eq!(round_trip(&mut stream, b"spurious"), b"spurious");
+    assert!(
+        recorder.closes().is_empty(),
+        "a retried error closed the connection"
+    );
+}
+
+#[test]
+fn injected_faults_close_or_pause_only_what_they_hit() {
+    a_per_connection_accept_error_is_counted_and_the_next_connection_served();
+    a_kernel_memory_shortage_pauses_accepting_then_resumes();
+    descriptor_pressure_sheds_one_connection_and_then_serves();
+    a_broken_listener_stops_accepting_without_spinning();
+    a_failing_recv_closes_only_its_connection();
+    spurious_eagain_and_eintr_are_retried();
+}
