@@ -273,3 +273,11 @@ fn sampling_with_a_seed_is_repeatable_and_the_seed_matters() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn stages_and_pipelines_can_move_to_another_thread() {
+    fn movable<T: Send>() {}
+    movable::<Stage>();
+    movable::<Pipeline>();
+    movable::<Sampler>();
+}
