@@ -304,6 +304,9 @@ impl Stage {
     /// Runs one chunk on `lane` starting at absolute `position`, which must equal the lane's length.
     /// A prefill is a chunk of many rows; a decode step is a chunk of one. The last stage returns the
     /// logit rows `logits` asks for; other stages return one activation row per input row.
+    ///
+    /// Cost: the weights are read once per chunk, so long chunks amortise them; attention needs
+    /// `heads x rows x (position + rows)` f32 scores at once, so callers bound `rows` (a few hundred).
     pub fn forward(
         &mut self,
         lane: usize,
