@@ -89,6 +89,7 @@ pub fn run(arguments: &[String]) -> Result<()> {
     let best_backends = llama_ref::library_dir();
     let haswell_backends = llama_ref::forced_variant_dir("haswell")?;
 
+    let load_before = load_average();
     let mut report = String::new();
     let mut tables = String::new();
     for model in present {
@@ -153,11 +154,13 @@ pub fn run(arguments: &[String]) -> Result<()> {
         tables.push_str(&table);
         tables.push('\n');
     }
+    let load_after = load_average();
     let _ = write!(
         report,
         "# Model speed: stage-server beside llama.cpp\n\n\
          Command: `cargo xtask bench model --rounds {rounds}` (llama.cpp libraries: {}).\n\n\
-         Machine: {}; kernel {}; commit {}; {}.\n\
+         Machine: {}; kernel {}; commit {}; {}; 1/5/15-minute load average {load_before} before and \
+         {load_after} after the run.\n\
          Other helpers were building and testing on the same 2 cores during the run, so absolute figures are \
          noisy; the runners were interleaved round by round, so the ratios are fairer than the absolutes.\n\n\
          ## Method\n\n\
@@ -399,6 +402,18 @@ fn ratio(numerator: f64, denominator: f64) -> f64 {
     } else {
         0.0
     }
+}
+
+/// The first three fields of /proc/loadavg: how busy the machine was.
+fn load_average() -> String {
+    fs::read_to_string("/proc/loadavg")
+        .map(|text| {
+            text.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_else(|_| "unknown".to_owned())
 }
 
 /// The CPU model and count, from lscpu.
