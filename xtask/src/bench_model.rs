@@ -90,7 +90,6 @@ pub fn run(arguments: &[String]) -> Result<()> {
     let haswell_backends = llama_ref::forced_variant_dir("haswell")?;
 
     let load_before = load_average();
-    let mut report = String::new();
     let mut tables = String::new();
     for model in present {
         let path = model_dir.join(model.file_name);
@@ -153,14 +152,21 @@ pub fn run(arguments: &[String]) -> Result<()> {
         println!("{table}");
         tables.push_str(&table);
         tables.push('\n');
+        write_report(rounds, &load_before, &tables)?;
     }
-    let load_after = load_average();
+    Ok(())
+}
+
+/// Writes docs/performance/model.md with the tables so far (called after every model, so a long run that is
+/// cut short still leaves its finished models on disk).
+fn write_report(rounds: usize, load_before: &str, tables: &str) -> Result<()> {
+    let mut report = String::new();
     let _ = write!(
         report,
         "# Model speed: stage-server beside llama.cpp\n\n\
          Command: `cargo xtask bench model --rounds {rounds}` (llama.cpp libraries: {}).\n\n\
          Machine: {}; kernel {}; commit {}; {}; 1/5/15-minute load average {load_before} before and \
-         {load_after} after the run.\n\
+         {} at the latest write.\n\
          Other helpers were building and testing on the same 2 cores during the run, so absolute figures are \
          noisy; the runners were interleaved round by round, so the ratios are fairer than the absolutes.\n\n\
          ## Method\n\n\
@@ -186,6 +192,7 @@ pub fn run(arguments: &[String]) -> Result<()> {
         command_output("uname", &["-r"]),
         command_output("git", &["rev-parse", "--short", "HEAD"]),
         command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
+        load_average(),
         DECODE_TOKENS + 1,
         PROMPT_TOKENS + DECODE_TOKENS,
     );
