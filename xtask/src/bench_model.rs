@@ -89,7 +89,7 @@ pub fn run(arguments: &[String]) -> Result<()> {
     let best_backends = llama_ref::library_dir();
     let haswell_backends = llama_ref::forced_variant_dir("haswell")?;
 
-    let mut report = String::new();
+    let load_before = load_average();
     let mut tables = String::new();
     for model in present {
         let path = model_dir.join(model.file_name);
@@ -152,12 +152,21 @@ pub fn run(arguments: &[String]) -> Result<()> {
         println!("{table}");
         tables.push_str(&table);
         tables.push('\n');
+        write_report(rounds, &load_before, &tables)?;
     }
+    Ok(())
+}
+
+/// Writes docs/performance/model.md with the tables so far (called after every model, so a long run that is
+/// cut short still leaves its finished models on disk).
+fn write_report(rounds: usize, load_before: &str, tables: &str) -> Result<()> {
+    let mut report = String::new();
     let _ = write!(
         report,
         "# Model speed: stage-server beside llama.cpp\n\n\
          Command: `cargo xtask bench model --rounds {rounds}` (llama.cpp libraries: {}).\n\n\
-         Machine: {}; kernel {}; commit {}; {}.\n\
+         Machine: {}; kernel {}; commit {}; {}; 1/5/15-minute load average {load_before} before and \
+         {} at the latest write.\n\
          Other helpers were building and testing on the same 2 cores during the run, so absolute figures are \
          noisy; the runners were interleaved round by round, so the ratios are fairer than the absolutes.\n\n\
          ## Method\n\n\
@@ -183,6 +192,7 @@ pub fn run(arguments: &[String]) -> Result<()> {
         command_output("uname", &["-r"]),
         command_output("git", &["rev-parse", "--short", "HEAD"]),
         command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
+        load_average(),
         DECODE_TOKENS + 1,
         PROMPT_TOKENS + DECODE_TOKENS,
     );
@@ -399,6 +409,18 @@ fn ratio(numerator: f64, denominator: f64) -> f64 {
     } else {
         0.0
     }
+}
+
+/// The first three fields of /proc/loadavg: how busy the machine was.
+fn load_average() -> String {
+    fs::read_to_string("/proc/loadavg")
+        .map(|text| {
+            text.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_else(|_| "unknown".to_owned())
 }
 
 /// The CPU model and count, from lscpu.
