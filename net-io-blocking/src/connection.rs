@@ -164,7 +164,7 @@ impl<'a> TcpConnection<'a> {
         if idle {
             self.link().owner().set_idle(true);
         }
-        let received = self.link().receive(buffer, Some(deadline));
+        let received = self.link().receive(buffer, Some(deadline), now);
         if idle {
             self.link().owner().set_idle(false);
         }
@@ -172,7 +172,7 @@ impl<'a> TcpConnection<'a> {
             Received::Data(count) => {
                 if idle {
                     self.receiving = true;
-                    self.link().set_busy(Direction::In, true);
+                    self.link().start_busy(Direction::In);
                 }
                 Ok(count)
             }
@@ -210,10 +210,11 @@ impl<'a> TcpConnection<'a> {
         }
         let write_timeout = self.limits.write_timeout;
         let exchange = self.exchange_deadline;
-        self.link().set_busy(Direction::In, false);
-        self.link().set_busy(Direction::Out, true);
-        let sent = self.link().send_all(bytes, write_timeout, exchange);
-        self.link().set_busy(Direction::Out, false);
+        let now = self.link().now();
+        self.link().stop_busy(Direction::In);
+        self.link().start_busy_at(Direction::Out, now);
+        let sent = self.link().send_all(bytes, write_timeout, exchange, now);
+        self.link().stop_busy(Direction::Out);
         self.receiving = false;
         let exchange_passed = exchange.is_some_and(|exchange| self.link().now() >= exchange);
         match sent {
