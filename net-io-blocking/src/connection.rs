@@ -293,6 +293,7 @@ impl TcpConnection<'static> {
             reason_for_code(code)
         };
         link.close(
+            self.info.id.get(),
             !reason.is_abortive(),
             self.limits.linger_timeout,
             self.limits.linger_bytes,
@@ -324,11 +325,13 @@ pub fn connect(address: SocketAddr, limits: &Limits) -> Result<TcpConnection<'st
     let id = ConnectionId::new(raw_id).ok_or(NetError::ServerStopped)?;
     let slot = Arc::new(KillSlot::new());
     let wake = Arc::new(EventFd::new()?);
+    let linger = Arc::new(AtomicU64::new(0));
     let mut owner = SlotOwner::claim(Arc::clone(&slot)).ok_or(NetError::ServerStopped)?;
     owner.occupy(raw_id, socket);
     let link = Link::new(
         owner,
         Arc::clone(&wake),
+        Arc::clone(&linger),
         crate::clock::system(),
         resolved.tick,
         resolved.min_rate,
@@ -341,7 +344,12 @@ pub fn connect(address: SocketAddr, limits: &Limits) -> Result<TcpConnection<'st
         limits: resolved,
         check: None,
         core: None,
-        kill: KillHandle { slot, wake, id },
+        kill: KillHandle {
+            slot,
+            wake,
+            linger,
+            id,
+        },
         prefix: &[],
         receiving: false,
         terminal: None,
@@ -364,6 +372,7 @@ impl Drop for TcpConnection<'_> {
                 reason_for_code(code)
             };
             link.close(
+                self.info.id.get(),
                 !reason.is_abortive(),
                 self.limits.linger_timeout,
                 self.limits.linger_bytes,

@@ -16,6 +16,7 @@ use std::io::{self, IoSlice};
 use std::net::Shutdown;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use net_io_core::{Direction, MinRateRule, Output, Verdict};
@@ -69,6 +70,10 @@ pub(crate) enum Sent {
 pub(crate) struct Link {
     owner: SlotOwner,
     wake: Arc<EventFd>,
+    /// The id of the connection whose graceful close is lingering, 0 otherwise. The kill slot is already
+    /// closing then, so a killer cannot win it; instead it swaps this word to 0 and wakes us, and the linger
+    /// ends at once with an RST.
+    linger: Arc<AtomicU64>,
     clock: SharedClock,
     tick: Duration,
     armed: Option<Duration>,
@@ -85,6 +90,7 @@ impl Link {
     pub(crate) fn new(
         owner: SlotOwner,
         wake: Arc<EventFd>,
+        linger: Arc<AtomicU64>,
         clock: SharedClock,
         tick: Duration,
         min_rate: Option<MinRateRule>,
@@ -93,6 +99,7 @@ impl Link {
         Self {
             owner,
             wake,
+            linger,
             clock,
             tick,
             armed: None,
@@ -378,16 +385,25 @@ impl Link {
         Ok(woken)
     }
 
-    /// Closes the connection: FIN and a bounded linger read when `graceful`, RST otherwise.
+    /// Closes connection `id`: FIN and a bounded linger read when `graceful`, RST otherwise.
     ///
     /// The slot must already be closing (the caller called `begin_close`). The linger read is skipped when
-    /// the peer already closed or nothing is waiting to be read.
-    pub(crate) fn close(&mut self, graceful: bool, linger_timeout: Duration, linger_bytes: usize) {
+    /// the peer already closed or nothing is waiting to be read; a kill during the linger ends it with an RST.
+    pub(crate) fn close(
+        &mut self,
+        id: u64,
+        graceful: bool,
+        linger_timeout: Duration,
+        linger_bytes: usize,
+    ) {
         if let Ok(socket) = self.socket() {
             if graceful {
                 let _ = socket::shutdown(socket, Shutdown::Write);
-                if !self.eof_seen {
-                    self.linger(linger_timeout, linger_bytes);
+                if !self.eof_seen
+                    && self.linger(id, linger_timeout, linger_bytes) == Lingered::Killed
+                    && let Ok(socket) = self.socket()
+                {
+                    let _ = socket::set_linger(socket, Linger::Abortive);
                 }
             } else {
                 let _ = socket::set_linger(socket, Linger::Abortive);
@@ -399,37 +415,61 @@ impl Link {
 
     /// Reads and discards what the peer still sends after our FIN, so that closing with unread data does not
     /// turn into an RST that could destroy our last reply in flight.
-    fn linger(&mut self, timeout: Duration, max_bytes: usize) {
+    ///
+    /// Waits on the socket and the worker's wake together, so a kill (which swaps the linger word away from
+    /// `id` and signals the wake) ends the linger at once.
+    fn linger(&mut self, id: u64, timeout: Duration, max_bytes: usize) -> Lingered {
         let mut scratch = [0u8; 1024];
         let Ok(socket) = self.socket() else {
-            return;
+            return Lingered::Done;
         };
         match socket::recv_nonblocking(socket, &mut scratch) {
-            Ok(0) => return,
-            Ok(count) if count >= max_bytes => return,
+            Ok(0) => return Lingered::Done,
+            Ok(count) if count >= max_bytes => return Lingered::Done,
             Ok(_) => {}
             // Nothing waiting: a close now sends FIN with an empty receive queue.
-            Err(_) => return,
+            Err(_) => return Lingered::Done,
         }
+        // From here until the swap below a killer can cut the linger short.
+        self.linger.store(id, Ordering::Release);
         let end = Instant::now() + timeout;
         let mut discarded = 0usize;
-        while discarded < max_bytes {
+        while discarded < max_bytes && self.linger.load(Ordering::Acquire) == id {
             let left = end.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return;
-            }
-            if self.arm(Some(left)).is_err() {
-                return;
+                break;
             }
             let Ok(socket) = self.socket() else {
-                return;
+                break;
             };
-            match socket::recv(socket, &mut scratch) {
-                Ok(0) => return,
-                Ok(count) => discarded += count,
-                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => return,
+            match wait::wait(socket, Interest::Readable, Some(self.wake_fd()), Some(left)) {
+                Ok(Readiness::Socket) => {}
+                Ok(Readiness::Woken) => {
+                    let _ = self.wake.drain();
+                    continue;
+                }
+                Ok(Readiness::TimedOut) | Err(_) => break,
             }
+            let Ok(socket) = self.socket() else {
+                break;
+            };
+            match socket::recv_nonblocking(socket, &mut scratch) {
+                Ok(0) => break,
+                Ok(count) => discarded += count,
+                Err(error)
+                    if matches!(
+                        error.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) => {}
+                Err(_) => break,
+            }
+        }
+        // Whoever takes the word first decides: a killer that already swapped it makes the close abortive,
+        // and one that comes after this swap finds 0 and does nothing.
+        if self.linger.swap(0, Ordering::AcqRel) == id {
+            Lingered::Done
+        } else {
+            Lingered::Killed
         }
     }
 
@@ -510,6 +550,15 @@ impl Link {
         self.armed = wanted;
         Ok(())
     }
+}
+
+/// How a linger ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lingered {
+    /// The peer closed, went quiet past the linger timeout, sent too much, or failed.
+    Done,
+    /// A kill arrived during the linger: the close must be an RST.
+    Killed,
 }
 
 /// The write deadline of one send: "no progress for `progress_timeout`", capped by a hard deadline.
