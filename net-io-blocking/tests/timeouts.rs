@@ -1,5 +1,5 @@
-//! Deadlines by phase for blocking handlers: idle between exchanges, read once a request started, and a
-//! per-connection idle override.
+//! Deadlines by phase: idle between exchanges, read once a request started and a per-connection idle
+//! override for handlers; the write and exchange deadlines a session is asked about with `on_timeout`.
 
 mod common;
 
@@ -229,6 +229,8 @@ fn a_slow_but_steady_reader_is_not_cut_off_by_the_write_deadline() {
 /// `Step::Write` (carry on) for the first `carry_on` deadlines, then `Step::Close`.
 struct Stubborn {
     carry_on: usize,
+    /// An exchange deadline set at open, this long from then.
+    exchange: Option<Duration>,
     seen: std::sync::Arc<std::sync::Mutex<Vec<net_io_blocking::TimeoutKind>>>,
     closed_with: std::sync::Arc<std::sync::Mutex<Option<CloseReason>>>,
 }
@@ -238,6 +240,10 @@ impl net_io_blocking::Session for Stubborn {
         &mut self,
         context: &mut net_io_blocking::SessionContext<'_>,
     ) -> net_io_blocking::Step {
+        if let Some(exchange) = self.exchange {
+            let deadline = context.now() + exchange;
+            context.set_exchange_deadline(Some(deadline));
+        }
         let _ = context.output().push_static(&[b's'; 512 * 1024]);
         net_io_blocking::Step::Write
     }
@@ -274,6 +280,7 @@ impl net_io_blocking::Session for Stubborn {
 /// close reason the recorder saw and the one the session was told.
 fn stubborn_run(
     carry_on: usize,
+    exchange: Option<Duration>,
 ) -> (
     Vec<net_io_blocking::TimeoutKind>,
     CloseReason,
@@ -299,6 +306,7 @@ fn stubborn_run(
         .sessions(move |_info: &net_io_blocking::ConnectionInfo| {
             Some(Stubborn {
                 carry_on,
+                exchange,
                 seen: seen_in_factory.clone(),
                 closed_with: closed_in_factory.clone(),
             })
@@ -322,7 +330,7 @@ fn stubborn_run(
 
 #[test]
 fn a_session_is_asked_at_the_write_deadline_and_its_close_keeps_the_write_timeout_reason() {
-    let (seen, reason, closed_with, _) = stubborn_run(0);
+    let (seen, reason, closed_with, _) = stubborn_run(0, None);
     assert_eq!(
         seen,
         [net_io_blocking::TimeoutKind::Write],
@@ -342,7 +350,7 @@ fn a_session_is_asked_at_the_write_deadline_and_its_close_keeps_the_write_timeou
 
 #[test]
 fn a_session_that_carries_on_past_a_write_deadline_gets_a_fresh_one() {
-    let (seen, reason, _, took) = stubborn_run(2);
+    let (seen, reason, _, took) = stubborn_run(2, None);
     assert_eq!(
         seen,
         [net_io_blocking::TimeoutKind::Write; 3],
@@ -354,4 +362,20 @@ fn a_session_that_carries_on_past_a_write_deadline_gets_a_fresh_one() {
         took >= Duration::from_millis(500),
         "three write deadlines passed in {took:?}; carrying on did not restart the deadline"
     );
+}
+
+#[test]
+fn a_session_is_asked_at_an_exchange_deadline_that_passes_during_a_write() {
+    let (seen, reason, closed_with, _) = stubborn_run(0, Some(Duration::from_millis(100)));
+    assert_eq!(
+        seen,
+        [net_io_blocking::TimeoutKind::Exchange],
+        "on_timeout was not called exactly once, for the exchange deadline"
+    );
+    assert_eq!(
+        reason,
+        CloseReason::ExchangeDeadline,
+        "Step::Close after an exchange deadline replaced the deadline's reason"
+    );
+    assert_eq!(closed_with, Some(CloseReason::ExchangeDeadline));
 }
