@@ -1041,7 +1041,8 @@ fn render_report(
     );
     let _ = writeln!(
         out,
-        "- Load average (1, 5, 15 min) before: {load_before}; after: {load_after}. Run took {:.0} s.",
+        "- Load average (1, 5, 15 min) before: {load_before}; after: {load_after} (the figure after can jump \
+         with the benchmark's own momentary wake-ups, such as 5,000 workers stopping at once). Run took {:.0} s.",
         elapsed.as_secs_f64()
     );
     let _ = writeln!(
