@@ -5,13 +5,16 @@
 //! string methods (`.strip()`, `.startswith()` ...), which minijinja-contrib's pycompat layer supplies.
 //! Gemma files carry no template; like llama.cpp, a gemma architecture gets a built-in one.
 //!
-//! The rendered text holds control tokens as text: encode it with `parse_special = true`. Whether to
-//! also pass `add_special` depends on the template: one that writes `{{ bos_token }}` itself must not get a
-//! second BOS from the tokenizer.
+//! The rendered text holds control tokens as text: encode it with `parse_special = true`.
+//! [`ChatTemplate::prompt_ids`] does what llama.cpp does: render, drop a leading BOS text when the tokenizer
+//! adds BOS itself (and a trailing EOS text when it adds EOS), then encode with `add_special` and
+//! `parse_special`, so a template that writes `{{ bos_token }}` does not yield two BOS tokens.
 
 use candle_core::quantized::gguf_file::{Content, Value};
 use minijinja::{Environment, ErrorKind};
 use serde::Serialize;
+
+use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// Why a chat template could not be loaded or rendered.
 #[derive(Debug, thiserror::Error)]
@@ -25,6 +28,9 @@ pub enum ChatError {
     /// The template failed while rendering, or rejected the conversation with `raise_exception`.
     #[error("the chat template could not render this conversation: {0}")]
     Render(String),
+    /// The rendered prompt could not be tokenized.
+    #[error("the rendered chat prompt could not be tokenized: {0}")]
+    Tokenize(#[from] TokenizerError),
     /// A metadata key holds a value of the wrong type.
     #[error("metadata key `{key}` should be {expected}; the file is malformed")]
     WrongType {
@@ -206,6 +212,28 @@ impl ChatTemplate {
                 eos_token => &self.eos_token,
             })
             .map_err(|error| ChatError::Render(describe(&error)))
+    }
+
+    /// Renders the conversation and tokenizes it as llama.cpp's chat path does (see the module docs).
+    pub fn prompt_ids(
+        &self,
+        tokenizer: &Tokenizer,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, ChatError> {
+        let rendered = self.render(messages, add_generation_prompt)?;
+        let mut prompt = rendered.as_str();
+        if tokenizer.add_bos() && !self.bos_token.is_empty() {
+            prompt = prompt
+                .strip_prefix(self.bos_token.as_str())
+                .unwrap_or(prompt);
+        }
+        if tokenizer.add_eos() && !self.eos_token.is_empty() {
+            prompt = prompt
+                .strip_suffix(self.eos_token.as_str())
+                .unwrap_or(prompt);
+        }
+        Ok(tokenizer.encode(prompt, true, true)?)
     }
 
     /// Whether the template came from the file or is built in.

@@ -173,3 +173,47 @@ fn smollm2_file_template_renders_to_its_control_token_ids() {
         "the prompt starts with <|im_start|>, with no BOS"
     );
 }
+
+#[test]
+fn a_template_that_writes_bos_does_not_double_the_tokenizers_bos() {
+    let mut tokens: Vec<Value> = ["<unk>", "<s>", "</s>"]
+        .iter()
+        .map(|t| Value::String(t.to_string()))
+        .collect();
+    let mut types = vec![Value::I32(2), Value::I32(3), Value::I32(3)];
+    for byte in 0..=255u8 {
+        tokens.push(Value::String(format!("<0x{byte:02X}>")));
+        types.push(Value::I32(6));
+    }
+    let content = gguf(vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("tokenizer.ggml.model", Value::String("llama".into())),
+        ("tokenizer.ggml.tokens", Value::Array(tokens)),
+        ("tokenizer.ggml.token_type", Value::Array(types)),
+        ("tokenizer.ggml.bos_token_id", Value::U32(1)),
+        ("tokenizer.ggml.eos_token_id", Value::U32(2)),
+        (
+            "tokenizer.chat_template",
+            Value::String(
+                "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}".into(),
+            ),
+        ),
+    ]);
+    let tokenizer = Tokenizer::from_gguf(&content).unwrap();
+    let template = ChatTemplate::from_gguf(&content).unwrap().unwrap();
+    assert_eq!(
+        template
+            .render(&[ChatMessage::new("user", "A")], false)
+            .unwrap(),
+        "<s>A"
+    );
+    let ids = template
+        .prompt_ids(&tokenizer, &[ChatMessage::new("user", "A")], false)
+        .unwrap();
+    assert_eq!(
+        ids.iter().filter(|&&id| id == 1).count(),
+        1,
+        "expected exactly one BOS in {ids:?}"
+    );
+    assert_eq!(ids[0], 1, "BOS comes first");
+}

@@ -15,6 +15,8 @@ struct Fixture {
 struct ModelCases {
     bos: u32,
     eos: u32,
+    end_of_generation: Vec<u32>,
+    control_tokens: usize,
     cases: Vec<Case>,
 }
 
@@ -70,6 +72,18 @@ fn check_model(name: &str) {
         tokenizer.eos(),
         Some(expected.eos),
         "EOS id differs from llama.cpp's"
+    );
+    assert_eq!(
+        tokenizer.end_of_generation_ids(),
+        expected.end_of_generation,
+        "the end-of-generation ids differ from llama.cpp's"
+    );
+    let control = (0..tokenizer.vocab_size() as u32)
+        .filter(|&id| tokenizer.is_control(id))
+        .count();
+    assert_eq!(
+        control, expected.control_tokens,
+        "the number of control tokens differs from llama.cpp's"
     );
     let mut mismatches = Vec::new();
     for case in &expected.cases {
@@ -151,4 +165,33 @@ fn smollm2_streaming_random_ids_equals_decode() {
 #[test]
 fn gemma3_streaming_random_ids_equals_decode() {
     stream_matches_decode_on_random_ids("gemma-3-270m-q4_k_m.gguf");
+}
+
+/// The reference prompt with `add_special`: SmolLM2 adds no BOS, gemma does (ids from the llama.cpp notes).
+#[test]
+fn the_reference_prompt_encodes_with_each_models_bos_rule() {
+    let prompt = "The capital of France is";
+    if let Some(tokenizer) = load("SmolLM2-135M-Instruct.Q4_1.gguf") {
+        assert!(!tokenizer.add_bos(), "SmolLM2 sets add_bos_token = false");
+        assert_eq!(
+            tokenizer.encode(prompt, true, false).unwrap(),
+            [504, 3575, 282, 4649, 314]
+        );
+        assert!(
+            tokenizer.is_end_of_generation(2),
+            "<|im_end|> ends a SmolLM2 turn"
+        );
+    }
+    if let Some(tokenizer) = load("gemma-3-270m-q4_k_m.gguf") {
+        assert!(tokenizer.add_bos(), "gemma adds BOS");
+        assert_eq!(
+            tokenizer.encode(prompt, true, false).unwrap(),
+            [2, 818, 5279, 529, 7001, 563]
+        );
+        assert!(
+            tokenizer.is_end_of_generation(106),
+            "<end_of_turn> ends a gemma turn"
+        );
+        assert!(tokenizer.is_end_of_generation(1), "<eos> ends generation");
+    }
 }

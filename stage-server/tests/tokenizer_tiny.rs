@@ -324,7 +324,7 @@ fn a_file_without_a_tokenizer_is_a_clear_error() {
 fn unsupported_and_malformed_tokenizers_are_clear_errors() {
     let mut unknown_model = bpe_metadata("smollm");
     unknown_model[1] = ("tokenizer.ggml.model", text("t5"));
-    let unknown_pre = bpe_metadata("qwen2");
+    let unknown_pre = bpe_metadata("deepseek-coder");
     let mut short_types = bpe_metadata("smollm");
     short_types[4] = (
         "tokenizer.ggml.token_type",
@@ -396,4 +396,88 @@ proptest! {
         joined.push_str(&stream.finish());
         prop_assert_eq!(joined, tokenizer.decode(&ids));
     }
+}
+
+#[test]
+fn tokenizers_and_templates_can_be_shared_between_threads() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Tokenizer>();
+    shareable::<stage_server::chat::ChatTemplate>();
+    let tokenizer = std::sync::Arc::new(bpe());
+    let handles: Vec<_> = (0..2)
+        .map(|_| {
+            let tokenizer = tokenizer.clone();
+            std::thread::spawn(move || tokenizer.encode("the sing", false, false).unwrap())
+        })
+        .collect();
+    let results: Vec<Vec<u32>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(
+        results[0], results[1],
+        "two threads encoding the same text disagree"
+    );
+}
+
+#[test]
+fn debug_output_is_a_summary_not_the_vocabulary() {
+    let text = format!("{:?}", bpe());
+    assert!(
+        text.len() < 400,
+        "Debug printed {} bytes: {text}",
+        text.len()
+    );
+    insta::assert_snapshot!("tokenizer_debug", text);
+}
+
+/// Metadata straight into a `Content`, for fuzzing without the writer's cost.
+fn content(metadata: Vec<(&str, Value)>) -> Content {
+    Content {
+        magic: gguf_file::VersionedMagic::GgufV3,
+        metadata: metadata
+            .into_iter()
+            .map(|(key, value)| (key.to_string(), value))
+            .collect(),
+        tensor_infos: Default::default(),
+        tensor_data_offset: 0,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, .. ProptestConfig::default() })]
+
+    #[test]
+    fn arbitrary_vocabularies_never_panic_loading_or_encoding(
+        sentencepiece in any::<bool>(),
+        tokens in proptest::collection::vec("[a-c ▁<>|0x]{0,4}", 0..24),
+        merges in proptest::collection::vec("[a-c ▁]{0,5}", 0..12),
+        types in proptest::collection::vec(-1i32..8, 0..30),
+        scores in proptest::collection::vec(-10.0f32..1.0, 0..30),
+        bos in -2i64..40,
+        text in "[a-d <>|▁\\n😀]{0,20}",
+    ) {
+        let mut metadata = vec![
+            ("tokenizer.ggml.model", text_value(if sentencepiece { "llama" } else { "gpt2" })),
+            ("tokenizer.ggml.pre", text_value("smollm")),
+            ("tokenizer.ggml.tokens", strings(&tokens)),
+            ("tokenizer.ggml.merges", strings(&merges)),
+            ("tokenizer.ggml.token_type", Value::Array(types.into_iter().map(Value::I32).collect())),
+            ("tokenizer.ggml.scores", Value::Array(scores.into_iter().map(Value::F32).collect())),
+            ("tokenizer.ggml.bos_token_id", Value::I64(bos)),
+        ];
+        metadata.push(("tokenizer.ggml.add_bos_token", Value::Bool(true)));
+        if let Ok(tokenizer) = Tokenizer::from_gguf(&content(metadata)) {
+            for parse_special in [false, true] {
+                if let Ok(ids) = tokenizer.encode(&text, true, parse_special) {
+                    let _ = tokenizer.decode(&ids);
+                    let mut stream = StreamDecoder::new(&tokenizer);
+                    for id in ids {
+                        let _ = stream.push(id);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn text_value(s: &str) -> Value {
+    Value::String(s.to_string())
 }

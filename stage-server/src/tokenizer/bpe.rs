@@ -4,7 +4,9 @@
 //! result get a piece number, so a merge step is one hash lookup on a pair of integers and never allocates.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
+
+use super::hash::FastMap;
 
 /// A piece number; `NO_PIECE` marks text that is neither a token nor a merge side.
 type Piece = u32;
@@ -17,11 +19,18 @@ type Candidate = Reverse<(u32, usize, usize, Piece, Piece)>;
 #[derive(Debug)]
 pub(crate) struct Merges {
     /// Piece number of every interned string.
-    pieces: HashMap<Box<str>, Piece>,
+    pieces: FastMap<Box<str>, Piece>,
     /// The token id of each piece, if the piece is a token.
     piece_token: Vec<Option<u32>>,
     /// `(left, right)` -> (rank, merged piece).
-    ranks: HashMap<(Piece, Piece), (u32, Piece)>,
+    ranks: FastMap<(Piece, Piece), (u32, Piece)>,
+}
+
+/// Buffers reused from word to word so that merging allocates only while they grow.
+#[derive(Debug, Default)]
+pub(crate) struct Scratch {
+    symbols: Vec<Symbol>,
+    queue: BinaryHeap<Candidate>,
 }
 
 /// One symbol of a word during merging: a byte range of the word and its neighbours.
@@ -38,9 +47,12 @@ impl Merges {
     /// Interns the vocabulary and the merges (`"left right"` strings, rank = position).
     pub fn new(tokens: &[String], merges: &[String]) -> Self {
         let mut table = Self {
-            pieces: HashMap::with_capacity(tokens.len() + merges.len()),
+            pieces: FastMap::with_capacity_and_hasher(
+                tokens.len() + merges.len(),
+                Default::default(),
+            ),
             piece_token: Vec::with_capacity(tokens.len() + merges.len()),
-            ranks: HashMap::with_capacity(merges.len()),
+            ranks: FastMap::with_capacity_and_hasher(merges.len(), Default::default()),
         };
         for (id, text) in tokens.iter().enumerate() {
             let piece = table.intern(text);
@@ -87,12 +99,20 @@ impl Merges {
 
     /// Merges one word (already spelled in the byte alphabet) and appends its tokens to `output`.
     /// `whole_word_token` short-cuts words that are tokens themselves (llama.cpp's `ignore_merges`).
-    pub fn encode_word(&self, word: &str, whole_word_token: bool, output: &mut Vec<u32>) {
+    pub fn encode_word(
+        &self,
+        word: &str,
+        whole_word_token: bool,
+        scratch: &mut Scratch,
+        output: &mut Vec<u32>,
+    ) {
         if whole_word_token && let Some(token) = self.token_of(self.piece_of(word)) {
             output.push(token);
             return;
         }
-        let mut symbols: Vec<Symbol> = Vec::with_capacity(word.len());
+        let Scratch { symbols, queue } = scratch;
+        symbols.clear();
+        queue.clear();
         for (start, c) in word.char_indices() {
             let index = symbols.len();
             symbols.push(Symbol {
@@ -107,7 +127,6 @@ impl Merges {
             }
         }
         // Candidates ordered by rank, then leftmost first, as llama.cpp's queue orders them.
-        let mut queue: BinaryHeap<Candidate> = BinaryHeap::new();
         let push = |queue: &mut BinaryHeap<_>, symbols: &[Symbol], left: usize, right: usize| {
             let (left_piece, right_piece) = (symbols[left].piece, symbols[right].piece);
             if let Some(&(rank, _)) = self.ranks.get(&(left_piece, right_piece)) {
@@ -115,7 +134,7 @@ impl Merges {
             }
         };
         for index in 1..symbols.len() {
-            push(&mut queue, &symbols, index - 1, index);
+            push(queue, symbols, index - 1, index);
         }
         while let Some(Reverse((_, left, right, left_piece, right_piece))) = queue.pop() {
             let (left_symbol, right_symbol) = (symbols[left], symbols[right]);
@@ -138,10 +157,10 @@ impl Merges {
                 symbols[after].previous = Some(left);
             }
             if let Some(before) = symbols[left].previous {
-                push(&mut queue, &symbols, before, left);
+                push(queue, symbols, before, left);
             }
             if let Some(after) = symbols[left].next {
-                push(&mut queue, &symbols, left, after);
+                push(queue, symbols, left, after);
             }
         }
         let mut cursor = (!symbols.is_empty()).then_some(0);
@@ -179,7 +198,7 @@ mod tests {
         // "b c" outranks "a b", so "abc" splits as a + bc, and "a bc" is not a merge.
         let merges = Merges::new(&tokens, &strings(&["b c", "a b", "ab c"]));
         let mut output = Vec::new();
-        merges.encode_word("abc", false, &mut output);
+        merges.encode_word("abc", false, &mut Scratch::default(), &mut output);
         assert_eq!(
             output,
             [0, 4],
@@ -187,7 +206,7 @@ mod tests {
         );
         output.clear();
         let merges = Merges::new(&tokens, &strings(&["a b", "b c", "ab c"]));
-        merges.encode_word("abc", false, &mut output);
+        merges.encode_word("abc", false, &mut Scratch::default(), &mut output);
         assert_eq!(
             output,
             [5],
@@ -200,7 +219,7 @@ mod tests {
         let tokens = strings(&["Ġ", "ĠĠ", "x"]);
         let merges = Merges::new(&tokens, &strings(&["Ġ Ġ"]));
         let mut output = Vec::new();
-        merges.encode_word("ĠĠx", false, &mut output);
+        merges.encode_word("ĠĠx", false, &mut Scratch::default(), &mut output);
         assert_eq!(output, [1, 2]);
     }
 
@@ -209,14 +228,14 @@ mod tests {
         let tokens = strings(&["a", "b", "ab"]);
         let merges = Merges::new(&tokens, &[]);
         let mut output = Vec::new();
-        merges.encode_word("ab", false, &mut output);
+        merges.encode_word("ab", false, &mut Scratch::default(), &mut output);
         assert_eq!(
             output,
             [0, 1],
             "without merges the word stays in characters"
         );
         output.clear();
-        merges.encode_word("ab", true, &mut output);
+        merges.encode_word("ab", true, &mut Scratch::default(), &mut output);
         assert_eq!(
             output,
             [2],

@@ -14,6 +14,7 @@
 //! UTF-8 character so a stream never shows half a character.
 
 mod bpe;
+mod hash;
 mod pretokenize;
 mod spm;
 mod stream;
@@ -25,7 +26,8 @@ use candle_core::quantized::gguf_file::{Content, Value};
 
 pub use stream::StreamDecoder;
 
-use bpe::Merges;
+use bpe::{Merges, Scratch};
+use hash::FastMap;
 use pretokenize::PreTokenizer;
 use unicode::ByteAlphabet;
 
@@ -67,7 +69,7 @@ pub enum TokenizerError {
     UnsupportedModel(String),
     /// `tokenizer.ggml.pre` names a BPE pre-tokenizer this crate does not implement.
     #[error(
-        "BPE pre-tokenizer `{0}` is not supported (supported: gpt-2, smollm/starcoder, llama3 families); pass --prompt-ids instead"
+        "BPE pre-tokenizer `{0}` is not supported (supported: gpt-2, smollm/starcoder, llama3 and qwen2 families); pass --prompt-ids instead"
     )]
     UnsupportedPreTokenizer(String),
     /// SentencePiece byte fallback met a byte with no `<0xXX>` token.
@@ -144,8 +146,7 @@ enum Fragment<'t> {
 ///
 /// Building it interns the vocabulary and merges (about 50k to 260k strings; tens of milliseconds).
 /// Encoding costs one pass over the special tokens plus merges per word; the tokenizer is immutable and
-/// can be shared between threads.
-#[derive(Debug)]
+/// can be shared between threads. Its `Debug` output is a summary, not the vocabulary.
 pub struct Tokenizer {
     model: Model,
     /// Vocabulary text of each token (empty entries replaced as llama.cpp does).
@@ -153,7 +154,7 @@ pub struct Tokenizer {
     attributes: Vec<Attributes>,
     /// The decoded bytes of each token with control tokens rendered as their text.
     pieces: Vec<Box<[u8]>>,
-    token_to_id: HashMap<String, u32>,
+    token_to_id: FastMap<String, u32>,
     /// Control, user-defined and unknown tokens, longest text first: the partition order.
     special_tokens: Vec<u32>,
     end_of_generation: HashSet<u32>,
@@ -191,6 +192,35 @@ const END_OF_GENERATION_TEXTS: &[&str] = &[
     "[e~[",
 ];
 
+/// Fill-in-the-middle prefix / suffix / middle markers: not end-of-generation, but forced to control
+/// tokens like the others (llama.cpp's by-name detection).
+const FILL_IN_THE_MIDDLE_MARKERS: &[&str] = &[
+    "<|fim_prefix|>",
+    "<fim-prefix>",
+    "<fim_prefix>",
+    "<｜fim▁begin｜>",
+    "<PRE>",
+    "▁<PRE>",
+    "<|code_prefix|>",
+    "<|prefix|>",
+    "<|fim_suffix|>",
+    "<fim-suffix>",
+    "<fim_suffix>",
+    "<｜fim▁hole｜>",
+    "<SUF>",
+    "▁<SUF>",
+    "<|code_suffix|>",
+    "<|suffix|>",
+    "<|fim_middle|>",
+    "<fim-middle>",
+    "<fim_middle>",
+    "<｜fim▁end｜>",
+    "<MID>",
+    "▁<MID>",
+    "<|code_middle|>",
+    "<|middle|>",
+];
+
 /// Fill-in-the-middle padding / repository / file-separator tokens, also end-of-generation.
 const FILL_IN_THE_MIDDLE_TEXTS: &[&str] = &[
     "<|fim_pad|>",
@@ -224,12 +254,13 @@ impl Tokenizer {
                 check_length("tokenizer.ggml.token_type", types.len(), count)?;
                 types
                     .iter()
+                    .take(count)
                     .map(|&t| Attributes::from_token_type(t))
                     .collect()
             }
             None => vec![Attributes(Attributes::NORMAL); count],
         };
-        let mut token_to_id = HashMap::with_capacity(count);
+        let mut token_to_id = FastMap::with_capacity_and_hasher(count, Default::default());
         for (id, text) in texts.iter().enumerate() {
             token_to_id.insert(text.clone(), id as u32);
         }
@@ -312,10 +343,17 @@ impl Tokenizer {
         {
             if let Some(&id) = token_to_id.get(*text) {
                 end_of_generation.insert(id);
-                // llama.cpp forces these to control tokens, which also makes them partition specially.
-                if END_OF_GENERATION_TEXTS.contains(text) {
-                    attributes[id as usize].0 |= Attributes::CONTROL;
-                }
+            }
+        }
+        // llama.cpp forces the tokens it recognises by name to control tokens, which also makes them
+        // partition as special tokens.
+        for text in END_OF_GENERATION_TEXTS
+            .iter()
+            .chain(FILL_IN_THE_MIDDLE_TEXTS)
+            .chain(FILL_IN_THE_MIDDLE_MARKERS)
+        {
+            if let Some(&id) = token_to_id.get(*text) {
+                attributes[id as usize].0 |= Attributes::CONTROL;
             }
         }
         // Formats where `<|end|>` or `</s>` is ordinary text next to their real end markers (llama.cpp's
@@ -391,6 +429,7 @@ impl Tokenizer {
             } => {
                 let alphabet = ByteAlphabet::get();
                 let mut spelled = String::new();
+                let mut scratch = Scratch::default();
                 for fragment in fragments {
                     match fragment {
                         Fragment::Token(id) => output.push(id),
@@ -398,7 +437,12 @@ impl Tokenizer {
                             for word in pre_tokenizer.split(text) {
                                 spelled.clear();
                                 alphabet.encode_into(word, &mut spelled);
-                                merges.encode_word(&spelled, *ignore_merges, &mut output);
+                                merges.encode_word(
+                                    &spelled,
+                                    *ignore_merges,
+                                    &mut scratch,
+                                    &mut output,
+                                );
                             }
                         }
                     }
@@ -502,6 +546,11 @@ impl Tokenizer {
         self.add_bos && self.bos.is_some()
     }
 
+    /// Whether `encode(.., add_special = true, ..)` puts EOS last (`tokenizer.ggml.add_eos_token`).
+    pub fn add_eos(&self) -> bool {
+        self.add_eos && self.eos.is_some()
+    }
+
     /// Whether generation should stop at `id`: EOS, end-of-turn tokens (`<|im_end|>`, `<end_of_turn>`,
     /// `<|eot_id|>` ...), and the ids the metadata names as end of turn or message.
     pub fn is_end_of_generation(&self, id: u32) -> bool {
@@ -576,12 +625,20 @@ impl Tokenizer {
             return fragments;
         }
         fragments.push(Fragment::Text(text));
+        // Most special tokens start with a byte the text lacks (often `<`): skip those without a search.
+        let mut present = [false; 256];
+        for &byte in text.as_bytes() {
+            present[byte as usize] = true;
+        }
         for &id in &self.special_tokens {
             let attributes = self.attributes[id as usize];
             if !parse_special && attributes.has(Attributes::CONTROL | Attributes::UNKNOWN) {
                 continue;
             }
             let special = self.texts[id as usize].as_str();
+            if !special.bytes().all(|byte| present[byte as usize]) {
+                continue;
+            }
             let occurs = fragments
                 .iter()
                 .any(|f| matches!(f, Fragment::Text(t) if t.contains(special)));
@@ -608,6 +665,26 @@ impl Tokenizer {
             fragments = next;
         }
         fragments
+    }
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let model = match &self.model {
+            Model::BytePairs { pre_tokenizer, .. } => format!("byte-level BPE ({pre_tokenizer:?})"),
+            Model::SentencePiece { .. } => "SentencePiece".to_string(),
+        };
+        formatter
+            .debug_struct("Tokenizer")
+            .field("model", &model)
+            .field("vocab_size", &self.vocab_size())
+            .field("special_tokens", &self.special_tokens.len())
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .field("add_bos", &self.add_bos)
+            .field("add_space_prefix", &self.add_space_prefix)
+            .field("end_of_generation", &self.end_of_generation_ids())
+            .finish_non_exhaustive()
     }
 }
 

@@ -17,6 +17,8 @@ pub(crate) enum PreTokenizer {
     DigitsThenGpt2,
     /// Llama 3: `(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`.
     Llama3,
+    /// Qwen2: Llama 3's rules with every `\p{N}` alone instead of groups of three.
+    Qwen2,
 }
 
 /// What a pre-tokenizer name implies beyond the splitting rules.
@@ -34,7 +36,10 @@ pub(crate) struct PreTokenizerSpec {
 enum Stage {
     Digits,
     Gpt2,
-    Llama3,
+    /// Llama 3's rules with numbers cut into groups of at most this many digits.
+    Llama3 {
+        digit_group: usize,
+    },
 }
 
 impl PreTokenizer {
@@ -52,6 +57,9 @@ impl PreTokenizer {
             "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral"
             | "midm-2.0" | "lfm2" | "jina-v5-nano" => Some(spec(Self::Llama3, true, true)),
             "dbrx" | "smaug-bpe" => Some(spec(Self::Llama3, false, false)),
+            "qwen2" | "deepseek-r1-qwen" | "stablelm2" | "megrez" => {
+                Some(spec(Self::Qwen2, false, false))
+            }
             _ => None,
         }
     }
@@ -60,7 +68,8 @@ impl PreTokenizer {
         match self {
             Self::Gpt2 => &[Stage::Gpt2],
             Self::DigitsThenGpt2 => &[Stage::Digits, Stage::Gpt2],
-            Self::Llama3 => &[Stage::Llama3],
+            Self::Llama3 => &[Stage::Llama3 { digit_group: 3 }],
+            Self::Qwen2 => &[Stage::Llama3 { digit_group: 1 }],
         }
     }
 
@@ -82,7 +91,7 @@ impl PreTokenizer {
                 match stage {
                     Stage::Digits => segment.split_digits(&mut next),
                     Stage::Gpt2 => segment.split_gpt2(&mut next),
-                    Stage::Llama3 => segment.split_llama3(&mut next),
+                    Stage::Llama3 { digit_group } => segment.split_llama3(digit_group, &mut next),
                 }
                 start += length;
             }
@@ -247,7 +256,7 @@ impl Segment<'_> {
     }
 
     /// `(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`
-    fn split_llama3(&self, out: &mut Vec<usize>) {
+    fn split_llama3(&self, digit_group: usize, out: &mut Vec<usize>) {
         let mut cuts = Cuts { out, previous: 0 };
         let mut position = 0;
         let is_line_break = |c: Option<char>| matches!(c, Some('\r' | '\n'));
@@ -269,12 +278,12 @@ impl Segment<'_> {
                 cuts.cut(position);
                 continue;
             }
-            // `\p{N}{1,3}`
+            // `\p{N}{1,3}` (Qwen2: `\p{N}`)
             if class.number {
                 let mut group_start = position;
                 while self.class_at(position).number {
                     position += 1;
-                    if position - group_start >= 3 {
+                    if position - group_start >= digit_group {
                         cuts.cut(position);
                         group_start = position;
                     }
@@ -334,6 +343,81 @@ impl Segment<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    const GPT2_PATTERN: &str =
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+    const LLAMA3_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    const QWEN2_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+    /// Splits with a backtracking regex engine, keeping the text between matches as pieces: an
+    /// independent statement of what the hand-written splitters must do.
+    fn regex_split<'t>(pattern: &'static str, text: &'t str, out: &mut Vec<&'t str>) {
+        // Compiling is the slow part (unoptimised in test builds): keep one compiled copy per pattern.
+        static COMPILED: std::sync::Mutex<Vec<(&str, fancy_regex::Regex)>> =
+            std::sync::Mutex::new(Vec::new());
+        let regex = {
+            let mut compiled = COMPILED.lock().unwrap();
+            if !compiled.iter().any(|(known, _)| *known == pattern) {
+                compiled.push((pattern, fancy_regex::Regex::new(pattern).unwrap()));
+            }
+            compiled
+                .iter()
+                .find(|(known, _)| *known == pattern)
+                .unwrap()
+                .1
+                .clone()
+        };
+        let mut previous = 0;
+        for found in regex.find_iter(text) {
+            let found = found.unwrap();
+            if found.start() > previous {
+                out.push(&text[previous..found.start()]);
+            }
+            if found.end() > found.start() {
+                out.push(found.as_str());
+            }
+            previous = found.end();
+        }
+        if previous < text.len() {
+            out.push(&text[previous..]);
+        }
+    }
+
+    fn regex_reference(pre: PreTokenizer, text: &str) -> Vec<&str> {
+        let mut out = Vec::new();
+        match pre {
+            PreTokenizer::Gpt2 => regex_split(GPT2_PATTERN, text, &mut out),
+            PreTokenizer::Llama3 => regex_split(LLAMA3_PATTERN, text, &mut out),
+            PreTokenizer::Qwen2 => regex_split(QWEN2_PATTERN, text, &mut out),
+            PreTokenizer::DigitsThenGpt2 => {
+                let mut pieces = Vec::new();
+                regex_split(r"\p{N}", text, &mut pieces);
+                for piece in pieces {
+                    regex_split(GPT2_PATTERN, piece, &mut out);
+                }
+            }
+        }
+        out
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, .. ProptestConfig::default() })]
+
+        #[test]
+        fn splitters_agree_with_their_regular_expressions(
+            text in "[ \t\n\ra-zA-Z0-9'éü中😀.,!?_\u{3000}\u{a0}\u{2028}٣-]{0,40}"
+        ) {
+            for pre in [
+                PreTokenizer::Gpt2,
+                PreTokenizer::DigitsThenGpt2,
+                PreTokenizer::Llama3,
+                PreTokenizer::Qwen2,
+            ] {
+                prop_assert_eq!(pre.split(&text), regex_reference(pre, &text), "{:?} on {:?}", pre, text);
+            }
+        }
+    }
 
     fn split(pre: PreTokenizer, text: &str) -> Vec<&str> {
         pre.split(text)
@@ -375,12 +459,21 @@ mod tests {
     }
 
     #[test]
+    fn qwen2_cuts_numbers_into_single_digits() {
+        assert_eq!(
+            split(PreTokenizer::Qwen2, "x 2024\n"),
+            ["x", " ", "2", "0", "2", "4", "\n"]
+        );
+    }
+
+    #[test]
     fn splitting_never_loses_a_character() {
         let text = "  mixed \t\n 12ab 😀 'll\r\n";
         for pre in [
             PreTokenizer::Gpt2,
             PreTokenizer::DigitsThenGpt2,
             PreTokenizer::Llama3,
+            PreTokenizer::Qwen2,
         ] {
             assert_eq!(
                 split(pre, text).concat(),

@@ -4,7 +4,9 @@
 //! the highest score (leftmost on ties); spell whatever never became a token as `<0xXX>` byte tokens.
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
+
+use super::hash::FastMap;
 
 /// A merge candidate: the pair `(left, right)` whose text is a token with `score`.
 #[derive(Debug)]
@@ -52,7 +54,7 @@ struct Symbol {
 /// `byte_token` maps a byte to its `<0xXX>` token; a byte without one yields `Err(byte)`.
 pub(crate) fn encode(
     text: &str,
-    token_to_id: &HashMap<String, u32>,
+    token_to_id: &FastMap<String, u32>,
     scores: &[f32],
     byte_token: &dyn Fn(u8) -> Option<u32>,
     output: &mut Vec<u32>,
@@ -129,7 +131,7 @@ mod tests {
     fn the_best_scoring_pair_merges_first_and_unknown_characters_become_bytes() {
         let vocabulary = ["▁", "a", "b", "▁a", "ab", "▁ab", "<0xC3>", "<0xA9>"];
         let scores = [-1.0, -1.0, -1.0, -2.0, -0.5, -0.1, 0.0, 0.0];
-        let token_to_id: HashMap<String, u32> = vocabulary
+        let token_to_id: FastMap<String, u32> = vocabulary
             .iter()
             .enumerate()
             .map(|(id, text)| (text.to_string(), id as u32))
