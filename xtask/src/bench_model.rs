@@ -168,7 +168,10 @@ fn write_report(rounds: usize, load_before: &str, tables: &str) -> Result<()> {
          Machine: {}; kernel {}; commit {}; {}; 1/5/15-minute load average {load_before} before and \
          {} at the latest write.\n\
          Other helpers were building and testing on the same 2 cores during the run, so absolute figures are \
-         noisy; the runners were interleaved round by round, so the ratios are fairer than the absolutes.\n\n\
+         noisy; the runners were interleaved round by round, so the ratios are fairer than the absolutes. \
+         When the load average is far above the 2 cores, every runner is starved and the figures measure \
+         contention rather than speed (llama.cpp's spinning thread pool suffers most); rerun on a quiet machine \
+         before drawing conclusions.\n\n\
          ## Method\n\n\
          - Every runner uses 2 threads. Figures are medians over {rounds} rounds; each round runs every runner once.\n\
          - Ours: `stage-server generate --prompt-ids <{PROMPT_TOKENS} ids> --max-tokens {} --threads 2 --json`, \
