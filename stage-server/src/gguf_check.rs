@@ -64,7 +64,7 @@ pub enum GgufError {
     },
     /// The file does not start with the GGUF magic.
     #[error(
-        "{path}: not a GGUF file: it starts with the bytes `{}` instead of `GGUF`; pass a .gguf model file",
+        "{path}: the file starts with the bytes `{}` where a GGUF file starts with `GGUF`; it is no GGUF model, pass a .gguf file",
         .magic.escape_ascii()
     )]
     NotGguf {
