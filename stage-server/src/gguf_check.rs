@@ -25,6 +25,10 @@ pub const MAX_NAME_LENGTH: u64 = 65_535;
 pub const MAX_DIMENSIONS: u32 = 4;
 /// Deepest nesting of arrays inside arrays accepted in metadata.
 pub const MAX_ARRAY_DEPTH: usize = 8;
+/// Most array elements all metadata may hold together. candle keeps each element as a 32-byte `Value`,
+/// so a one-byte element costs it 32 bytes of memory; this cap bounds that to half a gigabyte, far
+/// above the largest real vocabulary (gemma 3: three arrays of 262,144 entries).
+pub const MAX_METADATA_ELEMENTS: u64 = 1 << 24;
 /// The tensor-data alignment when `general.alignment` is absent.
 pub const DEFAULT_ALIGNMENT: u64 = 32;
 
@@ -156,6 +160,23 @@ pub enum GgufError {
         minimum_bytes: u128,
         /// Bytes left in the file.
         remaining: u64,
+    },
+    /// The metadata arrays hold more elements together than [`MAX_METADATA_ELEMENTS`].
+    #[error(
+        "{path}: metadata key `{key}` at byte {} brings the metadata arrays to {} elements, more than the limit of {}, which would take candle's reader over half a gigabyte of memory; the file is corrupt or not a language model",
+        grouped(.offset), grouped(.elements), grouped(.limit)
+    )]
+    MetadataTooLarge {
+        /// The file.
+        path: PathBuf,
+        /// Where the array length is.
+        offset: u64,
+        /// The metadata key.
+        key: String,
+        /// Elements counted so far, this array included.
+        elements: u128,
+        /// The limit.
+        limit: u64,
     },
     /// A metadata value type id GGUF does not define.
     #[error(
@@ -335,6 +356,7 @@ impl GgufError {
             | Self::CountTooLarge { path, .. }
             | Self::StringTooLong { path, .. }
             | Self::ArrayTooLong { path, .. }
+            | Self::MetadataTooLarge { path, .. }
             | Self::UnknownValueType { path, .. }
             | Self::InvalidBool { path, .. }
             | Self::ArrayTooDeep { path, .. }
@@ -400,6 +422,7 @@ pub fn validate(path: &Path) -> Result<Summary, GgufError> {
         reader: BufReader::new(file),
         position: 0,
         file_size,
+        metadata_elements: 0,
     };
     check(&mut cursor)
 }
@@ -460,6 +483,8 @@ struct Cursor<'a> {
     reader: BufReader<File>,
     position: u64,
     file_size: u64,
+    /// Array elements seen so far in the metadata, against [`MAX_METADATA_ELEMENTS`].
+    metadata_elements: u64,
 }
 
 impl Cursor<'_> {
@@ -863,6 +888,18 @@ fn skip_value(
                     remaining: cursor.remaining(),
                 });
             }
+            let elements = u128::from(cursor.metadata_elements) + u128::from(length);
+            if elements > u128::from(MAX_METADATA_ELEMENTS) {
+                return Err(GgufError::MetadataTooLarge {
+                    path: cursor.path.to_path_buf(),
+                    offset: length_offset,
+                    key: key.to_string(),
+                    elements,
+                    limit: MAX_METADATA_ELEMENTS,
+                });
+            }
+            // Bounded by MAX_METADATA_ELEMENTS just above.
+            cursor.metadata_elements = elements as u64;
             match element_type {
                 // The product was bounded by the bytes left just above.
                 ValueType::Fixed { size, .. } => cursor.skip(length * size, &what),
@@ -926,6 +963,16 @@ mod tests {
             grouped(&u128::MAX),
             "340,282,366,920,938,463,463,374,607,431,768,211,455"
         );
+    }
+
+    #[test]
+    fn the_metadata_cap_bounds_candles_values_to_half_a_gigabyte() {
+        let value_size = std::mem::size_of::<candle_core::quantized::gguf_file::Value>() as u64;
+        assert_eq!(
+            value_size, 32,
+            "the cap's documentation assumes 32-byte values"
+        );
+        assert_eq!(MAX_METADATA_ELEMENTS * value_size, 512 << 20);
     }
 
     #[test]

@@ -396,3 +396,31 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_metadata_array_candle_would_blow_up_in_memory_is_refused() {
+    let dir = scratch_dir("big-array");
+    let path = dir.join("big-array.gguf");
+    // A well-formed file whose one key holds 2^24 + 1 bytes: 16 MB on disk, over 512 MB as candle's
+    // `Value`s.
+    let elements = (1u64 << 24) + 1;
+    let mut bytes = Vec::new();
+    bytes.extend_from_slice(b"GGUF");
+    bytes.extend_from_slice(&3u32.to_le_bytes());
+    bytes.extend_from_slice(&0u64.to_le_bytes());
+    bytes.extend_from_slice(&1u64.to_le_bytes());
+    bytes.extend_from_slice(&(b"big".len() as u64).to_le_bytes());
+    bytes.extend_from_slice(b"big");
+    bytes.extend_from_slice(&9u32.to_le_bytes());
+    bytes.extend_from_slice(&0u32.to_le_bytes());
+    bytes.extend_from_slice(&elements.to_le_bytes());
+    bytes.resize(bytes.len() + elements as usize, 0);
+    std::fs::write(&path, &bytes).expect("writing the file");
+    let error = validate(&path).expect_err("a 16-million-element array validated");
+    assert!(
+        matches!(error, GgufError::MetadataTooLarge { .. }),
+        "got {error:?}"
+    );
+    insta::assert_snapshot!("metadata_too_large", text(&error, &dir));
+    let _ = std::fs::remove_dir_all(&dir);
+}
