@@ -7,7 +7,10 @@ use candle_core::quantized::gguf_file::{self, Value};
 use proptest::prelude::*;
 use stage_server::gguf_check::{GgufError, Summary, validate};
 use stage_server::model::testing::TinyModel;
-use stage_server::model::{GEMMA3_FILE, SMOLLM2_FILE, find_model};
+use stage_server::model::{
+    GEMMA3_FILE, Logits, ModelError, ModelFile, Pipeline, SMOLLM2_FILE, Stage, StageInput,
+    StageOptions, StageSpec, find_model,
+};
 
 /// A scratch directory for one test; error texts show it as `[dir]`.
 fn scratch_dir(name: &str) -> PathBuf {
@@ -211,10 +214,9 @@ fn truncation_inside_the_tensor_data_names_a_tensor_it_cuts() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[test]
-fn each_corruption_has_a_clear_error_text() {
-    let dir = scratch_dir("texts");
-    let (bytes, summary) = tiny_llama_bytes(&dir);
+/// Named corruptions of the tiny llama's `bytes`, each aimed at one field of the header sections.
+fn corruptions(bytes: &[u8], summary: &Summary) -> Vec<(&'static str, Vec<u8>)> {
+    let bytes = bytes.to_vec();
     let mut cases: Vec<(&str, Vec<u8>)> = Vec::new();
 
     cases.push((
@@ -300,7 +302,14 @@ fn each_corruption_has_a_clear_error_text() {
     put(&mut far, type_at + 4, &(u64::MAX - 31).to_le_bytes());
     cases.push(("offset_past_the_end", far));
 
-    for (name, corrupted) in &cases {
+    cases
+}
+
+#[test]
+fn each_corruption_has_a_clear_error_text() {
+    let dir = scratch_dir("texts");
+    let (bytes, summary) = tiny_llama_bytes(&dir);
+    for (name, corrupted) in &corruptions(&bytes, &summary) {
         let error = validate_bytes(&dir, &format!("{name}.gguf"), corrupted)
             .expect_err(&format!("the `{name}` corruption validated"));
         insta::assert_snapshot!(*name, text(&error, &dir));
@@ -395,6 +404,191 @@ proptest! {
             );
         }
     }
+}
+
+/// What the model loader did with a file: opened it, refused it, or panicked (with the message).
+fn open_outcome(path: &Path) -> Result<Result<ModelFile, ModelError>, String> {
+    std::panic::catch_unwind(|| ModelFile::open(path)).map_err(|payload| {
+        payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|text| text.to_string()))
+            .unwrap_or_default()
+    })
+}
+
+/// The loader's error text for `path` (the scratch directory shown as `[dir]`), or what went wrong instead.
+fn loader_error(path: &Path, dir: &Path, what: &str) -> Result<String, String> {
+    match open_outcome(path) {
+        Ok(Err(error)) => Ok(error
+            .to_string()
+            .replace(&dir.display().to_string(), "[dir]")),
+        Ok(Ok(_)) => Err(format!("the model loader opened the `{what}` corruption")),
+        Err(message) => Err(format!(
+            "the model loader panicked on the `{what}` corruption: {message}"
+        )),
+    }
+}
+
+#[test]
+fn the_model_loader_refuses_every_corruption_with_an_error() {
+    let dir = scratch_dir("loader-texts");
+    let (bytes, summary) = tiny_llama_bytes(&dir);
+    let mut cases = corruptions(&bytes, &summary);
+    for (name, value) in [
+        ("alignment_zero", 0u32),
+        ("alignment_not_a_power_of_two", 48),
+    ] {
+        let path = dir.join("alignment.gguf");
+        let architecture = Value::String("llama".to_string());
+        small_gguf(
+            &path,
+            &[
+                ("general.architecture", &architecture),
+                ("general.alignment", &Value::U32(value)),
+            ],
+        );
+        cases.push((
+            name,
+            std::fs::read(&path).expect("reading the alignment file"),
+        ));
+    }
+    let mut texts = Vec::new();
+    let mut failures = Vec::new();
+    for (name, corrupted) in &cases {
+        let path = dir.join(format!("{name}.gguf"));
+        std::fs::write(&path, corrupted).expect("writing a corrupted copy");
+        match loader_error(&path, &dir, name) {
+            Ok(text) => texts.push(format!("{name}: {text}")),
+            Err(failure) => failures.push(failure),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    insta::assert_snapshot!("loader_errors", texts.join("\n"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_model_loader_refuses_a_file_cut_anywhere_before_its_last_tensor_ends() {
+    let dir = scratch_dir("loader-truncate");
+    let (bytes, summary) = tiny_llama_bytes(&dir);
+    let path = dir.join("cut.gguf");
+    std::fs::write(&path, &bytes[..summary.tensor_data_end as usize]).expect("writing the copy");
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .expect("opening the copy");
+    // Every cut in the header sections, then a sample of cuts inside the tensor data.
+    let data_step = ((summary.tensor_data_end - summary.tensor_data_offset) / 61).max(1);
+    let data_cuts =
+        (summary.tensor_data_offset..summary.tensor_data_end).step_by(data_step as usize);
+    let mut cuts: Vec<u64> = (0..summary.tensor_data_offset).chain(data_cuts).collect();
+    cuts.sort_unstable_by(|a, b| b.cmp(a));
+    for length in cuts {
+        file.set_len(length).expect("truncating the copy");
+        match open_outcome(&path) {
+            Ok(Err(_)) => {}
+            Ok(Ok(_)) => panic!("the model loader opened a file cut to {length} bytes"),
+            Err(message) => {
+                panic!("the model loader panicked on a file cut to {length} bytes: {message}")
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// The whole load path (header, config, every tensor of a two-stage split) under random flips.
+    #[test]
+    fn random_byte_flips_never_panic_the_model_loader(
+        flips in proptest::collection::vec((any::<prop::sample::Index>(), 1u8..=255, any::<bool>()), 1..8),
+    ) {
+        let dir = scratch_dir("loader-flips");
+        let path = dir.join("tiny-llama-Q8_0.gguf");
+        if !path.exists() {
+            TinyModel::llama(GgmlDType::Q8_0).write(&path).expect("writing the tiny model failed");
+        }
+        let mut bytes = std::fs::read(&path).expect("read");
+        let header_end = validate(&path).expect("the tiny model validates").tensor_data_offset as usize;
+        for (index, mask, in_header) in flips {
+            let at = if in_header { index.index(header_end) } else { index.index(bytes.len()) };
+            bytes[at] ^= mask;
+        }
+        let flipped = dir.join(format!("flipped-{:?}.gguf", std::thread::current().id()));
+        std::fs::write(&flipped, &bytes).expect("writing the flipped copy");
+        let outcome = std::panic::catch_unwind(|| {
+            let _ = Pipeline::load(&flipped, &[2], StageOptions::default());
+        });
+        prop_assert!(outcome.is_ok(), "the model loader panicked on a file with flipped bytes");
+    }
+}
+
+#[test]
+fn extreme_hyper_parameters_give_errors_or_run_but_never_panic() {
+    let dir = scratch_dir("hyper");
+    let mut panics = Vec::new();
+    for model in [
+        TinyModel::llama(GgmlDType::Q8_0),
+        TinyModel::gemma3(GgmlDType::Q8_0),
+    ] {
+        let bytes = std::fs::read(model.write_to_dir(&dir).expect("writing a tiny model"))
+            .expect("reading the tiny model");
+        let architecture = model.architecture.name();
+        for key in [
+            "block_count",
+            "context_length",
+            "embedding_length",
+            "feed_forward_length",
+            "attention.head_count",
+            "attention.head_count_kv",
+            "attention.key_length",
+            "attention.value_length",
+            "rope.dimension_count",
+            "attention.sliding_window",
+        ] {
+            let full_key = format!("{architecture}.{key}");
+            if !bytes
+                .windows(full_key.len())
+                .any(|window| window == full_key.as_bytes())
+            {
+                continue;
+            }
+            // The key is followed by its u32 type id and the u32 value.
+            let value_at = find(&bytes, full_key.as_bytes()) + full_key.len() + 4;
+            for value in [0u32, 1, 3, 1000, 1 << 20, u32::MAX] {
+                let mut corrupted = bytes.clone();
+                put(&mut corrupted, value_at, &value.to_le_bytes());
+                let path = dir.join("hyper.gguf");
+                std::fs::write(&path, &corrupted).expect("writing the changed copy");
+                let outcome = std::panic::catch_unwind(|| {
+                    let block_count = ModelFile::open(&path)?.config().block_count;
+                    let mut stage = Stage::load(
+                        &path,
+                        StageSpec::whole(block_count),
+                        StageOptions::default(),
+                    )?;
+                    stage.forward(
+                        0,
+                        0,
+                        StageInput::Tokens(&[1, 5, 7, 9, 11, 13]),
+                        Logits::Last,
+                    )?;
+                    Ok::<(), ModelError>(())
+                });
+                if outcome.is_err() {
+                    panics.push(format!("{full_key} = {value}"));
+                }
+            }
+        }
+    }
+    assert!(
+        panics.is_empty(),
+        "the model core panicked with {}",
+        panics.join(", ")
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
