@@ -272,6 +272,22 @@ pub enum GgufError {
         /// The type id found.
         type_id: u32,
     },
+    /// A tensor with a dimension of zero, or with no dimensions at all: it holds no values.
+    ///
+    /// Refused because no model weight is empty, and because candle 0.11.1 builds an empty tensor's block
+    /// slice from an unaligned dangling pointer, which a debug build stops with a non-unwinding panic (an
+    /// abort, not an error) while a release build has undefined behaviour.
+    #[error(
+        "{path}: tensor `{tensor}` has dimensions {dimensions:?} and so holds no values; the file is corrupt, download it again"
+    )]
+    EmptyTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor name.
+        tensor: String,
+        /// The dimensions as stored (innermost first).
+        dimensions: Vec<u64>,
+    },
     /// A tensor's dimensions multiply past 2^64 elements.
     #[error(
         "{path}: tensor `{tensor}` has dimensions {dimensions:?}, whose element count overflows 64 bits; the file is corrupt, download it again"
@@ -364,6 +380,7 @@ impl GgufError {
             | Self::InvalidAlignment { path, .. }
             | Self::TooManyDimensions { path, .. }
             | Self::UnknownTensorType { path, .. }
+            | Self::EmptyTensor { path, .. }
             | Self::ElementCountOverflow { path, .. }
             | Self::PartialBlock { path, .. }
             | Self::DuplicateTensor { path, .. }
@@ -375,9 +392,9 @@ impl GgufError {
 
 impl From<GgufError> for crate::model::ModelError {
     /// Maps a failed check onto the model core's error: I/O stays I/O, an unknown tensor type becomes
-    /// [`ModelError::UnsupportedTensorType`](crate::model::ModelError::UnsupportedTensorType), the rest
-    /// [`ModelError::Format`](crate::model::ModelError::Format) with this error's finding (its text
-    /// without the leading path and the trailing advice, which `Format`'s own text repeats).
+    /// [`ModelError::UnsupportedTensorType`](crate::model::ModelError::UnsupportedTensorType), and the rest
+    /// is carried whole as [`ModelError::Gguf`](crate::model::ModelError::Gguf), whose text is this error's
+    /// own (file, offset, key or tensor, limit, and the advice that fits the finding).
     fn from(error: GgufError) -> Self {
         use crate::model::ModelError;
         match error {
@@ -391,19 +408,7 @@ impl From<GgufError> for crate::model::ModelError {
                 path,
                 detail: format!("tensor `{tensor}` has ggml type id {type_id}"),
             },
-            other => {
-                let path = other.path().to_path_buf();
-                let text = other.to_string();
-                let prefix = format!("{}: ", path.display());
-                let finding = text.strip_prefix(&prefix).unwrap_or(&text);
-                let finding = finding
-                    .rsplit_once("; ")
-                    .map_or(finding, |(finding, _advice)| finding);
-                ModelError::Format {
-                    path,
-                    detail: finding.to_string(),
-                }
-            }
+            other => ModelError::Gguf(other),
         }
     }
 }
@@ -686,6 +691,13 @@ fn check(cursor: &mut Cursor<'_>) -> Result<Summary, GgufError> {
         let mut dimensions = Vec::with_capacity(dimension_count as usize);
         for _ in 0..dimension_count {
             dimensions.push(cursor.u64(&|| what("dimensions"))?);
+        }
+        if dimensions.is_empty() || dimensions.contains(&0) {
+            return Err(GgufError::EmptyTensor {
+                path: path.to_path_buf(),
+                tensor: name,
+                dimensions,
+            });
         }
         let type_offset = cursor.position;
         let type_id = cursor.u32(&|| what("ggml type"))?;

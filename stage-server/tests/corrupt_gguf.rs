@@ -290,6 +290,10 @@ fn corruptions(bytes: &[u8], summary: &Summary) -> Vec<(&'static str, Vec<u8>)> 
     let mut partial = bytes.clone();
     put(&mut partial, dims_at, &33u64.to_le_bytes());
     cases.push(("partial_block", partial));
+    // A zero dimension: candle would build the empty tensor from an unaligned dangling pointer and abort.
+    let mut empty = bytes.clone();
+    put(&mut empty, dims_at + 8, &0u64.to_le_bytes());
+    cases.push(("empty_tensor", empty));
     let mut huge_tensor = bytes.clone();
     put(&mut huge_tensor, dims_at + 8, &(1u64 << 40).to_le_bytes());
     cases.push(("huge_tensor", huge_tensor));
