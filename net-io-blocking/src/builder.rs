@@ -402,6 +402,7 @@ fn start<G: Gate, W: Workload>(
         worker_shared.push(WorkerShared {
             slot: Arc::new(KillSlot::new()),
             wake: Arc::new(EventFd::new()?),
+            linger: Arc::new(std::sync::atomic::AtomicU64::new(0)),
             lane: AtomicU8::new(0),
         });
     }

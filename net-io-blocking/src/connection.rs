@@ -164,7 +164,7 @@ impl<'a> TcpConnection<'a> {
         if idle {
             self.link().owner().set_idle(true);
         }
-        let received = self.link().receive(buffer, Some(deadline));
+        let received = self.link().receive(buffer, Some(deadline), now);
         if idle {
             self.link().owner().set_idle(false);
         }
@@ -172,7 +172,7 @@ impl<'a> TcpConnection<'a> {
             Received::Data(count) => {
                 if idle {
                     self.receiving = true;
-                    self.link().set_busy(Direction::In, true);
+                    self.link().start_busy(Direction::In);
                 }
                 Ok(count)
             }
@@ -210,10 +210,11 @@ impl<'a> TcpConnection<'a> {
         }
         let write_timeout = self.limits.write_timeout;
         let exchange = self.exchange_deadline;
-        self.link().set_busy(Direction::In, false);
-        self.link().set_busy(Direction::Out, true);
-        let sent = self.link().send_all(bytes, write_timeout, exchange);
-        self.link().set_busy(Direction::Out, false);
+        let now = self.link().now();
+        self.link().stop_busy(Direction::In);
+        self.link().start_busy_at(Direction::Out, now);
+        let sent = self.link().send_all(bytes, write_timeout, exchange, now);
+        self.link().stop_busy(Direction::Out);
         self.receiving = false;
         let exchange_passed = exchange.is_some_and(|exchange| self.link().now() >= exchange);
         match sent {
@@ -292,6 +293,7 @@ impl TcpConnection<'static> {
             reason_for_code(code)
         };
         link.close(
+            self.info.id.get(),
             !reason.is_abortive(),
             self.limits.linger_timeout,
             self.limits.linger_bytes,
@@ -323,11 +325,13 @@ pub fn connect(address: SocketAddr, limits: &Limits) -> Result<TcpConnection<'st
     let id = ConnectionId::new(raw_id).ok_or(NetError::ServerStopped)?;
     let slot = Arc::new(KillSlot::new());
     let wake = Arc::new(EventFd::new()?);
+    let linger = Arc::new(AtomicU64::new(0));
     let mut owner = SlotOwner::claim(Arc::clone(&slot)).ok_or(NetError::ServerStopped)?;
     owner.occupy(raw_id, socket);
     let link = Link::new(
         owner,
         Arc::clone(&wake),
+        Arc::clone(&linger),
         crate::clock::system(),
         resolved.tick,
         resolved.min_rate,
@@ -340,7 +344,12 @@ pub fn connect(address: SocketAddr, limits: &Limits) -> Result<TcpConnection<'st
         limits: resolved,
         check: None,
         core: None,
-        kill: KillHandle { slot, wake, id },
+        kill: KillHandle {
+            slot,
+            wake,
+            linger,
+            id,
+        },
         prefix: &[],
         receiving: false,
         terminal: None,
@@ -363,6 +372,7 @@ impl Drop for TcpConnection<'_> {
                 reason_for_code(code)
             };
             link.close(
+                self.info.id.get(),
                 !reason.is_abortive(),
                 self.limits.linger_timeout,
                 self.limits.linger_bytes,

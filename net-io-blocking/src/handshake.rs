@@ -37,7 +37,8 @@ pub(crate) fn read_proxy_header(
     loop {
         // Read no further than the longest possible header, so application data is not pulled in bulk.
         let want = (most - prefix.len().min(most)).clamp(1, chunk.len());
-        match link.receive(&mut chunk[..want], Some(deadline)) {
+        let now = link.now();
+        match link.receive(&mut chunk[..want], Some(deadline), now) {
             Received::Data(count) => prefix.extend_from_slice(&chunk[..count]),
             Received::Eof => {
                 return Err(if prefix.is_empty() {

@@ -38,7 +38,8 @@
 //!   when the send buffer is full. A warmed-up worker serves round trips without allocating.
 //! - **Close styles.** `PeerClosed`, `Idle`, `Drained` and `SessionClosed` close gracefully: FIN, then up to
 //!   64 KiB / 2 s of unread input is read and discarded so our last reply is not destroyed by an RST. Every
-//!   other reason resets (linger 0).
+//!   other reason resets (linger 0). A kill (or the drain deadline) during that linger ends it at once with
+//!   an RST; the close keeps its reason and the kill returns `false`.
 //! - **Drain** closes the door, closes idle connections at once (`Drained`), lets busy ones finish (their
 //!   queued output is flushed) and kills what is left at the deadline (`DrainDeadline`).
 //! - **Panics** in a handler, a session hook or the gate close only that connection (`SessionPanicked`, or a
@@ -46,8 +47,8 @@
 //! - **Injected clocks** ([`ServerBuilder::clock`]) drive every deadline; since the kernel's timeouts run on
 //!   real time, waits are then cut to one tick so a test that moves the clock is noticed within a tick.
 //! - **Not here**: Unix sockets, TLS, listener hand-off and systemd sockets, adding or removing listeners at
-//!   run time, `Gate::readmit` after a PROXY header, and turning a graceful linger abortive when a kill
-//!   arrives during it (once a close has begun, kills lose).
+//!   run time, `Gate::readmit` after a PROXY header. `CloseReason::Shutdown` is not produced: shutdown
+//!   drains first, so what is still open at its deadline closes with `DrainDeadline`.
 //! - **Handlers must do IO to be killable**: a kill shuts the socket's read side and wakes the worker, so a
 //!   handler stuck in pure computation is ended only when it next reads or writes; shutdown waits for it.
 //!

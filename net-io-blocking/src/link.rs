@@ -6,11 +6,17 @@
 //! always "idle timeout from now" pays no `setsockopt` per request. Writes are `send`/`sendmsg` with
 //! `MSG_DONTWAIT | MSG_NOSIGNAL`; only on `EAGAIN` does the link `poll` the socket and the worker's wake.
 //! An echo round trip therefore costs one `recv` and one `send`.
+//!
+//! The clock is read only where a deadline or a rate needs a fresh time: the caller passes the reading it
+//! took for its own deadline into `receive`, `send_all` and `flush`, a send that went out whole reads no
+//! clock afterwards, and a direction with no rate rule (or an idle one) never asks for the time. A handler's
+//! echo round trip reads the clock three times.
 
 use std::io::{self, IoSlice};
 use std::net::Shutdown;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use net_io_core::{Direction, MinRateRule, Output, Verdict};
@@ -64,6 +70,10 @@ pub(crate) enum Sent {
 pub(crate) struct Link {
     owner: SlotOwner,
     wake: Arc<EventFd>,
+    /// The id of the connection whose graceful close is lingering, 0 otherwise. The kill slot is already
+    /// closing then, so a killer cannot win it; instead it swaps this word to 0 and wakes us, and the linger
+    /// ends at once with an RST.
+    linger: Arc<AtomicU64>,
     clock: SharedClock,
     tick: Duration,
     armed: Option<Duration>,
@@ -80,6 +90,7 @@ impl Link {
     pub(crate) fn new(
         owner: SlotOwner,
         wake: Arc<EventFd>,
+        linger: Arc<AtomicU64>,
         clock: SharedClock,
         tick: Duration,
         min_rate: Option<MinRateRule>,
@@ -88,6 +99,7 @@ impl Link {
         Self {
             owner,
             wake,
+            linger,
             clock,
             tick,
             armed: None,
@@ -135,28 +147,53 @@ impl Link {
             .ok_or_else(|| io::Error::from(io::ErrorKind::NotConnected))
     }
 
-    /// Marks the start or end of a busy stretch in one direction; the rate rule counts only busy time.
-    pub(crate) fn set_busy(&mut self, direction: Direction, busy: bool) {
-        let rate = match direction {
+    fn rate_mut(&mut self, direction: Direction) -> Option<&mut RateWindow> {
+        match direction {
             Direction::In => self.rate_in.as_mut(),
             Direction::Out => self.rate_out.as_mut(),
-        };
-        if let Some(rate) = rate {
-            if busy {
-                rate.start(self.clock.now());
-            } else {
-                rate.stop();
-            }
         }
     }
 
-    /// Receives into `buffer`, waiting at most until `deadline`.
-    pub(crate) fn receive(&mut self, buffer: &mut [u8], deadline: Option<Instant>) -> Received {
+    /// Marks the start of a busy stretch in one direction at `now`; the rate rule counts only busy time.
+    pub(crate) fn start_busy_at(&mut self, direction: Direction, now: Instant) {
+        if let Some(rate) = self.rate_mut(direction) {
+            rate.start(now);
+        }
+    }
+
+    /// Marks the start of a busy stretch now, reading the clock only when a rate rule has to know.
+    pub(crate) fn start_busy(&mut self, direction: Direction) {
+        let clock = &self.clock;
+        if let Some(rate) = match direction {
+            Direction::In => self.rate_in.as_mut(),
+            Direction::Out => self.rate_out.as_mut(),
+        } && !rate.is_busy()
+        {
+            rate.start(clock.now());
+        }
+    }
+
+    /// Marks the end of a busy stretch in one direction.
+    pub(crate) fn stop_busy(&mut self, direction: Direction) {
+        if let Some(rate) = self.rate_mut(direction) {
+            rate.stop();
+        }
+    }
+
+    /// Receives into `buffer`, waiting at most until `deadline`; `now` is the caller's fresh clock reading.
+    pub(crate) fn receive(
+        &mut self,
+        buffer: &mut [u8],
+        deadline: Option<Instant>,
+        now: Instant,
+    ) -> Received {
+        let mut fresh = Some(now);
         loop {
             if let Some(code) = self.owner.closing() {
                 return Received::Killed(code);
             }
-            let now = self.clock.now();
+            // Only the first pass may use the caller's reading; a retry comes after a wait.
+            let now = fresh.take().unwrap_or_else(|| self.clock.now());
             if deadline.is_some_and(|deadline| now >= deadline) {
                 return Received::Deadline;
             }
@@ -185,8 +222,12 @@ impl Link {
                 }
                 Ok(count) => {
                     self.bytes_in += count as u64;
-                    if let Some(rate) = self.rate_in.as_mut() {
-                        rate.record(count as u64, self.clock.now());
+                    // An idle direction counts nothing, so it needs no time stamp either.
+                    let clock = &self.clock;
+                    if let Some(rate) = self.rate_in.as_mut()
+                        && rate.is_busy()
+                    {
+                        rate.record(count as u64, clock.now());
                     }
                     return Received::Data(count);
                 }
@@ -206,14 +247,15 @@ impl Link {
     }
 
     /// Sends all of `bytes`, failing when the peer takes nothing for `progress_timeout` or `hard_deadline`
-    /// (an exchange deadline) passes.
+    /// (an exchange deadline) passes; `now` is the caller's fresh clock reading.
     pub(crate) fn send_all(
         &mut self,
         bytes: &[u8],
         progress_timeout: Duration,
         hard_deadline: Option<Instant>,
+        now: Instant,
     ) -> Sent {
-        let mut deadline = earliest(Some(self.clock.now() + progress_timeout), hard_deadline);
+        let mut pace = Pace::new(now, progress_timeout, hard_deadline);
         let mut offset = 0;
         let mut zero_sends = 0;
         while offset < bytes.len() {
@@ -235,14 +277,14 @@ impl Link {
                 Ok(count) => {
                     zero_sends = 0;
                     offset += count;
-                    self.account_sent(count);
-                    // Progress restarts the write deadline; the exchange deadline stays where it is.
-                    deadline = earliest(Some(self.clock.now() + progress_timeout), hard_deadline);
+                    self.account_sent(count, &mut pace);
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                    let deadline = pace.deadline(&self.clock);
                     if let Some(outcome) = self.wait_writable(deadline) {
                         return outcome;
                     }
+                    pace.waited();
                 }
                 Err(error) => return self.send_failure(error),
             }
@@ -254,14 +296,16 @@ impl Link {
     /// takes nothing for `progress_timeout` or `hard_deadline` (an exchange deadline) passes.
     ///
     /// `check` is called once per write call before its first system call, not again after `EAGAIN`.
+    /// `now` is the caller's fresh clock reading.
     pub(crate) fn flush(
         &mut self,
         output: &mut Output,
         progress_timeout: Duration,
         hard_deadline: Option<Instant>,
         check: &mut dyn FnMut(usize, bool) -> Verdict,
+        now: Instant,
     ) -> Sent {
-        let mut deadline = earliest(Some(self.clock.now() + progress_timeout), hard_deadline);
+        let mut pace = Pace::new(now, progress_timeout, hard_deadline);
         let mut checked = false;
         let mut zero_sends = 0;
         while !output.is_empty() {
@@ -278,7 +322,11 @@ impl Link {
                 Ok(socket) => socket,
                 Err(error) => return Sent::Failed(error),
             };
-            let (result, offered) = {
+            let front = output.front();
+            let (result, offered) = if front.len() == output.pending() {
+                // One chunk queued (an echo's usual case): a plain send, without building the slice array.
+                (socket::send(socket, front), front.len())
+            } else {
                 let mut slices = [IoSlice::new(&[]); net_io_core::output::IO_SLICES_MAX];
                 let filled = output.fill_io_slices(&mut slices);
                 let offered: usize = slices[..filled].iter().map(|slice| slice.len()).sum();
@@ -299,8 +347,7 @@ impl Link {
                 Ok(count) => {
                     zero_sends = 0;
                     output.advance(count);
-                    self.account_sent(count);
-                    deadline = earliest(Some(self.clock.now() + progress_timeout), hard_deadline);
+                    self.account_sent(count, &mut pace);
                     // The rest of a partial write belongs to the same write call (no new gate check);
                     // chunks beyond the IO_SLICES_MAX just written start a new one.
                     if count == offered && !output.is_empty() {
@@ -308,9 +355,11 @@ impl Link {
                     }
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                    let deadline = pace.deadline(&self.clock);
                     if let Some(outcome) = self.wait_writable(deadline) {
                         return outcome;
                     }
+                    pace.waited();
                 }
                 Err(error) => return self.send_failure(error),
             }
@@ -336,16 +385,25 @@ impl Link {
         Ok(woken)
     }
 
-    /// Closes the connection: FIN and a bounded linger read when `graceful`, RST otherwise.
+    /// Closes connection `id`: FIN and a bounded linger read when `graceful`, RST otherwise.
     ///
     /// The slot must already be closing (the caller called `begin_close`). The linger read is skipped when
-    /// the peer already closed or nothing is waiting to be read.
-    pub(crate) fn close(&mut self, graceful: bool, linger_timeout: Duration, linger_bytes: usize) {
+    /// the peer already closed or nothing is waiting to be read; a kill during the linger ends it with an RST.
+    pub(crate) fn close(
+        &mut self,
+        id: u64,
+        graceful: bool,
+        linger_timeout: Duration,
+        linger_bytes: usize,
+    ) {
         if let Ok(socket) = self.socket() {
             if graceful {
                 let _ = socket::shutdown(socket, Shutdown::Write);
-                if !self.eof_seen {
-                    self.linger(linger_timeout, linger_bytes);
+                if !self.eof_seen
+                    && self.linger(id, linger_timeout, linger_bytes) == Lingered::Killed
+                    && let Ok(socket) = self.socket()
+                {
+                    let _ = socket::set_linger(socket, Linger::Abortive);
                 }
             } else {
                 let _ = socket::set_linger(socket, Linger::Abortive);
@@ -357,37 +415,61 @@ impl Link {
 
     /// Reads and discards what the peer still sends after our FIN, so that closing with unread data does not
     /// turn into an RST that could destroy our last reply in flight.
-    fn linger(&mut self, timeout: Duration, max_bytes: usize) {
+    ///
+    /// Waits on the socket and the worker's wake together, so a kill (which swaps the linger word away from
+    /// `id` and signals the wake) ends the linger at once.
+    fn linger(&mut self, id: u64, timeout: Duration, max_bytes: usize) -> Lingered {
         let mut scratch = [0u8; 1024];
         let Ok(socket) = self.socket() else {
-            return;
+            return Lingered::Done;
         };
         match socket::recv_nonblocking(socket, &mut scratch) {
-            Ok(0) => return,
-            Ok(count) if count >= max_bytes => return,
+            Ok(0) => return Lingered::Done,
+            Ok(count) if count >= max_bytes => return Lingered::Done,
             Ok(_) => {}
             // Nothing waiting: a close now sends FIN with an empty receive queue.
-            Err(_) => return,
+            Err(_) => return Lingered::Done,
         }
+        // From here until the swap below a killer can cut the linger short.
+        self.linger.store(id, Ordering::Release);
         let end = Instant::now() + timeout;
         let mut discarded = 0usize;
-        while discarded < max_bytes {
+        while discarded < max_bytes && self.linger.load(Ordering::Acquire) == id {
             let left = end.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return;
-            }
-            if self.arm(Some(left)).is_err() {
-                return;
+                break;
             }
             let Ok(socket) = self.socket() else {
-                return;
+                break;
             };
-            match socket::recv(socket, &mut scratch) {
-                Ok(0) => return,
-                Ok(count) => discarded += count,
-                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => return,
+            match wait::wait(socket, Interest::Readable, Some(self.wake_fd()), Some(left)) {
+                Ok(Readiness::Socket) => {}
+                Ok(Readiness::Woken) => {
+                    let _ = self.wake.drain();
+                    continue;
+                }
+                Ok(Readiness::TimedOut) | Err(_) => break,
             }
+            let Ok(socket) = self.socket() else {
+                break;
+            };
+            match socket::recv_nonblocking(socket, &mut scratch) {
+                Ok(0) => break,
+                Ok(count) => discarded += count,
+                Err(error)
+                    if matches!(
+                        error.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) => {}
+                Err(_) => break,
+            }
+        }
+        // Whoever takes the word first decides: a killer that already swapped it makes the close abortive,
+        // and one that comes after this swap finds 0 and does nothing.
+        if self.linger.swap(0, Ordering::AcqRel) == id {
+            Lingered::Done
+        } else {
+            Lingered::Killed
         }
     }
 
@@ -437,10 +519,13 @@ impl Link {
         }
     }
 
-    fn account_sent(&mut self, count: usize) {
+    fn account_sent(&mut self, count: usize, pace: &mut Pace) {
         self.bytes_out += count as u64;
-        if let Some(rate) = self.rate_out.as_mut() {
-            rate.record(count as u64, self.clock.now());
+        pace.progressed();
+        if let Some(rate) = self.rate_out.as_mut()
+            && rate.is_busy()
+        {
+            rate.record(count as u64, pace.stamp(&self.clock));
         }
     }
 
@@ -464,6 +549,66 @@ impl Link {
         socket::set_receive_timeout(self.socket()?, wanted)?;
         self.armed = wanted;
         Ok(())
+    }
+}
+
+/// How a linger ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lingered {
+    /// The peer closed, went quiet past the linger timeout, sent too much, or failed.
+    Done,
+    /// A kill arrived during the linger: the close must be an RST.
+    Killed,
+}
+
+/// The write deadline of one send: "no progress for `progress_timeout`", capped by a hard deadline.
+///
+/// Progress restarts the progress deadline, but it is only worked out again when a send would block: a send
+/// that goes out whole, the usual case, costs no clock read after it.
+struct Pace {
+    progress_timeout: Duration,
+    hard_deadline: Option<Instant>,
+    /// The deadline in force, or `None` after progress until the next wait needs it.
+    deadline: Option<Option<Instant>>,
+    /// A clock reading still current: taken before the last send with no wait since.
+    stamp: Option<Instant>,
+}
+
+impl Pace {
+    fn new(now: Instant, progress_timeout: Duration, hard_deadline: Option<Instant>) -> Self {
+        Self {
+            progress_timeout,
+            hard_deadline,
+            deadline: Some(earliest(Some(now + progress_timeout), hard_deadline)),
+            stamp: Some(now),
+        }
+    }
+
+    /// Bytes went out: the progress deadline starts again (from the next reading).
+    fn progressed(&mut self) {
+        self.deadline = None;
+    }
+
+    /// A wait happened, so the last reading is stale.
+    fn waited(&mut self) {
+        self.stamp = None;
+    }
+
+    /// A current time for the rate ring; a non-blocking send takes microseconds, far below its buckets.
+    fn stamp(&mut self, clock: &SharedClock) -> Instant {
+        *self.stamp.get_or_insert_with(|| clock.now())
+    }
+
+    /// The deadline for a wait about to start.
+    fn deadline(&mut self, clock: &SharedClock) -> Option<Instant> {
+        if let Some(deadline) = self.deadline {
+            return deadline;
+        }
+        let now = clock.now();
+        self.stamp = Some(now);
+        let deadline = earliest(Some(now + self.progress_timeout), self.hard_deadline);
+        self.deadline = Some(deadline);
+        deadline
     }
 }
 

@@ -4,7 +4,7 @@
 //! the next judgement is due, so the receive loop (which runs on every `recv`) pays one comparison between
 //! checks and tells the socket wait when to wake up for the next one.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use net_io_core::{MinRate, MinRateRule, RateVerdict};
 
@@ -13,6 +13,9 @@ use net_io_core::{MinRate, MinRateRule, RateVerdict};
 pub(crate) struct RateWindow {
     rate: MinRate,
     due: Option<Instant>,
+    /// The first judgement comes this long after a busy stretch starts: after the grace, and never sooner
+    /// than one check interval. Kept here so that starting a stretch (twice per round trip) is one addition.
+    first_check: Duration,
 }
 
 impl RateWindow {
@@ -20,6 +23,7 @@ impl RateWindow {
         Self {
             rate: MinRate::new(rule),
             due: None,
+            first_check: rule.grace.max(rule.check),
         }
     }
 
@@ -29,7 +33,13 @@ impl RateWindow {
             return;
         }
         self.rate.start(now);
-        self.due = self.rate.next_check(now);
+        // What `MinRate::next_check` answers for a stretch that starts at `now`.
+        self.due = now.checked_add(self.first_check);
+    }
+
+    /// True while the direction is busy (bytes are being counted).
+    pub(crate) fn is_busy(&self) -> bool {
+        self.rate.is_busy()
     }
 
     /// The direction went idle: nothing is judged until it is busy again.

@@ -422,6 +422,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         let mut link = Link::new(
             owner,
             Arc::clone(&shared.wake),
+            Arc::clone(&shared.linger),
             Arc::clone(&core.clock),
             core.limits.tick,
             core.limits.min_rate,
@@ -487,6 +488,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         let kill = KillHandle {
             slot: Arc::clone(&core.workers[index].slot),
             wake: Arc::clone(&core.workers[index].wake),
+            linger: Arc::clone(&core.workers[index].linger),
             id: info.id,
         };
         prefix.clear();
@@ -566,6 +568,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             reason_for_code(code)
         };
         link.close(
+            info.id.get(),
             !reason.is_abortive(),
             limits.linger_timeout,
             limits.linger_bytes,

@@ -54,6 +54,8 @@ pub struct DrainReport {
 pub(crate) struct WorkerShared {
     pub(crate) slot: Arc<KillSlot>,
     pub(crate) wake: Arc<EventFd>,
+    /// The id of the connection whose graceful close is lingering on this worker, 0 otherwise.
+    pub(crate) linger: Arc<AtomicU64>,
     /// The lane of the connection the worker holds, for shedding.
     pub(crate) lane: AtomicU8,
 }
@@ -104,6 +106,7 @@ pub struct ServerHandle {
 pub struct KillHandle {
     pub(crate) slot: Arc<KillSlot>,
     pub(crate) wake: Arc<EventFd>,
+    pub(crate) linger: Arc<AtomicU64>,
     pub(crate) id: ConnectionId,
 }
 
@@ -158,7 +161,23 @@ impl Core {
                 return true;
             }
         }
+        if condition == KillCondition::Always {
+            for worker in &self.workers {
+                if cut_linger(&worker.linger, &worker.wake, id.get()) {
+                    break;
+                }
+            }
+        }
         false
+    }
+
+    /// Cuts every lingering graceful close short (they end with an RST); used at the drain deadline.
+    fn cut_all_lingers(&self) {
+        for worker in &self.workers {
+            if worker.linger.swap(0, Ordering::AcqRel) != 0 {
+                let _ = worker.wake.signal();
+            }
+        }
     }
 }
 
@@ -274,6 +293,8 @@ impl ServerHandle {
                         let _ = worker.wake.signal();
                     }
                 }
+                // Graceful closes still lingering end now too, with an RST.
+                self.core.cut_all_lingers();
                 // Connections still queued for a worker are closed by it at once (it sees the expiry).
                 self.core.drain_expired.store(true, Ordering::Release);
                 let limit = Instant::now() + Duration::from_secs(1);
@@ -355,6 +376,9 @@ impl ServerHandle {
 
 impl KillHandle {
     /// Ends the connection with `Killed(code)`; returns `false` if it already closed or someone else won.
+    ///
+    /// A connection whose graceful close is still lingering (reading what the peer sends after our FIN) has
+    /// its close reason already; the kill then returns `false` but turns that close into an RST at once.
     pub fn kill(&self, code: u16) -> bool {
         let won = self.slot.kill(
             self.id.get(),
@@ -363,6 +387,8 @@ impl KillHandle {
         );
         if won {
             let _ = self.wake.signal();
+        } else {
+            cut_linger(&self.linger, &self.wake, self.id.get());
         }
         won
     }
@@ -482,4 +508,16 @@ impl fmt::Debug for Server {
             .field("threads", &self.threads.len())
             .finish_non_exhaustive()
     }
+}
+
+/// Ends the linger of connection `id` if it is lingering behind `linger`: the owner sees the word change and
+/// closes with an RST. Returns whether it did.
+fn cut_linger(linger: &AtomicU64, wake: &EventFd, id: u64) -> bool {
+    let cut = linger
+        .compare_exchange(id, 0, Ordering::AcqRel, Ordering::Acquire)
+        .is_ok();
+    if cut {
+        let _ = wake.signal();
+    }
+    cut
 }

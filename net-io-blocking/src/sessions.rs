@@ -152,6 +152,14 @@ impl<F: SessionFactory> Workload for SessionWorkload<F> {
     }
 }
 
+/// How a flush ended when it did not close the connection.
+enum Flushed {
+    /// Every queued byte went out.
+    Done,
+    /// A write or exchange deadline passed and the session chose to carry on with this step.
+    TimedOut(Step),
+}
+
 /// The state of one session run.
 struct Driver<'r, 'a, S> {
     run: Run<'a>,
@@ -192,24 +200,25 @@ impl<S: Session> Driver<'_, '_, S> {
                     }
                 }
                 Step::Write => match self.flush(session) {
-                    Ok(()) => {
+                    Ok(Flushed::Done) => {
                         match self.hook(session, |session, context| session.on_writable(context)) {
                             Some(next) => next,
                             None => return self.panicked(),
                         }
                     }
+                    Ok(Flushed::TimedOut(next)) => next,
                     Err(reason) => return reason,
                 },
                 Step::Park { until } => match self.park(session, until) {
                     Ok(next) => next,
                     Err(reason) => return reason,
                 },
-                Step::Close => {
-                    if let Err(reason) = self.flush(session) {
-                        return reason;
-                    }
-                    return self.pending.unwrap_or(CloseReason::SessionClosed);
-                }
+                Step::Close => match self.flush(session) {
+                    Ok(Flushed::Done) => return self.pending.unwrap_or(CloseReason::SessionClosed),
+                    // The session carried on past a write deadline: its step runs next.
+                    Ok(Flushed::TimedOut(next)) => next,
+                    Err(reason) => return reason,
+                },
                 Step::Abort => return self.pending.unwrap_or(CloseReason::SessionError),
             };
         }
@@ -315,11 +324,11 @@ impl<S: Session> Driver<'_, '_, S> {
         let link = &mut *self.run.link;
         if idle {
             link.owner().set_idle(true);
-            link.set_busy(Direction::In, false);
+            link.stop_busy(Direction::In);
         } else {
-            link.set_busy(Direction::In, true);
+            link.start_busy_at(Direction::In, now);
         }
-        let received = link.receive(self.read.spare_mut(), Some(deadline));
+        let received = link.receive(self.read.spare_mut(), Some(deadline), now);
         if idle {
             link.owner().set_idle(false);
         }
@@ -328,7 +337,7 @@ impl<S: Session> Driver<'_, '_, S> {
                 self.read.commit(count);
                 if self.phase == Phase::Idle && self.phase_override.is_none() {
                     self.phase = Phase::Receiving;
-                    self.run.link.set_busy(Direction::In, true);
+                    self.run.link.start_busy(Direction::In);
                 }
                 self.on_data(session, input_changed)
                     .ok_or_else(|| self.panicked())
@@ -389,35 +398,57 @@ impl<S: Session> Driver<'_, '_, S> {
     }
 
     /// Flushes the output under the write deadline, asking the gate before each write call.
-    fn flush(&mut self, session: &mut S) -> Result<(), CloseReason> {
+    ///
+    /// At a write or exchange deadline the session's `on_timeout` decides: `Close` or `Abort` end the
+    /// connection with the deadline's own (abortive) reason, any other step carries on with a fresh deadline.
+    fn flush(&mut self, session: &mut S) -> Result<Flushed, CloseReason> {
         if self.output.is_empty() {
-            return Ok(());
+            return Ok(Flushed::Done);
         }
         let core = self.run.core;
         let link = &mut *self.run.link;
-        link.set_busy(Direction::Out, true);
+        let now = core.now();
+        link.start_busy_at(Direction::Out, now);
         let started = self.output.response_started();
         let sent = link.flush(
             self.output,
             self.run.limits.write_timeout,
             self.exchange,
             &mut *self.run.check,
+            now,
         );
-        link.set_busy(Direction::Out, false);
+        link.stop_busy(Direction::Out);
         let exchange_passed = self.exchange.is_some_and(|exchange| core.now() >= exchange);
         match sent {
             Sent::Done => {
                 if self.read.unread_len() == 0 && self.phase_override.is_none() {
                     self.phase = Phase::Idle;
-                    self.run.link.set_busy(Direction::In, false);
+                    self.run.link.stop_busy(Direction::In);
                 }
-                Ok(())
+                Ok(Flushed::Done)
             }
-            Sent::Deadline => Err(if exchange_passed {
-                CloseReason::ExchangeDeadline
-            } else {
-                CloseReason::WriteTimeout
-            }),
+            Sent::Deadline => {
+                let kind = if exchange_passed {
+                    TimeoutKind::Exchange
+                } else {
+                    TimeoutKind::Write
+                };
+                let reason = kind.close_reason();
+                if kind == TimeoutKind::Exchange {
+                    // Spent; a new one the session sets in `on_timeout` takes its place.
+                    self.exchange = None;
+                }
+                let step = self
+                    .hook(session, |session, context| {
+                        session.on_timeout(kind, context)
+                    })
+                    .ok_or_else(|| self.panicked())?;
+                match step {
+                    // Unsent output stays queued, so even `Close` ends abortively with the deadline's reason.
+                    Step::Close | Step::Abort => Err(reason),
+                    next => Ok(Flushed::TimedOut(next)),
+                }
+            }
             Sent::Slow => Err(CloseReason::SlowPeer {
                 direction: Direction::Out,
             }),
@@ -445,7 +476,7 @@ impl<S: Session> Driver<'_, '_, S> {
     fn park(&mut self, session: &mut S, until: Instant) -> Result<Step, CloseReason> {
         let core = self.run.core;
         let until = until.min(core.now() + self.run.limits.park_timeout);
-        self.run.link.set_busy(Direction::In, false);
+        self.run.link.stop_busy(Direction::In);
         loop {
             if let Some(completion) = self.run.receiver.pop() {
                 return self

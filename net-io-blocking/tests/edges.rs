@@ -278,3 +278,87 @@ fn a_denial_in_the_middle_of_a_response_resets_without_denial_text() {
     );
     assert_eq!(recorder.single_close(SOON), CloseReason::EgressDenied(9));
 }
+
+#[test]
+fn a_kill_during_a_graceful_linger_resets_the_connection_at_once() {
+    let recorder = Recorder::default();
+    let (handles, handle_receiver) = std::sync::mpsc::channel();
+    let handles = std::sync::Mutex::new(handles);
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(1)
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .linger_timeout(Duration::from_secs(30)),
+        )
+        .events(recorder.clone())
+        .handler(move |connection: &mut net_io_blocking::TcpConnection<'_>| {
+            // Reads half of what the client sent, answers and returns: a graceful close with unread input,
+            // which lingers.
+            let mut request = [0u8; 4];
+            let mut got = 0;
+            while got < request.len() {
+                let count = connection.read(&mut request[got..])?;
+                if count == 0 {
+                    return Ok(());
+                }
+                got += count;
+            }
+            let _ = handles.lock().unwrap().send(connection.kill_handle());
+            connection.write_all(b"done")
+        })
+        .allow_all()
+        .build()
+        .unwrap();
+    let mut stream = client(server.local_addr());
+    stream.write_all(b"askmore!").unwrap();
+    let mut reply = [0u8; 4];
+    stream.read_exact(&mut reply).unwrap();
+    assert_eq!(&reply, b"done");
+    let mut byte = [0u8; 1];
+    assert_eq!(
+        stream.read(&mut byte).unwrap(),
+        0,
+        "the graceful close sent no FIN"
+    );
+    let handle = handle_receiver.recv_timeout(SOON).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        recorder.closes().is_empty(),
+        "the close did not linger, so this test cannot show a kill cutting the linger short"
+    );
+    let started = Instant::now();
+    // The first attempt can come before the worker starts lingering; later ones cannot miss it.
+    let closed = common::eventually(SOON, || {
+        assert!(
+            !handle.kill(9),
+            "a kill won a connection whose close was already decided"
+        );
+        !recorder.closes().is_empty()
+    });
+    assert!(
+        closed,
+        "the kill did not end the 30 s linger within {SOON:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the linger ended only after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        recorder.single_close(SOON),
+        CloseReason::SessionClosed,
+        "cutting the linger short changed the close reason"
+    );
+    // The client already read our FIN, so its reads say 0 either way; a write shows the RST: it fails at
+    // once, where a connection still lingering (or closed with FIN) would take the bytes.
+    let after = stream.write(b"more");
+    assert!(
+        matches!(&after, Err(error) if matches!(
+            error.kind(),
+            std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+        )),
+        "the client did not see an RST after the kill: its write gave {after:?}"
+    );
+}

@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use common::{Recorder, SOON, eventually};
 use net_io_blocking::{
-    ConnectionInfo, Input, Limits, ServerBuilder, Session, SessionContext, Step,
+    ConnectionInfo, Input, Limits, NetError, ServerBuilder, Session, SessionContext, Step,
+    TcpConnection,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -32,9 +33,29 @@ impl Session for Lines {
     }
 }
 
-fn run_round(seed: u64, rounds: usize) {
+/// Echoes complete lines from a blocking handler.
+fn lines(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
+    let mut line = [0u8; 64];
+    let mut filled = 0;
+    loop {
+        let count = connection.read(&mut line[filled..])?;
+        if count == 0 {
+            return Ok(());
+        }
+        filled += count;
+        if let Some(end) = line[..filled].iter().position(|&byte| byte == b'\n') {
+            connection.write_all(&line[..=end])?;
+            line.copy_within(end + 1..filled, 0);
+            filled -= end + 1;
+        } else if filled == line.len() {
+            return Ok(());
+        }
+    }
+}
+
+fn run_round(seed: u64, rounds: usize, handler: bool) {
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
+    let builder = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .workers(6)
         .limits(
@@ -45,11 +66,16 @@ fn run_round(seed: u64, rounds: usize) {
                 .idle_timeout(Duration::from_millis(300))
                 .read_timeout(Duration::from_millis(300)),
         )
-        .events(recorder.clone())
-        .sessions(|_info: &ConnectionInfo| Some(Lines))
-        .allow_all()
-        .build()
-        .expect("the test server should start");
+        .events(recorder.clone());
+    let server = if handler {
+        builder.handler(lines).allow_all().build()
+    } else {
+        builder
+            .sessions(|_info: &ConnectionInfo| Some(Lines))
+            .allow_all()
+            .build()
+    }
+    .expect("the test server should start");
     let address = server.local_addr();
     let handle = server.handle();
     let mut rng = StdRng::seed_from_u64(seed);
@@ -143,8 +169,15 @@ fn run_round(seed: u64, rounds: usize) {
 }
 
 #[test]
-fn every_admitted_connection_closes_exactly_once_under_random_client_behaviour() {
+fn every_admitted_session_connection_closes_exactly_once_under_random_client_behaviour() {
     for seed in 1..=4u64 {
-        run_round(seed, 60);
+        run_round(seed, 60, false);
+    }
+}
+
+#[test]
+fn every_admitted_handler_connection_closes_exactly_once_under_random_client_behaviour() {
+    for seed in 11..=14u64 {
+        run_round(seed, 60, true);
     }
 }

@@ -346,3 +346,43 @@ fn a_kill_racing_the_session_s_own_close_gives_one_close_and_a_truthful_answer()
         "a kill reported a win it did not get, or the reverse"
     );
 }
+
+#[test]
+fn a_kill_reaches_the_peer_as_a_reset_promptly_and_a_closed_door_stops_accepting_at_once() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(2)
+        .events(recorder.clone())
+        .handler(echo)
+        .allow_all()
+        .build()
+        .unwrap();
+    let handle = server.handle();
+    let mut stream = client(server.local_addr());
+    assert_eq!(round_trip(&mut stream, b"k"), b"k");
+    let id = handle.connections()[0];
+    let killed_at = Instant::now();
+    assert!(handle.kill(id, 3));
+    let mut byte = [0u8; 1];
+    let outcome = stream.read(&mut byte);
+    let latency = killed_at.elapsed();
+    assert!(
+        matches!(&outcome, Err(error) if error.kind() == std::io::ErrorKind::ConnectionReset),
+        "a kill should reset the peer, got {outcome:?}"
+    );
+    // Generous bound for a loaded 2-core machine; the benchmark measures the real latency.
+    assert!(
+        latency < Duration::from_millis(500),
+        "the reset took {latency:?}"
+    );
+    handle.close_door();
+    let accepted = handle.stats().accepted;
+    let _waiting = client(server.local_addr());
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        handle.stats().accepted,
+        accepted,
+        "a connection was accepted after close_door returned"
+    );
+}

@@ -102,6 +102,24 @@ mod counted {
         sites.iter().map(|site| shim::calls(site)).collect()
     }
 
+    /// A snapshot taken once the server has gone back to its next blocking `recv`.
+    ///
+    /// Right after the client reads an echo, the worker may or may not have entered its next `recv` yet, so a
+    /// snapshot taken at once is off by one call at either end of the window. Waiting until the counters stop
+    /// moving for 50 ms puts both ends at the same point of the loop, so the count is exact.
+    fn settled_snapshot(sites: &[String]) -> Vec<u64> {
+        let give_up = Instant::now() + Duration::from_secs(5);
+        let mut last = snapshot(sites);
+        loop {
+            std::thread::sleep(Duration::from_millis(50));
+            let now = snapshot(sites);
+            if now == last || Instant::now() > give_up {
+                return now;
+            }
+            last = now;
+        }
+    }
+
     fn calls_per_round_trip(server: Server) {
         let sites = call_sites();
         let address: SocketAddr = server.local_addr();
@@ -116,12 +134,12 @@ mod counted {
             stream.write_all(&message).expect("warm-up write failed");
             stream.read_exact(&mut echo).expect("warm-up read failed");
         }
-        let before = snapshot(&sites);
+        let before = settled_snapshot(&sites);
         for _ in 0..COUNTED_ROUND_TRIPS {
             stream.write_all(&message).expect("write failed");
             stream.read_exact(&mut echo).expect("read failed");
         }
-        let after = snapshot(&sites);
+        let after = settled_snapshot(&sites);
         assert_eq!(echo, message, "the server echoed different bytes");
         let by_site: Vec<(&str, u64)> = sites
             .iter()

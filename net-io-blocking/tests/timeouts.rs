@@ -1,5 +1,5 @@
-//! Deadlines by phase for blocking handlers: idle between exchanges, read once a request started, and a
-//! per-connection idle override.
+//! Deadlines by phase: idle between exchanges, read once a request started and a per-connection idle
+//! override for handlers; the write and exchange deadlines a session is asked about with `on_timeout`.
 
 mod common;
 
@@ -225,4 +225,159 @@ fn a_slow_but_steady_reader_is_not_cut_off_by_the_write_deadline() {
     );
     drop(stream);
     assert_eq!(recorder.single_close(SOON), CloseReason::PeerClosed);
+}
+
+/// Queues 512 KiB on open for a client that never reads, and answers the write deadline from a script:
+/// `Step::Write` (carry on) for the first `carry_on` deadlines, then `Step::Close`.
+struct Stubborn {
+    carry_on: usize,
+    /// An exchange deadline set at open, this long from then.
+    exchange: Option<Duration>,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<net_io_blocking::TimeoutKind>>>,
+    closed_with: std::sync::Arc<std::sync::Mutex<Option<CloseReason>>>,
+}
+
+impl net_io_blocking::Session for Stubborn {
+    fn on_open(
+        &mut self,
+        context: &mut net_io_blocking::SessionContext<'_>,
+    ) -> net_io_blocking::Step {
+        if let Some(exchange) = self.exchange {
+            let deadline = context.now() + exchange;
+            context.set_exchange_deadline(Some(deadline));
+        }
+        let _ = context.output().push_static(&[b's'; 512 * 1024]);
+        net_io_blocking::Step::Write
+    }
+
+    fn on_data(
+        &mut self,
+        input: &mut net_io_blocking::Input<'_>,
+        _context: &mut net_io_blocking::SessionContext<'_>,
+    ) -> net_io_blocking::Step {
+        input.consume_all();
+        net_io_blocking::Step::Read
+    }
+
+    fn on_timeout(
+        &mut self,
+        kind: net_io_blocking::TimeoutKind,
+        _context: &mut net_io_blocking::SessionContext<'_>,
+    ) -> net_io_blocking::Step {
+        let mut seen = self.seen.lock().unwrap();
+        seen.push(kind);
+        if seen.len() <= self.carry_on {
+            net_io_blocking::Step::Write
+        } else {
+            net_io_blocking::Step::Close
+        }
+    }
+
+    fn on_close(&mut self, _info: &net_io_blocking::ConnectionInfo, reason: CloseReason) {
+        *self.closed_with.lock().unwrap() = Some(reason);
+    }
+}
+
+/// Runs a `Stubborn` session against a client that never reads; returns the deadlines the session saw, the
+/// close reason the recorder saw and the one the session was told.
+fn stubborn_run(
+    carry_on: usize,
+    exchange: Option<Duration>,
+) -> (
+    Vec<net_io_blocking::TimeoutKind>,
+    CloseReason,
+    Option<CloseReason>,
+    Duration,
+) {
+    let recorder = Recorder::default();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let closed_with = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let (seen_in_factory, closed_in_factory) = (seen.clone(), closed_with.clone());
+    let server = ServerBuilder::new()
+        .listener(
+            net_io_blocking::ListenerSpec::new("127.0.0.1:0".parse().unwrap())
+                .send_buffer(16 * 1024),
+        )
+        .workers(1)
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .write_timeout(Duration::from_millis(200)),
+        )
+        .events(recorder.clone())
+        .sessions(move |_info: &net_io_blocking::ConnectionInfo| {
+            Some(Stubborn {
+                carry_on,
+                exchange,
+                seen: seen_in_factory.clone(),
+                closed_with: closed_in_factory.clone(),
+            })
+        })
+        .allow_all()
+        .build()
+        .unwrap();
+    let stream = client(server.local_addr());
+    socket2::SockRef::from(&stream)
+        .set_recv_buffer_size(16 * 1024)
+        .unwrap();
+    let started = Instant::now();
+    let reason = recorder.single_close(SOON);
+    let took = started.elapsed();
+    drop(stream);
+    drop(server);
+    let seen = seen.lock().unwrap().clone();
+    let closed_with = *closed_with.lock().unwrap();
+    (seen, reason, closed_with, took)
+}
+
+#[test]
+fn a_session_is_asked_at_the_write_deadline_and_its_close_keeps_the_write_timeout_reason() {
+    let (seen, reason, closed_with, _) = stubborn_run(0, None);
+    assert_eq!(
+        seen,
+        [net_io_blocking::TimeoutKind::Write],
+        "on_timeout was not called exactly once, for the write deadline"
+    );
+    assert_eq!(
+        reason,
+        CloseReason::WriteTimeout,
+        "Step::Close after a write deadline replaced the deadline's reason"
+    );
+    assert_eq!(
+        closed_with,
+        Some(CloseReason::WriteTimeout),
+        "the session was not told the write deadline as its close reason"
+    );
+}
+
+#[test]
+fn a_session_that_carries_on_past_a_write_deadline_gets_a_fresh_one() {
+    let (seen, reason, _, took) = stubborn_run(2, None);
+    assert_eq!(
+        seen,
+        [net_io_blocking::TimeoutKind::Write; 3],
+        "the session was not asked once per write deadline"
+    );
+    assert_eq!(reason, CloseReason::WriteTimeout);
+    // Three 200 ms deadlines in a row; generous lower bound, since each one starts after the last.
+    assert!(
+        took >= Duration::from_millis(500),
+        "three write deadlines passed in {took:?}; carrying on did not restart the deadline"
+    );
+}
+
+#[test]
+fn a_session_is_asked_at_an_exchange_deadline_that_passes_during_a_write() {
+    let (seen, reason, closed_with, _) = stubborn_run(0, Some(Duration::from_millis(100)));
+    assert_eq!(
+        seen,
+        [net_io_blocking::TimeoutKind::Exchange],
+        "on_timeout was not called exactly once, for the exchange deadline"
+    );
+    assert_eq!(
+        reason,
+        CloseReason::ExchangeDeadline,
+        "Step::Close after an exchange deadline replaced the deadline's reason"
+    );
+    assert_eq!(closed_with, Some(CloseReason::ExchangeDeadline));
 }

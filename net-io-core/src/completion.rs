@@ -14,16 +14,20 @@
 //!
 //! Wake-ups: the receiver arms a `waiting` flag when it finds the ring empty and re-checks once; a producer
 //! swaps the flag off after publishing. Either the re-check sees the item or the producer sees the flag and
-//! reports [`Posted::WakeWorker`]. Both sides use `SeqCst` so that this store-then-load pattern (Dekker)
-//! cannot lose a wake-up. The slots follow Vyukov's bounded queue, with the payload in atomics so that no
+//! reports [`Posted::WakeWorker`]. Each side puts a `SeqCst` fence between its store and its load, so
+//! that this store-then-load pattern (Dekker) cannot lose a wake-up; fences rather than `SeqCst`
+//! accesses because loom models fences exactly. The slots follow Vyukov's bounded queue, with the payload in atomics so that no
 //! `unsafe` is needed.
+//!
+//! Loom models (two producers and a consumer; a post racing a close) run with
+//! `LOOM_MAX_PREEMPTIONS=4 RUSTFLAGS="--cfg loom" cargo test -p net-io-core --lib --release loom_models`.
 
 use std::fmt;
 use std::task::Waker;
 
 use crate::id::ConnectionId;
 use crate::loom::sync::Arc;
-use crate::loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use crate::loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
 
 /// One posted completion.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -155,8 +159,10 @@ impl CompletionRing {
                 position = self.tail.load(Ordering::Relaxed);
             }
         }
-        // SeqCst pairs with the receiver's arm-then-recheck: one of the two sides sees the other.
-        if self.waiting.swap(false, Ordering::SeqCst) {
+        // Pairs with the receiver's fence between arming and re-checking: either the receiver's re-check
+        // sees our sequence store, or this swap sees its `waiting = true`.
+        fence(Ordering::SeqCst);
+        if self.waiting.swap(false, Ordering::AcqRel) {
             Ok(Posted::WakeWorker)
         } else {
             Ok(Posted::Queued)
@@ -189,10 +195,13 @@ impl CompletionReceiver {
             let completion = match self.take() {
                 Some(completion) => completion,
                 None => {
-                    self.ring.waiting.store(true, Ordering::SeqCst);
+                    // Swaps rather than stores: every access to `waiting` is then a read-modify-write,
+                    // which keeps its history one chain that each side reads the end of.
+                    self.ring.waiting.swap(true, Ordering::AcqRel);
+                    fence(Ordering::SeqCst);
                     let again = self.take()?;
                     // Found one after arming: we are awake, so posts need not wake us.
-                    self.ring.waiting.store(false, Ordering::Relaxed);
+                    self.ring.waiting.swap(false, Ordering::AcqRel);
                     again
                 }
             };
@@ -421,6 +430,37 @@ mod loom_models {
             assert!(
                 left == 0 || woken.load(Ordering::SeqCst) > 0,
                 "a completion was stranded"
+            );
+        });
+    }
+
+    /// A post racing the close of its connection never reaches the next connection on the worker.
+    #[test]
+    fn a_post_racing_a_close_never_reaches_the_next_connection() {
+        loom::model(|| {
+            let (ring, mut receiver) = CompletionRing::with_capacity(2);
+            let old = ConnectionId::new(1).unwrap();
+            let new = ConnectionId::new(2).unwrap();
+            receiver.bind(old);
+            let producer = {
+                let ring = Arc::clone(&ring);
+                loom::thread::spawn(move || {
+                    let _ = ring.post(old, 7, 7);
+                })
+            };
+            receiver.unbind();
+            receiver.bind(new);
+            let mut delivered = Vec::new();
+            while let Some(completion) = receiver.pop() {
+                delivered.push(completion);
+            }
+            producer.join().unwrap();
+            while let Some(completion) = receiver.pop() {
+                delivered.push(completion);
+            }
+            assert!(
+                delivered.iter().all(|completion| completion.id == new),
+                "a completion for the closed connection reached the next one"
             );
         });
     }

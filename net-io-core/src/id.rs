@@ -89,7 +89,7 @@ impl IdAllocator {
         IdAllocator::default()
     }
 
-    /// A block handle for one thread. It takes its first block lazily, on the first [`IdBlock::next`].
+    /// A block handle for one thread. It takes its first block lazily, on the first [`IdBlock::next_id`].
     pub fn block(&self) -> IdBlock {
         IdBlock {
             allocator: self.clone(),

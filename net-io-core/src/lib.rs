@@ -7,6 +7,43 @@
 //! ```text
 //!   net-io-sys (syscalls) ◀── net-io-blocking (driver) ──▶ net-io-core (this crate: types and decisions)
 //! ```
+//!
+//! A session answers input with a [`Step`]; the driver does the reading and writing:
+//!
+//! ```
+//! use net_io_core::{Input, Session, SessionContext, Step};
+//!
+//! /// Echoes every complete line back.
+//! struct LineEcho;
+//!
+//! impl Session for LineEcho {
+//!     fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+//!         let Some(end) = input.bytes().iter().position(|&byte| byte == b'\n') else {
+//!             return Step::Read; // wait for the rest of the line
+//!         };
+//!         if context.output().push(&input.bytes()[..=end]).is_err() {
+//!             return Step::Write; // output budget full: flush first, the line stays unconsumed
+//!         }
+//!         input.consume(end + 1);
+//!         Step::Write
+//!     }
+//! }
+//! ```
+//!
+//! The PROXY parser is fed everything received so far:
+//!
+//! ```
+//! use net_io_core::{ProxyMode, ProxyParser, ProxyStatus};
+//!
+//! let parser = ProxyParser::new(ProxyMode::Any, 1024);
+//! let received = b"PROXY TCP4 192.0.2.1 198.51.100.2 56324 443\r\nGET / HTTP/1.1\r\n";
+//! assert_eq!(parser.parse(&received[..20]), Ok(ProxyStatus::NeedMore));
+//! let Ok(ProxyStatus::Done { header, consumed }) = parser.parse(received) else {
+//!     panic!("a valid header");
+//! };
+//! assert_eq!(header.source, Some("192.0.2.1:56324".parse().unwrap()));
+//! assert_eq!(&received[consumed..], b"GET / HTTP/1.1\r\n");
+//! ```
 
 #![deny(unsafe_code)]
 #![warn(missing_docs)]

@@ -316,12 +316,22 @@ fn parse_v1(bytes: &[u8]) -> Result<ProxyStatus, ProxyError> {
         return Err(ProxyError::NotProxy);
     }
     let window = &bytes[..bytes.len().min(V1_MAX)];
-    let Some(newline) = window.iter().position(|&byte| byte == b'\n') else {
-        // Reject garbage now rather than after the handshake deadline; a final CR may be half a CRLF.
-        let body = window.strip_suffix(b"\r").unwrap_or(window);
-        if !body.iter().all(|byte| (b' '..=b'~').contains(byte)) {
-            return Err(ProxyError::V1Malformed("a byte outside printable ASCII"));
+    // One pass finds the LF and rejects anything but printable ASCII, so garbage is refused at once
+    // rather than at the handshake deadline. A CR is allowed only right before the LF (or as the last
+    // byte so far, as half a CRLF).
+    let mut newline = None;
+    for (index, &byte) in window.iter().enumerate().skip(V1_PREFIX.len()) {
+        match byte {
+            b' '..=b'~' => {}
+            b'\n' => {
+                newline = Some(index);
+                break;
+            }
+            b'\r' if window.get(index + 1).is_none_or(|&next| next == b'\n') => {}
+            _ => return Err(ProxyError::V1Malformed("a byte outside printable ASCII")),
         }
+    }
+    let Some(newline) = newline else {
         return if bytes.len() >= V1_MAX {
             Err(ProxyError::V1TooLong)
         } else {
@@ -332,15 +342,10 @@ fn parse_v1(bytes: &[u8]) -> Result<ProxyStatus, ProxyError> {
         return Err(ProxyError::V1Malformed("the line does not end in CRLF"));
     }
     let line = &window[V1_PREFIX.len()..newline - 1];
-    if !line.iter().all(|byte| (b' '..=b'~').contains(byte)) {
-        return Err(ProxyError::V1Malformed("a byte outside printable ASCII"));
-    }
-    let line = std::str::from_utf8(line)
-        .map_err(|_| ProxyError::V1Malformed("a byte outside printable ASCII"))?;
     let consumed = newline + 1;
-    let mut fields = line.split(' ');
-    let protocol = fields.next().unwrap_or("");
-    if protocol == "UNKNOWN" {
+    let mut fields = line.split(|&byte| byte == b' ');
+    let protocol = fields.next().unwrap_or(&[]);
+    if protocol == b"UNKNOWN" {
         // The protocol says to ignore whatever follows UNKNOWN up to the CRLF.
         return Ok(ProxyStatus::Done {
             header: ProxyHeader {
@@ -357,8 +362,8 @@ fn parse_v1(bytes: &[u8]) -> Result<ProxyStatus, ProxyError> {
         });
     }
     let v6 = match protocol {
-        "TCP4" => false,
-        "TCP6" => true,
+        b"TCP4" => false,
+        b"TCP6" => true,
         _ => {
             return Err(ProxyError::V1Malformed(
                 "the protocol is not TCP4, TCP6 or UNKNOWN",
@@ -395,30 +400,64 @@ fn parse_v1(bytes: &[u8]) -> Result<ProxyStatus, ProxyError> {
     })
 }
 
-fn parse_v1_address(text: &str, v6: bool) -> Result<IpAddr, ProxyError> {
+fn parse_v1_address(text: &[u8], v6: bool) -> Result<IpAddr, ProxyError> {
     if v6 {
-        text.parse::<Ipv6Addr>()
+        // The line was checked to be printable ASCII, so this conversion cannot fail in practice.
+        std::str::from_utf8(text)
+            .ok()
+            .and_then(|text| text.parse::<Ipv6Addr>().ok())
             .map(IpAddr::V6)
-            .map_err(|_| ProxyError::V1Malformed("a TCP6 address is not an IPv6 address"))
+            .ok_or(ProxyError::V1Malformed(
+                "a TCP6 address is not an IPv6 address",
+            ))
     } else {
-        text.parse::<Ipv4Addr>()
+        parse_ipv4(text)
             .map(IpAddr::V4)
-            .map_err(|_| ProxyError::V1Malformed("a TCP4 address is not a dotted IPv4 address"))
+            .ok_or(ProxyError::V1Malformed(
+                "a TCP4 address is not a dotted IPv4 address",
+            ))
     }
 }
 
-fn parse_v1_port(text: &str) -> Result<u16, ProxyError> {
-    let plain_digits = !text.is_empty()
-        && text.len() <= 5
-        && text.bytes().all(|byte| byte.is_ascii_digit())
-        && (text == "0" || !text.starts_with('0'));
+/// A strict dotted quad: four decimal octets of 1 to 3 digits, no leading zeros, each at most 255.
+/// Hand-rolled because this is the hot part of a v1 line and needs no generality.
+fn parse_ipv4(text: &[u8]) -> Option<Ipv4Addr> {
+    let mut octets = [0u8; 4];
+    let mut parts = text.split(|&byte| byte == b'.');
+    for octet in &mut octets {
+        let part = parts.next()?;
+        if part.is_empty() || part.len() > 3 || (part.len() > 1 && part[0] == b'0') {
+            return None;
+        }
+        let mut value: u16 = 0;
+        for &byte in part {
+            if !byte.is_ascii_digit() {
+                return None;
+            }
+            value = value * 10 + u16::from(byte - b'0');
+        }
+        *octet = u8::try_from(value).ok()?;
+    }
+    if parts.next().is_some() {
+        return None;
+    }
+    Some(Ipv4Addr::from(octets))
+}
+
+fn parse_v1_port(bytes: &[u8]) -> Result<u16, ProxyError> {
+    let plain_digits = !bytes.is_empty()
+        && bytes.len() <= 5
+        && bytes.iter().all(u8::is_ascii_digit)
+        && (bytes == b"0" || bytes[0] != b'0');
     if !plain_digits {
         return Err(ProxyError::V1Malformed(
             "a port is not a decimal number without leading zeros",
         ));
     }
-    text.parse()
-        .map_err(|_| ProxyError::V1Malformed("a port is above 65535"))
+    let value = bytes
+        .iter()
+        .fold(0u32, |value, &byte| value * 10 + u32::from(byte - b'0'));
+    u16::try_from(value).map_err(|_| ProxyError::V1Malformed("a port is above 65535"))
 }
 
 fn parse_v2(bytes: &[u8], max_body: usize) -> Result<ProxyStatus, ProxyError> {
@@ -613,6 +652,34 @@ mod tests {
                 PARSER.parse(case).is_err(),
                 "{:?} was accepted",
                 String::from_utf8_lossy(case)
+            );
+        }
+    }
+
+    #[test]
+    fn v1_ipv4_addresses_are_strict_dotted_quads() {
+        for good in ["0.0.0.0", "255.255.255.255", "10.0.0.1", "192.0.2.123"] {
+            assert_eq!(
+                parse_ipv4(good.as_bytes()),
+                good.parse().ok(),
+                "{good} should parse like std"
+            );
+        }
+        for bad in [
+            "256.0.0.1",
+            "01.2.3.4",
+            "1.2.3",
+            "1.2.3.4.5",
+            "1..2.3",
+            "1.2.3.4 ",
+            "",
+            "a.b.c.d",
+            "1234.1.1.1",
+        ] {
+            assert_eq!(
+                parse_ipv4(bad.as_bytes()),
+                None,
+                "{bad:?} should be rejected"
             );
         }
     }

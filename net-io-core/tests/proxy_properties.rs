@@ -61,7 +61,7 @@ fn valid_header() -> impl Strategy<Value = (Vec<u8>, Option<SocketAddr>)> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(2000))]
+    #![proptest_config(ProptestConfig::with_cases(1000))]
 
     #[test]
     fn random_bytes_never_panic_the_parser(bytes in prop::collection::vec(any::<u8>(), 0..300)) {

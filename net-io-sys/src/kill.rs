@@ -18,14 +18,14 @@
 //! clear, so a killer can never shut down a descriptor number the kernel has handed to someone else. The
 //! generation changes on every `occupy`, so a kill aimed at an earlier connection in the slot fails its CAS.
 
-#[cfg(loom)]
-use loom::sync::Arc;
-#[cfg(loom)]
-use loom::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::net::Shutdown;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-#[cfg(not(loom))]
+// The slot is shared through std's Arc in both builds, so the public API is the same under loom; loom
+// models the atomics, which is where the races live.
 use std::sync::Arc;
+
+#[cfg(loom)]
+use loom::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 #[cfg(not(loom))]
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 

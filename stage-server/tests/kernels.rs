@@ -364,10 +364,17 @@ fn linear_runs_q4_0_and_q8_0_heads_on_our_kernels() {
         let quantised = QTensor::quantize(&dense, dtype).unwrap();
         let format = WeightFormat::from_ggml(dtype).unwrap();
         let weights = dequantize(format, &quantised.data().unwrap(), rows, columns);
-        let linear = Linear::from_qtensor(quantised).unwrap();
+        // Shared with an embedding lookup, as a tied output head is.
+        let shared = Arc::new(quantised);
+        let linear = Linear::from_arc(shared.clone()).unwrap();
         assert!(
             linear.uses_own_kernels(),
             "{dtype:?} should run on our kernels"
+        );
+        assert_eq!(
+            (linear.out_features(), linear.in_features()),
+            (rows, columns),
+            "{dtype:?}: the layer's shape"
         );
         let input = random_input(2, columns, &mut rng);
         let x = Tensor::from_vec(input.clone(), (2, columns), &Device::Cpu).unwrap();
@@ -411,4 +418,11 @@ fn mismatched_shapes_and_unknown_types_are_errors_not_panics() {
         error.to_string().contains("no kernel for weight type"),
         "unexpected error text: {error}"
     );
+}
+
+#[test]
+fn layers_can_be_shared_between_threads() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Linear>();
+    shareable::<QuantizedMatrix>();
 }

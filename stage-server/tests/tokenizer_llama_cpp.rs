@@ -16,6 +16,7 @@ struct ModelCases {
     bos: u32,
     eos: u32,
     end_of_generation: Vec<u32>,
+    control_tokens: usize,
     cases: Vec<Case>,
 }
 
@@ -76,6 +77,13 @@ fn check_model(name: &str) {
         tokenizer.end_of_generation_ids(),
         expected.end_of_generation,
         "the end-of-generation ids differ from llama.cpp's"
+    );
+    let control = (0..tokenizer.vocab_size() as u32)
+        .filter(|&id| tokenizer.is_control(id))
+        .count();
+    assert_eq!(
+        control, expected.control_tokens,
+        "the number of control tokens differs from llama.cpp's"
     );
     let mut mismatches = Vec::new();
     for case in &expected.cases {

@@ -89,7 +89,7 @@ pub fn run(arguments: &[String]) -> Result<()> {
     let best_backends = llama_ref::library_dir();
     let haswell_backends = llama_ref::forced_variant_dir("haswell")?;
 
-    let mut report = String::new();
+    let load_before = load_average();
     let mut tables = String::new();
     for model in present {
         let path = model_dir.join(model.file_name);
@@ -152,14 +152,26 @@ pub fn run(arguments: &[String]) -> Result<()> {
         println!("{table}");
         tables.push_str(&table);
         tables.push('\n');
+        write_report(rounds, &load_before, &tables)?;
     }
+    Ok(())
+}
+
+/// Writes docs/performance/model.md with the tables so far (called after every model, so a long run that is
+/// cut short still leaves its finished models on disk).
+fn write_report(rounds: usize, load_before: &str, tables: &str) -> Result<()> {
+    let mut report = String::new();
     let _ = write!(
         report,
         "# Model speed: stage-server beside llama.cpp\n\n\
          Command: `cargo xtask bench model --rounds {rounds}` (llama.cpp libraries: {}).\n\n\
-         Machine: {}; kernel {}; commit {}; {}.\n\
+         Machine: {}; kernel {}; commit {}; {}; 1/5/15-minute load average {load_before} before and \
+         {} at the latest write.\n\
          Other helpers were building and testing on the same 2 cores during the run, so absolute figures are \
-         noisy; the runners were interleaved round by round, so the ratios are fairer than the absolutes.\n\n\
+         noisy; the runners were interleaved round by round, so the ratios are fairer than the absolutes. \
+         When the load average is far above the 2 cores, every runner is starved and the figures measure \
+         contention rather than speed (llama.cpp's spinning thread pool suffers most); rerun on a quiet machine \
+         before drawing conclusions.\n\n\
          ## Method\n\n\
          - Every runner uses 2 threads. Figures are medians over {rounds} rounds; each round runs every runner once.\n\
          - Ours: `stage-server generate --prompt-ids <{PROMPT_TOKENS} ids> --max-tokens {} --threads 2 --json`, \
@@ -183,6 +195,7 @@ pub fn run(arguments: &[String]) -> Result<()> {
         command_output("uname", &["-r"]),
         command_output("git", &["rev-parse", "--short", "HEAD"]),
         command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
+        load_average(),
         DECODE_TOKENS + 1,
         PROMPT_TOKENS + DECODE_TOKENS,
     );
@@ -399,6 +412,18 @@ fn ratio(numerator: f64, denominator: f64) -> f64 {
     } else {
         0.0
     }
+}
+
+/// The first three fields of /proc/loadavg: how busy the machine was.
+fn load_average() -> String {
+    fs::read_to_string("/proc/loadavg")
+        .map(|text| {
+            text.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_else(|_| "unknown".to_owned())
 }
 
 /// The CPU model and count, from lscpu.

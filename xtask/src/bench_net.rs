@@ -26,8 +26,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::workspace_root;
-
 const USAGE: &str = "\
 usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,handler,sessions]
                              [--duration-ms MS] [--warmup-ms MS] [--churn-ms MS] [--idle N]
@@ -158,6 +156,7 @@ struct Binaries {
 /// Runs the networking benchmarks with the given extra arguments.
 pub fn run(arguments: &[String]) -> Result<()> {
     let options = parse_options(arguments)?;
+    eprintln!("xtask: workspace {}", workspace_root().display());
     raise_descriptor_limit(options.idle_connections as u64 * 2 + 1_000)?;
     let binaries = build_examples()?;
     let clock_ticks = clock_ticks_per_second();
@@ -349,6 +348,29 @@ fn build_examples() -> Result<Binaries> {
         }
     }
     Ok(binaries)
+}
+
+/// The workspace this run belongs to, found at run time by asking cargo from the current directory.
+///
+/// `crate::workspace_root` is fixed when xtask is compiled; with a target directory shared between two
+/// checkouts of the same sources, cargo reuses a binary built in the other checkout, and the benchmark
+/// would then build, measure and write the report there.
+fn workspace_root() -> PathBuf {
+    static ROOT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    ROOT.get_or_init(|| {
+        let program = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        Command::new(program)
+            .args(["locate-project", "--workspace", "--message-format", "plain"])
+            .output()
+            .ok()
+            .filter(|output| output.status.success())
+            .and_then(|output| {
+                let manifest = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
+                manifest.parent().map(PathBuf::from)
+            })
+            .unwrap_or_else(crate::workspace_root)
+    })
+    .clone()
 }
 
 /// Raises this process's soft `RLIMIT_NOFILE` (children inherit it) with `prlimit` when it is below `needed`.
@@ -1041,7 +1063,8 @@ fn render_report(
     );
     let _ = writeln!(
         out,
-        "- Load average (1, 5, 15 min) before: {load_before}; after: {load_after}. Run took {:.0} s.",
+        "- Load average (1, 5, 15 min) before: {load_before}; after: {load_after} (the figure after can jump \
+         with the benchmark's own momentary wake-ups, such as 5,000 workers stopping at once). Run took {:.0} s.",
         elapsed.as_secs_f64()
     );
     let _ = writeln!(

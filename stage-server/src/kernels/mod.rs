@@ -310,6 +310,12 @@ impl Linear {
     ///   multiple of 16 rows), which beats a kernel on the plain block layout;
     /// - everything else (K-quants, F32, F16, BF16): candle's `QMatMul`.
     pub fn from_qtensor(weight: QTensor) -> candle_core::Result<Self> {
+        Self::from_arc(Arc::new(weight))
+    }
+
+    /// As [`Linear::from_qtensor`] for a shared tensor: a tied output head can share `token_embd` with the
+    /// embedding lookup instead of holding a second copy (179 MB for gemma-3).
+    pub fn from_arc(weight: Arc<QTensor>) -> candle_core::Result<Self> {
         let (out_features, in_features) = weight.shape().dims2()?;
         let level = SimdLevel::detect();
         let ours = match WeightFormat::from_ggml(weight.dtype()) {
@@ -323,11 +329,10 @@ impl Linear {
             None => false,
         };
         let inner = if ours {
-            let matrix =
-                QuantizedMatrix::new(Arc::new(weight)).map_err(candle_core::Error::wrap)?;
+            let matrix = QuantizedMatrix::new(weight).map_err(candle_core::Error::wrap)?;
             Backend::Ours(matrix, level)
         } else {
-            Backend::Candle(QMatMul::from_qtensor(weight)?)
+            Backend::Candle(QMatMul::from_arc(weight)?)
         };
         Ok(Self {
             inner,

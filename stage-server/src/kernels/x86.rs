@@ -178,7 +178,6 @@ macro_rules! kernel_body {
             first_x: usize,
         ) -> [[f32; X]; W] {
             let blocks = activations.blocks_per_row();
-            let block_bytes = block_bytes(F);
             debug_assert!(weights.len() >= (first_row + W) * row_bytes);
             let mut x_values = [std::ptr::null::<i8>(); X];
             let mut x_scales: [&[f32]; X] = [&[]; X];
@@ -191,36 +190,64 @@ macro_rules! kernel_body {
             let base = weights.as_ptr();
             let mut accumulators = [[_mm256_setzero_ps(); X]; W];
             let mut offsets = [[0f32; X]; W];
-            for block_index in 0..blocks {
-                let mut x_block = [_mm256_setzero_si256(); X];
-                for j in 0..X {
-                    // SAFETY: each activation row holds `blocks * BLOCK` bytes and block_index < blocks.
-                    x_block[j] = unsafe {
-                        _mm256_loadu_si256(x_values[j].add(block_index * BLOCK) as *const __m256i)
-                    };
+            let mut block_index = 0;
+            if W * X < 4 {
+                // Few accumulators: one chain of dependent FMAs would make each block wait for the previous
+                // one's latency, so even and odd blocks go to two independent chains.
+                let mut odd_accumulators = [[_mm256_setzero_ps(); X]; W];
+                let mut odd_offsets = [[0f32; X]; W];
+                while block_index + 2 <= blocks {
+                    // SAFETY: block_index + 1 < blocks; the rest is this function's contract.
+                    unsafe {
+                        block_step::<F, W, X>(
+                            base,
+                            row_bytes,
+                            first_row,
+                            block_index,
+                            &x_values,
+                            &x_scales,
+                            &x_sums,
+                            &mut accumulators,
+                            &mut offsets,
+                        );
+                        block_step::<F, W, X>(
+                            base,
+                            row_bytes,
+                            first_row,
+                            block_index + 1,
+                            &x_values,
+                            &x_scales,
+                            &x_sums,
+                            &mut odd_accumulators,
+                            &mut odd_offsets,
+                        );
+                    }
+                    block_index += 2;
                 }
                 for i in 0..W {
-                    // SAFETY: row first_row+i is inside `weights` (contract) and block_index < blocks, so the
-                    // block's `block_bytes` bytes are in bounds.
-                    let (q, scale, offset) = unsafe {
-                        decode::<F>(
-                            base.add((first_row + i) * row_bytes + block_index * block_bytes),
-                        )
-                    };
                     for j in 0..X {
-                        let dot = if F == FORMAT_Q8_0 {
-                            mul_sum_signed(q, x_block[j])
-                        } else {
-                            mul_sum_unsigned(q, x_block[j])
-                        };
-                        let factor = _mm256_set1_ps(scale * x_scales[j][block_index]);
                         accumulators[i][j] =
-                            _mm256_fmadd_ps(factor, _mm256_cvtepi32_ps(dot), accumulators[i][j]);
-                        if F != FORMAT_Q8_0 {
-                            offsets[i][j] += offset * x_sums[j][block_index];
-                        }
+                            _mm256_add_ps(accumulators[i][j], odd_accumulators[i][j]);
+                        offsets[i][j] += odd_offsets[i][j];
                     }
                 }
+            }
+            while block_index < blocks {
+                // SAFETY: block_index < blocks; the rest is this function's contract.
+                unsafe {
+                    block_step::<F, W, X>(
+                        base,
+                        row_bytes,
+                        first_row,
+                        block_index,
+                        &x_values,
+                        &x_scales,
+                        &x_sums,
+                        &mut accumulators,
+                        &mut offsets,
+                    );
+                }
+                block_index += 1;
             }
             let mut result = [[0f32; X]; W];
             for i in 0..W {
@@ -229,6 +256,68 @@ macro_rules! kernel_body {
                 }
             }
             result
+        }
+
+        /// Adds block `block_index` of the tile's weight rows times the tile's activation rows to the sums.
+        ///
+        /// # Safety
+        /// The CPU must support the module's target features; `base` must point at `first_row + W` rows of
+        /// `row_bytes`, each activation pointer at a row of more than `block_index` blocks, and `block_index` must be
+        /// below the length of every scale and sum slice.
+        #[target_feature(enable = $features)]
+        #[inline]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn block_step<const F: u8, const W: usize, const X: usize>(
+            base: *const u8,
+            row_bytes: usize,
+            first_row: usize,
+            block_index: usize,
+            x_values: &[*const i8; X],
+            x_scales: &[&[f32]; X],
+            x_sums: &[&[f32]; X],
+            accumulators: &mut [[__m256; X]; W],
+            offsets: &mut [[f32; X]; W],
+        ) {
+            let block_bytes = block_bytes(F);
+            let mut x_block = [_mm256_setzero_si256(); X];
+            for j in 0..X {
+                // SAFETY: each activation row holds more than `block_index` blocks of BLOCK bytes (contract).
+                x_block[j] = unsafe {
+                    _mm256_loadu_si256(x_values[j].add(block_index * BLOCK) as *const __m256i)
+                };
+            }
+            // In a large tile, scales as vectors: one multiply per (weight row, activation row) pair instead of a
+            // scalar multiply and a broadcast. (Unused, and removed by the compiler, in small tiles.)
+            let mut x_scale = [_mm256_setzero_ps(); X];
+            for j in 0..X {
+                x_scale[j] = _mm256_set1_ps(x_scales[j][block_index]);
+            }
+            for i in 0..W {
+                // SAFETY: row first_row+i is inside the weights and block_index is below the row's block count
+                // (contract), so the block's `block_bytes` bytes are in bounds.
+                let (q, scale, offset) = unsafe {
+                    decode::<F>(base.add((first_row + i) * row_bytes + block_index * block_bytes))
+                };
+                let weight_scale = _mm256_set1_ps(scale);
+                for j in 0..X {
+                    let dot = if F == FORMAT_Q8_0 {
+                        mul_sum_signed(q, x_block[j])
+                    } else {
+                        mul_sum_unsigned(q, x_block[j])
+                    };
+                    let factor = if W * X >= 4 {
+                        _mm256_mul_ps(weight_scale, x_scale[j])
+                    } else {
+                        _mm256_set1_ps(scale * x_scales[j][block_index])
+                    };
+                    accumulators[i][j] =
+                        _mm256_fmadd_ps(factor, _mm256_cvtepi32_ps(dot), accumulators[i][j]);
+                    if F != FORMAT_Q8_0 {
+                        // One fused instruction (FMA is enabled here).
+                        offsets[i][j] = offset.mul_add(x_sums[j][block_index], offsets[i][j]);
+                    }
+                }
+            }
         }
 
         /// Expands the block at `block` to 32 bytes in weight order and returns them with `(scale, offset)`.
@@ -286,16 +375,16 @@ macro_rules! kernel_body {
 
         /// Reads the f16 at `at`.
         ///
+        /// It loads four bytes and converts both halves: a two-byte load becomes `vpinsrw`, which merges into
+        /// whatever register the compiler picks and so chained each block to the previous one (measured).
+        ///
         /// # Safety
-        /// `at` must point at 2 readable bytes.
+        /// `at` must point at 4 readable bytes (every block is at least 18 bytes long).
         #[target_feature(enable = $features)]
         #[inline]
         unsafe fn f16_to_f32(at: *const u8) -> f32 {
-            // SAFETY: 2 bytes readable (contract).
-            let bits = unsafe { (at as *const u16).read_unaligned() };
-            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(u16::from_le(
-                bits,
-            )))))
+            // SAFETY: 4 bytes readable (contract).
+            unsafe { f16_pair(at).0 }
         }
 
         /// Reads two consecutive f16 values at `at` (`d` then `m`).

@@ -34,6 +34,7 @@ impl ModelFile {
     /// Opens `path`, reads the GGUF header and metadata and checks that every tensor lies inside the
     /// file (so a truncated download is reported here, naming the first tensor it cuts).
     pub fn open(path: &Path) -> Result<Self, ModelError> {
+        crate::gguf_check::validate(path)?;
         let file = File::open(path).map_err(|source| ModelError::Io {
             path: path.to_path_buf(),
             source,
@@ -47,23 +48,38 @@ impl ModelFile {
             .len();
         let mut reader = BufReader::new(file);
         let content = Content::read(&mut reader).map_err(|error| header_error(path, error))?;
-        let mut ends: Vec<(&String, u64)> = content
-            .tensor_infos
-            .iter()
-            .map(|(name, info)| {
-                let elements = info.shape.elem_count() as u64;
-                let block = info.ggml_dtype.block_size() as u64;
-                let bytes = elements / block * info.ggml_dtype.type_size() as u64;
-                (
-                    name,
-                    content
-                        .tensor_data_offset
-                        .saturating_add(info.offset)
-                        .saturating_add(bytes),
-                )
-            })
-            .collect();
-        ends.sort_by_key(|(_, end)| *end);
+        // Check every tensor's extent before anything multiplies its dimensions: a corrupt header
+        // can declare dimensions whose product overflows, or data past the end of the file.
+        let mut ends: Vec<(&String, u64)> = Vec::with_capacity(content.tensor_infos.len());
+        for (name, info) in &content.tensor_infos {
+            let format_error = |detail: String| ModelError::Format {
+                path: path.to_path_buf(),
+                detail,
+            };
+            let dims = info.shape.dims();
+            let elements = dims
+                .iter()
+                .try_fold(1u64, |product, &dim| product.checked_mul(dim as u64))
+                .ok_or_else(|| {
+                    format_error(format!(
+                        "tensor `{name}` has impossible dimensions {dims:?}"
+                    ))
+                })?;
+            let block = info.ggml_dtype.block_size() as u64;
+            if !elements.is_multiple_of(block) {
+                return Err(format_error(format!(
+                    "tensor `{name}` has {elements} values, not a whole number of {:?} blocks",
+                    info.ggml_dtype
+                )));
+            }
+            let end = (elements / block)
+                .checked_mul(info.ggml_dtype.type_size() as u64)
+                .and_then(|bytes| bytes.checked_add(content.tensor_data_offset))
+                .and_then(|end| end.checked_add(info.offset))
+                .ok_or_else(|| format_error(format!("tensor `{name}` ends past any file size")))?;
+            ends.push((name, end));
+        }
+        ends.sort_by_key(|(name, end)| (*end, (*name).clone()));
         if let Some((name, end)) = ends.iter().find(|(_, end)| *end > file_size) {
             return Err(ModelError::Format {
                 path: path.to_path_buf(),

@@ -19,7 +19,8 @@ pub use config::{Architecture, LayerAttention, ModelConfig};
 pub use error::ModelError;
 pub use file::{ModelFile, TensorTypeSummary, type_name};
 pub use pipeline::{
-    Finish, GenerateOptions, Generation, Pipeline, decode_activations, encode_activations,
+    Finish, GenerateOptions, Generation, PREFILL_CHUNK, Pipeline, decode_activations,
+    encode_activations,
 };
 pub use sampling::{Sampler, SamplingParams};
 pub use stage::{Logits, SplitError, Stage, StageInput, StageOptions, StageOutput, StageSpec};

@@ -7,6 +7,10 @@ use super::{
     Logits, ModelError, ModelFile, Sampler, Stage, StageInput, StageOptions, StageOutput, StageSpec,
 };
 
+/// Prompt tokens per prefill chunk. Attention scores take `heads x chunk x context` f32 values, so
+/// bounded chunks keep a long prompt from needing gigabytes at once.
+pub const PREFILL_CHUNK: usize = 512;
+
 /// A whole model run as consecutive stages in one process. Between stages the activations are turned
 /// into little-endian f32 bytes and back, exactly what a stage would send over the wire.
 #[derive(Debug)]
@@ -135,7 +139,7 @@ impl Pipeline {
             .try_for_each(|stage| stage.reset(lane))
     }
 
-    /// Prefills `prompt` on an empty `lane` in one chunk, then decodes until a stop token or
+    /// Prefills `prompt` on an empty `lane` in chunks of [`PREFILL_CHUNK`] tokens, then decodes until a stop token or
     /// `max_tokens`. `on_token` sees each token as it is chosen.
     pub fn generate(
         &mut self,
@@ -159,8 +163,15 @@ impl Pipeline {
         if options.max_tokens == 0 {
             return Ok(generation);
         }
+        if prompt.is_empty() {
+            return Err(ModelError::EmptyChunk);
+        }
         let started = Instant::now();
-        let mut row = self.forward(lane, 0, prompt, Logits::Last)?;
+        let mut row = Vec::new();
+        for (index, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
+            row = self.forward(lane, index * PREFILL_CHUNK, chunk, Logits::Last)?;
+        }
+
         generation.prompt_time = started.elapsed();
         let decode_started = Instant::now();
         let mut position = prompt.len();

@@ -13,7 +13,7 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{D, DType, Device, Tensor};
 
 use super::config::LayerAttention;
 use super::{Architecture, ModelConfig, ModelError, ModelFile};
@@ -141,16 +141,15 @@ pub struct Stage {
 #[derive(Debug)]
 struct Block {
     attention_norm: Tensor,
-    query: Linear,
-    key: Linear,
-    value: Linear,
+    /// Query, key and value projections (fused where their types match).
+    attention_input: Projections,
     output: Linear,
     query_norm: Option<Tensor>,
     key_norm: Option<Tensor>,
     post_attention_norm: Option<Tensor>,
     ffn_norm: Tensor,
-    gate: Linear,
-    up: Linear,
+    /// Gate and up projections (fused where their types match).
+    ffn_input: Projections,
     down: Linear,
     post_ffn_norm: Option<Tensor>,
     attention: LayerAttention,
@@ -305,6 +304,9 @@ impl Stage {
     /// Runs one chunk on `lane` starting at absolute `position`, which must equal the lane's length.
     /// A prefill is a chunk of many rows; a decode step is a chunk of one. The last stage returns the
     /// logit rows `logits` asks for; other stages return one activation row per input row.
+    ///
+    /// Cost: the weights are read once per chunk, so long chunks amortise them; attention needs
+    /// `heads x rows x (position + rows)` f32 scores at once, so callers bound `rows` (a few hundred).
     pub fn forward(
         &mut self,
         lane: usize,
@@ -443,16 +445,28 @@ impl Block {
         };
         Ok(Self {
             attention_norm: load_vector(file, &name("attn_norm"), width)?,
-            query: load_linear(file, &name("attn_q"), width, query_width)?,
-            key: load_linear(file, &name("attn_k"), width, kv_width)?,
-            value: load_linear(file, &name("attn_v"), width, kv_width)?,
+            attention_input: Projections::load(
+                file,
+                &[
+                    (&name("attn_q"), query_width),
+                    (&name("attn_k"), kv_width),
+                    (&name("attn_v"), kv_width),
+                ],
+                width,
+            )?,
             output: load_linear(file, &name("attn_output"), query_width, width)?,
             query_norm: optional_vector("attn_q_norm", config.key_length)?,
             key_norm: optional_vector("attn_k_norm", config.key_length)?,
             post_attention_norm: optional_vector("post_attention_norm", width)?,
             ffn_norm: load_vector(file, &name("ffn_norm"), width)?,
-            gate: load_linear(file, &name("ffn_gate"), width, config.feed_forward_length)?,
-            up: load_linear(file, &name("ffn_up"), width, config.feed_forward_length)?,
+            ffn_input: Projections::load(
+                file,
+                &[
+                    (&name("ffn_gate"), config.feed_forward_length),
+                    (&name("ffn_up"), config.feed_forward_length),
+                ],
+                width,
+            )?,
             down: load_linear(file, &name("ffn_down"), config.feed_forward_length, width)?,
             post_ffn_norm: optional_vector("post_ffw_norm", width)?,
             attention: config.layer_attention(layer),
@@ -476,18 +490,10 @@ impl Block {
         let group = heads / kv_heads;
 
         let normed = candle_nn::ops::rms_norm(hidden, &self.attention_norm, epsilon)?;
-        let mut query = self
-            .query
-            .forward(&normed)?
-            .reshape((rows, heads, head_width))?;
-        let mut key = self
-            .key
-            .forward(&normed)?
-            .reshape((rows, kv_heads, head_width))?;
-        let value = self
-            .value
-            .forward(&normed)?
-            .reshape((rows, kv_heads, head_width))?;
+        let [query, key, value] = self.attention_input.forward::<3>(&normed)?;
+        let mut query = query.reshape((rows, heads, head_width))?;
+        let mut key = key.reshape((rows, kv_heads, head_width))?;
+        let value = value.reshape((rows, kv_heads, head_width))?;
         if let Some(norm) = &self.query_norm {
             query = candle_nn::ops::rms_norm(&query, norm, epsilon)?;
         }
@@ -546,13 +552,13 @@ impl Block {
         let hidden = (hidden + attention_out)?;
 
         let normed = candle_nn::ops::rms_norm(&hidden, &self.ffn_norm, epsilon)?;
-        let gate = self.gate.forward(&normed)?;
+        let [gate, up] = self.ffn_input.forward::<2>(&normed)?;
         let activated = match config.architecture {
             Architecture::Llama => candle_nn::ops::silu(&gate)?,
             // llama.cpp's CPU GELU reads a table indexed by the f16 input and holding f16 outputs.
             Architecture::Gemma3 => round_to_half(&round_to_half(&gate)?.gelu()?)?,
         };
-        let mixed = (activated * self.up.forward(&normed)?)?;
+        let mixed = (activated * up)?;
         let mut ffn_out = self.down.forward(&mixed)?;
         if let Some(norm) = &self.post_ffn_norm {
             ffn_out = candle_nn::ops::rms_norm(&ffn_out, norm, epsilon)?;
@@ -750,6 +756,102 @@ fn round_to_half(values: &Tensor) -> candle_core::Result<Tensor> {
     values.to_dtype(DType::F16)?.to_dtype(DType::F32)
 }
 
+/// Weight matrices over the same input. Consecutive matrices of one ggml type are stacked into one
+/// matrix (their rows are independent blocks, so stacking the raw data is exact): one activation
+/// quantization and one kernel call instead of several, which matters for small models' decode.
+#[derive(Debug)]
+struct Projections {
+    /// Each stacked matrix and the output widths of the matrices it holds, in order.
+    groups: Vec<(Linear, Vec<usize>)>,
+}
+
+impl Projections {
+    fn load(
+        file: &ModelFile,
+        members: &[(&str, usize)],
+        in_features: usize,
+    ) -> Result<Self, ModelError> {
+        let mut pending: Vec<(QTensor, usize)> = Vec::new();
+        let mut groups = Vec::new();
+        for &(name, out_features) in members {
+            let tensor = load_weight(file, name, in_features, out_features)?;
+            if let Some((first, _)) = pending.first()
+                && first.dtype() != tensor.dtype()
+            {
+                groups.push(stack(
+                    file,
+                    name,
+                    std::mem::take(&mut pending),
+                    in_features,
+                )?);
+            }
+            pending.push((tensor, out_features));
+        }
+        let last = members.last().map_or("", |(name, _)| *name);
+        if !pending.is_empty() {
+            groups.push(stack(file, last, pending, in_features)?);
+        }
+        Ok(Self { groups })
+    }
+
+    /// The products of `input` with each member matrix, in the order they were given.
+    fn forward<const N: usize>(&self, input: &Tensor) -> Result<[Tensor; N], ModelError> {
+        let mut outputs = Vec::with_capacity(N);
+        for (linear, widths) in &self.groups {
+            let product = linear.forward(input)?;
+            if widths.len() == 1 {
+                outputs.push(product);
+                continue;
+            }
+            let mut offset = 0;
+            for &width in widths {
+                outputs.push(product.narrow(D::Minus1, offset, width)?.contiguous()?);
+                offset += width;
+            }
+        }
+        outputs.try_into().map_err(|outputs: Vec<Tensor>| {
+            ModelError::Compute(format!(
+                "expected {N} projections, computed {}",
+                outputs.len()
+            ))
+        })
+    }
+}
+
+/// One linear layer from matrices of one type, stacked by rows.
+fn stack(
+    file: &ModelFile,
+    name: &str,
+    members: Vec<(QTensor, usize)>,
+    in_features: usize,
+) -> Result<(Linear, Vec<usize>), ModelError> {
+    let widths: Vec<usize> = members.iter().map(|(_, width)| *width).collect();
+    let tensor_error = |detail: String| ModelError::Tensor {
+        path: file.path().to_path_buf(),
+        tensor: name.to_string(),
+        detail,
+    };
+    let tensor = if members.len() == 1 {
+        members
+            .into_iter()
+            .next()
+            .map(|(tensor, _)| tensor)
+            .ok_or_else(|| tensor_error("no matrix to load".to_string()))?
+    } else {
+        let dtype = members[0].0.dtype();
+        let mut bytes = Vec::new();
+        for (tensor, _) in &members {
+            bytes.extend_from_slice(&tensor.data()?);
+        }
+        drop(members);
+        let storage = QStorage::from_data(Cow::Owned(bytes), &Device::Cpu, dtype)?;
+        QTensor::new(storage, (widths.iter().sum::<usize>(), in_features))?
+    };
+    let linear = Linear::from_qtensor(tensor)
+        .map_err(|error| tensor_error(super::error::candle_message(&error)))?;
+    Ok((linear, widths))
+}
+
 /// Loads a norm vector as f32, checking its length.
 fn load_vector(file: &ModelFile, name: &str, length: usize) -> Result<Tensor, ModelError> {
     let tensor = file.tensor(name)?;
@@ -764,13 +866,13 @@ fn load_vector(file: &ModelFile, name: &str, length: usize) -> Result<Tensor, Mo
     Ok(tensor.dequantize(&Device::Cpu)?.to_dtype(DType::F32)?)
 }
 
-/// Loads a weight matrix `[out_features, in_features]` as a linear layer, checking its shape.
-fn load_linear(
+/// Reads weight matrix `name`, checking that it is `[out_features, in_features]`.
+fn load_weight(
     file: &ModelFile,
     name: &str,
     in_features: usize,
     out_features: usize,
-) -> Result<Linear, ModelError> {
+) -> Result<QTensor, ModelError> {
     let tensor = file.tensor(name)?;
     let dims = tensor.shape().dims().to_vec();
     if dims != [out_features, in_features] {
@@ -780,6 +882,17 @@ fn load_linear(
             detail: format!("expected shape [{out_features}, {in_features}], found {dims:?}"),
         });
     }
+    Ok(tensor)
+}
+
+/// Loads a weight matrix `[out_features, in_features]` as a linear layer, checking its shape.
+fn load_linear(
+    file: &ModelFile,
+    name: &str,
+    in_features: usize,
+    out_features: usize,
+) -> Result<Linear, ModelError> {
+    let tensor = load_weight(file, name, in_features, out_features)?;
     Linear::from_qtensor(tensor).map_err(|error| ModelError::Tensor {
         path: file.path().to_path_buf(),
         tensor: name.to_string(),

@@ -192,6 +192,35 @@ const END_OF_GENERATION_TEXTS: &[&str] = &[
     "[e~[",
 ];
 
+/// Fill-in-the-middle prefix / suffix / middle markers: not end-of-generation, but forced to control
+/// tokens like the others (llama.cpp's by-name detection).
+const FILL_IN_THE_MIDDLE_MARKERS: &[&str] = &[
+    "<|fim_prefix|>",
+    "<fim-prefix>",
+    "<fim_prefix>",
+    "<｜fim▁begin｜>",
+    "<PRE>",
+    "▁<PRE>",
+    "<|code_prefix|>",
+    "<|prefix|>",
+    "<|fim_suffix|>",
+    "<fim-suffix>",
+    "<fim_suffix>",
+    "<｜fim▁hole｜>",
+    "<SUF>",
+    "▁<SUF>",
+    "<|code_suffix|>",
+    "<|suffix|>",
+    "<|fim_middle|>",
+    "<fim-middle>",
+    "<fim_middle>",
+    "<｜fim▁end｜>",
+    "<MID>",
+    "▁<MID>",
+    "<|code_middle|>",
+    "<|middle|>",
+];
+
 /// Fill-in-the-middle padding / repository / file-separator tokens, also end-of-generation.
 const FILL_IN_THE_MIDDLE_TEXTS: &[&str] = &[
     "<|fim_pad|>",
@@ -314,10 +343,17 @@ impl Tokenizer {
         {
             if let Some(&id) = token_to_id.get(*text) {
                 end_of_generation.insert(id);
-                // llama.cpp forces these to control tokens, which also makes them partition specially.
-                if END_OF_GENERATION_TEXTS.contains(text) {
-                    attributes[id as usize].0 |= Attributes::CONTROL;
-                }
+            }
+        }
+        // llama.cpp forces the tokens it recognises by name to control tokens, which also makes them
+        // partition as special tokens.
+        for text in END_OF_GENERATION_TEXTS
+            .iter()
+            .chain(FILL_IN_THE_MIDDLE_TEXTS)
+            .chain(FILL_IN_THE_MIDDLE_MARKERS)
+        {
+            if let Some(&id) = token_to_id.get(*text) {
+                attributes[id as usize].0 |= Attributes::CONTROL;
             }
         }
         // Formats where `<|end|>` or `</s>` is ordinary text next to their real end markers (llama.cpp's
