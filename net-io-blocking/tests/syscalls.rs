@@ -150,10 +150,32 @@ mod counted {
         let total: u64 = by_site.iter().map(|(_, calls)| calls).sum();
         let per_round_trip = total as f64 / COUNTED_ROUND_TRIPS as f64;
         println!("{per_round_trip:.3} system calls per round trip: {by_site:?}");
+        let calls_at = |name: &str| {
+            by_site
+                .iter()
+                .find(|(site, _)| *site == name)
+                .map_or(0, |(_, calls)| *calls)
+        };
+        let others: Vec<&(&str, u64)> = by_site
+            .iter()
+            .filter(|(site, _)| *site != "recv" && *site != "send")
+            .collect();
+        assert!(
+            others.is_empty(),
+            "a keep-alive echo round trip must take only recv and send; also counted {others:?}"
+        );
+        // Each echo is sent before the client can read it, so the sends between the snapshots are exact.
         assert_eq!(
-            per_round_trip, 2.0,
-            "a keep-alive echo round trip must take one recv and one send; counted {per_round_trip:.3} \
-             per round trip, by site: {by_site:?}"
+            calls_at("send"),
+            COUNTED_ROUND_TRIPS,
+            "a keep-alive echo round trip must take one send; by site: {by_site:?}"
+        );
+        // The server enters its next recv right after each send. The settled snapshots usually catch it
+        // there, but a worker preempted for over 50 ms between send and recv (a loaded 2-core machine) leaves
+        // one recv more or fewer in the window (seen unsettled: 1001); an extra call per round trip is 1000.
+        assert!(
+            calls_at("recv").abs_diff(COUNTED_ROUND_TRIPS) <= 1,
+            "a keep-alive echo round trip must take one recv; by site: {by_site:?}"
         );
         drop(stream);
         let _ = server.shutdown(Instant::now() + Duration::from_secs(2));

@@ -19,6 +19,19 @@ fn scratch(name: &str) -> std::path::PathBuf {
     directory
 }
 
+/// Waits up to 10 s for `handle` to be started and parked: on a loaded 2-core machine a worker can take far
+/// longer than a fixed 20-50 ms sleep to pick a fresh task up, and the check is that it parks, not how fast.
+fn becomes_running<T: Send + 'static, G>(handle: &task_runtime::TaskHandle<T, G>) -> bool {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !handle.is_running() {
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    true
+}
+
 #[test]
 fn a_channel_keeps_order_parks_a_receive_and_closes_after_draining() {
     init();
@@ -90,8 +103,7 @@ fn a_bounded_send_parks_while_full() {
         "the second does not"
     );
     let parked = Runtime::task(sender.send_task(2)).spawn();
-    std::thread::sleep(Duration::from_millis(20));
-    assert!(parked.is_running(), "the bounded send parks");
+    assert!(becomes_running(&parked), "the bounded send parks");
     assert_eq!(receiver.try_receive(), Ok(1));
     assert_eq!(parked.join(), Ok(()), "room wakes the send");
     assert_eq!(receiver.try_receive(), Ok(2));
@@ -228,9 +240,8 @@ fn a_spawned_process_can_be_waited_on_and_killed() {
     let sleeper =
         Process::spawn(Process::command("/bin/sh").args(["-c", "sleep 30"])).expect("spawn");
     let waiting = Runtime::task(sleeper.wait()).spawn();
-    std::thread::sleep(Duration::from_millis(50));
     assert!(
-        waiting.is_running(),
+        becomes_running(&waiting),
         "the wait parks on the pidfd while the child runs"
     );
     sleeper.kill();

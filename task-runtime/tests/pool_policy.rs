@@ -13,12 +13,14 @@ fn the_pool_grows_for_stuck_workers_and_shrinks_back_when_idle() {
         .expect("init");
     let floor = Runtime::pool().floor;
 
-    // Eight computes that hold their worker for 300 ms each: two workers would need 1.2 s.
+    // Eight computes that hold their worker for 1 s each: two workers would need 4 s, a grown pool
+    // about 1-2 s. (With 300 ms holders the bound sat 100 ms under the two-worker time, too close on a
+    // loaded 2-core machine.)
     let started = Instant::now();
     let holders: Vec<_> = (0..8)
         .map(|_| {
             Runtime::task(Compute::compute(|()| {
-                std::thread::sleep(Duration::from_millis(300))
+                std::thread::sleep(Duration::from_secs(1))
             }))
             .spawn()
         })
@@ -37,21 +39,22 @@ fn the_pool_grows_for_stuck_workers_and_shrinks_back_when_idle() {
         "growth stays within the target here: {pool}"
     );
     assert!(
-        took < Duration::from_millis(1100),
-        "grown workers should finish 8 x 300 ms well under the 1.2 s two workers need: {took:?}"
+        took < Duration::from_secs(3),
+        "grown workers should finish 8 x 1 s well under the 4 s two workers need: {took:?}"
     );
 
-    // Blocking computes run on blocking threads in parallel, not on workers.
+    // Blocking computes run on blocking threads in parallel, not on workers: 8 x 1 s overlapped take
+    // about 1 s, serially 8 s; the pool is sampled mid-way, with room for slow thread starts.
     let started = Instant::now();
     let blocking: Vec<_> = (0..8)
         .map(|_| {
             Runtime::task(
-                Compute::compute(|()| std::thread::sleep(Duration::from_millis(200))).blocking(),
+                Compute::compute(|()| std::thread::sleep(Duration::from_secs(1))).blocking(),
             )
             .spawn()
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(100));
+    std::thread::sleep(Duration::from_millis(500));
     let during = Runtime::pool();
     for handle in blocking {
         handle.join().expect("blocking");
@@ -62,8 +65,8 @@ fn the_pool_grows_for_stuck_workers_and_shrinks_back_when_idle() {
         "blocking work should start blocking threads: {during}"
     );
     assert!(
-        took < Duration::from_millis(800),
-        "8 x 200 ms blocking computes should overlap: {took:?}"
+        took < Duration::from_secs(4),
+        "8 x 1 s blocking computes should overlap: {took:?}"
     );
 
     // Idle threads are reaped: workers back to the floor, blocking threads gone.

@@ -14,16 +14,22 @@ fn a_million_live_parked_sleeps_hold_no_threads() {
     let handles: Vec<_> = (0..1_000_000)
         .map(|_| Runtime::task(Sleep::sleep(Duration::from_secs(120))).spawn())
         .collect();
-    // Wait until every sleep has parked on the timer heap.
+    // Wait until every sleep has parked on the timer heap and its worker has let go. An empty queue is
+    // not enough: a worker may have just taken the last few sleeps and still be starting them (seen
+    // once under load: queued 0, busy 1, timers 999997). A sleep that kept its worker would never
+    // get here, so the busy check below still means what it says.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while Runtime::pool().queued > 0 {
+    let pool = loop {
+        let pool = Runtime::pool();
+        if pool.queued == 0 && pool.timers >= 1_000_000 && pool.busy_workers() == 0 {
+            break pool;
+        }
         assert!(
             std::time::Instant::now() < deadline,
-            "the sleeps should all park"
+            "the sleeps should all park and leave their workers idle: {pool}"
         );
         std::thread::sleep(Duration::from_millis(20));
-    }
-    let pool = Runtime::pool();
+    };
     let growth = common::rss_bytes().saturating_sub(rss_before);
     let per_task = growth / 1_000_000;
     eprintln!("1M parked sleeps: RSS growth {growth} bytes, {per_task} bytes per task, {pool}");
