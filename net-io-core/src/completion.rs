@@ -12,22 +12,47 @@
 //! receiver and counted as stale; since [`ConnectionId`]s are never reused the id is the generation, so a
 //! late post can never reach a later connection.
 //!
-//! Wake-ups: the receiver arms a `waiting` flag when it finds the ring empty and re-checks once; a producer
-//! swaps the flag off after publishing. Either the re-check sees the item or the producer sees the flag and
-//! reports [`Posted::WakeWorker`]. Each side puts a `SeqCst` fence between its store and its load, so
-//! that this store-then-load pattern (Dekker) cannot lose a wake-up; fences rather than `SeqCst`
-//! accesses because loom models fences exactly. The slots follow Vyukov's bounded queue, with the payload in atomics so that no
-//! `unsafe` is needed.
+//! Wake-ups go through one atomic word, `state`: bit 0 is `WAITING` (the receiver found the ring empty and
+//! may sleep), the bits above count completions published so far. Every change to it is a
+//! read-modify-write, and an RMW always reads the newest value in the word's modification order, so the
+//! two sides cannot miss each other:
 //!
-//! Loom models (two producers and a consumer; a post racing a close) run with
-//! `LOOM_MAX_PREEMPTIONS=4 RUSTFLAGS="--cfg loom" cargo test -p net-io-core --lib --release loom_models`.
+//! ```text
+//!   producer                                   receiver (finds its next slot empty)
+//!   claim slot, write payload                  observed = state.load(Acquire)
+//!   slot.sequence.store(Release)               take() again: a slot published before `observed` is visible
+//!   state: count += 1, clear WAITING (CAS)     state.compare_exchange(observed, observed | WAITING)
+//!   previous value had WAITING? ─▶ WakeWorker    ok: armed, return None; failed: a post landed, look again
+//! ```
+//!
+//! The race this prevents is the lost wake-up: the receiver decides to sleep after a producer published
+//! but before the producer checks the flag, and the producer sees the flag still clear. Here a producer's
+//! count bump lands either before the receiver's arming CAS (which then fails, because the word changed,
+//! and the receiver looks again; the Acquire load it retries from synchronises with the producer's
+//! Release RMW, so the slot is visible) or after it (and then the producer's RMW sees `WAITING` and wakes
+//! the worker). Exactly one producer sees each arming, so a worker is woken only on the idle edge; a
+//! receiver that takes a completion while armed clears `WAITING` once, so posts to an awake worker stay
+//! quiet. An earlier design used a separate flag and a `SeqCst` fence on each side (Dekker); that is
+//! correct in the C++ model, but loom models `SeqCst` as `AcqRel` and so cannot verify it, while RMWs on
+//! one word are modelled exactly. The count wraps after 2^63 posts; an arming CAS could only be fooled by
+//! exactly that many posts between its load and its CAS. The slots follow Vyukov's bounded queue, with the
+//! payload in atomics so that no `unsafe` is needed.
+//!
+//! Loom models (two producers and a consumer; a post racing a close) explore every interleaving, with no
+//! preemption bound:
+//! `RUSTFLAGS="--cfg loom" cargo test -p net-io-core --lib --release loom_models`.
 
 use std::fmt;
 use std::task::Waker;
 
 use crate::id::ConnectionId;
 use crate::loom::sync::Arc;
-use crate::loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
+use crate::loom::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+/// The `state` bit saying the receiver found the ring empty and may be asleep.
+const WAITING: u64 = 1;
+/// What one published completion adds to `state` (the count lives above the `WAITING` bit).
+const ONE_PUBLISHED: u64 = 2;
 
 /// One posted completion.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,7 +91,8 @@ pub struct CompletionRing {
     slots: Box<[Slot]>,
     mask: usize,
     tail: AtomicUsize,
-    waiting: AtomicBool,
+    /// Published-completion count (bits 1..) and the `WAITING` bit; see the module doc.
+    state: AtomicU64,
     bound: AtomicU64,
 }
 
@@ -75,6 +101,8 @@ pub struct CompletionReceiver {
     ring: Arc<CompletionRing>,
     head: usize,
     stale: u64,
+    /// Whether this receiver's last arming may still be set in `state`.
+    armed: bool,
 }
 
 /// A cloneable, `Send` handle that posts completions for one connection and wakes its worker.
@@ -109,13 +137,15 @@ impl CompletionRing {
             slots,
             mask: capacity - 1,
             tail: AtomicUsize::new(0),
-            waiting: AtomicBool::new(true),
+            // Starts armed: the worker has not looked yet, so the first post must wake it.
+            state: AtomicU64::new(WAITING),
             bound: AtomicU64::new(0),
         });
         let receiver = CompletionReceiver {
             ring: Arc::clone(&ring),
             head: 0,
             stale: 0,
+            armed: true,
         };
         (ring, receiver)
     }
@@ -159,10 +189,16 @@ impl CompletionRing {
                 position = self.tail.load(Ordering::Relaxed);
             }
         }
-        // Pairs with the receiver's fence between arming and re-checking: either the receiver's re-check
-        // sees our sequence store, or this swap sees its `waiting = true`.
-        fence(Ordering::SeqCst);
-        if self.waiting.swap(false, Ordering::AcqRel) {
+        // Count the post and clear WAITING in one RMW. Release makes the slot (published above) visible to
+        // the receiver's Acquire load of `state`; being an RMW, it reads the newest `state`, so it either
+        // sees the receiver's arming (and wakes it) or lands before it and makes the arming CAS fail.
+        let previous = self
+            .state
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |state| {
+                Some(state.wrapping_add(ONE_PUBLISHED) & !WAITING)
+            })
+            .unwrap_or_else(|state| state);
+        if previous & WAITING != 0 {
             Ok(Posted::WakeWorker)
         } else {
             Ok(Posted::Queued)
@@ -192,19 +228,7 @@ impl CompletionReceiver {
     /// When it returns `None` the receiver is armed: the next post reports [`Posted::WakeWorker`].
     pub fn pop(&mut self) -> Option<Completion> {
         loop {
-            let completion = match self.take() {
-                Some(completion) => completion,
-                None => {
-                    // Swaps rather than stores: every access to `waiting` is then a read-modify-write,
-                    // which keeps its history one chain that each side reads the end of.
-                    self.ring.waiting.swap(true, Ordering::AcqRel);
-                    fence(Ordering::SeqCst);
-                    let again = self.take()?;
-                    // Found one after arming: we are awake, so posts need not wake us.
-                    self.ring.waiting.swap(false, Ordering::AcqRel);
-                    again
-                }
-            };
+            let completion = self.take_or_arm()?;
             if completion.id.get() == self.ring.bound.load(Ordering::Relaxed) {
                 return Some(completion);
             }
@@ -223,6 +247,47 @@ impl CompletionReceiver {
             ring: Arc::clone(&self.ring),
             id,
             waker,
+        }
+    }
+
+    /// The next completion in the ring; or, if there is none, arms `WAITING` so the next post wakes the
+    /// worker, and answers `None`.
+    fn take_or_arm(&mut self) -> Option<Completion> {
+        if let Some(completion) = self.take() {
+            self.disarm();
+            return Some(completion);
+        }
+        // Acquire synchronises with every producer RMW up to `observed` (all writes to `state` are RMWs, so
+        // they extend each producer's release sequence): each slot counted in `observed` is visible below.
+        let mut observed = self.ring.state.load(Ordering::Acquire);
+        loop {
+            // A producer may have published between our first look and the load above: look again.
+            if let Some(completion) = self.take() {
+                self.disarm();
+                return Some(completion);
+            }
+            // Arm only if no producer counted a post since `observed`; one that did may have published the
+            // slot we just found empty, and (seeing WAITING clear) would not wake us.
+            match self.ring.state.compare_exchange(
+                observed,
+                observed | WAITING,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    self.armed = true;
+                    return None;
+                }
+                Err(current) => observed = current,
+            }
+        }
+    }
+
+    /// Clears our arming after we found work ourselves, so that posts to an awake worker do not wake it.
+    fn disarm(&mut self) {
+        if std::mem::take(&mut self.armed) {
+            // If a producer already cleared it, that producer reports WakeWorker: one spurious wake-up, harmless.
+            self.ring.state.fetch_and(!WAITING, Ordering::AcqRel);
         }
     }
 

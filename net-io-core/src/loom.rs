@@ -5,7 +5,7 @@ pub(crate) mod sync {
     pub(crate) use std::sync::Arc;
 
     pub(crate) mod atomic {
-        pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
+        pub(crate) use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
     }
 }
 
@@ -14,6 +14,6 @@ pub(crate) mod sync {
     pub(crate) use loom::sync::Arc;
 
     pub(crate) mod atomic {
-        pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
+        pub(crate) use loom::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
     }
 }
