@@ -265,6 +265,43 @@ fn results_are_bit_identical_for_every_thread_count() {
 }
 
 #[test]
+fn a_row_computed_inside_a_batch_is_bit_identical_to_the_row_computed_alone() {
+    let mut rng = StdRng::seed_from_u64(0x5eed_0009);
+    for format in WeightFormat::ALL {
+        // 67 rows leave a partial quad; 5 blocks per row is odd, 48 is even; the larger shape is split over threads.
+        for (rows, columns) in [(67, 160), (130, 1536)] {
+            let tensor = random_tensor(format, rows, columns, &mut rng);
+            let matrix = QuantizedMatrix::new(Arc::new(tensor)).unwrap();
+            for batch in [2, 3, 5, 9, 17] {
+                let input = random_input(batch, columns, &mut rng);
+                for level in levels() {
+                    let alone: Vec<Vec<f32>> = input
+                        .chunks_exact(columns)
+                        .map(|row| run(&matrix, row, 1, level, threads(1)))
+                        .collect();
+                    for count in [threads(1), threads(3), Threads::Pool] {
+                        let together = run(&matrix, &input, batch, level, count);
+                        for (x, (in_batch, single)) in
+                            together.chunks_exact(rows).zip(&alone).enumerate()
+                        {
+                            let first_difference = in_batch
+                                .iter()
+                                .zip(single)
+                                .position(|(a, b)| a.to_bits() != b.to_bits());
+                            assert_eq!(
+                                first_difference, None,
+                                "{format:?} {rows}x{columns} at {level:?} with {count:?}: row {x} of a batch of \
+                                 {batch} differs from the same row computed alone (first at the output index given)"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn linear_matches_candle_dequantize_and_matmul_on_quantised_random_weights() {
     let mut rng = StdRng::seed_from_u64(0x5eed_0004);
     for dtype in [GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1] {

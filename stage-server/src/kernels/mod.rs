@@ -16,7 +16,9 @@
 //! ```
 //!
 //! Work is split over output rows in groups of four ([`QUAD`]): each output element is computed start to finish
-//! by one thread with a fixed order of operations, so results are identical for any thread count.
+//! by one thread with a fixed order of operations, so results are identical for any thread count. The order is
+//! also the same whichever tile computes the element, so a row's result does not depend on the other rows in
+//! its batch (a prefill in one chunk or several, or a decode step, give the same bits).
 //!
 //! `unsafe` is allowed in this module only, for two reasons: `std::arch` intrinsics behind runtime feature
 //! detection (`is_x86_feature_detected!`), and writing disjoint output elements from several threads. Each
@@ -254,7 +256,8 @@ impl QuantizedMatrix {
     /// `output.len() == rows * out_features`, both row-major).
     ///
     /// Cost: one pass quantising the input, then `rows * out_features * in_features` multiply-adds on integers.
-    /// The result depends on `level` (float sums are grouped differently) but never on `threads`.
+    /// The result depends on `level` (float sums are grouped differently) but never on `threads` nor on the other
+    /// rows of the batch: each output row is bit-identical to computing its input row alone.
     pub fn matmul(
         &self,
         input: &[f32],

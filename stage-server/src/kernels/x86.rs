@@ -9,6 +9,10 @@
 //! A tile is `W` weight rows by `X` activation rows: each weight block is expanded once per tile and each
 //! activation block loaded once per tile. Decode uses 1 x 1 (one sequential stream per thread); a batch 4 x 2
 //! (AVX2, 16 registers) or 4 x 4 (VNNI, 32 registers).
+//!
+//! Batch invariance: every tile shape performs the same float operations per output element in the same order
+//! (per block `fma(w_scale·x_scale, dot, acc)` and `fma(w_offset, x_scale·Σq, offsets)`, blocks in order, then one
+//! fixed horizontal sum), so a row's output is bit-identical whether it is computed alone or in any batch.
 
 use std::arch::x86_64::*;
 
@@ -190,48 +194,10 @@ macro_rules! kernel_body {
             let base = weights.as_ptr();
             let mut accumulators = [[_mm256_setzero_ps(); X]; W];
             let mut offsets = [[0f32; X]; W];
+            // One chain of FMAs per output element, blocks in order, whatever the tile shape: a row computed alone
+            // (decode) and the same row inside a batch tile then round identically (batch invariance). Splitting
+            // a lone row's blocks over two chains would hide FMA latency, but would change the sum's rounding.
             let mut block_index = 0;
-            if W * X < 4 {
-                // Few accumulators: one chain of dependent FMAs would make each block wait for the previous
-                // one's latency, so even and odd blocks go to two independent chains.
-                let mut odd_accumulators = [[_mm256_setzero_ps(); X]; W];
-                let mut odd_offsets = [[0f32; X]; W];
-                while block_index + 2 <= blocks {
-                    // SAFETY: block_index + 1 < blocks; the rest is this function's contract.
-                    unsafe {
-                        block_step::<F, W, X>(
-                            base,
-                            row_bytes,
-                            first_row,
-                            block_index,
-                            &x_values,
-                            &x_scales,
-                            &x_sums,
-                            &mut accumulators,
-                            &mut offsets,
-                        );
-                        block_step::<F, W, X>(
-                            base,
-                            row_bytes,
-                            first_row,
-                            block_index + 1,
-                            &x_values,
-                            &x_scales,
-                            &x_sums,
-                            &mut odd_accumulators,
-                            &mut odd_offsets,
-                        );
-                    }
-                    block_index += 2;
-                }
-                for i in 0..W {
-                    for j in 0..X {
-                        accumulators[i][j] =
-                            _mm256_add_ps(accumulators[i][j], odd_accumulators[i][j]);
-                        offsets[i][j] += odd_offsets[i][j];
-                    }
-                }
-            }
             while block_index < blocks {
                 // SAFETY: block_index < blocks; the rest is this function's contract.
                 unsafe {
