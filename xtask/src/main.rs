@@ -117,7 +117,15 @@ fn ci() -> Result<()> {
             "syscalls",
         ],
     )?;
-    let loom = [("RUSTFLAGS", "--cfg loom"), ("CARGO_TARGET_DIR", "loom")];
+    // Loom explores every interleaving up to a bound of preemptions per execution. Unbounded, the
+    // completion-ring model ran for over 15 minutes without finishing, so CI uses the bound of 4 (tokio's CI
+    // uses 2); `LOOM_MAX_PREEMPTIONS` set by the caller wins, for deeper runs by hand.
+    let preemptions = env::var("LOOM_MAX_PREEMPTIONS").unwrap_or_else(|_| "4".to_owned());
+    let loom = [
+        ("RUSTFLAGS", "--cfg loom"),
+        ("CARGO_TARGET_DIR", "loom"),
+        ("LOOM_MAX_PREEMPTIONS", preemptions.as_str()),
+    ];
     cargo_with(
         &loom,
         &[
