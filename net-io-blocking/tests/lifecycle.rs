@@ -371,9 +371,10 @@ fn a_kill_reaches_the_peer_as_a_reset_promptly_and_a_closed_door_stops_accepting
         matches!(&outcome, Err(error) if error.kind() == std::io::ErrorKind::ConnectionReset),
         "a kill should reset the peer, got {outcome:?}"
     );
-    // Generous bound for a loaded 2-core machine; the benchmark measures the real latency.
+    // Generous bound for a loaded 2-core machine (threads there were seen waiting 150 ms and more for a
+    // core), still well under the 5 s default idle deadline; the benchmark measures the real latency.
     assert!(
-        latency < Duration::from_millis(500),
+        latency < Duration::from_secs(2),
         "the reset took {latency:?}"
     );
     handle.close_door();
