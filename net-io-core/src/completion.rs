@@ -33,15 +33,17 @@
 //! Release RMW, so the slot is visible) or after it (and then the producer's RMW sees `WAITING` and wakes
 //! the worker). Only the RMW that clears `WAITING` reports a wake, so a worker is woken only on the idle edge; a
 //! receiver that takes a completion while armed clears `WAITING` once, so posts to an awake worker stay
-//! quiet. An earlier design used a separate flag and a `SeqCst` fence on each side (Dekker); that is
-//! correct in the C++ model, but loom models `SeqCst` as `AcqRel` and so cannot verify it, while RMWs on
-//! one word are modelled exactly. The count wraps after 2^63 posts; an arming CAS could only be fooled by
-//! exactly that many posts between its load and its CAS. The slots follow Vyukov's bounded queue, with the
-//! payload in atomics so that no `unsafe` is needed.
+//! quiet. An earlier design (a separate flag and a `SeqCst` fence on each side, Dekker style) was reported
+//! as stranding a completion by loom's unbounded run; whether that was a real race or loom modelling
+//! `SeqCst` as `AcqRel`, this design needs no `SeqCst`: every decision is an RMW on one word (plus
+//! Acquire/Release on the slots), which loom models exactly. The count wraps after 2^63
+//! posts; an arming CAS could only be fooled by exactly that many posts between its load and its CAS. The
+//! slots follow Vyukov's bounded queue, with the payload in atomics so that no `unsafe` is needed.
 //!
-//! Loom models (two producers and a consumer; a post racing a close) explore every interleaving, with no
-//! preemption bound:
-//! `RUSTFLAGS="--cfg loom" cargo test -p net-io-core --lib --release loom_models`.
+//! Loom models (two producers and a consumer; a post racing a close) are meant to run with no preemption
+//! bound: `RUSTFLAGS="--cfg loom" cargo test -p net-io-core --lib --release loom_models`. The full
+//! exploration of the two-producer model is long (unfinished after 6 minutes in release on a loaded 2-core machine); for a quick
+//! local check `LOOM_MAX_PREEMPTIONS=5` takes about two minutes there.
 
 use std::fmt;
 use std::task::Waker;
