@@ -42,8 +42,8 @@
 //!
 //! Loom models (two producers and a consumer; a post racing a close) are meant to run with no preemption
 //! bound: `RUSTFLAGS="--cfg loom" cargo test -p net-io-core --lib --release loom_models`. The full
-//! exploration of the two-producer model is long (unfinished after 6 minutes in release on a loaded 2-core machine); for a quick
-//! local check `LOOM_MAX_PREEMPTIONS=5` takes about two minutes there.
+//! exploration of the two-producer model is long (unfinished, with no failure, after 14 minutes in release
+//! on a loaded 2-core machine); for a quick local check `LOOM_MAX_PREEMPTIONS=5` takes about two minutes.
 
 use std::fmt;
 use std::task::Waker;
