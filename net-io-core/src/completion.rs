@@ -21,8 +21,9 @@
 //!   producer                                   receiver (finds its next slot empty)
 //!   claim slot, write payload                  observed = state.load(Acquire)
 //!   slot.sequence.store(Release)               take() again: a slot published before `observed` is visible
-//!   state: count += 1, clear WAITING (CAS)     state.compare_exchange(observed, observed | WAITING)
-//!   previous value had WAITING? ─▶ WakeWorker    ok: armed, return None; failed: a post landed, look again
+//!   state.fetch_add(count 1)                   state.compare_exchange(observed, observed | WAITING)
+//!   saw WAITING? state.fetch_and(!WAITING)       ok: armed, return None; failed: a post landed, look again
+//!   cleared it ourselves? ─▶ WakeWorker
 //! ```
 //!
 //! The race this prevents is the lost wake-up: the receiver decides to sleep after a producer published
@@ -30,17 +31,19 @@
 //! count bump lands either before the receiver's arming CAS (which then fails, because the word changed,
 //! and the receiver looks again; the Acquire load it retries from synchronises with the producer's
 //! Release RMW, so the slot is visible) or after it (and then the producer's RMW sees `WAITING` and wakes
-//! the worker). Exactly one producer sees each arming, so a worker is woken only on the idle edge; a
+//! the worker). Only the RMW that clears `WAITING` reports a wake, so a worker is woken only on the idle edge; a
 //! receiver that takes a completion while armed clears `WAITING` once, so posts to an awake worker stay
-//! quiet. An earlier design used a separate flag and a `SeqCst` fence on each side (Dekker); that is
-//! correct in the C++ model, but loom models `SeqCst` as `AcqRel` and so cannot verify it, while RMWs on
-//! one word are modelled exactly. The count wraps after 2^63 posts; an arming CAS could only be fooled by
-//! exactly that many posts between its load and its CAS. The slots follow Vyukov's bounded queue, with the
-//! payload in atomics so that no `unsafe` is needed.
+//! quiet. An earlier design (a separate flag and a `SeqCst` fence on each side, Dekker style) was reported
+//! as stranding a completion by loom's unbounded run; whether that was a real race or loom modelling
+//! `SeqCst` as `AcqRel`, this design needs no `SeqCst`: every decision is an RMW on one word (plus
+//! Acquire/Release on the slots), which loom models exactly. The count wraps after 2^63
+//! posts; an arming CAS could only be fooled by exactly that many posts between its load and its CAS. The
+//! slots follow Vyukov's bounded queue, with the payload in atomics so that no `unsafe` is needed.
 //!
-//! Loom models (two producers and a consumer; a post racing a close) explore every interleaving, with no
-//! preemption bound:
-//! `RUSTFLAGS="--cfg loom" cargo test -p net-io-core --lib --release loom_models`.
+//! Loom models (two producers and a consumer; a post racing a close) are meant to run with no preemption
+//! bound: `RUSTFLAGS="--cfg loom" cargo test -p net-io-core --lib --release loom_models`. The full
+//! exploration of the two-producer model is long (unfinished, with no failure, after 14 minutes in release
+//! on a loaded 2-core machine); for a quick local check `LOOM_MAX_PREEMPTIONS=5` takes about two minutes.
 
 use std::fmt;
 use std::task::Waker;
@@ -189,15 +192,18 @@ impl CompletionRing {
                 position = self.tail.load(Ordering::Relaxed);
             }
         }
-        // Count the post and clear WAITING in one RMW. Release makes the slot (published above) visible to
-        // the receiver's Acquire load of `state`; being an RMW, it reads the newest `state`, so it either
-        // sees the receiver's arming (and wakes it) or lands before it and makes the arming CAS fail.
-        let previous = self
-            .state
-            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |state| {
-                Some(state.wrapping_add(ONE_PUBLISHED) & !WAITING)
-            })
-            .unwrap_or_else(|state| state);
+        // Count the post. Release makes the slot (published above) visible to the receiver's Acquire load
+        // of `state`; being an RMW, it reads the newest `state`, so it either sees the receiver's arming or
+        // lands before it and makes the arming CAS fail (the count changed), sending the receiver to look
+        // again. One `fetch_add` cannot fail, so a post to an awake worker costs one RMW here.
+        let counted = self.state.fetch_add(ONE_PUBLISHED, Ordering::AcqRel);
+        if counted & WAITING == 0 {
+            return Ok(Posted::Queued);
+        }
+        // The receiver is armed. Whoever clears WAITING wakes it; if another producer (or the receiver,
+        // finding work itself) cleared it first, the worker is awake or being woken already. Clearing a newer
+        // arming than the one we counted against is safe: we then wake a worker that is idle.
+        let previous = self.state.fetch_and(!WAITING, Ordering::AcqRel);
         if previous & WAITING != 0 {
             Ok(Posted::WakeWorker)
         } else {
