@@ -79,6 +79,7 @@ fn run() -> Result<()> {
 /// not invalidate the main build: the fault-injection shim (`net_io_shim`: syscall counts per round trip and
 /// injected OS faults) and the loom models of the lock-free pieces (kill slot, completion ring).
 fn ci() -> Result<()> {
+    report_free_space();
     if let Err(error) = models::fetch(&[]) {
         if env::var_os("CI").is_some() {
             return Err(
@@ -149,6 +150,47 @@ fn ci() -> Result<()> {
         ],
     )?;
     Ok(())
+}
+
+/// Below this much free space a full CI build (about 6 GiB of artefacts) may die mid-link.
+const CI_FREE_SPACE_WANTED_BYTES: u64 = 8 << 30;
+
+/// Prints the free space where the build writes, and warns when it is short.
+///
+/// A full disk does not fail cleanly: the linker maps its output file and dies with SIGBUS, which reads
+/// like a toolchain bug. Saying it up front turns that into a one-line diagnosis.
+fn report_free_space() {
+    let directory = target_directory();
+    let probe = if directory.exists() {
+        directory.clone()
+    } else {
+        workspace_root()
+    };
+    let output = Command::new("df").arg("-Pk").arg(&probe).output();
+    let Ok(output) = output else {
+        return;
+    };
+    let text = String::from_utf8_lossy(&output.stdout);
+    let available_kib = text
+        .lines()
+        .nth(1)
+        .and_then(|line| line.split_whitespace().nth(3))
+        .and_then(|field| field.parse::<u64>().ok());
+    let Some(available_kib) = available_kib else {
+        return;
+    };
+    let available = available_kib * 1024;
+    eprintln!(
+        "xtask: {:.1} GiB free under {}",
+        available as f64 / f64::from(1u32 << 30),
+        probe.display()
+    );
+    if available < CI_FREE_SPACE_WANTED_BYTES {
+        eprintln!(
+            "xtask: warning: a full CI build needs about {} GiB; a link may fail with SIGBUS when the disk fills",
+            CI_FREE_SPACE_WANTED_BYTES >> 30
+        );
+    }
 }
 
 /// Runs `$CARGO` (the cargo that started xtask) in the workspace root.
