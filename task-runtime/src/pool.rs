@@ -149,19 +149,6 @@ pub(crate) struct WorkerSlot {
 }
 
 impl WorkerSlot {
-    fn new() -> Self {
-        WorkerSlot {
-            local: Mutex::new(VecDeque::new()),
-            local_len: AtomicUsize::new(0),
-            running: AtomicU64::new(u64::MAX),
-            busy: AtomicBool::new(false),
-            completed: AtomicU64::new(0),
-            stop: AtomicBool::new(false),
-            last_completed: AtomicU64::new(0),
-            stuck_ticks: AtomicU32::new(0),
-        }
-    }
-
     fn pop_back(&self, total: &AtomicUsize) -> Option<TaskRef> {
         if self.local_len.load(Ordering::Acquire) == 0 {
             return None;
@@ -458,6 +445,15 @@ impl Pool {
         self.injected.load(Ordering::Acquire) > 0 || self.local_queued.load(Ordering::Acquire) > 0
     }
 
+    /// Whether a worker about to park has something to do instead: queued work, a stop, or an injected
+    /// death. Checked again after reading the epoch, because `stop_threads` and `kill_workers` set their
+    /// flag before they bump `work_word`: a worker that read the bumped epoch sees the flag here.
+    fn has_cause_to_wake(&self, me: &WorkerSlot) -> bool {
+        self.has_work(Some(me))
+            || me.stop.load(Ordering::Acquire)
+            || self.kill_threads.load(Ordering::Acquire) > 0
+    }
+
     /// Pops one task from the injector and, for a worker, moves a share of the rest into its own deque
     /// (min(length / live workers, REFILL)) so the injector lock is taken once per batch, not per task.
     fn pop_injector(&self, me: Option<&WorkerSlot>) -> Option<TaskRef> {
@@ -556,50 +552,43 @@ impl Pool {
 
     /// Starts one worker; false when the thread could not be created or the ceiling is reached.
     pub(crate) fn start_worker(self: &Arc<Self>) -> bool {
-        let live = self.live_workers.fetch_add(1, Ordering::AcqRel) + 1;
-        if live > self.config.ceiling() {
-            self.live_workers.fetch_sub(1, Ordering::AcqRel);
-            return false;
-        }
-        self.counters.peak_workers.fetch_max(live, Ordering::AcqRel);
-        let slot = Arc::new(WorkerSlot::new());
-        self.workers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(Arc::clone(&slot));
-        let pool = Arc::clone(self);
-        let started = std::thread::Builder::new()
-            .name("task-worker".into())
-            .stack_size(self.config.worker_stack)
-            .spawn(move || worker_main(pool, slot));
-        if started.is_err() {
-            self.live_workers.fetch_sub(1, Ordering::AcqRel);
-            return false;
-        }
-        true
+        self.start_thread::<WorkerSlot>()
     }
 
+    /// Starts one blocking thread; false when the thread could not be created.
     fn start_sleeper(self: &Arc<Self>) -> bool {
-        let live = self.live_sleepers.fetch_add(1, Ordering::AcqRel) + 1;
-        self.counters
-            .peak_sleepers
-            .fetch_max(live, Ordering::AcqRel);
-        let slot = Arc::new(SleeperSlot {
-            stop: AtomicBool::new(false),
-        });
-        self.sleepers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(Arc::clone(&slot));
-        let pool = Arc::clone(self);
-        let started = std::thread::Builder::new()
-            .name("task-blocking".into())
-            .stack_size(self.config.worker_stack)
-            .spawn(move || sleeper_main(pool, slot));
-        if started.is_err() {
-            self.live_sleepers.fetch_sub(1, Ordering::AcqRel);
+        self.start_thread::<SleeperSlot>()
+    }
+
+    /// Starts one pool thread of kind `S` and lists its slot, or leaves no trace when the system refuses
+    /// the thread (then the manager is woken, so its next tick tries again).
+    fn start_thread<S: PoolThread>(self: &Arc<Self>) -> bool {
+        let live = S::live(self).fetch_add(1, Ordering::AcqRel) + 1;
+        if live > S::limit(self) {
+            S::live(self).fetch_sub(1, Ordering::AcqRel);
             return false;
         }
+        let slot = Arc::new(S::new());
+        // The list stays locked across the spawn: the new thread takes this lock to unlist itself when it
+        // retires or dies, so it cannot leave before it is listed (which would leave a dead slot behind).
+        let mut slots = S::slots(self).lock().unwrap_or_else(|p| p.into_inner());
+        let pool = Arc::clone(self);
+        let thread_slot = Arc::clone(&slot);
+        let started = spawn_thread(
+            std::thread::Builder::new()
+                .name(S::NAME.into())
+                .stack_size(self.config.worker_stack),
+            move || S::main(pool, thread_slot),
+        );
+        if started.is_err() {
+            drop(slots);
+            S::live(self).fetch_sub(1, Ordering::AcqRel);
+            self.reactor.wake_manager();
+            return false;
+        }
+        slots.push(slot);
+        drop(slots);
+        S::peak(self).fetch_max(live, Ordering::AcqRel);
         true
     }
 
@@ -612,6 +601,13 @@ impl Pool {
                 worker.busy.load(Ordering::Acquire) || worker.local_len.load(Ordering::Acquire) > 0
             })
             || workers.len() > self.config.floor()
+            || self.below_floor()
+    }
+
+    /// Fewer workers run than the floor (after a death or a refused start) and the ceiling allows more,
+    /// so the manager must keep ticking until `ensure_floor` has restored them.
+    fn below_floor(&self) -> bool {
+        self.live_workers.load(Ordering::Acquire) < self.config.floor().min(self.config.ceiling())
     }
 
     /// The manager's policy pass: grow when workers are stuck while work waits; grow blocking threads.
@@ -756,6 +752,81 @@ impl Pool {
     }
 }
 
+/// A kind of pool thread (worker or blocking thread): where the pool lists and counts it, and what it
+/// runs, so that both kinds start through one function ([`Pool::start_thread`]).
+trait PoolThread: Sized + Send + Sync + 'static {
+    /// The thread's name, as `/proc/self/task/*/comm` shows it.
+    const NAME: &'static str;
+    /// A fresh shared record for a new thread.
+    fn new() -> Self;
+    /// The pool's list of these threads' records.
+    fn slots(pool: &Pool) -> &Mutex<Vec<Arc<Self>>>;
+    /// How many of these threads are running or starting.
+    fn live(pool: &Pool) -> &AtomicUsize;
+    /// The most of these threads that ran at once.
+    fn peak(pool: &Pool) -> &AtomicUsize;
+    /// The most of these threads the pool may run.
+    fn limit(pool: &Pool) -> usize;
+    /// The thread's body.
+    fn main(pool: Arc<Pool>, me: Arc<Self>);
+}
+
+impl PoolThread for WorkerSlot {
+    const NAME: &'static str = "task-worker";
+    fn new() -> Self {
+        WorkerSlot {
+            local: Mutex::new(VecDeque::new()),
+            local_len: AtomicUsize::new(0),
+            running: AtomicU64::new(u64::MAX),
+            busy: AtomicBool::new(false),
+            completed: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            last_completed: AtomicU64::new(0),
+            stuck_ticks: AtomicU32::new(0),
+        }
+    }
+    fn slots(pool: &Pool) -> &Mutex<Vec<Arc<Self>>> {
+        &pool.workers
+    }
+    fn live(pool: &Pool) -> &AtomicUsize {
+        &pool.live_workers
+    }
+    fn peak(pool: &Pool) -> &AtomicUsize {
+        &pool.counters.peak_workers
+    }
+    fn limit(pool: &Pool) -> usize {
+        pool.config.ceiling()
+    }
+    fn main(pool: Arc<Pool>, me: Arc<Self>) {
+        worker_main(pool, me);
+    }
+}
+
+impl PoolThread for SleeperSlot {
+    const NAME: &'static str = "task-blocking";
+    fn new() -> Self {
+        SleeperSlot {
+            stop: AtomicBool::new(false),
+        }
+    }
+    fn slots(pool: &Pool) -> &Mutex<Vec<Arc<Self>>> {
+        &pool.sleepers
+    }
+    fn live(pool: &Pool) -> &AtomicUsize {
+        &pool.live_sleepers
+    }
+    fn peak(pool: &Pool) -> &AtomicUsize {
+        &pool.counters.peak_sleepers
+    }
+    /// Blocking threads are not held to the worker ceiling: the tick grows them with their backlog.
+    fn limit(_pool: &Pool) -> usize {
+        usize::MAX
+    }
+    fn main(pool: Arc<Pool>, me: Arc<Self>) {
+        sleeper_main(pool, me);
+    }
+}
+
 /// Exit guard of a pool thread: on an unwinding death it fails the task in hand, hands the local queue
 /// back and starts a replacement so nothing is stranded.
 struct DeathGuard {
@@ -851,7 +922,7 @@ fn worker_main(pool: Arc<Pool>, me: Arc<WorkerSlot>) {
         let mut found = false;
         let spin_started = Instant::now();
         while spin_started.elapsed() < SPIN_BEFORE_PARK {
-            if pool.has_work(Some(&me)) || me.stop.load(Ordering::Acquire) {
+            if pool.has_cause_to_wake(&me) {
                 found = true;
                 break;
             }
@@ -867,7 +938,7 @@ fn worker_main(pool: Arc<Pool>, me: Arc<WorkerSlot>) {
         // its epoch bump makes our futex wait return at once.
         pool.wake_pending.store(false, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);
-        if pool.has_work(Some(&me)) || me.stop.load(Ordering::Acquire) {
+        if pool.has_cause_to_wake(&me) {
             pool.parked_workers.fetch_sub(1, Ordering::SeqCst);
             continue;
         }
@@ -1082,6 +1153,29 @@ fn set_depth(depth: usize) {
             context.depth = depth;
         }
     });
+}
+
+/// Fault hook: how many of the next pool thread starts fail as if the system refused the thread.
+#[cfg(feature = "fault-injection")]
+pub(crate) static REFUSE_THREAD_STARTS: AtomicU32 = AtomicU32::new(0);
+
+/// Spawns a pool thread, unless the fault hook says to refuse it.
+fn spawn_thread(
+    builder: std::thread::Builder,
+    main: impl FnOnce() + Send + 'static,
+) -> std::io::Result<()> {
+    #[cfg(feature = "fault-injection")]
+    if REFUSE_THREAD_STARTS
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| {
+            left.checked_sub(1)
+        })
+        .is_ok()
+    {
+        return Err(std::io::Error::other(
+            "injected refusal of a pool thread start",
+        ));
+    }
+    builder.spawn(main).map(drop)
 }
 
 /// The most threads the pool may start: min(threads-max / 2, RLIMIT_NPROC, cgroup pids.max) less a reserve.

@@ -612,6 +612,12 @@ pub mod faults {
         }
     }
 
+    /// Makes the next `count` pool thread starts (workers and blocking threads, of this runtime or of
+    /// one `init` starts later) fail as if the system had refused to create the thread.
+    pub fn refuse_thread_starts(count: u32) {
+        crate::pool::REFUSE_THREAD_STARTS.fetch_add(count, Ordering::AcqRel);
+    }
+
     /// Lowers the help depth (the nesting limit for helping waits).
     pub fn set_help_depth(depth: usize) {
         if let Some(pool) = global_pool() {

@@ -1,0 +1,138 @@
+//! Refused thread starts: when the system will not create a pool thread, the pool keeps no record of
+//! it, retries later, and its tasks still run and its shutdown still ends.
+
+use std::sync::Mutex;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use task_runtime::{Compute, PoolStatus, Runtime, faults};
+
+/// The runtime is process-wide: the tests of this binary take turns.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Generous bound for anything that should take milliseconds (the machine may be loaded).
+const PATIENCE: Duration = Duration::from_secs(10);
+
+/// Threads of this process whose name is `name` (pool threads name themselves).
+fn threads_named(name: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .expect("read /proc/self/task")
+        .filter_map(|entry| std::fs::read_to_string(entry.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.trim_end() == name)
+        .count()
+}
+
+/// Polls the pool until `settled` holds, for at most `PATIENCE`; returns the last snapshot.
+fn wait_for_pool(settled: impl Fn(&PoolStatus) -> bool) -> PoolStatus {
+    let started = Instant::now();
+    loop {
+        let pool = Runtime::pool();
+        if settled(&pool) || started.elapsed() > PATIENCE {
+            return pool;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Spawns `count` computes and checks each returns its own value.
+fn tasks_still_run(count: u32) {
+    let handles: Vec<_> = (0..count)
+        .map(|index| Runtime::task(Compute::compute(move |()| index * 3)).spawn())
+        .collect();
+    for (index, handle) in (0..count).zip(handles) {
+        assert_eq!(
+            handle.join_with_timeout(PATIENCE),
+            Ok(index * 3),
+            "task {index} should run although a pool thread could not be started"
+        );
+    }
+}
+
+/// Shuts the runtime down on another thread and fails if that takes longer than `PATIENCE`.
+fn shutdown_ends() {
+    let (done, finished) = mpsc::channel();
+    std::thread::spawn(move || {
+        Runtime::shutdown();
+        let _ = done.send(());
+    });
+    assert!(
+        finished.recv_timeout(PATIENCE).is_ok(),
+        "shutdown should end after a refused thread start, but it still runs after {PATIENCE:?}"
+    );
+}
+
+#[test]
+fn a_refused_worker_replacement_leaves_no_dead_worker_in_the_pool() {
+    let _turn = SERIAL.lock().unwrap_or_else(|poison| poison.into_inner());
+    Runtime::builder()
+        .cores(2)
+        .workers_per_core(1)
+        .init()
+        .expect("init");
+    // One worker dies; the pool's first try to replace it is refused, a later tick's try succeeds.
+    faults::refuse_thread_starts(1);
+    faults::kill_workers(1);
+    let pool = wait_for_pool(|pool| pool.deaths >= 1);
+    assert_eq!(
+        pool.deaths, 1,
+        "the injected death should be counted: {pool}"
+    );
+    tasks_still_run(200);
+    let pool = wait_for_pool(|pool| {
+        pool.worker_count == pool.floor && threads_named("task-worker") == pool.floor
+    });
+    assert_eq!(
+        pool.worker_count, pool.floor,
+        "the pool should list exactly its floor of workers, not a worker whose thread never started: {pool}"
+    );
+    assert_eq!(
+        threads_named("task-worker"),
+        pool.worker_count,
+        "every worker the pool lists should be a running thread: {pool}"
+    );
+    shutdown_ends();
+}
+
+#[test]
+fn a_refused_start_at_init_is_retried_and_tasks_still_run() {
+    let _turn = SERIAL.lock().unwrap_or_else(|poison| poison.into_inner());
+    // The first worker of a fresh pool cannot be started.
+    faults::refuse_thread_starts(1);
+    Runtime::builder()
+        .cores(2)
+        .workers_per_core(1)
+        .init()
+        .expect("init");
+    tasks_still_run(200);
+    let pool = wait_for_pool(|pool| pool.worker_count == pool.floor);
+    assert_eq!(
+        pool.worker_count, pool.floor,
+        "the pool should restore its floor after a refused start: {pool}"
+    );
+    assert!(Runtime::healthy(), "the runtime should be healthy: {pool}");
+    shutdown_ends();
+}
+
+#[test]
+fn a_refused_blocking_thread_start_is_retried_and_the_blocking_task_runs() {
+    let _turn = SERIAL.lock().unwrap_or_else(|poison| poison.into_inner());
+    Runtime::builder()
+        .cores(2)
+        .workers_per_core(1)
+        .init()
+        .expect("init");
+    // No blocking thread runs yet, so this task's push starts one, and that start is refused.
+    faults::refuse_thread_starts(1);
+    let handle = Runtime::task(Compute::compute(|()| 7).blocking()).spawn();
+    assert_eq!(
+        handle.join_with_timeout(PATIENCE),
+        Ok(7),
+        "a blocking task should run although its first blocking thread could not be started"
+    );
+    let pool = Runtime::pool();
+    assert!(
+        pool.peak_sleep_threads >= 1,
+        "the blocking thread that ran the task should be counted: {pool}"
+    );
+    shutdown_ends();
+}
