@@ -14,8 +14,8 @@
 
 use std::any::Any;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
 use std::time::Instant;
 
 use crate::error::{RuntimeError, TaskState};
@@ -83,13 +83,7 @@ pub(crate) fn enqueue(task: TaskRef, slot: &Slot) {
                 TaskState::Failed,
                 Some(RuntimeError::TaskFailed),
             );
-            let release = release_if_idle(&mut body);
-            let job = body.job.take();
-            drop(body);
-            drop(job);
-            if release {
-                table().release(task);
-            }
+            release_settled(body, task, None);
         }
     }
 }
@@ -113,6 +107,21 @@ pub(crate) fn release_if_idle(body: &mut Body) -> bool {
         true
     } else {
         false
+    }
+}
+
+/// Ends the executor's part in a settled task: unlocks `body`, then drops the job (the one in hand and
+/// any left in the slot) and frees the table slot if no thread holds the job any more. The job is
+/// dropped after the unlock because dropping it runs user code (its captures) that may lock this slot
+/// again, through a captured handle for example.
+fn release_settled(mut body: MutexGuard<'_, Body>, task: TaskRef, in_hand: Option<Box<dyn Job>>) {
+    let release = release_if_idle(&mut body);
+    let left = body.job.take();
+    drop(body);
+    drop(in_hand);
+    drop(left);
+    if release {
+        table().release(task);
     }
 }
 
@@ -205,26 +214,14 @@ fn go_idle(slot: &Slot, task: TaskRef, sequence: u64) {
 fn prepare(pool: &Arc<Pool>, slot: &Slot, task: TaskRef, sequence: u64) -> Prepared {
     let mut body = slot.lock();
     if body.settled || body.job.is_none() {
-        let release = release_if_idle(&mut body);
-        let job = body.job.take();
-        drop(body);
-        drop(job);
-        if release {
-            table().release(task);
-        }
+        release_settled(body, task, None);
         return Prepared::Nothing;
     }
     let abort = slot.abort.load(Ordering::Acquire);
     if abort != ABORT_NONE {
         let (state, error) = abort_state(abort);
         settle(&mut body, slot, state, error);
-        let release = release_if_idle(&mut body);
-        let job = body.job.take();
-        drop(body);
-        drop(job);
-        if release {
-            table().release(task);
-        }
+        release_settled(body, task, None);
         return Prepared::Nothing;
     }
     if !body.in_run {
@@ -232,13 +229,7 @@ fn prepare(pool: &Arc<Pool>, slot: &Slot, task: TaskRef, sequence: u64) -> Prepa
             Started::Yes => {}
             Started::Wait => return Prepared::Nothing,
             Started::Ended => {
-                let release = release_if_idle(&mut body);
-                let job = body.job.take();
-                drop(body);
-                drop(job);
-                if release {
-                    table().release(task);
-                }
+                release_settled(body, task, None);
                 return Prepared::Nothing;
             }
         }
@@ -393,12 +384,7 @@ fn park(
         body.job_out = false;
         if body.settled {
             // Cancelled or timed out while stepping: drop the job, do not park.
-            let release = release_if_idle(&mut body);
-            drop(body);
-            drop(job);
-            if release {
-                table().release(task);
-            }
+            release_settled(body, task, Some(job));
             return false;
         }
         body.job = Some(job);
@@ -446,24 +432,14 @@ fn publish(
     body.in_run = false;
     if body.settled {
         // Cancelled or timed out during the run: the output is discarded.
-        let release = release_if_idle(&mut body);
-        drop(body);
-        drop(job);
-        if release {
-            table().release(task);
-        }
+        release_settled(body, task, Some(job));
         return false;
     }
     let parent = body.plan.as_ref().and_then(|plan| plan.parent);
     if let Some(parent) = parent {
         // A series clone hands its output to the series and ends.
         settle(&mut body, slot, TaskState::Taken, None);
-        let release = release_if_idle(&mut body);
-        drop(body);
-        drop(job);
-        if release {
-            table().release(task);
-        }
+        release_settled(body, task, Some(job));
         publish_to_series(parent, Ok(output));
         return false;
     }
