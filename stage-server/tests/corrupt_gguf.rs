@@ -77,6 +77,28 @@ fn small_gguf(path: &Path, metadata: &[(&str, &Value)]) {
     gguf_file::write(&mut file, metadata, &[("token_embd.weight", &tensor)]).expect("write gguf");
 }
 
+/// Small files whose `general.alignment` candle would divide by, written as `dir/NAME.gguf`.
+fn bad_alignment_files(dir: &Path) -> Vec<(&'static str, PathBuf)> {
+    let architecture = Value::String("llama".to_string());
+    [
+        ("alignment_zero", 0u32),
+        ("alignment_not_a_power_of_two", 48),
+    ]
+    .into_iter()
+    .map(|(name, alignment)| {
+        let path = dir.join(format!("{name}.gguf"));
+        small_gguf(
+            &path,
+            &[
+                ("general.architecture", &architecture),
+                ("general.alignment", &Value::U32(alignment)),
+            ],
+        );
+        (name, path)
+    })
+    .collect()
+}
+
 #[test]
 fn the_tiny_models_pass_and_their_summary_matches_the_file() {
     let dir = scratch_dir("valid");
@@ -324,19 +346,7 @@ fn each_corruption_has_a_clear_error_text() {
 #[test]
 fn an_alignment_candle_would_divide_by_is_refused() {
     let dir = scratch_dir("alignment");
-    for (name, value) in [
-        ("alignment_zero", 0u32),
-        ("alignment_not_a_power_of_two", 48),
-    ] {
-        let path = dir.join(format!("{name}.gguf"));
-        let architecture = Value::String("llama".to_string());
-        small_gguf(
-            &path,
-            &[
-                ("general.architecture", &architecture),
-                ("general.alignment", &Value::U32(value)),
-            ],
-        );
+    for (name, path) in bad_alignment_files(&dir) {
         let error = validate(&path).expect_err("a file with a bad alignment validated");
         assert!(
             matches!(error, GgufError::InvalidAlignment { .. }),
@@ -373,6 +383,41 @@ fn a_missing_file_is_an_io_error_naming_it() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// One byte flip: which byte (picked in the header sections when the flag is set, else anywhere in the
+/// file) and the non-zero mask to xor into it.
+type Flip = (prop::sample::Index, u8, bool);
+
+/// One to seven byte flips.
+fn byte_flips() -> impl Strategy<Value = Vec<Flip>> {
+    proptest::collection::vec(
+        (any::<prop::sample::Index>(), 1u8..=255, any::<bool>()),
+        1..8,
+    )
+}
+
+/// The tiny llama's bytes (the file is written into `dir` on first use) with `flips` applied.
+fn flipped_tiny_llama(dir: &Path, flips: Vec<Flip>) -> Vec<u8> {
+    let path = dir.join("tiny-llama-Q8_0.gguf");
+    if !path.exists() {
+        TinyModel::llama(GgmlDType::Q8_0)
+            .write(&path)
+            .expect("writing the tiny model failed");
+    }
+    let mut bytes = std::fs::read(&path).expect("reading the tiny model");
+    let header_end = validate(&path)
+        .expect("the tiny model validates")
+        .tensor_data_offset as usize;
+    for (index, mask, in_header) in flips {
+        let at = if in_header {
+            index.index(header_end)
+        } else {
+            index.index(bytes.len())
+        };
+        bytes[at] ^= mask;
+    }
+    bytes
+}
+
 /// Whether candle's reader, given the same bytes, panics (run under `catch_unwind`).
 fn candle_panics(bytes: &[u8]) -> bool {
     std::panic::catch_unwind(|| {
@@ -387,19 +432,10 @@ proptest! {
     /// Flips in the header sections (where lengths, counts and types live) and anywhere in the file.
     #[test]
     fn random_byte_flips_never_panic_and_what_validates_candle_reads(
-        flips in proptest::collection::vec((any::<prop::sample::Index>(), 1u8..=255, any::<bool>()), 1..8),
+        flips in byte_flips(),
     ) {
         let dir = scratch_dir("flips");
-        let path = dir.join("tiny-llama-Q8_0.gguf");
-        if !path.exists() {
-            TinyModel::llama(GgmlDType::Q8_0).write(&path).expect("writing the tiny model failed");
-        }
-        let mut bytes = std::fs::read(&path).expect("read");
-        let header_end = validate(&path).expect("the tiny model validates").tensor_data_offset as usize;
-        for (index, mask, in_header) in flips {
-            let at = if in_header { index.index(header_end) } else { index.index(bytes.len()) };
-            bytes[at] ^= mask;
-        }
+        let bytes = flipped_tiny_llama(&dir, flips);
         let name = format!("flipped-{:?}.gguf", std::thread::current().id());
         if validate_bytes(&dir, &name, &bytes).is_ok() {
             prop_assert!(
@@ -439,19 +475,7 @@ fn the_model_loader_refuses_every_corruption_with_an_error() {
     let dir = scratch_dir("loader-texts");
     let (bytes, summary) = tiny_llama_bytes(&dir);
     let mut cases = corruptions(&bytes, &summary);
-    for (name, value) in [
-        ("alignment_zero", 0u32),
-        ("alignment_not_a_power_of_two", 48),
-    ] {
-        let path = dir.join("alignment.gguf");
-        let architecture = Value::String("llama".to_string());
-        small_gguf(
-            &path,
-            &[
-                ("general.architecture", &architecture),
-                ("general.alignment", &Value::U32(value)),
-            ],
-        );
+    for (name, path) in bad_alignment_files(&dir) {
         cases.push((
             name,
             std::fs::read(&path).expect("reading the alignment file"),
@@ -507,19 +531,10 @@ proptest! {
     /// The whole load path (header, config, every tensor of a two-stage split) under random flips.
     #[test]
     fn random_byte_flips_never_panic_the_model_loader(
-        flips in proptest::collection::vec((any::<prop::sample::Index>(), 1u8..=255, any::<bool>()), 1..8),
+        flips in byte_flips(),
     ) {
         let dir = scratch_dir("loader-flips");
-        let path = dir.join("tiny-llama-Q8_0.gguf");
-        if !path.exists() {
-            TinyModel::llama(GgmlDType::Q8_0).write(&path).expect("writing the tiny model failed");
-        }
-        let mut bytes = std::fs::read(&path).expect("read");
-        let header_end = validate(&path).expect("the tiny model validates").tensor_data_offset as usize;
-        for (index, mask, in_header) in flips {
-            let at = if in_header { index.index(header_end) } else { index.index(bytes.len()) };
-            bytes[at] ^= mask;
-        }
+        let bytes = flipped_tiny_llama(&dir, flips);
         let flipped = dir.join(format!("flipped-{:?}.gguf", std::thread::current().id()));
         std::fs::write(&flipped, &bytes).expect("writing the flipped copy");
         let outcome = std::panic::catch_unwind(|| {
