@@ -1,8 +1,14 @@
-//! Command-line flags and the final report shared by the echo examples.
+//! What the echo examples share: their flags, the server settings taken from them, and the run until a
+//! termination signal with the report printed after the drain.
 
 use std::net::SocketAddr;
+use std::time::{Duration, Instant};
 
-use net_io_blocking::DrainReport;
+use net_io_blocking::{Limits, Server, ServerBuilder};
+use net_io_sys::termination::TerminationSignals;
+
+/// How long the drain after a termination signal waits for open connections before it kills them.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// `--addr`, `--workers`, `--max-connections`.
 #[derive(Debug)]
@@ -13,6 +19,7 @@ pub struct Flags {
 }
 
 impl Flags {
+    /// Reads the flags (without the program name); `--help` prints them and exits.
     pub fn parse(mut arguments: impl Iterator<Item = String>) -> Result<Flags, String> {
         let mut flags = Flags {
             address: "127.0.0.1:7000"
@@ -58,11 +65,41 @@ impl Flags {
         }
         Ok(flags)
     }
+
+    /// A server builder listening on `--addr` with `--workers` and `--max-connections` applied; the
+    /// caller adds the workload and the gate.
+    pub fn server_builder(&self) -> ServerBuilder {
+        let mut limits = Limits::new();
+        if let Some(max) = self.max_connections {
+            limits = limits.max_connections(max);
+        }
+        ServerBuilder::new()
+            .listen(self.address)
+            .workers(self.workers)
+            .limits(limits)
+    }
 }
 
-pub fn print_report(report: &DrainReport) {
+/// Prints `listening on ADDR`, serves until SIGINT or SIGTERM reaches `signals`, drains for at most
+/// `DRAIN_TIMEOUT` and prints the drain report and the server's counters.
+pub fn serve_until_signalled(server: Server, signals: TerminationSignals) {
+    println!("listening on {}", server.local_addr());
+    let stopper = server.handle();
+    std::thread::spawn(move || {
+        if signals.wait().is_ok() {
+            stopper.request_stop();
+        }
+    });
+    let handle = server.handle();
+    handle.wait_for_stop();
+    let report = server.shutdown(Instant::now() + DRAIN_TIMEOUT);
+    let stats = handle.stats();
     println!(
         "drained: {} graceful, {} killed in {:?}",
         report.graceful, report.killed, report.elapsed
+    );
+    println!(
+        "stats: accepted {} refused {} closed {} bytes in {} out {}",
+        stats.accepted, stats.refused, stats.closed, stats.bytes_in, stats.bytes_out
     );
 }
