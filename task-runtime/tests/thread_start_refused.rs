@@ -13,6 +13,15 @@ static SERIAL: Mutex<()> = Mutex::new(());
 /// Generous bound for anything that should take milliseconds (the machine may be loaded).
 const PATIENCE: Duration = Duration::from_secs(10);
 
+/// Starts a runtime of two workers that does not grow past them (floor and target both 2).
+fn start_small_runtime() {
+    Runtime::builder()
+        .cores(2)
+        .workers_per_core(1)
+        .init()
+        .expect("init");
+}
+
 /// Threads of this process whose name is `name` (pool threads name themselves).
 fn threads_named(name: &str) -> usize {
     std::fs::read_dir("/proc/self/task")
@@ -64,11 +73,7 @@ fn shutdown_ends() {
 #[test]
 fn a_refused_worker_replacement_leaves_no_dead_worker_in_the_pool() {
     let _turn = SERIAL.lock().unwrap_or_else(|poison| poison.into_inner());
-    Runtime::builder()
-        .cores(2)
-        .workers_per_core(1)
-        .init()
-        .expect("init");
+    start_small_runtime();
     // One worker dies; the pool's first try to replace it is refused, a later tick's try succeeds.
     faults::refuse_thread_starts(1);
     faults::kill_workers(1);
@@ -98,11 +103,7 @@ fn a_refused_start_at_init_is_retried_and_tasks_still_run() {
     let _turn = SERIAL.lock().unwrap_or_else(|poison| poison.into_inner());
     // The first worker of a fresh pool cannot be started.
     faults::refuse_thread_starts(1);
-    Runtime::builder()
-        .cores(2)
-        .workers_per_core(1)
-        .init()
-        .expect("init");
+    start_small_runtime();
     tasks_still_run(200);
     let pool = wait_for_pool(|pool| pool.worker_count == pool.floor);
     assert_eq!(
@@ -116,11 +117,7 @@ fn a_refused_start_at_init_is_retried_and_tasks_still_run() {
 #[test]
 fn a_refused_blocking_thread_start_is_retried_and_the_blocking_task_runs() {
     let _turn = SERIAL.lock().unwrap_or_else(|poison| poison.into_inner());
-    Runtime::builder()
-        .cores(2)
-        .workers_per_core(1)
-        .init()
-        .expect("init");
+    start_small_runtime();
     // No blocking thread runs yet, so this task's push starts one, and that start is refused.
     faults::refuse_thread_starts(1);
     let handle = Runtime::task(Compute::compute(|()| 7).blocking()).spawn();
