@@ -1,17 +1,14 @@
 //! Gives and receives: newest value wins, a give mid-run owes one run, gathers, give_to fan-out, pipelines.
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, RuntimeError, TaskHandle};
 
-fn init() {
-    match Runtime::init() {
-        Ok(()) | Err(RuntimeError::AlreadyInit) => {}
-        Err(error) => panic!("init failed: {error}"),
-    }
-}
+use common::init;
 
 fn wait_for(condition: impl Fn() -> bool, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -1,15 +1,12 @@
 //! Handles: joins, takes, clones as listeners, cancels that settle every listener, try and timed reads.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, JoinPolicy, Runtime, RuntimeError, Sleep, TaskState};
 
-fn init() {
-    match Runtime::init() {
-        Ok(()) | Err(RuntimeError::AlreadyInit) => {}
-        Err(error) => panic!("init failed: {error}"),
-    }
-}
+use common::init;
 
 #[test]
 fn a_compute_spawned_and_joined_gives_its_output() {

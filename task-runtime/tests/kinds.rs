@@ -1,35 +1,19 @@
 //! Task kinds: channels, files, file watches and processes.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use task_runtime::{
     Change, Channel, Exit, File, FileOutput, Process, Runtime, RuntimeError, TaskState,
 };
 
-fn init() {
-    match Runtime::init() {
-        Ok(()) | Err(RuntimeError::AlreadyInit) => {}
-        Err(error) => panic!("init failed: {error}"),
-    }
-}
+use common::{becomes_running, init};
 
 fn scratch(name: &str) -> std::path::PathBuf {
     let directory = std::env::temp_dir().join(format!("kinds-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&directory).expect("dir");
     directory
-}
-
-/// Waits up to 10 s for `handle` to be started and parked: on a loaded 2-core machine a worker can take far
-/// longer than a fixed 20-50 ms sleep to pick a fresh task up, and the check is that it parks, not how fast.
-fn becomes_running<T: Send + 'static, G>(handle: &task_runtime::TaskHandle<T, G>) -> bool {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !handle.is_running() {
-        if std::time::Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    true
 }
 
 #[test]

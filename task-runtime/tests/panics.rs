@@ -1,13 +1,10 @@
 //! Panics: a panicking task fails alone and its neighbours finish; a flood of panics leaves others correct.
 
+mod common;
+
 use task_runtime::{Compute, Runtime, RuntimeError, TaskState};
 
-fn init() {
-    match Runtime::init() {
-        Ok(()) | Err(RuntimeError::AlreadyInit) => {}
-        Err(error) => panic!("init failed: {error}"),
-    }
-}
+use common::init;
 
 #[test]
 fn a_panicking_task_fails_alone_and_its_neighbours_finish() {

@@ -1,22 +1,13 @@
 //! Parked waits hold no thread: 500 parked TCP receives and 300 parked file watches.
 
+mod common;
+
 use std::io::Write;
 use std::time::{Duration, Instant};
 
 use task_runtime::{File, Runtime, Tcp};
 
-/// Waits up to 10 s for `handle` to be started and parked: on a loaded 2-core machine a worker can take far
-/// longer than a fixed 20-50 ms sleep to pick a fresh task up, and the check is that it parks, not how fast.
-fn becomes_running<T: Send + 'static, G>(handle: &task_runtime::TaskHandle<T, G>) -> bool {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !handle.is_running() {
-        if std::time::Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    true
-}
+use common::becomes_running;
 
 #[test]
 fn five_hundred_parked_receives_and_three_hundred_watches_hold_no_thread() {

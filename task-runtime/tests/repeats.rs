@@ -1,17 +1,14 @@
 //! Repeats and schedules: count, every, at_rate, deadlines, whichever ends first, start delays.
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, RuntimeError, Sleep, TaskState};
 
-fn init() {
-    match Runtime::init() {
-        Ok(()) | Err(RuntimeError::AlreadyInit) => {}
-        Err(error) => panic!("init failed: {error}"),
-    }
-}
+use common::init;
 
 fn counter() -> (
     Arc<AtomicU32>,

@@ -1,21 +1,12 @@
 //! Signals: a parked signal wait wakes on delivery and reports the count (own binary: signals are process-wide).
 
+mod common;
+
 use std::time::Duration;
 
 use task_runtime::{Runtime, RuntimeError, Signal};
 
-/// Waits up to 10 s for `handle` to be started and parked: on a loaded 2-core machine a worker can take far
-/// longer than a fixed 20-50 ms sleep to pick a fresh task up, and the check is that it parks, not how fast.
-fn becomes_running<T: Send + 'static, G>(handle: &task_runtime::TaskHandle<T, G>) -> bool {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !handle.is_running() {
-        if std::time::Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    true
-}
+use common::becomes_running;
 
 #[test]
 fn a_signal_wakes_its_waiter_and_bad_signals_are_refused() {

@@ -1,29 +1,13 @@
 //! TCP: connect, accept, send and the three receives park on epoll; a reader and a writer share a socket.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::time::Duration;
 
 use task_runtime::{Runtime, RuntimeError, Tcp, TcpConnection};
 
-fn init() {
-    match Runtime::init() {
-        Ok(()) | Err(RuntimeError::AlreadyInit) => {}
-        Err(error) => panic!("init failed: {error}"),
-    }
-}
-
-/// Waits up to 10 s for `handle` to be started and parked: on a loaded 2-core machine a worker can take far
-/// longer than a fixed 20-50 ms sleep to pick a fresh task up, and the check is that it parks, not how fast.
-fn becomes_running<T: Send + 'static, G>(handle: &task_runtime::TaskHandle<T, G>) -> bool {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !handle.is_running() {
-        if std::time::Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    true
-}
+use common::{becomes_running, init};
 
 #[test]
 fn an_echo_round_trip_works_through_parked_tasks() {

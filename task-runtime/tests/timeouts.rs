@@ -1,15 +1,12 @@
 //! Timeouts: per run, an overrun ends a repeat, the start delay does not count, cancel keeps TimedOut.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, RuntimeError, Sleep, TaskState};
 
-fn init() {
-    match Runtime::init() {
-        Ok(()) | Err(RuntimeError::AlreadyInit) => {}
-        Err(error) => panic!("init failed: {error}"),
-    }
-}
+use common::init;
 
 #[test]
 fn a_slow_compute_and_a_long_sleep_time_out() {

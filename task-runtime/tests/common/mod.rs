@@ -1,8 +1,32 @@
-//! Helpers shared by the resource tests: RSS, thread count and CPU time from /proc/self.
+//! Helpers shared by the test binaries: starting the runtime, waiting for a task to run, and RSS,
+//! thread count and CPU time from /proc/self.
 
 #![allow(dead_code)]
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use task_runtime::{Runtime, RuntimeError, TaskHandle};
+
+/// Starts the default runtime unless a test of this binary already did (the runtime is process-wide).
+pub fn init() {
+    match Runtime::init() {
+        Ok(()) | Err(RuntimeError::AlreadyInit) => {}
+        Err(error) => panic!("init failed: {error}"),
+    }
+}
+
+/// Waits up to 10 s for `handle` to be started and parked: on a loaded 2-core machine a worker can take far
+/// longer than a fixed 20-50 ms sleep to pick a fresh task up, and the check is that it parks, not how fast.
+pub fn becomes_running<T: Send + 'static, G>(handle: &TaskHandle<T, G>) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !handle.is_running() {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    true
+}
 
 /// A field of /proc/self/status in kB (VmRSS) or as a count (Threads).
 pub fn status_field(name: &str) -> u64 {
