@@ -77,12 +77,7 @@ pub(crate) fn enqueue(task: TaskRef, slot: &Slot) {
         false => {
             // No pool will ever run it: settle it so joiners do not hang.
             let mut body = slot.lock();
-            settle(
-                &mut body,
-                slot,
-                TaskState::Failed,
-                Some(RuntimeError::TaskFailed),
-            );
+            settle_failed(&mut body, slot);
             release_settled(body, task, None);
         }
     }
@@ -98,6 +93,26 @@ pub(crate) fn settle(body: &mut Body, slot: &Slot, state: TaskState, error: Opti
         body.error = error;
     }
     slot.set_state(state);
+}
+
+/// Settles the task Failed with `TaskFailed`: for a task nothing will ever run again (no pool to queue it
+/// on, or no manager to fire its timer).
+fn settle_failed(body: &mut Body, slot: &Slot) {
+    settle(
+        body,
+        slot,
+        TaskState::Failed,
+        Some(RuntimeError::TaskFailed),
+    );
+}
+
+/// The tasks that receive this task's outputs, each with this task's place in its gather, copied so that
+/// they are reached after the lock is let go.
+fn dependants_of(body: &Body) -> Vec<(TaskRef, usize)> {
+    body.plan
+        .as_ref()
+        .map(|plan| plan.dependants.clone())
+        .unwrap_or_default()
 }
 
 /// Whether the executor's claim should be dropped now (settled, and no thread holds the job).
@@ -276,12 +291,7 @@ fn start_run(
             plan.delay_done = true;
             if !pool.add_timer(now + after, task, sequence) {
                 // No manager will end the delay: the task is written off (we hold its lock, so settle here).
-                settle(
-                    body,
-                    slot,
-                    TaskState::Failed,
-                    Some(RuntimeError::TaskFailed),
-                );
+                settle_failed(body, slot);
                 return Started::Ended;
             }
             return Started::Wait;
@@ -320,12 +330,7 @@ fn start_run(
             }
             let clone = body.job.as_ref().and_then(|job| job.clone_job());
             if !pool.add_timer(next, task, sequence) {
-                settle(
-                    body,
-                    slot,
-                    TaskState::Failed,
-                    Some(RuntimeError::TaskFailed),
-                );
+                settle_failed(body, slot);
                 return Started::Ended;
             }
             if let Some(clone) = clone {
@@ -483,11 +488,7 @@ fn publish(
             next = Next::Settle;
         }
     }
-    let dependants = body
-        .plan
-        .as_ref()
-        .map(|plan| plan.dependants.clone())
-        .unwrap_or_default();
+    let dependants = dependants_of(&body);
     let mut release = false;
     let mut dropped = None;
     match next {
@@ -541,11 +542,7 @@ fn fail_run(slot: &Slot, task: TaskRef, job: Box<dyn Job>, error: RuntimeError) 
     let parent = body.plan.as_ref().and_then(|plan| plan.parent);
     settle(&mut body, slot, TaskState::Failed, Some(error.clone()));
     let release = release_if_idle(&mut body);
-    let dependants = body
-        .plan
-        .as_ref()
-        .map(|plan| plan.dependants.clone())
-        .unwrap_or_default();
+    let dependants = dependants_of(&body);
     drop(body);
     drop(job);
     if let Some(parent) = parent {
@@ -583,11 +580,7 @@ fn abort(task: TaskRef, reason: u32) {
     settle(&mut body, slot, state, error);
     let release = release_if_idle(&mut body);
     let job = body.job.take();
-    let dependants = body
-        .plan
-        .as_ref()
-        .map(|plan| plan.dependants.clone())
-        .unwrap_or_default();
+    let dependants = dependants_of(&body);
     let gather_members = body.plan.as_mut().and_then(|plan| plan.gather.take());
     drop(body);
     drop(job);

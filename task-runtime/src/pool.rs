@@ -149,12 +149,18 @@ pub(crate) struct WorkerSlot {
 }
 
 impl WorkerSlot {
-    fn pop_back(&self, total: &AtomicUsize) -> Option<TaskRef> {
+    /// Takes one task out of the local deque with `take`, keeping `local_len` and the pool-wide `total`
+    /// in step; an empty deque is seen without taking the lock.
+    fn take_local(
+        &self,
+        total: &AtomicUsize,
+        take: impl FnOnce(&mut VecDeque<TaskRef>) -> Option<TaskRef>,
+    ) -> Option<TaskRef> {
         if self.local_len.load(Ordering::Acquire) == 0 {
             return None;
         }
         let mut local = self.local.lock().unwrap_or_else(|p| p.into_inner());
-        let task = local.pop_back();
+        let task = take(&mut local);
         self.local_len.store(local.len(), Ordering::Release);
         if task.is_some() {
             total.fetch_sub(1, Ordering::AcqRel);
@@ -162,35 +168,25 @@ impl WorkerSlot {
         task
     }
 
+    /// The owner's pop: the newest task.
+    fn pop_back(&self, total: &AtomicUsize) -> Option<TaskRef> {
+        self.take_local(total, VecDeque::pop_back)
+    }
+
+    /// A thief's pop: the oldest task.
     fn steal_front(&self, total: &AtomicUsize) -> Option<TaskRef> {
-        if self.local_len.load(Ordering::Acquire) == 0 {
-            return None;
-        }
-        let mut local = self.local.lock().unwrap_or_else(|p| p.into_inner());
-        let task = local.pop_front();
-        self.local_len.store(local.len(), Ordering::Release);
-        if task.is_some() {
-            total.fetch_sub(1, Ordering::AcqRel);
-        }
-        task
+        self.take_local(total, VecDeque::pop_front)
     }
 
     /// Takes `wanted` out of the newest end of the deque if it is among the last few entries.
     fn take_specific(&self, wanted: TaskRef, total: &AtomicUsize) -> Option<TaskRef> {
-        if self.local_len.load(Ordering::Acquire) == 0 {
-            return None;
-        }
-        let mut local = self.local.lock().unwrap_or_else(|p| p.into_inner());
-        let length = local.len();
-        let position = (length.saturating_sub(8)..length)
-            .rev()
-            .find(|&position| local[position] == wanted)?;
-        let task = local.remove(position);
-        self.local_len.store(local.len(), Ordering::Release);
-        if task.is_some() {
-            total.fetch_sub(1, Ordering::AcqRel);
-        }
-        task
+        self.take_local(total, |local| {
+            let length = local.len();
+            let position = (length.saturating_sub(8)..length)
+                .rev()
+                .find(|&position| local[position] == wanted)?;
+            local.remove(position)
+        })
     }
 }
 
@@ -385,17 +381,22 @@ impl Pool {
             true
         });
         if !pushed_locally {
-            let mut injector = self.injector.lock().unwrap_or_else(|p| p.into_inner());
-            injector.push(
-                class as u8,
-                Entry {
-                    task,
-                    age: table().spawned(),
-                },
-            );
-            self.injected.store(injector.len(), Ordering::Release);
+            self.inject(task, class as u8);
         }
         self.notify_worker();
+    }
+
+    /// Queues `task` on the shared injector in the band of `priority`, aged from now.
+    fn inject(&self, task: TaskRef, priority: u8) {
+        let mut injector = self.injector.lock().unwrap_or_else(|p| p.into_inner());
+        injector.push(
+            priority,
+            Entry {
+                task,
+                age: table().spawned(),
+            },
+        );
+        self.injected.store(injector.len(), Ordering::Release);
     }
 
     fn notify_worker(&self) {
@@ -850,29 +851,7 @@ impl Drop for DeathGuard {
                 generation: packed as u32,
             });
         }
-        let stranded: Vec<TaskRef> = self
-            .worker
-            .local
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-            .collect();
-        self.worker.local_len.store(0, Ordering::Release);
-        pool.local_queued
-            .fetch_sub(stranded.len(), Ordering::AcqRel);
-        for task in stranded {
-            if let Some(slot) = table().get(task) {
-                let mut injector = pool.injector.lock().unwrap_or_else(|p| p.into_inner());
-                injector.push(
-                    slot.class.load(Ordering::Relaxed) as u8,
-                    Entry {
-                        task,
-                        age: table().spawned(),
-                    },
-                );
-                pool.injected.store(injector.len(), Ordering::Release);
-            }
-        }
+        requeue_local(pool, &self.worker);
         if !pool.closed() {
             pool.ensure_floor();
         }
@@ -977,30 +956,29 @@ fn worker_main(pool: Arc<Pool>, me: Arc<WorkerSlot>) {
     forget_context();
 }
 
+/// Gives a leaving worker's queued tasks back to the pool and wakes a worker to take them.
 fn hand_back(pool: &Arc<Pool>, me: &WorkerSlot) {
-    let leftover: Vec<TaskRef> = me
+    requeue_local(pool, me);
+    pool.notify_worker();
+}
+
+/// Moves every task in `worker`'s local deque to the injector, each in its priority band, so that no
+/// task stays behind with a worker that retires, stops or dies.
+fn requeue_local(pool: &Pool, worker: &WorkerSlot) {
+    let leftover: Vec<TaskRef> = worker
         .local
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .drain(..)
         .collect();
-    me.local_len.store(0, Ordering::Release);
+    worker.local_len.store(0, Ordering::Release);
     pool.local_queued
         .fetch_sub(leftover.len(), Ordering::AcqRel);
     for task in leftover {
         if let Some(slot) = table().get(task) {
-            let mut injector = pool.injector.lock().unwrap_or_else(|p| p.into_inner());
-            injector.push(
-                slot.class.load(Ordering::Relaxed) as u8,
-                Entry {
-                    task,
-                    age: table().spawned(),
-                },
-            );
-            pool.injected.store(injector.len(), Ordering::Release);
+            pool.inject(task, slot.class.load(Ordering::Relaxed) as u8);
         }
     }
-    pool.notify_worker();
 }
 
 fn forget_context() {
