@@ -127,28 +127,12 @@ fn ci() -> Result<()> {
         ("CARGO_TARGET_DIR", "loom"),
         ("LOOM_MAX_PREEMPTIONS", preemptions.as_str()),
     ];
-    cargo_with(
-        &loom,
-        &[
-            "test",
-            "--release",
-            "-p",
-            "net-io-sys",
-            "--lib",
-            "loom_tests",
-        ],
-    )?;
-    cargo_with(
-        &loom,
-        &[
-            "test",
-            "--release",
-            "-p",
-            "net-io-core",
-            "--lib",
-            "loom_models",
-        ],
-    )?;
+    for (package, models) in [("net-io-sys", "loom_tests"), ("net-io-core", "loom_models")] {
+        cargo_with(
+            &loom,
+            &["test", "--release", "-p", package, "--lib", models],
+        )?;
+    }
     Ok(())
 }
 
