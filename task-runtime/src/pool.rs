@@ -573,6 +573,14 @@ impl Pool {
         // The list stays locked across the spawn: the new thread takes this lock to unlist itself when it
         // retires or dies, so it cannot leave before it is listed (which would leave a dead slot behind).
         let mut slots = S::slots(self).lock().unwrap_or_else(|p| p.into_inner());
+        // Checked under the lock: shutdown closes the pool before `stop_threads` walks this list, so a
+        // new thread is either listed before that walk (and told to stop) or not started at all; one
+        // listed after it would never stop and shutdown would wait for it forever.
+        if self.closed() {
+            drop(slots);
+            S::live(self).fetch_sub(1, Ordering::AcqRel);
+            return false;
+        }
         let pool = Arc::clone(self);
         let thread_slot = Arc::clone(&slot);
         let started = spawn_thread(
