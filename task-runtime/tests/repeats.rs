@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, RuntimeError, Sleep, TaskState};
 
-use common::init;
+use common::{finishes_within, init};
+
+/// Generous bound for one of these short repeats to end, even on a loaded machine.
+const FINISH_LIMIT: Duration = Duration::from_secs(20);
 
 fn counter() -> (
     Arc<AtomicU32>,
@@ -68,9 +71,10 @@ fn a_repeat_with_a_gap_holds_no_thread_between_runs() {
         "no backlog mid-gap: {pool}"
     );
     handle.wait();
-    while !handle.is_finished() {
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    assert!(
+        finishes_within(&handle, FINISH_LIMIT),
+        "the repeat should end after its second run, but it still runs after {FINISH_LIMIT:?}"
+    );
     assert_eq!(
         runs.load(Ordering::SeqCst),
         2,
@@ -109,9 +113,10 @@ fn count_and_deadline_end_at_whichever_comes_first() {
         .count(3)
         .for_duration(Duration::from_secs(60))
         .spawn();
-    while !handle.is_finished() {
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    assert!(
+        finishes_within(&handle, FINISH_LIMIT),
+        "the count of 3 should end the repeat, but it still runs after {FINISH_LIMIT:?}"
+    );
     assert_eq!(
         runs.load(Ordering::SeqCst),
         3,
@@ -128,9 +133,10 @@ fn a_bounded_duration_stops_before_the_run_that_would_overrun() {
         .every(Duration::from_millis(750))
         .for_duration(Duration::from_secs(1))
         .spawn();
-    while !handle.is_finished() {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    assert!(
+        finishes_within(&handle, FINISH_LIMIT),
+        "the 1 s duration should end the repeat, but it still runs after {FINISH_LIMIT:?}"
+    );
     assert_eq!(
         runs.load(Ordering::SeqCst),
         2,
@@ -209,9 +215,10 @@ fn until_in_the_past_runs_once() {
         .repeat()
         .until(Instant::now() - Duration::from_millis(1))
         .spawn();
-    while !handle.is_finished() {
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    assert!(
+        finishes_within(&handle, FINISH_LIMIT),
+        "a deadline in the past should end the repeat after one run, but it still runs after {FINISH_LIMIT:?}"
+    );
     assert_eq!(
         runs.load(Ordering::SeqCst),
         1,
@@ -235,9 +242,10 @@ fn runs_of_a_repeat_never_overlap() {
     .repeat()
     .count(30)
     .spawn();
-    while !handle.is_finished() {
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    assert!(
+        finishes_within(&handle, FINISH_LIMIT),
+        "the count of 30 should end the repeat, but it still runs after {FINISH_LIMIT:?}"
+    );
     assert!(
         !overlapped.load(Ordering::SeqCst),
         "two runs of one repeat overlapped"
@@ -298,8 +306,9 @@ fn a_wrong_but_valid_looking_chain_still_compiles_where_it_should() {
         .timeout(Duration::from_secs(5))
         .after(Duration::from_millis(1))
         .spawn();
-    while !handle.is_finished() {
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    assert!(
+        finishes_within(&handle, FINISH_LIMIT),
+        "the count of 2 should end the repeat, but it still runs after {FINISH_LIMIT:?}"
+    );
     assert_eq!(handle.join(), Ok(3));
 }

@@ -18,12 +18,25 @@ pub fn init() {
 /// Waits up to 10 s for `handle` to be started and parked: on a loaded 2-core machine a worker can take far
 /// longer than a fixed 20-50 ms sleep to pick a fresh task up, and the check is that it parks, not how fast.
 pub fn becomes_running<T: Send + 'static, G>(handle: &TaskHandle<T, G>) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !handle.is_running() {
+    holds_within(Duration::from_secs(10), Duration::from_millis(2), || {
+        handle.is_running()
+    })
+}
+
+/// Waits up to `limit` for `handle` to end for good (for a repeat: its last run is over); false if it
+/// has not, so a test fails with its own message instead of hanging.
+pub fn finishes_within<T: Send + 'static, G>(handle: &TaskHandle<T, G>, limit: Duration) -> bool {
+    holds_within(limit, Duration::from_millis(5), || handle.is_finished())
+}
+
+/// Checks `condition` every `poll` until it holds (true) or `limit` has passed (false).
+fn holds_within(limit: Duration, poll: Duration, condition: impl Fn() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    while !condition() {
         if Instant::now() >= deadline {
             return false;
         }
-        std::thread::sleep(Duration::from_millis(2));
+        std::thread::sleep(poll);
     }
     true
 }
