@@ -78,6 +78,7 @@ mod builder;
 mod caps;
 mod clock;
 mod connection;
+mod evloop;
 mod handover;
 mod handshake;
 mod link;
@@ -93,6 +94,7 @@ pub use builder::{
     NoWorkload, ServerBuilder, Sessions,
 };
 pub use connection::{TcpConnection, connect};
+pub use evloop::SessionDriver;
 pub use server::{DrainReport, KillHandle, Server, ServerHandle};
 
 pub use net_io_core::proxy::ProxyMode;
