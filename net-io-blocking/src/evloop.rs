@@ -249,6 +249,10 @@ struct Conn<S, T> {
     eof_seen: bool,
     /// The gate was asked for the write call in progress.
     checked: bool,
+    /// The last `recv` or `send` said `EAGAIN`: try once more a tick later in case no edge follows (an
+    /// injected or otherwise spurious `EAGAIN` has none). One retry per wait, so a full send buffer is not
+    /// polled.
+    recheck: bool,
     /// The write deadline in force, or `None` after progress until the next wait works it out.
     write_deadline: Option<Instant>,
     /// PROXY header bytes read so far (only while a handshake runs).
@@ -570,6 +574,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             bytes_out: 0,
             eof_seen: false,
             checked: false,
+            recheck: false,
             write_deadline: None,
             prefix: Vec::new(),
             closing_reason: None,
@@ -764,6 +769,10 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 if now >= deadline {
                     return self.read_deadline(index, kind);
                 }
+                if std::mem::take(&mut conn.recheck) {
+                    conn.readable = true;
+                    return self.drive(index, Step::Read);
+                }
                 let next = earliest(
                     deadline,
                     conn.rate_in.as_ref().and_then(|r| r.next_check(now)),
@@ -786,6 +795,12 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 }
                 if now >= deadline {
                     return self.write_deadline(index, now, then_close);
+                }
+                if conn.recheck && !conn.writable {
+                    // Keep `recheck` set: a second EAGAIN then waits for the edge alone.
+                    conn.writable = true;
+                    let step = if then_close { Step::Close } else { Step::Write };
+                    return self.drive(index, step);
                 }
                 let next = earliest(
                     deadline,
@@ -931,7 +946,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         };
         let spare = read.spare_mut();
         let room = spare.len();
-        match socket::recv_nonblocking(socket, spare) {
+        match socket::recv_ready(socket, spare) {
             Ok(0) => {
                 if let Some(code) = entry.owner.closing() {
                     return Flow::Close(reason_for_code(code));
@@ -952,6 +967,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 }
                 read.commit(count);
                 conn.bytes_in += count as u64;
+                conn.recheck = false;
                 if !entry.owner.set_idle(false)
                     && let Some(code) = entry.owner.closing()
                 {
@@ -978,6 +994,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             }
             Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
                 conn.readable = false;
+                conn.recheck = true;
                 self.wait_read(index, idle)
             }
             Err(error) if error.kind() == io::ErrorKind::Interrupted => Flow::Next(Step::Read),
@@ -991,6 +1008,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
     /// Waits for input under the deadline of the phase; an idle connection gives its read buffer back.
     fn wait_read(&mut self, index: u32, idle: bool) -> Flow {
         let now = self.core.now();
+        let tick = self.core.limits.tick;
         let usual = self.usual_class(index);
         let limits = self.limits(index);
         let (idle_timeout, read_timeout) = (limits.idle_timeout, limits.read_timeout);
@@ -1035,6 +1053,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             if let Some(check) = rate.next_check(now) {
                 wake_at = wake_at.min(check);
             }
+        }
+        if conn.recheck {
+            wake_at = wake_at.min(now + tick);
         }
         conn.wait = Wait::Read {
             deadline,
@@ -1149,6 +1170,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                         output.advance(count);
                         conn.bytes_out += count as u64;
                         conn.write_deadline = None;
+                        conn.recheck = false;
                         if let Some(rate) = conn.rate_out.as_mut()
                             && rate.is_busy()
                         {
@@ -1160,6 +1182,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                         }
                     }
                     Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                        let recheck = !std::mem::replace(&mut conn.recheck, true);
                         conn.writable = false;
                         let now = core.now();
                         let deadline = *conn.write_deadline.get_or_insert_with(|| {
@@ -1177,6 +1200,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                             if let Some(check) = rate.next_check(now) {
                                 wake_at = wake_at.min(check);
                             }
+                        }
+                        if recheck {
+                            wake_at = wake_at.min(now + core.limits.tick);
                         }
                         conn.wait = Wait::Flush {
                             then_close,
@@ -1301,7 +1327,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             // Read no further than the longest possible header, so application data is not pulled in bulk.
             let want = (most - conn.prefix.len().min(most)).clamp(1, CHUNK);
             let chunk = &mut self.scratch[..want];
-            match socket::recv_nonblocking(socket, chunk) {
+            match socket::recv_ready(socket, chunk) {
                 Ok(0) => {
                     conn.eof_seen = true;
                     let reason = if conn.prefix.is_empty() {

@@ -25,8 +25,8 @@ mod counted {
     use std::time::{Duration, Instant};
 
     use net_io_blocking::{
-        ConnectionInfo, Input, NetError, Server, ServerBuilder, Session, SessionContext, Step,
-        TcpConnection,
+        ConnectionInfo, Input, NetError, Server, ServerBuilder, Session, SessionContext,
+        SessionDriver, Step, TcpConnection,
     };
     use net_io_sys::shim;
 
@@ -120,7 +120,20 @@ mod counted {
         }
     }
 
+    /// Which sites a round trip may use besides one `recv` and one `send`.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Waits {
+        /// None: the worker blocks in `recv` itself.
+        None,
+        /// At most one `epoll_wait` per round trip (an event loop; with one connection nothing shares it).
+        EpollWait,
+    }
+
     fn calls_per_round_trip(server: Server) {
+        calls_per_round_trip_with(server, Waits::None);
+    }
+
+    fn calls_per_round_trip_with(server: Server, waits: Waits) {
         let sites = call_sites();
         let address: SocketAddr = server.local_addr();
         let mut stream = TcpStream::connect(address).expect("could not connect");
@@ -159,7 +172,13 @@ mod counted {
         let others: Vec<&(&str, u64)> = by_site
             .iter()
             .filter(|(site, _)| *site != "recv" && *site != "send")
+            .filter(|(site, _)| !(waits == Waits::EpollWait && *site == "epoll_wait"))
             .collect();
+        // One wait per round trip at most; the window may end just after a wait began.
+        assert!(
+            calls_at("epoll_wait") <= COUNTED_ROUND_TRIPS + 1,
+            "an event loop must wait at most once per round trip; by site: {by_site:?}"
+        );
         assert!(
             others.is_empty(),
             "a keep-alive echo round trip must take only recv and send; also counted {others:?}"
@@ -205,5 +224,20 @@ mod counted {
             .build()
             .expect("the sessions echo server did not start");
         calls_per_round_trip(server);
+    }
+
+    /// An event loop with one connection pays an `epoll_wait` per round trip on top of `recv` and `send`:
+    /// nothing else is ready to share it. Under load the wait is shared by every connection in the batch.
+    #[test]
+    fn an_event_loop_sessions_echo_round_trip_takes_recv_send_and_at_most_one_wait() {
+        let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let server = ServerBuilder::new()
+            .listen("127.0.0.1:0")
+            .session_driver(SessionDriver::EventLoop { loops: 1 })
+            .sessions(|_: &ConnectionInfo| Some(Echo))
+            .allow_all()
+            .build()
+            .expect("the event-loop echo server did not start");
+        calls_per_round_trip_with(server, Waits::EpollWait);
     }
 }
