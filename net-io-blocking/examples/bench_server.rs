@@ -18,8 +18,8 @@
 //!   would end the benchmark's own connections are widened: all of them come from 127.0.0.1, so the
 //!   per-source cap is the global cap, and the idle timeout is 10 minutes because std and tokio have none.
 //!   The read buffer is 4 KiB, like the std and tokio servers' buffer; everything else is the default.
-//! - `sessions-loop`: the same session on the event-loop driver, one loop thread per core; `--workers` only
-//!   sizes the default `--max-connections` there.
+//! - `sessions-loop`: the same session on the event-loop driver, one loop thread per core; the connection
+//!   cap defaults to 8,192 there, since no worker holds a connection.
 
 use std::io::{self, BufRead, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -46,6 +46,9 @@ enum Kind {
     Sessions,
     SessionsLoop,
 }
+
+/// The connection cap of the event-loop kind when `--max-connections` is not given.
+const LOOP_MAX_CONNECTIONS: usize = 8192;
 
 /// Workers of the net-io-blocking kinds when `--workers` is not given.
 const DEFAULT_WORKERS: usize = 320;
@@ -231,7 +234,16 @@ fn run_tokio(options: &Options, served: Arc<AtomicU64>) -> io::Result<()> {
 /// net-io-blocking with a blocking handler or with sessions.
 fn run_net_io(options: &Options, served: &AtomicU64) -> io::Result<()> {
     let workers = options.workers.unwrap_or(DEFAULT_WORKERS);
-    let max_connections = options.max_connections.unwrap_or(workers);
+    // No worker holds an event loop's connection, so its cap is not the worker count: a churn of
+    // connect-and-reset would otherwise meet it while the loops catch up with the closes.
+    let max_connections =
+        options
+            .max_connections
+            .unwrap_or(if options.kind == Kind::SessionsLoop {
+                LOOP_MAX_CONNECTIONS
+            } else {
+                workers
+            });
     let limits = Limits::new()
         .max_connections(max_connections)
         .max_per_source(max_connections)

@@ -139,10 +139,15 @@ impl Core {
         u16::from(lane.0) >= self.shed_lane.load(Ordering::Acquire)
     }
 
-    /// The share of busy workers for `SessionContext::pressure`, 1.0 while shedding.
+    /// The share of busy workers for `SessionContext::pressure` (with event loops, the share of the
+    /// connection cap in use), 1.0 while shedding.
     pub(crate) fn pressure(&self) -> f32 {
         if self.shed_lane.load(Ordering::Relaxed) != u16::MAX {
             return 1.0;
+        }
+        if !self.loops.is_empty() {
+            let open = self.caps.open() as f32;
+            return (open / self.limits.max_connections.max(1) as f32).min(1.0);
         }
         let busy = self.busy_workers.load(Ordering::Relaxed) as f32;
         (busy / self.workers.len().max(1) as f32).min(1.0)
