@@ -195,6 +195,9 @@ const EVENTS_PER_WAIT: usize = 256;
 const CHUNK: usize = 512;
 /// The fixed part of a PROXY v2 header before its body.
 const V2_FIXED: usize = 16;
+/// Steps one connection may take per turn before the others get theirs: a peer that keeps the socket full
+/// (every read fills the buffer) would otherwise hold the loop.
+const STEPS_PER_TURN: usize = 64;
 
 /// What a connection waits for between events.
 #[derive(Clone, Copy, Debug)]
@@ -214,6 +217,8 @@ enum Wait {
     Linger { end: Instant },
     /// Nothing yet (the connection is being run).
     Running,
+    /// Used up its turn with more to do; `step` runs again after the other ready connections had theirs.
+    Yielded { step: Step },
 }
 
 /// How one run of a connection ended.
@@ -234,6 +239,9 @@ struct Conn<S, T> {
     wait: Wait,
     readable: bool,
     writable: bool,
+    /// The peer's FIN (or a hang-up) was reported: no edge follows it, so a short read no longer means
+    /// the socket is drained, and reading goes on until `recv` answers 0.
+    read_closed: bool,
     requests: SessionRequests,
     phase: Phase,
     phase_override: Option<Phase>,
@@ -289,6 +297,8 @@ struct EventLoop<'r, G: Gate, F: SessionFactory> {
     incoming: Vec<Job<G::Ticket>>,
     ready: Vec<u32>,
     lingering: Vec<u32>,
+    /// Connections that used up their turn, with the generation they had then.
+    yielded: Vec<(u32, u32)>,
     live: usize,
     scratch: Box<[u8]>,
 }
@@ -320,6 +330,7 @@ impl<G: Gate, F: SessionFactory> Runtime<G, SessionWorkload<F>> {
             incoming: Vec::new(),
             ready: Vec::new(),
             lingering: Vec::new(),
+            yielded: Vec::new(),
             live: 0,
             scratch: vec![0u8; CHUNK].into_boxed_slice(),
         };
@@ -352,7 +363,11 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         let mut inbox_closed = false;
         let mut stop_seen: Option<Instant> = None;
         loop {
-            let timeout = self.next_timeout();
+            let timeout = if self.yielded.is_empty() {
+                self.next_timeout()
+            } else {
+                Some(Duration::ZERO)
+            };
             if self.epoll.wait(&mut events, timeout).is_err() {
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -375,6 +390,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             let _ = catch_unwind(AssertUnwindSafe(|| {
                 self.fire_timers();
                 self.end_overdue_lingers();
+                self.resume_yielded();
             }));
             if self.core.stopping.load(Ordering::Acquire) {
                 // A drain ran before the stop; what is still open now is killed so the stop can finish.
@@ -440,6 +456,23 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 position += 1;
             }
         }
+    }
+
+    /// Gives each connection that used up its last turn another one.
+    fn resume_yielded(&mut self) {
+        let mut yielded = std::mem::take(&mut self.yielded);
+        for (index, generation) in yielded.drain(..) {
+            let entry = &self.entries[index as usize];
+            if entry.generation != generation {
+                continue;
+            }
+            if let Some(Wait::Yielded { step }) = entry.conn.as_ref().map(|conn| conn.wait) {
+                self.drive(index, step);
+            }
+        }
+        // Keep the capacity; connections that yielded again during this pass are in `self.yielded`.
+        yielded.append(&mut self.yielded);
+        self.yielded = yielded;
     }
 
     /// Ends lingers whose real-time end passed (the heap runs on the server's clock, which may be manual).
@@ -560,6 +593,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             wait: Wait::Running,
             readable: false,
             writable: false,
+            read_closed: false,
             requests: SessionRequests::default(),
             phase: Phase::Idle,
             phase_override: None,
@@ -666,6 +700,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             Interest::READABLE | Interest::READ_CLOSED | Interest::HANG_UP | Interest::ERROR,
         ) {
             conn.readable = true;
+        }
+        if readiness.intersects(Interest::READ_CLOSED | Interest::HANG_UP | Interest::ERROR) {
+            conn.read_closed = true;
         }
         if readiness.intersects(Interest::WRITABLE | Interest::HANG_UP | Interest::ERROR) {
             conn.writable = true;
@@ -821,7 +858,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 }
                 self.schedule(index, now + (end - real_now));
             }
-            Wait::Running => {}
+            Wait::Running | Wait::Yielded { .. } => {}
         }
     }
 
@@ -891,7 +928,15 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
 
     /// Runs the session's steps until it waits for the peer, a completion or a timer, or closes.
     fn drive(&mut self, index: u32, mut step: Step) {
+        let mut steps = 0;
         loop {
+            steps += 1;
+            if steps > STEPS_PER_TURN && matches!(step, Step::Read | Step::Write) {
+                self.conn(index).wait = Wait::Yielded { step };
+                let generation = self.entries[index as usize].generation;
+                self.yielded.push((index, generation));
+                return;
+            }
             self.conn(index).wait = Wait::Running;
             let flow = match step {
                 Step::Read => self.read(index),
@@ -961,8 +1006,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 }
             }
             Ok(count) => {
-                // A short read drained the socket: the next edge says when more arrives.
-                if count < room {
+                // A short read drained the socket: the next edge says when more arrives (unless the FIN
+                // came already, which sends no further edge).
+                if count < room && !conn.read_closed {
                     conn.readable = false;
                 }
                 read.commit(count);
@@ -1338,7 +1384,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                     return self.close(index, reason);
                 }
                 Ok(count) => {
-                    if count < want {
+                    if count < want && !conn.read_closed {
                         conn.readable = false;
                     }
                     conn.bytes_in += count as u64;

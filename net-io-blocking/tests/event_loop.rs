@@ -340,3 +340,64 @@ fn kills_and_a_drain_reach_connections_on_every_loop() {
     );
     drop(server);
 }
+
+/// Swallows everything it reads, except that a line `ping` gets `pong`.
+struct Sink;
+
+impl Session for Sink {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        if input.bytes() == b"ping\n" {
+            input.consume_all();
+            let _ = context.output().push(b"pong\n");
+            return Step::Write;
+        }
+        input.consume_all();
+        Step::Read
+    }
+}
+
+#[test]
+fn a_peer_that_never_stops_sending_does_not_starve_the_other_connections_of_its_loop() {
+    let _turn = turn();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 1 })
+        .limits(Limits::new().read_buffer(4096).min_rate(None))
+        .sessions(|_: &ConnectionInfo| Some(Sink))
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let address = server.local_addr();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let mut stream = client(address);
+            let chunk = vec![b'x'; 256 * 1024];
+            while !stop.load(Ordering::Relaxed) {
+                if stream.write_all(&chunk).is_err() {
+                    break;
+                }
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let mut other = client(address);
+    for _ in 0..20 {
+        let started = Instant::now();
+        assert_eq!(round_trip(&mut other, b"ping\n"), b"pong\n");
+        // Generous: a loaded 2-core machine can stall any thread for a few hundred milliseconds.
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "a round trip beside the flood took {:?}",
+            started.elapsed()
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    flood.join().expect("the flooding client panicked");
+    // The flood's FIN arrived behind megabytes of data: the loop must still see it and close.
+    assert!(
+        eventually(SOON, || server.handle().connections().len() == 1),
+        "the flooding connection should close once its peer did"
+    );
+}
