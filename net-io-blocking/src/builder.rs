@@ -147,7 +147,7 @@ impl ServerBuilder<NoWorkload, NoGate> {
                     ..ConnectionOptions::default()
                 },
                 open_door: true,
-                session_driver: SessionDriver::Threads,
+                session_driver: SessionDriver::event_loop(),
             },
         }
     }
@@ -251,9 +251,9 @@ impl<W, G> ServerBuilder<W, G> {
         self
     }
 
-    /// Chooses how sessions are driven: worker threads (one connection each, the default) or event loops
-    /// ([`SessionDriver::EventLoop`]), where a few threads serve any number of connections and a parked or
-    /// idle session holds no thread. With event loops the worker count only sizes the limits' defaults.
+    /// Chooses how sessions are driven: event loops (the default, one loop thread per core), where a few
+    /// threads serve any number of connections and a parked or idle session holds no thread, or worker
+    /// threads ([`SessionDriver::Threads`], one connection each, with the Busy rule). With event loops the worker count only sizes the limits' defaults.
     /// Handlers always run on worker threads; for them this setting is ignored.
     pub fn session_driver(mut self, driver: SessionDriver) -> Self {
         self.settings.session_driver = driver;

@@ -19,6 +19,12 @@
 //!                                     ──▶ Session::on_wake while the session is parked
 //! ```
 //!
+//! Sessions run on event loops by default ([`SessionDriver::EventLoop`], one loop thread per core, each with
+//! its own edge-triggered epoll and timer heap; see the `evloop` module): a connection, parked or idle, holds
+//! no thread, the Busy rule does not apply (the connection caps do), and a round trip under load costs a
+//! `recv` and a `send` with one `epoll_wait` shared by the ready batch. [`SessionDriver::Threads`] keeps
+//! the worker-per-connection design drawn above, which handlers always use.
+//!
 //! Every connection closes exactly once, with one [`CloseReason`] that the session's `on_close`, the gate's
 //! `closed` and the [`Event::Closed`] event all see. Only the worker that owns a connection closes its
 //! socket; other threads kill through the connection's kill slot, and one of them wins.

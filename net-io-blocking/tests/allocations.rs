@@ -160,6 +160,7 @@ fn a_steady_echo_allocates_nothing_per_round_trip_with_sessions_an_event_loop_or
     let sessions = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .workers(1)
+        .session_driver(SessionDriver::Threads)
         .sessions(|_: &ConnectionInfo| Some(Echo))
         .allow_all()
         .build()

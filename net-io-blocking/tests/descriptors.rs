@@ -91,6 +91,7 @@ fn start_servers() -> (Server, Server, Server) {
     let sessions = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .workers(16)
+        .session_driver(SessionDriver::Threads)
         .sessions(|_: &ConnectionInfo| Some(Echo))
         .allow_all()
         .build()

@@ -219,6 +219,7 @@ mod counted {
         let server = ServerBuilder::new()
             .listen("127.0.0.1:0")
             .workers(1)
+            .session_driver(SessionDriver::Threads)
             .sessions(|_: &ConnectionInfo| Some(Echo))
             .allow_all()
             .build()

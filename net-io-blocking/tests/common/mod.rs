@@ -120,11 +120,11 @@ pub fn reset(stream: TcpStream) {
 /// Generous upper bound for anything that should happen "at once" on a loaded 2-core machine.
 pub const SOON: Duration = Duration::from_secs(5);
 
-/// The session driver the sessions-facing tests run on. `NET_IO_TEST_SESSION_DRIVER=event-loop` picks event
-/// loops (two loop threads); unset or anything else picks worker threads. Run the suite once with each.
+/// The session driver the sessions-facing tests run on: event loops (two loop threads, the default kind)
+/// unless `NET_IO_TEST_SESSION_DRIVER=threads` picks worker threads. Run the suite once with each.
 pub fn session_driver() -> SessionDriver {
     match std::env::var("NET_IO_TEST_SESSION_DRIVER").as_deref() {
-        Ok("event-loop") => SessionDriver::EventLoop { loops: 2 },
-        _ => SessionDriver::Threads,
+        Ok("threads") => SessionDriver::Threads,
+        _ => SessionDriver::EventLoop { loops: 2 },
     }
 }
