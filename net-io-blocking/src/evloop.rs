@@ -195,6 +195,8 @@ const EVENTS_PER_WAIT: usize = 256;
 const CHUNK: usize = 512;
 /// The fixed part of a PROXY v2 header before its body.
 const V2_FIXED: usize = 16;
+/// How often a stopping loop looks at what is still open.
+const STOP_POLL: Duration = Duration::from_millis(100);
 /// Steps one connection may take per turn before the others get theirs: a peer that keeps the socket full
 /// (every read fills the buffer) would otherwise hold the loop.
 const STEPS_PER_TURN: usize = 64;
@@ -363,11 +365,15 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         let mut inbox_closed = false;
         let mut stop_seen: Option<Instant> = None;
         loop {
-            let timeout = if self.yielded.is_empty() {
+            let mut timeout = if self.yielded.is_empty() {
                 self.next_timeout()
             } else {
                 Some(Duration::ZERO)
             };
+            if stop_seen.is_some() {
+                // Stopping: look again soon, so the forced close below happens even with nothing ready.
+                timeout = Some(timeout.map_or(STOP_POLL, |timeout| timeout.min(STOP_POLL)));
+            }
             if self.epoll.wait(&mut events, timeout).is_err() {
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -831,7 +837,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                     );
                 }
                 if now >= deadline {
-                    return self.write_deadline(index, now, then_close);
+                    return self.write_deadline(index, now);
                 }
                 if conn.recheck && !conn.writable {
                     // Keep `recheck` set: a second EAGAIN then waits for the edge alone.
@@ -881,7 +887,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         self.drive(index, step);
     }
 
-    fn write_deadline(&mut self, index: u32, now: Instant, then_close: bool) {
+    /// A write (or exchange) deadline passed during a flush: the session decides, as in the threaded driver;
+    /// a flush for `Close` that the session carries on becomes whatever step it returns.
+    fn write_deadline(&mut self, index: u32, now: Instant) {
         let conn = self.conn(index);
         let kind = if conn.exchange.is_some_and(|exchange| now >= exchange) {
             TimeoutKind::Exchange
@@ -897,7 +905,6 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         if let Some(rate) = conn.rate_out.as_mut() {
             rate.stop();
         }
-        let _ = then_close;
         let Some(step) = self.hook(index, |session, context| session.on_timeout(kind, context))
         else {
             return self.panicked(index);
@@ -1431,8 +1438,8 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         id: net_io_core::ConnectionId,
         took: Duration,
     ) {
-        // ProxyResolved comes from open_session; HandshakeDone follows it, as in the threaded driver, but
-        // only once the source cap accepted the real peer.
+        // As in the threaded driver: the real peer moves the source cap first (ProxyResolved), then
+        // HandshakeDone, then the session opens. `took` counts from the accept, which the loop follows closely.
         if let Some(real_peer) = real {
             let conn = self.conn(index);
             conn.info.set_real_peer(real_peer);
