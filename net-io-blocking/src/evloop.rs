@@ -147,14 +147,17 @@ impl<J> Inbox<J> {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Queues `job`, or gives it back once the inbox is closed.
-    pub(crate) fn offer(&self, job: J) -> Result<(), J> {
+    /// Queues `job`, or gives it back once the inbox is closed. Answers whether the loop must be woken: only
+    /// the job that finds the inbox empty wakes it, since the loop drains its eventfd before it takes the
+    /// jobs, so any job queued behind that one is taken in the same pass.
+    pub(crate) fn offer(&self, job: J) -> Result<bool, J> {
         let mut state = self.lock();
         if state.closed {
             return Err(job);
         }
+        let was_empty = state.jobs.is_empty();
         state.jobs.push(job);
-        Ok(())
+        Ok(was_empty)
     }
 
     /// Closes the inbox and returns what was still queued (to be refused).

@@ -345,9 +345,10 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             // thread's connections over the loops.
             let loop_index = (id.get() % self.inboxes.len() as u64) as usize;
             match self.inboxes[loop_index].offer(job) {
-                Ok(()) => {
+                Ok(true) => {
                     let _ = core.loops[loop_index].wake.eventfd.signal();
                 }
+                Ok(false) => {}
                 Err(job) => self.refuse_job(
                     job,
                     RefusalCause::DoorClosed,
