@@ -942,18 +942,27 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
     }
 
     fn park_deadline(&mut self, index: u32) {
+        match self.park_timed_out(index) {
+            Flow::Next(step) => self.drive(index, step),
+            Flow::Close(reason) => self.close(index, reason),
+            Flow::Wait => {}
+        }
+    }
+
+    /// The park deadline passed: the session's `on_timeout` picks the next step.
+    fn park_timed_out(&mut self, index: u32) -> Flow {
         let conn = self.conn(index);
         conn.pending = Some(CloseReason::ParkDeadline);
         conn.wait = Wait::Running;
         let Some(step) = self.hook(index, |session, context| {
             session.on_timeout(TimeoutKind::Park, context)
         }) else {
-            return self.panicked(index);
+            return self.panicked_flow(index);
         };
         if matches!(step, Step::Read | Step::Write | Step::Park { .. }) {
             self.conn(index).pending = None;
         }
-        self.drive(index, step);
+        Flow::Next(step)
     }
 
     // ----- the session steps -----
@@ -963,7 +972,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         let mut steps = 0;
         loop {
             steps += 1;
-            if steps > STEPS_PER_TURN && matches!(step, Step::Read | Step::Write) {
+            if steps > STEPS_PER_TURN
+                && matches!(step, Step::Read | Step::Write | Step::Park { .. })
+            {
                 self.conn(index).wait = Wait::Yielded { step };
                 let generation = self.entries[index as usize].generation;
                 self.yielded.push((index, generation));
@@ -1371,9 +1382,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             return Flow::Close(reason_for_code(code));
         }
         if now >= until {
-            self.park_deadline(index);
-            // park_deadline drove the connection on already (or closed it).
-            return Flow::Wait;
+            // Returned to `drive` rather than driven from here, so a session that parks in the past again
+            // and again loops (and yields its turn) instead of recursing.
+            return self.park_timed_out(index);
         }
         conn.wait = Wait::Park { until };
         self.schedule(index, until);
