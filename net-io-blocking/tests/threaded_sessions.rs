@@ -7,6 +7,9 @@
 //!
 //! [`SessionDriver::Threads`]: net_io_blocking::SessionDriver::Threads
 
+// Each included file declares its own `mod common;`, as it must to build as a test binary of its own.
+#![allow(clippy::duplicate_mod)]
+
 #[path = "admission.rs"]
 mod admission;
 #[path = "close_reasons.rs"]
