@@ -190,7 +190,9 @@ impl<W, G> ServerBuilder<W, G> {
         self
     }
 
-    /// Sets the worker count (128 by default); each worker serves one connection at a time.
+    /// Sets the worker count (128 by default); each worker serves one connection at a time (handlers, and
+    /// sessions on [`SessionDriver::Threads`]). With event loops no worker starts; the count then only sets
+    /// the default `max_connections` and the descriptor budget check.
     pub fn workers(mut self, workers: usize) -> Self {
         self.settings.workers = workers;
         self
