@@ -401,3 +401,74 @@ fn a_peer_that_never_stops_sending_does_not_starve_the_other_connections_of_its_
         "the flooding connection should close once its peer did"
     );
 }
+
+/// Restless: parks with a deadline already past, and answers every park timeout by parking in the past
+/// again, a session that never waits for anything. Otherwise it echoes.
+struct Restless {
+    restless: bool,
+}
+
+impl Session for Restless {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        if !self.restless {
+            let taken = context.output().push_partial(input.bytes());
+            input.consume(taken);
+            return Step::Write;
+        }
+        input.consume_all();
+        Step::Park {
+            until: context.now() - Duration::from_millis(1),
+        }
+    }
+
+    fn on_timeout(
+        &mut self,
+        _kind: net_io_blocking::TimeoutKind,
+        context: &mut SessionContext<'_>,
+    ) -> Step {
+        if !self.restless {
+            return Step::Close;
+        }
+        Step::Park {
+            until: context.now() - Duration::from_millis(1),
+        }
+    }
+}
+
+#[test]
+fn a_session_that_parks_in_the_past_forever_does_not_starve_its_loop() {
+    let _turn = turn();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 1 })
+        // The first connection is restless; every later one is an echo beside it.
+        .sessions(|info: &ConnectionInfo| {
+            Some(Restless {
+                restless: info.id.get() == 1,
+            })
+        })
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let mut restless = client(server.local_addr());
+    restless
+        .write_all(b"go\n")
+        .expect("send to the restless session");
+    std::thread::sleep(Duration::from_millis(100));
+    let mut other = client(server.local_addr());
+    for _ in 0..10 {
+        let started = Instant::now();
+        assert_eq!(round_trip(&mut other, b"ping\n"), b"ping\n");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "a round trip beside the restless session took {:?}",
+            started.elapsed()
+        );
+    }
+    let restless_id = ConnectionId::new(1).expect("ids start at 1");
+    assert!(
+        server.handle().kill(restless_id, 9),
+        "the restless session should still be open, and a kill should end it"
+    );
+    drop(restless);
+}
