@@ -64,6 +64,10 @@ pub enum SessionDriver {
     /// One worker thread per connection (the worker count caps how many are served at once).
     Threads,
     /// `loops` event-loop threads, each with its own epoll, serving any number of connections.
+    ///
+    /// Hooks run on the loop thread: a hook that blocks or computes for long stalls every connection of
+    /// its loop. Offload such work (return [`Step::Park`] and post the result through the
+    /// [`Completer`]), or choose [`SessionDriver::Threads`].
     EventLoop {
         /// How many loop threads; at least one.
         loops: usize,
