@@ -1,7 +1,7 @@
 //! Echo server for `cargo xtask bench net`: one process serving 64-byte echo with a chosen stack until stdin closes.
 //!
 //! ```text
-//! bench_server --kind std|tokio|handler|sessions [--addr 127.0.0.1:0] [--workers N] [--max-connections N]
+//! bench_server --kind std|tokio|handler|sessions|sessions-loop [--addr 127.0.0.1:0] [--workers N] [--max-connections N]
 //! ```
 //!
 //! It prints `listening on ADDR` once bound, serves until its standard input reaches end of file (the
@@ -18,6 +18,8 @@
 //!   would end the benchmark's own connections are widened: all of them come from 127.0.0.1, so the
 //!   per-source cap is the global cap, and the idle timeout is 10 minutes because std and tokio have none.
 //!   The read buffer is 4 KiB, like the std and tokio servers' buffer; everything else is the default.
+//! - `sessions-loop`: the same session on the event-loop driver, one loop thread per core; the connection
+//!   cap defaults to 8,192 there, since no worker holds a connection.
 
 use std::io::{self, BufRead, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -28,8 +30,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use net_io_blocking::{
-    ConnectionInfo, Input, Limits, NetError, Server, ServerBuilder, Session, SessionContext, Step,
-    TcpConnection,
+    ConnectionInfo, Input, Limits, NetError, Server, ServerBuilder, Session, SessionContext,
+    SessionDriver, Step, TcpConnection,
 };
 
 /// Size of the per-connection receive buffer of every kind (the net-io-blocking read buffer too).
@@ -42,7 +44,11 @@ enum Kind {
     Tokio,
     Handler,
     Sessions,
+    SessionsLoop,
 }
+
+/// The connection cap of the event-loop kind when `--max-connections` is not given.
+const LOOP_MAX_CONNECTIONS: usize = 8192;
 
 /// Workers of the net-io-blocking kinds when `--workers` is not given.
 const DEFAULT_WORKERS: usize = 320;
@@ -62,7 +68,7 @@ fn main() -> ExitCode {
         Err(message) => {
             eprintln!("bench_server: {message}");
             eprintln!(
-                "usage: bench_server --kind std|tokio|handler|sessions [--addr 127.0.0.1:0] [--workers N] [--max-connections N]"
+                "usage: bench_server --kind std|tokio|handler|sessions|sessions-loop [--addr 127.0.0.1:0] [--workers N] [--max-connections N]"
             );
             return ExitCode::from(2);
         }
@@ -71,7 +77,7 @@ fn main() -> ExitCode {
     let result = match options.kind {
         Kind::Std => run_std(&options, Arc::clone(&served)),
         Kind::Tokio => run_tokio(&options, Arc::clone(&served)),
-        Kind::Handler | Kind::Sessions => run_net_io(&options, &served),
+        Kind::Handler | Kind::Sessions | Kind::SessionsLoop => run_net_io(&options, &served),
     };
     match result {
         Ok(()) => {
@@ -104,6 +110,7 @@ fn parse_options(mut arguments: impl Iterator<Item = String>) -> Result<Options,
                     "tokio" => Kind::Tokio,
                     "handler" => Kind::Handler,
                     "sessions" => Kind::Sessions,
+                    "sessions-loop" => Kind::SessionsLoop,
                     other => return Err(format!("unknown kind `{other}`")),
                 })
             }
@@ -227,7 +234,16 @@ fn run_tokio(options: &Options, served: Arc<AtomicU64>) -> io::Result<()> {
 /// net-io-blocking with a blocking handler or with sessions.
 fn run_net_io(options: &Options, served: &AtomicU64) -> io::Result<()> {
     let workers = options.workers.unwrap_or(DEFAULT_WORKERS);
-    let max_connections = options.max_connections.unwrap_or(workers);
+    // No worker holds an event loop's connection, so its cap is not the worker count: a churn of
+    // connect-and-reset would otherwise meet it while the loops catch up with the closes.
+    let max_connections =
+        options
+            .max_connections
+            .unwrap_or(if options.kind == Kind::SessionsLoop {
+                LOOP_MAX_CONNECTIONS
+            } else {
+                workers
+            });
     let limits = Limits::new()
         .max_connections(max_connections)
         .max_per_source(max_connections)
@@ -240,7 +256,13 @@ fn run_net_io(options: &Options, served: &AtomicU64) -> io::Result<()> {
     let server: Server = if options.kind == Kind::Handler {
         builder.handler(echo_handler).allow_all().build()
     } else {
+        let driver = if options.kind == Kind::SessionsLoop {
+            SessionDriver::event_loop()
+        } else {
+            SessionDriver::Threads
+        };
         builder
+            .session_driver(driver)
             .sessions(|_: &ConnectionInfo| Some(EchoSession))
             .allow_all()
             .build()

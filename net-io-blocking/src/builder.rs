@@ -16,6 +16,7 @@ use net_io_sys::socket::{self, ConnectionOptions, Keepalive, ListenOptions};
 
 use crate::caps::{Caps, ListenerCaps};
 use crate::connection::TcpConnection;
+use crate::evloop::{Inbox, LoopShared, SessionDriver};
 use crate::handover::HandOver;
 use crate::runtime::{ListenerRuntime, Runtime, Workload};
 use crate::server::{Core, ListenerShared, QueueCloser, Server, ServerHandle, WorkerShared};
@@ -76,6 +77,7 @@ struct Settings {
     clock: Option<Arc<dyn Clock>>,
     connection_options: ConnectionOptions,
     open_door: bool,
+    session_driver: SessionDriver,
 }
 
 impl ListenerSpec {
@@ -145,6 +147,7 @@ impl ServerBuilder<NoWorkload, NoGate> {
                     ..ConnectionOptions::default()
                 },
                 open_door: true,
+                session_driver: SessionDriver::event_loop(),
             },
         }
     }
@@ -187,7 +190,9 @@ impl<W, G> ServerBuilder<W, G> {
         self
     }
 
-    /// Sets the worker count (128 by default); each worker serves one connection at a time.
+    /// Sets the worker count (128 by default); each worker serves one connection at a time (handlers, and
+    /// sessions on [`SessionDriver::Threads`]). With event loops no worker starts; the count then only sets
+    /// the default `max_connections` and the descriptor budget check.
     pub fn workers(mut self, workers: usize) -> Self {
         self.settings.workers = workers;
         self
@@ -248,6 +253,15 @@ impl<W, G> ServerBuilder<W, G> {
         self
     }
 
+    /// Chooses how sessions are driven: event loops (the default, one loop thread per core), where a few
+    /// threads serve any number of connections and a parked or idle session holds no thread, or worker
+    /// threads ([`SessionDriver::Threads`], one connection each, with the Busy rule). With event loops the worker count only sizes the limits' defaults.
+    /// Handlers always run on worker threads; for them this setting is ignored.
+    pub fn session_driver(mut self, driver: SessionDriver) -> Self {
+        self.settings.session_driver = driver;
+        self
+    }
+
     /// Serves each connection with a blocking `handler`.
     pub fn handler<H>(self, handler: H) -> ServerBuilder<Handler<H>, G>
     where
@@ -292,7 +306,7 @@ where
     /// Validates the configuration, binds every listener, starts the threads and opens the door.
     pub fn build(self) -> Result<Server, NetError> {
         let Handler(handler) = self.workload;
-        start(self.settings, self.gate, HandlerWorkload { handler })
+        start(self.settings, self.gate, HandlerWorkload { handler }, None)
     }
 }
 
@@ -304,7 +318,17 @@ where
     /// Validates the configuration, binds every listener, starts the threads and opens the door.
     pub fn build(self) -> Result<Server, NetError> {
         let Sessions(factory) = self.workload;
-        start(self.settings, self.gate, SessionWorkload { factory })
+        let loops = match self.settings.session_driver {
+            SessionDriver::Threads => None,
+            SessionDriver::EventLoop { loops } => {
+                if loops == 0 {
+                    return Err(ConfigError::Zero { field: "loops" }.into());
+                }
+                let body: LoopBody<G, SessionWorkload<F>> = Runtime::event_loop;
+                Some((loops, body))
+            }
+        };
+        start(self.settings, self.gate, SessionWorkload { factory }, loops)
     }
 }
 
@@ -319,11 +343,16 @@ impl<W, G> std::fmt::Debug for ServerBuilder<W, G> {
     }
 }
 
-/// Validates, binds with the door closed, starts workers and accept threads, then opens the door.
+/// The body of an event-loop thread.
+type LoopBody<G, W> = fn(Arc<Runtime<G, W>>, usize);
+
+/// Validates, binds with the door closed, starts workers (or `loops` event-loop threads running the given
+/// body) and accept threads, then opens the door.
 fn start<G: Gate, W: Workload>(
     settings: Settings,
     gate: G,
     workload: W,
+    loops: Option<(usize, LoopBody<G, W>)>,
 ) -> Result<Server, NetError> {
     if let Some(error) = settings.address_error {
         return Err(error);
@@ -397,8 +426,14 @@ fn start<G: Gate, W: Workload>(
     let events_enabled = settings.events.enabled();
     let manual_clock = settings.clock.is_some();
     let clock = settings.clock.unwrap_or_else(crate::clock::system);
-    let mut worker_shared = Vec::with_capacity(workers);
-    for _ in 0..workers {
+    // Event loops replace the workers: their connections live in the loops' slots.
+    let worker_threads = if loops.is_some() { 0 } else { workers };
+    let mut loop_shared = Vec::new();
+    for _ in 0..loops.map_or(0, |(count, _)| count) {
+        loop_shared.push(LoopShared::new()?);
+    }
+    let mut worker_shared = Vec::with_capacity(worker_threads);
+    for _ in 0..worker_threads {
         worker_shared.push(WorkerShared {
             slot: Arc::new(KillSlot::new()),
             wake: Arc::new(EventFd::new()?),
@@ -420,9 +455,10 @@ fn start<G: Gate, W: Workload>(
         events: settings.events,
         events_enabled,
         // One close slot per worker, per accept thread, and one for the thread that shuts down.
-        counters: Counters::new(workers + listener_shared.len() + 1),
+        counters: Counters::new(worker_threads + loop_shared.len() + listener_shared.len() + 1),
         caps: Arc::new(Caps::new(limits.max_connections, &listener_caps)),
         workers: worker_shared,
+        loops: loop_shared,
         listeners: listener_shared,
         door_open: AtomicBool::new(false),
         draining: AtomicBool::new(false),
@@ -462,13 +498,26 @@ fn start<G: Gate, W: Workload>(
         ids: IdAllocator::new(),
         control: settings.control,
         lockdown: AtomicBool::new(false),
+        inboxes: (0..loops.map_or(0, |(count, _)| count))
+            .map(|_| Inbox::new())
+            .collect(),
     });
     let handle = ServerHandle {
         core: Arc::clone(&core),
     };
     let closer: Arc<dyn QueueCloser> = runtime.clone();
     let mut server = Server::new(handle.clone(), Vec::new(), closer);
-    for index in 0..workers {
+    if let Some((count, body)) = loops {
+        for index in 0..count {
+            let runtime = Arc::clone(&runtime);
+            let thread = std::thread::Builder::new()
+                .name(format!("net-io-loop-{index}"))
+                .stack_size(settings.worker_stack)
+                .spawn(move || body(runtime, index))?;
+            server.push_thread(thread);
+        }
+    }
+    for index in 0..worker_threads {
         let runtime = Arc::clone(&runtime);
         let thread = std::thread::Builder::new()
             .name(format!("net-io-worker-{index}"))

@@ -22,6 +22,7 @@ use net_io_sys::wait::{self, Interest};
 
 use crate::backoff::Backoff;
 use crate::caps::{CapRefusal, Reservation};
+use crate::evloop::Inbox;
 use crate::handover::HandOver;
 use crate::handshake;
 use crate::link::{Link, OWNER_CODE};
@@ -83,6 +84,8 @@ pub(crate) struct Runtime<G: Gate, W: Workload> {
     pub(crate) ids: IdAllocator,
     pub(crate) control: Option<Arc<ControlLine>>,
     pub(crate) lockdown: std::sync::atomic::AtomicBool,
+    /// One inbox per event loop; empty when sessions run on worker threads.
+    pub(crate) inboxes: Vec<Inbox<Job<G::Ticket>>>,
 }
 
 /// Wakes a worker by signalling its eventfd; used as the completer's waker.
@@ -100,9 +103,15 @@ impl Wake for WakeSignal {
 
 impl<G: Gate, W: Workload> QueueCloser for Runtime<G, W> {
     fn close_queue(&self) {
-        let slot = self.core.workers.len() + self.listeners.len();
+        let slot = self.core.close_slot_base() + self.listeners.len();
         for job in self.handover.close() {
             self.refuse_job(job, RefusalCause::DoorClosed, slot);
+        }
+        for (index, inbox) in self.inboxes.iter().enumerate() {
+            for job in inbox.close() {
+                self.refuse_job(job, RefusalCause::DoorClosed, slot);
+            }
+            let _ = self.core.loops[index].wake.eventfd.signal();
         }
     }
 }
@@ -274,7 +283,8 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 return refuse(socket, cause, coalescer);
             }
         };
-        if !self.handover.has_room() {
+        // Event loops take any number of connections (the caps bound them); workers take one each.
+        if self.inboxes.is_empty() && !self.handover.has_room() {
             drop(reservation);
             return refuse(socket, RefusalCause::Busy, coalescer);
         }
@@ -330,14 +340,31 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             reservation,
             listener: index,
         };
+        if !self.inboxes.is_empty() {
+            // Round robin by id: ids are handed out in blocks per accept thread, so this spreads each
+            // thread's connections over the loops.
+            let loop_index = (id.get() % self.inboxes.len() as u64) as usize;
+            match self.inboxes[loop_index].offer(job) {
+                Ok(true) => {
+                    let _ = core.loops[loop_index].wake.eventfd.signal();
+                }
+                Ok(false) => {}
+                Err(job) => self.refuse_job(
+                    job,
+                    RefusalCause::DoorClosed,
+                    core.close_slot_base() + index,
+                ),
+            }
+            return;
+        }
         if let Err(job) = self.handover.offer(job) {
-            self.refuse_job(job, RefusalCause::Busy, core.workers.len() + index);
+            self.refuse_job(job, RefusalCause::Busy, core.close_slot_base() + index);
         }
     }
 
     /// Closes a job the gate already admitted but no worker will serve: it counts as admitted and closed with
     /// `Refused(cause)`, so the ticket, the `Closed` event and the stats all see one close.
-    fn refuse_job(&self, job: Job<G::Ticket>, cause: RefusalCause, counter_slot: usize) {
+    pub(crate) fn refuse_job(&self, job: Job<G::Ticket>, cause: RefusalCause, counter_slot: usize) {
         let Job {
             socket,
             info,
@@ -380,20 +407,17 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                     .shed_lane
                     .store(u16::from(lane.0), Ordering::Release);
                 // Idle connections in a shed lane close now; busy ones close when they next go idle.
-                for worker in &self.core.workers {
-                    if u16::from(worker.lane.load(Ordering::Acquire)) < u16::from(lane.0) {
-                        continue;
+                self.core.for_each_slot(|slot, wake, _, slot_lane| {
+                    if u16::from(slot_lane) < u16::from(lane.0) {
+                        return false;
                     }
-                    if let Some(id) = worker.slot.occupant()
-                        && worker.slot.kill(
-                            id,
-                            CODE_SHED,
-                            net_io_sys::kill::KillCondition::OnlyIdle,
-                        )
+                    if let Some(id) = slot.occupant()
+                        && slot.kill(id, CODE_SHED, net_io_sys::kill::KillCondition::OnlyIdle)
                     {
-                        let _ = worker.wake.signal();
+                        let _ = wake.signal();
                     }
-                }
+                    false
+                });
             }
             ControlState::Draining { deadline } => {
                 let deadline =

@@ -14,6 +14,7 @@ use net_io_sys::kill::{KillCondition, KillSlot};
 
 use crate::caps::Caps;
 use crate::clock::SharedClock;
+use crate::evloop::LoopShared;
 
 /// Slot codes at or above this value are the driver's own; user kill codes are capped just below.
 pub(crate) const RESERVED_CODES: u16 = 0xff00;
@@ -77,6 +78,8 @@ pub(crate) struct Core {
     pub(crate) counters: Counters,
     pub(crate) caps: Arc<Caps>,
     pub(crate) workers: Vec<WorkerShared>,
+    /// The event loops' shared parts; empty when connections run on worker threads.
+    pub(crate) loops: Vec<LoopShared>,
     pub(crate) listeners: Vec<ListenerShared>,
     pub(crate) door_open: AtomicBool,
     pub(crate) draining: AtomicBool,
@@ -136,10 +139,15 @@ impl Core {
         u16::from(lane.0) >= self.shed_lane.load(Ordering::Acquire)
     }
 
-    /// The share of busy workers for `SessionContext::pressure`, 1.0 while shedding.
+    /// The share of busy workers for `SessionContext::pressure` (with event loops, the share of the
+    /// connection cap in use), 1.0 while shedding.
     pub(crate) fn pressure(&self) -> f32 {
         if self.shed_lane.load(Ordering::Relaxed) != u16::MAX {
             return 1.0;
+        }
+        if !self.loops.is_empty() {
+            let open = self.caps.open() as f32;
+            return (open / self.limits.max_connections.max(1) as f32).min(1.0);
         }
         let busy = self.busy_workers.load(Ordering::Relaxed) as f32;
         (busy / self.workers.len().max(1) as f32).min(1.0)
@@ -152,32 +160,65 @@ impl Core {
         }
     }
 
-    fn kill_where(&self, id: ConnectionId, code: u16, condition: KillCondition) -> bool {
+    /// The first counter slot after the workers' and the loops' (accept threads and shutdown use the rest).
+    pub(crate) fn close_slot_base(&self) -> usize {
+        self.workers.len() + self.loops.len()
+    }
+
+    /// Visits every connection slot (workers', then every loop's) with its owner's wake, its linger word and
+    /// its lane, until `visit` returns true. A loop's slots are scanned under its lock: O(slots) per call.
+    pub(crate) fn for_each_slot(
+        &self,
+        mut visit: impl FnMut(&KillSlot, &EventFd, &AtomicU64, u8) -> bool,
+    ) {
         for worker in &self.workers {
-            if worker.slot.occupant() == Some(id.get())
-                && worker.slot.kill(id.get(), code, condition)
-            {
-                let _ = worker.wake.signal();
-                return true;
+            if visit(
+                &worker.slot,
+                &worker.wake,
+                &worker.linger,
+                worker.lane.load(Ordering::Acquire),
+            ) {
+                return;
             }
         }
-        if condition == KillCondition::Always {
-            for worker in &self.workers {
-                if cut_linger(&worker.linger, &worker.wake, id.get()) {
-                    break;
+        for event_loop in &self.loops {
+            let slots = event_loop.slots();
+            for slot in slots.iter() {
+                if visit(
+                    &slot.slot,
+                    &event_loop.wake.eventfd,
+                    &slot.linger,
+                    slot.lane.load(Ordering::Acquire),
+                ) {
+                    return;
                 }
             }
         }
-        false
+    }
+
+    fn kill_where(&self, id: ConnectionId, code: u16, condition: KillCondition) -> bool {
+        let mut won = false;
+        self.for_each_slot(|slot, wake, _, _| {
+            if slot.occupant() == Some(id.get()) && slot.kill(id.get(), code, condition) {
+                let _ = wake.signal();
+                won = true;
+            }
+            won
+        });
+        if !won && condition == KillCondition::Always {
+            self.for_each_slot(|_, wake, linger, _| cut_linger(linger, wake, id.get()));
+        }
+        won
     }
 
     /// Cuts every lingering graceful close short (they end with an RST); used at the drain deadline.
     fn cut_all_lingers(&self) {
-        for worker in &self.workers {
-            if worker.linger.swap(0, Ordering::AcqRel) != 0 {
-                let _ = worker.wake.signal();
+        self.for_each_slot(|_, wake, linger, _| {
+            if linger.swap(0, Ordering::AcqRel) != 0 {
+                let _ = wake.signal();
             }
-        }
+            false
+        });
     }
 }
 
@@ -216,11 +257,14 @@ impl ServerHandle {
 
     /// The ids of the connections workers hold right now.
     pub fn connections(&self) -> Vec<ConnectionId> {
-        self.core
-            .workers
-            .iter()
-            .filter_map(|worker| worker.slot.occupant().and_then(ConnectionId::new))
-            .collect()
+        let mut ids = Vec::new();
+        self.core.for_each_slot(|slot, _, _, _| {
+            if let Some(id) = slot.occupant().and_then(ConnectionId::new) {
+                ids.push(id);
+            }
+            false
+        });
+        ids
     }
 
     /// Starts accepting. Idempotent; the door starts closed until `build` finishes or this is called.
@@ -258,6 +302,9 @@ impl ServerHandle {
         for worker in &self.core.workers {
             let _ = worker.wake.signal();
         }
+        for event_loop in &self.core.loops {
+            let _ = event_loop.wake.eventfd.signal();
+        }
     }
 
     /// Closes the door, closes idle connections at once (`Drained`, graceful), lets busy ones finish, and
@@ -283,16 +330,15 @@ impl ServerHandle {
                 break;
             }
             if Instant::now() >= deadline {
-                for worker in &self.core.workers {
-                    if let Some(id) = worker.slot.occupant()
-                        && worker
-                            .slot
-                            .kill(id, CODE_DRAIN_DEADLINE, KillCondition::Always)
+                self.core.for_each_slot(|slot, wake, _, _| {
+                    if let Some(id) = slot.occupant()
+                        && slot.kill(id, CODE_DRAIN_DEADLINE, KillCondition::Always)
                     {
                         killed += 1;
-                        let _ = worker.wake.signal();
+                        let _ = wake.signal();
                     }
-                }
+                    false
+                });
                 // Graceful closes still lingering end now too, with an RST.
                 self.core.cut_all_lingers();
                 // Connections still queued for a worker are closed by it at once (it sees the expiry).
@@ -303,13 +349,14 @@ impl ServerHandle {
                 }
                 break;
             }
-            for worker in &self.core.workers {
-                if let Some(id) = worker.slot.occupant()
-                    && worker.slot.kill(id, CODE_DRAINED, KillCondition::OnlyIdle)
+            self.core.for_each_slot(|slot, wake, _, _| {
+                if let Some(id) = slot.occupant()
+                    && slot.kill(id, CODE_DRAINED, KillCondition::OnlyIdle)
                 {
-                    let _ = worker.wake.signal();
+                    let _ = wake.signal();
                 }
-            }
+                false
+            });
             let left = deadline.saturating_duration_since(Instant::now());
             std::thread::sleep(tick.min(left).max(Duration::from_micros(100)));
         }

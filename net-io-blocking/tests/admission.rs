@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::{Recorder, SOON, client, eventually, is_closed_by_server, round_trip};
 use net_io_blocking::{
     ConnectionInfo, Event, Input, Limits, RefusalCause, Server, ServerBuilder, Session,
-    SessionContext, Step,
+    SessionContext, SessionDriver, Step,
 };
 
 struct Echo;
@@ -22,7 +22,17 @@ impl Session for Echo {
 }
 
 fn echo_server(workers: usize, limits: Limits, recorder: &Recorder) -> Server {
+    echo_server_on(common::session_driver(), workers, limits, recorder)
+}
+
+fn echo_server_on(
+    driver: SessionDriver,
+    workers: usize,
+    limits: Limits,
+    recorder: &Recorder,
+) -> Server {
     ServerBuilder::new()
+        .session_driver(driver)
         .listen("127.0.0.1:0")
         .workers(workers)
         .limits(limits.min_rate(None))
@@ -47,7 +57,9 @@ fn refusals(recorder: &Recorder) -> Vec<RefusalCause> {
 #[test]
 fn with_one_worker_the_second_connection_is_busy_and_the_third_is_served_after_the_first_closes() {
     let recorder = Recorder::default();
-    let server = echo_server(
+    // The Busy rule belongs to the worker pool; event loops have no worker to be busy.
+    let server = echo_server_on(
+        SessionDriver::Threads,
         1,
         Limits::new().max_connections(4).max_per_source(4),
         &recorder,
@@ -133,6 +145,7 @@ fn the_per_source_cap_refuses_a_third_connection_from_one_address() {
 fn a_closed_door_accepts_nothing_and_opening_it_serves_the_waiting_connection() {
     let recorder = Recorder::default();
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(2)
         .events(recorder.clone())
@@ -188,6 +201,7 @@ fn shedding_closes_idle_connections_in_shed_lanes_and_spares_lower_lanes() {
     let recorder = Recorder::default();
     let control = std::sync::Arc::new(net_io_blocking::ControlLine::new());
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(4)
         .limits(Limits::new().min_rate(None))
@@ -224,6 +238,7 @@ fn shedding_closes_idle_connections_in_shed_lanes_and_spares_lower_lanes() {
 fn an_ipv6_loopback_listener_serves_and_reports_its_address() {
     let recorder = Recorder::default();
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("[::1]:0")
         .workers(1)
         .limits(Limits::new().min_rate(None))

@@ -11,8 +11,8 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use net_io_blocking::{
-    ConnectionInfo, Input, NetError, Server, ServerBuilder, Session, SessionContext, Step,
-    TcpConnection,
+    ConnectionInfo, Input, NetError, Server, ServerBuilder, Session, SessionContext, SessionDriver,
+    Step, TcpConnection,
 };
 
 use counting::allocations;
@@ -152,14 +152,15 @@ fn wait_for_the_harness_to_settle() {
     }
 }
 
-// One test, sessions then handler, because the count is process-wide: a second test would have libtest's
+// One test, sessions, event loop, then handler, because the count is process-wide: a second test would have libtest's
 // main thread print (and allocate) while the other counts.
 #[test]
-fn a_steady_echo_allocates_nothing_per_round_trip_with_sessions_or_a_handler() {
+fn a_steady_echo_allocates_nothing_per_round_trip_with_sessions_an_event_loop_or_a_handler() {
     // One worker, so no worker thread is still starting (and allocating) while we count.
     let sessions = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .workers(1)
+        .session_driver(SessionDriver::Threads)
         .sessions(|_: &ConnectionInfo| Some(Echo))
         .allow_all()
         .build()
@@ -168,6 +169,20 @@ fn a_steady_echo_allocates_nothing_per_round_trip_with_sessions_or_a_handler() {
     assert_eq!(
         counted, 0,
         "{counted} allocations happened during {COUNTED_ROUND_TRIPS} steady sessions round trips of \
+         {MESSAGE} B; the echo path must not allocate after warm-up"
+    );
+
+    let event_loop = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 1 })
+        .sessions(|_: &ConnectionInfo| Some(Echo))
+        .allow_all()
+        .build()
+        .expect("the event-loop echo server did not start");
+    let counted = allocations_in_steady_echo(event_loop);
+    assert_eq!(
+        counted, 0,
+        "{counted} allocations happened during {COUNTED_ROUND_TRIPS} steady event-loop round trips of \
          {MESSAGE} B; the echo path must not allocate after warm-up"
     );
 

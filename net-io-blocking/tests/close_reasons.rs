@@ -165,7 +165,13 @@ fn quick_limits() -> Limits {
 
 fn sessions_server(witnesses: &Witnesses, limits: Limits, behaviour: Behaviour) -> Server {
     let on_close = Arc::clone(&witnesses.on_close);
-    sessions_server_with(witnesses, limits, behaviour, ServerBuilder::new(), on_close)
+    sessions_server_with(
+        witnesses,
+        limits,
+        behaviour,
+        ServerBuilder::new().session_driver(common::session_driver()),
+        on_close,
+    )
 }
 
 fn sessions_server_with(
@@ -208,6 +214,7 @@ fn handler_server(
     handler: fn(&mut TcpConnection<'_>) -> Result<(), NetError>,
 ) -> Server {
     ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(2)
         .limits(limits)
@@ -267,7 +274,7 @@ fn a_request_that_stops_halfway_closes_at_the_read_deadline() {
 fn a_slow_reader_is_closed_at_the_write_deadline() {
     let witnesses = Witnesses::new();
     let limits = quick_limits().write_timeout(Duration::from_millis(300));
-    let builder = ServerBuilder::new();
+    let builder = ServerBuilder::new().session_driver(common::session_driver());
     let on_close = Arc::clone(&witnesses.on_close);
     let server = sessions_server_with(
         &witnesses,
@@ -349,10 +356,12 @@ fn a_reader_below_the_minimum_rate_closes_with_slow_peer_out() {
         &witnesses,
         limits,
         Behaviour::Flood,
-        ServerBuilder::new().listener(
-            net_io_blocking::ListenerSpec::new("127.0.0.1:0".parse().unwrap())
-                .send_buffer(64 * 1024),
-        ),
+        ServerBuilder::new()
+            .session_driver(common::session_driver())
+            .listener(
+                net_io_blocking::ListenerSpec::new("127.0.0.1:0".parse().unwrap())
+                    .send_buffer(64 * 1024),
+            ),
         on_close,
     );
     let stream = client(server.local_addr());
@@ -369,6 +378,7 @@ fn a_reader_below_the_minimum_rate_closes_with_slow_peer_out() {
 fn a_factory_that_declines_closes_with_refused_session() {
     let witnesses = Witnesses::new();
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(2)
         .limits(quick_limits())
@@ -453,7 +463,9 @@ fn shedding_lane_zero_closes_an_idle_connection_with_shed() {
         &witnesses,
         quick_limits(),
         Behaviour::EchoLines,
-        ServerBuilder::new().control(Arc::clone(&control)),
+        ServerBuilder::new()
+            .session_driver(common::session_driver())
+            .control(Arc::clone(&control)),
         on_close,
     );
     let mut stream = client(server.local_addr());

@@ -1,4 +1,4 @@
-//! No descriptor left behind: thousands of RST-closed connections through a handler and a sessions server.
+//! No descriptor left behind: thousands of RST-closed connections through a handler, a sessions server and an event-loop sessions server.
 //!
 //! Its own test binary because it counts `/proc/self/fd`, which every test in a process would disturb.
 
@@ -10,8 +10,8 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use net_io_blocking::{
-    ConnectionInfo, Input, NetError, Server, ServerBuilder, Session, SessionContext, Step,
-    TcpConnection,
+    ConnectionInfo, Input, NetError, Server, ServerBuilder, Session, SessionContext, SessionDriver,
+    Step, TcpConnection,
 };
 use socket2::SockRef;
 
@@ -80,7 +80,7 @@ fn round_trip_and_reset(address: SocketAddr, index: u64) {
         .expect("could not set SO_LINGER 0");
 }
 
-fn start_servers() -> (Server, Server) {
+fn start_servers() -> (Server, Server, Server) {
     let handler = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .workers(16)
@@ -91,44 +91,56 @@ fn start_servers() -> (Server, Server) {
     let sessions = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .workers(16)
+        .session_driver(SessionDriver::Threads)
         .sessions(|_: &ConnectionInfo| Some(Echo))
         .allow_all()
         .build()
         .expect("the sessions echo server did not start");
-    (handler, sessions)
+    let event_loop = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 2 })
+        .sessions(|_: &ConnectionInfo| Some(Echo))
+        .allow_all()
+        .build()
+        .expect("the event-loop echo server did not start");
+    (handler, sessions, event_loop)
 }
 
 fn connections_leave_no_descriptor_behind(connections: u64) {
     // Any lazily opened process-wide descriptor (std's, the test harness's) opens before the baseline.
     let warm = start_servers();
     round_trip_and_reset(warm.0.local_addr(), 0);
+    round_trip_and_reset(warm.2.local_addr(), 0);
     drop(warm);
     let baseline = open_descriptors();
 
-    let (handler, sessions) = start_servers();
+    let (handler, sessions, event_loop) = start_servers();
     round_trip_and_reset(handler.local_addr(), 0);
     round_trip_and_reset(sessions.local_addr(), 0);
+    round_trip_and_reset(event_loop.local_addr(), 0);
     assert!(
         eventually(Duration::from_secs(5), || {
-            handler.stats().closed == 1 && sessions.stats().closed == 1
+            handler.stats().closed == 1
+                && sessions.stats().closed == 1
+                && event_loop.stats().closed == 1
         }),
-        "the two warm-up connections did not close"
+        "the three warm-up connections did not close"
     );
     let steady = open_descriptors();
 
     for index in 0..connections {
-        let address = if index % 2 == 0 {
-            handler.local_addr()
-        } else {
-            sessions.local_addr()
+        let address = match index % 3 {
+            0 => handler.local_addr(),
+            1 => sessions.local_addr(),
+            _ => event_loop.local_addr(),
         };
         round_trip_and_reset(address, index);
     }
 
-    let closed = || handler.stats().closed + sessions.stats().closed;
+    let closed = || handler.stats().closed + sessions.stats().closed + event_loop.stats().closed;
     assert!(
-        eventually(Duration::from_secs(30), || closed() == connections + 2),
-        "after {connections} connections plus 2 warm-ups only {} closes were counted",
+        eventually(Duration::from_secs(30), || closed() == connections + 3),
+        "after {connections} connections plus 3 warm-ups only {} closes were counted",
         closed()
     );
     assert!(
@@ -136,12 +148,13 @@ fn connections_leave_no_descriptor_behind(connections: u64) {
         "the process holds {} descriptors after {connections} closed connections, {steady} before them",
         open_descriptors()
     );
-    let refused = handler.stats().refused + sessions.stats().refused;
+    let refused = handler.stats().refused + sessions.stats().refused + event_loop.stats().refused;
     assert_eq!(refused, 0, "{refused} connections were refused");
 
     let deadline = Instant::now() + Duration::from_secs(5);
     let _ = handler.shutdown(deadline);
     let _ = sessions.shutdown(deadline);
+    let _ = event_loop.shutdown(deadline);
     assert!(
         eventually(Duration::from_secs(5), || open_descriptors() == baseline),
         "the process holds {} descriptors after both servers shut down, {baseline} before they started",

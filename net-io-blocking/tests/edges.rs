@@ -61,6 +61,7 @@ impl Session for Polite {
 fn a_denial_before_any_byte_of_the_response_sends_the_denial_text_once_then_resets() {
     let recorder = Recorder::default();
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(1)
         .limits(Limits::new().min_rate(None))
@@ -84,6 +85,7 @@ fn a_denial_before_any_byte_of_the_response_sends_the_denial_text_once_then_rese
 fn an_exchange_deadline_can_answer_before_the_connection_closes() {
     let recorder = Recorder::default();
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(1)
         .limits(Limits::new().min_rate(None))
@@ -117,6 +119,7 @@ impl Session for Echo {
 fn a_burst_of_new_connections_does_not_stall_an_established_one() {
     let recorder = Recorder::default();
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(2)
         .limits(
@@ -217,6 +220,7 @@ impl Session for Chunks {
 
 fn chunk_server(recorder: &Recorder, gate: CountingGate) -> net_io_blocking::Server {
     ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(1)
         .limits(Limits::new().min_rate(None))
@@ -285,6 +289,7 @@ fn a_kill_during_a_graceful_linger_resets_the_connection_at_once() {
     let (handles, handle_receiver) = std::sync::mpsc::channel();
     let handles = std::sync::Mutex::new(handles);
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(1)
         .limits(

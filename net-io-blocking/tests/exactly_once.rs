@@ -56,6 +56,7 @@ fn lines(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
 fn run_round(seed: u64, rounds: usize, handler: bool) {
     let recorder = Recorder::default();
     let builder = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(6)
         .limits(

@@ -29,6 +29,7 @@ impl Session for Echo {
 
 fn server(recorder: &Recorder) -> Server {
     ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(2)
         .limits(Limits::new().min_rate(None))

@@ -28,6 +28,7 @@ fn echo(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
 fn sixty_four_threads_killing_one_connection_give_one_close_and_sixty_three_false() {
     let recorder = Recorder::default();
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(2)
         .events(recorder.clone())
@@ -75,6 +76,7 @@ fn sixty_four_threads_killing_one_connection_give_one_close_and_sixty_three_fals
 fn a_kill_handle_from_inside_the_handler_ends_it_from_another_thread() {
     let recorder = Recorder::default();
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(1)
         .events(recorder.clone())
@@ -99,6 +101,7 @@ fn a_kill_handle_from_inside_the_handler_ends_it_from_another_thread() {
 fn a_panicking_handler_closes_only_its_connection_and_the_worker_serves_on() {
     let recorder = Recorder::default();
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(1)
         .events(recorder.clone())
@@ -148,6 +151,7 @@ impl Session for BigReply {
 fn data_a_session_queued_before_a_drain_is_flushed_before_the_close() {
     let recorder = Recorder::default();
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(2)
         .limits(Limits::new().min_rate(None))
@@ -193,6 +197,7 @@ fn a_drain_with_nothing_open_returns_at_once_and_shutdown_joins_every_thread() {
 #[test]
 fn request_stop_from_inside_a_handler_wakes_wait_for_stop() {
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(1)
         .handler(|connection: &mut TcpConnection<'_>| {
@@ -245,6 +250,7 @@ fn the_control_line_drains_then_stops_the_server() {
     let recorder = Recorder::default();
     let control = Arc::new(net_io_blocking::ControlLine::new());
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(2)
         .events(recorder.clone())
@@ -309,6 +315,7 @@ impl Session for OneShot {
 fn a_kill_racing_the_session_s_own_close_gives_one_close_and_a_truthful_answer() {
     let recorder = Recorder::default();
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(1)
         .limits(Limits::new().min_rate(None))
@@ -351,6 +358,7 @@ fn a_kill_racing_the_session_s_own_close_gives_one_close_and_a_truthful_answer()
 fn a_kill_reaches_the_peer_as_a_reset_promptly_and_a_closed_door_stops_accepting_at_once() {
     let recorder = Recorder::default();
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(2)
         .events(recorder.clone())

@@ -59,6 +59,7 @@ impl Session for Offloader {
 fn a_parked_session_is_woken_by_its_completer_and_answers_with_the_result() {
     let recorder = Recorder::default();
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(2)
         .limits(Limits::new().min_rate(None))

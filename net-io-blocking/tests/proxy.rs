@@ -42,6 +42,7 @@ fn proxied_server_with_handshake(
     handshake_timeout: Duration,
 ) -> Server {
     ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listener(
             ListenerSpec::new("127.0.0.1:0".parse().unwrap())
                 .proxy(mode, TrustedProxies::parse(trusted).unwrap()),
@@ -167,6 +168,7 @@ fn a_peer_outside_the_trusted_set_closes_with_proxy_untrusted_before_any_read() 
 #[test]
 fn requiring_proxy_headers_without_trusted_proxies_is_rejected_at_build() {
     let error = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listener(
             ListenerSpec::new("127.0.0.1:0".parse().unwrap())
                 .proxy(ProxyMode::Any, TrustedProxies::new()),

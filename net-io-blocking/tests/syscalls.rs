@@ -25,8 +25,8 @@ mod counted {
     use std::time::{Duration, Instant};
 
     use net_io_blocking::{
-        ConnectionInfo, Input, NetError, Server, ServerBuilder, Session, SessionContext, Step,
-        TcpConnection,
+        ConnectionInfo, Input, Limits, NetError, Server, ServerBuilder, Session, SessionContext,
+        SessionDriver, Step, TcpConnection,
     };
     use net_io_sys::shim;
 
@@ -120,7 +120,20 @@ mod counted {
         }
     }
 
+    /// Which sites a round trip may use besides one `recv` and one `send`.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Waits {
+        /// None: the worker blocks in `recv` itself.
+        None,
+        /// At most one `epoll_wait` per round trip (an event loop; with one connection nothing shares it).
+        EpollWait,
+    }
+
     fn calls_per_round_trip(server: Server) {
+        calls_per_round_trip_with(server, Waits::None);
+    }
+
+    fn calls_per_round_trip_with(server: Server, waits: Waits) {
         let sites = call_sites();
         let address: SocketAddr = server.local_addr();
         let mut stream = TcpStream::connect(address).expect("could not connect");
@@ -159,7 +172,13 @@ mod counted {
         let others: Vec<&(&str, u64)> = by_site
             .iter()
             .filter(|(site, _)| *site != "recv" && *site != "send")
+            .filter(|(site, _)| !(waits == Waits::EpollWait && *site == "epoll_wait"))
             .collect();
+        // One wait per round trip at most; the window may end just after a wait began.
+        assert!(
+            calls_at("epoll_wait") <= COUNTED_ROUND_TRIPS + 1,
+            "an event loop must wait at most once per round trip; by site: {by_site:?}"
+        );
         assert!(
             others.is_empty(),
             "a keep-alive echo round trip must take only recv and send; also counted {others:?}"
@@ -200,10 +219,108 @@ mod counted {
         let server = ServerBuilder::new()
             .listen("127.0.0.1:0")
             .workers(1)
+            .session_driver(SessionDriver::Threads)
             .sessions(|_: &ConnectionInfo| Some(Echo))
             .allow_all()
             .build()
             .expect("the sessions echo server did not start");
         calls_per_round_trip(server);
+    }
+
+    /// An event loop with one connection pays an `epoll_wait` per round trip on top of `recv` and `send`:
+    /// nothing else is ready to share it. Under load the wait is shared by every connection in the batch.
+    #[test]
+    fn an_event_loop_sessions_echo_round_trip_takes_recv_send_and_at_most_one_wait() {
+        let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let server = ServerBuilder::new()
+            .listen("127.0.0.1:0")
+            .session_driver(SessionDriver::EventLoop { loops: 1 })
+            .sessions(|_: &ConnectionInfo| Some(Echo))
+            .allow_all()
+            .build()
+            .expect("the event-loop echo server did not start");
+        calls_per_round_trip_with(server, Waits::EpollWait);
+    }
+
+    /// With many connections busy at once, one `epoll_wait` serves several round trips: the calls per round
+    /// trip fall towards the two of `recv` and `send`. The bound asserted is only "never more than one wait
+    /// per round trip" (how much a wait is shared depends on scheduling); the share is printed.
+    #[test]
+    fn an_event_loop_shares_each_wait_among_the_connections_ready_together() {
+        const CONNECTIONS: usize = 32;
+        const ROUND_TRIPS_EACH: u64 = 200;
+        let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let server = ServerBuilder::new()
+            .listen("127.0.0.1:0")
+            .session_driver(SessionDriver::EventLoop { loops: 1 })
+            .limits(Limits::new().max_per_source(CONNECTIONS))
+            .sessions(|_: &ConnectionInfo| Some(Echo))
+            .allow_all()
+            .build()
+            .expect("the event-loop echo server did not start");
+        let address = server.local_addr();
+        let streams: Vec<TcpStream> = (0..CONNECTIONS)
+            .map(|_| {
+                let mut stream = TcpStream::connect(address).expect("could not connect");
+                stream.set_nodelay(true).expect("could not set TCP_NODELAY");
+                stream
+                    .set_read_timeout(Some(Duration::from_secs(10)))
+                    .expect("could not set a read timeout");
+                let mut echo = [0_u8; 64];
+                stream.write_all(&[1; 64]).expect("warm-up write failed");
+                stream.read_exact(&mut echo).expect("warm-up read failed");
+                stream
+            })
+            .collect();
+        let sites = ["recv", "send", "epoll_wait"];
+        let before: Vec<u64> = sites.iter().map(|site| shim::calls(site)).collect();
+        let start = std::sync::Arc::new(std::sync::Barrier::new(CONNECTIONS));
+        let clients: Vec<_> = streams
+            .into_iter()
+            .map(|mut stream| {
+                let start = std::sync::Arc::clone(&start);
+                std::thread::spawn(move || {
+                    start.wait();
+                    let message = [0x42_u8; 64];
+                    let mut echo = [0_u8; 64];
+                    for _ in 0..ROUND_TRIPS_EACH {
+                        stream.write_all(&message).expect("write failed");
+                        stream.read_exact(&mut echo).expect("read failed");
+                    }
+                    assert_eq!(echo, message, "the server echoed different bytes");
+                    stream
+                })
+            })
+            .collect();
+        let streams: Vec<TcpStream> = clients
+            .into_iter()
+            .map(|client| client.join().expect("a client thread panicked"))
+            .collect();
+        let after: Vec<u64> = sites.iter().map(|site| shim::calls(site)).collect();
+        let round_trips = CONNECTIONS as u64 * ROUND_TRIPS_EACH;
+        let counted: Vec<(&str, u64)> = sites
+            .iter()
+            .zip(before.iter().zip(&after))
+            .map(|(site, (before, after))| (*site, after - before))
+            .collect();
+        let per_round_trip: Vec<String> = counted
+            .iter()
+            .map(|(site, calls)| format!("{site} {:.3}", *calls as f64 / round_trips as f64))
+            .collect();
+        println!(
+            "{CONNECTIONS} connections, {round_trips} round trips, per round trip: {}",
+            per_round_trip.join(", ")
+        );
+        let waits = counted[2].1;
+        assert!(
+            waits <= round_trips + 1,
+            "an event loop must wait at most once per round trip: {counted:?}"
+        );
+        assert_eq!(
+            counted[1].1, round_trips,
+            "each round trip must take one send: {counted:?}"
+        );
+        drop(streams);
+        let _ = server.shutdown(Instant::now() + Duration::from_secs(2));
     }
 }

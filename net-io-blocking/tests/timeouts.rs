@@ -31,6 +31,7 @@ fn server(
     handler: fn(&mut TcpConnection<'_>) -> Result<(), NetError>,
 ) -> Server {
     ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(2)
         .limits(limits.min_rate(None))
@@ -100,6 +101,7 @@ fn a_per_connection_idle_timeout_overrides_the_server_one() {
 fn a_listener_s_own_idle_timeout_applies_only_to_its_connections() {
     let recorder = Recorder::default();
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listener(
             net_io_blocking::ListenerSpec::new("127.0.0.1:0".parse().unwrap())
                 .limits(Limits::new().idle_timeout(Duration::from_millis(150))),
@@ -133,6 +135,7 @@ fn an_injected_manual_clock_drives_the_idle_deadline() {
     let recorder = Recorder::default();
     let clock = std::sync::Arc::new(net_io_blocking::ManualClock::new());
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(1)
         .limits(
@@ -188,6 +191,7 @@ impl net_io_blocking::Session for Bulk {
 fn a_slow_but_steady_reader_is_not_cut_off_by_the_write_deadline() {
     let recorder = Recorder::default();
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listener(
             net_io_blocking::ListenerSpec::new("127.0.0.1:0".parse().unwrap())
                 .send_buffer(32 * 1024),
@@ -294,6 +298,7 @@ fn stubborn_run(
     let closed_with = std::sync::Arc::new(std::sync::Mutex::new(None));
     let (seen_in_factory, closed_in_factory) = (seen.clone(), closed_with.clone());
     let server = ServerBuilder::new()
+        .session_driver(common::session_driver())
         .listener(
             net_io_blocking::ListenerSpec::new("127.0.0.1:0".parse().unwrap())
                 .send_buffer(16 * 1024),

@@ -321,6 +321,13 @@ pub fn recv_nonblocking(socket: BorrowedFd<'_>, buffer: &mut [u8]) -> io::Result
     receive_with_flags(socket, buffer, libc::MSG_DONTWAIT, "recv_nonblocking")
 }
 
+/// A `recv(2)` with `MSG_DONTWAIT` for an event loop's data reads: returns what is queued, 0 at end of
+/// stream, or `WouldBlock`. It is the one receive of a round trip, so the shim counts it at the `recv` site
+/// like the blocking [`recv`]; `EINTR` comes back as `Interrupted`.
+pub fn recv_ready(socket: BorrowedFd<'_>, buffer: &mut [u8]) -> io::Result<usize> {
+    receive_with_flags(socket, buffer, libc::MSG_DONTWAIT, "recv")
+}
+
 /// Sends from `buffer` with `MSG_DONTWAIT | MSG_NOSIGNAL`: never blocks, never raises `SIGPIPE`.
 ///
 /// Returns the bytes the kernel took (possibly fewer than asked) or `WouldBlock` when the send buffer is full.

@@ -27,14 +27,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "\
-usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,handler,sessions]
+usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,handler,sessions,sessions-loop]
                              [--duration-ms MS] [--warmup-ms MS] [--churn-ms MS] [--idle N]
                              [--client-threads N]
                              [--output PATH | --no-write] [--no-strace]
 
   --quick        one short round for a smoke test (does not write the report unless --output is given)
   --rounds N     rounds per kind, order rotated each round; medians are reported (default 3)
-  --kinds LIST   server kinds to measure (default: all four)
+  --kinds LIST   server kinds to measure (default: all five)
   --duration-ms  timed window of each echo load (default 2000)
   --warmup-ms    warm-up before each echo window (default 500)
   --churn-ms     length of the connect-and-close churn (default 3000)
@@ -70,7 +70,7 @@ struct ServerKind {
     pooled: bool,
 }
 
-const SERVER_KINDS: [ServerKind; 4] = [
+const SERVER_KINDS: [ServerKind; 5] = [
     ServerKind {
         name: "std",
         label: "std, thread per connection",
@@ -89,6 +89,12 @@ const SERVER_KINDS: [ServerKind; 4] = [
     ServerKind {
         name: "sessions",
         label: "net-io-blocking sessions",
+        pooled: true,
+    },
+    // Not a worker pool, but its connection cap is sized the same way (from --workers by default).
+    ServerKind {
+        name: "sessions-loop",
+        label: "net-io-blocking sessions, event loop",
         pooled: true,
     },
 ];
@@ -272,7 +278,7 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
                 for name in list.split(',') {
                     let Some(kind) = SERVER_KINDS.iter().find(|kind| kind.name == name) else {
                         bail!(
-                            "unknown server kind `{name}`; the kinds are std, tokio, handler, sessions"
+                            "unknown server kind `{name}`; the kinds are std, tokio, handler, sessions, sessions-loop"
                         );
                     };
                     kinds.push(*kind);
@@ -1174,10 +1180,14 @@ fn render_report(
 
     let _ = writeln!(out, "\n## Targets of issue 2, checked against this run\n");
     let mut any_target = false;
-    for name in ["handler", "sessions"] {
+    for name in ["handler", "sessions", "sessions-loop"] {
         let Some(ours) = find(name) else { continue };
         any_target = true;
-        let _ = writeln!(out, "net-io-blocking {name}:\n");
+        let label = SERVER_KINDS
+            .iter()
+            .find(|kind| kind.name == name)
+            .map_or(name, |kind| kind.label);
+        let _ = writeln!(out, "{label}:\n");
         for line in target_lines(ours, std_medians, tokio_medians) {
             let _ = writeln!(out, "- {line}");
         }

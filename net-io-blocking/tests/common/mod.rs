@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use net_io_blocking::{CloseReason, ConnectionId, Event, EventSink};
+use net_io_blocking::{CloseReason, ConnectionId, Event, EventSink, SessionDriver};
 
 /// Records every event, for assertions about closes.
 #[derive(Clone, Default)]
@@ -119,3 +119,20 @@ pub fn reset(stream: TcpStream) {
 
 /// Generous upper bound for anything that should happen "at once" on a loaded 2-core machine.
 pub const SOON: Duration = Duration::from_secs(5);
+
+/// The session driver the sessions-facing tests run on: event loops (two loop threads, the default kind),
+/// except in the `threaded_sessions` binary, which runs the same tests on worker threads.
+/// `NET_IO_TEST_SESSION_DRIVER=threads` or `=event-loop` forces one driver everywhere.
+pub fn session_driver() -> SessionDriver {
+    let threaded_binary = std::env::current_exe().ok().is_some_and(|path| {
+        path.file_name()
+            .and_then(|name| name.to_str())
+            .is_some_and(|name| name.starts_with("threaded_sessions"))
+    });
+    match std::env::var("NET_IO_TEST_SESSION_DRIVER").as_deref() {
+        Ok("threads") => SessionDriver::Threads,
+        Ok("event-loop") => SessionDriver::EventLoop { loops: 2 },
+        _ if threaded_binary => SessionDriver::Threads,
+        _ => SessionDriver::EventLoop { loops: 2 },
+    }
+}

@@ -1,0 +1,474 @@
+//! What only the event-loop session driver promises: thousands of idle sessions on two loop threads, parked
+//! sessions that hold no thread, and kill and drain reaching connections spread over several loops.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{Recorder, SOON, client, eventually, round_trip};
+use net_io_blocking::{
+    CloseReason, Completer, ConnectionId, ConnectionInfo, Input, Limits, Server, ServerBuilder,
+    Session, SessionContext, SessionDriver, Step,
+};
+
+/// Echoes, except that a line `park` parks the session and hands its completer to the test.
+struct ParkOrEcho {
+    completers: Arc<Mutex<Vec<Completer>>>,
+}
+
+impl Session for ParkOrEcho {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        if input.bytes() == b"park\n" {
+            input.consume_all();
+            let Some(completer) = context.completer() else {
+                return Step::Abort;
+            };
+            self.completers
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push(completer);
+            return Step::Park {
+                until: context.now() + Duration::from_secs(60),
+            };
+        }
+        let taken = context.output().push_partial(input.bytes());
+        input.consume(taken);
+        Step::Write
+    }
+
+    fn on_wake(&mut self, _token: u64, value: u64, context: &mut SessionContext<'_>) -> Step {
+        let line = format!("woke {value}\n");
+        if context.output().push(line.as_bytes()).is_err() {
+            return Step::Abort;
+        }
+        Step::Write
+    }
+}
+
+fn server(
+    loops: usize,
+    limits: Limits,
+    recorder: &Recorder,
+) -> (Server, Arc<Mutex<Vec<Completer>>>) {
+    let completers = Arc::new(Mutex::new(Vec::new()));
+    let shared = Arc::clone(&completers);
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops })
+        .limits(limits)
+        .events(recorder.clone())
+        .sessions(move |_: &ConnectionInfo| {
+            Some(ParkOrEcho {
+                completers: Arc::clone(&shared),
+            })
+        })
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    (server, completers)
+}
+
+/// Thread counts are process-wide, so the tests take turns.
+static TURN: Mutex<()> = Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The names of this process's threads that start with `prefix`.
+fn threads_named(prefix: &str) -> usize {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|task| std::fs::read_to_string(task.path().join("comm")).ok())
+        .filter(|name| name.starts_with(prefix))
+        .count()
+}
+
+fn read_line(stream: &mut TcpStream) -> String {
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while stream.read(&mut byte).expect("read a reply line") == 1 {
+        line.push(byte[0]);
+        if byte[0] == b'\n' {
+            break;
+        }
+    }
+    String::from_utf8(line).expect("the reply should be text")
+}
+
+#[test]
+fn three_thousand_idle_sessions_are_served_by_two_loop_threads() {
+    let _turn = turn();
+    const CONNECTIONS: usize = 3_000;
+    let recorder = Recorder::default();
+    let limits = Limits::new()
+        .max_connections(CONNECTIONS + 10)
+        .max_per_source(CONNECTIONS + 10)
+        .idle_timeout(Duration::from_secs(120));
+    let (server, _) = server(2, limits, &recorder);
+    let mut streams = Vec::with_capacity(CONNECTIONS);
+    for index in 0..CONNECTIONS {
+        let mut stream = client(server.local_addr());
+        let message = format!("hello {index}\n");
+        assert_eq!(
+            round_trip(&mut stream, message.as_bytes()),
+            message.as_bytes(),
+            "connection {index} was not echoed"
+        );
+        streams.push(stream);
+    }
+    assert_eq!(
+        server.handle().open_connections(),
+        CONNECTIONS,
+        "every idle connection should still be open"
+    );
+    assert_eq!(
+        threads_named("net-io-loop"),
+        2,
+        "two loop threads should hold every connection"
+    );
+    assert_eq!(
+        threads_named("net-io-worker"),
+        0,
+        "the event loop should start no worker threads"
+    );
+    // The first and the last connection still answer after all the others went idle.
+    assert_eq!(round_trip(&mut streams[0], b"again\n"), b"again\n");
+    assert_eq!(
+        round_trip(&mut streams[CONNECTIONS - 1], b"again\n"),
+        b"again\n"
+    );
+    let report = server.shutdown(Instant::now() + Duration::from_secs(10));
+    assert_eq!(
+        (report.graceful, report.killed),
+        (CONNECTIONS as u64, 0),
+        "a drain should close every idle connection gracefully"
+    );
+    let closes = recorder.closes();
+    assert_eq!(closes.len(), CONNECTIONS, "every connection closes once");
+    assert!(
+        closes
+            .iter()
+            .all(|(_, reason)| *reason == CloseReason::Drained),
+        "idle connections should close as Drained, saw {:?}",
+        closes
+            .iter()
+            .find(|(_, reason)| *reason != CloseReason::Drained)
+    );
+}
+
+#[test]
+fn parked_sessions_hold_no_thread_and_each_wakes_with_its_own_completion() {
+    let _turn = turn();
+    const PARKED: usize = 200;
+    let recorder = Recorder::default();
+    let limits = Limits::new()
+        .max_connections(PARKED + 10)
+        .max_per_source(PARKED + 10)
+        .completion_queue(4);
+    let (server, completers) = server(1, limits, &recorder);
+    let mut streams = Vec::with_capacity(PARKED);
+    for _ in 0..PARKED {
+        let mut stream = client(server.local_addr());
+        stream.write_all(b"park\n").expect("send park");
+        streams.push(stream);
+    }
+    assert!(
+        eventually(SOON, || completers.lock().unwrap().len() == PARKED),
+        "every session should have parked, {} did",
+        completers.lock().unwrap().len()
+    );
+    assert_eq!(
+        threads_named("net-io-loop"),
+        1,
+        "parked sessions should not start threads"
+    );
+    // The one loop thread still serves a new connection while 200 sessions are parked on it.
+    let mut fresh = client(server.local_addr());
+    assert_eq!(round_trip(&mut fresh, b"still here\n"), b"still here\n");
+    // Wake every parked session with its own value, from another thread, in reverse order.
+    let posted: Vec<Completer> = completers.lock().unwrap().drain(..).collect();
+    let by_id: HashMap<ConnectionId, u64> = posted
+        .iter()
+        .enumerate()
+        .map(|(index, completer)| (completer.id(), index as u64 + 1000))
+        .collect();
+    std::thread::spawn(move || {
+        for (index, completer) in posted.iter().enumerate().rev() {
+            completer
+                .post(1, index as u64 + 1000)
+                .expect("a parked session's ring should take one completion");
+        }
+    })
+    .join()
+    .expect("the posting thread should not panic");
+    let mut answers = Vec::with_capacity(PARKED);
+    for stream in &mut streams {
+        let line = read_line(stream);
+        let value: u64 = line
+            .trim()
+            .strip_prefix("woke ")
+            .and_then(|value| value.parse().ok())
+            .unwrap_or_else(|| panic!("a parked session answered {line:?}"));
+        answers.push(value);
+    }
+    answers.sort_unstable();
+    let mut expected: Vec<u64> = by_id.values().copied().collect();
+    expected.sort_unstable();
+    assert_eq!(
+        answers, expected,
+        "each session should answer with its own completion"
+    );
+    drop(streams);
+    drop(fresh);
+    let closes = recorder.wait_for_closes(PARKED + 1, SOON);
+    assert_eq!(closes.len(), PARKED + 1, "every connection closes once");
+}
+
+#[test]
+fn kills_and_a_drain_reach_connections_on_every_loop() {
+    let _turn = turn();
+    const CONNECTIONS: usize = 32;
+    const KILLERS: usize = 64;
+    let recorder = Recorder::default();
+    let limits = Limits::new()
+        .max_connections(CONNECTIONS + 10)
+        .max_per_source(CONNECTIONS + 10)
+        .idle_timeout(Duration::from_secs(60));
+    let (server, completers) = server(4, limits, &recorder);
+    let handle = server.handle();
+    let mut streams = Vec::with_capacity(CONNECTIONS);
+    for index in 0..CONNECTIONS {
+        let mut stream = client(server.local_addr());
+        let message = format!("{index}\n");
+        assert_eq!(
+            round_trip(&mut stream, message.as_bytes()),
+            message.as_bytes()
+        );
+        streams.push(stream);
+    }
+    let mut ids = handle.connections();
+    ids.sort();
+    assert_eq!(
+        ids.len(),
+        CONNECTIONS,
+        "every connection should be listed, whichever loop holds it"
+    );
+    // Half the connections are killed, each by 64 racing threads: one of them wins per connection.
+    let victims: Vec<ConnectionId> = ids.iter().copied().step_by(2).collect();
+    let wins: Arc<Vec<AtomicUsize>> =
+        Arc::new((0..victims.len()).map(|_| AtomicUsize::new(0)).collect());
+    let start = Arc::new(Barrier::new(KILLERS));
+    let killers: Vec<_> = (0..KILLERS)
+        .map(|_| {
+            let (handle, victims, wins, start) = (
+                handle.clone(),
+                victims.clone(),
+                Arc::clone(&wins),
+                Arc::clone(&start),
+            );
+            std::thread::spawn(move || {
+                start.wait();
+                for (index, id) in victims.iter().enumerate() {
+                    if handle.kill(*id, 7) {
+                        wins[index].fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for killer in killers {
+        killer.join().expect("a killer thread panicked");
+    }
+    for (index, won) in wins.iter().enumerate() {
+        assert_eq!(
+            won.load(Ordering::Relaxed),
+            1,
+            "connection {:?} should be killed by exactly one of {KILLERS} threads",
+            victims[index]
+        );
+    }
+    let closes = recorder.wait_for_closes(victims.len(), SOON);
+    assert!(
+        closes
+            .iter()
+            .all(|(id, reason)| victims.contains(id) && *reason == CloseReason::Killed(7)),
+        "only the victims should close, as Killed(7): {closes:?}"
+    );
+    // One survivor parks (busy); the rest idle. A drain closes the idle ones at once and kills the parked
+    // one at its deadline.
+    let survivors: Vec<usize> = (1..CONNECTIONS).step_by(2).collect();
+    streams[survivors[0]]
+        .write_all(b"park\n")
+        .expect("send park");
+    assert!(
+        eventually(SOON, || completers.lock().unwrap().len() == 1),
+        "the survivor should park"
+    );
+    let started = Instant::now();
+    let report = handle.drain(Instant::now() + Duration::from_millis(500));
+    assert_eq!(
+        (report.graceful, report.killed),
+        (survivors.len() as u64 - 1, 1),
+        "the drain should close the idle survivors and kill the parked one"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(450),
+        "the parked session should last until the drain deadline"
+    );
+    let closes = recorder.wait_for_closes(CONNECTIONS, SOON);
+    let drained = closes
+        .iter()
+        .filter(|(_, reason)| *reason == CloseReason::Drained)
+        .count();
+    let deadline = closes
+        .iter()
+        .filter(|(_, reason)| *reason == CloseReason::DrainDeadline)
+        .count();
+    assert_eq!(
+        (drained, deadline),
+        (survivors.len() - 1, 1),
+        "the survivors should close as Drained, and the parked one as DrainDeadline: {closes:?}"
+    );
+    drop(server);
+}
+
+/// Swallows everything it reads, except that a line `ping` gets `pong`.
+struct Sink;
+
+impl Session for Sink {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        if input.bytes() == b"ping\n" {
+            input.consume_all();
+            let _ = context.output().push(b"pong\n");
+            return Step::Write;
+        }
+        input.consume_all();
+        Step::Read
+    }
+}
+
+#[test]
+fn a_peer_that_never_stops_sending_does_not_starve_the_other_connections_of_its_loop() {
+    let _turn = turn();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 1 })
+        .limits(Limits::new().read_buffer(4096).min_rate(None))
+        .sessions(|_: &ConnectionInfo| Some(Sink))
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let address = server.local_addr();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let mut stream = client(address);
+            let chunk = vec![b'x'; 256 * 1024];
+            while !stop.load(Ordering::Relaxed) {
+                if stream.write_all(&chunk).is_err() {
+                    break;
+                }
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let mut other = client(address);
+    for _ in 0..20 {
+        let started = Instant::now();
+        assert_eq!(round_trip(&mut other, b"ping\n"), b"pong\n");
+        // Generous: a loaded 2-core machine can stall any thread for a few hundred milliseconds.
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "a round trip beside the flood took {:?}",
+            started.elapsed()
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    flood.join().expect("the flooding client panicked");
+    // The flood's FIN arrived behind megabytes of data: the loop must still see it and close.
+    assert!(
+        eventually(SOON, || server.handle().connections().len() == 1),
+        "the flooding connection should close once its peer did"
+    );
+}
+
+/// Restless: parks with a deadline already past, and answers every park timeout by parking in the past
+/// again, a session that never waits for anything. Otherwise it echoes.
+struct Restless {
+    restless: bool,
+}
+
+impl Session for Restless {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        if !self.restless {
+            let taken = context.output().push_partial(input.bytes());
+            input.consume(taken);
+            return Step::Write;
+        }
+        input.consume_all();
+        Step::Park {
+            until: context.now() - Duration::from_millis(1),
+        }
+    }
+
+    fn on_timeout(
+        &mut self,
+        _kind: net_io_blocking::TimeoutKind,
+        context: &mut SessionContext<'_>,
+    ) -> Step {
+        if !self.restless {
+            return Step::Close;
+        }
+        Step::Park {
+            until: context.now() - Duration::from_millis(1),
+        }
+    }
+}
+
+#[test]
+fn a_session_that_parks_in_the_past_forever_does_not_starve_its_loop() {
+    let _turn = turn();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 1 })
+        // The first connection is restless; every later one is an echo beside it.
+        .sessions(|info: &ConnectionInfo| {
+            Some(Restless {
+                restless: info.id.get() == 1,
+            })
+        })
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let mut restless = client(server.local_addr());
+    restless
+        .write_all(b"go\n")
+        .expect("send to the restless session");
+    std::thread::sleep(Duration::from_millis(100));
+    let mut other = client(server.local_addr());
+    for _ in 0..10 {
+        let started = Instant::now();
+        assert_eq!(round_trip(&mut other, b"ping\n"), b"ping\n");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "a round trip beside the restless session took {:?}",
+            started.elapsed()
+        );
+    }
+    let restless_id = ConnectionId::new(1).expect("ids start at 1");
+    assert!(
+        server.handle().kill(restless_id, 9),
+        "the restless session should still be open, and a kill should end it"
+    );
+    drop(restless);
+}
