@@ -599,8 +599,7 @@ impl Block {
         let [gate, up] = self.ffn_input.forward::<2>(&normed)?;
         let activated = match config.architecture {
             Architecture::Llama => candle_nn::ops::silu(&gate)?,
-            // llama.cpp's CPU GELU reads a table indexed by the f16 input and holding f16 outputs.
-            Architecture::Gemma3 => round_to_half(&round_to_half(&gate)?.gelu()?)?,
+            Architecture::Gemma3 => gelu_as_ggml(&gate)?,
         };
         let mixed = (activated * up)?;
         let mut ffn_out = self.down.forward(&mixed)?;
@@ -963,9 +962,46 @@ fn rms_norm(values: &Tensor, weight: &Tensor, epsilon: f32) -> Result<Tensor, Mo
     Ok(Tensor::from_vec(output, values.shape(), &Device::Cpu)?)
 }
 
-/// `values` rounded to the nearest f16 and back to f32.
-fn round_to_half(values: &Tensor) -> candle_core::Result<Tensor> {
-    values.to_dtype(DType::F16)?.to_dtype(DType::F32)
+/// GELU (tanh form) as llama.cpp's CPU backend computes it: 0 at or below -10, the identity at or above 10, and
+/// in between a table indexed by the input rounded to f16 (see [`gelu_table`]).
+///
+/// Checked against llama.cpp's `ffn_geglu` tensors for gemma-3: this matches every element bit for bit, where
+/// candle's `gelu` on f16-rounded input (what we had) differed in about 1 element in 6000 by an f16 step.
+fn gelu_as_ggml(values: &Tensor) -> Result<Tensor, ModelError> {
+    let table = gelu_table();
+    let input = values.flatten_all()?.to_vec1::<f32>()?;
+    let output: Vec<f32> = input
+        .iter()
+        .map(|&x| {
+            if x <= -10.0 {
+                0.0
+            } else if x >= 10.0 {
+                x
+            } else {
+                table[usize::from(half::f16::from_f32(x).to_bits())]
+            }
+        })
+        .collect();
+    Ok(Tensor::from_vec(output, values.shape(), &Device::Cpu)?)
+}
+
+/// GELU of every f16 value, rounded to f16 (held as f32): `0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))`
+/// in f32 with the inner `1 + 0.044715 x * x` as one fused multiply-add, which is how the compiler builds
+/// ggml's table. 256 KB, computed once per process.
+fn gelu_table() -> &'static [f32] {
+    static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+        const CUBIC: f32 = 0.044_715;
+        (0..=u16::MAX)
+            .map(|bits| {
+                let x = half::f16::from_bits(bits).to_f32();
+                let inner = (CUBIC * x).mul_add(x, 1.0);
+                let y = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * inner).tanh());
+                half::f16::from_f32(y).to_f32()
+            })
+            .collect()
+    })
 }
 
 /// Weight matrices over the same input. Consecutive matrices of one ggml type are stacked into one
