@@ -558,16 +558,13 @@ impl Block {
         let key = key.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
         let value = value.transpose(0, 1)?.contiguous()?;
         let (cos, sin) = rope.tables(self.attention.rope_base);
-        let (query, key) = match config.architecture {
-            Architecture::Llama => (
-                candle_nn::rotary_emb::rope_i(&query, cos, sin)?,
-                candle_nn::rotary_emb::rope_i(&key, cos, sin)?,
-            ),
-            Architecture::Gemma3 => (
-                candle_nn::rotary_emb::rope(&query, cos, sin)?,
-                candle_nn::rotary_emb::rope(&key, cos, sin)?,
-            ),
+        // Llama rotates adjacent pairs, gemma (NeoX style) the two halves of each head.
+        let pairing = match config.architecture {
+            Architecture::Llama => RopePairing::Adjacent,
+            Architecture::Gemma3 => RopePairing::Halves,
         };
+        let query = apply_rope(&query, cos, sin, pairing)?;
+        let key = apply_rope(&key, cos, sin, pairing)?;
         // Keys and values are rounded to f16 in the cache, as llama.cpp's default f16 KV cache stores them;
         // queries, scores and attention weights stay f32, as in its flash-attention kernel for prompt batches
         // (the evaluation the agreement fixtures come from). Rounding queries and weights to f16 as well (its
@@ -791,47 +788,48 @@ impl LayerCache {
     }
 }
 
-/// cos/sin tables for the chunk's positions, one pair per RoPE base the stage uses.
+/// cos/sin tables for the chunk's positions, `[rows][width / 2]`, one pair per RoPE base the stage uses.
 struct RopeTables {
-    tables: Vec<(f32, Tensor, Tensor)>,
+    tables: Vec<(f32, Vec<f32>, Vec<f32>)>,
 }
 
 impl RopeTables {
+    /// The angles are computed as ggml computes them: in f32, pair `i`'s angle being pair `i - 1`'s times
+    /// `base^(-2 / width)`, and the position scale applied to the angle. Exact angles (in f64) differ from
+    /// llama.cpp's by about 1e-6 relative, which through the 8-bit activation quantisation downstream became
+    /// visible noise in the logits; with these tables and [`apply_rope`], gemma-3's rotated queries equal
+    /// llama.cpp's bit for bit.
     fn new(
         config: &ModelConfig,
         blocks: &[Block],
         position: usize,
         rows: usize,
     ) -> Result<Self, ModelError> {
-        let mut tables: Vec<(f32, Tensor, Tensor)> = Vec::new();
+        let mut tables: Vec<(f32, Vec<f32>, Vec<f32>)> = Vec::new();
         let half = config.key_length / 2;
         for block in blocks {
             let base = block.attention.rope_base;
             if tables.iter().any(|(known, _, _)| *known == base) {
                 continue;
             }
+            let step = base.powf(-2.0 / config.key_length as f32);
             let mut cos = Vec::with_capacity(rows * half);
             let mut sin = Vec::with_capacity(rows * half);
             for row in 0..rows {
-                let scaled = (position + row) as f64 * config.rope_position_scale as f64;
-                for pair in 0..half {
-                    let frequency =
-                        (base as f64).powf(-2.0 * pair as f64 / config.key_length as f64);
-                    let angle = scaled * frequency;
-                    cos.push(angle.cos() as f32);
-                    sin.push(angle.sin() as f32);
+                let mut angle = (position + row) as f32;
+                for _ in 0..half {
+                    let scaled = config.rope_position_scale * angle;
+                    cos.push(scaled.cos());
+                    sin.push(scaled.sin());
+                    angle *= step;
                 }
             }
-            tables.push((
-                base,
-                Tensor::from_vec(cos, (rows, half), &Device::Cpu)?,
-                Tensor::from_vec(sin, (rows, half), &Device::Cpu)?,
-            ));
+            tables.push((base, cos, sin));
         }
         Ok(Self { tables })
     }
 
-    fn tables(&self, base: f32) -> (&Tensor, &Tensor) {
+    fn tables(&self, base: f32) -> (&[f32], &[f32]) {
         let entry = self
             .tables
             .iter()
@@ -839,6 +837,48 @@ impl RopeTables {
             .unwrap_or(&self.tables[0]);
         (&entry.1, &entry.2)
     }
+}
+
+/// Which elements of a head RoPE rotates together.
+#[derive(Clone, Copy)]
+enum RopePairing {
+    /// Elements `2i` and `2i + 1` (llama).
+    Adjacent,
+    /// Elements `i` and `i + width / 2` (NeoX style, gemma).
+    Halves,
+}
+
+/// Rotates `values` (`[1, heads, rows, width]`, contiguous) by the angles of `cos`/`sin` (`[rows][width / 2]`):
+/// `(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`, the first product fused with the sum of the other, rounded
+/// one, as ggml's compiled kernel evaluates it (checked bit for bit against llama.cpp's gemma-3 tensors).
+fn apply_rope(
+    values: &Tensor,
+    cos: &[f32],
+    sin: &[f32],
+    pairing: RopePairing,
+) -> Result<Tensor, ModelError> {
+    let (_, _, rows, width) = values.dims4()?;
+    let half = width / 2;
+    let mut data = values.flatten_all()?.to_vec1::<f32>()?;
+    for (index, head_row) in data.chunks_exact_mut(width).enumerate() {
+        let row = index % rows;
+        let (cos, sin) = (&cos[row * half..][..half], &sin[row * half..][..half]);
+        for pair in 0..half {
+            let (first, second) = match pairing {
+                RopePairing::Adjacent => (2 * pair, 2 * pair + 1),
+                RopePairing::Halves => (pair, pair + half),
+            };
+            let (x0, x1) = (head_row[first], head_row[second]);
+            // In f64 the product x0 * cos is exact, so one rounding to f32 gives the fused result (double
+            // rounding could differ in a one-in-billions tie; it matched every element of llama.cpp's tensors)
+            // while staying a plain vectorisable multiply-add instead of a libm `fmaf` call on targets
+            // without FMA.
+            let (c, s) = (f64::from(cos[pair]), f64::from(sin[pair]));
+            head_row[first] = (f64::from(x0) * c - f64::from(x1 * sin[pair])) as f32;
+            head_row[second] = (f64::from(x0) * s + f64::from(x1 * cos[pair])) as f32;
+        }
+    }
+    Ok(Tensor::from_vec(data, values.shape(), &Device::Cpu)?)
 }
 
 /// How the attention scale is applied: gemma scales the queries before the product, llama the scores after.
