@@ -348,6 +348,59 @@ fn gemma3_agrees_with_llama_cpp_teacher_forced_and_greedy() {
     agree_with_llama_cpp("gemma3");
 }
 
+/// Our logits for the first case's stream computed two ways, which must agree bit for bit: as one chunk, and as
+/// the prompt followed by one token at a time. The greedy check (c) rests on this: where our batch argmax equals
+/// llama.cpp's, our own decoding then produces the same token.
+fn decode_equals_one_chunk(short_name: &str) {
+    let fixture = load_fixture(short_name);
+    let Some(path) = model_path(&fixture) else {
+        return;
+    };
+    let mut pipeline = load_pipeline(&path, &fixture);
+    let case = &fixture.cases[0];
+    let stream = case.stream();
+    let steps = 24.min(case.generated_ids.len());
+    let stream = &stream[..case.prompt_ids.len() + steps];
+    let reference = teacher_forced_rows(&mut pipeline, stream, fixture.vocabulary);
+    pipeline.reset(0).expect("resetting lane 0 must work");
+    let prompt = case.prompt_ids.len();
+    let mut rows: Vec<Vec<f32>> = pipeline
+        .forward(0, 0, &stream[..prompt], Logits::All)
+        .expect("our prompt prefill failed")
+        .chunks_exact(fixture.vocabulary)
+        .map(<[f32]>::to_vec)
+        .collect();
+    for position in prompt..stream.len() {
+        rows.push(
+            pipeline
+                .forward(0, position, &stream[position..position + 1], Logits::Last)
+                .expect("our decode step failed"),
+        );
+    }
+    for (position, (one_chunk, stepwise)) in reference.iter().zip(&rows).enumerate() {
+        let differing = one_chunk
+            .iter()
+            .zip(stepwise)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differing, 0,
+            "{short_name}: at position {position}, decoding token by token changes {differing} logits against \
+             evaluating the stream as one chunk; some product or the attention depends on the chunk size"
+        );
+    }
+}
+
+#[test]
+fn gemma3_decodes_bit_identically_to_one_chunk() {
+    decode_equals_one_chunk("gemma3");
+}
+
+#[test]
+fn smollm2_decodes_bit_identically_to_one_chunk() {
+    decode_equals_one_chunk("smollm2");
+}
+
 #[test]
 fn every_fixture_is_internally_consistent() {
     for short_name in ["smollm2", "gemma3"] {
