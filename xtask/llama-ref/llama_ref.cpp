@@ -13,6 +13,12 @@
 //     and the top-2 logit margin of every greedy step (as decoded incrementally, which can differ slightly from
 //     the teacher-forced batch).
 //
+//   With --dump-dir DIR, the teacher-forced evaluation also writes every contiguous f32 intermediate tensor that
+//   llama.cpp's graph names (through the context's eval callback: "attn_norm-0", "Qcur-0", "kqv_out-0", "l_out-0",
+//   ..., "result_norm", "result_output") to DIR/<name>.f32 as raw little-endian f32 in ggml order (the first
+//   dimension varies fastest), and lists them in DIR/index.txt as `name ne0 ne1 ne2 ne3`. A name the graph uses
+//   twice gets a `#2`, `#3`, ... suffix. This is how our forward is compared with llama.cpp's layer by layer.
+//
 //   llama_ref --backends DIR --model FILE [--threads N] bench [--pp 128] [--tg 64] [--repeats 5]
 //     llama-bench-style timing: one warm-up, then per repeat a prompt of pp tokens decoded as one batch from an
 //     empty cache, and tg tokens decoded one at a time from an empty cache. Prints one JSON object with the
@@ -25,6 +31,8 @@
 #include "ggml-backend.h"
 #include "llama.h"
 
+#include "ggml.h"
+
 #include <algorithm>
 #include <cmath>
 #include <chrono>
@@ -32,6 +40,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -103,6 +112,34 @@ static void decode(llama_context * context, const std::vector<llama_token> & tok
     if (status != 0) fail("llama_decode failed with status " + std::to_string(status));
 }
 
+// Where --dump-dir writes intermediate tensors, and whether the evaluation running now is the one to dump.
+struct TensorDump {
+    std::string directory;
+    bool active = false;
+    std::map<std::string, int> seen;
+    FILE * index = nullptr;
+};
+
+// The eval callback: asks for every contiguous f32 tensor while a dump is active, then writes it out.
+static bool dump_tensor(struct ggml_tensor * tensor, bool ask, void * user_data) {
+    TensorDump * dump = (TensorDump *) user_data;
+    const bool wanted = dump->active && tensor->type == GGML_TYPE_F32 && ggml_is_contiguous(tensor);
+    if (ask || !wanted) return ask ? wanted : true;
+    std::string name = ggml_get_name(tensor);
+    int count = ++dump->seen[name];
+    if (count > 1) name += "#" + std::to_string(count);
+    std::vector<float> values((size_t) ggml_nelements(tensor));
+    ggml_backend_tensor_get(tensor, values.data(), 0, values.size() * sizeof(float));
+    std::string path = dump->directory + "/" + name + ".f32";
+    FILE * out = fopen(path.c_str(), "wb");
+    if (!out) fail("could not create " + path);
+    if (fwrite(values.data(), sizeof(float), values.size(), out) != values.size()) fail("could not write " + path);
+    fclose(out);
+    fprintf(dump->index, "%s %lld %lld %lld %lld\n", name.c_str(), (long long) tensor->ne[0], (long long) tensor->ne[1],
+            (long long) tensor->ne[2], (long long) tensor->ne[3]);
+    return true;
+}
+
 static llama_token argmax(const float * logits, int vocabulary) {
     return (llama_token) (std::max_element(logits, logits + vocabulary) - logits);
 }
@@ -138,7 +175,7 @@ static std::string doubles_json(const std::vector<double> & values, int decimals
 }
 
 int main(int argc, char ** argv) {
-    std::string backends, model_path, mode, prompt, ids_text, logits_out;
+    std::string backends, model_path, mode, prompt, ids_text, logits_out, dump_dir;
     int threads = 2, generate = 0, pp = 128, tg = 64, repeats = 5;
     for (int i = 1; i < argc; i++) {
         std::string argument = argv[i];
@@ -153,6 +190,7 @@ int main(int argc, char ** argv) {
         else if (argument == "--ids") ids_text = value();
         else if (argument == "--generate") generate = atoi(value().c_str());
         else if (argument == "--logits-out") logits_out = value();
+        else if (argument == "--dump-dir") dump_dir = value();
         else if (argument == "--pp") pp = atoi(value().c_str());
         else if (argument == "--tg") tg = atoi(value().c_str());
         else if (argument == "--repeats") repeats = atoi(value().c_str());
@@ -201,6 +239,16 @@ int main(int argc, char ** argv) {
     context_parameters.n_ubatch = context_parameters.n_ctx;
     context_parameters.n_threads = threads;
     context_parameters.n_threads_batch = threads;
+    TensorDump dump;
+    if (!dump_dir.empty()) {
+        if (logits_out.empty()) fail("--dump-dir dumps the teacher-forced evaluation, so it needs --logits-out");
+        dump.directory = dump_dir;
+        std::string index_path = dump_dir + "/index.txt";
+        dump.index = fopen(index_path.c_str(), "w");
+        if (!dump.index) fail("could not create " + index_path + " (does the folder exist?)");
+        context_parameters.cb_eval = dump_tensor;
+        context_parameters.cb_eval_user_data = &dump;
+    }
     llama_context * context = llama_init_from_model(model, context_parameters);
     if (!context) fail("could not create a llama context");
     llama_memory_t memory = llama_get_memory(context);
@@ -218,7 +266,10 @@ int main(int argc, char ** argv) {
         }
         if (!logits_out.empty()) {
             llama_memory_clear(memory, true);
+            dump.active = dump.index != nullptr;
             decode(context, stream, 0, true);
+            dump.active = false;
+            if (dump.index) fclose(dump.index);
             FILE * out = fopen(logits_out.c_str(), "wb");
             if (!out) fail("could not create " + logits_out);
             for (size_t row = 0; row < stream.size(); row++) {

@@ -76,27 +76,29 @@ impl WeightFormat {
         let d = f16_at(block, 0);
         match self {
             Self::Q4_0 | Self::Q4_1 => {
-                let (nibbles, offset) = match self {
-                    Self::Q4_0 => (&block[2..18], -8.0 * d),
-                    _ => (&block[4..20], f16_at(block, 2)),
+                // Q4_0's zero point is centred in the integers (`q - 8`), as the SIMD kernels do.
+                let (nibbles, centre, offset) = match self {
+                    Self::Q4_0 => (&block[2..18], 8, 0.0),
+                    _ => (&block[4..20], 0, f16_at(block, 2)),
                 };
                 for (j, byte) in nibbles.iter().enumerate() {
-                    q[j] = i32::from(byte & 0x0F);
-                    q[j + 16] = i32::from(byte >> 4);
+                    q[j] = i32::from(byte & 0x0F) - centre;
+                    q[j + 16] = i32::from(byte >> 4) - centre;
                 }
                 (d, offset)
             }
             Self::Q5_0 | Self::Q5_1 => {
-                let (high, nibbles, offset) = match self {
-                    Self::Q5_0 => (&block[2..6], &block[6..22], -16.0 * d),
-                    _ => (&block[4..8], &block[8..24], f16_at(block, 2)),
+                // Q5_0's zero point is centred in the integers (`q - 16`), as the SIMD kernels do.
+                let (high, nibbles, centre, offset) = match self {
+                    Self::Q5_0 => (&block[2..6], &block[6..22], 16, 0.0),
+                    _ => (&block[4..8], &block[8..24], 0, f16_at(block, 2)),
                 };
                 let high = u32::from_le_bytes([high[0], high[1], high[2], high[3]]);
                 for (j, byte) in nibbles.iter().enumerate() {
                     let bit_low = ((high >> j) & 1) as i32;
                     let bit_high = ((high >> (j + 16)) & 1) as i32;
-                    q[j] = i32::from(byte & 0x0F) | (bit_low << 4);
-                    q[j + 16] = i32::from(byte >> 4) | (bit_high << 4);
+                    q[j] = (i32::from(byte & 0x0F) | (bit_low << 4)) - centre;
+                    q[j + 16] = (i32::from(byte >> 4) | (bit_high << 4)) - centre;
                 }
                 (d, offset)
             }

@@ -36,8 +36,8 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use candle_core::quantized::{QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Storage, Tensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{D, DType, Device, Module, Storage, Tensor};
 
 pub use activation::QuantizedActivations;
 pub use format::{BLOCK, WeightFormat};
@@ -186,6 +186,34 @@ pub struct Linear {
 enum Backend {
     Ours(QuantizedMatrix, SimdLevel),
     Candle(QMatMul),
+}
+
+/// A product on candle's `QMatMul` whose rows do not depend on how many rows came with them.
+///
+/// candle 0.11 multiplies Q6_K weights on x86 with its repacked tiles when the input has two or more rows and
+/// with a vector dot product for one row; the two sum in different orders, so a decode step differed from the
+/// same position in a prefill by up to a logit after amplification through later layers (and free-running
+/// greedy output left llama.cpp's where the teacher-forced logits agreed). A single row is therefore sent as
+/// two copies of itself and the first result kept: every row takes the same path, at the cost of a second row
+/// on a product whose time is in reading the weights.
+fn candle_forward(inner: &QMatMul, input: &Tensor) -> candle_core::Result<Tensor> {
+    let row_dependent =
+        matches!(inner, QMatMul::QTensor(weight) if weight.dtype() == GgmlDType::Q6K);
+    let rows = input.elem_count() / input.dim(D::Minus1)?.max(1);
+    if !row_dependent || rows != 1 {
+        return inner.forward(input);
+    }
+    let dims = input.dims().to_vec();
+    let pair = Tensor::cat(
+        &[input.flatten_to(D::Minus2)?, input.flatten_to(D::Minus2)?],
+        0,
+    )?;
+    let product = inner.forward(&pair)?.narrow(0, 0, 1)?;
+    let mut output_dims = dims;
+    if let Some(last) = output_dims.last_mut() {
+        *last = product.dim(D::Minus1)?;
+    }
+    product.reshape(output_dims)
 }
 
 /// Where one product writes: `output[x * out_features + o]`, shared by the threads of one call.
@@ -360,7 +388,7 @@ impl Linear {
             let Backend::Candle(inner) = &self.inner else {
                 unreachable!("two variants")
             };
-            return inner.forward(input);
+            return candle_forward(inner, input);
         };
         let mut dims = input.dims().to_vec();
         let Some(last) = dims.last_mut() else {

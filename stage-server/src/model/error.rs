@@ -160,6 +160,20 @@ pub enum ModelError {
         /// The asked length.
         target: usize,
     },
+    /// A trim reached back past what the sliding-window layers still hold: they keep only the last window of
+    /// positions (and some slack), so earlier keys and values are gone.
+    #[error(
+        "lane {lane} can be trimmed back to position {earliest} at the earliest, not {target}: its sliding-window \
+         layers no longer hold the keys and values before that; reset the lane and prefill it again"
+    )]
+    TrimBeyondWindow {
+        /// The lane.
+        lane: usize,
+        /// The asked length.
+        target: usize,
+        /// The shortest length the lane can be trimmed to (other than 0, which always works).
+        earliest: usize,
+    },
     /// The chunk is empty.
     #[error("a chunk needs at least one token or activation row")]
     EmptyChunk,

@@ -23,7 +23,9 @@ pub use pipeline::{
     encode_activations,
 };
 pub use sampling::{Sampler, SamplingParams};
-pub use stage::{Logits, SplitError, Stage, StageInput, StageOptions, StageOutput, StageSpec};
+pub use stage::{
+    Logits, SplitError, Stage, StageInput, StageOptions, StageOutput, StageSpec, TRIM_SLACK,
+};
 
 /// The file name of the SmolLM2 test model in the model directory.
 pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";

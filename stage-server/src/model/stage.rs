@@ -182,16 +182,39 @@ struct Lane {
     caches: Vec<LayerCache>,
 }
 
-/// Keys and values of one block, `[kv_heads, capacity, head_width]`, grown in chunks so appends rarely copy.
-#[derive(Debug, Default)]
+/// Keys and values of one block, `[kv_heads][capacity][head_width]` f32 values (rounded to f16), grown in
+/// chunks so appends rarely copy.
+///
+/// A global layer keeps every position from 0. A sliding-window layer of window `w` keeps only what later
+/// queries can see: when its buffer is full it moves the last `w - 1 + TRIM_SLACK` positions to the front
+/// instead of growing, so its memory stays near `w + TRIM_SLACK + CACHE_CHUNK` positions however long the
+/// session runs. The slack lets a lane be trimmed back a little (speculative decoding, a retried step) after
+/// the window has slid past position 0.
+///
+/// ```text
+///   stored rows:  [ start ........................ length )   capacity
+///                   ^ absolute position of row 0          ^ next append
+/// ```
+#[derive(Debug)]
 struct LayerCache {
-    keys: Option<Tensor>,
-    values: Option<Tensor>,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    kv_heads: usize,
+    width: usize,
+    /// Positions each head's buffer has room for.
     capacity: usize,
+    /// The absolute position of stored row 0 (0 for global layers).
+    start: usize,
+    /// The layer's sliding window, if it has one.
+    window: Option<usize>,
 }
 
 /// The cache grows by whole chunks of this many positions.
 const CACHE_CHUNK: usize = 256;
+
+/// Positions a sliding-window layer keeps beyond its window, so a lane can always be trimmed back by at least
+/// this many positions.
+pub const TRIM_SLACK: usize = 64;
 
 impl Stage {
     /// Loads the stage `spec` of the model at `path`.
@@ -257,7 +280,7 @@ impl Stage {
             None
         };
         let lanes = (0..options.lane_count)
-            .map(|_| Lane::new(blocks.len()))
+            .map(|_| Lane::new(&blocks, &config))
             .collect();
         Ok(Self {
             path,
@@ -370,8 +393,7 @@ impl Stage {
                     Logits::Last => hidden.narrow(0, rows - 1, 1)?,
                     Logits::All => hidden,
                 };
-                let normed =
-                    candle_nn::ops::rms_norm(&rows_wanted, &head.norm, self.config.rms_epsilon)?;
+                let normed = rms_norm(&rows_wanted, &head.norm, self.config.rms_epsilon)?;
                 let mut values = head.output.forward(&normed)?;
                 if let Some(cap) = self.config.final_logit_softcap {
                     values = ((values / cap as f64)?.tanh()? * cap as f64)?;
@@ -396,6 +418,10 @@ impl Stage {
     }
 
     /// Cuts lane `lane` back to its first `length` positions, so the next chunk starts at `length`.
+    ///
+    /// Sliding-window layers keep only the last window of positions plus [`TRIM_SLACK`], so a lane can always be
+    /// trimmed back by [`TRIM_SLACK`] positions, and to 0; a trim further back than its sliding-window layers still
+    /// cover fails with [`ModelError::TrimBeyondWindow`] and leaves the lane as it was.
     pub fn trim(&mut self, lane: usize, length: usize) -> Result<(), ModelError> {
         let current = self.lane(lane)?.length;
         if length > current {
@@ -405,6 +431,22 @@ impl Stage {
                 target: length,
             });
         }
+        if length == 0 {
+            return self.reset(lane);
+        }
+        let earliest = self.lanes[lane]
+            .caches
+            .iter()
+            .map(LayerCache::earliest_trim)
+            .max()
+            .unwrap_or(0);
+        if length < earliest {
+            return Err(ModelError::TrimBeyondWindow {
+                lane,
+                target: length,
+                earliest,
+            });
+        }
         self.lanes[lane].length = length;
         Ok(())
     }
@@ -412,8 +454,20 @@ impl Stage {
     /// Empties lane `lane` and frees its cache memory.
     pub fn reset(&mut self, lane: usize) -> Result<(), ModelError> {
         self.lane(lane)?;
-        self.lanes[lane] = Lane::new(self.blocks.len());
+        self.lanes[lane] = Lane::new(&self.blocks, &self.config);
         Ok(())
+    }
+
+    /// How many positions each block's key and value buffers on lane `lane` have room for, in block order: the
+    /// cache memory the lane holds is this times `2 x kv_heads x head_width x 4` bytes per block. Global layers
+    /// grow with the session; sliding-window layers stay bounded (see [`TRIM_SLACK`]).
+    pub fn lane_cache_capacity(&self, lane: usize) -> Result<Vec<usize>, ModelError> {
+        Ok(self
+            .lane(lane)?
+            .caches
+            .iter()
+            .map(|cache| cache.capacity)
+            .collect())
     }
 
     fn lane(&self, lane: usize) -> Result<&Lane, ModelError> {
@@ -487,81 +541,67 @@ impl Block {
         let heads = config.head_count;
         let kv_heads = config.head_count_kv;
         let head_width = config.key_length;
-        let group = heads / kv_heads;
 
-        let normed = candle_nn::ops::rms_norm(hidden, &self.attention_norm, epsilon)?;
+        let normed = rms_norm(hidden, &self.attention_norm, epsilon)?;
         let [query, key, value] = self.attention_input.forward::<3>(&normed)?;
         let mut query = query.reshape((rows, heads, head_width))?;
         let mut key = key.reshape((rows, kv_heads, head_width))?;
         let value = value.reshape((rows, kv_heads, head_width))?;
         if let Some(norm) = &self.query_norm {
-            query = candle_nn::ops::rms_norm(&query, norm, epsilon)?;
+            query = rms_norm(&query, norm, epsilon)?;
         }
         if let Some(norm) = &self.key_norm {
-            key = candle_nn::ops::rms_norm(&key, norm, epsilon)?;
+            key = rms_norm(&key, norm, epsilon)?;
         }
         // [rows, heads, width] -> [1, heads, rows, width] for the RoPE kernels.
         let query = query.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
         let key = key.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
         let value = value.transpose(0, 1)?.contiguous()?;
         let (cos, sin) = rope.tables(self.attention.rope_base);
-        let (query, key) = match config.architecture {
-            Architecture::Llama => (
-                candle_nn::rotary_emb::rope_i(&query, cos, sin)?,
-                candle_nn::rotary_emb::rope_i(&key, cos, sin)?,
-            ),
-            Architecture::Gemma3 => (
-                candle_nn::rotary_emb::rope(&query, cos, sin)?,
-                candle_nn::rotary_emb::rope(&key, cos, sin)?,
-            ),
+        // Llama rotates adjacent pairs, gemma (NeoX style) the two halves of each head.
+        let pairing = match config.architecture {
+            Architecture::Llama => RopePairing::Adjacent,
+            Architecture::Gemma3 => RopePairing::Halves,
         };
-        // Keys, values, queries and attention weights are rounded to f16 as llama.cpp's default f16
-        // KV cache does (its matmuls convert the other operand to f16 too); this keeps our logits
-        // within its noise instead of drifting with head width.
-        let key = round_to_half(&key.squeeze(0)?)?;
-        let value = round_to_half(&value)?;
-        let (keys, values) = cache.append(&key, &value, position)?;
-        let total = position + rows;
-        // Query heads h*group..(h+1)*group share key head h: fold them into one matrix per key head
-        // so the cached keys and values are used in place, never repeated.
-        let query = query.reshape((kv_heads, group * rows, head_width))?;
-        let scores = match config.architecture {
-            // Gemma scales the queries before the product, llama the scores after it.
-            Architecture::Gemma3 => {
-                round_to_half(&(query * config.attention_scale as f64)?)?.matmul(&keys.t()?)?
-            }
-            Architecture::Llama => {
-                (round_to_half(&query)?.matmul(&keys.t()?)? * config.attention_scale as f64)?
-            }
+        let query = apply_rope(&query, cos, sin, pairing)?;
+        let key = apply_rope(&key, cos, sin, pairing)?;
+        // Keys and values are rounded to f16 in the cache, as llama.cpp's default f16 KV cache stores them;
+        // queries, scores and attention weights stay f32, as in its flash-attention kernel for prompt batches
+        // (the evaluation the agreement fixtures come from). Rounding queries and weights to f16 as well (its
+        // non-flash matmul path) moved gemma-3's logits by a few tenths against that reference.
+        let key = key.flatten_all()?.to_vec1::<f32>()?;
+        let value = value.flatten_all()?.to_vec1::<f32>()?;
+        cache.append(&key, &value, position, rows)?;
+        let query = query.flatten_all()?.to_vec1::<f32>()?;
+        let scale = match config.architecture {
+            Architecture::Gemma3 => AttentionScale {
+                query: config.attention_scale,
+                score: 1.0,
+            },
+            Architecture::Llama => AttentionScale {
+                query: 1.0,
+                score: config.attention_scale,
+            },
         };
-        let scores = match attention_mask(rows, group, position, total, self.attention.window)? {
-            Some(mask) => scores.broadcast_add(&mask)?,
-            None => scores,
-        };
-        let probabilities = round_to_half(&candle_nn::ops::softmax_last_dim(&scores)?)?;
-        let attended = probabilities
-            .matmul(&values)?
-            .reshape((heads, rows, head_width))?
-            .transpose(0, 1)?
-            .contiguous()?
-            .reshape((rows, heads * head_width))?;
+        let mut attended = vec![0f32; rows * heads * head_width];
+        attend(&query, heads, rows, position, cache, scale, &mut attended);
+        let attended = Tensor::from_vec(attended, (rows, heads * head_width), &Device::Cpu)?;
         let mut attention_out = self.output.forward(&attended)?;
         if let Some(norm) = &self.post_attention_norm {
-            attention_out = candle_nn::ops::rms_norm(&attention_out, norm, epsilon)?;
+            attention_out = rms_norm(&attention_out, norm, epsilon)?;
         }
         let hidden = (hidden + attention_out)?;
 
-        let normed = candle_nn::ops::rms_norm(&hidden, &self.ffn_norm, epsilon)?;
+        let normed = rms_norm(&hidden, &self.ffn_norm, epsilon)?;
         let [gate, up] = self.ffn_input.forward::<2>(&normed)?;
         let activated = match config.architecture {
             Architecture::Llama => candle_nn::ops::silu(&gate)?,
-            // llama.cpp's CPU GELU reads a table indexed by the f16 input and holding f16 outputs.
-            Architecture::Gemma3 => round_to_half(&round_to_half(&gate)?.gelu()?)?,
+            Architecture::Gemma3 => gelu_as_ggml(&gate)?,
         };
         let mixed = (activated * up)?;
         let mut ffn_out = self.down.forward(&mixed)?;
         if let Some(norm) = &self.post_ffn_norm {
-            ffn_out = candle_nn::ops::rms_norm(&ffn_out, norm, epsilon)?;
+            ffn_out = rms_norm(&ffn_out, norm, epsilon)?;
         }
         Ok((hidden + ffn_out)?)
     }
@@ -627,90 +667,169 @@ impl EmbeddingRows {
 }
 
 impl Lane {
-    fn new(blocks: usize) -> Self {
+    fn new(blocks: &[Block], config: &ModelConfig) -> Self {
         Self {
             length: 0,
-            caches: (0..blocks).map(|_| LayerCache::default()).collect(),
+            caches: blocks
+                .iter()
+                .map(|block| {
+                    LayerCache::new(
+                        block.attention.window,
+                        config.head_count_kv,
+                        config.key_length,
+                    )
+                })
+                .collect(),
         }
     }
 }
 
 impl LayerCache {
-    /// Writes `key` and `value` (`[kv_heads, rows, width]`) at `position` and returns views of every
-    /// cached position up to and including them.
+    fn new(window: Option<usize>, kv_heads: usize, width: usize) -> Self {
+        Self {
+            keys: Vec::new(),
+            values: Vec::new(),
+            kv_heads,
+            width,
+            capacity: 0,
+            start: 0,
+            window,
+        }
+    }
+
+    /// The first position a query at `position` can see.
+    fn first_visible(&self, position: usize) -> usize {
+        self.window
+            .map_or(0, |window| (position + 1).saturating_sub(window))
+    }
+
+    /// The shortest non-zero length the lane can be trimmed to: the next query there must still see its whole
+    /// window.
+    fn earliest_trim(&self) -> usize {
+        match self.window {
+            Some(window) if self.start > 0 => self.start + window - 1,
+            _ => 0,
+        }
+    }
+
+    /// Writes `rows` new keys and values at `position`, each `[kv_heads][rows][width]`, rounded to f16 as
+    /// llama.cpp's default f16 KV cache stores them.
     fn append(
         &mut self,
-        key: &Tensor,
-        value: &Tensor,
+        key: &[f32],
+        value: &[f32],
         position: usize,
-    ) -> Result<(Tensor, Tensor), ModelError> {
-        let (kv_heads, rows, width) = key.dims3()?;
+        rows: usize,
+    ) -> Result<(), ModelError> {
+        let (kv_heads, width) = (self.kv_heads, self.width);
         let total = position + rows;
-        if total > self.capacity || self.keys.is_none() {
-            let capacity = total.div_ceil(CACHE_CHUNK) * CACHE_CHUNK;
-            let grow = |old: &Option<Tensor>| -> candle_core::Result<Tensor> {
-                let fresh = Tensor::zeros((kv_heads, capacity, width), DType::F32, &Device::Cpu)?;
-                if let Some(old) = old
-                    && position > 0
-                {
-                    fresh.slice_set(&old.narrow(1, 0, position)?.contiguous()?, 1, 0)?;
-                }
-                Ok(fresh)
-            };
-            self.keys = Some(grow(&self.keys)?);
-            self.values = Some(grow(&self.values)?);
-            self.capacity = capacity;
+        let visible = self.first_visible(position);
+        if visible < self.start {
+            // Stage::trim refuses lengths that would need dropped positions, so this is a bug, not bad input.
+            return Err(ModelError::Compute(format!(
+                "the cache holds positions from {} but a chunk at {position} needs them from {visible}",
+                self.start
+            )));
         }
-        let (Some(keys), Some(values)) = (&self.keys, &self.values) else {
-            unreachable!("the cache was allocated above");
-        };
-        keys.slice_set(key, 1, position)?;
-        values.slice_set(value, 1, position)?;
-        Ok((keys.narrow(1, 0, total)?, values.narrow(1, 0, total)?))
+        if total - self.start > self.capacity {
+            // Keep what later queries (and a trim of TRIM_SLACK) can still need; a global layer keeps all.
+            let keep_from = match self.window {
+                Some(window) => (position + 1)
+                    .saturating_sub(window + TRIM_SLACK)
+                    .max(self.start),
+                None => self.start,
+            };
+            let capacity = (total - keep_from).div_ceil(CACHE_CHUNK) * CACHE_CHUNK;
+            let kept = (position - keep_from) * width;
+            let offset = keep_from - self.start;
+            let mut keys = vec![0f32; kv_heads * capacity * width];
+            let mut values = vec![0f32; kv_heads * capacity * width];
+            for head in 0..kv_heads {
+                let from = (head * self.capacity + offset) * width;
+                let to = head * capacity * width;
+                keys[to..to + kept].copy_from_slice(&self.keys[from..from + kept]);
+                values[to..to + kept].copy_from_slice(&self.values[from..from + kept]);
+            }
+            self.keys = keys;
+            self.values = values;
+            self.capacity = capacity;
+            self.start = keep_from;
+        }
+        for head in 0..kv_heads {
+            let from = head * rows * width;
+            let to = (head * self.capacity + position - self.start) * width;
+            let count = rows * width;
+            for (stored, &new) in self.keys[to..to + count]
+                .iter_mut()
+                .zip(&key[from..from + count])
+            {
+                *stored = half::f16::from_f32(new).to_f32();
+            }
+            for (stored, &new) in self.values[to..to + count]
+                .iter_mut()
+                .zip(&value[from..from + count])
+            {
+                *stored = half::f16::from_f32(new).to_f32();
+            }
+        }
+        Ok(())
+    }
+
+    /// The rows of key head `head` at absolute positions `positions`, `width` values each.
+    fn keys(&self, head: usize, positions: Range<usize>) -> &[f32] {
+        let from = (head * self.capacity + positions.start - self.start) * self.width;
+        &self.keys[from..from + positions.len() * self.width]
+    }
+
+    /// The rows of value head `head` at absolute positions `positions`, `width` values each.
+    fn values(&self, head: usize, positions: Range<usize>) -> &[f32] {
+        let from = (head * self.capacity + positions.start - self.start) * self.width;
+        &self.values[from..from + positions.len() * self.width]
     }
 }
 
-/// cos/sin tables for the chunk's positions, one pair per RoPE base the stage uses.
+/// cos/sin tables for the chunk's positions, `[rows][width / 2]`, one pair per RoPE base the stage uses.
 struct RopeTables {
-    tables: Vec<(f32, Tensor, Tensor)>,
+    tables: Vec<(f32, Vec<f32>, Vec<f32>)>,
 }
 
 impl RopeTables {
+    /// The angles are computed as ggml computes them: in f32, pair `i`'s angle being pair `i - 1`'s times
+    /// `base^(-2 / width)`, and the position scale applied to the angle. Exact angles (in f64) differ from
+    /// llama.cpp's by about 1e-6 relative, which through the 8-bit activation quantisation downstream became
+    /// visible noise in the logits; with these tables and [`apply_rope`], gemma-3's rotated queries equal
+    /// llama.cpp's bit for bit.
     fn new(
         config: &ModelConfig,
         blocks: &[Block],
         position: usize,
         rows: usize,
     ) -> Result<Self, ModelError> {
-        let mut tables: Vec<(f32, Tensor, Tensor)> = Vec::new();
+        let mut tables: Vec<(f32, Vec<f32>, Vec<f32>)> = Vec::new();
         let half = config.key_length / 2;
         for block in blocks {
             let base = block.attention.rope_base;
             if tables.iter().any(|(known, _, _)| *known == base) {
                 continue;
             }
+            let step = base.powf(-2.0 / config.key_length as f32);
             let mut cos = Vec::with_capacity(rows * half);
             let mut sin = Vec::with_capacity(rows * half);
             for row in 0..rows {
-                let scaled = (position + row) as f64 * config.rope_position_scale as f64;
-                for pair in 0..half {
-                    let frequency =
-                        (base as f64).powf(-2.0 * pair as f64 / config.key_length as f64);
-                    let angle = scaled * frequency;
-                    cos.push(angle.cos() as f32);
-                    sin.push(angle.sin() as f32);
+                let mut angle = (position + row) as f32;
+                for _ in 0..half {
+                    let scaled = config.rope_position_scale * angle;
+                    cos.push(scaled.cos());
+                    sin.push(scaled.sin());
+                    angle *= step;
                 }
             }
-            tables.push((
-                base,
-                Tensor::from_vec(cos, (rows, half), &Device::Cpu)?,
-                Tensor::from_vec(sin, (rows, half), &Device::Cpu)?,
-            ));
+            tables.push((base, cos, sin));
         }
         Ok(Self { tables })
     }
 
-    fn tables(&self, base: f32) -> (&Tensor, &Tensor) {
+    fn tables(&self, base: f32) -> (&[f32], &[f32]) {
         let entry = self
             .tables
             .iter()
@@ -720,40 +839,209 @@ impl RopeTables {
     }
 }
 
-/// The additive mask for `rows` queries at `position..` (repeated for `group` heads) over `total` keys,
-/// or `None` when every query sees every key.
-fn attention_mask(
-    rows: usize,
-    group: usize,
-    position: usize,
-    total: usize,
-    window: Option<usize>,
-) -> Result<Option<Tensor>, ModelError> {
-    let windowed = window.is_some_and(|window| total > window);
-    if rows == 1 && !windowed {
-        return Ok(None);
-    }
-    let mut mask = Vec::with_capacity(group * rows * total);
-    for _ in 0..group {
-        for row in 0..rows {
-            let query_position = position + row;
-            for key_position in 0..total {
-                let visible = key_position <= query_position
-                    && window.is_none_or(|window| query_position - key_position < window);
-                mask.push(if visible { 0.0 } else { f32::NEG_INFINITY });
-            }
-        }
-    }
-    Ok(Some(Tensor::from_vec(
-        mask,
-        (group * rows, total),
-        &Device::Cpu,
-    )?))
+/// Which elements of a head RoPE rotates together.
+#[derive(Clone, Copy)]
+enum RopePairing {
+    /// Elements `2i` and `2i + 1` (llama).
+    Adjacent,
+    /// Elements `i` and `i + width / 2` (NeoX style, gemma).
+    Halves,
 }
 
-/// `values` rounded to the nearest f16 and back to f32.
-fn round_to_half(values: &Tensor) -> candle_core::Result<Tensor> {
-    values.to_dtype(DType::F16)?.to_dtype(DType::F32)
+/// Rotates `values` (`[1, heads, rows, width]`, contiguous) by the angles of `cos`/`sin` (`[rows][width / 2]`):
+/// `(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`, the first product fused with the sum of the other, rounded
+/// one, as ggml's compiled kernel evaluates it (checked bit for bit against llama.cpp's gemma-3 tensors).
+fn apply_rope(
+    values: &Tensor,
+    cos: &[f32],
+    sin: &[f32],
+    pairing: RopePairing,
+) -> Result<Tensor, ModelError> {
+    let (_, _, rows, width) = values.dims4()?;
+    let half = width / 2;
+    let mut data = values.flatten_all()?.to_vec1::<f32>()?;
+    for (index, head_row) in data.chunks_exact_mut(width).enumerate() {
+        let row = index % rows;
+        let (cos, sin) = (&cos[row * half..][..half], &sin[row * half..][..half]);
+        for pair in 0..half {
+            let (first, second) = match pairing {
+                RopePairing::Adjacent => (2 * pair, 2 * pair + 1),
+                RopePairing::Halves => (pair, pair + half),
+            };
+            let (x0, x1) = (head_row[first], head_row[second]);
+            // In f64 the product x0 * cos is exact, so one rounding to f32 gives the fused result (double
+            // rounding could differ in a one-in-billions tie; it matched every element of llama.cpp's tensors)
+            // while staying a plain vectorisable multiply-add instead of a libm `fmaf` call on targets
+            // without FMA.
+            let (c, s) = (f64::from(cos[pair]), f64::from(sin[pair]));
+            head_row[first] = (f64::from(x0) * c - f64::from(x1 * sin[pair])) as f32;
+            head_row[second] = (f64::from(x0) * s + f64::from(x1 * cos[pair])) as f32;
+        }
+    }
+    Ok(Tensor::from_vec(data, values.shape(), &Device::Cpu)?)
+}
+
+/// How the attention scale is applied: gemma scales the queries before the product, llama the scores after.
+#[derive(Clone, Copy)]
+struct AttentionScale {
+    query: f32,
+    score: f32,
+}
+
+/// Causal (and, for sliding-window layers, windowed) attention of `rows` queries at `position..` over the
+/// cache, written into `output` as `[rows][heads * width]`. `query` is `[heads][rows][width]`.
+///
+/// Each output row is computed on its own, over exactly the keys it can see, in a fixed order of operations:
+/// an 8-lane dot product per score, the softmax in f32 with unnormalised weights summed in key order, the
+/// weighted values accumulated in key order and divided by that sum at the end (as llama.cpp's flash-attention
+/// kernel does). So a row's result does not depend on the chunk it came in, on how much the cache holds, or
+/// on the thread that ran it: chunked prefill, decode, split stages and the bounded sliding-window cache all
+/// give the same bits.
+fn attend(
+    query: &[f32],
+    heads: usize,
+    rows: usize,
+    position: usize,
+    cache: &LayerCache,
+    scale: AttentionScale,
+    output: &mut [f32],
+) {
+    let width = cache.width;
+    let group = heads / cache.kv_heads;
+    let run = |index: usize, out: &mut [f32]| {
+        let (row, head) = (index / heads, index % heads);
+        let query_position = position + row;
+        let keys_seen = cache.first_visible(query_position)..query_position + 1;
+        let keys = cache.keys(head / group, keys_seen.clone());
+        let values = cache.values(head / group, keys_seen);
+        let mut scaled = query[(head * rows + row) * width..][..width].to_vec();
+        if scale.query != 1.0 {
+            scaled.iter_mut().for_each(|value| *value *= scale.query);
+        }
+        let mut weights: Vec<f32> = keys
+            .chunks_exact(width)
+            .map(|key| dot(&scaled, key) * scale.score)
+            .collect();
+        let maximum = weights.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for weight in &mut weights {
+            *weight = (*weight - maximum).exp();
+            sum += *weight;
+        }
+        out.fill(0.0);
+        for (&weight, value) in weights.iter().zip(values.chunks_exact(width)) {
+            for (accumulated, &v) in out.iter_mut().zip(value) {
+                *accumulated += weight * v;
+            }
+        }
+        let inverse = 1.0 / sum;
+        out.iter_mut().for_each(|value| *value *= inverse);
+    };
+    let work = rows * heads * (position + rows - cache.first_visible(position)) * width;
+    if work >= PARALLEL_ATTENTION_WORK {
+        use rayon::prelude::*;
+        output
+            .par_chunks_mut(width)
+            .enumerate()
+            .for_each(|(index, out)| run(index, out));
+    } else {
+        output
+            .chunks_mut(width)
+            .enumerate()
+            .for_each(|(index, out)| run(index, out));
+    }
+}
+
+/// Below this many multiply-adds attention runs on the calling thread (a decode step of a small model).
+const PARALLEL_ATTENTION_WORK: usize = 1 << 20;
+
+/// The dot product of two equal-length rows in a fixed order: eight running lanes (which the compiler keeps in
+/// one vector register), summed pairwise at the end, then any tail.
+fn dot(left: &[f32], right: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let left_chunks = left.chunks_exact(8);
+    let right_chunks = right.chunks_exact(8);
+    let tail: f32 = left_chunks
+        .remainder()
+        .iter()
+        .zip(right_chunks.remainder())
+        .map(|(a, b)| a * b)
+        .sum();
+    for (a, b) in left_chunks.zip(right_chunks) {
+        for lane in 0..8 {
+            lanes[lane] += a[lane] * b[lane];
+        }
+    }
+    let quads = [
+        lanes[0] + lanes[4],
+        lanes[1] + lanes[5],
+        lanes[2] + lanes[6],
+        lanes[3] + lanes[7],
+    ];
+    (quads[0] + quads[2]) + (quads[1] + quads[3]) + tail
+}
+
+/// The RMS norm of each last-dimension row of `values`, times `weight`, computed as ggml does: squares summed in
+/// f64, the scale `1 / sqrt(mean + epsilon)` in f32, then `x * scale * weight`.
+///
+/// Why not candle's: it sums in f32 and divides by the root, which differs in the last bit now and then. The
+/// 8-bit activation quantisation that follows turns such a bit into a whole quantisation step when a value sits
+/// on a rounding tie, and ties are common in gemma-3's first layer (its embeddings are Q8_0 values, so the
+/// normed rows are small multiples of one step): those flips moved its logits by tenths against llama.cpp.
+fn rms_norm(values: &Tensor, weight: &Tensor, epsilon: f32) -> Result<Tensor, ModelError> {
+    let width = weight.dim(0)?;
+    let weight = weight.to_vec1::<f32>()?;
+    let input = values.flatten_all()?.to_vec1::<f32>()?;
+    let mut output = Vec::with_capacity(input.len());
+    for row in input.chunks_exact(width) {
+        let sum: f64 = row.iter().map(|&x| f64::from(x * x)).sum();
+        let mean = (sum / width as f64) as f32;
+        let scale = 1.0 / (mean + epsilon).sqrt();
+        output.extend(row.iter().zip(&weight).map(|(&x, &w)| x * scale * w));
+    }
+    Ok(Tensor::from_vec(output, values.shape(), &Device::Cpu)?)
+}
+
+/// GELU (tanh form) as llama.cpp's CPU backend computes it: 0 at or below -10, the identity at or above 10, and
+/// in between a table indexed by the input rounded to f16 (see [`gelu_table`]).
+///
+/// Checked against llama.cpp's `ffn_geglu` tensors for gemma-3: this matches every element bit for bit, where
+/// candle's `gelu` on f16-rounded input (what we had) differed in about 1 element in 6000 by an f16 step.
+fn gelu_as_ggml(values: &Tensor) -> Result<Tensor, ModelError> {
+    let table = gelu_table();
+    let input = values.flatten_all()?.to_vec1::<f32>()?;
+    let output: Vec<f32> = input
+        .iter()
+        .map(|&x| {
+            if x <= -10.0 {
+                0.0
+            } else if x >= 10.0 {
+                x
+            } else {
+                table[usize::from(half::f16::from_f32(x).to_bits())]
+            }
+        })
+        .collect();
+    Ok(Tensor::from_vec(output, values.shape(), &Device::Cpu)?)
+}
+
+/// GELU of every f16 value, rounded to f16 (held as f32): `0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))`
+/// in f32 with the inner `1 + 0.044715 x * x` as one fused multiply-add, which is how the compiler builds
+/// ggml's table. 256 KB, computed once per process.
+fn gelu_table() -> &'static [f32] {
+    static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+        const CUBIC: f32 = 0.044_715;
+        (0..=u16::MAX)
+            .map(|bits| {
+                let x = half::f16::from_bits(bits).to_f32();
+                let inner = (CUBIC * x).mul_add(x, 1.0);
+                let y = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * inner).tanh());
+                half::f16::from_f32(y).to_f32()
+            })
+            .collect()
+    })
 }
 
 /// Weight matrices over the same input. Consecutive matrices of one ggml type are stacked into one
