@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::GgmlDType;
 use stage_server::model::testing::TinyModel;
 use stage_server::model::{
-    Logits, ModelError, ModelFile, Stage, StageInput, StageOptions, StageOutput, StageSpec,
-    TRIM_SLACK,
+    Logits, ModelError, ModelFile, Pipeline, Stage, StageInput, StageOptions, StageOutput,
+    StageSpec, TRIM_SLACK,
 };
 
 /// The tiny gemma3 (window 4, layers 0-4 sliding, layer 5 global) with room for a long session.
@@ -259,4 +259,60 @@ fn the_trim_refusal_says_how_far_back_the_lane_can_go() {
         earliest: 640,
     };
     insta::assert_snapshot!(error.to_string());
+}
+
+#[test]
+fn a_pipeline_trim_that_one_stage_refuses_changes_no_stage() {
+    // Twelve layers: 5 and 11 global, the rest sliding.
+    let model = TinyModel {
+        block_count: 12,
+        ..long_context_gemma()
+    };
+    let (dir, path) = scratch_model("pipeline-trim", &model);
+    let options = StageOptions {
+        lane_count: 1,
+        context_length: None,
+    };
+    // Stage 1 holds only the global layer 5, which could go back anywhere; the others hold sliding layers.
+    let mut pipeline =
+        Pipeline::load(&path, &[5, 6], options).expect("the split tiny model must load");
+    let tokens = stream(600);
+    // One token at a time, as a decode runs: that is when the sliding layers let go of old positions.
+    for (position, token) in tokens.iter().enumerate() {
+        pipeline
+            .forward(0, position, std::slice::from_ref(token), Logits::Last)
+            .expect("a decode step failed");
+    }
+    let before: Vec<usize> = pipeline
+        .stages()
+        .iter()
+        .map(|stage| stage.lane_length(0).expect("lane 0 exists"))
+        .collect();
+    for stage in pipeline.stages() {
+        let alone = stage.check_trim(0, 100);
+        let global_only = stage.spec().layers == (5..6);
+        assert_eq!(
+            alone.is_ok(),
+            global_only,
+            "stage {:?}: only the global-only stage may go back past the window, got {alone:?}",
+            stage.spec()
+        );
+    }
+    let error = pipeline
+        .trim(0, 100)
+        .expect_err("a trim the sliding-window stages refuse must fail for the pipeline");
+    assert!(
+        matches!(error, ModelError::TrimBeyondWindow { .. }),
+        "expected TrimBeyondWindow, got {error}"
+    );
+    let after: Vec<usize> = pipeline
+        .stages()
+        .iter()
+        .map(|stage| stage.lane_length(0).expect("lane 0 exists"))
+        .collect();
+    assert_eq!(
+        before, after,
+        "a refused pipeline trim must leave every stage's lane as it was"
+    );
+    std::fs::remove_dir_all(dir).ok();
 }

@@ -125,8 +125,14 @@ impl Pipeline {
         })
     }
 
-    /// Cuts `lane` back to `length` positions on every stage.
+    /// Cuts `lane` back to `length` positions on every stage, or on none.
+    ///
+    /// Stages can refuse different trims (a stage whose layers are all global can go back further than one with
+    /// sliding-window layers), so every stage is checked before any is changed.
     pub fn trim(&mut self, lane: usize, length: usize) -> Result<(), ModelError> {
+        self.stages
+            .iter()
+            .try_for_each(|stage| stage.check_trim(lane, length))?;
         self.stages
             .iter_mut()
             .try_for_each(|stage| stage.trim(lane, length))

@@ -423,6 +423,18 @@ impl Stage {
     /// trimmed back by [`TRIM_SLACK`] positions, and to 0; a trim further back than its sliding-window layers still
     /// cover fails with [`ModelError::TrimBeyondWindow`] and leaves the lane as it was.
     pub fn trim(&mut self, lane: usize, length: usize) -> Result<(), ModelError> {
+        self.check_trim(lane, length)?;
+        if length == 0 {
+            return self.reset(lane);
+        }
+        self.lanes[lane].length = length;
+        Ok(())
+    }
+
+    /// Says whether [`Stage::trim`] of lane `lane` to `length` would succeed, changing nothing.
+    ///
+    /// A pipeline checks every stage before trimming any, so a refusal leaves all its stages as they were.
+    pub fn check_trim(&self, lane: usize, length: usize) -> Result<(), ModelError> {
         let current = self.lane(lane)?.length;
         if length > current {
             return Err(ModelError::TrimBeyondEnd {
@@ -432,7 +444,7 @@ impl Stage {
             });
         }
         if length == 0 {
-            return self.reset(lane);
+            return Ok(());
         }
         let earliest = self.lanes[lane]
             .caches
@@ -447,7 +459,6 @@ impl Stage {
                 earliest,
             });
         }
-        self.lanes[lane].length = length;
         Ok(())
     }
 
