@@ -343,6 +343,8 @@ struct ChurnTally {
     samples: Vec<u64>,
     /// When the thread's last connect ended.
     finished: Option<Instant>,
+    /// The first failed connect, to say what the errors were.
+    first_error: Option<io::Error>,
 }
 
 fn run_churn(options: &Options) -> io::Result<()> {
@@ -377,6 +379,17 @@ fn run_churn(options: &Options) -> io::Result<()> {
         total.errors += tally.errors;
         total.samples.extend(tally.samples);
         total.finished = total.finished.max(tally.finished);
+        if let Some(error) = tally.first_error
+            && total.first_error.is_none()
+        {
+            total.first_error = Some(error);
+        }
+    }
+    if let Some(error) = &total.first_error {
+        eprintln!(
+            "bench_client: {} churn connects failed; the first: {error}",
+            total.errors
+        );
     }
     // A connect stuck in a SYN retransmit ends after the deadline; count the whole time up to the last one.
     let ended = total.finished.map_or(deadline, |last| last.max(deadline));
@@ -444,7 +457,10 @@ fn churn_loop(
                 // Close with RST: no TIME_WAIT on either side, so the port range cannot run out.
                 let _ = SockRef::from(&stream).set_linger(Some(Duration::ZERO));
             }
-            Err(_) => tally.errors += 1,
+            Err(error) => {
+                tally.errors += 1;
+                tally.first_error.get_or_insert(error);
+            }
         }
         tally.finished = Some(Instant::now());
     }
