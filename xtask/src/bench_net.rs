@@ -1352,9 +1352,9 @@ fn render_report(
          connect completes in the kernel without the server, so the saturated client offers whatever its own \
          CPU share allows, and any server it out-runs for long enough fills its accept queue: the kernel then \
          drops a SYN (`TcpExtListenOverflows`) and that client thread waits for the 1 s SYN retransmit. With \
-         {CHURN_THREADS} threads a saturated server therefore shows about {CHURN_THREADS} stalls per second \
-         whatever its speed, and the rate mostly measures those waits: read it as overload behaviour, and the \
-         paced figure as the capacity check (see docs/performance/netbench-churn.md). Connects per second run \
+         {CHURN_THREADS} threads a server the client out-runs therefore shows about {CHURN_THREADS} stalls per \
+         second however fast it is, and its rate mostly measures those waits: read it as overload behaviour, \
+         and the paced figure as the capacity check (see docs/performance/netbench-churn.md). Connects per second run \
          over the whole time until the last connect ended; a connect over 500 ms counts as stalled; p99 is of \
          the successful connects' own durations. Server accepts/s is the count the server reports at exit over \
          the same time; listen overflows is the growth of `TcpExtListenOverflows` in `/proc/net/netstat` \
