@@ -3,7 +3,7 @@
 //! ```text
 //! bench_client echo  --addr ADDR --connections C [--threads T] [--warmup-ms 500] [--duration-ms 2000] [--size 64]
 //! bench_client idle  --addr ADDR --connections 5000
-//! bench_client churn --addr ADDR [--threads 4] [--duration-ms 2000]
+//! bench_client churn --addr ADDR [--threads 4] [--duration-ms 2000] [--rate CONNECTS_PER_SECOND]
 //! bench_client count --addr ADDR [--round-trips 10000] [--size 64]
 //! ```
 //!
@@ -19,10 +19,18 @@
 //!   `echo connections=.. round_trips=.. seconds=.. rt_per_s=.. p50_us=.. p99_us=..`.
 //! - `idle`: opens C connections one after the other, each with one 8-byte round trip, prints
 //!   `idle opened=.. served=.. failed=..`, then holds them until its standard input closes.
-//! - `churn`: T threads connect and close as fast as they can; every close is an RST (`SO_LINGER` 0) so that
-//!   neither side keeps the socket in TIME_WAIT and the port range cannot run out. A connect that takes over
-//!   500 ms (a dropped SYN waiting for its 1 s retransmit) counts as stalled. It prints
-//!   `churn connects=.. seconds=.. per_s=.. stalled=.. errors=.. max_ms=..`.
+//! - `churn`: T threads connect and close; every close is an RST (`SO_LINGER` 0) so that neither side keeps
+//!   the socket in TIME_WAIT and the port range cannot run out. A connect that takes over 500 ms (a dropped
+//!   SYN waiting for its 1 s retransmit) counts as stalled. Without `--rate` the threads connect as fast as
+//!   they can (saturation). On loopback a connect completes in the kernel without the server's help, so an
+//!   unpaced client is an open-loop load limited only by its own CPU: whenever it out-runs the accept loop
+//!   the accept queue fills, the kernel drops the next SYN and that thread waits a second. With `--rate R`
+//!   the threads share a fixed schedule of R connects per second (open loop, each thread starting its k-th
+//!   connect at its own slot), which asks whether a server sustains R without a stall. A thread that falls
+//!   more than 5 ms behind its schedule skips the missed slots instead of bursting, so a stall lowers the
+//!   achieved rate rather than causing the next overflow. It prints `churn connects=.. seconds=.. per_s=..
+//!   offered_per_s=.. stalled=.. errors=.. p50_us=.. p99_us=.. max_ms=..`, where `seconds` runs until the last
+//!   connect ended and `offered_per_s` is 0 when unpaced.
 //! - `count`: opens one connection, does one round trip, prints `ready`, waits for a line on standard input,
 //!   then does exactly N round trips and prints `count round_trips=.. seconds=..`. The benchmark attaches a
 //!   system-call counter (`strace -c -f`) to the server between `ready` and its go line.
@@ -63,6 +71,8 @@ struct Options {
     duration: Duration,
     size: usize,
     round_trips: usize,
+    /// Connects per second offered by the churn, or `None` to connect as fast as possible.
+    rate: Option<u64>,
 }
 
 /// What one echo thread measured.
@@ -78,7 +88,7 @@ fn main() -> ExitCode {
         Err(message) => {
             eprintln!("bench_client: {message}");
             eprintln!(
-                "usage: bench_client echo|idle|churn|count --addr ADDR [--connections C] [--threads T] [--warmup-ms MS] [--duration-ms MS] [--size BYTES] [--round-trips N]"
+                "usage: bench_client echo|idle|churn|count --addr ADDR [--connections C] [--threads T] [--warmup-ms MS] [--duration-ms MS] [--size BYTES] [--round-trips N] [--rate PER_SECOND]"
             );
             return ExitCode::from(2);
         }
@@ -118,6 +128,7 @@ fn parse_options(mut arguments: impl Iterator<Item = String>) -> Result<Options,
         duration: Duration::from_millis(2000),
         size: 64,
         round_trips: 10_000,
+        rate: None,
     };
     while let Some(flag) = arguments.next() {
         let text = arguments
@@ -141,6 +152,7 @@ fn parse_options(mut arguments: impl Iterator<Item = String>) -> Result<Options,
             "--duration-ms" => options.duration = Duration::from_millis(count()? as u64),
             "--size" => options.size = count()?,
             "--round-trips" => options.round_trips = count()?,
+            "--rate" => options.rate = Some(count()? as u64),
             other => return Err(format!("unknown flag `{other}`")),
         }
     }
@@ -318,13 +330,21 @@ fn run_count(options: &Options) -> io::Result<()> {
     Ok(())
 }
 
+/// A paced churn thread that falls further behind its schedule than this skips slots instead of bursting.
+const CHURN_SCHEDULE_SLACK: Duration = Duration::from_millis(5);
+
 /// What one churn thread counted.
 #[derive(Debug, Default)]
 struct ChurnTally {
     connects: u64,
     stalled: u64,
     errors: u64,
-    slowest: Duration,
+    /// How long each successful connect took, in nanoseconds.
+    samples: Vec<u64>,
+    /// When the thread's last connect ended.
+    finished: Option<Instant>,
+    /// The first failed connect, to say what the errors were.
+    first_error: Option<io::Error>,
 }
 
 fn run_churn(options: &Options) -> io::Result<()> {
@@ -333,10 +353,18 @@ fn run_churn(options: &Options) -> io::Result<()> {
     let start = Instant::now();
     let deadline = start + options.duration;
     let address = options.address;
+    // Each thread owns every `thread_count`-th slot of one shared schedule, so together they are evenly spaced.
+    let interval = options
+        .rate
+        .map(|rate| Duration::from_secs_f64(thread_count as f64 / rate as f64));
     let handles: Vec<_> = (0..thread_count)
-        .map(|_| {
+        .map(|index| {
             let stop = Arc::clone(&stop);
-            thread::spawn(move || churn_loop(address, deadline, &stop))
+            let pacing = interval.map(|interval| {
+                let first = start + interval.mul_f64(index as f64 / thread_count as f64);
+                (first, interval)
+            });
+            thread::spawn(move || churn_loop(address, deadline, pacing, &stop))
         })
         .collect();
     sleep_until(deadline);
@@ -349,24 +377,74 @@ fn run_churn(options: &Options) -> io::Result<()> {
         total.connects += tally.connects;
         total.stalled += tally.stalled;
         total.errors += tally.errors;
-        total.slowest = total.slowest.max(tally.slowest);
+        total.samples.extend(tally.samples);
+        total.finished = total.finished.max(tally.finished);
+        if let Some(error) = tally.first_error
+            && total.first_error.is_none()
+        {
+            total.first_error = Some(error);
+        }
     }
-    // A connect stuck in a SYN retransmit ends after the deadline; count the whole time it ran.
-    let seconds = start.elapsed().as_secs_f64();
+    if let Some(error) = &total.first_error {
+        eprintln!(
+            "bench_client: {} churn connects failed; the first: {error}",
+            total.errors
+        );
+    }
+    // A connect stuck in a SYN retransmit ends after the deadline; count the whole time up to the last one.
+    let ended = total.finished.map_or(deadline, |last| last.max(deadline));
+    let seconds = (ended - start).as_secs_f64();
+    total.samples.sort_unstable();
+    let microseconds = |fraction: f64| {
+        if total.samples.is_empty() {
+            0.0
+        } else {
+            percentile(&total.samples, fraction) as f64 / 1_000.0
+        }
+    };
     say(&format!(
-        "churn connects={} seconds={seconds:.3} per_s={:.0} stalled={} errors={} max_ms={:.1}",
+        "churn connects={} seconds={seconds:.3} per_s={:.0} offered_per_s={} stalled={} errors={} p50_us={:.1} p99_us={:.1} max_ms={:.1}",
         total.connects,
         total.connects as f64 / seconds,
+        options.rate.unwrap_or(0),
         total.stalled,
         total.errors,
-        total.slowest.as_secs_f64() * 1_000.0,
+        microseconds(0.50),
+        microseconds(0.99),
+        total.samples.last().copied().unwrap_or(0) as f64 / 1_000_000.0,
     ));
     Ok(())
 }
 
-fn churn_loop(address: SocketAddr, deadline: Instant, stop: &AtomicBool) -> ChurnTally {
-    let mut tally = ChurnTally::default();
-    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+/// One churn thread: connect, close with RST, repeat until the deadline, on a schedule when `pacing` is given
+/// as (first slot, interval between this thread's slots).
+fn churn_loop(
+    address: SocketAddr,
+    deadline: Instant,
+    pacing: Option<(Instant, Duration)>,
+    stop: &AtomicBool,
+) -> ChurnTally {
+    let mut tally = ChurnTally {
+        samples: Vec::with_capacity(1 << 16),
+        ..ChurnTally::default()
+    };
+    let mut slot = pacing.map(|(first, _)| first);
+    while !stop.load(Ordering::Relaxed) {
+        if let (Some(next), Some((_, interval))) = (slot.as_mut(), pacing) {
+            let now = Instant::now();
+            if *next >= deadline {
+                break;
+            }
+            if *next > now {
+                sleep_until(*next);
+            } else if now - *next > CHURN_SCHEDULE_SLACK {
+                // Behind after a stall: give up the missed slots rather than burst into the accept queue.
+                *next = now - CHURN_SCHEDULE_SLACK;
+            }
+            *next += interval;
+        } else if Instant::now() >= deadline {
+            break;
+        }
         let began = Instant::now();
         match TcpStream::connect_timeout(&address, IO_TIMEOUT) {
             Ok(stream) => {
@@ -375,12 +453,16 @@ fn churn_loop(address: SocketAddr, deadline: Instant, stop: &AtomicBool) -> Chur
                 if took > STALL_THRESHOLD {
                     tally.stalled += 1;
                 }
-                tally.slowest = tally.slowest.max(took);
+                tally.samples.push(took.as_nanos() as u64);
                 // Close with RST: no TIME_WAIT on either side, so the port range cannot run out.
                 let _ = SockRef::from(&stream).set_linger(Some(Duration::ZERO));
             }
-            Err(_) => tally.errors += 1,
+            Err(error) => {
+                tally.errors += 1;
+                tally.first_error.get_or_insert(error);
+            }
         }
+        tally.finished = Some(Instant::now());
     }
     tally
 }

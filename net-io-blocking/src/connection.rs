@@ -142,7 +142,10 @@ impl<'a> TcpConnection<'a> {
         }
         let idle = !self.receiving;
         if idle && self.is_draining() {
-            return Err(self.fail(CloseReason::Drained));
+            let reason = self
+                .core
+                .map_or(CloseReason::Drained, |core| core.idle_close_reason());
+            return Err(self.fail(reason));
         }
         if idle && self.core.is_some_and(|core| core.is_shed(self.info.lane)) {
             return Err(self.fail(CloseReason::Shed));

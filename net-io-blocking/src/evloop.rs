@@ -1025,7 +1025,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         };
         let idle = conn.phase == Phase::Idle && read.unread_len() == 0 && entry.output.is_empty();
         if idle && core.draining.load(Ordering::Acquire) {
-            return Flow::Close(CloseReason::Drained);
+            return Flow::Close(core.idle_close_reason());
         }
         if idle && core.is_shed(conn.info.lane) {
             return Flow::Close(CloseReason::Shed);

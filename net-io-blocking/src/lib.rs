@@ -52,15 +52,17 @@
 //!   an RST; the close keeps its reason and the kill returns `false`.
 //! - **Drain** closes the door, closes idle connections at once (`Drained`), lets busy ones finish (their
 //!   queued output is flushed) and kills what is left at the deadline (`DrainDeadline`).
+//!   `Server::shutdown` drains the same way, except that its idle closes carry `Shutdown` (abortive like
+//!   every reason outside the four graceful ones: the server is going away, and an idle connection has
+//!   nothing left to flush).
 //! - **Panics** in a handler, a session hook or the gate close only that connection (`SessionPanicked`, or a
 //!   refusal or denial for the gate); the worker (or the loop) serves on.
 //! - **Injected clocks** ([`ServerBuilder::clock`]) drive every deadline; since the kernel's timeouts run on
 //!   real time, waits (and event loops' `epoll_wait`) are then cut to one tick so a test that moves the
 //!   clock is noticed within a tick.
 //! - **Not here**: Unix sockets, TLS, listener hand-off and systemd sockets, adding or removing listeners at
-//!   run time, `Gate::readmit` after a PROXY header. `CloseReason::Shutdown` is not produced: shutdown
-//!   drains first, so what is still open at its deadline closes with `DrainDeadline`. An event loop's slab of
-//!   connection slots grows to the most connections it held at once and does not shrink.
+//!   run time, `Gate::readmit` after a PROXY header. An event loop's slab of connection slots grows to the
+//!   most connections it held at once and does not shrink.
 //! - **Handlers must do IO to be killable**: a kill shuts the socket's read side and wakes the worker, so a
 //!   handler stuck in pure computation is ended only when it next reads or writes; shutdown waits for it.
 //!

@@ -42,7 +42,8 @@ pub(crate) fn reason_for_code(code: u16) -> CloseReason {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct DrainReport {
-    /// Connections that closed on their own or as idle (`Drained`) before the deadline.
+    /// Connections that closed on their own or as idle (`Drained`, or `Shutdown` when the drain is part of a
+    /// [`Server::shutdown`]) before the deadline.
     pub graceful: u64,
     /// Connections still busy at the deadline and killed (`DrainDeadline`).
     pub killed: u64,
@@ -132,6 +133,17 @@ impl Core {
 
     pub(crate) fn now(&self) -> Instant {
         self.clock.now()
+    }
+
+    /// Why an idle connection closes while the server drains: `Shutdown` once [`Server::shutdown`] (or a drop,
+    /// or [`Server::run_until_stopped`]) has begun, since the server is going away; `Drained` for a drain on
+    /// its own, after which the server could still be kept or handed over.
+    pub(crate) fn idle_close_reason(&self) -> CloseReason {
+        if self.stopping.load(Ordering::Acquire) {
+            CloseReason::Shutdown
+        } else {
+            CloseReason::Drained
+        }
     }
 
     /// Whether a connection in `lane` should close instead of waiting idle.
@@ -310,6 +322,7 @@ impl ServerHandle {
     /// Closes the door, closes idle connections at once (`Drained`, graceful), lets busy ones finish, and
     /// kills what is still open at `deadline` (`DrainDeadline`, abortive). A deadline already past kills at
     /// once. Returns when every connection is closed (or a second after the deadline kills, at the latest).
+    /// The drain that [`Server::shutdown`] runs closes idle connections with `Shutdown` instead.
     pub fn drain(&self, deadline: Instant) -> DrainReport {
         let _serial = self
             .core
@@ -349,9 +362,14 @@ impl ServerHandle {
                 }
                 break;
             }
+            let idle_code = if self.core.idle_close_reason() == CloseReason::Shutdown {
+                CODE_SHUTDOWN
+            } else {
+                CODE_DRAINED
+            };
             self.core.for_each_slot(|slot, wake, _, _| {
                 if let Some(id) = slot.occupant()
-                    && slot.kill(id, CODE_DRAINED, KillCondition::OnlyIdle)
+                    && slot.kill(id, idle_code, KillCondition::OnlyIdle)
                 {
                     let _ = wake.signal();
                 }
@@ -480,7 +498,9 @@ impl Server {
     }
 
     /// Drains until `deadline`, stops the accept threads and workers, closes the listeners and joins every
-    /// thread. Connections still in the kernel backlog are reset when the listeners close.
+    /// thread. Idle connections close at once with `Shutdown` (which, like every reason but the four graceful
+    /// ones, resets), busy ones may finish until `deadline` and are then killed with `DrainDeadline`.
+    /// Connections still in the kernel backlog are reset when the listeners close.
     pub fn shutdown(mut self, deadline: Instant) -> DrainReport {
         self.stop(deadline)
     }
@@ -501,9 +521,11 @@ impl Server {
             };
         }
         self.finished = true;
-        let report = self.handle.drain(deadline);
+        // Set before the drain so that its idle closes say `Shutdown`; the accept threads return at once
+        // (the drain closes the door anyway) and the door cannot be opened again.
         self.handle.core.stopping.store(true, Ordering::Release);
         self.handle.core.wake_acceptors();
+        let report = self.handle.drain(deadline);
         self.closer.close_queue();
         self.handle.wake_all();
         for thread in self.threads.drain(..) {

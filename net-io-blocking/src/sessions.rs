@@ -299,7 +299,7 @@ impl<S: Session> Driver<'_, '_, S> {
         let idle =
             self.phase == Phase::Idle && self.read.unread_len() == 0 && self.output.is_empty();
         if idle && core.draining.load(Ordering::Acquire) {
-            return Err(CloseReason::Drained);
+            return Err(core.idle_close_reason());
         }
         if idle && core.is_shed(self.run.info.lane) {
             return Err(CloseReason::Shed);

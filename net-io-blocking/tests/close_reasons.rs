@@ -440,6 +440,59 @@ fn an_idle_connection_is_closed_by_a_drain_with_drained() {
 }
 
 #[test]
+fn an_idle_session_connection_is_closed_by_a_shutdown_with_shutdown() {
+    let witnesses = Witnesses::new();
+    let server = sessions_server(&witnesses, quick_limits(), Behaviour::EchoLines);
+    let mut stream = client(server.local_addr());
+    assert_eq!(common::round_trip(&mut stream, b"hi\n"), b"hi\n");
+    let report = server.shutdown(Instant::now() + Duration::from_secs(3));
+    assert_eq!(
+        (report.graceful, report.killed),
+        (1, 0),
+        "an idle connection should close at once in a shutdown, not at its deadline"
+    );
+    witnesses.expect(CloseReason::Shutdown, true);
+    assert!(
+        common::is_closed_by_server(&mut stream),
+        "the client still had an open connection after the shutdown"
+    );
+}
+
+#[test]
+fn an_idle_handler_connection_is_closed_by_a_shutdown_with_shutdown() {
+    let witnesses = Witnesses::new();
+    let server = handler_server(&witnesses, quick_limits(), echo);
+    let mut stream = client(server.local_addr());
+    assert_eq!(common::round_trip(&mut stream, b"hi"), b"hi");
+    let report = server.shutdown(Instant::now() + Duration::from_secs(3));
+    assert_eq!(
+        report.killed, 0,
+        "an idle handler connection should close at once in a shutdown, not at its deadline"
+    );
+    witnesses.expect(CloseReason::Shutdown, false);
+    assert!(
+        common::is_closed_by_server(&mut stream),
+        "the client still had an open connection after the shutdown"
+    );
+}
+
+#[test]
+fn a_connection_busy_at_the_shutdown_deadline_closes_with_drain_deadline_not_shutdown() {
+    let witnesses = Witnesses::new();
+    let server = sessions_server(&witnesses, quick_limits(), Behaviour::EchoLines);
+    let mut stream = client(server.local_addr());
+    stream.write_all(b"half a line").unwrap();
+    assert!(
+        eventually(SOON, || server.handle().connections().len() == 1),
+        "no worker took the connection"
+    );
+    std::thread::sleep(Duration::from_millis(50));
+    let report = server.shutdown(Instant::now() + Duration::from_millis(300));
+    assert_eq!(report.killed, 1, "the busy connection should be killed");
+    witnesses.expect(CloseReason::DrainDeadline, true);
+}
+
+#[test]
 fn a_busy_connection_is_killed_at_the_drain_deadline() {
     let witnesses = Witnesses::new();
     let server = sessions_server(&witnesses, quick_limits(), Behaviour::EchoLines);

@@ -157,11 +157,11 @@ fn three_thousand_idle_sessions_are_served_by_two_loop_threads() {
     assert!(
         closes
             .iter()
-            .all(|(_, reason)| *reason == CloseReason::Drained),
-        "idle connections should close as Drained, saw {:?}",
+            .all(|(_, reason)| *reason == CloseReason::Shutdown),
+        "idle connections closed by a shutdown should carry Shutdown, saw {:?}",
         closes
             .iter()
-            .find(|(_, reason)| *reason != CloseReason::Drained)
+            .find(|(_, reason)| *reason != CloseReason::Shutdown)
     );
 }
 
