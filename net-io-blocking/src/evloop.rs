@@ -51,6 +51,7 @@ use net_io_sys::kill::{KillSlot, SlotOwner};
 use net_io_sys::socket::{self, Linger};
 
 use crate::caps::Reservation;
+use crate::clock::deadline_after;
 use crate::link::OWNER_CODE;
 use crate::rate::RateWindow;
 use crate::runtime::{Job, Runtime};
@@ -641,7 +642,8 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         }
         let listener_runtime = &runtime.listeners[listener];
         if listener_runtime.proxy.is_some() {
-            let deadline = self.core.now() + listener_runtime.limits.handshake_timeout;
+            let deadline =
+                deadline_after(self.core.now(), listener_runtime.limits.handshake_timeout);
             let conn = self.conn(index);
             if !listener_runtime.trusted.contains(conn.info.peer.ip()) {
                 return self.close(index, CloseReason::ProxyUntrusted);
@@ -891,7 +893,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 if real_now >= end {
                     return self.finish_linger(index, false);
                 }
-                self.schedule(index, now + (end - real_now));
+                self.schedule(index, deadline_after(now, end - real_now));
             }
             Wait::Running | Wait::Yielded { .. } => {}
         }
@@ -1115,7 +1117,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         } else {
             (read_timeout, TimeoutKind::Read)
         };
-        let mut deadline = now + timeout;
+        let mut deadline = deadline_after(now, timeout);
         let mut deadline_kind = kind;
         if let Some(exchange) = conn.exchange
             && exchange < deadline
@@ -1149,7 +1151,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             }
         }
         if conn.recheck {
-            wake_at = wake_at.min(now + tick);
+            wake_at = wake_at.min(deadline_after(now, tick));
         }
         conn.wait = Wait::Read {
             deadline,
@@ -1281,7 +1283,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                         conn.writable = false;
                         let now = core.now();
                         let deadline = *conn.write_deadline.get_or_insert_with(|| {
-                            let progress = now + write_timeout;
+                            let progress = deadline_after(now, write_timeout);
                             conn.exchange
                                 .map_or(progress, |exchange| exchange.min(progress))
                         });
@@ -1297,7 +1299,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                             }
                         }
                         if recheck {
-                            wake_at = wake_at.min(now + core.limits.tick);
+                            wake_at = wake_at.min(deadline_after(now, core.limits.tick));
                         }
                         conn.wait = Wait::Flush {
                             then_close,
@@ -1370,7 +1372,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         let Some(conn) = entry.conn.as_mut() else {
             return Flow::Close(CloseReason::SessionError);
         };
-        let until = until.min(now + park_timeout);
+        let until = until.min(deadline_after(now, park_timeout));
         if let Some(rate) = conn.rate_in.as_mut() {
             rate.stop();
         }
@@ -1545,11 +1547,11 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             // The linger runs on real time, like the threaded driver's, whatever clock the server reads;
             // the loop checks lingerers against real time on every turn as well.
             conn.wait = Wait::Linger {
-                end: Instant::now() + linger_timeout,
+                end: deadline_after(Instant::now(), linger_timeout),
             };
             conn.readable = true;
             self.lingering.push(index);
-            let at = self.core.now() + linger_timeout;
+            let at = deadline_after(self.core.now(), linger_timeout);
             self.schedule(index, at);
             return self.linger_read(index);
         }

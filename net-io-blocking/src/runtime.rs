@@ -420,8 +420,9 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 });
             }
             ControlState::Draining { deadline } => {
-                let deadline =
-                    deadline.unwrap_or_else(|| Instant::now() + self.core.limits.drain_timeout);
+                let deadline = deadline.unwrap_or_else(|| {
+                    crate::clock::deadline_after(Instant::now(), self.core.limits.drain_timeout)
+                });
                 handle.close_door();
                 let _ = std::thread::Builder::new()
                     .name("net-io-drain".into())

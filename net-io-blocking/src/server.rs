@@ -488,7 +488,8 @@ impl Server {
     /// Sleeps until [`ServerHandle::request_stop`], then shuts down with the `drain_timeout`.
     pub fn run_until_stopped(self) -> DrainReport {
         self.handle.wait_for_stop();
-        let deadline = Instant::now() + self.handle.core.limits.drain_timeout;
+        let deadline =
+            crate::clock::deadline_after(Instant::now(), self.handle.core.limits.drain_timeout);
         self.shutdown(deadline)
     }
 
@@ -521,7 +522,8 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        let deadline = Instant::now() + self.handle.core.limits.drain_timeout;
+        let deadline =
+            crate::clock::deadline_after(Instant::now(), self.handle.core.limits.drain_timeout);
         self.stop(deadline);
     }
 }
