@@ -2,9 +2,9 @@
 //! sans-IO sessions without a thread per connection.
 //!
 //! ```text
-//!   accept thread ──caps, gate──▶ inbox (per loop, round robin) ──eventfd──▶ loop thread 0..L
+//!   accept thread ──caps, gate──▶ inbox of the least loaded loop ──eventfd───▶ loop thread 0..L
 //!                                                                            │ epoll_wait(timeout = next timer)
-//!   ServerHandle::kill ──KillSlot::kill──▶ shutdown(SHUT_RD) ──EPOLLIN──────▶│ closing()? close with its reason
+//!   ServerHandle::kill ──id map──▶ KillSlot::kill ──shutdown(SHUT_RD)──────▶│ closing()? close with its reason
 //!   Completer::post ──entry waker──▶ ready list + eventfd ──────────────────▶│ on_wake for a parked session
 //!                                                                            │ per connection: recv until a short
 //!                                                                            │ read, send until EAGAIN, then wait
@@ -28,12 +28,12 @@
 //! panics contained to their connection, and graceful closes whose linger runs inside the loop.
 
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 use std::io::{self, IoSlice};
 use std::net::Shutdown;
 use std::os::fd::AsFd;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
@@ -83,11 +83,18 @@ impl SessionDriver {
     }
 }
 
-/// What a loop shares with killers, drains and completers.
+/// What a loop shares with accept threads, killers, drains and completers.
 pub(crate) struct LoopShared {
     pub(crate) wake: Arc<LoopWake>,
-    /// Every connection slot the loop ever made (slots are reused, never removed); killers scan it.
+    /// Every connection slot the loop ever made (slots are reused, never removed); drains and sheds scan it.
     pub(crate) slots: Mutex<Vec<Arc<ConnectionSlot>>>,
+    /// The slot of each connection the loop holds, by id, so that a kill by id is one lookup per loop rather
+    /// than a scan of every slot. Written only by the loop (at start and at the final close); the map keeps
+    /// its capacity, so a steady number of connections allocates nothing.
+    by_id: Mutex<HashMap<u64, Arc<ConnectionSlot>>>,
+    /// Connections queued for this loop or held by it: accept threads place each new connection on the loop
+    /// with the fewest, so a loop emptied by closes fills first instead of taking every n-th id.
+    load: AtomicUsize,
 }
 
 /// A loop's wake: its eventfd and the entries whose completion ring got a post.
@@ -128,7 +135,45 @@ impl LoopShared {
                 ready: Mutex::new(Vec::new()),
             }),
             slots: Mutex::new(Vec::new()),
+            by_id: Mutex::new(HashMap::new()),
+            load: AtomicUsize::new(0),
         })
+    }
+
+    /// The slot that holds connection `id` on this loop, if this loop holds it (open or lingering).
+    pub(crate) fn find(&self, id: u64) -> Option<Arc<ConnectionSlot>> {
+        self.by_id
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(&id)
+            .cloned()
+    }
+
+    /// Connections queued for or held by this loop right now.
+    pub(crate) fn load(&self) -> usize {
+        self.load.load(Ordering::Relaxed)
+    }
+
+    /// Counts a connection queued for this loop (by the accept thread, before it offers the job).
+    pub(crate) fn add_load(&self) {
+        self.load.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a connection gone from this loop: closed, or refused before the loop took it.
+    pub(crate) fn remove_load(&self) {
+        // Never below zero, even if a refusal path and a close both counted (they cannot, but a wrap here
+        // would make the loop look full forever).
+        let _ = self
+            .load
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |load| {
+                Some(load.saturating_sub(1))
+            });
+    }
+
+    fn ids(&self) -> MutexGuard<'_, HashMap<u64, Arc<ConnectionSlot>>> {
+        self.by_id
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub(crate) fn slots(&self) -> MutexGuard<'_, Vec<Arc<ConnectionSlot>>> {
@@ -359,6 +404,7 @@ impl<G: Gate, F: SessionFactory> Runtime<G, SessionWorkload<F>> {
         let slot = index;
         loop {
             for job in self.inboxes[index].close() {
+                self.core.loops[index].remove_load();
                 self.refuse_job(job, RefusalCause::Busy, slot);
             }
             if self.core.stopping.load(Ordering::Acquire) {
@@ -584,6 +630,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             None => self.new_entry(),
         };
         let Ok(index) = slot_index else {
+            self.core.loops[self.index].remove_load();
             return self.runtime.refuse_job(job, RefusalCause::Busy, self.index);
         };
         let Job {
@@ -602,6 +649,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         entry.owner.occupy(info.id.get(), socket);
         entry.receiver.bind(info.id);
         entry.output.reset(limits.output_budget);
+        self.core.loops[self.index]
+            .ids()
+            .insert(info.id.get(), Arc::clone(&entry.shared));
         let completer = entry.receiver.completer(info.id, entry.waker.clone());
         entry.conn = Some(Conn {
             info,
@@ -1656,6 +1706,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         // Caps are free before anyone can see the close, so a client that reconnects on the Closed event is
         // never refused by a connection that is already gone.
         drop(reservation);
+        let shared = &self.core.loops[self.index];
+        shared.ids().remove(&info.id.get());
+        shared.remove_load();
         self.free.push(index);
         self.live -= 1;
         match reason {

@@ -197,6 +197,25 @@ impl Core {
     }
 
     fn kill_where(&self, id: ConnectionId, code: u16, condition: KillCondition) -> bool {
+        // Event loops: one lookup by id per loop, not a scan of every slot under the loop's lock.
+        for event_loop in &self.loops {
+            let Some(slot) = event_loop.find(id.get()) else {
+                continue;
+            };
+            let wake = &event_loop.wake.eventfd;
+            if slot.slot.kill(id.get(), code, condition) {
+                let _ = wake.signal();
+                return true;
+            }
+            if condition == KillCondition::Always {
+                cut_linger(&slot.linger, wake, id.get());
+            }
+            return false;
+        }
+        if !self.loops.is_empty() {
+            // No loop holds it: closed already, or still queued for a loop (as for a worker's queue).
+            return false;
+        }
         let mut won = false;
         self.for_each_slot(|slot, wake, _, _| {
             if slot.occupant() == Some(id.get()) && slot.kill(id.get(), code, condition) {

@@ -472,3 +472,151 @@ fn a_session_that_parks_in_the_past_forever_does_not_starve_its_loop() {
     );
     drop(restless);
 }
+
+#[test]
+fn a_new_connection_goes_to_the_loop_with_the_fewest_connections() {
+    let _turn = turn();
+    let recorder = Recorder::default();
+    let loops_seen: Arc<Mutex<Vec<(ConnectionId, u32)>>> = Arc::default();
+    let seen = Arc::clone(&loops_seen);
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 2 })
+        .limits(Limits::new().idle_timeout(Duration::from_secs(60)))
+        .events(recorder.clone())
+        .sessions(move |info: &ConnectionInfo| {
+            let worker = info.worker.map_or(u32::MAX, |worker| worker.0);
+            seen.lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push((info.id, worker));
+            Some(ParkOrEcho {
+                completers: Arc::default(),
+            })
+        })
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let loop_of = |stream_index: usize| {
+        let seen = loops_seen
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        seen[stream_index].1
+    };
+    // Four connections, one at a time (each echoed, so the loop that took it is known).
+    let mut streams: Vec<Option<TcpStream>> = Vec::new();
+    for index in 0..4 {
+        let mut stream = client(server.local_addr());
+        assert_eq!(
+            round_trip(&mut stream, b"hi\n"),
+            b"hi\n",
+            "connection {index}"
+        );
+        streams.push(Some(stream));
+    }
+    // Close every connection of the loop that holds the first one, so that loop holds none.
+    let emptied = loop_of(0);
+    let mut closed = 0;
+    for (index, stream) in streams.iter_mut().enumerate() {
+        if loop_of(index) == emptied {
+            drop(stream.take());
+            closed += 1;
+        }
+    }
+    assert!(
+        closed > 0 && closed < 4,
+        "the first four connections were not spread over both loops"
+    );
+    let left = 4 - closed;
+    assert!(
+        common::eventually(SOON, || recorder.closes().len() == closed),
+        "the {closed} closed connections were not closed on the server"
+    );
+    // The emptied loop should take new connections until it holds as many as the other.
+    for index in 0..left {
+        let mut stream = client(server.local_addr());
+        assert_eq!(
+            round_trip(&mut stream, b"hi\n"),
+            b"hi\n",
+            "new connection {index}"
+        );
+        streams.push(Some(stream));
+    }
+    let placed: Vec<u32> = (4..4 + left).map(loop_of).collect();
+    assert!(
+        placed.iter().all(|&event_loop| event_loop == emptied),
+        "new connections went to loops {placed:?}, not all to the emptied loop {emptied} that held none of the \
+         {left} open ones"
+    );
+    drop(streams);
+    drop(server);
+}
+
+/// Reads until its buffer holds 16 KiB, then closes (gracefully) without consuming anything.
+struct CloseWhenFull;
+
+impl Session for CloseWhenFull {
+    fn on_data(&mut self, input: &mut Input<'_>, _context: &mut SessionContext<'_>) -> Step {
+        if input.len() >= 16 * 1024 {
+            return Step::Close;
+        }
+        Step::Read
+    }
+}
+
+#[test]
+fn a_kill_by_id_cuts_a_lingering_close_on_a_loop_short_with_a_reset() {
+    let _turn = turn();
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 2 })
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .read_buffer(16 * 1024)
+                .linger_timeout(Duration::from_secs(30)),
+        )
+        .events(recorder.clone())
+        .sessions(|_: &ConnectionInfo| Some(CloseWhenFull))
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let mut stream = client(server.local_addr());
+    // One write, one loopback segment: what the session does not read is in the socket when it closes, so
+    // the graceful close lingers to read it.
+    stream.write_all(&vec![b'x'; 16 * 1024 + 1000]).unwrap();
+    let mut byte = [0u8; 1];
+    assert_eq!(
+        stream.read(&mut byte).unwrap(),
+        0,
+        "the graceful close sent no FIN"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        recorder.closes().is_empty(),
+        "the close did not linger, so this test cannot show a kill cutting the linger short"
+    );
+    let id = recorder.admitted()[0];
+    let started = Instant::now();
+    assert!(
+        !server.handle().kill(id, 9),
+        "a kill won a connection whose close was already decided"
+    );
+    assert!(
+        common::eventually(SOON, || !recorder.closes().is_empty()),
+        "the kill by id did not end the 30 s linger within {SOON:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the linger ended only after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        recorder.single_close(SOON),
+        CloseReason::SessionClosed,
+        "cutting the linger short changed the close reason"
+    );
+    // Our FIN was read already; a write shows the RST (it fails where a lingering socket takes the bytes).
+    let failed = common::eventually(SOON, || stream.write_all(b"more").is_err());
+    assert!(failed, "the cut linger did not reset the connection");
+}
