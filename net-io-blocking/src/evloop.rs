@@ -2,9 +2,9 @@
 //! sans-IO sessions without a thread per connection.
 //!
 //! ```text
-//!   accept thread ──caps, gate──▶ inbox of the least loaded loop ──eventfd───▶ loop thread 0..L
+//!   accept thread ──caps, gate──▶ inbox of the least loaded loop ──eventfd──▶ loop thread 0..L
 //!                                                                            │ epoll_wait(timeout = next timer)
-//!   ServerHandle::kill ──id map──▶ KillSlot::kill ──shutdown(SHUT_RD)──────▶│ closing()? close with its reason
+//!   ServerHandle::kill ──id map──▶ KillSlot::kill ──shutdown(SHUT_RD)───────▶│ closing()? close with its reason
 //!   Completer::post ──entry waker──▶ ready list + eventfd ──────────────────▶│ on_wake for a parked session
 //!                                                                            │ per connection: recv until a short
 //!                                                                            │ read, send until EAGAIN, then wait
