@@ -102,8 +102,8 @@ mod sessions;
 use std::net::ToSocketAddrs;
 
 pub use builder::{
-    DEFAULT_WORKER_STACK, DEFAULT_WORKERS, Handler, LISTENERS_MAX, ListenerSpec, NoGate,
-    NoWorkload, ServerBuilder, Sessions,
+    DEFAULT_WORKER_STACK, DEFAULT_WORKERS, EVENT_LOOP_CONNECTIONS_DEFAULT_MAX, Handler,
+    LISTENERS_MAX, ListenerSpec, NoGate, NoWorkload, ServerBuilder, Sessions,
 };
 pub use connection::{TcpConnection, connect};
 pub use evloop::SessionDriver;

@@ -620,3 +620,67 @@ fn a_kill_by_id_cuts_a_lingering_close_on_a_loop_short_with_a_reset() {
     let failed = common::eventually(SOON, || stream.write_all(b"more").is_err());
     assert!(failed, "the cut linger did not reset the connection");
 }
+
+#[test]
+fn with_event_loops_the_default_connection_cap_is_the_descriptor_budget_not_the_worker_count() {
+    let _turn = turn();
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 2 })
+        .workers(1)
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_: &ConnectionInfo| {
+            Some(ParkOrEcho {
+                completers: Arc::default(),
+            })
+        })
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let soft = net_io_sys::rlimit::descriptor_limit()
+        .expect("read RLIMIT_NOFILE")
+        .soft;
+    let cap = server.handle().limits().max_connections;
+    assert!(
+        cap > 1 && (cap as u64) < soft,
+        "the default cap {cap} should lie between one worker's 1 and RLIMIT_NOFILE {soft}"
+    );
+    // Three connections at once on a server built with one worker: all served.
+    let mut streams = Vec::new();
+    for index in 0..3 {
+        let mut stream = client(server.local_addr());
+        assert_eq!(
+            round_trip(&mut stream, b"hi\n"),
+            b"hi\n",
+            "connection {index} was not served under the default cap"
+        );
+        streams.push(stream);
+    }
+    assert!(
+        recorder.closes().is_empty(),
+        "a connection was refused or closed: {:?}",
+        recorder.closes()
+    );
+    drop(streams);
+    drop(server);
+    // Worker threads keep their meaning: the worker count is the cap.
+    let threaded = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::Threads)
+        .workers(3)
+        .sessions(|_: &ConnectionInfo| {
+            Some(ParkOrEcho {
+                completers: Arc::default(),
+            })
+        })
+        .allow_all()
+        .build()
+        .expect("the threaded server should start");
+    assert_eq!(
+        threaded.handle().limits().max_connections,
+        3,
+        "on worker threads the default cap should stay the worker count"
+    );
+}
