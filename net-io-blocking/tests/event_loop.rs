@@ -684,3 +684,59 @@ fn with_event_loops_the_default_connection_cap_is_the_descriptor_budget_not_the_
         "on worker threads the default cap should stay the worker count"
     );
 }
+
+/// Echoes; a line `short` also cuts this connection's idle timeout to 2 s.
+struct ShortIdleOnRequest;
+
+impl Session for ShortIdleOnRequest {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        if input.bytes() == b"short\n" {
+            context.set_idle_timeout(Duration::from_secs(2));
+        }
+        let taken = context.output().push_partial(input.bytes());
+        input.consume(taken);
+        Step::Write
+    }
+}
+
+#[test]
+fn thousands_of_short_connections_under_a_long_idle_timeout_leave_a_live_deadline_in_force() {
+    let _turn = turn();
+    const CHURN: usize = 2_500;
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 1 })
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .idle_timeout(Duration::from_secs(3600)),
+        )
+        .events(recorder.clone())
+        .sessions(|_: &ConnectionInfo| Some(ShortIdleOnRequest))
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    // The watched connection's 2 s idle deadline is in the heap first; then each short connection leaves an
+    // hour-long idle deadline behind, so the heap is compacted several times over. Were the live deadline
+    // dropped, the connection would wait out the hour: its later deadlines are never pushed while the heap
+    // is believed to hold an earlier one.
+    let mut watched = client(server.local_addr());
+    assert_eq!(round_trip(&mut watched, b"short\n"), b"short\n");
+    for index in 0..CHURN {
+        let mut stream = client(server.local_addr());
+        assert_eq!(round_trip(&mut stream, b"x"), b"x", "connection {index}");
+        common::reset(stream);
+    }
+    assert!(
+        common::is_closed_by_server(&mut watched),
+        "the watched connection was not closed at its 2 s idle timeout"
+    );
+    assert!(
+        common::eventually(SOON, || recorder
+            .closes()
+            .iter()
+            .any(|(_, reason)| *reason == CloseReason::Idle)),
+        "no Idle close recorded for the watched connection"
+    );
+}
