@@ -159,6 +159,13 @@ impl LoopShared {
         self.load.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Marks a loop that could not start: its load reads as far above any real one (and stays there under
+    /// the counting above, which neither wraps nor reaches it), so no connection is placed on it while
+    /// another loop runs.
+    fn mark_dead(&self) {
+        self.load.store(DEAD_LOOP_LOAD, Ordering::Relaxed);
+    }
+
     /// Counts a connection gone from this loop: closed, or refused before the loop took it.
     pub(crate) fn remove_load(&self) {
         // Never below zero, even if a refusal path and a close both counted (they cannot, but a wrap here
@@ -252,6 +259,8 @@ const CHUNK: usize = 512;
 const V2_FIXED: usize = 16;
 /// How often a stopping loop looks at what is still open.
 const STOP_POLL: Duration = Duration::from_millis(100);
+/// The load a loop that could not start reports.
+const DEAD_LOOP_LOAD: usize = usize::MAX / 2;
 /// Stale timer entries tolerated beyond twice the live connections before the heap is compacted.
 const TIMERS_SLACK: usize = 1024;
 /// Steps one connection may take per turn before the others get theirs: a peer that keeps the socket full
@@ -400,8 +409,10 @@ impl<G: Gate, F: SessionFactory> Runtime<G, SessionWorkload<F>> {
         event_loop.run();
     }
 
-    /// A loop that could not start: refuse whatever reaches its inbox until the server stops.
+    /// A loop that could not start: refuse whatever reaches its inbox until the server stops. It reports
+    /// itself as full so that placement passes it by while any other loop runs.
     fn refuse_inbox_forever(&self, index: usize) {
+        self.core.loops[index].mark_dead();
         let wake = Arc::clone(&self.core.loops[index].wake);
         let slot = index;
         loop {
