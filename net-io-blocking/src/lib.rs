@@ -34,7 +34,9 @@
 //! - **Admission** happens on the accept thread before any byte is read: the global, per-listener and
 //!   per-source caps, then (on worker threads only) the Busy rule (queued plus busy workers must stay below
 //!   the worker count, checked before the gate is asked), then [`Gate::admit`]. Every refusal is an RST.
-//!   Event loops take the admitted connection from the accept thread through a per-loop inbox.
+//!   Event loops take the admitted connection from the accept thread through the inbox of the loop that
+//!   holds the fewest connections; their default connection cap is the descriptor budget (`RLIMIT_NOFILE`
+//!   less 2 per worker and 32, at most [`EVENT_LOOP_CONNECTIONS_DEFAULT_MAX`]), not the worker count.
 //! - **Deadlines by phase.** Between exchanges the idle timeout applies (5 s by default, short because an
 //!   idle blocking connection holds a worker); once a request has started, the read timeout; while output is
 //!   pending, the write timeout; a session may add an exchange deadline and park with a park deadline; a
@@ -57,6 +59,10 @@
 //! - **Injected clocks** ([`ServerBuilder::clock`]) drive every deadline; since the kernel's timeouts run on
 //!   real time, waits (and event loops' `epoll_wait`) are then cut to one tick so a test that moves the
 //!   clock is noticed within a tick.
+//! - **Timeouts of `Duration::MAX`** (in the limits or from a session) mean "never": deadlines saturate about
+//!   136 years ahead instead of overflowing.
+//! - **Kill by id** costs a scan of the workers' slots on worker threads and one map lookup per loop with
+//!   event loops; a drain tick or a shed visits every slot either way.
 //! - **Not here**: Unix sockets, TLS, listener hand-off and systemd sockets, adding or removing listeners at
 //!   run time, `Gate::readmit` after a PROXY header. `CloseReason::Shutdown` is not produced: shutdown
 //!   drains first, so what is still open at its deadline closes with `DrainDeadline`. An event loop's slab of
