@@ -259,6 +259,9 @@ const CHUNK: usize = 512;
 const V2_FIXED: usize = 16;
 /// How often a stopping loop looks at what is still open.
 const STOP_POLL: Duration = Duration::from_millis(100);
+/// Output queued at once (bytes) up to which an idle connection keeps its output queue's allocation, so a
+/// steady exchange of small replies allocates nothing; a queue that grew larger is dropped when it idles.
+const OUTPUT_KEPT_IDLE: usize = 4096;
 /// The load a loop that could not start reports.
 const DEAD_LOOP_LOAD: usize = usize::MAX / 2;
 /// Stale timer entries tolerated beyond twice the live connections before the heap is compacted.
@@ -337,6 +340,9 @@ struct Conn<S, T> {
     write_deadline: Option<Instant>,
     /// PROXY header bytes read so far (only while a handshake runs).
     prefix: Vec<u8>,
+    /// The most output queued at once since the connection last went idle: the output queue keeps its
+    /// allocation at that size, so an idle connection above [`OUTPUT_KEPT_IDLE`] gives it back.
+    output_peak: usize,
     /// The reason a lingering close will report.
     closing_reason: Option<CloseReason>,
     linger_discarded: usize,
@@ -695,6 +701,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             recheck: false,
             write_deadline: None,
             prefix: Vec::new(),
+            output_peak: 0,
             closing_reason: None,
             linger_discarded: 0,
         });
@@ -1220,6 +1227,15 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             if let Some(rate) = conn.rate_in.as_mut() {
                 rate.stop();
             }
+            // An idle connection holds no large output queue either: one that grew past what a small reply
+            // needs is dropped (a new queue allocates nothing until used), so a connection that once sent
+            // a large reply does not keep its size while it idles, nor does its slot after it closes.
+            // `Output` offers no way to shrink in place, so its `written_total` restarts here (documented in
+            // the crate docs); an `Output::shrink` in net-io-core would keep it.
+            if conn.output_peak > OUTPUT_KEPT_IDLE && entry.output.is_empty() {
+                entry.output = Output::new(entry.output.budget());
+                conn.output_peak = 0;
+            }
             // An idle connection holds no read buffer: the loop's free list keeps it warm for the next one.
             if entry
                 .read
@@ -1289,6 +1305,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             return Flow::Close(CloseReason::SessionError);
         };
         let output = &mut entry.output;
+        conn.output_peak = conn.output_peak.max(output.pending());
         let mut now: Option<Instant> = None;
         if !output.is_empty() {
             if let Some(rate) = conn.rate_out.as_mut()
@@ -1710,6 +1727,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             completer,
             bytes_in,
             bytes_out,
+            output_peak,
             ..
         } = conn;
         drop(completer);
@@ -1727,6 +1745,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             let _ = catch_unwind(AssertUnwindSafe(move || drop(session)));
         }
         entry.output.clear();
+        if output_peak > OUTPUT_KEPT_IDLE {
+            entry.output = Output::new(entry.output.budget());
+        }
         if let Some(mut read) = entry.read.take() {
             // A grown buffer goes back to its own class's free list; the next connection starts usual.
             read.clear();

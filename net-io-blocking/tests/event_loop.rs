@@ -740,3 +740,85 @@ fn thousands_of_short_connections_under_a_long_idle_timeout_leave_a_live_deadlin
         "no Idle close recorded for the watched connection"
     );
 }
+
+/// Answers `big` with 60 KiB (copied into the output queue) and anything else with an echo.
+struct BigReply;
+
+const BIG_REPLY: usize = 60 * 1024;
+
+impl Session for BigReply {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        if input.bytes() == b"big\n" {
+            input.consume_all();
+            if context.output().push(&[b'b'; BIG_REPLY]).is_err() {
+                return Step::Abort;
+            }
+            return Step::Write;
+        }
+        let taken = context.output().push_partial(input.bytes());
+        input.consume(taken);
+        Step::Write
+    }
+}
+
+/// This process's resident memory in bytes.
+fn resident_bytes() -> usize {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
+    let pages: usize = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|field| field.parse().ok())
+        .expect("statm has a resident field");
+    pages * 4096
+}
+
+#[test]
+fn an_idle_connection_that_once_sent_a_large_reply_does_not_keep_its_output_memory() {
+    let _turn = turn();
+    const CONNECTIONS: usize = 400;
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 1 })
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .max_connections(CONNECTIONS + 10)
+                .max_per_source(CONNECTIONS + 10)
+                .idle_timeout(Duration::from_secs(120)),
+        )
+        .sessions(|_: &ConnectionInfo| Some(BigReply))
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    // Every connection first exists and is idle, so the growth measured below is the replies' alone.
+    let mut streams = Vec::with_capacity(CONNECTIONS);
+    for index in 0..CONNECTIONS {
+        let mut stream = client(server.local_addr());
+        assert_eq!(
+            round_trip(&mut stream, b"hi\n"),
+            b"hi\n",
+            "connection {index}"
+        );
+        streams.push(stream);
+    }
+    let before = resident_bytes();
+    let mut reply = vec![0u8; BIG_REPLY];
+    for (index, stream) in streams.iter_mut().enumerate() {
+        stream.write_all(b"big\n").unwrap();
+        stream
+            .read_exact(&mut reply)
+            .unwrap_or_else(|error| panic!("connection {index} lost its large reply: {error}"));
+    }
+    // Let the loop see each connection go idle after its reply.
+    std::thread::sleep(Duration::from_millis(200));
+    let growth = resident_bytes().saturating_sub(before);
+    // The idle-memory target is 16 KiB a connection; a kept 60 KiB queue per connection is far above it.
+    assert!(
+        growth < CONNECTIONS * 16 * 1024,
+        "resident memory grew by {} KiB ({} KiB per idle connection) after one large reply each",
+        growth / 1024,
+        growth / 1024 / CONNECTIONS
+    );
+    drop(streams);
+    drop(server);
+}
