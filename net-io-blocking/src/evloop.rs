@@ -1197,7 +1197,6 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
     fn wait_read(&mut self, index: u32, idle: bool) -> Flow {
         let now = self.core.now();
         let tick = self.core.limits.tick;
-        let usual = self.usual_class(index);
         let limits = self.limits(index);
         let (idle_timeout, read_timeout) = (limits.idle_timeout, limits.read_timeout);
         let entry = &mut self.entries[index as usize];
@@ -1237,12 +1236,16 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 conn.output_peak = 0;
             }
             // An idle connection holds no read buffer: the loop's free list keeps it warm for the next one.
+            // A grown buffer goes back too (to its own class's list): kept, it would count against the
+            // buffer budget for as long as the connection idles, and idle connections that once read one
+            // long request would starve busy ones of the budget.
             if entry
                 .read
                 .as_ref()
-                .is_some_and(|read| read.unread_len() == 0 && read.class() == usual)
-                && let Some(read) = entry.read.take()
+                .is_some_and(|read| read.unread_len() == 0)
+                && let Some(mut read) = entry.read.take()
             {
+                read.clear();
                 self.buffers.release(read.into_buffer());
             }
         } else if let Some(rate) = conn.rate_in.as_mut() {

@@ -822,3 +822,80 @@ fn an_idle_connection_that_once_sent_a_large_reply_does_not_keep_its_output_memo
     drop(streams);
     drop(server);
 }
+
+/// Answers `ok` to each newline-terminated line, consuming nothing before the newline arrives (so a long
+/// line grows the read buffer).
+struct LineAcknowledger;
+
+impl Session for LineAcknowledger {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        if !input.bytes().contains(&b'\n') {
+            return Step::Read;
+        }
+        input.consume_all();
+        if context.output().push(b"ok\n").is_err() {
+            return Step::Abort;
+        }
+        Step::Write
+    }
+}
+
+#[test]
+fn idle_connections_that_once_read_a_long_line_do_not_hoard_the_buffer_budget() {
+    let _turn = turn();
+    const HOARDERS: usize = 16;
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 1 })
+        .workers(2)
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .read_buffer(16 * 1024)
+                .read_buffer_max(64 * 1024)
+                // Room for HOARDERS grown (64 KiB) buffers and one usual one, not for one more grown buffer.
+                .buffer_budget(HOARDERS * 64 * 1024 + 32 * 1024)
+                .max_per_source(HOARDERS + 4)
+                .idle_timeout(Duration::from_secs(60)),
+        )
+        .events(recorder.clone())
+        .sessions(|_: &ConnectionInfo| Some(LineAcknowledger))
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let mut line = vec![b'a'; 40 * 1024];
+    line.push(b'\n');
+    let send_long_line = |stream: &mut TcpStream, index: usize| {
+        stream.write_all(&line).unwrap_or_else(|error| {
+            panic!(
+                "connection {index} could not send its long line: {error}; closes so far: {:?}",
+                recorder.closes()
+            )
+        });
+        let mut reply = [0u8; 3];
+        stream.read_exact(&mut reply).unwrap_or_else(|error| {
+            panic!(
+                "connection {index} got no answer to its long line: {error}; closes so far: {:?}",
+                recorder.closes()
+            )
+        });
+        assert_eq!(&reply, b"ok\n", "connection {index}");
+    };
+    let mut idle = Vec::new();
+    for index in 0..HOARDERS {
+        let mut stream = client(server.local_addr());
+        send_long_line(&mut stream, index);
+        idle.push(stream);
+    }
+    // Every earlier connection is idle now; the next long line needs a grown buffer too.
+    let mut next = client(server.local_addr());
+    send_long_line(&mut next, HOARDERS);
+    assert!(
+        recorder.closes().is_empty(),
+        "connections were closed: {:?}",
+        recorder.closes()
+    );
+    drop((idle, next));
+    drop(server);
+}
