@@ -262,6 +262,8 @@ const STOP_POLL: Duration = Duration::from_millis(100);
 /// Output queued at once (bytes) up to which an idle connection keeps its output queue's allocation, so a
 /// steady exchange of small replies allocates nothing; a queue that grew larger is dropped when it idles.
 const OUTPUT_KEPT_IDLE: usize = 4096;
+/// Free read buffers a loop keeps per size class even when none of its connections holds one.
+const FREE_BUFFERS_KEPT: usize = 16;
 /// The load a loop that could not start reports.
 const DEAD_LOOP_LOAD: usize = usize::MAX / 2;
 /// Stale timer entries tolerated beyond twice the live connections before the heap is compacted.
@@ -372,6 +374,9 @@ struct EventLoop<'r, G: Gate, F: SessionFactory> {
     free: Vec<u32>,
     timers: BinaryHeap<Reverse<(Instant, u32, u32)>>,
     buffers: WorkerBuffers,
+    /// Connections of this loop holding a read buffer now: the loop keeps about this many free buffers
+    /// per class (at least [`FREE_BUFFERS_KEPT`]) and gives the rest back to the shared budget.
+    holding: usize,
     incoming: Vec<Job<G::Ticket>>,
     ready: Vec<u32>,
     lingering: Vec<u32>,
@@ -405,6 +410,7 @@ impl<G: Gate, F: SessionFactory> Runtime<G, SessionWorkload<F>> {
             free: Vec::new(),
             timers: BinaryHeap::new(),
             buffers: runtime.pool.worker(),
+            holding: 0,
             incoming: Vec::new(),
             ready: Vec::new(),
             lingering: Vec::new(),
@@ -1246,7 +1252,8 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 && let Some(mut read) = entry.read.take()
             {
                 read.clear();
-                self.buffers.release(read.into_buffer());
+                self.holding = self.holding.saturating_sub(1);
+                Self::give_back(&mut self.buffers, self.holding, read.into_buffer());
             }
         } else if let Some(rate) = conn.rate_in.as_mut() {
             rate.start(now);
@@ -1754,7 +1761,8 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         if let Some(mut read) = entry.read.take() {
             // A grown buffer goes back to its own class's free list; the next connection starts usual.
             read.clear();
-            self.buffers.release(read.into_buffer());
+            self.holding = self.holding.saturating_sub(1);
+            Self::give_back(&mut self.buffers, self.holding, read.into_buffer());
         }
         if let Some(ticket) = ticket {
             close_ticket(&self.runtime.gate, ticket, &info, reason);
@@ -1820,6 +1828,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 .acquire(usual)
                 .map_err(|_| CloseReason::Limit(LimitKind::BufferBudget))?;
             entry.read = Some(ReadBuffer::new(buffer));
+            self.holding += 1;
             return Ok(());
         };
         if !read.is_full() {
@@ -1837,12 +1846,31 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             .map_err(|_| CloseReason::Limit(LimitKind::BufferBudget))?;
         match read.grow(buffer) {
             Ok(old) => {
-                self.buffers.release(old);
+                Self::give_back(&mut self.buffers, self.holding, old);
                 Ok(())
             }
             Err(unused) => {
-                self.buffers.release(unused);
+                Self::give_back(&mut self.buffers, self.holding, unused);
                 Err(CloseReason::Limit(LimitKind::ReadBuffer))
+            }
+        }
+    }
+
+    /// Puts `buffer` on the loop's free list, then frees what the list holds beyond what this loop can use.
+    ///
+    /// A loop's free list would otherwise keep every buffer of its busiest moment, charged against the
+    /// budget that all loops share, while another loop is refused buffers. Keeping as many as connections
+    /// hold now (at least [`FREE_BUFFERS_KEPT`]) leaves a steady exchange allocation-free.
+    /// (A function of the two fields, not a method, so callers may hold a connection's entry meanwhile.)
+    fn give_back(buffers: &mut WorkerBuffers, holding: usize, buffer: net_io_core::Buffer) {
+        let class = buffer.class();
+        buffers.release(buffer);
+        let keep = FREE_BUFFERS_KEPT.max(holding);
+        while buffers.free_count(class) > keep {
+            // Dropping a buffer (rather than releasing it) returns its bytes to the shared budget.
+            match buffers.acquire(class) {
+                Ok(spare) => drop(spare),
+                Err(_) => break,
             }
         }
     }

@@ -899,3 +899,112 @@ fn idle_connections_that_once_read_a_long_line_do_not_hoard_the_buffer_budget() 
     drop((idle, next));
     drop(server);
 }
+
+#[test]
+fn buffers_one_loop_no_longer_needs_are_not_kept_from_another_loop_that_does() {
+    let _turn = turn();
+    // Per loop: connections that each hold a usual (16 KiB) read buffer at once.
+    const PER_LOOP: usize = 40;
+    let recorder = Recorder::default();
+    // The loop of each connection, by the client's port.
+    let loops_seen: Arc<Mutex<HashMap<u16, u32>>> = Arc::default();
+    let seen = Arc::clone(&loops_seen);
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 2 })
+        .workers(2)
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .read_buffer(16 * 1024)
+                // Exactly the buffers of 2 x PER_LOOP busy connections.
+                .buffer_budget(2 * PER_LOOP * 16 * 1024)
+                .max_per_source(4 * PER_LOOP)
+                .idle_timeout(Duration::from_secs(60)),
+        )
+        .events(recorder.clone())
+        .sessions(move |info: &ConnectionInfo| {
+            seen.lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .insert(
+                    info.peer.port(),
+                    info.worker.map_or(u32::MAX, |worker| worker.0),
+                );
+            Some(LineAcknowledger)
+        })
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let finish_line = |stream: &mut TcpStream, what: &str| {
+        stream.write_all(b"\n").unwrap();
+        let mut reply = [0u8; 3];
+        stream.read_exact(&mut reply).unwrap_or_else(|error| {
+            panic!(
+                "{what} got no answer: {error}; closes so far: {:?}",
+                recorder.closes()
+            )
+        });
+    };
+    // Every connection busy at once (a line without its end holds a read buffer), then all idle: each
+    // loop has used PER_LOOP buffers and the whole budget is allocated.
+    let mut streams = Vec::new();
+    for _ in 0..2 * PER_LOOP {
+        let mut stream = client(server.local_addr());
+        stream.write_all(b"partial").unwrap();
+        streams.push(stream);
+    }
+    assert!(
+        common::eventually(SOON, || loops_seen.lock().unwrap().len() == 2 * PER_LOOP),
+        "not every connection was opened"
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    for (index, stream) in streams.iter_mut().enumerate() {
+        finish_line(stream, &format!("connection {index}"));
+    }
+    // Now only loop 0's connections get busy again, and one more connection per loop. Loop 0 needs more
+    // buffers than it used before while loop 1 needs fewer: the budget covers it only if loop 1 does not
+    // keep what it no longer uses.
+    let on_loop: Vec<u32> = {
+        let seen = loops_seen.lock().unwrap();
+        streams
+            .iter()
+            .map(|stream| seen[&stream.local_addr().unwrap().port()])
+            .collect()
+    };
+    assert_eq!(
+        on_loop
+            .iter()
+            .filter(|event_loop| **event_loop == 0)
+            .count(),
+        PER_LOOP,
+        "the connections were not spread evenly over the two loops"
+    );
+    for (stream, event_loop) in streams.iter_mut().zip(&on_loop) {
+        if *event_loop == 0 {
+            stream.write_all(b"partial").unwrap();
+        }
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let mut extra = Vec::new();
+    for _ in 0..2 {
+        let mut stream = client(server.local_addr());
+        stream.write_all(b"partial").unwrap();
+        extra.push(stream);
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    for (index, stream) in extra.iter_mut().enumerate() {
+        finish_line(stream, &format!("extra connection {index}"));
+    }
+    for (index, (stream, event_loop)) in streams.iter_mut().zip(&on_loop).enumerate() {
+        if *event_loop == 0 {
+            finish_line(stream, &format!("connection {index} on loop 0"));
+        }
+    }
+    assert!(
+        recorder.closes().is_empty(),
+        "connections were closed for want of buffers: {:?}",
+        recorder.closes()
+    );
+    drop((streams, extra));
+    drop(server);
+}
