@@ -1755,7 +1755,10 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             let _ = catch_unwind(AssertUnwindSafe(move || drop(session)));
         }
         entry.output.clear();
-        if output_peak > OUTPUT_KEPT_IDLE {
+        // A free slot keeps no output memory at all: slots are never removed, so after a spike of many
+        // connections each would otherwise hold up to OUTPUT_KEPT_IDLE bytes. The next connection in the slot
+        // pays a few small allocations for its first reply, which its accept costs dwarf.
+        if output_peak > 0 {
             entry.output = Output::new(entry.output.budget());
         }
         if let Some(mut read) = entry.read.take() {
