@@ -262,6 +262,8 @@ const STOP_POLL: Duration = Duration::from_millis(100);
 /// Output queued at once (bytes) up to which an idle connection keeps its output queue's allocation, so a
 /// steady exchange of small replies allocates nothing; a queue that grew larger is dropped when it idles.
 const OUTPUT_KEPT_IDLE: usize = 4096;
+/// Slots a loop keeps however few connections it holds (the slab is cut down to this at the least).
+const SLAB_KEPT: usize = 64;
 /// Free read buffers a loop keeps per size class even when none of its connections holds one.
 const FREE_BUFFERS_KEPT: usize = 16;
 /// The load a loop that could not start reports.
@@ -371,7 +373,15 @@ struct EventLoop<'r, G: Gate, F: SessionFactory> {
     index: usize,
     epoll: Epoll,
     entries: Vec<Entry<F::Session, G::Ticket>>,
-    free: Vec<u32>,
+    /// Free slots, lowest index first, so the top of the slab empties and can be cut off after a spike. May
+    /// hold indices that are stale (cut off, or taken again): `take_free` skips those.
+    free: BinaryHeap<Reverse<u32>>,
+    /// A connection closed while at most a quarter of the slab is in use: see whether the top of the slab
+    /// can be cut off once this turn is done (a check of one slot when the top is still taken).
+    shrink_wanted: bool,
+    /// The generation a newly made slot starts at: above that of every slot ever cut off, so no stale timer
+    /// or token naming a cut-off slot matches the slot made again at its index.
+    generation_floor: u32,
     timers: BinaryHeap<Reverse<(Instant, u32, u32)>>,
     buffers: WorkerBuffers,
     /// Connections of this loop holding a read buffer now: the loop keeps about this many free buffers
@@ -407,7 +417,9 @@ impl<G: Gate, F: SessionFactory> Runtime<G, SessionWorkload<F>> {
             index,
             epoll,
             entries: Vec::new(),
-            free: Vec::new(),
+            free: BinaryHeap::new(),
+            shrink_wanted: false,
+            generation_floor: 0,
             timers: BinaryHeap::new(),
             buffers: runtime.pool.worker(),
             holding: 0,
@@ -482,6 +494,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 self.fire_timers();
                 self.end_overdue_lingers();
                 self.resume_yielded();
+                if std::mem::take(&mut self.shrink_wanted) {
+                    self.shrink_slab();
+                }
             }));
             if self.core.stopping.load(Ordering::Acquire) {
                 // A drain ran before the stop; what is still open now is killed so the stop can finish.
@@ -553,7 +568,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
     fn resume_yielded(&mut self) {
         let mut yielded = std::mem::take(&mut self.yielded);
         for (index, generation) in yielded.drain(..) {
-            let entry = &self.entries[index as usize];
+            let Some(entry) = self.entries.get(index as usize) else {
+                continue;
+            };
             if entry.generation != generation {
                 continue;
             }
@@ -637,7 +654,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         self.entries.push(Entry {
             owner,
             shared,
-            generation: 0,
+            generation: self.generation_floor,
             receiver,
             waker,
             output: Output::new(self.core.limits.output_budget),
@@ -648,9 +665,49 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         Ok(index)
     }
 
+    /// The lowest free slot, skipping indices that were cut off or are taken.
+    fn take_free(&mut self) -> Option<u32> {
+        while let Some(Reverse(index)) = self.free.pop() {
+            if self
+                .entries
+                .get(index as usize)
+                .is_some_and(|entry| entry.conn.is_none())
+            {
+                return Some(index);
+            }
+        }
+        None
+    }
+
+    /// Cuts free slots off the top of the slab once at most a quarter of it is in use, down to twice the
+    /// live connections (at least [`SLAB_KEPT`]): after a spike the loop gives back its slots' memory
+    /// (about a kilobyte each with their kill slot, completion ring and waker). New connections take the
+    /// lowest free slot, so the top empties as the spike's connections close. Runs between turns, when no
+    /// slot index is in use; timers, tokens, completions and turns that still name a cut-off slot find no
+    /// entry (or a newer generation) and are ignored.
+    fn shrink_slab(&mut self) {
+        let length = self.entries.len();
+        if length <= SLAB_KEPT || self.live * 4 >= length {
+            return;
+        }
+        let floor = SLAB_KEPT.max(self.live * 2);
+        let mut keep = length;
+        while keep > floor && self.entries[keep - 1].conn.is_none() {
+            keep -= 1;
+        }
+        if keep == length {
+            return;
+        }
+        for entry in &self.entries[keep..] {
+            self.generation_floor = self.generation_floor.max(entry.generation.wrapping_add(1));
+        }
+        self.entries.truncate(keep);
+        self.core.loops[self.index].slots().truncate(keep);
+    }
+
     /// Takes one admitted connection into the loop.
     fn start(&mut self, job: Job<G::Ticket>) {
-        let slot_index = match self.free.pop() {
+        let slot_index = match self.take_free() {
             Some(index) => Ok(index),
             None => self.new_entry(),
         };
@@ -899,7 +956,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 break;
             }
             self.timers.pop();
-            let entry = &mut self.entries[index as usize];
+            let Some(entry) = self.entries.get_mut(index as usize) else {
+                continue;
+            };
             if entry.generation != generation || entry.timer_at != Some(at) || entry.conn.is_none()
             {
                 continue;
@@ -1779,8 +1838,11 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         let shared = &self.core.loops[self.index];
         shared.ids().remove(&info.id.get());
         shared.remove_load();
-        self.free.push(index);
+        self.free.push(Reverse(index));
         self.live -= 1;
+        if self.entries.len() > SLAB_KEPT && self.live * 4 < self.entries.len() {
+            self.shrink_wanted = true;
+        }
         match reason {
             CloseReason::Killed(code) => core.emit(Event::Killed { id: info.id, code }),
             CloseReason::Limit(which) => core.emit(Event::LimitHit {

@@ -68,7 +68,8 @@
 //! - **Not here**: Unix sockets, TLS, listener hand-off and systemd sockets, adding or removing listeners at
 //!   run time, `Gate::readmit` after a PROXY header. `CloseReason::Shutdown` is not produced: shutdown
 //!   drains first, so what is still open at its deadline closes with `DrainDeadline`. An event loop's slab of
-//!   connection slots grows to the most connections it held at once and does not shrink.
+//!   connection slots grows to the most connections it held at once; once at most a quarter is in use, its
+//!   free top is cut back to twice the live connections (64 slots at least).
 //! - **Handlers must do IO to be killable**: a kill shuts the socket's read side and wakes the worker, so a
 //!   handler stuck in pure computation is ended only when it next reads or writes; shutdown waits for it.
 //!

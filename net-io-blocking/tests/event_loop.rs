@@ -1008,3 +1008,101 @@ fn buffers_one_loop_no_longer_needs_are_not_kept_from_another_loop_that_does() {
     drop((streams, extra));
     drop(server);
 }
+
+#[test]
+fn after_a_spike_shrinks_the_slab_its_loop_still_serves_parks_wakes_and_kills() {
+    let _turn = turn();
+    const SPIKE: usize = 600;
+    let recorder = Recorder::default();
+    let limits = Limits::new()
+        .max_connections(SPIKE + 10)
+        .max_per_source(SPIKE + 10)
+        .idle_timeout(Duration::from_secs(60));
+    let (server, completers) = server(1, limits, &recorder);
+    let mut spike = Vec::with_capacity(SPIKE);
+    for index in 0..SPIKE {
+        let mut stream = client(server.local_addr());
+        assert_eq!(
+            round_trip(&mut stream, b"hi\n"),
+            b"hi\n",
+            "spike connection {index}"
+        );
+        spike.push(stream);
+    }
+    // Closed newest first, so the top of the slab empties first and is cut off as it goes.
+    while let Some(stream) = spike.pop() {
+        common::reset(stream);
+    }
+    assert!(
+        eventually(SOON, || recorder.closes().len() == SPIKE),
+        "the spike's connections were not all closed"
+    );
+    // The loop serves on in whatever slots it kept or makes again.
+    let mut streams = Vec::new();
+    for index in 0..3 {
+        let mut stream = client(server.local_addr());
+        assert_eq!(
+            round_trip(&mut stream, b"again\n"),
+            b"again\n",
+            "connection {index} after the spike was not echoed"
+        );
+        streams.push(stream);
+    }
+    streams[0].write_all(b"park\n").unwrap();
+    assert!(
+        eventually(SOON, || completers.lock().unwrap().len() == 1),
+        "the parking connection did not park"
+    );
+    let completer = completers.lock().unwrap().remove(0);
+    completer.post(1, 77).expect("post a completion");
+    assert_eq!(
+        read_line(&mut streams[0]),
+        "woke 77\n",
+        "the parked connection was not woken by its completion"
+    );
+    let victim = recorder.admitted()[SPIKE + 1];
+    assert!(
+        server.handle().kill(victim, 5),
+        "a kill by id did not reach a connection opened after the spike"
+    );
+    assert!(
+        common::is_closed_by_server(&mut streams[1]),
+        "the killed connection stayed open"
+    );
+    assert!(
+        eventually(SOON, || recorder.closes().iter().any(|(id, reason)| *id
+            == victim
+            && *reason == CloseReason::Killed(5))),
+        "the kill was not recorded as the connection's close"
+    );
+    assert_eq!(
+        round_trip(&mut streams[2], b"still\n"),
+        b"still\n",
+        "the last connection was not echoed after the kill"
+    );
+    // Enough connections again to need slots above the kept ones, made anew where the cut-off ones were.
+    let mut late = Vec::new();
+    for index in 0..100 {
+        let mut stream = client(server.local_addr());
+        assert_eq!(
+            round_trip(&mut stream, b"late\n"),
+            b"late\n",
+            "late connection {index}"
+        );
+        late.push(stream);
+    }
+    let last = *recorder
+        .admitted()
+        .last()
+        .expect("the late connections were admitted");
+    assert!(
+        server.handle().kill(last, 6),
+        "a kill by id did not reach a connection in a slot made again after the cut"
+    );
+    assert!(
+        common::is_closed_by_server(late.last_mut().expect("a late connection")),
+        "the killed late connection stayed open"
+    );
+    drop((streams, late));
+    drop(server);
+}
