@@ -191,8 +191,9 @@ impl<W, G> ServerBuilder<W, G> {
     }
 
     /// Sets the worker count (128 by default); each worker serves one connection at a time (handlers, and
-    /// sessions on [`SessionDriver::Threads`]). With event loops no worker starts; the count then only sets
-    /// the default `max_connections` and the descriptor budget check.
+    /// sessions on [`SessionDriver::Threads`], where it is also the default `max_connections`). With event
+    /// loops no worker starts; the count then only enters the descriptor budget check (2 descriptors each),
+    /// and the default `max_connections` is that budget instead (see [`EVENT_LOOP_CONNECTIONS_DEFAULT_MAX`]).
     pub fn workers(mut self, workers: usize) -> Self {
         self.settings.workers = workers;
         self
@@ -255,8 +256,10 @@ impl<W, G> ServerBuilder<W, G> {
 
     /// Chooses how sessions are driven: event loops (the default, one loop thread per core), where a few
     /// threads serve any number of connections and a parked or idle session holds no thread, or worker
-    /// threads ([`SessionDriver::Threads`], one connection each, with the Busy rule). With event loops the worker count only sizes the limits' defaults.
-    /// Handlers always run on worker threads; for them this setting is ignored.
+    /// threads ([`SessionDriver::Threads`], one connection each, with the Busy rule). With event loops the
+    /// default `max_connections` is the descriptor budget (`RLIMIT_NOFILE` less 2 per worker and 32 spare, at
+    /// most [`EVENT_LOOP_CONNECTIONS_DEFAULT_MAX`]) rather than the worker count. Handlers always run on
+    /// worker threads; for them this setting is ignored.
     pub fn session_driver(mut self, driver: SessionDriver) -> Self {
         self.settings.session_driver = driver;
         self
@@ -343,6 +346,22 @@ impl<W, G> std::fmt::Debug for ServerBuilder<W, G> {
     }
 }
 
+/// The most connections event loops admit by default, whatever the descriptor limit: the per-source caps
+/// size their tables for the connection cap up front (about 32 bytes a connection), and a host with a
+/// descriptor limit in the millions should choose such a cap on purpose. `max_connections` raises it.
+pub const EVENT_LOOP_CONNECTIONS_DEFAULT_MAX: usize = 65_536;
+
+/// The default `max_connections` with event loops: the descriptor budget that `Limits` validation checks
+/// (`RLIMIT_NOFILE` less 2 per worker and 32 spare), so the default always passes it, at least 1 and at most
+/// [`EVENT_LOOP_CONNECTIONS_DEFAULT_MAX`]. Each connection holds one descriptor and no thread.
+fn event_loop_connections_default(descriptor_limit: u64, workers: usize) -> usize {
+    let reserved = (workers as u64).saturating_mul(2).saturating_add(32);
+    let budget = descriptor_limit.saturating_sub(reserved);
+    usize::try_from(budget)
+        .unwrap_or(usize::MAX)
+        .clamp(1, EVENT_LOOP_CONNECTIONS_DEFAULT_MAX)
+}
+
 /// The body of an event-loop thread.
 type LoopBody<G, W> = fn(Arc<Runtime<G, W>>, usize);
 
@@ -370,13 +389,19 @@ fn start<G: Gate, W: Workload>(
     }
     let workers = settings.workers;
     let descriptor_limit = net_io_sys::rlimit::descriptor_limit()?.soft;
-    let limits = settings.limits.validate(workers, descriptor_limit)?;
+    // Worker threads cap connections at one each; event loops are bounded by descriptors instead.
+    let base_limits = match loops {
+        Some(_) => settings.limits.or(Limits::new()
+            .max_connections(event_loop_connections_default(descriptor_limit, workers))),
+        None => settings.limits,
+    };
+    let limits = base_limits.validate(workers, descriptor_limit)?;
     let mut listener_caps = Vec::with_capacity(settings.listeners.len());
     let mut listener_limits = Vec::with_capacity(settings.listeners.len());
     for spec in &settings.listeners {
         let merged = spec
             .limits
-            .or(settings.limits)
+            .or(base_limits)
             .validate(workers, descriptor_limit)?;
         listener_limits.push(merged);
         if merged.max_per_listener > limits.max_connections {
@@ -403,7 +428,7 @@ fn start<G: Gate, W: Workload>(
     let mut bound = Vec::with_capacity(settings.listeners.len());
     for (spec, limits) in settings.listeners.iter().zip(&listener_limits) {
         let options = ListenOptions {
-            backlog: spec.limits.or(settings.limits).resolve(workers).backlog,
+            backlog: spec.limits.or(base_limits).resolve(workers).backlog,
             reuse_port: spec.reuse_port,
             receive_buffer: spec.receive_buffer,
             send_buffer: spec.send_buffer,

@@ -156,7 +156,7 @@ impl<'a> TcpConnection<'a> {
         } else {
             (self.limits.read_timeout, TimeoutKind::Read)
         };
-        let mut deadline = now + timeout;
+        let mut deadline = crate::clock::deadline_after(now, timeout);
         let mut deadline_kind = kind;
         if let Some(exchange) = self.exchange_deadline
             && exchange < deadline

@@ -2,9 +2,9 @@
 //! sans-IO sessions without a thread per connection.
 //!
 //! ```text
-//!   accept thread ──caps, gate──▶ inbox (per loop, round robin) ──eventfd──▶ loop thread 0..L
+//!   accept thread ──caps, gate──▶ inbox of the least loaded loop ──eventfd──▶ loop thread 0..L
 //!                                                                            │ epoll_wait(timeout = next timer)
-//!   ServerHandle::kill ──KillSlot::kill──▶ shutdown(SHUT_RD) ──EPOLLIN──────▶│ closing()? close with its reason
+//!   ServerHandle::kill ──id map──▶ KillSlot::kill ──shutdown(SHUT_RD)───────▶│ closing()? close with its reason
 //!   Completer::post ──entry waker──▶ ready list + eventfd ──────────────────▶│ on_wake for a parked session
 //!                                                                            │ per connection: recv until a short
 //!                                                                            │ read, send until EAGAIN, then wait
@@ -28,12 +28,12 @@
 //! panics contained to their connection, and graceful closes whose linger runs inside the loop.
 
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 use std::io::{self, IoSlice};
 use std::net::Shutdown;
 use std::os::fd::AsFd;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
@@ -51,6 +51,7 @@ use net_io_sys::kill::{KillSlot, SlotOwner};
 use net_io_sys::socket::{self, Linger};
 
 use crate::caps::Reservation;
+use crate::clock::deadline_after;
 use crate::link::OWNER_CODE;
 use crate::rate::RateWindow;
 use crate::runtime::{Job, Runtime};
@@ -82,11 +83,18 @@ impl SessionDriver {
     }
 }
 
-/// What a loop shares with killers, drains and completers.
+/// What a loop shares with accept threads, killers, drains and completers.
 pub(crate) struct LoopShared {
     pub(crate) wake: Arc<LoopWake>,
-    /// Every connection slot the loop ever made (slots are reused, never removed); killers scan it.
+    /// Every connection slot the loop ever made (slots are reused, never removed); drains and sheds scan it.
     pub(crate) slots: Mutex<Vec<Arc<ConnectionSlot>>>,
+    /// The slot of each connection the loop holds, by id, so that a kill by id is one lookup per loop rather
+    /// than a scan of every slot. Written only by the loop (at start and at the final close); the map keeps
+    /// its capacity, so a steady number of connections allocates nothing.
+    by_id: Mutex<HashMap<u64, Arc<ConnectionSlot>>>,
+    /// Connections queued for this loop or held by it: accept threads place each new connection on the loop
+    /// with the fewest, so a loop emptied by closes fills first instead of taking every n-th id.
+    load: AtomicUsize,
 }
 
 /// A loop's wake: its eventfd and the entries whose completion ring got a post.
@@ -127,7 +135,52 @@ impl LoopShared {
                 ready: Mutex::new(Vec::new()),
             }),
             slots: Mutex::new(Vec::new()),
+            by_id: Mutex::new(HashMap::new()),
+            load: AtomicUsize::new(0),
         })
+    }
+
+    /// The slot that holds connection `id` on this loop, if this loop holds it (open or lingering).
+    pub(crate) fn find(&self, id: u64) -> Option<Arc<ConnectionSlot>> {
+        self.by_id
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(&id)
+            .cloned()
+    }
+
+    /// Connections queued for or held by this loop right now.
+    pub(crate) fn load(&self) -> usize {
+        self.load.load(Ordering::Relaxed)
+    }
+
+    /// Counts a connection queued for this loop (by the accept thread, before it offers the job).
+    pub(crate) fn add_load(&self) {
+        self.load.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Marks a loop that could not start: its load reads as far above any real one (and stays there under
+    /// the counting above, which neither wraps nor reaches it), so no connection is placed on it while
+    /// another loop runs.
+    fn mark_dead(&self) {
+        self.load.store(DEAD_LOOP_LOAD, Ordering::Relaxed);
+    }
+
+    /// Counts a connection gone from this loop: closed, or refused before the loop took it.
+    pub(crate) fn remove_load(&self) {
+        // Never below zero, even if a refusal path and a close both counted (they cannot, but a wrap here
+        // would make the loop look full forever).
+        let _ = self
+            .load
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |load| {
+                Some(load.saturating_sub(1))
+            });
+    }
+
+    fn ids(&self) -> MutexGuard<'_, HashMap<u64, Arc<ConnectionSlot>>> {
+        self.by_id
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub(crate) fn slots(&self) -> MutexGuard<'_, Vec<Arc<ConnectionSlot>>> {
@@ -206,6 +259,17 @@ const CHUNK: usize = 512;
 const V2_FIXED: usize = 16;
 /// How often a stopping loop looks at what is still open.
 const STOP_POLL: Duration = Duration::from_millis(100);
+/// Output queued at once (bytes) up to which an idle connection keeps its output queue's allocation, so a
+/// steady exchange of small replies allocates nothing; a queue that grew larger is dropped when it idles.
+const OUTPUT_KEPT_IDLE: usize = 4096;
+/// Slots a loop keeps however few connections it holds (the slab is cut down to this at the least).
+const SLAB_KEPT: usize = 64;
+/// Free read buffers a loop keeps per size class even when none of its connections holds one.
+const FREE_BUFFERS_KEPT: usize = 16;
+/// The load a loop that could not start reports.
+const DEAD_LOOP_LOAD: usize = usize::MAX / 2;
+/// Stale timer entries tolerated beyond twice the live connections before the heap is compacted.
+const TIMERS_SLACK: usize = 1024;
 /// Steps one connection may take per turn before the others get theirs: a peer that keeps the socket full
 /// (every read fills the buffer) would otherwise hold the loop.
 const STEPS_PER_TURN: usize = 64;
@@ -280,6 +344,9 @@ struct Conn<S, T> {
     write_deadline: Option<Instant>,
     /// PROXY header bytes read so far (only while a handshake runs).
     prefix: Vec<u8>,
+    /// The most output queued at once since the connection last went idle: the output queue keeps its
+    /// allocation at that size, so an idle connection above [`OUTPUT_KEPT_IDLE`] gives it back.
+    output_peak: usize,
     /// The reason a lingering close will report.
     closing_reason: Option<CloseReason>,
     linger_discarded: usize,
@@ -306,9 +373,20 @@ struct EventLoop<'r, G: Gate, F: SessionFactory> {
     index: usize,
     epoll: Epoll,
     entries: Vec<Entry<F::Session, G::Ticket>>,
-    free: Vec<u32>,
+    /// Free slots, lowest index first, so the top of the slab empties and can be cut off after a spike. May
+    /// hold indices that are stale (cut off, or taken again): `take_free` skips those.
+    free: BinaryHeap<Reverse<u32>>,
+    /// A connection closed while at most a quarter of the slab is in use: see whether the top of the slab
+    /// can be cut off once this turn is done (a check of one slot when the top is still taken).
+    shrink_wanted: bool,
+    /// The generation a newly made slot starts at: above that of every slot ever cut off, so no stale timer
+    /// or token naming a cut-off slot matches the slot made again at its index.
+    generation_floor: u32,
     timers: BinaryHeap<Reverse<(Instant, u32, u32)>>,
     buffers: WorkerBuffers,
+    /// Connections of this loop holding a read buffer now: the loop keeps about this many free buffers
+    /// per class (at least [`FREE_BUFFERS_KEPT`]) and gives the rest back to the shared budget.
+    holding: usize,
     incoming: Vec<Job<G::Ticket>>,
     ready: Vec<u32>,
     lingering: Vec<u32>,
@@ -339,9 +417,12 @@ impl<G: Gate, F: SessionFactory> Runtime<G, SessionWorkload<F>> {
             index,
             epoll,
             entries: Vec::new(),
-            free: Vec::new(),
+            free: BinaryHeap::new(),
+            shrink_wanted: false,
+            generation_floor: 0,
             timers: BinaryHeap::new(),
             buffers: runtime.pool.worker(),
+            holding: 0,
             incoming: Vec::new(),
             ready: Vec::new(),
             lingering: Vec::new(),
@@ -352,12 +433,15 @@ impl<G: Gate, F: SessionFactory> Runtime<G, SessionWorkload<F>> {
         event_loop.run();
     }
 
-    /// A loop that could not start: refuse whatever reaches its inbox until the server stops.
+    /// A loop that could not start: refuse whatever reaches its inbox until the server stops. It reports
+    /// itself as full so that placement passes it by while any other loop runs.
     fn refuse_inbox_forever(&self, index: usize) {
+        self.core.loops[index].mark_dead();
         let wake = Arc::clone(&self.core.loops[index].wake);
         let slot = index;
         loop {
             for job in self.inboxes[index].close() {
+                self.core.loops[index].remove_load();
                 self.refuse_job(job, RefusalCause::Busy, slot);
             }
             if self.core.stopping.load(Ordering::Acquire) {
@@ -410,6 +494,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 self.fire_timers();
                 self.end_overdue_lingers();
                 self.resume_yielded();
+                if std::mem::take(&mut self.shrink_wanted) {
+                    self.shrink_slab();
+                }
             }));
             if self.core.stopping.load(Ordering::Acquire) {
                 // A drain ran before the stop; what is still open now is killed so the stop can finish.
@@ -481,7 +568,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
     fn resume_yielded(&mut self) {
         let mut yielded = std::mem::take(&mut self.yielded);
         for (index, generation) in yielded.drain(..) {
-            let entry = &self.entries[index as usize];
+            let Some(entry) = self.entries.get(index as usize) else {
+                continue;
+            };
             if entry.generation != generation {
                 continue;
             }
@@ -565,7 +654,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         self.entries.push(Entry {
             owner,
             shared,
-            generation: 0,
+            generation: self.generation_floor,
             receiver,
             waker,
             output: Output::new(self.core.limits.output_budget),
@@ -576,13 +665,54 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         Ok(index)
     }
 
+    /// The lowest free slot, skipping indices that were cut off or are taken.
+    fn take_free(&mut self) -> Option<u32> {
+        while let Some(Reverse(index)) = self.free.pop() {
+            if self
+                .entries
+                .get(index as usize)
+                .is_some_and(|entry| entry.conn.is_none())
+            {
+                return Some(index);
+            }
+        }
+        None
+    }
+
+    /// Cuts free slots off the top of the slab once at most a quarter of it is in use, down to twice the
+    /// live connections (at least [`SLAB_KEPT`]): after a spike the loop gives back its slots' memory
+    /// (about a kilobyte each with their kill slot, completion ring and waker). New connections take the
+    /// lowest free slot, so the top empties as the spike's connections close. Runs between turns, when no
+    /// slot index is in use; timers, tokens, completions and turns that still name a cut-off slot find no
+    /// entry (or a newer generation) and are ignored.
+    fn shrink_slab(&mut self) {
+        let length = self.entries.len();
+        if length <= SLAB_KEPT || self.live * 4 >= length {
+            return;
+        }
+        let floor = SLAB_KEPT.max(self.live * 2);
+        let mut keep = length;
+        while keep > floor && self.entries[keep - 1].conn.is_none() {
+            keep -= 1;
+        }
+        if keep == length {
+            return;
+        }
+        for entry in &self.entries[keep..] {
+            self.generation_floor = self.generation_floor.max(entry.generation.wrapping_add(1));
+        }
+        self.entries.truncate(keep);
+        self.core.loops[self.index].slots().truncate(keep);
+    }
+
     /// Takes one admitted connection into the loop.
     fn start(&mut self, job: Job<G::Ticket>) {
-        let slot_index = match self.free.pop() {
+        let slot_index = match self.take_free() {
             Some(index) => Ok(index),
             None => self.new_entry(),
         };
         let Ok(index) = slot_index else {
+            self.core.loops[self.index].remove_load();
             return self.runtime.refuse_job(job, RefusalCause::Busy, self.index);
         };
         let Job {
@@ -601,6 +731,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         entry.owner.occupy(info.id.get(), socket);
         entry.receiver.bind(info.id);
         entry.output.reset(limits.output_budget);
+        self.core.loops[self.index]
+            .ids()
+            .insert(info.id.get(), Arc::clone(&entry.shared));
         let completer = entry.receiver.completer(info.id, entry.waker.clone());
         entry.conn = Some(Conn {
             info,
@@ -631,6 +764,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             recheck: false,
             write_deadline: None,
             prefix: Vec::new(),
+            output_peak: 0,
             closing_reason: None,
             linger_discarded: 0,
         });
@@ -641,7 +775,8 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         }
         let listener_runtime = &runtime.listeners[listener];
         if listener_runtime.proxy.is_some() {
-            let deadline = self.core.now() + listener_runtime.limits.handshake_timeout;
+            let deadline =
+                deadline_after(self.core.now(), listener_runtime.limits.handshake_timeout);
             let conn = self.conn(index);
             if !listener_runtime.trusted.contains(conn.info.peer.ip()) {
                 return self.close(index, CloseReason::ProxyUntrusted);
@@ -790,6 +925,28 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         }
         entry.timer_at = Some(at);
         self.timers.push(Reverse((at, index, entry.generation)));
+        if self.timers.len() > TIMERS_SLACK + 2 * self.live {
+            self.compact_timers();
+        }
+    }
+
+    /// Drops the heap's stale entries (of closed connections, or superseded by an earlier time), keeping its
+    /// allocation. A closed connection leaves its entry behind until it comes due, so with long timeouts and
+    /// many short connections the heap would otherwise grow with the connection rate times the timeout (an
+    /// hour's idle timeout at 20,000 closes/s is 72 million entries). Each live connection has at most one
+    /// current entry, so after this the heap holds at most `live`; the next compaction is `live + slack`
+    /// pushes away, which makes it O(1) per push.
+    fn compact_timers(&mut self) {
+        let entries = &self.entries;
+        let mut timers = std::mem::take(&mut self.timers).into_vec();
+        timers.retain(|Reverse((at, index, generation))| {
+            entries.get(*index as usize).is_some_and(|entry| {
+                entry.generation == *generation
+                    && entry.timer_at == Some(*at)
+                    && entry.conn.is_some()
+            })
+        });
+        self.timers = BinaryHeap::from(timers);
     }
 
     fn fire_timers(&mut self) {
@@ -799,7 +956,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 break;
             }
             self.timers.pop();
-            let entry = &mut self.entries[index as usize];
+            let Some(entry) = self.entries.get_mut(index as usize) else {
+                continue;
+            };
             if entry.generation != generation || entry.timer_at != Some(at) || entry.conn.is_none()
             {
                 continue;
@@ -891,7 +1050,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 if real_now >= end {
                     return self.finish_linger(index, false);
                 }
-                self.schedule(index, now + (end - real_now));
+                self.schedule(index, deadline_after(now, end - real_now));
             }
             Wait::Running | Wait::Yielded { .. } => {}
         }
@@ -1103,7 +1262,6 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
     fn wait_read(&mut self, index: u32, idle: bool) -> Flow {
         let now = self.core.now();
         let tick = self.core.limits.tick;
-        let usual = self.usual_class(index);
         let limits = self.limits(index);
         let (idle_timeout, read_timeout) = (limits.idle_timeout, limits.read_timeout);
         let entry = &mut self.entries[index as usize];
@@ -1115,7 +1273,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         } else {
             (read_timeout, TimeoutKind::Read)
         };
-        let mut deadline = now + timeout;
+        let mut deadline = deadline_after(now, timeout);
         let mut deadline_kind = kind;
         if let Some(exchange) = conn.exchange
             && exchange < deadline
@@ -1133,14 +1291,28 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             if let Some(rate) = conn.rate_in.as_mut() {
                 rate.stop();
             }
+            // An idle connection holds no large output queue either: one that grew past what a small reply
+            // needs is dropped (a new queue allocates nothing until used), so a connection that once sent
+            // a large reply does not keep its size while it idles, nor does its slot after it closes.
+            // `Output` offers no way to shrink in place, so its `written_total` restarts here (documented in
+            // the crate docs); an `Output::shrink` in net-io-core would keep it.
+            if conn.output_peak > OUTPUT_KEPT_IDLE && entry.output.is_empty() {
+                entry.output = Output::new(entry.output.budget());
+                conn.output_peak = 0;
+            }
             // An idle connection holds no read buffer: the loop's free list keeps it warm for the next one.
+            // A grown buffer goes back too (to its own class's list): kept, it would count against the
+            // buffer budget for as long as the connection idles, and idle connections that once read one
+            // long request would starve busy ones of the budget.
             if entry
                 .read
                 .as_ref()
-                .is_some_and(|read| read.unread_len() == 0 && read.class() == usual)
-                && let Some(read) = entry.read.take()
+                .is_some_and(|read| read.unread_len() == 0)
+                && let Some(mut read) = entry.read.take()
             {
-                self.buffers.release(read.into_buffer());
+                read.clear();
+                self.holding = self.holding.saturating_sub(1);
+                Self::give_back(&mut self.buffers, self.holding, read.into_buffer());
             }
         } else if let Some(rate) = conn.rate_in.as_mut() {
             rate.start(now);
@@ -1149,7 +1321,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             }
         }
         if conn.recheck {
-            wake_at = wake_at.min(now + tick);
+            wake_at = wake_at.min(deadline_after(now, tick));
         }
         conn.wait = Wait::Read {
             deadline,
@@ -1202,6 +1374,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             return Flow::Close(CloseReason::SessionError);
         };
         let output = &mut entry.output;
+        conn.output_peak = conn.output_peak.max(output.pending());
         let mut now: Option<Instant> = None;
         if !output.is_empty() {
             if let Some(rate) = conn.rate_out.as_mut()
@@ -1281,7 +1454,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                         conn.writable = false;
                         let now = core.now();
                         let deadline = *conn.write_deadline.get_or_insert_with(|| {
-                            let progress = now + write_timeout;
+                            let progress = deadline_after(now, write_timeout);
                             conn.exchange
                                 .map_or(progress, |exchange| exchange.min(progress))
                         });
@@ -1297,7 +1470,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                             }
                         }
                         if recheck {
-                            wake_at = wake_at.min(now + core.limits.tick);
+                            wake_at = wake_at.min(deadline_after(now, core.limits.tick));
                         }
                         conn.wait = Wait::Flush {
                             then_close,
@@ -1370,7 +1543,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         let Some(conn) = entry.conn.as_mut() else {
             return Flow::Close(CloseReason::SessionError);
         };
-        let until = until.min(now + park_timeout);
+        let until = until.min(deadline_after(now, park_timeout));
         if let Some(rate) = conn.rate_in.as_mut() {
             rate.stop();
         }
@@ -1545,11 +1718,11 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             // The linger runs on real time, like the threaded driver's, whatever clock the server reads;
             // the loop checks lingerers against real time on every turn as well.
             conn.wait = Wait::Linger {
-                end: Instant::now() + linger_timeout,
+                end: deadline_after(Instant::now(), linger_timeout),
             };
             conn.readable = true;
             self.lingering.push(index);
-            let at = self.core.now() + linger_timeout;
+            let at = deadline_after(self.core.now(), linger_timeout);
             self.schedule(index, at);
             return self.linger_read(index);
         }
@@ -1623,6 +1796,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             completer,
             bytes_in,
             bytes_out,
+            output_peak,
             ..
         } = conn;
         drop(completer);
@@ -1640,10 +1814,17 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             let _ = catch_unwind(AssertUnwindSafe(move || drop(session)));
         }
         entry.output.clear();
+        // A free slot keeps no output memory at all: slots are never removed, so after a spike of many
+        // connections each would otherwise hold up to OUTPUT_KEPT_IDLE bytes. The next connection in the slot
+        // pays a few small allocations for its first reply, which its accept costs dwarf.
+        if output_peak > 0 {
+            entry.output = Output::new(entry.output.budget());
+        }
         if let Some(mut read) = entry.read.take() {
             // A grown buffer goes back to its own class's free list; the next connection starts usual.
             read.clear();
-            self.buffers.release(read.into_buffer());
+            self.holding = self.holding.saturating_sub(1);
+            Self::give_back(&mut self.buffers, self.holding, read.into_buffer());
         }
         if let Some(ticket) = ticket {
             close_ticket(&self.runtime.gate, ticket, &info, reason);
@@ -1654,8 +1835,14 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         // Caps are free before anyone can see the close, so a client that reconnects on the Closed event is
         // never refused by a connection that is already gone.
         drop(reservation);
-        self.free.push(index);
+        let shared = &self.core.loops[self.index];
+        shared.ids().remove(&info.id.get());
+        shared.remove_load();
+        self.free.push(Reverse(index));
         self.live -= 1;
+        if self.entries.len() > SLAB_KEPT && self.live * 4 < self.entries.len() {
+            self.shrink_wanted = true;
+        }
         match reason {
             CloseReason::Killed(code) => core.emit(Event::Killed { id: info.id, code }),
             CloseReason::Limit(which) => core.emit(Event::LimitHit {
@@ -1706,6 +1893,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 .acquire(usual)
                 .map_err(|_| CloseReason::Limit(LimitKind::BufferBudget))?;
             entry.read = Some(ReadBuffer::new(buffer));
+            self.holding += 1;
             return Ok(());
         };
         if !read.is_full() {
@@ -1723,12 +1911,31 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             .map_err(|_| CloseReason::Limit(LimitKind::BufferBudget))?;
         match read.grow(buffer) {
             Ok(old) => {
-                self.buffers.release(old);
+                Self::give_back(&mut self.buffers, self.holding, old);
                 Ok(())
             }
             Err(unused) => {
-                self.buffers.release(unused);
+                Self::give_back(&mut self.buffers, self.holding, unused);
                 Err(CloseReason::Limit(LimitKind::ReadBuffer))
+            }
+        }
+    }
+
+    /// Puts `buffer` on the loop's free list, then frees what the list holds beyond what this loop can use.
+    ///
+    /// A loop's free list would otherwise keep every buffer of its busiest moment, charged against the
+    /// budget that all loops share, while another loop is refused buffers. Keeping as many as connections
+    /// hold now (at least [`FREE_BUFFERS_KEPT`]) leaves a steady exchange allocation-free.
+    /// (A function of the two fields, not a method, so callers may hold a connection's entry meanwhile.)
+    fn give_back(buffers: &mut WorkerBuffers, holding: usize, buffer: net_io_core::Buffer) {
+        let class = buffer.class();
+        buffers.release(buffer);
+        let keep = FREE_BUFFERS_KEPT.max(holding);
+        while buffers.free_count(class) > keep {
+            // Dropping a buffer (rather than releasing it) returns its bytes to the shared budget.
+            match buffers.acquire(class) {
+                Ok(spare) => drop(spare),
+                Err(_) => break,
             }
         }
     }

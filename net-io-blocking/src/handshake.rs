@@ -31,7 +31,7 @@ pub(crate) fn read_proxy_header(
     }
     let parser = ProxyParser::new(mode, limits.proxy_header_max);
     let most = (V2_FIXED + limits.proxy_header_max).max(V1_MAX);
-    let deadline = link.now() + limits.handshake_timeout;
+    let deadline = crate::clock::deadline_after(link.now(), limits.handshake_timeout);
     prefix.clear();
     let mut chunk = [0u8; 512];
     loop {

@@ -34,7 +34,9 @@
 //! - **Admission** happens on the accept thread before any byte is read: the global, per-listener and
 //!   per-source caps, then (on worker threads only) the Busy rule (queued plus busy workers must stay below
 //!   the worker count, checked before the gate is asked), then [`Gate::admit`]. Every refusal is an RST.
-//!   Event loops take the admitted connection from the accept thread through a per-loop inbox.
+//!   Event loops take the admitted connection from the accept thread through the inbox of the loop that
+//!   holds the fewest connections; their default connection cap is the descriptor budget (`RLIMIT_NOFILE`
+//!   less 2 per worker and 32, at most [`EVENT_LOOP_CONNECTIONS_DEFAULT_MAX`]), not the worker count.
 //! - **Deadlines by phase.** Between exchanges the idle timeout applies (5 s by default, short because an
 //!   idle blocking connection holds a worker); once a request has started, the read timeout; while output is
 //!   pending, the write timeout; a session may add an exchange deadline and park with a park deadline; a
@@ -45,7 +47,9 @@
 //!   when the send buffer is full. A warmed-up worker serves round trips without allocating. An event loop
 //!   reads with `recv(MSG_DONTWAIT)` until a short read and sends until `EAGAIN`; with one connection it adds
 //!   an `epoll_wait` per round trip, with many the wait is shared (0.03 to 0.08 per round trip at 32 busy
-//!   connections); it does not allocate per round trip either.
+//!   connections); it does not allocate per round trip either. An idle event-loop connection holds no read
+//!   buffer, and its output queue only if that never held more than 4 KiB at once (a larger one is dropped
+//!   when it idles, and [`Output::written_total`] then counts from there).
 //! - **Close styles.** `PeerClosed`, `Idle`, `Drained` and `SessionClosed` close gracefully: FIN, then up to
 //!   64 KiB / 2 s of unread input is read and discarded so our last reply is not destroyed by an RST. Every
 //!   other reason resets (linger 0). A kill (or the drain deadline) during that linger ends it at once with
@@ -60,9 +64,14 @@
 //! - **Injected clocks** ([`ServerBuilder::clock`]) drive every deadline; since the kernel's timeouts run on
 //!   real time, waits (and event loops' `epoll_wait`) are then cut to one tick so a test that moves the
 //!   clock is noticed within a tick.
+//! - **Timeouts of `Duration::MAX`** (in the limits or from a session) mean "never": deadlines saturate about
+//!   136 years ahead instead of overflowing.
+//! - **Kill by id** costs a scan of the workers' slots on worker threads and one map lookup per loop with
+//!   event loops; a drain tick or a shed visits every slot either way.
 //! - **Not here**: Unix sockets, TLS, listener hand-off and systemd sockets, adding or removing listeners at
 //!   run time, `Gate::readmit` after a PROXY header. An event loop's slab of connection slots grows to the
-//!   most connections it held at once and does not shrink.
+//!   most connections it held at once; once at most a quarter is in use, its free top is cut back to twice the
+//!   live connections (64 slots at least).
 //! - **Handlers must do IO to be killable**: a kill shuts the socket's read side and wakes the worker, so a
 //!   handler stuck in pure computation is ended only when it next reads or writes; shutdown waits for it.
 //!
@@ -104,8 +113,8 @@ mod sessions;
 use std::net::ToSocketAddrs;
 
 pub use builder::{
-    DEFAULT_WORKER_STACK, DEFAULT_WORKERS, Handler, LISTENERS_MAX, ListenerSpec, NoGate,
-    NoWorkload, ServerBuilder, Sessions,
+    DEFAULT_WORKER_STACK, DEFAULT_WORKERS, EVENT_LOOP_CONNECTIONS_DEFAULT_MAX, Handler,
+    LISTENERS_MAX, ListenerSpec, NoGate, NoWorkload, ServerBuilder, Sessions,
 };
 pub use connection::{TcpConnection, connect};
 pub use evloop::SessionDriver;

@@ -432,7 +432,7 @@ impl Link {
         }
         // From here until the swap below a killer can cut the linger short.
         self.linger.store(id, Ordering::Release);
-        let end = Instant::now() + timeout;
+        let end = crate::clock::deadline_after(Instant::now(), timeout);
         let mut discarded = 0usize;
         while discarded < max_bytes && self.linger.load(Ordering::Acquire) == id {
             let left = end.saturating_duration_since(Instant::now());
@@ -579,7 +579,10 @@ impl Pace {
         Self {
             progress_timeout,
             hard_deadline,
-            deadline: Some(earliest(Some(now + progress_timeout), hard_deadline)),
+            deadline: Some(earliest(
+                Some(crate::clock::deadline_after(now, progress_timeout)),
+                hard_deadline,
+            )),
             stamp: Some(now),
         }
     }
@@ -606,7 +609,10 @@ impl Pace {
         }
         let now = clock.now();
         self.stamp = Some(now);
-        let deadline = earliest(Some(now + self.progress_timeout), self.hard_deadline);
+        let deadline = earliest(
+            Some(crate::clock::deadline_after(now, self.progress_timeout)),
+            self.hard_deadline,
+        );
         self.deadline = Some(deadline);
         deadline
     }

@@ -109,6 +109,7 @@ impl<G: Gate, W: Workload> QueueCloser for Runtime<G, W> {
         }
         for (index, inbox) in self.inboxes.iter().enumerate() {
             for job in inbox.close() {
+                self.core.loops[index].remove_load();
                 self.refuse_job(job, RefusalCause::DoorClosed, slot);
             }
             let _ = self.core.loops[index].wake.eventfd.signal();
@@ -341,19 +342,21 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             listener: index,
         };
         if !self.inboxes.is_empty() {
-            // Round robin by id: ids are handed out in blocks per accept thread, so this spreads each
-            // thread's connections over the loops.
-            let loop_index = (id.get() % self.inboxes.len() as u64) as usize;
+            let loop_index = fewest_connections(&core.loops, id.get());
+            core.loops[loop_index].add_load();
             match self.inboxes[loop_index].offer(job) {
                 Ok(true) => {
                     let _ = core.loops[loop_index].wake.eventfd.signal();
                 }
                 Ok(false) => {}
-                Err(job) => self.refuse_job(
-                    job,
-                    RefusalCause::DoorClosed,
-                    core.close_slot_base() + index,
-                ),
+                Err(job) => {
+                    core.loops[loop_index].remove_load();
+                    self.refuse_job(
+                        job,
+                        RefusalCause::DoorClosed,
+                        core.close_slot_base() + index,
+                    );
+                }
             }
             return;
         }
@@ -420,8 +423,9 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 });
             }
             ControlState::Draining { deadline } => {
-                let deadline =
-                    deadline.unwrap_or_else(|| Instant::now() + self.core.limits.drain_timeout);
+                let deadline = deadline.unwrap_or_else(|| {
+                    crate::clock::deadline_after(Instant::now(), self.core.limits.drain_timeout)
+                });
                 handle.close_door();
                 let _ = std::thread::Builder::new()
                     .name("net-io-drain".into())
@@ -656,4 +660,23 @@ pub(crate) fn reset(socket: OwnedFd) {
 
 fn socket_reserve() -> Option<OwnedFd> {
     net_io_sys::rlimit::open_reserve().ok()
+}
+
+/// The loop with the fewest connections (queued or held); ties go to the first one at or after `id` modulo the
+/// loop count, so equal loads still spread. One relaxed load per loop: two accept threads placing at the same
+/// moment may pick the same loop, which the next placements even out.
+fn fewest_connections(loops: &[crate::evloop::LoopShared], id: u64) -> usize {
+    let count = loops.len().max(1);
+    let start = (id % count as u64) as usize;
+    let mut best = start;
+    let mut best_load = usize::MAX;
+    for offset in 0..loops.len() {
+        let index = (start + offset) % count;
+        let load = loops[index].load();
+        if load < best_load {
+            best = index;
+            best_load = load;
+        }
+    }
+    best
 }

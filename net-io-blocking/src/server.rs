@@ -209,6 +209,25 @@ impl Core {
     }
 
     fn kill_where(&self, id: ConnectionId, code: u16, condition: KillCondition) -> bool {
+        // Event loops: one lookup by id per loop, not a scan of every slot under the loop's lock.
+        for event_loop in &self.loops {
+            let Some(slot) = event_loop.find(id.get()) else {
+                continue;
+            };
+            let wake = &event_loop.wake.eventfd;
+            if slot.slot.kill(id.get(), code, condition) {
+                let _ = wake.signal();
+                return true;
+            }
+            if condition == KillCondition::Always {
+                cut_linger(&slot.linger, wake, id.get());
+            }
+            return false;
+        }
+        if !self.loops.is_empty() {
+            // No loop holds it: closed already, or still queued for a loop (as for a worker's queue).
+            return false;
+        }
         let mut won = false;
         self.for_each_slot(|slot, wake, _, _| {
             if slot.occupant() == Some(id.get()) && slot.kill(id.get(), code, condition) {
@@ -508,7 +527,8 @@ impl Server {
     /// Sleeps until [`ServerHandle::request_stop`], then shuts down with the `drain_timeout`.
     pub fn run_until_stopped(self) -> DrainReport {
         self.handle.wait_for_stop();
-        let deadline = Instant::now() + self.handle.core.limits.drain_timeout;
+        let deadline =
+            crate::clock::deadline_after(Instant::now(), self.handle.core.limits.drain_timeout);
         self.shutdown(deadline)
     }
 
@@ -543,7 +563,8 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        let deadline = Instant::now() + self.handle.core.limits.drain_timeout;
+        let deadline =
+            crate::clock::deadline_after(Instant::now(), self.handle.core.limits.drain_timeout);
         self.stop(deadline);
     }
 }

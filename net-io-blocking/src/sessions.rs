@@ -313,7 +313,7 @@ impl<S: Session> Driver<'_, '_, S> {
         } else {
             (limits.read_timeout, TimeoutKind::Read)
         };
-        let mut deadline = now + timeout;
+        let mut deadline = crate::clock::deadline_after(now, timeout);
         let mut deadline_kind = kind;
         if let Some(exchange) = self.exchange
             && exchange < deadline
@@ -475,7 +475,10 @@ impl<S: Session> Driver<'_, '_, S> {
     /// Waits for a completion, a kill or the park deadline.
     fn park(&mut self, session: &mut S, until: Instant) -> Result<Step, CloseReason> {
         let core = self.run.core;
-        let until = until.min(core.now() + self.run.limits.park_timeout);
+        let until = until.min(crate::clock::deadline_after(
+            core.now(),
+            self.run.limits.park_timeout,
+        ));
         self.run.link.stop_busy(Direction::In);
         loop {
             if let Some(completion) = self.run.receiver.pop() {

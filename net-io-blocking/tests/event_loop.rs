@@ -472,3 +472,637 @@ fn a_session_that_parks_in_the_past_forever_does_not_starve_its_loop() {
     );
     drop(restless);
 }
+
+#[test]
+fn a_new_connection_goes_to_the_loop_with_the_fewest_connections() {
+    let _turn = turn();
+    let recorder = Recorder::default();
+    let loops_seen: Arc<Mutex<Vec<(ConnectionId, u32)>>> = Arc::default();
+    let seen = Arc::clone(&loops_seen);
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 2 })
+        .limits(Limits::new().idle_timeout(Duration::from_secs(60)))
+        .events(recorder.clone())
+        .sessions(move |info: &ConnectionInfo| {
+            let worker = info.worker.map_or(u32::MAX, |worker| worker.0);
+            seen.lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push((info.id, worker));
+            Some(ParkOrEcho {
+                completers: Arc::default(),
+            })
+        })
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let loop_of = |stream_index: usize| {
+        let seen = loops_seen
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        seen[stream_index].1
+    };
+    // Four connections, one at a time (each echoed, so the loop that took it is known).
+    let mut streams: Vec<Option<TcpStream>> = Vec::new();
+    for index in 0..4 {
+        let mut stream = client(server.local_addr());
+        assert_eq!(
+            round_trip(&mut stream, b"hi\n"),
+            b"hi\n",
+            "connection {index}"
+        );
+        streams.push(Some(stream));
+    }
+    // Close every connection of the loop that holds the first one, so that loop holds none.
+    let emptied = loop_of(0);
+    let mut closed = 0;
+    for (index, stream) in streams.iter_mut().enumerate() {
+        if loop_of(index) == emptied {
+            drop(stream.take());
+            closed += 1;
+        }
+    }
+    assert!(
+        closed > 0 && closed < 4,
+        "the first four connections were not spread over both loops"
+    );
+    let left = 4 - closed;
+    assert!(
+        common::eventually(SOON, || recorder.closes().len() == closed),
+        "the {closed} closed connections were not closed on the server"
+    );
+    // The emptied loop should take new connections until it holds as many as the other.
+    for index in 0..left {
+        let mut stream = client(server.local_addr());
+        assert_eq!(
+            round_trip(&mut stream, b"hi\n"),
+            b"hi\n",
+            "new connection {index}"
+        );
+        streams.push(Some(stream));
+    }
+    let placed: Vec<u32> = (4..4 + left).map(loop_of).collect();
+    assert!(
+        placed.iter().all(|&event_loop| event_loop == emptied),
+        "new connections went to loops {placed:?}, not all to the emptied loop {emptied} that held none of the \
+         {left} open ones"
+    );
+    drop(streams);
+    drop(server);
+}
+
+/// Reads until its buffer holds 16 KiB, then closes (gracefully) without consuming anything.
+struct CloseWhenFull;
+
+impl Session for CloseWhenFull {
+    fn on_data(&mut self, input: &mut Input<'_>, _context: &mut SessionContext<'_>) -> Step {
+        if input.len() >= 16 * 1024 {
+            return Step::Close;
+        }
+        Step::Read
+    }
+}
+
+#[test]
+fn a_kill_by_id_cuts_a_lingering_close_on_a_loop_short_with_a_reset() {
+    let _turn = turn();
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 2 })
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .read_buffer(16 * 1024)
+                .linger_timeout(Duration::from_secs(30)),
+        )
+        .events(recorder.clone())
+        .sessions(|_: &ConnectionInfo| Some(CloseWhenFull))
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let mut stream = client(server.local_addr());
+    // One write, one loopback segment: what the session does not read is in the socket when it closes, so
+    // the graceful close lingers to read it.
+    stream.write_all(&vec![b'x'; 16 * 1024 + 1000]).unwrap();
+    let mut byte = [0u8; 1];
+    assert_eq!(
+        stream.read(&mut byte).unwrap(),
+        0,
+        "the graceful close sent no FIN"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        recorder.closes().is_empty(),
+        "the close did not linger, so this test cannot show a kill cutting the linger short"
+    );
+    let id = recorder.admitted()[0];
+    let started = Instant::now();
+    assert!(
+        !server.handle().kill(id, 9),
+        "a kill won a connection whose close was already decided"
+    );
+    assert!(
+        common::eventually(SOON, || !recorder.closes().is_empty()),
+        "the kill by id did not end the 30 s linger within {SOON:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the linger ended only after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        recorder.single_close(SOON),
+        CloseReason::SessionClosed,
+        "cutting the linger short changed the close reason"
+    );
+    // Our FIN was read already; a write shows the RST (it fails where a lingering socket takes the bytes).
+    let failed = common::eventually(SOON, || stream.write_all(b"more").is_err());
+    assert!(failed, "the cut linger did not reset the connection");
+}
+
+#[test]
+fn with_event_loops_the_default_connection_cap_is_the_descriptor_budget_not_the_worker_count() {
+    let _turn = turn();
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 2 })
+        .workers(1)
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_: &ConnectionInfo| {
+            Some(ParkOrEcho {
+                completers: Arc::default(),
+            })
+        })
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let soft = net_io_sys::rlimit::descriptor_limit()
+        .expect("read RLIMIT_NOFILE")
+        .soft;
+    let cap = server.handle().limits().max_connections;
+    assert!(
+        cap > 1 && (cap as u64) < soft,
+        "the default cap {cap} should lie between one worker's 1 and RLIMIT_NOFILE {soft}"
+    );
+    // Three connections at once on a server built with one worker: all served.
+    let mut streams = Vec::new();
+    for index in 0..3 {
+        let mut stream = client(server.local_addr());
+        assert_eq!(
+            round_trip(&mut stream, b"hi\n"),
+            b"hi\n",
+            "connection {index} was not served under the default cap"
+        );
+        streams.push(stream);
+    }
+    assert!(
+        recorder.closes().is_empty(),
+        "a connection was refused or closed: {:?}",
+        recorder.closes()
+    );
+    drop(streams);
+    drop(server);
+    // Worker threads keep their meaning: the worker count is the cap.
+    let threaded = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::Threads)
+        .workers(3)
+        .sessions(|_: &ConnectionInfo| {
+            Some(ParkOrEcho {
+                completers: Arc::default(),
+            })
+        })
+        .allow_all()
+        .build()
+        .expect("the threaded server should start");
+    assert_eq!(
+        threaded.handle().limits().max_connections,
+        3,
+        "on worker threads the default cap should stay the worker count"
+    );
+}
+
+/// Echoes; a line `short` also cuts this connection's idle timeout to 2 s.
+struct ShortIdleOnRequest;
+
+impl Session for ShortIdleOnRequest {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        if input.bytes() == b"short\n" {
+            context.set_idle_timeout(Duration::from_secs(2));
+        }
+        let taken = context.output().push_partial(input.bytes());
+        input.consume(taken);
+        Step::Write
+    }
+}
+
+#[test]
+fn thousands_of_short_connections_under_a_long_idle_timeout_leave_a_live_deadline_in_force() {
+    let _turn = turn();
+    const CHURN: usize = 2_500;
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 1 })
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .idle_timeout(Duration::from_secs(3600)),
+        )
+        .events(recorder.clone())
+        .sessions(|_: &ConnectionInfo| Some(ShortIdleOnRequest))
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    // The watched connection's 2 s idle deadline is in the heap first; then each short connection leaves an
+    // hour-long idle deadline behind, so the heap is compacted several times over. Were the live deadline
+    // dropped, the connection would wait out the hour: its later deadlines are never pushed while the heap
+    // is believed to hold an earlier one.
+    let mut watched = client(server.local_addr());
+    assert_eq!(round_trip(&mut watched, b"short\n"), b"short\n");
+    for index in 0..CHURN {
+        let mut stream = client(server.local_addr());
+        assert_eq!(round_trip(&mut stream, b"x"), b"x", "connection {index}");
+        common::reset(stream);
+    }
+    assert!(
+        common::is_closed_by_server(&mut watched),
+        "the watched connection was not closed at its 2 s idle timeout"
+    );
+    assert!(
+        common::eventually(SOON, || recorder
+            .closes()
+            .iter()
+            .any(|(_, reason)| *reason == CloseReason::Idle)),
+        "no Idle close recorded for the watched connection"
+    );
+}
+
+/// Answers `big` with 60 KiB (copied into the output queue) and anything else with an echo.
+struct BigReply;
+
+const BIG_REPLY: usize = 60 * 1024;
+
+impl Session for BigReply {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        if input.bytes() == b"big\n" {
+            input.consume_all();
+            if context.output().push(&[b'b'; BIG_REPLY]).is_err() {
+                return Step::Abort;
+            }
+            return Step::Write;
+        }
+        let taken = context.output().push_partial(input.bytes());
+        input.consume(taken);
+        Step::Write
+    }
+}
+
+/// This process's resident memory in bytes.
+fn resident_bytes() -> usize {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
+    let pages: usize = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|field| field.parse().ok())
+        .expect("statm has a resident field");
+    pages * 4096
+}
+
+#[test]
+fn an_idle_connection_that_once_sent_a_large_reply_does_not_keep_its_output_memory() {
+    let _turn = turn();
+    const CONNECTIONS: usize = 400;
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 1 })
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .max_connections(CONNECTIONS + 10)
+                .max_per_source(CONNECTIONS + 10)
+                .idle_timeout(Duration::from_secs(120)),
+        )
+        .sessions(|_: &ConnectionInfo| Some(BigReply))
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    // Every connection first exists and is idle, so the growth measured below is the replies' alone.
+    let mut streams = Vec::with_capacity(CONNECTIONS);
+    for index in 0..CONNECTIONS {
+        let mut stream = client(server.local_addr());
+        assert_eq!(
+            round_trip(&mut stream, b"hi\n"),
+            b"hi\n",
+            "connection {index}"
+        );
+        streams.push(stream);
+    }
+    let before = resident_bytes();
+    let mut reply = vec![0u8; BIG_REPLY];
+    for (index, stream) in streams.iter_mut().enumerate() {
+        stream.write_all(b"big\n").unwrap();
+        stream
+            .read_exact(&mut reply)
+            .unwrap_or_else(|error| panic!("connection {index} lost its large reply: {error}"));
+    }
+    // Let the loop see each connection go idle after its reply.
+    std::thread::sleep(Duration::from_millis(200));
+    let growth = resident_bytes().saturating_sub(before);
+    // The idle-memory target is 16 KiB a connection; a kept 60 KiB queue per connection is far above it.
+    assert!(
+        growth < CONNECTIONS * 16 * 1024,
+        "resident memory grew by {} KiB ({} KiB per idle connection) after one large reply each",
+        growth / 1024,
+        growth / 1024 / CONNECTIONS
+    );
+    drop(streams);
+    drop(server);
+}
+
+/// Answers `ok` to each newline-terminated line, consuming nothing before the newline arrives (so a long
+/// line grows the read buffer).
+struct LineAcknowledger;
+
+impl Session for LineAcknowledger {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        if !input.bytes().contains(&b'\n') {
+            return Step::Read;
+        }
+        input.consume_all();
+        if context.output().push(b"ok\n").is_err() {
+            return Step::Abort;
+        }
+        Step::Write
+    }
+}
+
+#[test]
+fn idle_connections_that_once_read_a_long_line_do_not_hoard_the_buffer_budget() {
+    let _turn = turn();
+    const HOARDERS: usize = 16;
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 1 })
+        .workers(2)
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .read_buffer(16 * 1024)
+                .read_buffer_max(64 * 1024)
+                // Room for HOARDERS grown (64 KiB) buffers and one usual one, not for one more grown buffer.
+                .buffer_budget(HOARDERS * 64 * 1024 + 32 * 1024)
+                .max_per_source(HOARDERS + 4)
+                .idle_timeout(Duration::from_secs(60)),
+        )
+        .events(recorder.clone())
+        .sessions(|_: &ConnectionInfo| Some(LineAcknowledger))
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let mut line = vec![b'a'; 40 * 1024];
+    line.push(b'\n');
+    let send_long_line = |stream: &mut TcpStream, index: usize| {
+        stream.write_all(&line).unwrap_or_else(|error| {
+            panic!(
+                "connection {index} could not send its long line: {error}; closes so far: {:?}",
+                recorder.closes()
+            )
+        });
+        let mut reply = [0u8; 3];
+        stream.read_exact(&mut reply).unwrap_or_else(|error| {
+            panic!(
+                "connection {index} got no answer to its long line: {error}; closes so far: {:?}",
+                recorder.closes()
+            )
+        });
+        assert_eq!(&reply, b"ok\n", "connection {index}");
+    };
+    let mut idle = Vec::new();
+    for index in 0..HOARDERS {
+        let mut stream = client(server.local_addr());
+        send_long_line(&mut stream, index);
+        idle.push(stream);
+    }
+    // Every earlier connection is idle now; the next long line needs a grown buffer too.
+    let mut next = client(server.local_addr());
+    send_long_line(&mut next, HOARDERS);
+    assert!(
+        recorder.closes().is_empty(),
+        "connections were closed: {:?}",
+        recorder.closes()
+    );
+    drop((idle, next));
+    drop(server);
+}
+
+#[test]
+fn buffers_one_loop_no_longer_needs_are_not_kept_from_another_loop_that_does() {
+    let _turn = turn();
+    // Per loop: connections that each hold a usual (16 KiB) read buffer at once.
+    const PER_LOOP: usize = 40;
+    let recorder = Recorder::default();
+    // The loop of each connection, by the client's port.
+    let loops_seen: Arc<Mutex<HashMap<u16, u32>>> = Arc::default();
+    let seen = Arc::clone(&loops_seen);
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 2 })
+        .workers(2)
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .read_buffer(16 * 1024)
+                // Exactly the buffers of 2 x PER_LOOP busy connections.
+                .buffer_budget(2 * PER_LOOP * 16 * 1024)
+                .max_per_source(4 * PER_LOOP)
+                .idle_timeout(Duration::from_secs(60)),
+        )
+        .events(recorder.clone())
+        .sessions(move |info: &ConnectionInfo| {
+            seen.lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .insert(
+                    info.peer.port(),
+                    info.worker.map_or(u32::MAX, |worker| worker.0),
+                );
+            Some(LineAcknowledger)
+        })
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let finish_line = |stream: &mut TcpStream, what: &str| {
+        stream.write_all(b"\n").unwrap();
+        let mut reply = [0u8; 3];
+        stream.read_exact(&mut reply).unwrap_or_else(|error| {
+            panic!(
+                "{what} got no answer: {error}; closes so far: {:?}",
+                recorder.closes()
+            )
+        });
+    };
+    // Every connection busy at once (a line without its end holds a read buffer), then all idle: each
+    // loop has used PER_LOOP buffers and the whole budget is allocated.
+    let mut streams = Vec::new();
+    for _ in 0..2 * PER_LOOP {
+        let mut stream = client(server.local_addr());
+        stream.write_all(b"partial").unwrap();
+        streams.push(stream);
+    }
+    assert!(
+        common::eventually(SOON, || loops_seen.lock().unwrap().len() == 2 * PER_LOOP),
+        "not every connection was opened"
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    for (index, stream) in streams.iter_mut().enumerate() {
+        finish_line(stream, &format!("connection {index}"));
+    }
+    // Now only loop 0's connections get busy again, and one more connection per loop. Loop 0 needs more
+    // buffers than it used before while loop 1 needs fewer: the budget covers it only if loop 1 does not
+    // keep what it no longer uses.
+    let on_loop: Vec<u32> = {
+        let seen = loops_seen.lock().unwrap();
+        streams
+            .iter()
+            .map(|stream| seen[&stream.local_addr().unwrap().port()])
+            .collect()
+    };
+    assert_eq!(
+        on_loop
+            .iter()
+            .filter(|event_loop| **event_loop == 0)
+            .count(),
+        PER_LOOP,
+        "the connections were not spread evenly over the two loops"
+    );
+    for (stream, event_loop) in streams.iter_mut().zip(&on_loop) {
+        if *event_loop == 0 {
+            stream.write_all(b"partial").unwrap();
+        }
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let mut extra = Vec::new();
+    for _ in 0..2 {
+        let mut stream = client(server.local_addr());
+        stream.write_all(b"partial").unwrap();
+        extra.push(stream);
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    for (index, stream) in extra.iter_mut().enumerate() {
+        finish_line(stream, &format!("extra connection {index}"));
+    }
+    for (index, (stream, event_loop)) in streams.iter_mut().zip(&on_loop).enumerate() {
+        if *event_loop == 0 {
+            finish_line(stream, &format!("connection {index} on loop 0"));
+        }
+    }
+    assert!(
+        recorder.closes().is_empty(),
+        "connections were closed for want of buffers: {:?}",
+        recorder.closes()
+    );
+    drop((streams, extra));
+    drop(server);
+}
+
+#[test]
+fn after_a_spike_shrinks_the_slab_its_loop_still_serves_parks_wakes_and_kills() {
+    let _turn = turn();
+    const SPIKE: usize = 600;
+    let recorder = Recorder::default();
+    let limits = Limits::new()
+        .max_connections(SPIKE + 10)
+        .max_per_source(SPIKE + 10)
+        .idle_timeout(Duration::from_secs(60));
+    let (server, completers) = server(1, limits, &recorder);
+    let mut spike = Vec::with_capacity(SPIKE);
+    for index in 0..SPIKE {
+        let mut stream = client(server.local_addr());
+        assert_eq!(
+            round_trip(&mut stream, b"hi\n"),
+            b"hi\n",
+            "spike connection {index}"
+        );
+        spike.push(stream);
+    }
+    // Closed newest first, so the top of the slab empties first and is cut off as it goes.
+    while let Some(stream) = spike.pop() {
+        common::reset(stream);
+    }
+    assert!(
+        eventually(SOON, || recorder.closes().len() == SPIKE),
+        "the spike's connections were not all closed"
+    );
+    // The loop serves on in whatever slots it kept or makes again.
+    let mut streams = Vec::new();
+    for index in 0..3 {
+        let mut stream = client(server.local_addr());
+        assert_eq!(
+            round_trip(&mut stream, b"again\n"),
+            b"again\n",
+            "connection {index} after the spike was not echoed"
+        );
+        streams.push(stream);
+    }
+    streams[0].write_all(b"park\n").unwrap();
+    assert!(
+        eventually(SOON, || completers.lock().unwrap().len() == 1),
+        "the parking connection did not park"
+    );
+    let completer = completers.lock().unwrap().remove(0);
+    completer.post(1, 77).expect("post a completion");
+    assert_eq!(
+        read_line(&mut streams[0]),
+        "woke 77\n",
+        "the parked connection was not woken by its completion"
+    );
+    let victim = recorder.admitted()[SPIKE + 1];
+    assert!(
+        server.handle().kill(victim, 5),
+        "a kill by id did not reach a connection opened after the spike"
+    );
+    assert!(
+        common::is_closed_by_server(&mut streams[1]),
+        "the killed connection stayed open"
+    );
+    assert!(
+        eventually(SOON, || recorder.closes().iter().any(|(id, reason)| *id
+            == victim
+            && *reason == CloseReason::Killed(5))),
+        "the kill was not recorded as the connection's close"
+    );
+    assert_eq!(
+        round_trip(&mut streams[2], b"still\n"),
+        b"still\n",
+        "the last connection was not echoed after the kill"
+    );
+    // Enough connections again to need slots above the kept ones, made anew where the cut-off ones were.
+    let mut late = Vec::new();
+    for index in 0..100 {
+        let mut stream = client(server.local_addr());
+        assert_eq!(
+            round_trip(&mut stream, b"late\n"),
+            b"late\n",
+            "late connection {index}"
+        );
+        late.push(stream);
+    }
+    let last = *recorder
+        .admitted()
+        .last()
+        .expect("the late connections were admitted");
+    assert!(
+        server.handle().kill(last, 6),
+        "a kill by id did not reach a connection in a slot made again after the cut"
+    );
+    assert!(
+        common::is_closed_by_server(late.last_mut().expect("a late connection")),
+        "the killed late connection stayed open"
+    );
+    drop((streams, late));
+    drop(server);
+}

@@ -1,5 +1,6 @@
 //! Fault injection through the `net_io_shim` cfg: accept errors of every class, a failing `recv`, spurious
-//! `EAGAIN` and `EINTR`. Run with `RUSTFLAGS="--cfg net_io_shim" cargo test -p net-io-blocking --test faults`.
+//! `EAGAIN` and `EINTR`, an event loop whose epoll cannot be created. Run with
+//! `RUSTFLAGS="--cfg net_io_shim" cargo test -p net-io-blocking --test faults`.
 //!
 //! The shim's faults are process-wide, so every scenario runs in one test, one after another.
 
@@ -144,6 +145,34 @@ fn spurious_eagain_and_eintr_are_retried() {
     );
 }
 
+fn a_loop_that_cannot_start_is_given_no_connections() {
+    let recorder = Recorder::default();
+    // The first loop thread to create its epoll fails; the other one starts.
+    shim::inject("epoll_create1", 0, 1, libc::EMFILE);
+    let server = ServerBuilder::new()
+        .session_driver(net_io_blocking::SessionDriver::EventLoop { loops: 2 })
+        .listen("127.0.0.1:0")
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(Echo))
+        .allow_all()
+        .build()
+        .expect("the test server should start");
+    assert!(
+        eventually(SOON, || shim::calls("epoll_create1") >= 2),
+        "the two loop threads did not both try to create their epoll"
+    );
+    for index in 0..6 {
+        let mut stream = client(server.local_addr());
+        stream.write_all(b"served?").unwrap();
+        let mut reply = [0u8; 7];
+        assert!(
+            stream.read_exact(&mut reply).is_ok() && &reply == b"served?",
+            "connection {index} was handed to the loop that could not start and refused"
+        );
+    }
+}
+
 #[test]
 fn injected_faults_close_or_pause_only_what_they_hit() {
     a_per_connection_accept_error_is_counted_and_the_next_connection_served();
@@ -152,4 +181,5 @@ fn injected_faults_close_or_pause_only_what_they_hit() {
     a_broken_listener_stops_accepting_without_spinning();
     a_failing_recv_closes_only_its_connection();
     spurious_eagain_and_eintr_are_retried();
+    a_loop_that_cannot_start_is_given_no_connections();
 }

@@ -18,6 +18,8 @@ mod close_reasons;
 mod edges;
 #[path = "exactly_once.rs"]
 mod exactly_once;
+#[path = "far_deadlines.rs"]
+mod far_deadlines;
 #[path = "lifecycle.rs"]
 mod lifecycle;
 #[path = "offload.rs"]
