@@ -554,3 +554,68 @@ fn a_trim_to_exactly_the_earliest_length_then_new_tokens_match_a_fresh_run() {
         );
     }
 }
+
+#[test]
+fn after_a_non_finite_chunk_the_lane_continues_as_if_that_chunk_never_came() {
+    let path = write_model(
+        "nan-recovery",
+        &TinyModel {
+            context_length: 1024,
+            ..TinyModel::gemma3(GgmlDType::Q8_0)
+        },
+    );
+    let tokens = stream(330, 4);
+    let rows = first_stage_rows(&path, &tokens);
+    let width = rows.len() / tokens.len();
+    let middle = || {
+        load(
+            &path,
+            StageSpec {
+                layers: 2..4,
+                first: false,
+                last: false,
+            },
+            1,
+        )
+        .expect("the middle stage must load")
+    };
+    let feed = |stage: &mut Stage, from: usize, to: usize| {
+        activations(
+            stage
+                .forward(
+                    0,
+                    from,
+                    StageInput::Activations(&rows[from * width..to * width]),
+                    Logits::All,
+                )
+                .unwrap_or_else(|error| panic!("clean rows {from}..{to} failed: {error}")),
+        )
+    };
+    let mut reference = middle();
+    feed(&mut reference, 0, 300);
+    let expected = feed(&mut reference, 300, 330);
+
+    let mut stage = middle();
+    feed(&mut stage, 0, 300);
+    // A middle stage returns every row, so a NaN row (carried by the residual) must be refused.
+    let mut poisoned = rows[300 * width..330 * width].to_vec();
+    poisoned[5 * width..6 * width].fill(f32::NAN);
+    let refused = stage.forward(0, 300, StageInput::Activations(&poisoned), Logits::All);
+    assert!(
+        matches!(refused, Err(ModelError::NonFinite { .. })),
+        "a middle stage returned a NaN row without an error: {:?}",
+        refused.map(|_| "activations")
+    );
+    assert_eq!(
+        stage.lane_length(0).expect("lane 0 exists"),
+        300,
+        "after the refused chunk the lane must stand where it started"
+    );
+    let actual = feed(&mut stage, 300, 330);
+    if let Some((index, expected, actual)) = first_bit_difference(&expected, &actual) {
+        panic!(
+            "after a refused NaN chunk, the clean retry gives {actual} at value {index} where a run that never saw \
+             the NaN gives {expected}; the poisoned keys stayed visible"
+        );
+    }
+}
