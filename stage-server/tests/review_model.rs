@@ -9,6 +9,7 @@ use candle_core::quantized::gguf_file::{self, Value};
 use stage_server::model::testing::TinyModel;
 use stage_server::model::{
     Logits, ModelError, ModelFile, Stage, StageInput, StageOptions, StageOutput, StageSpec,
+    TRIM_SLACK,
 };
 
 /// A scratch directory for one test, so tests running in parallel never share files.
@@ -617,5 +618,46 @@ fn after_a_non_finite_chunk_the_lane_continues_as_if_that_chunk_never_came() {
             "after a refused NaN chunk, the clean retry gives {actual} at value {index} where a run that never saw \
              the NaN gives {expected}; the poisoned keys stayed visible"
         );
+    }
+}
+
+#[test]
+fn repeated_trims_and_refills_do_not_grow_the_cache() {
+    // Speculative decoding's pattern: go forward a draft, trim it back, go forward again, many times.
+    let path = write_model(
+        "trim-cycles",
+        &TinyModel {
+            context_length: 2048,
+            ..TinyModel::gemma3(GgmlDType::Q8_0)
+        },
+    );
+    let tokens = stream(400, 6);
+    let mut stage = whole(&path, 1);
+    stage
+        .forward(0, 0, StageInput::Tokens(&tokens), Logits::Last)
+        .expect("the prompt prefill failed");
+    let mut largest_after_first_cycle: Option<Vec<usize>> = None;
+    for cycle in 0..40u32 {
+        stage.trim(0, 400 - TRIM_SLACK).unwrap_or_else(|error| {
+            panic!("cycle {cycle}: trimming back by the slack failed: {error}")
+        });
+        let draft = stream(TRIM_SLACK, cycle + 10);
+        stage
+            .forward(
+                0,
+                400 - TRIM_SLACK,
+                StageInput::Tokens(&draft),
+                Logits::Last,
+            )
+            .unwrap_or_else(|error| panic!("cycle {cycle}: the refill failed: {error}"));
+        let capacities = stage.lane_cache_capacity(0).expect("lane 0 exists");
+        match &largest_after_first_cycle {
+            None => largest_after_first_cycle = Some(capacities),
+            Some(first) => assert_eq!(
+                &capacities, first,
+                "cycle {cycle}: the cache capacities changed from {first:?} to {capacities:?} while the lane \
+                 length stayed at 400; trim-and-refill cycles grow the cache"
+            ),
+        }
     }
 }
