@@ -1,5 +1,5 @@
 //! Review of the model core after the gemma-agreement changes: model-file and API edge cases, NaN handling,
-//! window semantics, batch, lane and thread invariance. Tests marked `#[ignore = "bug: ..."]` fail today.
+//! window semantics, batch, lane and thread invariance. Four of them found bugs that are now fixed.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
@@ -151,7 +151,6 @@ const QUANTISED_TYPES: [GgmlDType; 8] = [
 ];
 
 #[test]
-#[ignore = "bug: window + TRIM_SLACK overflows in LayerCache::append (stage.rs:749); a huge sliding_window panics"]
 fn a_sliding_window_near_the_largest_integer_is_an_error_or_works_but_never_panics() {
     let path = write_model("huge-window", &TinyModel::gemma3(GgmlDType::Q8_0));
     let edited = with_metadata(
@@ -171,7 +170,6 @@ fn a_sliding_window_near_the_largest_integer_is_an_error_or_works_but_never_pani
 }
 
 #[test]
-#[ignore = "bug: a zero sliding window loads and runs with attention silently zeroed (config.rs:156, stage.rs:948)"]
 fn a_zero_sliding_window_is_refused_at_load_rather_than_run_without_attention() {
     let path = write_model(
         "zero-window",
@@ -286,7 +284,6 @@ fn poisoned_row_outcomes(path: &Path, tokens: &[u32]) -> Vec<String> {
 }
 
 #[test]
-#[ignore = "bug: NaN/inf input rows are not checked, and activation quantisation (kernels/activation.rs:53) turns them into zeros"]
 fn nan_or_infinite_activations_entering_a_last_stage_are_an_error() {
     // Llama (every layer global): the NaN row is visible to the last row, but the quantised projections read
     // NaN as 0, so nothing non-finite reaches the returned row.
@@ -383,7 +380,6 @@ fn every_row_gives_the_same_bits_whatever_chunk_it_came_in_for_quantised_weights
 }
 
 #[test]
-#[ignore = "bug: F32/F16 weights go through candle's gemm, whose result for a row depends on the row count"]
 fn every_row_gives_the_same_bits_whatever_chunk_it_came_in_for_float_weights() {
     let failures = chunking_differences(&FLOAT_TYPES);
     assert!(

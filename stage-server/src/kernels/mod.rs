@@ -196,10 +196,28 @@ enum Backend {
 /// greedy output left llama.cpp's where the teacher-forced logits agreed). A single row is therefore sent as
 /// two copies of itself and the first result kept: every row takes the same path, at the cost of a second row
 /// on a product whose time is in reading the weights.
+///
+/// Float weights (F32, F16, BF16, which candle keeps as dense tensors) go through its general matrix product,
+/// whose blocking and summation order change with the number of rows. Those are multiplied one row at a time,
+/// so a row gives the same bits in a decode step and in a prefill chunk of any length; float models are not
+/// the fast path, and a one-row product costs what reading the weights costs.
 fn candle_forward(inner: &QMatMul, input: &Tensor) -> candle_core::Result<Tensor> {
+    let rows = input.elem_count() / input.dim(D::Minus1)?.max(1);
+    if matches!(inner, QMatMul::Tensor(_) | QMatMul::TensorF16(_)) && rows > 1 {
+        let dims = input.dims().to_vec();
+        let flat = input.flatten_to(D::Minus2)?;
+        let products = (0..rows)
+            .map(|row| inner.forward(&flat.narrow(0, row, 1)?))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let product = Tensor::cat(&products, 0)?;
+        let mut output_dims = dims;
+        if let Some(last) = output_dims.last_mut() {
+            *last = product.dim(D::Minus1)?;
+        }
+        return product.reshape(output_dims);
+    }
     let row_dependent =
         matches!(inner, QMatMul::QTensor(weight) if weight.dtype() == GgmlDType::Q6K);
-    let rows = input.elem_count() / input.dim(D::Minus1)?.max(1);
     if !row_dependent || rows != 1 {
         return inner.forward(input);
     }

@@ -233,8 +233,24 @@ impl Stage {
         spec: StageSpec,
         options: StageOptions,
     ) -> Result<Self, ModelError> {
-        let config = file.config().clone();
+        let mut config = file.config().clone();
         let path = file.path().to_path_buf();
+        match config.sliding_window {
+            Some(0) => {
+                return Err(ModelError::UnsupportedShape {
+                    path,
+                    detail: "the metadata's `attention.sliding_window` is 0: a sliding-window layer would see no \
+                             position, not even its own"
+                        .to_string(),
+                });
+            }
+            // A window at least the context wide slides past nothing; clamping keeps the layer's local RoPE base
+            // and keeps window arithmetic far from overflow whatever the file says.
+            Some(window) if window > config.context_length => {
+                config.sliding_window = Some(config.context_length.max(1));
+            }
+            _ => {}
+        }
         if spec.layers.start >= spec.layers.end || spec.layers.end > config.block_count {
             return Err(ModelError::LayerRange {
                 path,
@@ -358,6 +374,14 @@ impl Stage {
                         width,
                     });
                 }
+                if values.iter().any(|value| !value.is_finite()) {
+                    // Refused before the cache sees it: the lane stays usable.
+                    return Err(ModelError::NonFinite {
+                        start: self.spec.layers.start,
+                        end: self.spec.layers.end,
+                        lane,
+                    });
+                }
                 Tensor::from_slice(values, (values.len() / width, width), &Device::Cpu)?
             }
             (Some(_), StageInput::Activations(_)) => {
@@ -387,6 +411,23 @@ impl Stage {
             hidden = block.forward(&self.config, &hidden, position, &rope, cache)?;
         }
         lane_state.length = position + rows;
+        if self.head.is_some() && matches!(logits, Logits::Last) && rows > 1 {
+            // Only the last row is returned below; a bad value in another row must still be an error, because
+            // the quantised products downstream would read it as 0 and turn it into plausible text.
+            let all_finite = hidden
+                .flatten_all()?
+                .to_vec1::<f32>()?
+                .iter()
+                .all(|value| value.is_finite());
+            if !all_finite {
+                self.lanes[lane].length = position;
+                return Err(ModelError::NonFinite {
+                    start: self.spec.layers.start,
+                    end: self.spec.layers.end,
+                    lane,
+                });
+            }
+        }
         let output = match &self.head {
             Some(head) => {
                 let rows_wanted = match logits {
@@ -718,7 +759,7 @@ impl LayerCache {
     /// window.
     fn earliest_trim(&self) -> usize {
         match self.window {
-            Some(window) if self.start > 0 => self.start + window - 1,
+            Some(window) if self.start > 0 => self.start.saturating_add(window - 1),
             _ => 0,
         }
     }
@@ -746,7 +787,7 @@ impl LayerCache {
             // Keep what later queries (and a trim of TRIM_SLACK) can still need; a global layer keeps all.
             let keep_from = match self.window {
                 Some(window) => (position + 1)
-                    .saturating_sub(window + TRIM_SLACK)
+                    .saturating_sub(window.saturating_add(TRIM_SLACK))
                     .max(self.start),
                 None => self.start,
             };
