@@ -14,7 +14,9 @@ use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use stage_server::kernels::{Linear, QuantizedMatrix, SimdLevel, Threads, WeightFormat};
+use stage_server::kernels::{
+    Linear, QuantizedActivations, QuantizedMatrix, SimdLevel, Threads, WeightFormat,
+};
 
 /// (out_features, in_features): odd row counts, partial quads, widths that are not multiples of 256.
 const SHAPES: [(usize, usize); 7] = [
@@ -235,6 +237,38 @@ fn every_simd_level_agrees_with_the_scalar_kernel_to_float_rounding() {
             }
         }
     }
+}
+
+#[test]
+fn activation_quantisation_is_bit_identical_at_every_simd_level() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let width = 640;
+    let rows = 7;
+    let mut input = random_input(rows, width, &mut rng);
+    // Values that land exactly halfway between two steps (round half away from zero must hold at every level),
+    // an all-zero block, a block of one sign and a block with a huge outlier.
+    for (index, value) in input[..32].iter_mut().enumerate() {
+        *value = (index as f32 - 16.0) + 0.5;
+    }
+    input[31] = 127.0;
+    input[32..64].fill(0.0);
+    for value in &mut input[64..96] {
+        *value = -value.abs();
+    }
+    input[100] = 3.0e6;
+    let scalar = QuantizedActivations::quantize_at(SimdLevel::Scalar, &input, rows, width);
+    for level in levels() {
+        let quantised = QuantizedActivations::quantize_at(level, &input, rows, width);
+        assert!(
+            quantised == scalar,
+            "quantising activations at {level:?} gave different bytes, scales or sums than the portable code"
+        );
+    }
+    assert_eq!(
+        scalar.row_values(0)[..4],
+        [-16, -15, -14, -13],
+        "-15.5, -14.5, ... scaled by 127/127 must round half away from zero"
+    );
 }
 
 #[test]
