@@ -29,8 +29,8 @@ impl QuantizedActivations {
 
     /// As [`QuantizedActivations::quantize`], compiled for `level` (falling back to portable code when this CPU
     /// lacks it). Every level gives bit-identical results: IEEE rounding of each operation is fixed, the block
-    /// maximum and the integer sum do not depend on their order, and `f32::round` (half away from zero) is exact
-    /// at any level. Only the speed differs: without SSE4.1 `round` is a libm call per value.
+    /// maximum and the integer sum do not depend on their order, and rounding to an integer is exact at any
+    /// level. Only the speed differs: without SSE4.1 the rounding is a libm call per value.
     pub fn quantize_at(level: SimdLevel, input: &[f32], rows: usize, width: usize) -> Self {
         debug_assert_eq!(
             width % BLOCK,
