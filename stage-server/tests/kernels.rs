@@ -240,12 +240,45 @@ fn every_simd_level_agrees_with_the_scalar_kernel_to_float_rounding() {
 }
 
 #[test]
+fn the_avx2_and_avx512_kernels_give_bit_identical_products() {
+    // Linear picks the level per product (AVX2 for single Q8_0 rows, where it streams faster), which keeps a
+    // row's result independent of its batch only because both levels sum the same integers in the same order.
+    let wide = [SimdLevel::Avx2, SimdLevel::Avx512Vnni];
+    if !wide.iter().all(|level| level.is_available()) {
+        eprintln!("skipped: this CPU lacks AVX2 or AVX-512 VNNI");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(23);
+    for format in WeightFormat::ALL {
+        for (rows, columns) in SHAPES {
+            let matrix =
+                QuantizedMatrix::new(Arc::new(random_tensor(format, rows, columns, &mut rng)))
+                    .unwrap();
+            for batch in BATCHES {
+                let input = random_input(batch, columns, &mut rng);
+                let [avx2, vnni] = wide.map(|level| run(&matrix, &input, batch, level, threads(1)));
+                let differing = avx2
+                    .iter()
+                    .zip(&vnni)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(
+                    differing, 0,
+                    "{format:?} {rows}x{columns} batch {batch}: {differing} outputs differ between the AVX2 and \
+                     AVX-512 kernels"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn activation_quantisation_is_bit_identical_at_every_simd_level() {
     let mut rng = StdRng::seed_from_u64(11);
     let width = 640;
     let rows = 7;
     let mut input = random_input(rows, width, &mut rng);
-    // Values that land exactly halfway between two steps (round half away from zero must hold at every level),
+    // Values that land exactly halfway between two steps (the tie rule must hold at every level),
     // an all-zero block, a block of one sign and a block with a huge outlier.
     for (index, value) in input[..32].iter_mut().enumerate() {
         *value = (index as f32 - 16.0) + 0.5;
