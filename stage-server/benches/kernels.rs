@@ -1,5 +1,5 @@
 //! Quantised matmul speed: our kernels against candle's `QMatMul` on the shapes of SmolLM2 and gemma-3; and
-//! attention arithmetic (`dot_rows`, `weighted_sum`) against the plain loops.
+//! attention-score dot products, four rows interleaved against one row at a time.
 //!
 //! The thread count is process-wide (candle's pool is sized once from `RAYON_NUM_THREADS`), so run the bench once
 //! per count: `RAYON_NUM_THREADS=1 cargo bench -p stage-server --bench kernels` and again with 2. Benchmark names
@@ -19,9 +19,7 @@ use criterion::measurement::{Measurement, ValueFormatter, WallTime};
 use criterion::{BenchmarkId, Criterion, Throughput};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use stage_server::kernels::{
-    QuantizedMatrix, SimdLevel, Threads, WeightFormat, dot_rows, weighted_sum,
-};
+use stage_server::kernels::{QuantizedMatrix, SimdLevel, Threads, WeightFormat, dot_rows};
 
 /// (format, out_features, in_features, input rows, what it is).
 const CASES: [(WeightFormat, usize, usize, usize, &str); 16] = [
@@ -237,23 +235,6 @@ fn scores<M: Measurement>(criterion: &mut Criterion<M>) {
         });
         group.bench_function("dot_rows", |bencher| {
             bencher.iter(|| dot_rows(&query, &cache, &mut output))
-        });
-        group.finish();
-        let weights: Vec<f32> = (0..keys).map(|_| rng.random_range(0.0f32..1.0)).collect();
-        let mut sums = vec![0f32; width];
-        let mut group = criterion.benchmark_group(format!("values-{name}-{keys}x{width}"));
-        group.bench_function("plain-loop", |bencher| {
-            bencher.iter(|| {
-                sums.fill(0.0);
-                for (&weight, row) in weights.iter().zip(cache.chunks_exact(width)) {
-                    for (sum, &value) in sums.iter_mut().zip(row) {
-                        *sum += weight * value;
-                    }
-                }
-            })
-        });
-        group.bench_function("weighted_sum", |bencher| {
-            bencher.iter(|| weighted_sum(&weights, &cache, &mut sums))
         });
         group.finish();
     }

@@ -16,7 +16,6 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use stage_server::kernels::{
     Linear, QuantizedActivations, QuantizedMatrix, SimdLevel, Threads, WeightFormat, dot_rows,
-    weighted_sum,
 };
 
 /// (out_features, in_features): odd row counts, partial quads, widths that are not multiples of 256.
@@ -321,39 +320,6 @@ fn dot_rows_gives_each_row_the_documented_order_whatever_the_row_count() {
                     "width {width}: row {row} is {value}, not the dot product {exact}"
                 );
             }
-        }
-    }
-}
-
-#[test]
-fn weighted_sum_equals_the_plain_loop_bit_for_bit() {
-    let mut rng = StdRng::seed_from_u64(37);
-    for width in [1, 5, 32, 40, 64, 256] {
-        for keys in [0, 1, 3, 17, 200] {
-            let weights: Vec<f32> = (0..keys).map(|_| rng.random_range(0.0f32..1.0)).collect();
-            let rows: Vec<f32> = (0..keys * width)
-                .map(|_| rng.random_range(-2.0f32..2.0))
-                .collect();
-            let mut expected = vec![0f32; width];
-            for (key, &weight) in weights.iter().enumerate() {
-                for (sum, &value) in expected
-                    .iter_mut()
-                    .zip(&rows[key * width..(key + 1) * width])
-                {
-                    *sum += weight * value;
-                }
-            }
-            let mut output = vec![f32::NAN; width];
-            weighted_sum(&weights, &rows, &mut output);
-            let differing = output
-                .iter()
-                .zip(&expected)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
-            assert_eq!(
-                differing, 0,
-                "width {width}, {keys} keys: {differing} sums differ from the plain key-order loop"
-            );
         }
     }
 }

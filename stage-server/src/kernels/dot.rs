@@ -1,5 +1,4 @@
-//! Attention arithmetic in a fixed order of operations: one row dotted with many (scores) and a weighted sum of
-//! rows (values).
+//! Dot products of one f32 row with many rows (attention scores), in a fixed order of operations.
 
 /// Writes `output[r] = left · rows[r * width .. (r + 1) * width]` for every row, `width = left.len()`.
 ///
@@ -99,67 +98,4 @@ fn finish(lanes: &[f32; 8], tail: f32) -> f32 {
         lanes[3] + lanes[7],
     ];
     (quads[0] + quads[2]) + (quads[1] + quads[3]) + tail
-}
-
-/// Writes `output[j] = Σ_k weights[k] · rows[k * width + j]` with `width = output.len()`, summed in key order
-/// from `0.0` (`acc = acc + w · v`, no fused multiply-add) for every element: the weighted sum of attention values.
-///
-/// Each element's sum has the same order whatever the width or the CPU, so results equal a plain
-/// `out.fill(0.0); for k { out[j] += w[k] * v[k][j] }` loop bit for bit; the speed comes from keeping 32 running
-/// sums in registers across all keys instead of loading and storing the output once per key.
-///
-/// Panics if `rows.len() != weights.len() * output.len()`.
-pub fn weighted_sum(weights: &[f32], rows: &[f32], output: &mut [f32]) {
-    assert_eq!(
-        rows.len(),
-        weights.len() * output.len(),
-        "weighted_sum needs one row of output.len() values per weight"
-    );
-    #[cfg(target_arch = "x86_64")]
-    if super::x86::avx2_available() {
-        // SAFETY: the CPU has AVX2 (checked just above), the only requirement of `weighted_sum_avx2`.
-        unsafe { weighted_sum_avx2(weights, rows, output) };
-        return;
-    }
-    weighted_sum_portable(weights, rows, output);
-}
-
-/// [`weighted_sum`] compiled with AVX2.
-///
-/// # Safety
-/// The CPU must support AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn weighted_sum_avx2(weights: &[f32], rows: &[f32], output: &mut [f32]) {
-    weighted_sum_portable(weights, rows, output);
-}
-
-/// Output elements kept in registers at once.
-const SPAN: usize = 32;
-
-#[inline(always)]
-fn weighted_sum_portable(weights: &[f32], rows: &[f32], output: &mut [f32]) {
-    let width = output.len();
-    let mut start = 0;
-    while start + SPAN <= width {
-        let mut sums = [0f32; SPAN];
-        for (key, &weight) in weights.iter().enumerate() {
-            let row = &rows[key * width + start..key * width + start + SPAN];
-            for lane in 0..SPAN {
-                sums[lane] += weight * row[lane];
-            }
-        }
-        output[start..start + SPAN].copy_from_slice(&sums);
-        start += SPAN;
-    }
-    if start < width {
-        let rest = &mut output[start..];
-        rest.fill(0.0);
-        for (key, &weight) in weights.iter().enumerate() {
-            let row = &rows[key * width + start..(key + 1) * width];
-            for (sum, &value) in rest.iter_mut().zip(row) {
-                *sum += weight * value;
-            }
-        }
-    }
 }

@@ -41,7 +41,7 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Storage, Tensor};
 
 pub use activation::QuantizedActivations;
-pub use dot::{dot_rows, weighted_sum};
+pub use dot::dot_rows;
 pub use format::{BLOCK, WeightFormat};
 
 /// Output rows handed to one kernel call together: a tile of four weight rows shares each activation load.
