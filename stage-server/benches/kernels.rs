@@ -1,5 +1,4 @@
-//! Quantised matmul speed: our kernels against candle's `QMatMul` on the shapes of SmolLM2 and gemma-3; and
-//! attention-score dot products, four rows interleaved against one row at a time.
+//! Quantised matmul speed: our kernels against candle's `QMatMul` on the shapes of SmolLM2 and gemma-3.
 //!
 //! The thread count is process-wide (candle's pool is sized once from `RAYON_NUM_THREADS`), so run the bench once
 //! per count: `RAYON_NUM_THREADS=1 cargo bench -p stage-server --bench kernels` and again with 2. Benchmark names
@@ -19,7 +18,7 @@ use criterion::measurement::{Measurement, ValueFormatter, WallTime};
 use criterion::{BenchmarkId, Criterion, Throughput};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use stage_server::kernels::{QuantizedMatrix, SimdLevel, Threads, WeightFormat, dot_rows};
+use stage_server::kernels::{QuantizedMatrix, SimdLevel, Threads, WeightFormat};
 
 /// (format, out_features, in_features, input rows, what it is).
 const CASES: [(WeightFormat, usize, usize, usize, &str); 16] = [
@@ -197,49 +196,6 @@ fn matmul<M: Measurement>(criterion: &mut Criterion<M>) {
     }
 }
 
-/// One row at a time in the order `dot_rows` documents: one add chain per row, the way a plain loop computes it.
-fn dot_one_row_at_a_time(left: &[f32], rows: &[f32], output: &mut [f32]) {
-    let width = left.len();
-    let whole = width / 8 * 8;
-    for (row, result) in rows.chunks_exact(width).zip(output.iter_mut()) {
-        let mut lanes = [0f32; 8];
-        for start in (0..whole).step_by(8) {
-            for lane in 0..8 {
-                lanes[lane] += left[start + lane] * row[start + lane];
-            }
-        }
-        let tail: f32 = left[whole..]
-            .iter()
-            .zip(&row[whole..])
-            .map(|(a, b)| a * b)
-            .sum();
-        *result = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
-            + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
-            + tail;
-    }
-}
-
-/// Decode attention scores: one query head against the cached keys of a 192-position context.
-fn scores<M: Measurement>(criterion: &mut Criterion<M>) {
-    let mut rng = StdRng::seed_from_u64(9);
-    for (width, name) in [(64, "smollm2"), (256, "gemma")] {
-        let keys = 192;
-        let query: Vec<f32> = (0..width).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-        let cache: Vec<f32> = (0..keys * width)
-            .map(|_| rng.random_range(-1.0f32..1.0))
-            .collect();
-        let mut output = vec![0f32; keys];
-        let mut group = criterion.benchmark_group(format!("scores-{name}-{keys}x{width}"));
-        group.bench_function("one-row-at-a-time", |bencher| {
-            bencher.iter(|| dot_one_row_at_a_time(&query, &cache, &mut output))
-        });
-        group.bench_function("dot_rows", |bencher| {
-            bencher.iter(|| dot_rows(&query, &cache, &mut output))
-        });
-        group.finish();
-    }
-}
-
 fn main() {
     let configure = |criterion: Criterion<WallTime>| {
         criterion
@@ -251,12 +207,10 @@ fn main() {
     if candle_core::utils::get_num_threads() == 1 {
         let mut criterion = configure(Criterion::default()).with_measurement(CpuTime);
         matmul(&mut criterion);
-        scores(&mut criterion);
         criterion.final_summary();
     } else {
         let mut criterion = configure(Criterion::default());
         matmul(&mut criterion);
-        scores(&mut criterion);
         criterion.final_summary();
     }
 }

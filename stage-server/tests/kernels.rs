@@ -15,7 +15,7 @@ use candle_core::{Device, Module, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use stage_server::kernels::{
-    Linear, QuantizedActivations, QuantizedMatrix, SimdLevel, Threads, WeightFormat, dot_rows,
+    Linear, QuantizedActivations, QuantizedMatrix, SimdLevel, Threads, WeightFormat,
 };
 
 /// (out_features, in_features): odd row counts, partial quads, widths that are not multiples of 256.
@@ -266,58 +266,6 @@ fn the_avx2_and_avx512_kernels_give_bit_identical_products() {
                     differing, 0,
                     "{format:?} {rows}x{columns} batch {batch}: {differing} outputs differ between the AVX2 and \
                      AVX-512 kernels"
-                );
-            }
-        }
-    }
-}
-
-/// The documented order of `dot_rows` for one row: eight lanes, folded pairwise, then the tail.
-fn reference_dot(left: &[f32], right: &[f32]) -> f32 {
-    let whole = left.len() / 8 * 8;
-    let mut lanes = [0f32; 8];
-    for start in (0..whole).step_by(8) {
-        for lane in 0..8 {
-            lanes[lane] += left[start + lane] * right[start + lane];
-        }
-    }
-    let tail: f32 = left[whole..]
-        .iter()
-        .zip(&right[whole..])
-        .map(|(a, b)| a * b)
-        .sum();
-    ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
-        + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
-        + tail
-}
-
-#[test]
-fn dot_rows_gives_each_row_the_documented_order_whatever_the_row_count() {
-    let mut rng = StdRng::seed_from_u64(31);
-    for width in [1, 3, 8, 40, 64, 256] {
-        let left: Vec<f32> = (0..width).map(|_| rng.random_range(-2.0f32..2.0)).collect();
-        for count in [1, 3, 4, 5, 9, 17] {
-            let rows: Vec<f32> = (0..count * width)
-                .map(|_| rng.random_range(-2.0f32..2.0))
-                .collect();
-            let mut output = vec![f32::NAN; count];
-            dot_rows(&left, &rows, &mut output);
-            for (row, &value) in output.iter().enumerate() {
-                let right = &rows[row * width..(row + 1) * width];
-                let expected = reference_dot(&left, right);
-                assert_eq!(
-                    value.to_bits(),
-                    expected.to_bits(),
-                    "width {width}, {count} rows: row {row} is {value}, the documented order gives {expected}"
-                );
-                let exact: f64 = left
-                    .iter()
-                    .zip(right)
-                    .map(|(&a, &b)| f64::from(a) * f64::from(b))
-                    .sum();
-                assert!(
-                    (f64::from(value) - exact).abs() <= 1e-5 * (1.0 + exact.abs()) * width as f64,
-                    "width {width}: row {row} is {value}, not the dot product {exact}"
                 );
             }
         }

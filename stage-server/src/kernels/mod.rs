@@ -26,7 +26,6 @@
 #![allow(unsafe_code)]
 
 mod activation;
-mod dot;
 mod format;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
@@ -41,7 +40,6 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Storage, Tensor};
 
 pub use activation::QuantizedActivations;
-pub use dot::dot_rows;
 pub use format::{BLOCK, WeightFormat};
 
 /// Output rows handed to one kernel call together: a tile of four weight rows shares each activation load.
