@@ -14,7 +14,9 @@ use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use stage_server::kernels::{Linear, QuantizedMatrix, SimdLevel, Threads, WeightFormat};
+use stage_server::kernels::{
+    Linear, QuantizedActivations, QuantizedMatrix, SimdLevel, Threads, WeightFormat,
+};
 
 /// (out_features, in_features): odd row counts, partial quads, widths that are not multiples of 256.
 const SHAPES: [(usize, usize); 7] = [
@@ -235,6 +237,73 @@ fn every_simd_level_agrees_with_the_scalar_kernel_to_float_rounding() {
             }
         }
     }
+}
+
+#[test]
+fn the_avx2_and_avx512_kernels_give_bit_identical_products() {
+    // Linear picks the level per product (AVX2 for single Q8_0 rows, where it streams faster), which keeps a
+    // row's result independent of its batch only because both levels sum the same integers in the same order.
+    let wide = [SimdLevel::Avx2, SimdLevel::Avx512Vnni];
+    if !wide.iter().all(|level| level.is_available()) {
+        eprintln!("skipped: this CPU lacks AVX2 or AVX-512 VNNI");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(23);
+    for format in WeightFormat::ALL {
+        for (rows, columns) in SHAPES {
+            let matrix =
+                QuantizedMatrix::new(Arc::new(random_tensor(format, rows, columns, &mut rng)))
+                    .unwrap();
+            for batch in BATCHES {
+                let input = random_input(batch, columns, &mut rng);
+                let [avx2, vnni] = wide.map(|level| run(&matrix, &input, batch, level, threads(1)));
+                let differing = avx2
+                    .iter()
+                    .zip(&vnni)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(
+                    differing, 0,
+                    "{format:?} {rows}x{columns} batch {batch}: {differing} outputs differ between the AVX2 and \
+                     AVX-512 kernels"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn activation_quantisation_is_bit_identical_at_every_simd_level() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let width = 640;
+    let rows = 7;
+    let mut input = random_input(rows, width, &mut rng);
+    // Values that land exactly halfway between two steps (the tie rule must hold at every level),
+    // an all-zero block, a block of one sign and a block with a huge outlier.
+    for (index, value) in input[..32].iter_mut().enumerate() {
+        *value = (index as f32 - 16.0) + 0.5;
+    }
+    input[31] = 127.0;
+    input[32..64].fill(0.0);
+    for value in &mut input[64..96] {
+        *value = -value.abs();
+    }
+    input[100] = 3.0e6;
+    let scalar = QuantizedActivations::quantize_at(SimdLevel::Scalar, &input, rows, width);
+    for level in levels() {
+        let quantised = QuantizedActivations::quantize_at(level, &input, rows, width);
+        assert!(
+            quantised == scalar,
+            "quantising activations at {level:?} gave different bytes, scales or sums than the portable code"
+        );
+    }
+    assert!(
+        scalar.row_values(0)[..31]
+            .iter()
+            .zip(&input[..31])
+            .all(|(&q, &x)| (f32::from(q) - x).abs() == 0.5),
+        "the halfway values of the first block must round to a neighbouring integer"
+    );
 }
 
 #[test]

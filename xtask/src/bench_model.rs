@@ -167,10 +167,9 @@ fn write_report(rounds: usize, load_before: &str, tables: &str) -> Result<()> {
          Command: `cargo xtask bench model --rounds {rounds}` (llama.cpp libraries: {}).\n\n\
          Machine: {}; kernel {}; commit {}; {}; 1/5/15-minute load average {load_before} before and \
          {} at the latest write.\n\
-         Other helpers were building and testing on the same 2 cores during the run, so absolute figures are \
-         noisy; the runners were interleaved round by round, so the ratios are fairer than the absolutes. \
-         When the load average is far above the 2 cores, every runner is starved and the figures measure \
-         contention rather than speed (llama.cpp's spinning thread pool suffers most); rerun on a quiet machine \
+         {} The runners were interleaved round by round, so the ratios are fairer than the absolutes. \
+         When the load average is far above the core count, every runner is starved and the figures measure \
+         contention rather than speed (spinning thread pools suffer most); rerun on a quiet machine \
          before drawing conclusions.\n\n\
          ## Method\n\n\
          - Every runner uses 2 threads. Figures are medians over {rounds} rounds; each round runs every runner once.\n\
@@ -196,6 +195,7 @@ fn write_report(rounds: usize, load_before: &str, tables: &str) -> Result<()> {
         command_output("git", &["rev-parse", "--short", "HEAD"]),
         command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
         load_average(),
+        load_verdict(load_before, &load_average()),
         DECODE_TOKENS + 1,
         PROMPT_TOKENS + DECODE_TOKENS,
     );
@@ -424,6 +424,32 @@ fn load_average() -> String {
                 .join(" ")
         })
         .unwrap_or_else(|_| "unknown".to_owned())
+}
+
+/// One sentence on how busy the machine was, from the 1-minute load averages before the run and at the write,
+/// measured against the CPU count (a fixed sentence went stale whenever the machine was quiet or busier).
+fn load_verdict(before: &str, now: &str) -> String {
+    let cores = thread::available_parallelism().map_or(1, |count| count.get());
+    let one_minute = |text: &str| {
+        text.split_whitespace()
+            .next()
+            .and_then(|value| value.parse::<f64>().ok())
+    };
+    let (Some(before), Some(now)) = (one_minute(before), one_minute(now)) else {
+        return "The load average could not be read, so how busy the machine was is unknown."
+            .to_owned();
+    };
+    let highest = before.max(now);
+    if highest < cores as f64 {
+        format!(
+            "The 1-minute load average stayed at or below {highest:.2} on {cores} CPUs: little else was running."
+        )
+    } else {
+        format!(
+            "The 1-minute load average reached {highest:.2} on {cores} CPUs: other work shared the CPUs during \
+             the run, so absolute figures are noisy."
+        )
+    }
 }
 
 /// The CPU model and count, from lscpu.

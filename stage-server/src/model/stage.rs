@@ -353,6 +353,21 @@ impl Stage {
         input: StageInput<'_>,
         logits: Logits,
     ) -> Result<StageOutput, ModelError> {
+        // candle-nn's norms, softmax and RoPE and candle's f32 matmuls split their work with rayon. Called from
+        // outside a rayon worker, each of them hands a job to the pool and sleeps until it is done: two context
+        // switches per op, a few hundred per decoded token. Running the whole chunk on a worker of candle's pool
+        // makes those calls run in place (idle workers still steal halves of large ops), for one hand-off per chunk.
+        candle_core::utils::with_threadpool(|| self.forward_in_pool(lane, position, input, logits))
+    }
+
+    /// [`Stage::forward`] on a thread of candle's rayon pool.
+    fn forward_in_pool(
+        &mut self,
+        lane: usize,
+        position: usize,
+        input: StageInput<'_>,
+        logits: Logits,
+    ) -> Result<StageOutput, ModelError> {
         let length = self.lane(lane)?.length;
         if position != length {
             return Err(ModelError::PositionMismatch {
