@@ -173,6 +173,40 @@ fn layer_ranges_outside_the_model_are_refused() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[test]
+fn a_first_stage_not_at_layer_zero_or_a_last_stage_short_of_the_end_is_refused() {
+    let dir = scratch_dir("ends");
+    let path = tiny_llama(&dir);
+    let cases = [
+        (
+            "first_stage_not_at_zero",
+            StageSpec {
+                layers: 1..4,
+                first: true,
+                last: true,
+            },
+        ),
+        (
+            "last_stage_short_of_the_end",
+            StageSpec {
+                layers: 0..3,
+                first: true,
+                last: true,
+            },
+        ),
+    ];
+    for (name, spec) in cases {
+        let error = Stage::load(&path, spec, StageOptions::default())
+            .expect_err("a stage whose ends do not match its role loaded");
+        assert!(
+            matches!(error, ModelError::StageEnds { .. }),
+            "{name}: expected StageEnds, got {error:?}"
+        );
+        insta::assert_snapshot!(name, text(&error, &dir));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A stand-in output so `trim`'s result fits the same check as `forward`'s.
 fn whole_output() -> stage_server::model::StageOutput {
     stage_server::model::StageOutput::Activations(Vec::new())

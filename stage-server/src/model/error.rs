@@ -101,6 +101,25 @@ pub enum ModelError {
         /// Layers the model has.
         block_count: usize,
     },
+    /// A first stage that does not start at layer 0, or a last stage that does not end at the model's last layer.
+    #[error(
+        "{path}: a {role} stage must {rule}, but this one runs layers {start}..{end} of {block_count}; the embeddings \
+         feed layer 0 and the output head reads the last layer"
+    )]
+    StageEnds {
+        /// The model file.
+        path: PathBuf,
+        /// `first` or `last`.
+        role: &'static str,
+        /// What that role requires.
+        rule: String,
+        /// First layer asked for.
+        start: usize,
+        /// One past the last layer asked for.
+        end: usize,
+        /// Layers the model has.
+        block_count: usize,
+    },
     /// Split boundaries that do not cut the model into non-empty consecutive stages.
     #[error(
         "{path}: cannot split at layers {boundaries:?}; boundaries must rise strictly and lie inside 1..{block_count} (the model has {block_count} layers)"

@@ -259,6 +259,28 @@ impl Stage {
                 block_count: config.block_count,
             });
         }
+        let ends = [
+            (
+                spec.first && spec.layers.start != 0,
+                "first",
+                "start at layer 0".to_string(),
+            ),
+            (
+                spec.last && spec.layers.end != config.block_count,
+                "last",
+                format!("end at layer {}", config.block_count),
+            ),
+        ];
+        if let Some((_, role, rule)) = ends.into_iter().find(|(wrong, _, _)| *wrong) {
+            return Err(ModelError::StageEnds {
+                path,
+                role,
+                rule,
+                start: spec.layers.start,
+                end: spec.layers.end,
+                block_count: config.block_count,
+            });
+        }
         if options.lane_count == 0 {
             return Err(ModelError::NoLanes);
         }
