@@ -1294,10 +1294,8 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             // An idle connection holds no large output queue either: one that grew past what a small reply
             // needs is dropped (a new queue allocates nothing until used), so a connection that once sent
             // a large reply does not keep its size while it idles, nor does its slot after it closes.
-            // `Output` offers no way to shrink in place, so its `written_total` restarts here (documented in
-            // the crate docs); an `Output::shrink` in net-io-core would keep it.
-            if conn.output_peak > OUTPUT_KEPT_IDLE && entry.output.is_empty() {
-                entry.output = Output::new(entry.output.budget());
+            // The queue's counters (`written_total`, response brackets) stay: only its memory goes.
+            if conn.output_peak > OUTPUT_KEPT_IDLE && entry.output.release_memory() {
                 conn.output_peak = 0;
             }
             // An idle connection holds no read buffer: the loop's free list keeps it warm for the next one.

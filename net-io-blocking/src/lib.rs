@@ -48,8 +48,8 @@
 //!   reads with `recv(MSG_DONTWAIT)` until a short read and sends until `EAGAIN`; with one connection it adds
 //!   an `epoll_wait` per round trip, with many the wait is shared (0.03 to 0.08 per round trip at 32 busy
 //!   connections); it does not allocate per round trip either. An idle event-loop connection holds no read
-//!   buffer, and its output queue only if that never held more than 4 KiB at once (a larger one is dropped
-//!   when it idles, and [`Output::written_total`] then counts from there).
+//!   buffer, and its output queue's memory only if that never held more than 4 KiB at once (a larger one gives
+//!   its memory back when it idles; [`Output::written_total`] and the other counters carry on).
 //! - **Close styles.** `PeerClosed`, `Idle`, `Drained` and `SessionClosed` close gracefully: FIN, then up to
 //!   64 KiB / 2 s of unread input is read and discarded so our last reply is not destroyed by an RST. Every
 //!   other reason resets (linger 0). A kill (or the drain deadline) during that linger ends it at once with

@@ -233,6 +233,22 @@ impl Output {
         self.response_start = self.queued_total;
     }
 
+    /// Gives the queue's memory back to the allocator when it is empty, keeping its counters and budget.
+    ///
+    /// A connection that once queued a large reply would otherwise hold that capacity while it idles. Returns
+    /// false, changing nothing, while bytes are still queued.
+    pub fn release_memory(&mut self) -> bool {
+        if self.pending > 0 || !self.chunks.is_empty() {
+            return false;
+        }
+        // Wiped before it goes, as `clear` does: the arena held application bytes.
+        self.arena.fill(0);
+        self.arena = Vec::new();
+        self.chunks = VecDeque::new();
+        self.front_offset = 0;
+        true
+    }
+
     /// Empties the queue for the next connection, keeping its allocations; `budget` may change.
     pub fn reset(&mut self, budget: usize) {
         self.clear();
@@ -343,6 +359,29 @@ mod tests {
             output.advance(taken);
         }
         sent
+    }
+
+    #[test]
+    fn releasing_memory_keeps_the_counters_and_waits_for_queued_bytes() {
+        let mut output = Output::new(1 << 20);
+        output.push(&[7u8; 100_000]).unwrap();
+        assert!(
+            !output.release_memory(),
+            "memory holding queued bytes must not be released"
+        );
+        assert_eq!(drain_all(&mut output).len(), 100_000);
+        assert!(
+            output.release_memory(),
+            "an empty queue gives its memory back"
+        );
+        assert_eq!(
+            output.written_total(),
+            100_000,
+            "releasing memory must not reset what was written"
+        );
+        output.push(b"next").unwrap();
+        assert_eq!(drain_all(&mut output), b"next".to_vec());
+        assert_eq!(output.written_total(), 100_004);
     }
 
     #[test]
