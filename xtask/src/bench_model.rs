@@ -440,9 +440,11 @@ fn load_verdict(before: &str, now: &str) -> String {
             .to_owned();
     };
     let highest = before.max(now);
-    if highest < cores as f64 {
+    // Each runner keeps `--threads` (2) threads busy, which the load average counts.
+    if highest <= 1.5 * cores as f64 {
         format!(
-            "The 1-minute load average stayed at or below {highest:.2} on {cores} CPUs: little else was running."
+            "The 1-minute load average stayed at or below {highest:.2} on {cores} CPUs, which counts the runners' \
+             own threads: little else was running."
         )
     } else {
         format!(
