@@ -81,7 +81,10 @@ impl<T: Send + 'static, G> TaskHandle<T, G> {
         self.slot().is_ok_and(|slot| slot.lock().settled)
     }
 
-    /// Waits until the task settles, without reading the output.
+    /// Waits until the task's state is terminal (anything but Pending and Running), without reading the output.
+    ///
+    /// A repeat or series reads Ready between its runs, so for those this returns once any run has published;
+    /// [`is_finished`](Self::is_finished) says whether a run is still to come.
     pub fn wait(&self) {
         if let Ok(slot) = self.slot() {
             wait_settled(slot, self.task, None);
