@@ -29,7 +29,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
-use std::io::{self, IoSlice};
+use std::io;
 use std::net::Shutdown;
 use std::os::fd::AsFd;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -1407,20 +1407,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 let Some(socket) = entry.owner.socket() else {
                     return Flow::Close(CloseReason::SessionError);
                 };
-                let front = output.front();
-                let (result, offered) = if front.len() == output.pending() {
-                    (socket::send(socket, front), front.len())
-                } else {
-                    let mut slices = [IoSlice::new(&[]); net_io_core::output::IO_SLICES_MAX];
-                    let filled = output.fill_io_slices(&mut slices);
-                    let offered: usize = slices[..filled].iter().map(|slice| slice.len()).sum();
-                    let result = if filled == 1 {
-                        socket::send(socket, &slices[0])
-                    } else {
-                        socket::send_vectored(socket, &slices[..filled])
-                    };
-                    (result, offered)
-                };
+                let (result, offered) = crate::link::send_queued(socket, output);
                 match result {
                     Ok(0) => {
                         zero_sends += 1;

@@ -322,21 +322,7 @@ impl Link {
                 Ok(socket) => socket,
                 Err(error) => return Sent::Failed(error),
             };
-            let front = output.front();
-            let (result, offered) = if front.len() == output.pending() {
-                // One chunk queued (an echo's usual case): a plain send, without building the slice array.
-                (socket::send(socket, front), front.len())
-            } else {
-                let mut slices = [IoSlice::new(&[]); net_io_core::output::IO_SLICES_MAX];
-                let filled = output.fill_io_slices(&mut slices);
-                let offered: usize = slices[..filled].iter().map(|slice| slice.len()).sum();
-                let result = if filled == 1 {
-                    socket::send(socket, &slices[0])
-                } else {
-                    socket::send_vectored(socket, &slices[..filled])
-                };
-                (result, offered)
-            };
+            let (result, offered) = send_queued(socket, output);
             match result {
                 Ok(0) => {
                     zero_sends += 1;
@@ -624,4 +610,24 @@ fn earliest(first: Option<Instant>, second: Option<Instant>) -> Option<Instant> 
         (first, None) => first,
         (None, second) => second,
     }
+}
+
+/// Sends what `output` has queued with one system call, returning its result and the bytes offered.
+///
+/// One chunk queued (an echo's usual case) goes as a plain send, without building the slice array; more go as
+/// one vectored send. Shared by the worker-thread link and the event loop so both cost the same per write.
+pub(crate) fn send_queued(socket: BorrowedFd<'_>, output: &Output) -> (io::Result<usize>, usize) {
+    let front = output.front();
+    if front.len() == output.pending() {
+        return (socket::send(socket, front), front.len());
+    }
+    let mut slices = [IoSlice::new(&[]); net_io_core::output::IO_SLICES_MAX];
+    let filled = output.fill_io_slices(&mut slices);
+    let offered: usize = slices[..filled].iter().map(|slice| slice.len()).sum();
+    let result = if filled == 1 {
+        socket::send(socket, &slices[0])
+    } else {
+        socket::send_vectored(socket, &slices[..filled])
+    };
+    (result, offered)
 }
