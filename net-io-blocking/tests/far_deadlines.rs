@@ -58,28 +58,25 @@ fn unbounded_limits() -> Limits {
         .linger_timeout(Duration::MAX)
 }
 
-#[test]
-fn a_session_that_asks_for_an_unbounded_idle_timeout_is_served_and_closed_once() {
-    let recorder = Recorder::default();
-    let server = ServerBuilder::new()
+/// A server of [`PatientEcho`] sessions under `limits`, reporting to `recorder`.
+fn patient_echo_server(limits: Limits, recorder: &Recorder) -> net_io_blocking::Server {
+    ServerBuilder::new()
         .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(2)
-        .limits(Limits::new().min_rate(None))
+        .limits(limits)
         .events(recorder.clone())
         .sessions(|_: &ConnectionInfo| Some(PatientEcho))
         .allow_all()
         .build()
-        .expect("the server should start");
-    let mut stream = client(server.local_addr());
-    assert_eq!(
-        round_trip(&mut stream, b"still there?\n"),
-        b"still there?\n",
-        "a session with an unbounded idle timeout was not served"
-    );
+        .expect("a server with far deadlines should start")
+}
+
+/// Sends FIN and checks the server closes the connection exactly once, for that FIN.
+fn closes_once_after_the_peer_fin(stream: &mut std::net::TcpStream, recorder: &Recorder) {
     stream.shutdown(Shutdown::Write).unwrap();
     assert!(
-        common::is_closed_by_server(&mut stream),
+        common::is_closed_by_server(stream),
         "the server did not close after the peer's FIN"
     );
     assert_eq!(
@@ -90,18 +87,22 @@ fn a_session_that_asks_for_an_unbounded_idle_timeout_is_served_and_closed_once()
 }
 
 #[test]
+fn a_session_that_asks_for_an_unbounded_idle_timeout_is_served_and_closed_once() {
+    let recorder = Recorder::default();
+    let server = patient_echo_server(Limits::new().min_rate(None), &recorder);
+    let mut stream = client(server.local_addr());
+    assert_eq!(
+        round_trip(&mut stream, b"still there?\n"),
+        b"still there?\n",
+        "a session with an unbounded idle timeout was not served"
+    );
+    closes_once_after_the_peer_fin(&mut stream, &recorder);
+}
+
+#[test]
 fn limits_of_duration_max_are_accepted_and_never_strand_a_connection() {
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(2)
-        .limits(unbounded_limits())
-        .events(recorder.clone())
-        .sessions(|_: &ConnectionInfo| Some(PatientEcho))
-        .allow_all()
-        .build()
-        .expect("a server whose timeouts are Duration::MAX should start");
+    let server = patient_echo_server(unbounded_limits(), &recorder);
     let mut stream = client(server.local_addr());
     for round in 0..3 {
         assert_eq!(
@@ -110,16 +111,7 @@ fn limits_of_duration_max_are_accepted_and_never_strand_a_connection() {
             "round {round} was not echoed under Duration::MAX timeouts"
         );
     }
-    stream.shutdown(Shutdown::Write).unwrap();
-    assert!(
-        common::is_closed_by_server(&mut stream),
-        "the server did not close after the peer's FIN"
-    );
-    assert_eq!(
-        recorder.single_close(SOON),
-        CloseReason::PeerClosed,
-        "the connection was not closed once with the peer's FIN as its reason"
-    );
+    closes_once_after_the_peer_fin(&mut stream, &recorder);
 }
 
 #[test]
