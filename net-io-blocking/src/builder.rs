@@ -4,6 +4,7 @@
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU16, AtomicU64};
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use net_io_core::proxy::ProxyMode;
 use net_io_core::{
@@ -78,6 +79,7 @@ struct Settings {
     connection_options: ConnectionOptions,
     open_door: bool,
     session_driver: SessionDriver,
+    solo_read_slice: Duration,
 }
 
 impl ListenerSpec {
@@ -148,6 +150,7 @@ impl ServerBuilder<NoWorkload, NoGate> {
                 },
                 open_door: true,
                 session_driver: SessionDriver::event_loop(),
+                solo_read_slice: crate::evloop::SOLO_READ_SLICE_DEFAULT,
             },
         }
     }
@@ -262,6 +265,23 @@ impl<W, G> ServerBuilder<W, G> {
     /// worker threads; for them this setting is ignored.
     pub fn session_driver(mut self, driver: SessionDriver) -> Self {
         self.settings.session_driver = driver;
+        self
+    }
+
+    /// How long an event loop holding a single busy connection waits for that connection's next input in a
+    /// blocking `recv` (under `SO_RCVTIMEO`) instead of in `epoll_wait`: 1 ms by default, `Duration::ZERO`
+    /// turns these solo reads off.
+    ///
+    /// A solo read makes a keep-alive round trip cost two system calls (`recv` and `send`) instead of three,
+    /// and it starts only when the loop has nothing else to do. The costs: a connection placed on a loop in a
+    /// solo read waits until the slice ends (placement prefers a loop that is not in one; when every loop
+    /// is, the new connection's first byte can wait one slice), and so do completions, stops and other
+    /// wakes of the loop; an idle connection costs one extra wake-up, after which the loop sleeps in
+    /// `epoll_wait` again. The kernel counts `SO_RCVTIMEO` in jiffies, so a slice is rounded up to the next
+    /// timer interrupt (up to 4 ms at `HZ=250`). A kill of the connection in the solo read (or a drain's
+    /// close of it while idle) ends the read at once. Ignored for worker threads, which always read this way.
+    pub fn solo_read_slice(mut self, slice: Duration) -> Self {
+        self.settings.solo_read_slice = slice;
         self
     }
 
@@ -455,7 +475,7 @@ fn start<G: Gate, W: Workload>(
     let worker_threads = if loops.is_some() { 0 } else { workers };
     let mut loop_shared = Vec::new();
     for _ in 0..loops.map_or(0, |(count, _)| count) {
-        loop_shared.push(LoopShared::new()?);
+        loop_shared.push(LoopShared::new(settings.solo_read_slice)?);
     }
     let mut worker_shared = Vec::with_capacity(worker_threads);
     for _ in 0..worker_threads {

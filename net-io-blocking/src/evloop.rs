@@ -33,7 +33,7 @@ use std::io;
 use std::net::Shutdown;
 use std::os::fd::AsFd;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
@@ -95,6 +95,11 @@ pub(crate) struct LoopShared {
     /// Connections queued for this loop or held by it: accept threads place each new connection on the loop
     /// with the fewest, so a loop emptied by closes fills first instead of taking every n-th id.
     load: AtomicUsize,
+    /// The loop serves its one connection in solo reads (see [`EventLoop::solo_read`]): a new connection
+    /// placed here waits for the end of the current slice, so placement breaks a tie against this loop.
+    solo: AtomicBool,
+    /// The longest solo read; zero turns solo reads off.
+    solo_slice: Duration,
 }
 
 /// A loop's wake: its eventfd and the entries whose completion ring got a post.
@@ -128,7 +133,8 @@ struct EntryWake {
 }
 
 impl LoopShared {
-    pub(crate) fn new() -> io::Result<Self> {
+    /// A loop's shared parts; `solo_slice` is the longest solo read (zero: none).
+    pub(crate) fn new(solo_slice: Duration) -> io::Result<Self> {
         Ok(Self {
             wake: Arc::new(LoopWake {
                 eventfd: Arc::new(EventFd::new()?),
@@ -137,6 +143,8 @@ impl LoopShared {
             slots: Mutex::new(Vec::new()),
             by_id: Mutex::new(HashMap::new()),
             load: AtomicUsize::new(0),
+            solo: AtomicBool::new(false),
+            solo_slice,
         })
     }
 
@@ -149,9 +157,14 @@ impl LoopShared {
             .cloned()
     }
 
-    /// Connections queued for or held by this loop right now.
+    /// The placement weight of this loop: twice the connections queued for it or held by it right now, plus
+    /// one while it is in solo reads. Fewer connections always weigh less; between loops holding as many,
+    /// one that would make a new connection wait for the end of a solo slice weighs more.
     pub(crate) fn load(&self) -> usize {
-        self.load.load(Ordering::Relaxed)
+        self.load
+            .load(Ordering::Relaxed)
+            .saturating_mul(2)
+            .saturating_add(usize::from(self.solo.load(Ordering::Relaxed)))
     }
 
     /// Counts a connection queued for this loop (by the accept thread, before it offers the job).
@@ -257,6 +270,13 @@ const EVENTS_PER_WAIT: usize = 256;
 const CHUNK: usize = 512;
 /// The fixed part of a PROXY v2 header before its body.
 const V2_FIXED: usize = 16;
+/// The solo read's slice by default: `SO_RCVTIMEO` is counted in jiffies (4 ms at `HZ=250`), so any slice up
+/// to a jiffy waits up to the next timer interrupt; see [`ServerBuilder::solo_read_slice`].
+///
+/// [`ServerBuilder::solo_read_slice`]: crate::ServerBuilder::solo_read_slice
+pub(crate) const SOLO_READ_SLICE_DEFAULT: Duration = Duration::from_millis(1);
+/// A timer due sooner than this is left to `epoll_wait` rather than to a solo read's slice.
+const SOLO_TIMER_MARGIN: Duration = Duration::from_micros(50);
 /// How often a stopping loop looks at what is still open.
 const STOP_POLL: Duration = Duration::from_millis(100);
 /// Output queued at once (bytes) up to which an idle connection keeps its output queue's allocation, so a
@@ -350,6 +370,9 @@ struct Conn<S, T> {
     /// The reason a lingering close will report.
     closing_reason: Option<CloseReason>,
     linger_discarded: usize,
+    /// The socket's `SO_RCVTIMEO` as last set (inherited from the listener at first), which only a solo read
+    /// waits under: it is set again only when the wanted slice moves by more than a tick.
+    armed: Option<Duration>,
 }
 
 /// One slot of a loop's slab; reused by one connection after another.
@@ -394,6 +417,17 @@ struct EventLoop<'r, G: Gate, F: SessionFactory> {
     yielded: Vec<(u32, u32)>,
     live: usize,
     scratch: Box<[u8]>,
+    /// The longest solo read (zero: solo reads are off).
+    solo_slice: Duration,
+    /// The connection (index, generation) that got data in this turn: the one candidate for a solo read.
+    served: Option<(u32, u32)>,
+    /// The next `read` of a connection blocks in `recv` under `SO_RCVTIMEO` instead of `MSG_DONTWAIT`.
+    solo_block: bool,
+    /// This loop told placement that it is in solo reads ([`LoopShared::solo`]).
+    solo_marked: bool,
+    /// The loop eventfd's signal count up to which every wake has been acted on: a solo read happens only
+    /// while the count still reads this, so no wake waits behind it for longer than one slice.
+    wake_seen: u64,
 }
 
 impl<G: Gate, F: SessionFactory> Runtime<G, SessionWorkload<F>> {
@@ -429,6 +463,11 @@ impl<G: Gate, F: SessionFactory> Runtime<G, SessionWorkload<F>> {
             yielded: Vec::new(),
             live: 0,
             scratch: vec![0u8; CHUNK].into_boxed_slice(),
+            solo_slice: runtime.core.loops[index].solo_slice,
+            served: None,
+            solo_block: false,
+            solo_marked: false,
+            wake_seen: 0,
         };
         event_loop.run();
     }
@@ -462,33 +501,16 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         let mut inbox_closed = false;
         let mut stop_seen: Option<Instant> = None;
         loop {
-            let mut timeout = if self.yielded.is_empty() {
-                self.next_timeout()
+            if let Some((index, slice)) = self.solo_candidate(stop_seen.is_some()) {
+                // Contained like every other turn of the driver (see below).
+                let _ = catch_unwind(AssertUnwindSafe(|| self.solo_read(index, slice)));
             } else {
-                Some(Duration::ZERO)
-            };
-            if stop_seen.is_some() {
-                // Stopping: look again soon, so the forced close below happens even with nothing ready.
-                timeout = Some(timeout.map_or(STOP_POLL, |timeout| timeout.min(STOP_POLL)));
-            }
-            if self.epoll.wait(&mut events, timeout).is_err() {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            let mut woken = false;
-            for event in events.iter() {
-                if event.token == WAKE_TOKEN {
-                    woken = true;
-                    continue;
+                if std::mem::take(&mut self.solo_marked) {
+                    self.core.loops[self.index]
+                        .solo
+                        .store(false, Ordering::Relaxed);
                 }
-                // Every hook is contained already; this keeps a bug in the driver itself from taking down
-                // the loop and every connection on it.
-                let _ = catch_unwind(AssertUnwindSafe(|| {
-                    self.on_event(event.token, event.readiness)
-                }));
-            }
-            if woken {
-                let _ = self.core.loops[self.index].wake.eventfd.drain();
-                let _ = catch_unwind(AssertUnwindSafe(|| self.on_wake(&mut inbox_closed)));
+                self.wait_and_dispatch(&mut events, stop_seen.is_some(), &mut inbox_closed);
             }
             let _ = catch_unwind(AssertUnwindSafe(|| {
                 self.fire_timers();
@@ -513,6 +535,132 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 }
             }
         }
+    }
+
+    /// One `epoll_wait` and what it reported: readiness to the connections, a wake to the inbox, the
+    /// completions and the lingers.
+    fn wait_and_dispatch(&mut self, events: &mut Events, stopping: bool, inbox_closed: &mut bool) {
+        let mut timeout = if self.yielded.is_empty() {
+            self.next_timeout()
+        } else {
+            Some(Duration::ZERO)
+        };
+        if stopping {
+            // Stopping: look again soon, so the forced close below happens even with nothing ready.
+            timeout = Some(timeout.map_or(STOP_POLL, |timeout| timeout.min(STOP_POLL)));
+        }
+        let eventfd = Arc::clone(&self.core.loops[self.index].wake.eventfd);
+        // Loaded before the wait: each signal counted here wrote the eventfd before, so the wait reports it
+        // unless this loop drained it already (and then acted on it).
+        let signals_before = eventfd.signals();
+        if self.epoll.wait(events, timeout).is_err() {
+            std::thread::sleep(Duration::from_millis(1));
+            return;
+        }
+        let mut woken = false;
+        for event in events.iter() {
+            if event.token == WAKE_TOKEN {
+                woken = true;
+                continue;
+            }
+            // Every hook is contained already; this keeps a bug in the driver itself from taking down
+            // the loop and every connection on it.
+            let _ = catch_unwind(AssertUnwindSafe(|| {
+                self.on_event(event.token, event.readiness)
+            }));
+        }
+        if woken {
+            // Loaded before the drain: whatever these signals queued is taken by `on_wake` below.
+            let signals = eventfd.signals();
+            let _ = eventfd.drain();
+            self.wake_seen = signals;
+            let _ = catch_unwind(AssertUnwindSafe(|| self.on_wake(inbox_closed)));
+        } else if events.len() < EVENTS_PER_WAIT {
+            // A batch that was not full reported everything ready, and the (level-triggered) eventfd was not:
+            // the signals counted before the wait were drained and acted on already.
+            self.wake_seen = signals_before;
+        }
+    }
+
+    /// The connection to serve with a solo read instead of an `epoll_wait`, and for how long at most.
+    ///
+    /// Only when the loop holds exactly one connection, that connection got data in the turn just run (a
+    /// round trip is in progress, so more input is likely to follow soon), it now waits for input with its
+    /// socket drained, and nothing else could need the loop: no yielded turn, no lingering close, no queued
+    /// connection, no stop, no wake signalled since the last one acted on (read from memory, not from the
+    /// eventfd), no timer due within [`SOLO_TIMER_MARGIN`]. The slice ends at the next timer.
+    fn solo_candidate(&mut self, stopping: bool) -> Option<(u32, Duration)> {
+        let (index, generation) = self.served.take()?;
+        if self.solo_slice.is_zero()
+            || self.live != 1
+            || stopping
+            || !self.yielded.is_empty()
+            || !self.lingering.is_empty()
+            || !self.incoming.is_empty()
+            || self.core.stopping.load(Ordering::Acquire)
+            || self.core.loops[self.index].wake.eventfd.signals() != self.wake_seen
+        {
+            return None;
+        }
+        let entry = self.entries.get(index as usize)?;
+        let conn = entry.conn.as_ref()?;
+        let waits_to_read = matches!(conn.wait, Wait::Read { .. })
+            && conn.registered
+            && !conn.readable
+            && !conn.read_closed
+            && !conn.peer_closed
+            && !conn.input_changed;
+        if entry.generation != generation || !waits_to_read {
+            return None;
+        }
+        let slice = match self.next_timeout() {
+            Some(timeout) if timeout < SOLO_TIMER_MARGIN => return None,
+            Some(timeout) => timeout.min(self.solo_slice),
+            None => self.solo_slice,
+        };
+        Some((index, slice))
+    }
+
+    /// Waits for the one connection's next input in a blocking `recv` under `SO_RCVTIMEO` (at most `slice`)
+    /// instead of in `epoll_wait`, then serves it: a round trip costs the `recv` and the `send`, as on a
+    /// worker thread, where the readiness loop costs an `epoll_wait` besides.
+    ///
+    /// A kill of this connection (or a drain's or shed's close of it while idle) shuts its read side down, so
+    /// the `recv` returns at once. Any other wake (a new connection, a completion, a stop, a kill of a
+    /// lingering close) is seen when the slice ends. No input within the slice: the socket is drained, so
+    /// the next turn waits in `epoll_wait` again (its edge-triggered registration reports input from then
+    /// on; input that the solo read took leaves at most a stale edge, which costs one `recv` answering
+    /// `EAGAIN` or nothing at all).
+    fn solo_read(&mut self, index: u32, slice: Duration) {
+        let tick = self.core.limits.tick;
+        let entry = &mut self.entries[index as usize];
+        let Some(conn) = entry.conn.as_mut() else {
+            return;
+        };
+        let Some(socket) = entry.owner.socket() else {
+            return;
+        };
+        // The kernel rounds SO_RCVTIMEO up to a jiffy, so a slice a tick away from the armed one is as good.
+        let close_enough = conn
+            .armed
+            .is_some_and(|armed| !armed.is_zero() && armed.abs_diff(slice) <= tick);
+        if !close_enough {
+            if socket::set_receive_timeout(socket, Some(slice)).is_err() {
+                // No solo read this time; `epoll_wait` serves the connection as before.
+                return;
+            }
+            conn.armed = Some(slice);
+        }
+        conn.readable = true;
+        if !self.solo_marked {
+            self.solo_marked = true;
+            self.core.loops[self.index]
+                .solo
+                .store(true, Ordering::Relaxed);
+        }
+        self.solo_block = true;
+        self.drive(index, Step::Read);
+        self.solo_block = false;
     }
 
     /// How long the next `epoll_wait` may sleep: until the earliest timer, cut to a tick under a manual clock.
@@ -767,6 +915,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             output_peak: 0,
             closing_reason: None,
             linger_discarded: 0,
+            armed: Some(limits.idle_timeout),
         });
         self.live += 1;
         let generation = entry.generation;
@@ -1197,7 +1346,13 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         };
         let spare = read.spare_mut();
         let room = spare.len();
-        match socket::recv_ready(socket, spare) {
+        let solo = std::mem::take(&mut self.solo_block);
+        let received = if solo {
+            socket::recv(socket, spare)
+        } else {
+            socket::recv_ready(socket, spare)
+        };
+        match received {
             Ok(0) => {
                 if let Some(code) = entry.owner.closing() {
                     return Flow::Close(reason_for_code(code));
@@ -1220,6 +1375,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 read.commit(count);
                 conn.bytes_in += count as u64;
                 conn.recheck = false;
+                self.served = Some((index, entry.generation));
                 if !entry.owner.set_idle(false)
                     && let Some(code) = entry.owner.closing()
                 {
@@ -1246,8 +1402,9 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             }
             Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
                 conn.readable = false;
-                // Before registration no re-check is needed: registering reports what arrived since.
-                conn.recheck = conn.registered;
+                // Before registration no re-check is needed: registering reports what arrived since. After a
+                // solo read's slice neither: the registered edge reports whatever arrives from now on.
+                conn.recheck = conn.registered && !solo;
                 self.wait_read(index, idle)
             }
             Err(error) if error.kind() == io::ErrorKind::Interrupted => Flow::Next(Step::Read),

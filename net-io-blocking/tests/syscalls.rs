@@ -127,7 +127,14 @@ mod counted {
         None,
         /// At most one `epoll_wait` per round trip (an event loop; with one connection nothing shares it).
         EpollWait,
+        /// An event loop in solo reads: the connection's next input is waited for in `recv` itself, so
+        /// `epoll_wait` runs only at the ends of the window (the wait the first message ends, the stale edge
+        /// the solo reads leave, the wait after the last slice), never once per round trip.
+        Solo,
     }
+
+    /// The `epoll_wait` calls a window of solo round trips may hold at its ends.
+    const SOLO_EDGE_WAITS: u64 = 4;
 
     fn calls_per_round_trip(server: Server) {
         calls_per_round_trip_with(server, Waits::None);
@@ -172,8 +179,21 @@ mod counted {
         let others: Vec<&(&str, u64)> = by_site
             .iter()
             .filter(|(site, _)| *site != "recv" && *site != "send")
-            .filter(|(site, _)| !(waits == Waits::EpollWait && *site == "epoll_wait"))
+            .filter(|(site, _)| !(waits != Waits::None && *site == "epoll_wait"))
             .collect();
+        if waits == Waits::Solo {
+            assert!(
+                calls_at("epoll_wait") <= SOLO_EDGE_WAITS,
+                "an event loop in solo reads must not wait in epoll_wait per round trip (at most \
+                 {SOLO_EDGE_WAITS} at the window's ends); {per_round_trip:.3} per round trip, by site: \
+                 {by_site:?}"
+            );
+            assert!(
+                total <= 2 * COUNTED_ROUND_TRIPS + 1 + SOLO_EDGE_WAITS,
+                "a solo round trip must take two system calls (recv and send) beside the window's ends; \
+                 {per_round_trip:.3} per round trip, by site: {by_site:?}"
+            );
+        }
         // One wait per round trip at most; the window may end just after a wait began.
         assert!(
             calls_at("epoll_wait") <= COUNTED_ROUND_TRIPS + 1,
@@ -227,14 +247,31 @@ mod counted {
         calls_per_round_trip(server);
     }
 
-    /// An event loop with one connection pays an `epoll_wait` per round trip on top of `recv` and `send`:
-    /// nothing else is ready to share it. Under load the wait is shared by every connection in the batch.
+    /// An event loop with one busy connection waits for its next input in a blocking `recv` (a solo read)
+    /// rather than in `epoll_wait`: a round trip takes `recv` and `send`, as on a worker thread.
     #[test]
-    fn an_event_loop_sessions_echo_round_trip_takes_recv_send_and_at_most_one_wait() {
+    fn an_event_loop_with_one_connection_takes_two_system_calls_per_round_trip() {
         let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let server = ServerBuilder::new()
             .listen("127.0.0.1:0")
             .session_driver(SessionDriver::EventLoop { loops: 1 })
+            .sessions(|_: &ConnectionInfo| Some(Echo))
+            .allow_all()
+            .build()
+            .expect("the event-loop echo server did not start");
+        calls_per_round_trip_with(server, Waits::Solo);
+    }
+
+    /// With solo reads turned off, an event loop with one connection pays an `epoll_wait` per round trip on
+    /// top of `recv` and `send`: nothing else is ready to share it. Under load the wait is shared by every
+    /// connection in the batch.
+    #[test]
+    fn without_solo_reads_an_event_loop_round_trip_takes_recv_send_and_at_most_one_wait() {
+        let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let server = ServerBuilder::new()
+            .listen("127.0.0.1:0")
+            .session_driver(SessionDriver::EventLoop { loops: 1 })
+            .solo_read_slice(Duration::ZERO)
             .sessions(|_: &ConnectionInfo| Some(Echo))
             .allow_all()
             .build()
