@@ -421,8 +421,9 @@ struct EventLoop<'r, G: Gate, F: SessionFactory> {
     solo_slice: Duration,
     /// The connection (index, generation) that got data in this turn: the one candidate for a solo read.
     served: Option<(u32, u32)>,
-    /// The next `read` of a connection blocks in `recv` under `SO_RCVTIMEO` instead of `MSG_DONTWAIT`.
-    solo_block: bool,
+    /// The next `read` blocks in `recv` under `SO_RCVTIMEO` instead of using `MSG_DONTWAIT`; it holds the
+    /// wait the connection had, which a slice without input leaves in force (its deadline does not move).
+    solo_block: Option<Wait>,
     /// This loop told placement that it is in solo reads ([`LoopShared::solo`]).
     solo_marked: bool,
     /// The loop eventfd's signal count up to which every wake has been acted on: a solo read happens only
@@ -465,7 +466,7 @@ impl<G: Gate, F: SessionFactory> Runtime<G, SessionWorkload<F>> {
             scratch: vec![0u8; CHUNK].into_boxed_slice(),
             solo_slice: runtime.core.loops[index].solo_slice,
             served: None,
-            solo_block: false,
+            solo_block: None,
             solo_marked: false,
             wake_seen: 0,
         };
@@ -652,15 +653,16 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             conn.armed = Some(slice);
         }
         conn.readable = true;
+        let waiting = conn.wait;
         if !self.solo_marked {
             self.solo_marked = true;
             self.core.loops[self.index]
                 .solo
                 .store(true, Ordering::Relaxed);
         }
-        self.solo_block = true;
+        self.solo_block = Some(waiting);
         self.drive(index, Step::Read);
-        self.solo_block = false;
+        self.solo_block = None;
     }
 
     /// How long the next `epoll_wait` may sleep: until the earliest timer, cut to a tick under a manual clock.
@@ -1346,8 +1348,8 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         };
         let spare = read.spare_mut();
         let room = spare.len();
-        let solo = std::mem::take(&mut self.solo_block);
-        let received = if solo {
+        let solo = self.solo_block.take();
+        let received = if solo.is_some() {
             socket::recv(socket, spare)
         } else {
             socket::recv_ready(socket, spare)
@@ -1404,8 +1406,17 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 conn.readable = false;
                 // Before registration no re-check is needed: registering reports what arrived since. After a
                 // solo read's slice neither: the registered edge reports whatever arrives from now on.
-                conn.recheck = conn.registered && !solo;
-                self.wait_read(index, idle)
+                conn.recheck = conn.registered && solo.is_none();
+                let flow = self.wait_read(index, idle);
+                // A slice without input changes nothing: the deadline of the wait before it stays in force
+                // (its timer is still in the heap), rather than starting again a slice later.
+                if let Some(waiting @ Wait::Read { .. }) = solo
+                    && let Some(conn) = self.entries[index as usize].conn.as_mut()
+                    && matches!(conn.wait, Wait::Read { .. })
+                {
+                    conn.wait = waiting;
+                }
+                flow
             }
             Err(error) if error.kind() == io::ErrorKind::Interrupted => Flow::Next(Step::Read),
             Err(error) => match entry.owner.closing() {
