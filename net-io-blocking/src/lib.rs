@@ -45,11 +45,15 @@
 //! - **Two system calls per keep-alive round trip**: a blocking `recv` under `SO_RCVTIMEO` (re-armed only
 //!   when the wanted timeout moves by more than a tick) and a `send` with `MSG_DONTWAIT`; `poll` runs only
 //!   when the send buffer is full. A warmed-up worker serves round trips without allocating. An event loop
-//!   reads with `recv(MSG_DONTWAIT)` until a short read and sends until `EAGAIN`; with one connection it adds
-//!   an `epoll_wait` per round trip, with many the wait is shared (0.03 to 0.08 per round trip at 32 busy
-//!   connections); it does not allocate per round trip either. An idle event-loop connection holds no read
-//!   buffer, and its output queue's memory only if that never held more than 4 KiB at once (a larger one gives
-//!   its memory back when it idles; [`Output::written_total`] and the other counters carry on).
+//!   reads with `recv(MSG_DONTWAIT)` until a short read and sends until `EAGAIN`; with many connections one
+//!   `epoll_wait` is shared by the ready batch (0.03 to 0.08 per round trip at 32 busy connections), and a
+//!   loop holding a single busy connection waits for its next input in a blocking `recv` under
+//!   `SO_RCVTIMEO` instead of `epoll_wait` (a solo read: 2 calls per round trip; what else the loop must do
+//!   waits at most one slice, [`ServerBuilder::solo_read_slice`], rounded up by the kernel to 4 to 12 ms at
+//!   `HZ=250`; a kill or a drain ends it at once). It does not allocate per round trip either. An idle
+//!   event-loop connection holds no read buffer, and its output queue's memory only if that never held more
+//!   than 4 KiB at once (a larger one gives its memory back when it idles; [`Output::written_total`] and the
+//!   other counters carry on).
 //! - **Close styles.** `PeerClosed`, `Idle`, `Drained` and `SessionClosed` close gracefully: FIN, then up to
 //!   64 KiB / 2 s of unread input is read and discarded so our last reply is not destroyed by an RST. Every
 //!   other reason resets (linger 0). A kill (or the drain deadline) during that linger ends it at once with
