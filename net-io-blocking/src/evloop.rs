@@ -460,6 +460,10 @@ struct EventLoop<'r, G: Gate, F: SessionFactory> {
     /// The loop eventfd's signal count up to which every wake has been acted on: a solo read happens only
     /// while the count still reads this, so no wake waits behind it for longer than one slice.
     wake_seen: u64,
+    /// The connection (index, generation) whose turn is running, `None` between turns. A panic inside the
+    /// driver leaves it set: [`EventLoop::contain_panic`] then closes that connection instead of leaving it
+    /// open with no event, timer or turn that would ever come back to it.
+    serving: Option<(u32, u32)>,
 }
 
 impl<G: Gate, F: SessionFactory> Runtime<G, SessionWorkload<F>> {
@@ -500,6 +504,7 @@ impl<G: Gate, F: SessionFactory> Runtime<G, SessionWorkload<F>> {
             solo_block: None,
             solo_marked: false,
             wake_seen: 0,
+            serving: None,
         };
         event_loop.run();
     }
@@ -533,9 +538,14 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         let mut inbox_closed = false;
         let mut stop_seen: Option<Instant> = None;
         loop {
-            if let Some((index, slice)) = self.solo_candidate(stop_seen.is_some()) {
-                // Contained like every other turn of the driver (see below).
-                let _ = catch_unwind(AssertUnwindSafe(|| self.solo_read(index, slice)));
+            let stopping = stop_seen.is_some();
+            let solo = catch_unwind(AssertUnwindSafe(|| self.solo_candidate(stopping)));
+            if let Ok(Some((index, slice))) = solo {
+                // Contained like every other turn of the driver (see `wait_and_dispatch`).
+                let turn = catch_unwind(AssertUnwindSafe(|| {
+                    self.serve(index, |event_loop| event_loop.solo_read(index, slice))
+                }));
+                self.contain(turn);
             } else {
                 if std::mem::take(&mut self.solo_marked) {
                     self.core.loops[self.index]
@@ -544,7 +554,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 }
                 self.wait_and_dispatch(&mut events, stop_seen.is_some(), &mut inbox_closed);
             }
-            let _ = catch_unwind(AssertUnwindSafe(|| {
+            let housekeeping = catch_unwind(AssertUnwindSafe(|| {
                 self.fire_timers();
                 self.end_overdue_lingers();
                 self.resume_yielded();
@@ -552,6 +562,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                     self.shrink_slab();
                 }
             }));
+            self.contain(housekeeping);
             if self.core.stopping.load(Ordering::Acquire) {
                 // A drain ran before the stop; what is still open now is killed so the stop can finish.
                 let since = *stop_seen.get_or_insert_with(Instant::now);
@@ -559,24 +570,147 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                     return;
                 }
                 if since.elapsed() > Duration::from_secs(1) {
-                    self.kill_all(CODE_DRAIN_DEADLINE);
+                    let killed =
+                        catch_unwind(AssertUnwindSafe(|| self.kill_all(CODE_DRAIN_DEADLINE)));
+                    self.contain(killed);
                 }
                 if !inbox_closed {
                     inbox_closed = self.runtime.inboxes[self.index].take_into(&mut self.incoming);
-                    self.admit_incoming();
+                    let admitted = catch_unwind(AssertUnwindSafe(|| self.admit_incoming()));
+                    self.contain(admitted);
                 }
             }
         }
     }
 
+    /// Runs `call` as connection `index`'s turn: a panic inside it (caught further up) is blamed on
+    /// that connection, see [`EventLoop::contain_panic`].
+    fn serve<T>(&mut self, index: u32, call: impl FnOnce(&mut Self) -> T) -> T {
+        self.serving = self
+            .entries
+            .get(index as usize)
+            .map(|entry| (index, entry.generation));
+        let result = call(self);
+        self.serving = None;
+        result
+    }
+
+    /// Acts on the outcome of a contained part of the loop: after a panic, closes the connection whose
+    /// turn it interrupted and puts back in line whatever the interrupted pass had taken out of it.
+    fn contain(&mut self, outcome: std::thread::Result<()>) {
+        if outcome.is_err() {
+            let _ = catch_unwind(AssertUnwindSafe(|| self.contain_panic()));
+            let _ = catch_unwind(AssertUnwindSafe(|| self.requeue_after_panic()));
+        }
+        self.serving = None;
+    }
+
+    /// After a panic: a pass that had taken its list (turns to resume, completions to deliver) lost the rest
+    /// of it. Connections waiting for another turn go back on the turn list; parked ones are handed to the
+    /// next wake, which looks for their completions (one that has none parks again); queued connections not
+    /// yet started are started at that wake. O(slots), on the panic path only.
+    fn requeue_after_panic(&mut self) {
+        let mut parked = Vec::new();
+        for (index, entry) in self.entries.iter().enumerate() {
+            let Some(conn) = entry.conn.as_ref() else {
+                continue;
+            };
+            let index = index as u32;
+            match conn.wait {
+                Wait::Yielded { .. }
+                    if !self.yielded.iter().any(|&(queued, _)| queued == index) =>
+                {
+                    self.yielded.push((index, entry.generation));
+                }
+                Wait::Park { .. } => parked.push(index),
+                _ => {}
+            }
+        }
+        let wake = &self.core.loops[self.index].wake;
+        if !parked.is_empty() {
+            wake.ready
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .extend(parked);
+        }
+        let _ = wake.eventfd.signal();
+    }
+
+    /// A panic inside the driver itself (every session hook, the gate and the event sink are contained
+    /// already) interrupted a connection's turn and left it in a state no event, timer or turn would leave:
+    /// it is closed abortively as `SessionPanicked`, its one close delivered as usual, so it is neither
+    /// stranded nor its caps, ticket and slot kept. A panic between turns blames no connection.
+    fn contain_panic(&mut self) {
+        let Some((index, generation)) = self.serving.take() else {
+            return;
+        };
+        let Some(entry) = self.entries.get(index as usize) else {
+            return;
+        };
+        let Some(conn) = entry
+            .conn
+            .as_ref()
+            .filter(|_| entry.generation == generation)
+        else {
+            return;
+        };
+        let id = conn.info.id;
+        let lingering = matches!(conn.wait, Wait::Linger { .. });
+        let closed = catch_unwind(AssertUnwindSafe(|| {
+            self.core.emit(Event::SessionPanicked { id });
+            if lingering {
+                self.finish_linger(index, true);
+            } else {
+                self.close(index, CloseReason::SessionPanicked);
+            }
+        }));
+        if closed.is_err() {
+            // The close itself panicked (the fault persists): give the slot and its socket up at least, so
+            // the peer sees a reset and the connection's caps come back.
+            let _ = catch_unwind(AssertUnwindSafe(|| self.abandon(index)));
+        }
+        self.serving = None;
+    }
+
+    /// Drops connection `index` with an RST and no further hooks: the last resort when closing it panicked.
+    fn abandon(&mut self, index: u32) {
+        let entry = &mut self.entries[index as usize];
+        let Some(conn) = entry.conn.take() else {
+            return;
+        };
+        if let Some(socket) = entry.owner.socket() {
+            let _ = socket::set_linger(socket, Linger::Abortive);
+        }
+        drop(entry.owner.release());
+        entry.timer_at = None;
+        entry.generation = entry.generation.wrapping_add(1);
+        entry.receiver.unbind();
+        entry.output.clear();
+        if entry.read.take().is_some() {
+            self.holding = self.holding.saturating_sub(1);
+        }
+        self.lingering.retain(|&lingering| lingering != index);
+        let shared = &self.core.loops[self.index];
+        shared.ids().remove(&conn.info.id.get());
+        shared.remove_load();
+        self.free.push(Reverse(index));
+        self.live -= 1;
+        // The reservation, the ticket and the session go with `conn`: the caps come back by their drop.
+        drop(conn);
+    }
+
     /// One `epoll_wait` and what it reported: readiness to the connections, a wake to the inbox, the
     /// completions and the lingers.
     fn wait_and_dispatch(&mut self, events: &mut Events, stopping: bool, inbox_closed: &mut bool) {
-        let mut timeout = if self.yielded.is_empty() {
-            self.next_timeout()
-        } else {
-            Some(Duration::ZERO)
-        };
+        let timeout = catch_unwind(AssertUnwindSafe(|| {
+            if self.yielded.is_empty() {
+                self.next_timeout()
+            } else {
+                Some(Duration::ZERO)
+            }
+        }));
+        // A clock that panics gets one tick's wait; the turn that reads it next is contained.
+        let mut timeout = timeout.unwrap_or(Some(self.core.limits.tick));
         if stopping {
             // Stopping: look again soon, so the forced close below happens even with nothing ready.
             timeout = Some(timeout.map_or(STOP_POLL, |timeout| timeout.min(STOP_POLL)));
@@ -596,17 +730,22 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 continue;
             }
             // Every hook is contained already; this keeps a bug in the driver itself from taking down
-            // the loop and every connection on it.
-            let _ = catch_unwind(AssertUnwindSafe(|| {
-                self.on_event(event.token, event.readiness)
+            // the loop and every connection on it, and closes the connection it was serving.
+            let (index, _) = split_token(event.token);
+            let turn = catch_unwind(AssertUnwindSafe(|| {
+                self.serve(index, |event_loop| {
+                    event_loop.on_event(event.token, event.readiness)
+                })
             }));
+            self.contain(turn);
         }
         if woken {
             // Loaded before the drain: whatever these signals queued is taken by `on_wake` below.
             let signals = eventfd.signals();
             let _ = eventfd.drain();
             self.wake_seen = signals;
-            let _ = catch_unwind(AssertUnwindSafe(|| self.on_wake(inbox_closed)));
+            let wake = catch_unwind(AssertUnwindSafe(|| self.on_wake(inbox_closed)));
+            self.contain(wake);
         } else if events.len() < EVENTS_PER_WAIT {
             // A batch that was not full reported everything ready, and the (level-triggered) eventfd was not:
             // the signals counted before the wait were drained and acted on already.
@@ -726,7 +865,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         }
         let mut ready = std::mem::take(&mut self.ready);
         for index in ready.drain(..) {
-            self.on_completion(index);
+            self.serve(index, |event_loop| event_loop.on_completion(index));
         }
         self.ready = ready;
         // A kill or a drain deadline cuts a lingering close short by clearing its word.
@@ -738,7 +877,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 entry.shared.linger.load(Ordering::Acquire) != conn.info.id.get()
             });
             if cut {
-                self.finish_linger(index, true);
+                self.serve(index, |event_loop| event_loop.finish_linger(index, true));
             } else {
                 position += 1;
             }
@@ -756,7 +895,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 continue;
             }
             if let Some(Wait::Yielded { step }) = entry.conn.as_ref().map(|conn| conn.wait) {
-                self.drive(index, step);
+                self.serve(index, |event_loop| event_loop.drive(index, step));
             }
         }
         // Keep the capacity; connections that yielded again during this pass are in `self.yielded`.
@@ -778,7 +917,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 .as_ref()
                 .is_some_and(|conn| matches!(conn.wait, Wait::Linger { end } if now >= end));
             if overdue {
-                self.finish_linger(index, false);
+                self.serve(index, |event_loop| event_loop.finish_linger(index, false));
             } else {
                 position += 1;
             }
@@ -792,26 +931,31 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 continue;
             };
             let id = conn.info.id.get();
+            let index = index as u32;
             if matches!(conn.wait, Wait::Linger { .. }) {
-                self.finish_linger(index as u32, true);
+                self.serve(index, |event_loop| event_loop.finish_linger(index, true));
                 continue;
             }
             entry
                 .shared
                 .slot
                 .kill(id, code, net_io_sys::kill::KillCondition::Always);
-            self.close(index as u32, reason_for_code(code));
+            self.serve(index, |event_loop| {
+                event_loop.close(index, reason_for_code(code))
+            });
         }
     }
 
     // ----- admission -----
 
+    /// Starts the queued connections in the order they came. Each is taken off `incoming` only as it starts,
+    /// so a panic while starting one leaves the rest queued for the next pass.
     fn admit_incoming(&mut self) {
-        let mut incoming = std::mem::take(&mut self.incoming);
-        for job in incoming.drain(..) {
+        self.incoming.reverse();
+        while let Some(job) = self.incoming.pop() {
             self.start(job);
+            self.serving = None;
         }
-        self.incoming = incoming;
     }
 
     fn new_entry(&mut self) -> io::Result<u32> {
@@ -908,6 +1052,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         let limits = &runtime.listeners[listener].limits;
         let entry = &mut self.entries[index as usize];
         entry.generation = entry.generation.wrapping_add(1);
+        self.serving = Some((index, entry.generation));
         entry.shared.lane.store(info.lane.0, Ordering::Release);
         entry.owner.occupy(info.id.get(), socket);
         entry.receiver.bind(info.id);
@@ -1146,7 +1291,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 continue;
             }
             entry.timer_at = None;
-            self.on_timer(index, now);
+            self.serve(index, |event_loop| event_loop.on_timer(index, now));
         }
     }
 

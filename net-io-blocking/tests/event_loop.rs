@@ -1393,3 +1393,90 @@ fn deadlines_fire_on_time_while_a_loop_reads_one_connection_alone() {
     );
     drop(server);
 }
+
+// ----- a panic inside the driver itself (not in a session hook) -----
+
+thread_local! {
+    /// Set on a loop thread by [`TrapSession`]: the next clock reading on that thread panics.
+    static CLOCK_TRAP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The system clock, except that a reading on a thread whose trap is set panics (once). The driver reads the
+/// clock itself, outside every session hook, so this puts a panic in the driver's own code.
+#[derive(Debug)]
+struct TrapClock;
+
+impl net_io_core::Clock for TrapClock {
+    fn now(&self) -> Instant {
+        if CLOCK_TRAP.with(|trap| trap.replace(false)) {
+            panic!("the trap clock was read: a fault inside the driver");
+        }
+        Instant::now()
+    }
+}
+
+/// Echoes, except that a line `trap` sets the clock trap of the loop thread before returning.
+struct TrapSession;
+
+impl Session for TrapSession {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        if input.bytes() == b"trap\n" {
+            CLOCK_TRAP.with(|trap| trap.set(true));
+        }
+        let taken = context.output().push_partial(input.bytes());
+        input.consume(taken);
+        Step::Write
+    }
+}
+
+#[test]
+fn a_panic_inside_the_driver_closes_the_connection_it_was_serving_and_the_loop_serves_on() {
+    let _turn = turn();
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 1 })
+        .clock(Arc::new(TrapClock))
+        .limits(Limits::new().idle_timeout(Duration::from_secs(60)))
+        .events(recorder.clone())
+        .sessions(|_: &ConnectionInfo| Some(TrapSession))
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let mut bystander = client(server.local_addr());
+    assert_eq!(round_trip(&mut bystander, b"hi\n"), b"hi\n");
+    let mut victim = client(server.local_addr());
+    assert_eq!(round_trip(&mut victim, b"hi\n"), b"hi\n");
+    victim.write_all(b"trap\n").expect("send trap");
+    let closes = recorder.wait_for_closes(1, SOON);
+    assert_eq!(
+        closes.len(),
+        1,
+        "the connection whose turn the driver panicked in should be closed, not stranded: {closes:?}"
+    );
+    assert_eq!(
+        closes[0].1,
+        CloseReason::SessionPanicked,
+        "a panic while serving a connection should close it as SessionPanicked"
+    );
+    victim
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .expect("set a read timeout");
+    let mut rest = Vec::new();
+    let ended = victim.read_to_end(&mut rest);
+    assert!(
+        ended.is_ok()
+            || ended
+                .as_ref()
+                .is_err_and(|error| error.kind() == std::io::ErrorKind::ConnectionReset),
+        "the client should see its connection end, not wait: {ended:?}"
+    );
+    // The loop and its other connection carry on, and new connections are served.
+    assert_eq!(round_trip(&mut bystander, b"still\n"), b"still\n");
+    let mut newcomer = client(server.local_addr());
+    assert_eq!(round_trip(&mut newcomer, b"new\n"), b"new\n");
+    drop((bystander, newcomer));
+    let closes = recorder.wait_for_closes(3, SOON);
+    assert_eq!(closes.len(), 3, "every connection closes once: {closes:?}");
+    drop(server);
+}
