@@ -682,6 +682,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             let _ = socket::set_linger(socket, Linger::Abortive);
         }
         drop(entry.owner.release());
+        entry.shared.linger.store(0, Ordering::Release);
         entry.timer_at = None;
         entry.generation = entry.generation.wrapping_add(1);
         entry.receiver.unbind();
@@ -2011,6 +2012,14 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         let Some(conn) = entry.conn.as_mut() else {
             return;
         };
+        let id = conn.info.id.get();
+        // A graceful close publishes its linger word before it takes the kill slot, so a killer that finds the
+        // slot closing always finds the word to cut. (Published after, as it was, a kill landing between the
+        // two found neither: it returned false and the linger ran its full course.)
+        let graceful = !reason.is_abortive();
+        if graceful {
+            entry.shared.linger.store(id, Ordering::Release);
+        }
         let code = entry.owner.begin_close(OWNER_CODE);
         let reason = if code == OWNER_CODE {
             reason
@@ -2039,11 +2048,8 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             }
         }
         if linger {
-            // From here until the linger ends a killer can cut it short (the loop's wake scans lingerers).
-            entry
-                .shared
-                .linger
-                .store(conn.info.id.get(), Ordering::Release);
+            // Until the linger ends a killer can cut it short (the loop's wake scans lingerers); one that cut
+            // it already is seen by `linger_read` below.
             // The linger runs on real time, like the threaded driver's, whatever clock the server reads;
             // the loop checks lingerers against real time on every turn as well.
             conn.wait = Wait::Linger {
@@ -2054,6 +2060,17 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             let at = deadline_after(self.core.now(), linger_timeout);
             self.schedule(index, at);
             return self.linger_read(index);
+        }
+        if graceful {
+            // No linger: take the word back. A killer that cut it meanwhile asked for an RST; a kill that won
+            // the slot first made the reason abortive, and the socket is set so already.
+            let cut = entry.shared.linger.swap(0, Ordering::AcqRel) != id;
+            if cut
+                && !reason.is_abortive()
+                && let Some(socket) = entry.owner.socket()
+            {
+                let _ = socket::set_linger(socket, Linger::Abortive);
+            }
         }
         self.finish(index);
     }

@@ -1480,3 +1480,87 @@ fn a_panic_inside_the_driver_closes_the_connection_it_was_serving_and_the_loop_s
     assert_eq!(closes.len(), 3, "every connection closes once: {closes:?}");
     drop(server);
 }
+
+// ----- a kill racing a graceful close -----
+
+#[test]
+fn a_kill_racing_a_graceful_close_is_never_lost() {
+    let _turn = turn();
+    const ATTEMPTS: u64 = 600;
+    let linger = Duration::from_secs(3);
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 1 })
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .read_buffer(16 * 1024)
+                .linger_timeout(linger),
+        )
+        .events(recorder.clone())
+        .sessions(|_: &ConnectionInfo| Some(CloseWhenFull))
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let handle = server.handle();
+    let (mut won, mut cut) = (0u64, 0u64);
+    for attempt in 0..ATTEMPTS {
+        let mut stream = client(server.local_addr());
+        assert!(
+            eventually(SOON, || recorder.admitted().len() as u64 == attempt + 1),
+            "attempt {attempt}: the connection was not admitted"
+        );
+        let id = *recorder.admitted().last().expect("an admitted id");
+        // A kill finds only a connection its loop holds (one still queued for the loop is not killable yet,
+        // as on worker threads).
+        assert!(
+            eventually(SOON, || handle.connections().contains(&id)),
+            "attempt {attempt}: the loop did not take the connection"
+        );
+        // More than the session reads: its graceful close finds input left and lingers on it. The kill
+        // lands anywhere from before the close was decided to well into the linger.
+        stream.write_all(&vec![b'x'; 16 * 1024 + 1000]).unwrap();
+        let delay = Duration::from_micros(attempt % 200);
+        let start = Instant::now();
+        while start.elapsed() < delay {
+            std::hint::spin_loop();
+        }
+        let killed_at = Instant::now();
+        let kill_won = handle.kill(id, 9);
+        assert!(
+            eventually(SOON, || recorder.closes().len() as u64 == attempt + 1),
+            "attempt {attempt}: the connection did not close"
+        );
+        let closed_after = killed_at.elapsed();
+        let (closed_id, reason) = *recorder.closes().last().expect("a close");
+        assert_eq!(
+            closed_id, id,
+            "attempt {attempt}: another connection closed"
+        );
+        if kill_won {
+            won += 1;
+            assert_eq!(
+                reason,
+                CloseReason::Killed(9),
+                "attempt {attempt}: a won kill"
+            );
+        } else {
+            cut += 1;
+            assert_eq!(
+                reason,
+                CloseReason::SessionClosed,
+                "attempt {attempt}: a kill that lost to the close keeps the close's reason"
+            );
+        }
+        // Lost would mean: the kill neither won nor cut the linger, which then ran its full course.
+        assert!(
+            closed_after < linger / 2,
+            "attempt {attempt} (kill {delay:?} after the write): the close came {closed_after:?} after a kill \
+             that returned {kill_won}: the kill was lost and the {linger:?} linger ran out"
+        );
+        drop(stream);
+    }
+    println!("{ATTEMPTS} kills racing a graceful close: {won} won, {cut} cut the close short");
+    drop(server);
+}
