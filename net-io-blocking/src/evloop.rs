@@ -56,6 +56,14 @@
 //! kills from any thread (the kill slot's `shutdown(SHUT_RD)` wakes the loop through epoll), drain, PROXY
 //! headers read without blocking under the handshake deadline, the gate asked before every write call,
 //! panics contained to their connection, and graceful closes whose linger runs inside the loop.
+//!
+//! Panics: every session hook, the gate and the event sink are contained where they are called. A panic in
+//! the driver's own code (or in an injected clock it reads) is caught around each connection's turn; the
+//! connection whose turn it interrupted is closed abortively as `SessionPanicked` (its state is unknown, and
+//! nothing would ever come back to it), and the turns, completions and queued connections that the
+//! interrupted pass had taken out of their lists are put back. A graceful close publishes its linger word
+//! before it takes the kill slot, so a kill that finds the close already decided always cuts the linger to
+//! an RST instead of being lost.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};

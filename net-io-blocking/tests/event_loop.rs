@@ -1564,3 +1564,85 @@ fn a_kill_racing_a_graceful_close_is_never_lost() {
     println!("{ATTEMPTS} kills racing a graceful close: {won} won, {cut} cut the close short");
     drop(server);
 }
+
+#[test]
+fn a_new_connection_prefers_a_loop_that_is_not_in_a_solo_read_among_loops_holding_as_many() {
+    let _turn = turn();
+    let recorder = Recorder::default();
+    let loops_seen: Arc<Mutex<HashMap<ConnectionId, u32>>> = Arc::default();
+    let seen = Arc::clone(&loops_seen);
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 2 })
+        .limits(Limits::new().idle_timeout(Duration::from_secs(60)))
+        .events(recorder.clone())
+        .sessions(move |info: &ConnectionInfo| {
+            let worker = info.worker.map_or(u32::MAX, |worker| worker.0);
+            seen.lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .insert(info.id, worker);
+            Some(ParkOrEcho {
+                completers: Arc::default(),
+            })
+        })
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start");
+    let loop_of = |id: ConnectionId| {
+        loops_seen
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(&id)
+            .copied()
+    };
+    // One connection per loop: the first keeps its loop in solo reads with a steady stream of round trips,
+    // the second goes quiet (its loop leaves solo reads after one slice).
+    let mut busy = client(server.local_addr());
+    assert_eq!(round_trip(&mut busy, b"hi\n"), b"hi\n");
+    let mut quiet = client(server.local_addr());
+    assert_eq!(round_trip(&mut quiet, b"hi\n"), b"hi\n");
+    let admitted = recorder.admitted();
+    let (busy_loop, quiet_loop) = (loop_of(admitted[0]), loop_of(admitted[1]));
+    assert_ne!(
+        busy_loop, quiet_loop,
+        "the second connection should go to the empty loop"
+    );
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop_client = Arc::clone(&stop);
+    let busy_client = std::thread::spawn(move || {
+        let mut reply = [0u8; 3];
+        while !stop_client.load(Ordering::Relaxed) {
+            if busy.write_all(b"go\n").is_err() || busy.read_exact(&mut reply).is_err() {
+                return false;
+            }
+        }
+        true
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let mut placed = Vec::new();
+    for attempt in 0..10 {
+        let mut newcomer = client(server.local_addr());
+        assert_eq!(round_trip(&mut newcomer, b"new\n"), b"new\n");
+        let id = *recorder.admitted().last().expect("an admitted id");
+        placed.push(loop_of(id));
+        drop(newcomer);
+        assert!(
+            eventually(SOON, || recorder.closes().len() == attempt + 1),
+            "attempt {attempt}: the newcomer should close"
+        );
+        // Its loop leaves solo reads again once it is quiet.
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stop.store(true, Ordering::Relaxed);
+    assert!(
+        busy_client.join().expect("the busy client panicked"),
+        "the busy connection should be served throughout"
+    );
+    assert!(
+        placed.iter().all(|&event_loop| event_loop == quiet_loop),
+        "newcomers went to loops {placed:?}; between two loops holding one connection each they should all go \
+         to loop {quiet_loop:?}, not to {busy_loop:?} whose solo reads would make them wait"
+    );
+    drop(quiet);
+    drop(server);
+}
