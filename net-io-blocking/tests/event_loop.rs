@@ -1136,15 +1136,23 @@ fn settle_into_the_solo_read() {
     std::thread::sleep(Duration::from_millis(50));
 }
 
-/// The loop thread `net-io-loop-0` of this process: its context switches and its CPU ticks so far.
+/// The newest loop thread `net-io-loop-0` of this process (the current test's server; tests take turns):
+/// its context switches and its CPU ticks so far.
 fn loop_thread_activity() -> (u64, u64) {
     let tasks = std::fs::read_dir("/proc/self/task").expect("list this process's threads");
-    for task in tasks.filter_map(Result::ok) {
-        let is_loop = std::fs::read_to_string(task.path().join("comm"))
-            .is_ok_and(|name| name.trim_end() == "net-io-loop-0");
-        if !is_loop {
-            continue;
-        }
+    let newest = tasks
+        .filter_map(Result::ok)
+        .filter(|task| {
+            std::fs::read_to_string(task.path().join("comm"))
+                .is_ok_and(|name| name.trim_end() == "net-io-loop-0")
+        })
+        .max_by_key(|task| {
+            task.file_name()
+                .to_str()
+                .and_then(|tid| tid.parse::<u64>().ok())
+                .unwrap_or(0)
+        });
+    if let Some(task) = newest {
         let status = std::fs::read_to_string(task.path().join("status")).expect("read its status");
         let switches: u64 = status
             .lines()
@@ -1216,8 +1224,10 @@ fn a_second_connection_reaches_a_loop_in_a_solo_read_within_one_slice() {
         assert_eq!(round_trip(&mut first, b"a\n"), b"a\n");
         assert_eq!(round_trip(&mut second, b"b\n"), b"b\n");
     }
+    // A solo read holding either would cost a slice per round trip (3 s for the 10); five slices is the
+    // margin for a loaded machine.
     assert!(
-        started.elapsed() < slice,
+        started.elapsed() < slice * 5,
         "two connections on one loop took {:?} for 10 round trips each: a solo read held one",
         started.elapsed()
     );
