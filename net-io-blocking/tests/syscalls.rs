@@ -133,8 +133,12 @@ mod counted {
         Solo,
     }
 
-    /// The `epoll_wait` calls a window of solo round trips may hold at its ends.
-    const SOLO_EDGE_WAITS: u64 = 4;
+    /// The `epoll_wait` calls a window of solo round trips may hold: a few at its ends (the wait the first
+    /// message ends, the stale edge the solo reads leave, the wait after the last slice), and on a loaded
+    /// machine a few more where the client was preempted for longer than a slice (4 ms or more here): each
+    /// such gap costs the timed-out `recv` and a wait or two. One per 20 round trips at most; a loop without
+    /// solo reads waits once per round trip.
+    const SOLO_WAITS_MAX: u64 = COUNTED_ROUND_TRIPS / 20;
 
     fn calls_per_round_trip(server: Server) {
         calls_per_round_trip_with(server, Waits::None);
@@ -182,16 +186,23 @@ mod counted {
             .filter(|(site, _)| !(waits != Waits::None && *site == "epoll_wait"))
             .collect();
         if waits == Waits::Solo {
+            let epoll_waits = calls_at("epoll_wait");
             assert!(
-                calls_at("epoll_wait") <= SOLO_EDGE_WAITS,
+                epoll_waits <= SOLO_WAITS_MAX,
                 "an event loop in solo reads must not wait in epoll_wait per round trip (at most \
-                 {SOLO_EDGE_WAITS} at the window's ends); {per_round_trip:.3} per round trip, by site: \
-                 {by_site:?}"
+                 {SOLO_WAITS_MAX} in {COUNTED_ROUND_TRIPS} round trips); {per_round_trip:.3} per round trip, \
+                 by site: {by_site:?}"
+            );
+            // Quiet, this reads 2.003 (recv 1001, send 1000, epoll_wait 2); each slice that ran out adds a
+            // recv beside its waits.
+            assert!(
+                calls_at("recv").abs_diff(COUNTED_ROUND_TRIPS) <= 1 + epoll_waits,
+                "a solo round trip must take one recv; by site: {by_site:?}"
             );
             assert!(
-                total <= 2 * COUNTED_ROUND_TRIPS + 1 + SOLO_EDGE_WAITS,
-                "a solo round trip must take two system calls (recv and send) beside the window's ends; \
-                 {per_round_trip:.3} per round trip, by site: {by_site:?}"
+                total <= 2 * COUNTED_ROUND_TRIPS + 1 + 2 * epoll_waits,
+                "a solo round trip must take two system calls (recv and send); {per_round_trip:.3} per round \
+                 trip, by site: {by_site:?}"
             );
         }
         // One wait per round trip at most; the window may end just after a wait began.
@@ -213,7 +224,7 @@ mod counted {
         // there, but a worker preempted for over 50 ms between send and recv (a loaded 2-core machine) leaves
         // one recv more or fewer in the window (seen unsettled: 1001); an extra call per round trip is 1000.
         assert!(
-            calls_at("recv").abs_diff(COUNTED_ROUND_TRIPS) <= 1,
+            waits == Waits::Solo || calls_at("recv").abs_diff(COUNTED_ROUND_TRIPS) <= 1,
             "a keep-alive echo round trip must take one recv; by site: {by_site:?}"
         );
         drop(stream);
