@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, RuntimeError, TaskHandle};
 
-use common::init;
+use common::{init, join};
 
 fn wait_for(condition: impl Fn() -> bool, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -33,11 +33,19 @@ fn nothing_runs_before_the_first_give_and_each_give_runs_once() {
     assert_eq!(runs.load(Ordering::SeqCst), 0, "nothing runs before a give");
     assert!(handle.is_pending(), "a waiting task reads Pending");
     handle.give(5).expect("give");
-    assert_eq!(handle.join(), Ok(10), "the give should run it with 5");
+    assert_eq!(
+        join(&handle, "the run after the first give"),
+        Ok(10),
+        "the give should run it with 5"
+    );
     handle.give(7).expect("give");
     wait_for(|| runs.load(Ordering::SeqCst) == 2, "the second run");
     wait_for(|| handle.is_waiting(), "the task to wait again");
-    assert_eq!(handle.join(), Ok(14), "the second give runs it again");
+    assert_eq!(
+        join(&handle, "the run after the second give"),
+        Ok(14),
+        "the second give runs it again"
+    );
 }
 
 #[test]
@@ -67,7 +75,11 @@ fn a_give_during_a_run_leaves_one_more_run_with_the_newest_value() {
         2,
         "two gives mid-run owe exactly one run"
     );
-    assert_eq!(handle.join(), Ok(3), "the owed run uses the newest value");
+    assert_eq!(
+        join(&handle, "the owed run"),
+        Ok(3),
+        "the owed run uses the newest value"
+    );
 }
 
 #[test]
@@ -93,13 +105,16 @@ fn a_counted_waiting_task_settles_after_that_many_gives() {
         .spawn();
     handle.give(1).expect("give");
     wait_for(|| handle.is_waiting() || handle.is_finished(), "first run");
-    wait_for(|| handle.join() == Ok(1), "first output");
+    wait_for(
+        || join(&handle, "the first counted run") == Ok(1),
+        "first output",
+    );
     handle.give(2).expect("give");
     wait_for(
         || handle.is_finished(),
         "the task to finish after two gives",
     );
-    assert_eq!(handle.join(), Ok(2));
+    assert_eq!(join(&handle, "the second counted run"), Ok(2));
     assert_eq!(
         handle.give(3),
         Err(RuntimeError::Finished),
@@ -119,7 +134,7 @@ fn receive_gathers_tuples_vecs_and_nested_sets() {
     .receive((first.clone(), (second, third)))
     .spawn();
     assert_eq!(
-        gathered.join(),
+        join(&gathered, "the task gathering a nested tuple"),
         Ok(String::from("1-two-3")),
         "a nested tuple gathers in shape"
     );
@@ -133,7 +148,7 @@ fn receive_gathers_tuples_vecs_and_nested_sets() {
     .receive(many)
     .spawn();
     assert_eq!(
-        sum.join(),
+        join(&sum, "the task gathering 1,000 outputs"),
         Ok(499_500),
         "a Vec of 1,000 gathers every output"
     );
@@ -141,12 +156,20 @@ fn receive_gathers_tuples_vecs_and_nested_sets() {
     let array = Runtime::task(Compute::compute(|values: Vec<u32>| values.len()))
         .receive([first.clone(), first])
         .spawn();
-    assert_eq!(array.join(), Ok(2), "arrays gather too");
+    assert_eq!(
+        join(&array, "the task gathering an array"),
+        Ok(2),
+        "arrays gather too"
+    );
 
     let empty = Runtime::task(Compute::compute(|()| 9u8))
         .receive(())
         .spawn();
-    assert_eq!(empty.join(), Ok(9), "an empty set runs once");
+    assert_eq!(
+        join(&empty, "the task gathering an empty set"),
+        Ok(9),
+        "an empty set runs once"
+    );
 }
 
 #[test]
@@ -160,7 +183,7 @@ fn a_failing_source_writes_the_receiver_off() {
         .receive(failing)
         .spawn();
     assert_eq!(
-        receiver.join(),
+        join(&receiver, "the receiver of a failing source"),
         Err(RuntimeError::TaskFailed),
         "the receiver is written off"
     );
@@ -191,9 +214,17 @@ fn give_to_fans_out_to_every_target() {
         .give_to(&doubled)
         .give_to(&tripled)
         .spawn();
-    assert_eq!(source.join(), Ok(7));
-    assert_eq!(doubled.join(), Ok(14), "the first target gets the output");
-    assert_eq!(tripled.join(), Ok(21), "the second target gets it too");
+    assert_eq!(join(&source, "the source giving to two targets"), Ok(7));
+    assert_eq!(
+        join(&doubled, "the first give_to target"),
+        Ok(14),
+        "the first target gets the output"
+    );
+    assert_eq!(
+        join(&tripled, "the second give_to target"),
+        Ok(21),
+        "the second target gets it too"
+    );
 }
 
 #[test]

@@ -1,8 +1,12 @@
 //! Manager faults past the restart limit: the supervisor gives up and every dependent task settles.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, RuntimeError, Sleep, faults};
+
+use common::join;
 
 #[test]
 fn past_the_restart_limit_everything_that_depends_on_the_manager_settles() {
@@ -32,7 +36,10 @@ fn past_the_restart_limit_everything_that_depends_on_the_manager_settles() {
     }
     assert!(repeat.is_finished(), "a gapped repeat is written off");
     assert_eq!(
-        Runtime::task(Compute::compute(|()| 2)).spawn().join(),
+        join(
+            &Runtime::task(Compute::compute(|()| 2)).spawn(),
+            "a compute without a manager"
+        ),
         Ok(2),
         "computes still run without a manager"
     );
@@ -44,7 +51,10 @@ fn past_the_restart_limit_everything_that_depends_on_the_manager_settles() {
     Runtime::init().expect("init works again after a give-up");
     assert!(Runtime::healthy());
     assert_eq!(
-        Runtime::task(Compute::compute(|()| 3)).spawn().join(),
+        join(
+            &Runtime::task(Compute::compute(|()| 3)).spawn(),
+            "a compute after init again"
+        ),
         Ok(3)
     );
 }

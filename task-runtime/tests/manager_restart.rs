@@ -1,10 +1,14 @@
 //! Manager faults: the supervisor restarts the manager and timers and parked tasks survive.
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, Sleep, faults};
+
+use common::join;
 
 #[test]
 fn the_manager_recovers_from_three_faults_and_keeps_timers() {
@@ -53,15 +57,14 @@ fn the_manager_recovers_from_three_faults_and_keeps_timers() {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
-    let slept = parked
-        .join()
+    let slept = join(&parked, "a 400 ms sleep parked across restarts")
         .expect("a sleep parked across restarts still ends");
     assert!(
         slept >= Duration::from_millis(400),
         "and not early: {slept:?}"
     );
     assert_eq!(
-        timed.join(),
+        join(&timed, "a 30 s sleep with a 300 ms timeout"),
         Err(task_runtime::RuntimeError::TimedOut),
         "a timeout survives manager restarts"
     );

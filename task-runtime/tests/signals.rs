@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use task_runtime::{Runtime, RuntimeError, Signal};
 
-use common::becomes_running;
+use common::{becomes_running, join};
 
 #[test]
 fn a_signal_wakes_its_waiter_and_bad_signals_are_refused() {
@@ -39,7 +39,10 @@ fn a_signal_wakes_its_waiter_and_bad_signals_are_refused() {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert_eq!(
-        Runtime::task(Signal::wait(libc::SIGKILL)).spawn().join(),
+        join(
+            &Runtime::task(Signal::wait(libc::SIGKILL)).spawn(),
+            "a wait on SIGKILL"
+        ),
         Err(RuntimeError::BadSignal),
         "SIGKILL cannot be watched"
     );

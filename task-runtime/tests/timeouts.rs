@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, RuntimeError, Sleep, TaskState};
 
-use common::init;
+use common::{init, join};
 
 #[test]
 fn a_slow_compute_and_a_long_sleep_time_out() {
@@ -19,7 +19,7 @@ fn a_slow_compute_and_a_long_sleep_time_out() {
     .spawn();
     let started = Instant::now();
     assert_eq!(
-        slow.join(),
+        join(&slow, "a 3 s compute with a 50 ms timeout"),
         Err(RuntimeError::TimedOut),
         "the compute should time out"
     );
@@ -67,7 +67,7 @@ fn the_limit_is_per_run_and_an_overrun_ends_a_repeat() {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert_eq!(
-        handle.join(),
+        join(&handle, "a repeat whose fourth run overruns"),
         Err(RuntimeError::TimedOut),
         "three 20 ms runs fit a 100 ms limit each; the fourth overruns and ends the repeat"
     );
@@ -83,7 +83,7 @@ fn the_start_delay_is_not_counted() {
         .after(Duration::from_millis(1500))
         .spawn();
     assert_eq!(
-        handle.join(),
+        join(&handle, "a compute delayed 1.5 s with a 500 ms limit"),
         Ok(5),
         "a 1.5 s delay does not count against a 500 ms limit"
     );
@@ -105,7 +105,7 @@ fn a_waiting_task_is_limited_only_while_running() {
         std::thread::sleep(Duration::from_millis(2));
     }
     assert_eq!(
-        handle.join(),
+        join(&handle, "a waiting task given 4 after 1.5 s"),
         Ok(4),
         "waiting 1.5 s for a give is not a timeout"
     );
