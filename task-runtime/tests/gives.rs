@@ -4,19 +4,14 @@ mod common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use task_runtime::{Compute, Runtime, RuntimeError, TaskHandle};
 
-use common::{init, join};
+use common::{init, join, wait_until};
 
-fn wait_for(condition: impl Fn() -> bool, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
+/// Generous bound for a give's run to start or end, even on a loaded machine.
+const RUN_LIMIT: Duration = Duration::from_secs(10);
 
 #[test]
 fn nothing_runs_before_the_first_give_and_each_give_runs_once() {
@@ -39,8 +34,12 @@ fn nothing_runs_before_the_first_give_and_each_give_runs_once() {
         "the give should run it with 5"
     );
     handle.give(7).expect("give");
-    wait_for(|| runs.load(Ordering::SeqCst) == 2, "the second run");
-    wait_for(|| handle.is_waiting(), "the task to wait again");
+    wait_until(RUN_LIMIT, "the second give should run the task", || {
+        runs.load(Ordering::SeqCst) == 2
+    });
+    wait_until(RUN_LIMIT, "the task should wait again", || {
+        handle.is_waiting()
+    });
     assert_eq!(
         join(&handle, "the run after the second give"),
         Ok(14),
@@ -61,14 +60,15 @@ fn a_give_during_a_run_leaves_one_more_run_with_the_newest_value() {
     .wait_for::<u32>()
     .spawn();
     handle.give(1).expect("give");
-    wait_for(
-        || runs.load(Ordering::SeqCst) == 1,
-        "the first run to start",
-    );
+    wait_until(RUN_LIMIT, "the first run should start", || {
+        runs.load(Ordering::SeqCst) == 1
+    });
     handle.give(2).expect("give");
     handle.give(3).expect("give");
-    wait_for(|| runs.load(Ordering::SeqCst) == 2, "the owed run");
-    wait_for(|| handle.is_waiting(), "the task to go idle");
+    wait_until(RUN_LIMIT, "the owed run should come", || {
+        runs.load(Ordering::SeqCst) == 2
+    });
+    wait_until(RUN_LIMIT, "the task should go idle", || handle.is_waiting());
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(
         runs.load(Ordering::SeqCst),
@@ -104,16 +104,16 @@ fn a_counted_waiting_task_settles_after_that_many_gives() {
         .count(2)
         .spawn();
     handle.give(1).expect("give");
-    wait_for(|| handle.is_waiting() || handle.is_finished(), "first run");
-    wait_for(
-        || join(&handle, "the first counted run") == Ok(1),
-        "first output",
-    );
+    wait_until(RUN_LIMIT, "the first run should end", || {
+        handle.is_waiting() || handle.is_finished()
+    });
+    wait_until(RUN_LIMIT, "the first output should be 1", || {
+        join(&handle, "the first counted run") == Ok(1)
+    });
     handle.give(2).expect("give");
-    wait_for(
-        || handle.is_finished(),
-        "the task to finish after two gives",
-    );
+    wait_until(RUN_LIMIT, "the task should finish after two gives", || {
+        handle.is_finished()
+    });
     assert_eq!(join(&handle, "the second counted run"), Ok(2));
     assert_eq!(
         handle.give(3),

@@ -313,7 +313,6 @@ fn runtime_block_runs_on_the_calling_thread() {
         Runtime::block(Sleep::sleep(Duration::from_millis(5)))
     })
     .expect("sleep");
-
     assert!(
         slept >= Duration::from_millis(5),
         "a blocked sleep should not end early"

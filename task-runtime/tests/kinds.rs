@@ -8,7 +8,7 @@ use task_runtime::{
     Change, Channel, Exit, File, FileOutput, Process, Runtime, RuntimeError, TaskState,
 };
 
-use common::{becomes_running, init, join, take};
+use common::{becomes_running, init, join, take, wait_until};
 
 fn scratch(name: &str) -> std::path::PathBuf {
     let directory = std::env::temp_dir().join(format!("kinds-{}-{name}", std::process::id()));
@@ -172,22 +172,19 @@ fn a_repeated_watch_loses_no_change_between_runs() {
         .spawn();
     std::thread::sleep(Duration::from_millis(50));
     std::fs::write(&path, b"bb").expect("write");
+    // One 10 s budget for both runs.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while watch.try_join().is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "the first change should end the first run"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until(
+        deadline.saturating_duration_since(Instant::now()),
+        "the first change should end the first run",
+        || watch.try_join().is_ok(),
+    );
     std::fs::write(&path, b"ccc").expect("write");
-    while !watch.is_finished() {
-        assert!(
-            Instant::now() < deadline,
-            "the change made between runs should end the second run"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until(
+        deadline.saturating_duration_since(Instant::now()),
+        "the change made between runs should end the second run",
+        || watch.is_finished(),
+    );
     assert_eq!(
         join(&watch, "the repeated watch's last run"),
         Ok(Change::Written)

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, RuntimeError, Sleep};
 
-use common::{join, wait, within};
+use common::{join, wait, wait_until, within};
 
 // One test function: the runtime is process-wide and these steps must run in order.
 #[test]
@@ -64,14 +64,11 @@ fn the_runtime_lifecycle_behaves_over_two_cycles() {
             .count(3)
             .after(Duration::from_millis(5))
             .spawn();
-        let started = Instant::now();
-        while !counted.is_finished() {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "cycle {cycle}: the repeat should finish"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_until(
+            Duration::from_secs(10),
+            &format!("cycle {cycle}: the repeat should finish"),
+            || counted.is_finished(),
+        );
         assert_eq!(
             join(&counted, "a delayed, counted repeat"),
             Ok(1),
@@ -122,7 +119,6 @@ fn the_runtime_lifecycle_behaves_over_two_cycles() {
             Runtime::block(Sleep::sleep(Duration::from_millis(2)))
         })
         .expect("sleep");
-
         assert!(
             slept >= Duration::from_millis(2),
             "a blocked sleep works after shutdown"

@@ -60,7 +60,6 @@ fn a_parent_sees_its_child_panic_and_a_flood_of_panics_leaves_the_rest_correct()
         .collect();
     for (index, handle) in handles.into_iter().enumerate() {
         let result = join(&handle, "a task of the panic flood");
-
         if index % 2 == 0 {
             assert_eq!(result, Err(RuntimeError::TaskFailed), "even tasks panic");
         } else {

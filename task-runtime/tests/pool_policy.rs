@@ -63,7 +63,6 @@ fn the_pool_grows_for_stuck_workers_and_shrinks_back_when_idle() {
     for handle in blocking {
         join(&handle, "a blocking compute of 1 s").expect("blocking");
     }
-
     let took = started.elapsed();
     assert!(
         during.sleep_threads >= 4,

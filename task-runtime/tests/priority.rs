@@ -31,7 +31,6 @@ fn a_priority_255_task_overtakes_a_deep_queue() {
     for handle in queued {
         join(&handle, "a queued 50 µs compute").expect("queued work should finish");
     }
-
     let batch = batch_started.elapsed();
     assert!(
         waited * 4 < batch,

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, RuntimeError, Sleep, TaskState};
 
-use common::{finishes_within, init, join, wait};
+use common::{finishes_within, init, join, wait, wait_until};
 
 /// Generous bound for one of these short repeats to end, even on a loaded machine.
 const FINISH_LIMIT: Duration = Duration::from_secs(20);
@@ -90,7 +90,6 @@ fn a_repeat_with_a_gap_holds_no_thread_between_runs() {
 fn count_and_deadline_end_at_whichever_comes_first() {
     init();
     let (runs, body) = counter();
-    let started = Instant::now();
     // A 1 s window of 20 ms gaps: at most 51 runs fit, and even on a loaded 2-core machine (where one
     // wake-up can be 150 ms late, so a 300 ms window once saw only two runs) it repeats more than once.
     let handle = Runtime::task(Compute::compute(body))
@@ -99,13 +98,11 @@ fn count_and_deadline_end_at_whichever_comes_first() {
         .count(1000)
         .for_duration(Duration::from_secs(1))
         .spawn();
-    while !handle.is_finished() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the deadline should end it"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until(
+        Duration::from_secs(10),
+        "the deadline should end the repeat",
+        || handle.is_finished(),
+    );
     let count = runs.load(Ordering::SeqCst);
     assert!(
         (2..=51).contains(&count),
@@ -269,13 +266,9 @@ fn at_rate_overlaps_its_runs() {
         .at_rate(Duration::from_millis(50))
         .count(5)
         .spawn();
-    while !handle.is_finished() {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "the series should end"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until(Duration::from_secs(20), "the series should end", || {
+        handle.is_finished()
+    });
     let total = started.elapsed();
     assert!(
         total < Duration::from_secs(3),

@@ -30,14 +30,11 @@ fn two_hundred_thousand_spawn_join_cycles_do_not_grow_memory() {
         "200k cycles grew RSS by {growth} bytes (limit 2 MiB)"
     );
     // The executor drops its claim just after publishing, so allow it a moment.
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while Runtime::pool().live > 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "every slot comes back once handles drop"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    common::wait_until(
+        Duration::from_secs(5),
+        "every slot should come back once handles drop",
+        || Runtime::pool().live == 0,
+    );
     table_slots_are_reused_across_waves();
 }
 

@@ -155,7 +155,6 @@ fn a_refused_connect_reads_an_address_error_and_a_cancelled_receive_frees_its_sl
         join(&receive, "the cancelled receive"),
         Err(RuntimeError::Cancelled)
     );
-
     drop(receive);
     // With the task and every handle gone the socket closes: the peer reads end of stream.
     peer.set_read_timeout(Some(Duration::from_secs(5)))

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, RuntimeError, Sleep, TaskState};
 
-use common::{init, join};
+use common::{init, join, wait_until};
 
 #[test]
 fn a_slow_compute_and_a_long_sleep_time_out() {
@@ -61,11 +61,9 @@ fn the_limit_is_per_run_and_an_overrun_ends_a_repeat() {
     .count(10)
     .timeout(Duration::from_millis(100))
     .spawn();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !handle.is_finished() {
-        assert!(Instant::now() < deadline, "the repeat should end");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until(Duration::from_secs(10), "the repeat should end", || {
+        handle.is_finished()
+    });
     assert_eq!(
         join(&handle, "a repeat whose fourth run overruns"),
         Err(RuntimeError::TimedOut),
@@ -99,11 +97,9 @@ fn a_waiting_task_is_limited_only_while_running() {
     // Waits three times the limit; the limit itself is generous for an instant compute under load.
     std::thread::sleep(Duration::from_millis(1500));
     handle.give(4).expect("give");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while handle.try_join().is_err() {
-        assert!(Instant::now() < deadline, "the give should run");
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_until(Duration::from_secs(5), "the give should run", || {
+        handle.try_join().is_ok()
+    });
     assert_eq!(
         join(&handle, "a waiting task given 4 after 1.5 s"),
         Ok(4),

@@ -30,6 +30,15 @@ pub fn becomes_running<T: Send + 'static, G>(handle: &TaskHandle<T, G>) -> bool 
     })
 }
 
+/// Checks `condition` every 2 ms until it holds, failing the test with `expectation` (a sentence
+/// saying what should happen) if it still does not after `limit`.
+#[track_caller]
+pub fn wait_until(limit: Duration, expectation: &str, condition: impl Fn() -> bool) {
+    if !holds_within(limit, Duration::from_millis(2), condition) {
+        panic!("{expectation}, but after {limit:?} it still had not");
+    }
+}
+
 /// Waits up to `limit` for `handle` to end for good (for a repeat: its last run is over); false if it
 /// has not, so a test fails with its own message instead of hanging.
 pub fn finishes_within<T: Send + 'static, G>(handle: &TaskHandle<T, G>, limit: Duration) -> bool {
