@@ -65,6 +65,16 @@ fn wait_for_pool(settled: impl Fn(&PoolStatus) -> bool) -> PoolStatus {
     }
 }
 
+/// Makes one worker die and waits until the pool has counted that death.
+fn kill_one_worker() {
+    faults::kill_workers(1);
+    let pool = wait_for_pool(|pool| pool.deaths >= 1);
+    assert_eq!(
+        pool.deaths, 1,
+        "the injected death should be counted: {pool}"
+    );
+}
+
 /// Spawns `count` computes and checks each returns its own value.
 fn tasks_still_run(count: u32) {
     let handles: Vec<_> = (0..count)
@@ -98,12 +108,7 @@ fn a_refused_worker_replacement_leaves_no_dead_worker_in_the_pool() {
     start_small_runtime();
     // One worker dies; the pool's first try to replace it is refused, a later tick's try succeeds.
     faults::refuse_thread_starts(1);
-    faults::kill_workers(1);
-    let pool = wait_for_pool(|pool| pool.deaths >= 1);
-    assert_eq!(
-        pool.deaths, 1,
-        "the injected death should be counted: {pool}"
-    );
+    kill_one_worker();
     tasks_still_run(200);
     let pool = wait_for_pool(|pool| {
         pool.worker_count == pool.floor && threads_named("task-worker") == pool.floor
@@ -162,12 +167,7 @@ fn starts_refused_for_a_while_are_retried_with_backoff_and_the_pool_recovers() {
     start_small_runtime();
     // Every start is refused until the test says otherwise (or fails); one of the two workers dies.
     let refusing = RefusingStarts::begin();
-    faults::kill_workers(1);
-    let pool = wait_for_pool(|pool| pool.deaths >= 1);
-    assert_eq!(
-        pool.deaths, 1,
-        "the injected death should be counted: {pool}"
-    );
+    kill_one_worker();
     let window_started = Instant::now();
     let attempts_before = faults::thread_start_attempts();
     // The one worker left runs everything while the replacement is refused.
