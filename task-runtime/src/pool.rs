@@ -1,5 +1,5 @@
 //! The thread pool: the priority injector, per-worker queues, workers, blocking threads, parking, growth,
-//! reaping, helping waits and recovery from a dying thread.
+//! reaping, helping waits, recovery from a dying thread and backoff after a refused thread start.
 //!
 //! ```text
 //!   spawn (outside) ──> injector [band 3][band 2][band 1][band 0] ──┐
