@@ -80,7 +80,7 @@ fn the_runtime_lifecycle_behaves_over_two_cycles() {
             wait(handle, "one of the first 100 sleeps");
         }
         let shutdown_started = Instant::now();
-        Runtime::shutdown();
+        within(&format!("the shutdown of cycle {cycle}"), Runtime::shutdown);
         assert!(
             shutdown_started.elapsed() < Duration::from_secs(30),
             "shutdown should finish promptly"
@@ -100,7 +100,7 @@ fn the_runtime_lifecycle_behaves_over_two_cycles() {
             "queued work drains: only {finished} of 2000 finished"
         );
 
-        Runtime::shutdown();
+        within("a second shutdown", Runtime::shutdown);
         assert!(!Runtime::initialised(), "shutdown is idempotent");
         let late = Runtime::task(Compute::compute(|()| 1)).spawn();
         assert_eq!(

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use task_runtime::{Compute, Runtime, RuntimeError, Sleep, faults};
 
-use common::{join, wait_until};
+use common::{join, wait_until, within};
 
 #[test]
 fn past_the_restart_limit_everything_that_depends_on_the_manager_settles() {
@@ -47,7 +47,7 @@ fn past_the_restart_limit_everything_that_depends_on_the_manager_settles() {
         !Runtime::healthy(),
         "without a manager the runtime is not healthy"
     );
-    Runtime::shutdown();
+    within("the shutdown after a give-up", Runtime::shutdown);
     Runtime::init().expect("init works again after a give-up");
     assert!(Runtime::healthy());
     assert_eq!(

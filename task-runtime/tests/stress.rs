@@ -116,7 +116,7 @@ fn mixed_work_survives_worker_deaths_and_manager_faults() {
         Runtime::healthy(),
         "the runtime should be healthy after the storm: {pool}"
     );
-    Runtime::shutdown();
+    common::within("the shutdown after the storm", Runtime::shutdown);
     assert_eq!(
         common::join(
             &Runtime::task(Compute::compute(|()| 1)).spawn(),

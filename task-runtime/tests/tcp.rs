@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use task_runtime::{Runtime, RuntimeError, Tcp, TcpConnection};
 
-use common::{becomes_running, init, join, take};
+use common::{JOIN_PATIENCE, becomes_running, init, join, take};
 
 #[test]
 fn an_echo_round_trip_works_through_parked_tasks() {
@@ -117,7 +117,10 @@ fn a_reader_and_a_writer_park_on_one_socket() {
     );
     assert!(writer.is_running(), "the writer stays parked");
     let mut drained = vec![0u8; big.len()];
-    peer.read_exact(&mut drained).expect("peer read");
+    // A writer that never sends fails the read at the deadline instead of hanging the test.
+    peer.set_read_timeout(Some(JOIN_PATIENCE)).expect("timeout");
+    peer.read_exact(&mut drained)
+        .expect("the peer should read all 8 MiB the parked writer sends");
     assert_eq!(
         take(writer, "the parked writer of 8 MiB"),
         Ok(big.len()),
