@@ -33,6 +33,7 @@ fn clones_read_the_same_value_across_threads() {
     let readers: Vec<_> = (0..4)
         .map(|_| {
             let clone = handle.clone();
+            // deadline: join_thread below bounds each reader.
             std::thread::spawn(move || clone.join())
         })
         .collect();

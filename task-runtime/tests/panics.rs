@@ -38,7 +38,7 @@ fn a_parent_sees_its_child_panic_and_a_flood_of_panics_leaves_the_rest_correct()
     std::panic::set_hook(Box::new(|_| {}));
     let parent = Runtime::task(Compute::compute(|()| {
         let child = Runtime::task(Compute::compute(|()| -> u8 { panic!("child fails") })).spawn();
-        // A join on a worker is what this checks; the test's own join of the parent bounds it.
+        // deadline: the test's own join of the parent bounds this join on a worker (what it checks).
         child.join()
     }))
     .spawn();

@@ -17,6 +17,7 @@ fn fibonacci(n: u64) -> u64 {
     }
     let left = Runtime::task(Compute::compute(move |()| fibonacci(n - 1))).spawn();
     let right = fibonacci(n - 2);
+    // deadline: the test thread's timed join of the whole computation.
     left.join().unwrap_or(0) + right
 }
 
@@ -24,10 +25,9 @@ fn chain(depth: u32) -> u32 {
     if depth == 0 {
         return 0;
     }
-    Runtime::task(Compute::compute(move |()| chain(depth - 1) + 1))
-        .spawn()
-        .join()
-        .unwrap_or(u32::MAX)
+    let link = Runtime::task(Compute::compute(move |()| chain(depth - 1) + 1)).spawn();
+    // deadline: the test thread's timed join of the whole chain.
+    link.join().unwrap_or(u32::MAX)
 }
 
 #[test]
