@@ -101,6 +101,7 @@ mod builder;
 mod caps;
 mod clock;
 mod connection;
+mod coroutines;
 mod evloop;
 mod handover;
 mod handshake;
@@ -117,6 +118,7 @@ pub use builder::{
     LISTENERS_MAX, ListenerSpec, NoGate, NoWorkload, ServerBuilder, Sessions,
 };
 pub use connection::{TcpConnection, connect};
+pub use coroutines::HandlerDriver;
 pub use evloop::SessionDriver;
 pub use server::{DrainReport, KillHandle, Server, ServerHandle};
 
