@@ -221,6 +221,54 @@ fn a_panicking_handler_closes_only_its_connection() {
     );
 }
 
+/// Writes a farewell when dropped, reporting what the write returned.
+struct Farewell<'c, 'a> {
+    connection: &'c mut TcpConnection<'a>,
+    outcome: Arc<Mutex<Option<String>>>,
+}
+
+impl Drop for Farewell<'_, '_> {
+    fn drop(&mut self) {
+        let written = self.connection.write_all(b"bye");
+        *self.outcome.lock().unwrap() = Some(format!("{written:?}"));
+    }
+}
+
+#[test]
+fn a_destructor_that_writes_while_a_handler_unwinds_gets_an_error_instead_of_suspending() {
+    let _turn = shared_turn();
+    let recorder = Recorder::default();
+    let seen: Arc<Mutex<Option<String>>> = Arc::default();
+    let outcome = Arc::clone(&seen);
+    let server = server(
+        Limits::new(),
+        &recorder,
+        move |connection: &mut TcpConnection<'_>| {
+            let farewell = Farewell {
+                connection,
+                outcome: Arc::clone(&outcome),
+            };
+            let mut buffer = [0_u8; 8];
+            let _ = farewell.connection.read(&mut buffer)?;
+            panic!("the handler fails after its first read");
+        },
+    );
+    let mut stream = client(server.local_addr());
+    stream.write_all(b"go").unwrap();
+    assert_eq!(recorder.single_close(SOON), CloseReason::SessionPanicked);
+    assert_eq!(
+        seen.lock().unwrap().as_deref(),
+        Some("Err(Closed(SessionError))"),
+        "a write from a destructor during the unwind should fail at once, not suspend the unwinding handler"
+    );
+    let mut received = Vec::new();
+    let _ = stream.read_to_end(&mut received);
+    assert!(
+        received.is_empty(),
+        "the farewell written during the unwind reached the client: {received:?}"
+    );
+}
+
 #[test]
 fn a_kill_while_the_handler_waits_in_read_closes_once_with_killed_and_runs_its_destructors() {
     let _turn = shared_turn();
