@@ -1,6 +1,7 @@
 //! Blocking handlers on coroutines over the event loops (`HandlerDriver::Coroutines`): what that driver adds
 //! to the handler suites (which `coroutine_suites.rs` runs on it): no thread per connection, suspended
-//! handlers that are killed, drained, timed out or panic, and replies larger than the output budget.
+//! handlers that are killed, drained, timed out or panic, replies larger than the output budget, and a stack
+//! overflow that ends the process at the guard page (in a child process).
 //!
 //! The thread count is process-wide, so the test that counts threads runs alone (the others share a read
 //! lock of `TURN`, it takes the write lock).
@@ -556,5 +557,62 @@ fn a_handler_writing_a_large_reply_to_a_slow_reader_is_closed_for_the_slow_reade
             direction: Direction::Out
         },
         "a reader below the minimum rate should be closed as a slow peer"
+    );
+}
+
+/// Set in the child process of the stack-overflow test.
+const OVERFLOW_CHILD: &str = "NET_IO_TEST_COROUTINE_OVERFLOW_CHILD";
+
+/// Recurses `depth` times with a kilobyte on each frame.
+fn deep(depth: usize) -> u64 {
+    let frame = std::hint::black_box([depth as u8; 1024]);
+    if depth == 0 {
+        return u64::from(frame[0]);
+    }
+    deep(depth - 1) + u64::from(std::hint::black_box(frame)[1])
+}
+
+#[test]
+fn a_handler_that_overflows_its_coroutine_stack_kills_the_process_at_the_guard_page() {
+    use std::os::unix::process::ExitStatusExt;
+    if std::env::var_os(OVERFLOW_CHILD).is_some() {
+        // The child: a handler that needs about 10 MB of stack on a 64 KiB coroutine stack.
+        let server = ServerBuilder::new()
+            .listen("127.0.0.1:0")
+            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+            .handler_stack_size(64 * 1024)
+            .handler(|connection: &mut TcpConnection<'_>| {
+                let mut byte = [0_u8; 1];
+                connection.read(&mut byte)?;
+                let sum = deep(10_000);
+                connection.write_all(&sum.to_le_bytes())
+            })
+            .allow_all()
+            .build()
+            .expect("the child's server did not start");
+        let mut stream = client(server.local_addr());
+        stream.write_all(b"x").unwrap();
+        let mut reply = [0_u8; 8];
+        let _ = stream.read_exact(&mut reply);
+        std::thread::sleep(SOON);
+        // Still alive: the parent sees a normal exit and fails.
+        return;
+    }
+    let _turn = shared_turn();
+    let output =
+        std::process::Command::new(std::env::current_exe().expect("no path to this test binary"))
+            .args([
+                "a_handler_that_overflows_its_coroutine_stack_kills_the_process_at_the_guard_page",
+                "--exact",
+                "--test-threads=1",
+            ])
+            .env(OVERFLOW_CHILD, "1")
+            .output()
+            .expect("could not run the child");
+    assert_eq!(
+        output.status.signal(),
+        Some(libc::SIGSEGV),
+        "a coroutine stack overflow should end the process with SIGSEGV at the guard page, got {:?}",
+        output.status
     );
 }
