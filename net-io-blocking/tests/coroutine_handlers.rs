@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 
 use common::{Recorder, SOON, client, round_trip};
 use net_io_blocking::{
-    CloseReason, Direction, HandlerDriver, KillHandle, Limits, ListenerSpec, MinRateRule, NetError,
-    Server, ServerBuilder, TcpConnection,
+    Admission, CloseReason, ConnectionInfo, Direction, Gate, HandlerDriver, KillHandle, Lane,
+    Limits, ListenerSpec, MinRateRule, NetError, Refusal, Server, ServerBuilder, TcpConnection,
+    Verdict, WriteFacts,
 };
 
 static TURN: RwLock<()> = RwLock::new(());
@@ -219,6 +220,73 @@ fn a_panicking_handler_closes_only_its_connection() {
         round_trip(&mut calm, b"two"),
         b"two",
         "the other connection on the loops should carry on"
+    );
+}
+
+/// Admits everything, denies every write with code 42 and records the closes it is told of.
+#[derive(Clone, Default)]
+struct DenyingGate {
+    closed: Arc<Mutex<Vec<CloseReason>>>,
+}
+
+impl Gate for DenyingGate {
+    type Ticket = ();
+
+    fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
+        Ok(Admission {
+            ticket: (),
+            lane: Lane::DEFAULT,
+        })
+    }
+
+    fn check(&self, _ticket: &(), _write: &WriteFacts) -> Verdict {
+        Verdict::Deny(42)
+    }
+
+    fn closed(&self, _ticket: (), _info: &ConnectionInfo, reason: CloseReason) {
+        self.closed.lock().unwrap().push(reason);
+    }
+}
+
+#[test]
+fn a_write_the_gate_denies_fails_in_the_handler_and_closes_once_with_egress_denied() {
+    let _turn = shared_turn();
+    let recorder = Recorder::default();
+    let gate = DenyingGate::default();
+    let seen: Arc<Mutex<Option<String>>> = Arc::default();
+    let outcome = Arc::clone(&seen);
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .handler_driver(HandlerDriver::Coroutines { loops: 2 })
+        .events(recorder.clone())
+        .handler(move |connection: &mut TcpConnection<'_>| {
+            let mut buffer = [0_u8; 64];
+            let count = connection.read(&mut buffer)?;
+            let written = connection.write_all(&buffer[..count]);
+            *outcome.lock().unwrap() = Some(format!("{written:?}"));
+            written
+        })
+        .gate(gate.clone())
+        .build()
+        .expect("the gated server did not start");
+    let mut stream = client(server.local_addr());
+    stream.write_all(b"let me out").unwrap();
+    assert_eq!(recorder.single_close(SOON), CloseReason::EgressDenied(42));
+    assert_eq!(
+        seen.lock().unwrap().as_deref(),
+        Some("Err(Closed(EgressDenied(42)))"),
+        "the handler's write_all should report the denial"
+    );
+    assert_eq!(
+        *gate.closed.lock().unwrap(),
+        vec![CloseReason::EgressDenied(42)],
+        "the gate should hear of the one close with the same reason"
+    );
+    let mut received = Vec::new();
+    let _ = stream.read_to_end(&mut received);
+    assert!(
+        received.is_empty(),
+        "denied bytes reached the peer: {received:?}"
     );
 }
 
