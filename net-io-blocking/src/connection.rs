@@ -313,6 +313,9 @@ impl<'a> TcpConnection<'a> {
     }
 
     /// Sends FIN (half close): the peer sees the end of our stream and we can still read its reply.
+    ///
+    /// Not available to a handler on [`HandlerDriver::Coroutines`](crate::HandlerDriver::Coroutines), whose
+    /// socket the event loop owns: there it returns an `Unsupported` error and changes nothing.
     pub fn shutdown_write(&mut self) -> Result<(), NetError> {
         if let Some(reason) = self.terminal {
             return Err(NetError::Closed(reason));
