@@ -195,16 +195,17 @@ impl<W, G> ServerBuilder<W, G> {
         self
     }
 
-    /// Sets the worker count (128 by default); each worker serves one connection at a time (handlers, and
-    /// sessions on [`SessionDriver::Threads`], where it is also the default `max_connections`). With event
-    /// loops no worker starts; the count then only enters the descriptor budget check (2 descriptors each),
+    /// Sets the worker count (128 by default); each worker serves one connection at a time (handlers on
+    /// [`HandlerDriver::Threads`], and sessions on [`SessionDriver::Threads`], where it is also the default
+    /// `max_connections`). With event loops (sessions or [`HandlerDriver::Coroutines`]) no worker starts; the count then only enters the descriptor budget check (2 descriptors each),
     /// and the default `max_connections` is that budget instead (see [`EVENT_LOOP_CONNECTIONS_DEFAULT_MAX`]).
     pub fn workers(mut self, workers: usize) -> Self {
         self.settings.workers = workers;
         self
     }
 
-    /// Sets each worker's stack size (256 KiB by default); raise it for handlers with deep stacks.
+    /// Sets each worker's (and event-loop thread's) stack size (256 KiB by default); raise it for handlers
+    /// with deep stacks. Handlers on coroutines have their own stacks: see [`ServerBuilder::handler_stack_size`].
     pub fn worker_stack_size(mut self, bytes: usize) -> Self {
         self.settings.worker_stack = bytes;
         self
