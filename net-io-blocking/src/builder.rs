@@ -197,8 +197,9 @@ impl<W, G> ServerBuilder<W, G> {
 
     /// Sets the worker count (128 by default); each worker serves one connection at a time (handlers on
     /// [`HandlerDriver::Threads`], and sessions on [`SessionDriver::Threads`], where it is also the default
-    /// `max_connections`). With event loops (sessions or [`HandlerDriver::Coroutines`]) no worker starts; the count then only enters the descriptor budget check (2 descriptors each),
-    /// and the default `max_connections` is that budget instead (see [`EVENT_LOOP_CONNECTIONS_DEFAULT_MAX`]).
+    /// `max_connections`). With event loops (sessions, or handlers on [`HandlerDriver::Coroutines`]) no
+    /// worker starts; the count then only enters the descriptor budget check (2 descriptors each), and the
+    /// default `max_connections` is that budget instead (see [`EVENT_LOOP_CONNECTIONS_DEFAULT_MAX`]).
     pub fn workers(mut self, workers: usize) -> Self {
         self.settings.workers = workers;
         self
