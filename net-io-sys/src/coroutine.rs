@@ -32,7 +32,10 @@
 //! Dropping a suspended coroutine on its own thread unwinds its stack, so its destructors run: the
 //! `suspend` it is waiting in panics with a private payload that `corosensei` catches at the coroutine's
 //! root. Code that runs in those destructors sees [`std::thread::panicking`] return `true`, and must not
-//! suspend again (if it does, the unwind starts over from that point).
+//! suspend again (if it does, the unwind starts over from that point). The unwind is a panic, so in a build
+//! with `panic = "abort"` dropping a suspended coroutine aborts the process: there, run a coroutine to its end
+//! before dropping it (net-io-blocking's handler driver does: a closed connection's handler is resumed with
+//! the close and returns).
 
 use std::cell::RefCell;
 use std::fmt;
