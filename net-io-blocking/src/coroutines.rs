@@ -20,11 +20,17 @@
 //!   resume, so no byte is copied twice) and suspends with [`Step::Write`] until the loop has flushed it;
 //!   a reply larger than the output budget goes out one budget at a time.
 //! - a deadline resumes the waiting call with `Err(Timeout(kind))`, the peer's FIN with `Ok(0)`, and the
-//!   close (kill, drain, slow peer, gate denial, a reset) with `Err(Closed(reason))`. After any of those,
-//!   every call returns an error at once without suspending, so the handler runs to its end inside the
-//!   loop's `on_close` (or, should it be dropped suspended, during the unwind of its stack).
+//!   close (kill, drain, slow peer, gate denial, a reset) with `Err(Closed(reason))`. After a deadline or
+//!   the close, every call returns an error at once without suspending, so the handler runs to its end
+//!   inside the loop's `on_close` (or, should it be dropped suspended, during the unwind of its stack).
+//!   After the FIN, reads return `Ok(0)` at once and writes still go out (a half close).
 //! - the handler's return value becomes `Step::Close` (`Ok`, flushed then FIN) or `Step::Abort` (`Err`),
 //!   which the loop turns into the same close reasons the threaded driver reports.
+//!
+//! What the adapter relies on from the loop (a change there must keep these): a session's hooks all run on
+//! the loop thread that made it (the coroutine refuses any other); after `Step::Read`, input left unconsumed
+//! is offered again through `on_data` before the loop reads more; `Step::Write` ends in `on_writable` (or a
+//! deadline, or the close) once the queue is flushed; and `on_close` runs before the session is dropped.
 
 use std::cell::RefCell;
 use std::sync::{Arc, OnceLock};
