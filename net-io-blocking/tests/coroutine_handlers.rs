@@ -390,6 +390,10 @@ fn a_kill_while_the_handler_waits_in_read_closes_once_with_killed_and_runs_its_d
             // A second call after the close fails at once instead of waiting again.
             let again = connection.read(&mut buffer);
             errors.lock().unwrap().push(format!("{again:?}"));
+            errors
+                .lock()
+                .unwrap()
+                .push(format!("{:?}", connection.close_reason()));
             result.map(|_| ())
         },
     );
@@ -411,9 +415,10 @@ fn a_kill_while_the_handler_waits_in_read_closes_once_with_killed_and_runs_its_d
         seen,
         vec![
             "Err(Closed(Killed(7)))".to_owned(),
-            "Err(Closed(Killed(7)))".to_owned()
+            "Err(Closed(Killed(7)))".to_owned(),
+            "Some(Killed(7))".to_owned()
         ],
-        "the suspended read and the call after it should both report the kill"
+        "the suspended read, the call after it and close_reason should all report the kill"
     );
     assert!(common::is_closed_by_server(&mut stream));
 }
