@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "\
-usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,handler,sessions,sessions-loop]
+usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,handler,handler-loop,sessions,sessions-loop]
                              [--duration-ms MS] [--warmup-ms MS] [--churn-ms MS] [--churn-rate N]
                              [--idle N]
                              [--client-threads N]
@@ -35,7 +35,7 @@ usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,handler,s
 
   --quick        one short round for a smoke test (does not write the report unless --output is given)
   --rounds N     rounds per kind, order rotated each round; medians are reported (default 3)
-  --kinds LIST   server kinds to measure (default: all five)
+  --kinds LIST   server kinds to measure (default: all six)
   --duration-ms  timed window of each echo load (default 2000)
   --warmup-ms    warm-up before each echo window (default 500)
   --churn-ms     length of each connect-and-close churn (default 3000)
@@ -75,7 +75,7 @@ struct ServerKind {
     pooled: bool,
 }
 
-const SERVER_KINDS: [ServerKind; 5] = [
+const SERVER_KINDS: [ServerKind; 6] = [
     ServerKind {
         name: "std",
         label: "std, thread per connection",
@@ -89,6 +89,13 @@ const SERVER_KINDS: [ServerKind; 5] = [
     ServerKind {
         name: "handler",
         label: "net-io-blocking handler",
+        pooled: true,
+    },
+    // Not a worker pool either: each handler runs on a coroutine over the event loops; its connection cap is
+    // sized like the pooled kinds'.
+    ServerKind {
+        name: "handler-loop",
+        label: "net-io-blocking handler, coroutines on event loops",
         pooled: true,
     },
     ServerKind {
@@ -304,7 +311,7 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
                 for name in list.split(',') {
                     let Some(kind) = SERVER_KINDS.iter().find(|kind| kind.name == name) else {
                         bail!(
-                            "unknown server kind `{name}`; the kinds are std, tokio, handler, sessions, sessions-loop"
+                            "unknown server kind `{name}`; the kinds are std, tokio, handler, handler-loop, sessions, sessions-loop"
                         );
                     };
                     kinds.push(*kind);
@@ -1309,7 +1316,7 @@ fn render_report(
 
     let _ = writeln!(out, "\n## Targets of issue 2, checked against this run\n");
     let mut any_target = false;
-    for name in ["handler", "sessions", "sessions-loop"] {
+    for name in ["handler", "handler-loop", "sessions", "sessions-loop"] {
         let Some(ours) = find(name) else { continue };
         any_target = true;
         let label = SERVER_KINDS
@@ -1337,6 +1344,9 @@ fn render_report(
          sans-IO session echoing what they read, 320 workers (so 256 connections fit beside those still closing), \
          a 4 KiB read buffer, the per-source cap raised to the global cap (every client is 127.0.0.1) and a \
          10-minute idle timeout (std and tokio have none); every other limit is the default (backlog 1,024). \
+         **handler-loop** runs the same handler on a coroutine per connection over one event-loop thread per \
+         core (`HandlerDriver::Coroutines`, 256 KiB of stack address space each) and **sessions-loop** the same \
+         session on the event-loop driver; both cap connections at 8,192 by default. \
          A fresh server process is started for the echo loads, for the idle figure and for the churn.\n\
          - Echo client (`bench_client echo`): closed loop, one 64 B message in flight per connection. It opens \
          the connections (one round trip each, so all are served), then splits them over 1, {threads} and {threads} client threads for \
