@@ -1,7 +1,7 @@
 //! Echo server for `cargo xtask bench net`: one process serving 64-byte echo with a chosen stack until stdin closes.
 //!
 //! ```text
-//! bench_server --kind std|tokio|handler|sessions|sessions-loop [--addr 127.0.0.1:0] [--workers N] [--max-connections N]
+//! bench_server --kind std|tokio|handler|handler-loop|sessions|sessions-loop [--addr 127.0.0.1:0] [--workers N] [--max-connections N]
 //! ```
 //!
 //! It prints `listening on ADDR` once bound, serves until its standard input reaches end of file (the
@@ -20,6 +20,9 @@
 //!   The read buffer is 4 KiB, like the std and tokio servers' buffer; everything else is the default.
 //! - `sessions-loop`: the same session on the event-loop driver, one loop thread per core; the connection
 //!   cap defaults to 8,192 there, since no worker holds a connection.
+//! - `handler-loop`: the same blocking handler on `HandlerDriver::Coroutines` (a coroutine per connection
+//!   over one loop thread per core, the default 256 KiB of stack address space each); the connection cap
+//!   defaults to 8,192 as for `sessions-loop`.
 
 use std::io::{self, BufRead, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -30,8 +33,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use net_io_blocking::{
-    ConnectionInfo, Input, Limits, NetError, Server, ServerBuilder, Session, SessionContext,
-    SessionDriver, Step, TcpConnection,
+    ConnectionInfo, HandlerDriver, Input, Limits, NetError, Server, ServerBuilder, Session,
+    SessionContext, SessionDriver, Step, TcpConnection,
 };
 
 /// Size of the per-connection receive buffer of every kind (the net-io-blocking read buffer too).
@@ -43,6 +46,7 @@ enum Kind {
     Std,
     Tokio,
     Handler,
+    HandlerLoop,
     Sessions,
     SessionsLoop,
 }
@@ -68,7 +72,7 @@ fn main() -> ExitCode {
         Err(message) => {
             eprintln!("bench_server: {message}");
             eprintln!(
-                "usage: bench_server --kind std|tokio|handler|sessions|sessions-loop [--addr 127.0.0.1:0] [--workers N] [--max-connections N]"
+                "usage: bench_server --kind std|tokio|handler|handler-loop|sessions|sessions-loop [--addr 127.0.0.1:0] [--workers N] [--max-connections N]"
             );
             return ExitCode::from(2);
         }
@@ -77,7 +81,9 @@ fn main() -> ExitCode {
     let result = match options.kind {
         Kind::Std => run_std(&options, Arc::clone(&served)),
         Kind::Tokio => run_tokio(&options, Arc::clone(&served)),
-        Kind::Handler | Kind::Sessions | Kind::SessionsLoop => run_net_io(&options, &served),
+        Kind::Handler | Kind::HandlerLoop | Kind::Sessions | Kind::SessionsLoop => {
+            run_net_io(&options, &served)
+        }
     };
     match result {
         Ok(()) => {
@@ -109,6 +115,7 @@ fn parse_options(mut arguments: impl Iterator<Item = String>) -> Result<Options,
                     "std" => Kind::Std,
                     "tokio" => Kind::Tokio,
                     "handler" => Kind::Handler,
+                    "handler-loop" => Kind::HandlerLoop,
                     "sessions" => Kind::Sessions,
                     "sessions-loop" => Kind::SessionsLoop,
                     other => return Err(format!("unknown kind `{other}`")),
@@ -236,14 +243,13 @@ fn run_net_io(options: &Options, served: &AtomicU64) -> io::Result<()> {
     let workers = options.workers.unwrap_or(DEFAULT_WORKERS);
     // No worker holds an event loop's connection, so its cap is not the worker count: a churn of
     // connect-and-reset would otherwise meet it while the loops catch up with the closes.
-    let max_connections =
-        options
-            .max_connections
-            .unwrap_or(if options.kind == Kind::SessionsLoop {
-                LOOP_MAX_CONNECTIONS
-            } else {
-                workers
-            });
+    let max_connections = options.max_connections.unwrap_or(
+        if matches!(options.kind, Kind::SessionsLoop | Kind::HandlerLoop) {
+            LOOP_MAX_CONNECTIONS
+        } else {
+            workers
+        },
+    );
     let limits = Limits::new()
         .max_connections(max_connections)
         .max_per_source(max_connections)
@@ -255,6 +261,12 @@ fn run_net_io(options: &Options, served: &AtomicU64) -> io::Result<()> {
         .limits(limits);
     let server: Server = if options.kind == Kind::Handler {
         builder.handler(echo_handler).allow_all().build()
+    } else if options.kind == Kind::HandlerLoop {
+        builder
+            .handler_driver(HandlerDriver::coroutines())
+            .handler(echo_handler)
+            .allow_all()
+            .build()
     } else {
         let driver = if options.kind == Kind::SessionsLoop {
             SessionDriver::event_loop()

@@ -3,7 +3,7 @@
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU16, AtomicU64};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
 use net_io_core::proxy::ProxyMode;
@@ -17,6 +17,7 @@ use net_io_sys::socket::{self, ConnectionOptions, Keepalive, ListenOptions};
 
 use crate::caps::{Caps, ListenerCaps};
 use crate::connection::TcpConnection;
+use crate::coroutines::{CoroutineFactory, HandlerDriver};
 use crate::evloop::{Inbox, LoopShared, SessionDriver};
 use crate::handover::HandOver;
 use crate::runtime::{ListenerRuntime, Runtime, Workload};
@@ -80,6 +81,8 @@ struct Settings {
     open_door: bool,
     session_driver: SessionDriver,
     solo_read_slice: Duration,
+    handler_driver: HandlerDriver,
+    handler_stack: usize,
 }
 
 impl ListenerSpec {
@@ -151,6 +154,8 @@ impl ServerBuilder<NoWorkload, NoGate> {
                 open_door: true,
                 session_driver: SessionDriver::event_loop(),
                 solo_read_slice: crate::evloop::SOLO_READ_SLICE_DEFAULT,
+                handler_driver: HandlerDriver::Threads,
+                handler_stack: DEFAULT_WORKER_STACK,
             },
         }
     }
@@ -193,16 +198,18 @@ impl<W, G> ServerBuilder<W, G> {
         self
     }
 
-    /// Sets the worker count (128 by default); each worker serves one connection at a time (handlers, and
-    /// sessions on [`SessionDriver::Threads`], where it is also the default `max_connections`). With event
-    /// loops no worker starts; the count then only enters the descriptor budget check (2 descriptors each),
-    /// and the default `max_connections` is that budget instead (see [`EVENT_LOOP_CONNECTIONS_DEFAULT_MAX`]).
+    /// Sets the worker count (128 by default); each worker serves one connection at a time (handlers on
+    /// [`HandlerDriver::Threads`], and sessions on [`SessionDriver::Threads`], where it is also the default
+    /// `max_connections`). With event loops (sessions, or handlers on [`HandlerDriver::Coroutines`]) no
+    /// worker starts; the count then only enters the descriptor budget check (2 descriptors each), and the
+    /// default `max_connections` is that budget instead (see [`EVENT_LOOP_CONNECTIONS_DEFAULT_MAX`]).
     pub fn workers(mut self, workers: usize) -> Self {
         self.settings.workers = workers;
         self
     }
 
-    /// Sets each worker's stack size (256 KiB by default); raise it for handlers with deep stacks.
+    /// Sets each worker's (and event-loop thread's) stack size (256 KiB by default); raise it for handlers
+    /// with deep stacks. Handlers on coroutines have their own stacks: see [`ServerBuilder::handler_stack_size`].
     pub fn worker_stack_size(mut self, bytes: usize) -> Self {
         self.settings.worker_stack = bytes;
         self
@@ -261,8 +268,8 @@ impl<W, G> ServerBuilder<W, G> {
     /// threads serve any number of connections and a parked or idle session holds no thread, or worker
     /// threads ([`SessionDriver::Threads`], one connection each, with the Busy rule). With event loops the
     /// default `max_connections` is the descriptor budget (`RLIMIT_NOFILE` less 2 per worker and 32 spare, at
-    /// most [`EVENT_LOOP_CONNECTIONS_DEFAULT_MAX`]) rather than the worker count. Handlers always run on
-    /// worker threads; for them this setting is ignored.
+    /// most [`EVENT_LOOP_CONNECTIONS_DEFAULT_MAX`]) rather than the worker count. Handlers are driven as
+    /// [`ServerBuilder::handler_driver`] says; for them this setting is ignored.
     pub fn session_driver(mut self, driver: SessionDriver) -> Self {
         self.settings.session_driver = driver;
         self
@@ -281,9 +288,27 @@ impl<W, G> ServerBuilder<W, G> {
     /// any slice up to a jiffy lasts one to three jiffies (4 to 12 ms at `HZ=250`, 6 ms measured median),
     /// and a longer one ends up to two jiffies late. The slice also ends at the connection's next deadline.
     /// A kill of the connection in the solo read (or a drain's close of it while idle) ends the read at once.
-    /// Ignored for worker threads, which always read this way.
+    /// Applies to every event loop: sessions on [`SessionDriver::EventLoop`] and handlers on
+    /// [`HandlerDriver::Coroutines`]; worker threads always read this way.
     pub fn solo_read_slice(mut self, slice: Duration) -> Self {
         self.settings.solo_read_slice = slice;
+        self
+    }
+
+    /// Chooses how blocking handlers run: on worker threads ([`HandlerDriver::Threads`], the default; a
+    /// handler may call any blocking code) or on coroutines over event loops ([`HandlerDriver::Coroutines`]:
+    /// an idle connection holds no thread, but a handler must block on nothing but its connection). With
+    /// coroutines the connection cap defaults as for event-loop sessions. Sessions ignore this setting.
+    pub fn handler_driver(mut self, driver: HandlerDriver) -> Self {
+        self.settings.handler_driver = driver;
+        self
+    }
+
+    /// Sets the stack size of each handler's coroutine under [`HandlerDriver::Coroutines`] (256 KiB by
+    /// default, like a worker's stack). It is address space: only the pages a handler touches are resident.
+    /// A handler that overflows it hits the guard page and kills the process.
+    pub fn handler_stack_size(mut self, bytes: usize) -> Self {
+        self.settings.handler_stack = bytes;
         self
     }
 
@@ -331,7 +356,32 @@ where
     /// Validates the configuration, binds every listener, starts the threads and opens the door.
     pub fn build(self) -> Result<Server, NetError> {
         let Handler(handler) = self.workload;
-        start(self.settings, self.gate, HandlerWorkload { handler }, None)
+        let HandlerDriver::Coroutines { loops } = self.settings.handler_driver else {
+            return start(self.settings, self.gate, HandlerWorkload { handler }, None);
+        };
+        if loops == 0 {
+            return Err(ConfigError::Zero { field: "loops" }.into());
+        }
+        // Each session needs the server's core (for its kill handle and the drain flag), which exists only
+        // once `start` made it: the door stays closed until the factory has it.
+        let core = Arc::new(OnceLock::new());
+        let factory =
+            CoroutineFactory::new(handler, Arc::clone(&core), self.settings.handler_stack);
+        let mut settings = self.settings;
+        let open_door = std::mem::replace(&mut settings.open_door, false);
+        let body: LoopBody<G, SessionWorkload<CoroutineFactory<H>>> = Runtime::event_loop;
+        let server = start(
+            settings,
+            self.gate,
+            SessionWorkload { factory },
+            Some((loops, body)),
+        )?;
+        let handle = server.handle();
+        let _ = core.set(Arc::clone(&handle.core));
+        if open_door {
+            handle.open_door();
+        }
+        Ok(server)
     }
 }
 

@@ -3,6 +3,10 @@
 //! Reads wait under the idle deadline between exchanges and under the read deadline once bytes of a request
 //! have arrived; writes wait under the write deadline. The first deadline, kill, reset or gate denial becomes
 //! the connection's close reason and every later call reports it.
+//!
+//! A connection served by [`HandlerDriver::Coroutines`](crate::HandlerDriver::Coroutines) does not wait
+//! itself: its calls suspend the handler's coroutine and the event loop does the waiting (see the
+//! `coroutines` module); the deadlines and reasons are the same.
 
 use std::io;
 use std::net::SocketAddr;
@@ -11,13 +15,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use net_io_core::{
-    CloseReason, ConnectionId, ConnectionInfo, Direction, Limits, ListenerId, NetError,
-    ResolvedLimits, TimeoutKind, Verdict,
+    CloseReason, ConnectionId, ConnectionInfo, Direction, LimitKind, Limits, ListenerId, NetError,
+    Output, ResolvedLimits, Step, TimeoutKind, Verdict,
 };
 use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::{KillSlot, SlotOwner};
 use net_io_sys::socket::{self, ConnectionOptions};
 
+use crate::coroutines::{Requests, Wakeup, Yielder, take_staged};
 use crate::link::{Link, OWNER_CODE, Received, Sent};
 use crate::server::{Core, KillHandle, reason_for_code};
 
@@ -46,6 +51,17 @@ pub struct TcpConnection<'a> {
 enum Holder<'a> {
     Served(&'a mut Link),
     Owned(Box<Link>),
+    /// Served by an event loop through the handler's coroutine.
+    Loop(LoopSide<'a>),
+}
+
+/// The coroutine side of a connection an event loop serves.
+struct LoopSide<'a> {
+    yielder: &'a Yielder,
+    /// The connection's output queue while the handler runs; handed to the loop at each suspend.
+    output: Option<Output>,
+    /// Deadline changes for the loop, delivered with the next suspend.
+    requests: Requests,
 }
 
 impl<'a> TcpConnection<'a> {
@@ -74,11 +90,52 @@ impl<'a> TcpConnection<'a> {
         }
     }
 
+    /// A connection served on an event loop, inside the handler's coroutine.
+    pub(crate) fn on_loop(
+        yielder: &'a Yielder,
+        output: Output,
+        info: ConnectionInfo,
+        core: &'a Core,
+        kill: KillHandle,
+    ) -> Self {
+        Self {
+            link: Holder::Loop(LoopSide {
+                yielder,
+                output: Some(output),
+                requests: Requests::default(),
+            }),
+            info,
+            limits: core.limits,
+            check: None,
+            core: Some(core),
+            kill,
+            prefix: &[],
+            receiving: false,
+            terminal: None,
+            peer_closed: false,
+            exchange_deadline: None,
+            idle_timeout: core.limits.idle_timeout,
+        }
+    }
+
+    /// The output queue and pending deadline changes of a loop-served connection, for the loop.
+    pub(crate) fn into_loop_parts(mut self) -> (Option<Output>, Requests) {
+        match &mut self.link {
+            Holder::Loop(side) => (side.output.take(), std::mem::take(&mut side.requests)),
+            _ => (None, Requests::default()),
+        }
+    }
+
     fn link(&mut self) -> &mut Link {
         match &mut self.link {
             Holder::Served(link) => link,
             Holder::Owned(link) => link,
+            Holder::Loop(_) => unreachable!("a loop-served connection never uses the worker link"),
         }
+    }
+
+    fn on_event_loop(&self) -> bool {
+        matches!(self.link, Holder::Loop(_))
     }
 
     /// The connection's facts.
@@ -115,11 +172,17 @@ impl<'a> TcpConnection<'a> {
     /// Sets a deadline for the whole exchange (`ExchangeDeadline`), or clears it.
     pub fn set_exchange_deadline(&mut self, deadline: Option<Instant>) {
         self.exchange_deadline = deadline;
+        if let Holder::Loop(side) = &mut self.link {
+            side.requests.exchange_deadline = Some(deadline);
+        }
     }
 
     /// Sets this connection's idle timeout (between exchanges).
     pub fn set_idle_timeout(&mut self, timeout: Duration) {
         self.idle_timeout = timeout;
+        if let Holder::Loop(side) = &mut self.link {
+            side.requests.idle_timeout = Some(timeout);
+        }
     }
 
     /// Reads what has arrived, waiting under the idle or read deadline. `Ok(0)` means the peer closed.
@@ -129,6 +192,9 @@ impl<'a> TcpConnection<'a> {
         }
         if buffer.is_empty() {
             return Ok(0);
+        }
+        if self.on_event_loop() {
+            return self.read_on_loop(buffer);
         }
         if !self.prefix.is_empty() {
             let count = self.prefix.len().min(buffer.len());
@@ -206,6 +272,9 @@ impl<'a> TcpConnection<'a> {
         if bytes.is_empty() {
             return Ok(());
         }
+        if self.on_event_loop() {
+            return self.write_on_loop(bytes);
+        }
         if let Some(check) = self.check.as_mut()
             && let Verdict::Deny(code) = check(bytes.len(), false)
         {
@@ -244,9 +313,20 @@ impl<'a> TcpConnection<'a> {
     }
 
     /// Sends FIN (half close): the peer sees the end of our stream and we can still read its reply.
+    ///
+    /// Not available to a handler on [`HandlerDriver::Coroutines`](crate::HandlerDriver::Coroutines), whose
+    /// socket the event loop owns: there it returns an `Unsupported` error and changes nothing.
     pub fn shutdown_write(&mut self) -> Result<(), NetError> {
         if let Some(reason) = self.terminal {
             return Err(NetError::Closed(reason));
+        }
+        if self.on_event_loop() {
+            // The loop owns the socket and its sessions have no half close yet.
+            return Err(NetError::from(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "shutdown_write is not available to handlers on coroutines; return from the handler to \
+                 close, or use HandlerDriver::Threads",
+            )));
         }
         let Some(socket) = self.link().owner().socket() else {
             return Err(NetError::Closed(CloseReason::SessionClosed));
@@ -272,6 +352,92 @@ impl<'a> TcpConnection<'a> {
     fn fail(&mut self, reason: CloseReason) -> NetError {
         self.terminal = Some(reason);
         NetError::Closed(reason)
+    }
+
+    /// `read` on an event loop: suspend until the loop has input, the FIN, a deadline or the close.
+    fn read_on_loop(&mut self, buffer: &mut [u8]) -> Result<usize, NetError> {
+        if self.peer_closed {
+            return Ok(0);
+        }
+        loop {
+            match self.suspend(Step::Read, buffer.len())? {
+                Wakeup::Data(count) => {
+                    let count = take_staged(buffer, count);
+                    if count > 0 {
+                        self.receiving = true;
+                        return Ok(count);
+                    }
+                }
+                Wakeup::PeerClosed => {
+                    self.peer_closed = true;
+                    return Ok(0);
+                }
+                Wakeup::Timeout(kind) => {
+                    self.terminal = Some(kind.close_reason());
+                    return Err(NetError::Timeout(kind));
+                }
+                Wakeup::Closed(reason) => return Err(self.fail(reason)),
+                // Nothing for a read: wait again.
+                Wakeup::Start | Wakeup::Writable => {}
+            }
+        }
+    }
+
+    /// `write_all` on an event loop: queue what fits the output budget, suspend until the loop flushed it,
+    /// repeat. The loop asks the gate before each write call and applies the write deadline and minimum rate.
+    fn write_on_loop(&mut self, bytes: &[u8]) -> Result<(), NetError> {
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let Holder::Loop(side) = &mut self.link else {
+                return Err(self.fail(CloseReason::SessionError));
+            };
+            let Some(output) = side.output.as_mut() else {
+                return Err(self.fail(CloseReason::SessionError));
+            };
+            let queued = output.push_partial(rest);
+            if queued == 0 && output.is_empty() {
+                // Nothing fits even an empty queue: the budget is too small to ever send this.
+                return Err(self.fail(CloseReason::Limit(LimitKind::OutputBudget)));
+            }
+            rest = &rest[queued..];
+            loop {
+                match self.suspend(Step::Write, 0)? {
+                    Wakeup::Writable => break,
+                    Wakeup::Timeout(kind) => {
+                        self.terminal = Some(kind.close_reason());
+                        return Err(NetError::Timeout(kind));
+                    }
+                    Wakeup::Closed(reason) => return Err(self.fail(reason)),
+                    Wakeup::Start | Wakeup::Data(_) | Wakeup::PeerClosed => {}
+                }
+            }
+        }
+        self.receiving = false;
+        Ok(())
+    }
+
+    /// Hands the output queue to the loop with `step` and waits for the loop to resume the handler.
+    ///
+    /// During an unwind (a panic, or the forced unwind of a dropped coroutine) it does not suspend: a
+    /// destructor that reads or writes gets the close reason instead.
+    fn suspend(&mut self, step: Step, want: usize) -> Result<Wakeup, NetError> {
+        if std::thread::panicking() {
+            let reason = self.terminal.unwrap_or(CloseReason::SessionError);
+            return Err(self.fail(reason));
+        }
+        let Holder::Loop(side) = &mut self.link else {
+            return Err(self.fail(CloseReason::SessionError));
+        };
+        let output = side.output.take().unwrap_or_else(|| Output::new(0));
+        let requests = std::mem::take(&mut side.requests);
+        let resumed = side.yielder.suspend(crate::coroutines::Suspend {
+            step,
+            want,
+            output,
+            requests,
+        });
+        side.output = Some(resumed.output);
+        Ok(resumed.wakeup)
     }
 }
 

@@ -22,8 +22,24 @@
 //! Sessions run on event loops by default ([`SessionDriver::EventLoop`], one loop thread per core, each with
 //! its own edge-triggered epoll and timer heap; see the `evloop` module): a connection, parked or idle, holds
 //! no thread, the Busy rule does not apply (the connection caps do), and a round trip under load costs a
-//! `recv` and a `send` with one `epoll_wait` shared by the ready batch. [`SessionDriver::Threads`] keeps
-//! the worker-per-connection design drawn above, which handlers always use.
+//! `recv` and a `send` with one `epoll_wait` shared by the ready batch (a loop holding a single busy
+//! connection waits for its next input in that `recv`: a solo read). [`SessionDriver::Threads`] keeps
+//! the worker-per-connection design drawn above, which handlers use by default ([`HandlerDriver::Threads`]).
+//!
+//! Handlers can run on the event loops too ([`HandlerDriver::Coroutines`], chosen with
+//! [`ServerBuilder::handler_driver`]): each runs on a stackful coroutine (an `mmap`ed stack with a guard page,
+//! see `net_io_sys::coroutine`) owned by a session on a loop, and its [`TcpConnection`] suspends where a
+//! worker would block: `read` until the loop has input (or a deadline, the FIN or the close), `write_all`
+//! until the loop has flushed what it queued. Every guarantee the loop gives sessions holds for such a
+//! handler (admission, the gate, PROXY, deadlines by phase, the minimum rate, kill, drain, panic containment,
+//! one close with one reason); a connection closed while its handler waits (a kill, a drain, a slow peer)
+//! resumes the handler with `Err(Closed(reason))`, and every later call fails at once, so the handler returns
+//! and its destructors run. An idle handler holds its stack's touched pages (a few KiB) and no thread.
+//! **The hazard: such a handler must block on nothing but its `TcpConnection`.** Any other blocking call
+//! (another socket, a file, a lock, a channel, `thread::sleep`, a long computation) runs on the loop thread
+//! and stalls every connection of that loop. Overflowing the coroutine's stack
+//! ([`ServerBuilder::handler_stack_size`], 256 KiB by default) kills the process, as a thread's overflow does;
+//! `TcpConnection::shutdown_write` is not available there.
 //!
 //! Every connection closes exactly once, with one [`CloseReason`] that the session's `on_close`, the gate's
 //! `closed` and the [`Event::Closed`] event all see. Only the worker that owns a connection closes its
@@ -63,7 +79,7 @@
 //!   `Server::shutdown` drains the same way, except that its idle closes carry `Shutdown` (abortive like
 //!   every reason outside the four graceful ones: the server is going away, and an idle connection has
 //!   nothing left to flush).
-//! - **Panics** in a handler, a session hook or the gate close only that connection (`SessionPanicked`, or a
+//! - **Panics** in a handler (on a worker or a coroutine), a session hook or the gate close only that connection (`SessionPanicked`, or a
 //!   refusal or denial for the gate); the worker (or the loop) serves on.
 //! - **Injected clocks** ([`ServerBuilder::clock`]) drive every deadline; since the kernel's timeouts run on
 //!   real time, waits (and event loops' `epoll_wait`) are then cut to one tick so a test that moves the
@@ -78,6 +94,7 @@
 //!   live connections (64 slots at least).
 //! - **Handlers must do IO to be killable**: a kill shuts the socket's read side and wakes the worker, so a
 //!   handler stuck in pure computation is ended only when it next reads or writes; shutdown waits for it.
+//!   On coroutines such a handler also holds its loop (and every connection on it) until it suspends.
 //!
 //! ```no_run
 //! use net_io_blocking::{NetError, TcpConnection, serve};
@@ -105,6 +122,7 @@ mod builder;
 mod caps;
 mod clock;
 mod connection;
+mod coroutines;
 mod evloop;
 mod handover;
 mod handshake;
@@ -121,6 +139,7 @@ pub use builder::{
     LISTENERS_MAX, ListenerSpec, NoGate, NoWorkload, ServerBuilder, Sessions,
 };
 pub use connection::{TcpConnection, connect};
+pub use coroutines::HandlerDriver;
 pub use evloop::SessionDriver;
 pub use server::{DrainReport, KillHandle, Server, ServerHandle};
 

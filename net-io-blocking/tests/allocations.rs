@@ -1,4 +1,4 @@
-//! Zero allocations per round trip in a steady sessions echo, counted by a process-wide counting allocator.
+//! Zero allocations per round trip in a steady echo (sessions and handlers, on every driver), counted by a process-wide counting allocator.
 //!
 //! This is its own test binary because the allocator counts every thread of the process: the server's
 //! accept thread and worker, the harness's main thread, and the client, which therefore uses only std
@@ -11,8 +11,8 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use net_io_blocking::{
-    ConnectionInfo, Input, NetError, Server, ServerBuilder, Session, SessionContext, SessionDriver,
-    Step, TcpConnection,
+    ConnectionInfo, HandlerDriver, Input, NetError, Server, ServerBuilder, Session, SessionContext,
+    SessionDriver, Step, TcpConnection,
 };
 
 use counting::allocations;
@@ -152,10 +152,11 @@ fn wait_for_the_harness_to_settle() {
     }
 }
 
-// One test, sessions, event loop, then handler, because the count is process-wide: a second test would have libtest's
+// One test, sessions, event loop, handler, then handler on coroutines, because the count is process-wide: a second test would have libtest's
 // main thread print (and allocate) while the other counts.
 #[test]
-fn a_steady_echo_allocates_nothing_per_round_trip_with_sessions_an_event_loop_or_a_handler() {
+fn a_steady_echo_allocates_nothing_per_round_trip_with_sessions_an_event_loop_or_a_handler_on_either_driver()
+ {
     // One worker, so no worker thread is still starting (and allocating) while we count.
     let sessions = ServerBuilder::new()
         .listen("127.0.0.1:0")
@@ -198,5 +199,19 @@ fn a_steady_echo_allocates_nothing_per_round_trip_with_sessions_an_event_loop_or
         counted, 0,
         "{counted} allocations happened during {COUNTED_ROUND_TRIPS} steady handler round trips of \
          {MESSAGE} B; the echo path must not allocate after warm-up"
+    );
+
+    let coroutines = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+        .handler(echo_handler)
+        .allow_all()
+        .build()
+        .expect("the coroutine handler echo server did not start");
+    let counted = allocations_in_steady_echo(coroutines);
+    assert_eq!(
+        counted, 0,
+        "{counted} allocations happened during {COUNTED_ROUND_TRIPS} steady round trips of a handler on a \
+         coroutine ({MESSAGE} B); the echo path must not allocate after warm-up"
     );
 }

@@ -219,6 +219,7 @@ fn handler_server(
         .workers(2)
         .limits(limits)
         .events(witnesses.recorder.clone())
+        .handler_driver(common::handler_driver())
         .handler(handler)
         .gate(witnesses.gate.clone())
         .build()

@@ -2,7 +2,9 @@
 
 use std::time::Duration;
 
-use net_io_blocking::{ConnectionInfo, Limits, NetError, ServerBuilder, TcpConnection};
+use net_io_blocking::{
+    ConnectionInfo, HandlerDriver, Limits, NetError, ServerBuilder, TcpConnection,
+};
 use net_io_core::ConfigError;
 
 fn noop(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
@@ -22,6 +24,16 @@ fn build_error(builder: ServerBuilder) -> NetError {
 fn zero_workers_is_rejected_naming_the_field() {
     let error = build_error(ServerBuilder::new().listen("127.0.0.1:0").workers(0));
     insta::assert_snapshot!("zero_workers", error.to_string());
+}
+
+#[test]
+fn coroutine_handlers_over_zero_loops_are_rejected_naming_the_field() {
+    let error = build_error(
+        ServerBuilder::new()
+            .listen("127.0.0.1:0")
+            .handler_driver(HandlerDriver::Coroutines { loops: 0 }),
+    );
+    insta::assert_snapshot!("zero_handler_loops", error.to_string());
 }
 
 #[test]

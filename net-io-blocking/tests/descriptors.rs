@@ -1,4 +1,5 @@
-//! No descriptor left behind: thousands of RST-closed connections through a handler, a sessions server and an event-loop sessions server.
+//! No descriptor left behind: thousands of RST-closed connections through a handler (on worker threads and on
+//! coroutines over event loops), a sessions server and an event-loop sessions server.
 //!
 //! Its own test binary because it counts `/proc/self/fd`, which every test in a process would disturb.
 
@@ -10,8 +11,8 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use net_io_blocking::{
-    ConnectionInfo, Input, NetError, Server, ServerBuilder, Session, SessionContext, SessionDriver,
-    Step, TcpConnection,
+    ConnectionInfo, HandlerDriver, Input, NetError, Server, ServerBuilder, Session, SessionContext,
+    SessionDriver, Step, TcpConnection,
 };
 use socket2::SockRef;
 
@@ -80,7 +81,7 @@ fn round_trip_and_reset(address: SocketAddr, index: u64) {
         .expect("could not set SO_LINGER 0");
 }
 
-fn start_servers() -> (Server, Server, Server) {
+fn start_servers() -> (Server, Server, Server, Server) {
     let handler = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .workers(16)
@@ -103,7 +104,14 @@ fn start_servers() -> (Server, Server, Server) {
         .allow_all()
         .build()
         .expect("the event-loop echo server did not start");
-    (handler, sessions, event_loop)
+    let coroutines = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .handler_driver(HandlerDriver::Coroutines { loops: 2 })
+        .handler(echo_handler)
+        .allow_all()
+        .build()
+        .expect("the coroutine handler echo server did not start");
+    (handler, sessions, event_loop, coroutines)
 }
 
 fn connections_leave_no_descriptor_behind(connections: u64) {
@@ -111,36 +119,45 @@ fn connections_leave_no_descriptor_behind(connections: u64) {
     let warm = start_servers();
     round_trip_and_reset(warm.0.local_addr(), 0);
     round_trip_and_reset(warm.2.local_addr(), 0);
+    round_trip_and_reset(warm.3.local_addr(), 0);
     drop(warm);
     let baseline = open_descriptors();
 
-    let (handler, sessions, event_loop) = start_servers();
+    let (handler, sessions, event_loop, coroutines) = start_servers();
     round_trip_and_reset(handler.local_addr(), 0);
     round_trip_and_reset(sessions.local_addr(), 0);
     round_trip_and_reset(event_loop.local_addr(), 0);
+    round_trip_and_reset(coroutines.local_addr(), 0);
     assert!(
         eventually(Duration::from_secs(5), || {
             handler.stats().closed == 1
                 && sessions.stats().closed == 1
                 && event_loop.stats().closed == 1
+                && coroutines.stats().closed == 1
         }),
-        "the three warm-up connections did not close"
+        "the four warm-up connections did not close"
     );
     let steady = open_descriptors();
 
     for index in 0..connections {
-        let address = match index % 3 {
+        let address = match index % 4 {
             0 => handler.local_addr(),
             1 => sessions.local_addr(),
-            _ => event_loop.local_addr(),
+            2 => event_loop.local_addr(),
+            _ => coroutines.local_addr(),
         };
         round_trip_and_reset(address, index);
     }
 
-    let closed = || handler.stats().closed + sessions.stats().closed + event_loop.stats().closed;
+    let closed = || {
+        handler.stats().closed
+            + sessions.stats().closed
+            + event_loop.stats().closed
+            + coroutines.stats().closed
+    };
     assert!(
-        eventually(Duration::from_secs(30), || closed() == connections + 3),
-        "after {connections} connections plus 3 warm-ups only {} closes were counted",
+        eventually(Duration::from_secs(30), || closed() == connections + 4),
+        "after {connections} connections plus 4 warm-ups only {} closes were counted",
         closed()
     );
     assert!(
@@ -148,16 +165,20 @@ fn connections_leave_no_descriptor_behind(connections: u64) {
         "the process holds {} descriptors after {connections} closed connections, {steady} before them",
         open_descriptors()
     );
-    let refused = handler.stats().refused + sessions.stats().refused + event_loop.stats().refused;
+    let refused = handler.stats().refused
+        + sessions.stats().refused
+        + event_loop.stats().refused
+        + coroutines.stats().refused;
     assert_eq!(refused, 0, "{refused} connections were refused");
 
     let deadline = Instant::now() + Duration::from_secs(5);
     let _ = handler.shutdown(deadline);
     let _ = sessions.shutdown(deadline);
     let _ = event_loop.shutdown(deadline);
+    let _ = coroutines.shutdown(deadline);
     assert!(
         eventually(Duration::from_secs(5), || open_descriptors() == baseline),
-        "the process holds {} descriptors after both servers shut down, {baseline} before they started",
+        "the process holds {} descriptors after every server shut down, {baseline} before they started",
         open_descriptors()
     );
 }

@@ -285,6 +285,11 @@ fn a_denial_in_the_middle_of_a_response_resets_without_denial_text() {
 
 #[test]
 fn a_kill_during_a_graceful_linger_resets_the_connection_at_once() {
+    if common::handlers_on_coroutines() {
+        // On an event loop the unread half of the request is already in the loop's read buffer, not in the
+        // socket, so the close has nothing to linger for (event_loop.rs tests the loop's linger and its kill).
+        return;
+    }
     let recorder = Recorder::default();
     let (handles, handle_receiver) = std::sync::mpsc::channel();
     let handles = std::sync::Mutex::new(handles);
@@ -298,6 +303,7 @@ fn a_kill_during_a_graceful_linger_resets_the_connection_at_once() {
                 .linger_timeout(Duration::from_secs(30)),
         )
         .events(recorder.clone())
+        .handler_driver(common::handler_driver())
         .handler(move |connection: &mut net_io_blocking::TcpConnection<'_>| {
             // Reads half of what the client sent, answers and returns: a graceful close with unread input,
             // which lingers.

@@ -69,7 +69,11 @@ fn run_round(seed: u64, rounds: usize, handler: bool) {
         )
         .events(recorder.clone());
     let server = if handler {
-        builder.handler(lines).allow_all().build()
+        builder
+            .handler_driver(common::handler_driver())
+            .handler(lines)
+            .allow_all()
+            .build()
     } else {
         builder
             .sessions(|_info: &ConnectionInfo| Some(Lines))

@@ -1,5 +1,5 @@
 //! Fault injection through the `net_io_shim` cfg: accept errors of every class, a failing `recv`, spurious
-//! `EAGAIN` and `EINTR`, an event loop whose epoll cannot be created. Run with
+//! `EAGAIN` and `EINTR`, an event loop whose epoll cannot be created, a coroutine stack that cannot be mapped. Run with
 //! `RUSTFLAGS="--cfg net_io_shim" cargo test -p net-io-blocking --test faults`.
 //!
 //! The shim's faults are process-wide, so every scenario runs in one test, one after another.
@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use common::{Recorder, SOON, client, eventually, round_trip};
 use net_io_blocking::{
-    CloseReason, ConnectionInfo, Event, Input, Limits, Server, ServerBuilder, Session,
-    SessionContext, Step,
+    CloseReason, ConnectionInfo, Event, HandlerDriver, Input, Limits, NetError, RefusalCause,
+    Server, ServerBuilder, Session, SessionContext, Step, TcpConnection,
 };
 use net_io_sys::shim;
 
@@ -173,6 +173,71 @@ fn a_loop_that_cannot_start_is_given_no_connections() {
     }
 }
 
+/// Handlers on coroutines: a stack that cannot be mapped refuses only its connection; a failing `recv` closes
+/// only its connection; spurious `EAGAIN` and `EINTR` are retried without the handler seeing them.
+fn handlers_on_coroutines_meet_faults_one_connection_at_a_time() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+        .listen("127.0.0.1:0")
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .handler(|connection: &mut TcpConnection<'_>| {
+            let mut buffer = [0_u8; 64];
+            loop {
+                let count = connection.read(&mut buffer)?;
+                if count == 0 {
+                    return Ok::<(), NetError>(());
+                }
+                connection.write_all(&buffer[..count])?;
+            }
+        })
+        .allow_all()
+        .build()
+        .expect("the coroutine handler server should start");
+    // The loop's stack pool is empty, so the first connection maps a stack, and fails to.
+    shim::inject("coroutine_stack", 0, 1, libc::ENOMEM);
+    let mut refused = client(server.local_addr());
+    let closes = recorder.wait_for_closes(1, SOON);
+    assert_eq!(
+        closes.first().map(|close| close.1),
+        Some(CloseReason::Refused(RefusalCause::Session)),
+        "a connection whose coroutine stack cannot be mapped should be refused, got {closes:?}"
+    );
+    assert!(common::is_closed_by_server(&mut refused));
+    let mut other = client(server.local_addr());
+    assert_eq!(round_trip(&mut other, b"warm"), b"warm");
+    shim::inject("send", 0, 1, libc::EAGAIN);
+    assert_eq!(round_trip(&mut other, b"again"), b"again");
+    shim::inject("recv", 0, 1, libc::EINTR);
+    assert_eq!(round_trip(&mut other, b"intr"), b"intr");
+    shim::inject("recv", 0, 1, libc::EAGAIN);
+    assert_eq!(round_trip(&mut other, b"spurious"), b"spurious");
+    assert_eq!(
+        recorder.closes().len(),
+        1,
+        "a retried error closed a connection: {:?}",
+        recorder.closes()
+    );
+    // Let the loop finish its solo read of the other connection first (a blocking recv right after each
+    // echo, timing out within a few ms), so the fault hits the new connection's recv, not that one.
+    std::thread::sleep(Duration::from_millis(100));
+    shim::inject("recv", 0, 1, libc::ECONNRESET);
+    let mut victim = client(server.local_addr());
+    victim.write_all(b"x").ok();
+    let closes = recorder.wait_for_closes(2, SOON);
+    assert_eq!(
+        closes.get(1).map(|close| close.1),
+        Some(CloseReason::PeerReset),
+        "a failing recv should close its connection as reset, got {closes:?}"
+    );
+    assert_eq!(
+        round_trip(&mut other, b"alive"),
+        b"alive",
+        "the other handler should carry on"
+    );
+}
+
 #[test]
 fn injected_faults_close_or_pause_only_what_they_hit() {
     a_per_connection_accept_error_is_counted_and_the_next_connection_served();
@@ -182,4 +247,5 @@ fn injected_faults_close_or_pause_only_what_they_hit() {
     a_failing_recv_closes_only_its_connection();
     spurious_eagain_and_eintr_are_retried();
     a_loop_that_cannot_start_is_given_no_connections();
+    handlers_on_coroutines_meet_faults_one_connection_at_a_time();
 }

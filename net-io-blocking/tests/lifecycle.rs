@@ -32,6 +32,7 @@ fn sixty_four_threads_killing_one_connection_give_one_close_and_sixty_three_fals
         .listen("127.0.0.1:0")
         .workers(2)
         .events(recorder.clone())
+        .handler_driver(common::handler_driver())
         .handler(echo)
         .allow_all()
         .build()
@@ -80,6 +81,7 @@ fn a_kill_handle_from_inside_the_handler_ends_it_from_another_thread() {
         .listen("127.0.0.1:0")
         .workers(1)
         .events(recorder.clone())
+        .handler_driver(common::handler_driver())
         .handler(|connection: &mut TcpConnection<'_>| {
             let killer = connection.kill_handle();
             std::thread::spawn(move || {
@@ -105,6 +107,7 @@ fn a_panicking_handler_closes_only_its_connection_and_the_worker_serves_on() {
         .listen("127.0.0.1:0")
         .workers(1)
         .events(recorder.clone())
+        .handler_driver(common::handler_driver())
         .handler(|connection: &mut TcpConnection<'_>| {
             let mut buffer = [0u8; 64];
             let count = connection.read(&mut buffer)?;
@@ -200,6 +203,7 @@ fn request_stop_from_inside_a_handler_wakes_wait_for_stop() {
         .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(1)
+        .handler_driver(common::handler_driver())
         .handler(|connection: &mut TcpConnection<'_>| {
             let _ = connection;
             Ok(())
@@ -255,6 +259,7 @@ fn the_control_line_drains_then_stops_the_server() {
         .workers(2)
         .events(recorder.clone())
         .control(Arc::clone(&control))
+        .handler_driver(common::handler_driver())
         .handler(echo)
         .allow_all()
         .build()
@@ -362,6 +367,7 @@ fn a_kill_reaches_the_peer_as_a_reset_promptly_and_a_closed_door_stops_accepting
         .listen("127.0.0.1:0")
         .workers(2)
         .events(recorder.clone())
+        .handler_driver(common::handler_driver())
         .handler(echo)
         .allow_all()
         .build()

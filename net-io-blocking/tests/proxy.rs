@@ -54,6 +54,7 @@ fn proxied_server_with_handshake(
                 .handshake_timeout(handshake_timeout),
         )
         .events(recorder.clone())
+        .handler_driver(common::handler_driver())
         .handler(who_am_i)
         .allow_all()
         .build()
@@ -174,6 +175,7 @@ fn requiring_proxy_headers_without_trusted_proxies_is_rejected_at_build() {
                 .proxy(ProxyMode::Any, TrustedProxies::new()),
         )
         .workers(1)
+        .handler_driver(common::handler_driver())
         .handler(who_am_i)
         .allow_all()
         .build()

@@ -25,8 +25,8 @@ mod counted {
     use std::time::{Duration, Instant};
 
     use net_io_blocking::{
-        ConnectionInfo, Input, Limits, NetError, Server, ServerBuilder, Session, SessionContext,
-        SessionDriver, Step, TcpConnection,
+        ConnectionInfo, HandlerDriver, Input, Limits, NetError, Server, ServerBuilder, Session,
+        SessionContext, SessionDriver, Step, TcpConnection,
     };
     use net_io_sys::shim;
 
@@ -288,6 +288,22 @@ mod counted {
             .build()
             .expect("the event-loop echo server did not start");
         calls_per_round_trip_with(server, Waits::EpollWait);
+    }
+
+    /// A handler on a coroutine costs what an event-loop session costs: its `read` and `write_all` suspend
+    /// to the loop, which does the one `recv` and one `send`; with one connection the loop waits for the
+    /// next input in that `recv` (a solo read), so no `epoll_wait` is added per round trip.
+    #[test]
+    fn a_handler_on_a_coroutine_echo_round_trip_takes_two_system_calls() {
+        let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let server = ServerBuilder::new()
+            .listen("127.0.0.1:0")
+            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+            .handler(echo_handler)
+            .allow_all()
+            .build()
+            .expect("the coroutine handler echo server did not start");
+        calls_per_round_trip_with(server, Waits::Solo);
     }
 
     /// With many connections busy at once, one `epoll_wait` serves several round trips: the calls per round

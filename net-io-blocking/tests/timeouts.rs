@@ -36,6 +36,7 @@ fn server(
         .workers(2)
         .limits(limits.min_rate(None))
         .events(recorder.clone())
+        .handler_driver(common::handler_driver())
         .handler(handler)
         .allow_all()
         .build()
@@ -114,6 +115,7 @@ fn a_listener_s_own_idle_timeout_applies_only_to_its_connections() {
                 .idle_timeout(Duration::from_secs(10)),
         )
         .events(recorder.clone())
+        .handler_driver(common::handler_driver())
         .handler(echo_fours)
         .allow_all()
         .build()
@@ -145,6 +147,7 @@ fn an_injected_manual_clock_drives_the_idle_deadline() {
         )
         .clock(clock.clone())
         .events(recorder.clone())
+        .handler_driver(common::handler_driver())
         .handler(echo_fours)
         .allow_all()
         .build()

@@ -10,6 +10,7 @@
 
 #![warn(missing_docs)]
 
+pub mod coroutine;
 pub mod epoll;
 pub mod eventfd;
 pub mod futex;

@@ -1,5 +1,5 @@
 //! The thread pool: the priority injector, per-worker queues, workers, blocking threads, parking, growth,
-//! reaping, helping waits and recovery from a dying thread.
+//! reaping, helping waits, recovery from a dying thread and backoff after a refused thread start.
 //!
 //! ```text
 //!   spawn (outside) ──> injector [band 3][band 2][band 1][band 0] ──┐
@@ -48,6 +48,10 @@ const SPIN_BEFORE_PARK: Duration = Duration::from_micros(50);
 const SPIN_BEFORE_SLEEP: u32 = 2000;
 /// Most tasks a worker moves from the injector to its own deque at once.
 const REFILL: usize = 32;
+/// Wait before the first retry after the system refused a pool thread.
+const START_BACKOFF_FIRST: Duration = Duration::from_millis(10);
+/// Longest wait between retries while the system keeps refusing pool threads.
+const START_BACKOFF_LONGEST: Duration = Duration::from_secs(1);
 
 /// Sizes chosen at `init`.
 #[derive(Debug, Clone, Copy)]
@@ -135,6 +139,40 @@ impl Bands {
     }
 }
 
+/// When the pool may next try to start a thread after the system refused one: a bounded exponential
+/// backoff (10 ms doubling to 1 s), cleared by the next start that succeeds.
+///
+/// A refusal (`EAGAIN` from `clone`: threads-max, RLIMIT_NPROC, the cgroup's pids.max, or memory) is a
+/// state of the whole system, so one backoff covers workers and blocking threads alike; retrying every
+/// 10 ms tick would only add load to a machine that is already short of threads. It takes the times as
+/// arguments so its policy is tested without a clock.
+#[derive(Debug, Default)]
+struct StartBackoff {
+    /// The wait after the last refusal; zero while starts succeed.
+    delay: Duration,
+    /// No start is tried before this instant; `None` while starts succeed.
+    not_before: Option<Instant>,
+}
+
+impl StartBackoff {
+    /// Whether a start may be tried at `now`.
+    fn may_try(&self, now: Instant) -> bool {
+        self.not_before.is_none_or(|not_before| now >= not_before)
+    }
+
+    /// A start was refused at `now`: wait twice as long as last time (at least the first delay, at most
+    /// the longest) before the next try.
+    fn refused(&mut self, now: Instant) {
+        self.delay = (self.delay * 2).clamp(START_BACKOFF_FIRST, START_BACKOFF_LONGEST);
+        self.not_before = Some(now + self.delay);
+    }
+
+    /// A start succeeded: the next refusal starts again from the first delay.
+    fn started(&mut self) {
+        *self = StartBackoff::default();
+    }
+}
+
 /// One worker's shared record.
 pub(crate) struct WorkerSlot {
     local: Mutex<VecDeque<TaskRef>>,
@@ -201,6 +239,8 @@ pub(crate) struct Counters {
     pub(crate) peak_workers: AtomicUsize,
     pub(crate) peak_sleepers: AtomicUsize,
     pub(crate) deaths: AtomicU64,
+    /// Pool thread starts the system refused.
+    pub(crate) refused_starts: AtomicU64,
 }
 
 /// A running pool. Dropped once shutdown has stopped every thread.
@@ -231,6 +271,8 @@ pub(crate) struct Pool {
     pub(crate) kill_threads: AtomicU32,
     /// Fault hook: the help depth in use.
     pub(crate) help_depth: AtomicUsize,
+    /// Backoff after a refused thread start; `start_thread` checks it before every try.
+    start_backoff: Mutex<StartBackoff>,
     created: Instant,
 }
 
@@ -335,6 +377,7 @@ impl Pool {
             reactor,
             kill_threads: AtomicU32::new(0),
             help_depth: AtomicUsize::new(HELP_DEPTH),
+            start_backoff: Mutex::new(StartBackoff::default()),
             created: Instant::now(),
         })
     }
@@ -562,8 +605,13 @@ impl Pool {
     }
 
     /// Starts one pool thread of kind `S` and lists its slot, or leaves no trace when the system refuses
-    /// the thread (then the manager is woken, so its next tick tries again).
+    /// the thread. A refusal is counted and backs further tries off (see [`StartBackoff`]); the manager
+    /// keeps ticking while the pool is short of threads, so a tick after the backoff tries again.
+    /// Until then tasks run on the threads that exist.
     fn start_thread<S: PoolThread>(self: &Arc<Self>) -> bool {
+        if !self.may_start_thread() {
+            return false;
+        }
         let live = S::live(self).fetch_add(1, Ordering::AcqRel) + 1;
         if live > S::limit(self) {
             S::live(self).fetch_sub(1, Ordering::AcqRel);
@@ -592,13 +640,26 @@ impl Pool {
         if started.is_err() {
             drop(slots);
             S::live(self).fetch_sub(1, Ordering::AcqRel);
+            self.counters.refused_starts.fetch_add(1, Ordering::AcqRel);
+            self.backoff().refused(Instant::now());
             self.reactor.wake_manager();
             return false;
         }
         slots.push(slot);
         drop(slots);
         S::peak(self).fetch_max(live, Ordering::AcqRel);
+        self.backoff().started();
         true
+    }
+
+    /// Whether the start backoff allows a try now (reads the clock only while backing off).
+    fn may_start_thread(&self) -> bool {
+        let backoff = self.backoff();
+        backoff.not_before.is_none() || backoff.may_try(Instant::now())
+    }
+
+    fn backoff(&self) -> std::sync::MutexGuard<'_, StartBackoff> {
+        self.start_backoff.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Whether the pool has anything to look after (the manager ticks only then).
@@ -1145,11 +1206,18 @@ fn set_depth(depth: usize) {
 #[cfg(feature = "fault-injection")]
 pub(crate) static REFUSE_THREAD_STARTS: AtomicU32 = AtomicU32::new(0);
 
+/// Fault hook: how many times any pool tried to start a thread (refused or not), so tests can count
+/// retries.
+#[cfg(feature = "fault-injection")]
+pub(crate) static THREAD_START_ATTEMPTS: AtomicU64 = AtomicU64::new(0);
+
 /// Spawns a pool thread, unless the fault hook says to refuse it.
 fn spawn_thread(
     builder: std::thread::Builder,
     main: impl FnOnce() + Send + 'static,
 ) -> std::io::Result<()> {
+    #[cfg(feature = "fault-injection")]
+    THREAD_START_ATTEMPTS.fetch_add(1, Ordering::AcqRel);
     #[cfg(feature = "fault-injection")]
     if REFUSE_THREAD_STARTS
         .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| {
@@ -1186,7 +1254,12 @@ fn thread_ceiling() -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{Bands, Entry, STARVE_AGE, STARVE_RELIEF};
+    use std::time::{Duration, Instant};
+
+    use super::{
+        Bands, Entry, START_BACKOFF_FIRST, START_BACKOFF_LONGEST, STARVE_AGE, STARVE_RELIEF,
+        StartBackoff,
+    };
     use crate::table::TaskRef;
 
     fn entry(index: u32, age: u64) -> Entry {
@@ -1230,5 +1303,43 @@ mod tests {
         );
         assert_eq!(bands.relief, STARVE_RELIEF - 1, "relief pops follow");
         assert_eq!(bands.len(), 10);
+    }
+
+    #[test]
+    fn a_refused_start_backs_off_doubling_to_a_bound_and_a_success_resets_it() {
+        let start = Instant::now();
+        let mut backoff = StartBackoff::default();
+        assert!(
+            backoff.may_try(start),
+            "a fresh pool may start threads at once"
+        );
+        let mut now = start;
+        let mut delays = Vec::new();
+        for _ in 0..10 {
+            backoff.refused(now);
+            delays.push(backoff.delay);
+            assert!(
+                !backoff.may_try(now + backoff.delay - Duration::from_millis(1)),
+                "no try before the backoff of {:?} has passed",
+                backoff.delay
+            );
+            now += backoff.delay;
+            assert!(backoff.may_try(now), "a try once the backoff has passed");
+        }
+        let expected: Vec<Duration> = [10, 20, 40, 80, 160, 320, 640, 1000, 1000, 1000]
+            .into_iter()
+            .map(Duration::from_millis)
+            .collect();
+        assert_eq!(
+            delays, expected,
+            "delays should double from {START_BACKOFF_FIRST:?} and stop at {START_BACKOFF_LONGEST:?}"
+        );
+        backoff.started();
+        assert!(backoff.may_try(now), "a success lifts the backoff");
+        backoff.refused(now);
+        assert_eq!(
+            backoff.delay, START_BACKOFF_FIRST,
+            "after a success the next refusal starts again from the first delay"
+        );
     }
 }

@@ -97,6 +97,8 @@ pub struct PoolStatus {
     pub peak_sleep_threads: usize,
     /// Pool threads that died.
     pub deaths: u64,
+    /// Pool thread starts the system refused (each is retried later, with backoff).
+    pub refused_starts: u64,
     /// Timers in the manager's heap (stale ones included until they pop).
     pub timers: usize,
 }
@@ -113,7 +115,7 @@ impl std::fmt::Display for PoolStatus {
         write!(
             formatter,
             "live {} queued {} blocking-queued {} workers {} (busy {}, floor {}, target {}, peak {}) \
-             sleep threads {} (busy {}, target {}, peak {}) slots {} deaths {} timers {}",
+             sleep threads {} (busy {}, target {}, peak {}) slots {} deaths {} refused starts {} timers {}",
             self.live,
             self.queued,
             self.blocking_queued,
@@ -128,6 +130,7 @@ impl std::fmt::Display for PoolStatus {
             self.peak_sleep_threads,
             self.peak_slots,
             self.deaths,
+            self.refused_starts,
             self.timers
         )
     }
@@ -420,6 +423,9 @@ impl Runtime {
             deaths: pool
                 .as_ref()
                 .map_or(0, |pool| pool.counters.deaths.load(Ordering::Acquire)),
+            refused_starts: pool.as_ref().map_or(0, |pool| {
+                pool.counters.refused_starts.load(Ordering::Acquire)
+            }),
             timers: pool.as_ref().map_or(0, |pool| pool.reactor.timer_count()),
         }
     }
@@ -616,6 +622,16 @@ pub mod faults {
     /// one `init` starts later) fail as if the system had refused to create the thread.
     pub fn refuse_thread_starts(count: u32) {
         crate::pool::REFUSE_THREAD_STARTS.fetch_add(count, Ordering::AcqRel);
+    }
+
+    /// Stops refusing thread starts; returns how many refusals were still pending.
+    pub fn stop_refusing_thread_starts() -> u32 {
+        crate::pool::REFUSE_THREAD_STARTS.swap(0, Ordering::AcqRel)
+    }
+
+    /// How many pool thread starts were tried so far in this process, refused or not.
+    pub fn thread_start_attempts() -> u64 {
+        crate::pool::THREAD_START_ATTEMPTS.load(Ordering::Acquire)
     }
 
     /// Lowers the help depth (the nesting limit for helping waits).

@@ -4,19 +4,14 @@ mod common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use task_runtime::{Compute, Runtime, RuntimeError, TaskHandle};
 
-use common::init;
+use common::{init, join, wait_until};
 
-fn wait_for(condition: impl Fn() -> bool, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
+/// Generous bound for a give's run to start or end, even on a loaded machine.
+const RUN_LIMIT: Duration = Duration::from_secs(10);
 
 #[test]
 fn nothing_runs_before_the_first_give_and_each_give_runs_once() {
@@ -33,11 +28,23 @@ fn nothing_runs_before_the_first_give_and_each_give_runs_once() {
     assert_eq!(runs.load(Ordering::SeqCst), 0, "nothing runs before a give");
     assert!(handle.is_pending(), "a waiting task reads Pending");
     handle.give(5).expect("give");
-    assert_eq!(handle.join(), Ok(10), "the give should run it with 5");
+    assert_eq!(
+        join(&handle, "the run after the first give"),
+        Ok(10),
+        "the give should run it with 5"
+    );
     handle.give(7).expect("give");
-    wait_for(|| runs.load(Ordering::SeqCst) == 2, "the second run");
-    wait_for(|| handle.is_waiting(), "the task to wait again");
-    assert_eq!(handle.join(), Ok(14), "the second give runs it again");
+    wait_until(RUN_LIMIT, "the second give should run the task", || {
+        runs.load(Ordering::SeqCst) == 2
+    });
+    wait_until(RUN_LIMIT, "the task should wait again", || {
+        handle.is_waiting()
+    });
+    assert_eq!(
+        join(&handle, "the run after the second give"),
+        Ok(14),
+        "the second give runs it again"
+    );
 }
 
 #[test]
@@ -53,21 +60,26 @@ fn a_give_during_a_run_leaves_one_more_run_with_the_newest_value() {
     .wait_for::<u32>()
     .spawn();
     handle.give(1).expect("give");
-    wait_for(
-        || runs.load(Ordering::SeqCst) == 1,
-        "the first run to start",
-    );
+    wait_until(RUN_LIMIT, "the first run should start", || {
+        runs.load(Ordering::SeqCst) == 1
+    });
     handle.give(2).expect("give");
     handle.give(3).expect("give");
-    wait_for(|| runs.load(Ordering::SeqCst) == 2, "the owed run");
-    wait_for(|| handle.is_waiting(), "the task to go idle");
+    wait_until(RUN_LIMIT, "the owed run should come", || {
+        runs.load(Ordering::SeqCst) == 2
+    });
+    wait_until(RUN_LIMIT, "the task should go idle", || handle.is_waiting());
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(
         runs.load(Ordering::SeqCst),
         2,
         "two gives mid-run owe exactly one run"
     );
-    assert_eq!(handle.join(), Ok(3), "the owed run uses the newest value");
+    assert_eq!(
+        join(&handle, "the owed run"),
+        Ok(3),
+        "the owed run uses the newest value"
+    );
 }
 
 #[test]
@@ -92,14 +104,17 @@ fn a_counted_waiting_task_settles_after_that_many_gives() {
         .count(2)
         .spawn();
     handle.give(1).expect("give");
-    wait_for(|| handle.is_waiting() || handle.is_finished(), "first run");
-    wait_for(|| handle.join() == Ok(1), "first output");
+    wait_until(RUN_LIMIT, "the first run should end", || {
+        handle.is_waiting() || handle.is_finished()
+    });
+    wait_until(RUN_LIMIT, "the first output should be 1", || {
+        join(&handle, "the first counted run") == Ok(1)
+    });
     handle.give(2).expect("give");
-    wait_for(
-        || handle.is_finished(),
-        "the task to finish after two gives",
-    );
-    assert_eq!(handle.join(), Ok(2));
+    wait_until(RUN_LIMIT, "the task should finish after two gives", || {
+        handle.is_finished()
+    });
+    assert_eq!(join(&handle, "the second counted run"), Ok(2));
     assert_eq!(
         handle.give(3),
         Err(RuntimeError::Finished),
@@ -119,7 +134,7 @@ fn receive_gathers_tuples_vecs_and_nested_sets() {
     .receive((first.clone(), (second, third)))
     .spawn();
     assert_eq!(
-        gathered.join(),
+        join(&gathered, "the task gathering a nested tuple"),
         Ok(String::from("1-two-3")),
         "a nested tuple gathers in shape"
     );
@@ -133,7 +148,7 @@ fn receive_gathers_tuples_vecs_and_nested_sets() {
     .receive(many)
     .spawn();
     assert_eq!(
-        sum.join(),
+        join(&sum, "the task gathering 1,000 outputs"),
         Ok(499_500),
         "a Vec of 1,000 gathers every output"
     );
@@ -141,12 +156,20 @@ fn receive_gathers_tuples_vecs_and_nested_sets() {
     let array = Runtime::task(Compute::compute(|values: Vec<u32>| values.len()))
         .receive([first.clone(), first])
         .spawn();
-    assert_eq!(array.join(), Ok(2), "arrays gather too");
+    assert_eq!(
+        join(&array, "the task gathering an array"),
+        Ok(2),
+        "arrays gather too"
+    );
 
     let empty = Runtime::task(Compute::compute(|()| 9u8))
         .receive(())
         .spawn();
-    assert_eq!(empty.join(), Ok(9), "an empty set runs once");
+    assert_eq!(
+        join(&empty, "the task gathering an empty set"),
+        Ok(9),
+        "an empty set runs once"
+    );
 }
 
 #[test]
@@ -160,7 +183,7 @@ fn a_failing_source_writes_the_receiver_off() {
         .receive(failing)
         .spawn();
     assert_eq!(
-        receiver.join(),
+        join(&receiver, "the receiver of a failing source"),
         Err(RuntimeError::TaskFailed),
         "the receiver is written off"
     );
@@ -191,9 +214,17 @@ fn give_to_fans_out_to_every_target() {
         .give_to(&doubled)
         .give_to(&tripled)
         .spawn();
-    assert_eq!(source.join(), Ok(7));
-    assert_eq!(doubled.join(), Ok(14), "the first target gets the output");
-    assert_eq!(tripled.join(), Ok(21), "the second target gets it too");
+    assert_eq!(join(&source, "the source giving to two targets"), Ok(7));
+    assert_eq!(
+        join(&doubled, "the first give_to target"),
+        Ok(14),
+        "the first target gets the output"
+    );
+    assert_eq!(
+        join(&tripled, "the second give_to target"),
+        Ok(21),
+        "the second target gets it too"
+    );
 }
 
 #[test]

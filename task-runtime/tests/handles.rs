@@ -6,13 +6,19 @@ use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, JoinPolicy, Runtime, RuntimeError, Sleep, TaskState};
 
-use common::init;
+use common::{init, join, join_thread, join_thread_within, join_within, wait, within};
 
 #[test]
 fn a_compute_spawned_and_joined_gives_its_output() {
     init();
     let handle = Runtime::task(Compute::compute(|()| 21 * 2)).spawn();
-    assert_eq!(handle.join(), Ok(42), "the compute should give 42");
+    // `join` itself is what this test checks, so it runs unchanged on a watched thread.
+    let joined = handle.clone();
+    assert_eq!(
+        within("the join of a compute", move || joined.join()),
+        Ok(42),
+        "the compute should give 42"
+    );
     assert_eq!(
         handle.state(),
         TaskState::Ready,
@@ -27,12 +33,13 @@ fn clones_read_the_same_value_across_threads() {
     let readers: Vec<_> = (0..4)
         .map(|_| {
             let clone = handle.clone();
+            // deadline: join_thread below bounds each reader.
             std::thread::spawn(move || clone.join())
         })
         .collect();
     for reader in readers {
         assert_eq!(
-            reader.join().expect("reader thread"),
+            join_thread(reader, "a thread joining a clone").expect("reader thread"),
             Ok(String::from("shared")),
             "every clone should read the same output"
         );
@@ -44,13 +51,14 @@ fn take_moves_the_output_and_other_listeners_read_already_taken() {
     init();
     let handle = Runtime::task(Compute::compute(|()| vec![1u8, 2, 3])).spawn();
     let listener = handle.clone();
+    // `take` itself is what this test checks, so it runs unchanged on a watched thread.
     assert_eq!(
-        handle.take(),
+        within("the take of a compute", move || handle.take()),
         Ok(vec![1, 2, 3]),
         "take should move the output out"
     );
     assert_eq!(
-        listener.join(),
+        join(&listener, "a listener's join after the take"),
         Err(RuntimeError::AlreadyTaken),
         "a listener after a take should read AlreadyTaken"
     );
@@ -87,7 +95,7 @@ fn try_reads_say_not_ready_until_the_task_settles() {
         Err(RuntimeError::NotReady),
         "nor can it be taken"
     );
-    let slept = handle.join().expect("the sleep should finish");
+    let slept = join(&handle, "a 100 ms sleep").expect("the sleep should finish");
     assert!(
         slept >= Duration::from_millis(100),
         "it should not end early: {slept:?}"
@@ -153,7 +161,7 @@ fn tasks_spawned_from_many_threads_get_their_own_results() {
                     .collect();
                 for (index, handle) in handles.into_iter().enumerate() {
                     assert_eq!(
-                        handle.join(),
+                        join(&handle, "a compute spawned from a thread"),
                         Ok(thread * 10_000 + index as u64),
                         "a result crossed between tasks"
                     );
@@ -162,7 +170,7 @@ fn tasks_spawned_from_many_threads_get_their_own_results() {
         })
         .collect();
     for spawner in spawners {
-        spawner.join().expect("spawner thread");
+        join_thread(spawner, "a thread spawning and joining 500 computes").expect("spawner thread");
     }
 }
 
@@ -172,7 +180,9 @@ fn join_all_keeps_the_order_given() {
     let handles: Vec<_> = (0..50u32)
         .map(|index| Runtime::task(Compute::compute(move |()| index * 3)).spawn())
         .collect();
-    let results = Runtime::join_all(handles);
+    let results = within("join_all of 50 computes", move || {
+        Runtime::join_all(handles)
+    });
     let expected: Vec<_> = (0..50u32).map(|index| Ok(index * 3)).collect();
     assert_eq!(
         results, expected,
@@ -189,7 +199,9 @@ fn join_first_pass_back_returns_the_losers_in_order() {
         Runtime::task(Sleep::sleep(Duration::from_secs(6))).spawn(),
     ];
     let ids: Vec<u64> = handles.iter().map(|handle| handle.id()).collect();
-    let (winner, losers) = Runtime::join_first(handles, JoinPolicy::PassBack);
+    let (winner, losers) = within("join_first of three sleeps", move || {
+        Runtime::join_first(handles, JoinPolicy::PassBack)
+    });
     assert_eq!(winner.id(), ids[1], "the 10 ms sleep should win");
     let loser_ids: Vec<u64> = losers.iter().map(|handle| handle.id()).collect();
     assert_eq!(loser_ids, vec![ids[0], ids[2]], "losers come back in order");
@@ -206,7 +218,9 @@ fn join_first_cancel_stops_the_losers_and_drop_leaves_them_running() {
     let slow = Runtime::task(Sleep::sleep(Duration::from_secs(5))).spawn();
     let watcher = slow.clone();
     let quick = Runtime::task(Sleep::sleep(Duration::from_millis(5))).spawn();
-    let (_winner, losers) = Runtime::join_first(vec![slow, quick], JoinPolicy::Cancel);
+    let (_winner, losers) = within("join_first with Cancel", move || {
+        Runtime::join_first(vec![slow, quick], JoinPolicy::Cancel)
+    });
     assert!(losers.is_empty(), "Cancel passes nothing back");
     assert_eq!(
         watcher.state(),
@@ -217,10 +231,12 @@ fn join_first_cancel_stops_the_losers_and_drop_leaves_them_running() {
     let slow = Runtime::task(Sleep::sleep(Duration::from_millis(300))).spawn();
     let watcher = slow.clone();
     let quick = Runtime::task(Compute::compute(|()| Duration::ZERO)).spawn();
-    let (_winner, losers) = Runtime::join_first(vec![slow, quick], JoinPolicy::Drop);
+    let (_winner, losers) = within("join_first with Drop", move || {
+        Runtime::join_first(vec![slow, quick], JoinPolicy::Drop)
+    });
     assert!(losers.is_empty(), "Drop passes nothing back");
     assert!(
-        watcher.join().is_ok(),
+        join(&watcher, "the dropped 300 ms loser").is_ok(),
         "a dropped loser should keep running to its end"
     );
 }
@@ -228,39 +244,76 @@ fn join_first_cancel_stops_the_losers_and_drop_leaves_them_running() {
 #[test]
 fn join_first_of_nothing_reads_no_such_task_and_a_finished_task_wins_at_once() {
     init();
-    let (empty, losers) = Runtime::join_first(
-        Vec::<task_runtime::TaskHandle<u8>>::new(),
-        JoinPolicy::PassBack,
-    );
+    let (empty, losers) = within("join_first of nothing", || {
+        Runtime::join_first(
+            Vec::<task_runtime::TaskHandle<u8>>::new(),
+            JoinPolicy::PassBack,
+        )
+    });
     assert!(losers.is_empty());
     assert_eq!(
-        empty.join(),
+        join(&empty, "the winner of an empty join_first"),
         Err(RuntimeError::NoSuchTask),
         "an empty set reads NoSuchTask"
     );
     let done = Runtime::task(Compute::compute(|()| 1u8)).spawn();
-    done.wait();
+    wait(&done, "a quick compute");
     let pending = Runtime::task(Compute::compute(|()| 2u8))
         .after(Duration::from_secs(5))
         .spawn();
     let started = Instant::now();
-    let (winner, losers) = Runtime::join_first(vec![pending, done], JoinPolicy::Cancel);
-    assert_eq!(winner.join(), Ok(1), "the finished task should win");
+    let (winner, losers) = within("join_first with a finished task", move || {
+        Runtime::join_first(vec![pending, done], JoinPolicy::Cancel)
+    });
+    assert_eq!(
+        join(&winner, "the finished winner"),
+        Ok(1),
+        "the finished task should win"
+    );
     assert!(started.elapsed() < Duration::from_secs(1), "and at once");
     assert!(losers.is_empty());
 }
 
 #[test]
+#[should_panic(expected = "a 30 s sleep did not finish within 100ms (state: Running)")]
+fn a_bounded_join_of_a_task_that_does_not_end_fails_naming_it() {
+    init();
+    let sleep = Runtime::task(Sleep::sleep(Duration::from_secs(30))).spawn();
+    let _ = join_within(&sleep, Duration::from_millis(100), "a 30 s sleep");
+}
+
+#[test]
+#[should_panic(expected = "a thread waiting on a channel did not finish within 100ms")]
+fn a_bounded_join_of_a_thread_that_does_not_end_fails_naming_it() {
+    // The sender lives until the helper panics; then the receive ends and so does the thread.
+    let (_sender, receiver) = std::sync::mpsc::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let _ = receiver.recv_timeout(Duration::from_secs(10));
+    });
+    let _ = join_thread_within(
+        thread,
+        Duration::from_millis(100),
+        "a thread waiting on a channel",
+    );
+}
+
+#[test]
 fn runtime_block_runs_on_the_calling_thread() {
     init();
-    let caller = std::thread::current().id();
-    let ran_on = Runtime::block(Compute::compute(move |()| std::thread::current().id()))
-        .expect("block should run the compute");
+    // The calls run on a watched thread, which is then the calling thread.
+    let (caller, ran_on) = within("Runtime::block of a compute", || {
+        let caller = std::thread::current().id();
+        let ran_on = Runtime::block(Compute::compute(move |()| std::thread::current().id()));
+        (caller, ran_on.expect("block should run the compute"))
+    });
     assert_eq!(
         ran_on, caller,
         "block should run the task on the calling thread"
     );
-    let slept = Runtime::block(Sleep::sleep(Duration::from_millis(5))).expect("sleep");
+    let slept = within("Runtime::block of a 5 ms sleep", || {
+        Runtime::block(Sleep::sleep(Duration::from_millis(5)))
+    })
+    .expect("sleep");
     assert!(
         slept >= Duration::from_millis(5),
         "a blocked sleep should not end early"

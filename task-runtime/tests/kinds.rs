@@ -8,7 +8,7 @@ use task_runtime::{
     Change, Channel, Exit, File, FileOutput, Process, Runtime, RuntimeError, TaskState,
 };
 
-use common::{becomes_running, init};
+use common::{becomes_running, init, join, take, wait_until};
 
 fn scratch(name: &str) -> std::path::PathBuf {
     let directory = std::env::temp_dir().join(format!("kinds-{}-{name}", std::process::id()));
@@ -25,7 +25,10 @@ fn a_channel_keeps_order_parks_a_receive_and_closes_after_draining() {
     }
     for value in 0..5 {
         assert_eq!(
-            Runtime::task(receiver.receive()).spawn().take(),
+            take(
+                Runtime::task(receiver.receive()).spawn(),
+                "a receive of a queued value"
+            ),
             Ok(value),
             "order is kept"
         );
@@ -38,16 +41,26 @@ fn a_channel_keeps_order_parks_a_receive_and_closes_after_draining() {
         "an empty channel parks the receive"
     );
     sender.send(99).expect("send");
-    assert_eq!(parked.take(), Ok(99), "a send wakes the parked receive");
+    assert_eq!(
+        take(parked, "the parked receive"),
+        Ok(99),
+        "a send wakes the parked receive"
+    );
     sender.send(1).expect("send");
     sender.close();
     assert_eq!(
-        Runtime::task(receiver.receive()).spawn().take(),
+        take(
+            Runtime::task(receiver.receive()).spawn(),
+            "a receive after close"
+        ),
         Ok(1),
         "close drains first"
     );
     assert_eq!(
-        Runtime::task(receiver.receive()).spawn().take(),
+        take(
+            Runtime::task(receiver.receive()).spawn(),
+            "a receive on a drained, closed channel"
+        ),
         Err(RuntimeError::Closed),
         "then reads Closed"
     );
@@ -62,7 +75,10 @@ fn a_cancelled_receive_takes_nothing_and_a_receive_can_time_out() {
     cancelled.cancel();
     sender.send(5).expect("send");
     assert_eq!(
-        Runtime::task(receiver.receive()).spawn().take(),
+        take(
+            Runtime::task(receiver.receive()).spawn(),
+            "a receive after a cancelled one"
+        ),
         Ok(5),
         "the value is still there"
     );
@@ -70,7 +86,7 @@ fn a_cancelled_receive_takes_nothing_and_a_receive_can_time_out() {
         .timeout(Duration::from_millis(50))
         .spawn();
     assert_eq!(
-        timed.join(),
+        join(&timed, "a receive with a 50 ms timeout"),
         Err(RuntimeError::TimedOut),
         "a receive can time out"
     );
@@ -89,7 +105,11 @@ fn a_bounded_send_parks_while_full() {
     let parked = Runtime::task(sender.send_task(2)).spawn();
     assert!(becomes_running(&parked), "the bounded send parks");
     assert_eq!(receiver.try_receive(), Ok(1));
-    assert_eq!(parked.join(), Ok(()), "room wakes the send");
+    assert_eq!(
+        join(&parked, "the parked bounded send"),
+        Ok(()),
+        "room wakes the send"
+    );
     assert_eq!(receiver.try_receive(), Ok(2));
 }
 
@@ -98,31 +118,40 @@ fn files_are_written_appended_read_and_listed_on_blocking_threads() {
     init();
     let directory = scratch("files");
     let path = directory.join("data");
-    let written = Runtime::task(File::write(&path, b"one ".to_vec()))
-        .spawn()
-        .take();
+    let written = take(
+        Runtime::task(File::write(&path, b"one ".to_vec())).spawn(),
+        "a file write",
+    );
     assert!(matches!(written, Ok(FileOutput::Written(4))), "{written:?}");
-    Runtime::task(File::append(&path, b"two".to_vec()))
-        .spawn()
-        .take()
-        .expect("append");
-    match Runtime::task(File::read(&path)).spawn().take() {
+    take(
+        Runtime::task(File::append(&path, b"two".to_vec())).spawn(),
+        "a file append",
+    )
+    .expect("append");
+    match take(Runtime::task(File::read(&path)).spawn(), "a file read") {
         Ok(FileOutput::Bytes(bytes)) => assert_eq!(bytes, b"one two"),
         other => panic!("read gave {other:?}"),
     }
-    match Runtime::task(File::metadata(&path)).spawn().take() {
+    match take(
+        Runtime::task(File::metadata(&path)).spawn(),
+        "a metadata read",
+    ) {
         Ok(FileOutput::Metadata(metadata)) => assert_eq!(metadata.len(), 7),
         other => panic!("metadata gave {other:?}"),
     }
-    match Runtime::task(File::read_dir(&directory)).spawn().take() {
+    match take(
+        Runtime::task(File::read_dir(&directory)).spawn(),
+        "a directory listing",
+    ) {
         Ok(FileOutput::Entries(entries)) => assert_eq!(entries, vec![path.clone()]),
         other => panic!("read_dir gave {other:?}"),
     }
     assert_eq!(
-        Runtime::task(File::read(directory.join("missing")))
-            .spawn()
-            .take()
-            .map(|_| ()),
+        take(
+            Runtime::task(File::read(directory.join("missing"))).spawn(),
+            "a read of a missing file"
+        )
+        .map(|_| ()),
         Err(RuntimeError::BadPath),
         "a missing file reads BadPath"
     );
@@ -143,23 +172,23 @@ fn a_repeated_watch_loses_no_change_between_runs() {
         .spawn();
     std::thread::sleep(Duration::from_millis(50));
     std::fs::write(&path, b"bb").expect("write");
+    // One 10 s budget for both runs.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while watch.try_join().is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "the first change should end the first run"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until(
+        deadline.saturating_duration_since(Instant::now()),
+        "the first change should end the first run",
+        || watch.try_join().is_ok(),
+    );
     std::fs::write(&path, b"ccc").expect("write");
-    while !watch.is_finished() {
-        assert!(
-            Instant::now() < deadline,
-            "the change made between runs should end the second run"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert_eq!(watch.join(), Ok(Change::Written));
+    wait_until(
+        deadline.saturating_duration_since(Instant::now()),
+        "the change made between runs should end the second run",
+        || watch.is_finished(),
+    );
+    assert_eq!(
+        join(&watch, "the repeated watch's last run"),
+        Ok(Change::Written)
+    );
     std::fs::remove_dir_all(&directory).expect("clean up");
 }
 
@@ -167,23 +196,26 @@ fn a_repeated_watch_loses_no_change_between_runs() {
 fn processes_run_capture_output_and_die_on_cancel() {
     init();
     assert_eq!(
-        Runtime::task(Process::run("/bin/sh", ["-c", "exit 3"]))
-            .spawn()
-            .join(),
+        join(
+            &Runtime::task(Process::run("/bin/sh", ["-c", "exit 3"])).spawn(),
+            "a run of `sh -c 'exit 3'`"
+        ),
         Ok(Exit::Code(3)),
         "run returns the exit code"
     );
-    let output = Runtime::task(
-        Process::command("/bin/sh")
-            .args([
-                "-c",
-                "head -c 300000 /dev/zero; head -c 300000 /dev/zero >&2; cat",
-            ])
-            .input(b"echoed".to_vec())
-            .output(),
+    let output = take(
+        Runtime::task(
+            Process::command("/bin/sh")
+                .args([
+                    "-c",
+                    "head -c 300000 /dev/zero; head -c 300000 /dev/zero >&2; cat",
+                ])
+                .input(b"echoed".to_vec())
+                .output(),
+        )
+        .spawn(),
+        "a process flooding stdout and stderr",
     )
-    .spawn()
-    .take()
     .expect("output");
     assert_eq!(
         output.stdout.len(),
@@ -196,19 +228,21 @@ fn processes_run_capture_output_and_die_on_cancel() {
         .timeout(Duration::from_millis(100))
         .spawn();
     assert_eq!(
-        long.join(),
+        join(&long, "a 30 s child with a 100 ms timeout"),
         Err(RuntimeError::TimedOut),
         "a timeout stops the child"
     );
     assert!(started.elapsed() < Duration::from_secs(10));
     assert_eq!(
-        Runtime::task(
-            Process::command("/bin/true")
-                .current_dir("/no/such/dir")
-                .run()
-        )
-        .spawn()
-        .join(),
+        join(
+            &Runtime::task(
+                Process::command("/bin/true")
+                    .current_dir("/no/such/dir")
+                    .run()
+            )
+            .spawn(),
+            "a run in a missing directory"
+        ),
         Err(RuntimeError::BadDirectory)
     );
 }
@@ -218,7 +252,10 @@ fn a_spawned_process_can_be_waited_on_and_killed() {
     init();
     let child = Process::spawn(Process::command("/bin/sh").args(["-c", "exit 7"])).expect("spawn");
     assert_eq!(
-        Runtime::task(child.wait()).spawn().join(),
+        join(
+            &Runtime::task(child.wait()).spawn(),
+            "the wait on `sh -c 'exit 7'`"
+        ),
         Ok(Exit::Code(7))
     );
     let sleeper =

@@ -1,15 +1,19 @@
 //! Lifecycle: spawn before init, shutdown drains then refuses, block still works, init again works.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, RuntimeError, Sleep};
+
+use common::{join, wait, wait_until, within};
 
 // One test function: the runtime is process-wide and these steps must run in order.
 #[test]
 fn the_runtime_lifecycle_behaves_over_two_cycles() {
     let early = Runtime::task(Compute::compute(|()| 1)).spawn();
     assert_eq!(
-        early.join(),
+        join(&early, "a spawn before init"),
         Err(RuntimeError::NotInitialised),
         "a spawn before init says so"
     );
@@ -60,26 +64,23 @@ fn the_runtime_lifecycle_behaves_over_two_cycles() {
             .count(3)
             .after(Duration::from_millis(5))
             .spawn();
-        let started = Instant::now();
-        while !counted.is_finished() {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "cycle {cycle}: the repeat should finish"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_until(
+            Duration::from_secs(10),
+            &format!("cycle {cycle}: the repeat should finish"),
+            || counted.is_finished(),
+        );
         assert_eq!(
-            counted.join(),
+            join(&counted, "a delayed, counted repeat"),
             Ok(1),
             "delayed, counted repeats work in cycle {cycle}"
         );
         // Let queued work reach its parks, then shut down: parked sleeps still queued or parked
         // are either finished or written off, never left pending.
         for handle in &handles[..100] {
-            handle.wait();
+            wait(handle, "one of the first 100 sleeps");
         }
         let shutdown_started = Instant::now();
-        Runtime::shutdown();
+        within(&format!("the shutdown of cycle {cycle}"), Runtime::shutdown);
         assert!(
             shutdown_started.elapsed() < Duration::from_secs(30),
             "shutdown should finish promptly"
@@ -92,27 +93,32 @@ fn the_runtime_lifecycle_behaves_over_two_cycles() {
         }
         let finished = handles
             .iter()
-            .filter(|handle| handle.join().is_ok())
+            .filter(|handle| join(handle, "a sleep settled by shutdown").is_ok())
             .count();
         assert!(
             finished >= 1000,
             "queued work drains: only {finished} of 2000 finished"
         );
 
-        Runtime::shutdown();
+        within("a second shutdown", Runtime::shutdown);
         assert!(!Runtime::initialised(), "shutdown is idempotent");
         let late = Runtime::task(Compute::compute(|()| 1)).spawn();
         assert_eq!(
-            late.join(),
+            join(&late, "a spawn after shutdown"),
             Err(RuntimeError::TaskFailed),
             "a spawn after shutdown fails"
         );
         assert_eq!(
-            Runtime::block(Compute::compute(|()| 5)),
+            within("Runtime::block of a compute after shutdown", || {
+                Runtime::block(Compute::compute(|()| 5))
+            }),
             Ok(5),
             "block still works after shutdown"
         );
-        let slept = Runtime::block(Sleep::sleep(Duration::from_millis(2))).expect("sleep");
+        let slept = within("Runtime::block of a 2 ms sleep after shutdown", || {
+            Runtime::block(Sleep::sleep(Duration::from_millis(2)))
+        })
+        .expect("sleep");
         assert!(
             slept >= Duration::from_millis(2),
             "a blocked sleep works after shutdown"

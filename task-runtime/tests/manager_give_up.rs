@@ -1,8 +1,12 @@
 //! Manager faults past the restart limit: the supervisor gives up and every dependent task settles.
 
-use std::time::{Duration, Instant};
+mod common;
+
+use std::time::Duration;
 
 use task_runtime::{Compute, Runtime, RuntimeError, Sleep, faults};
+
+use common::{join, wait_until, within};
 
 #[test]
 fn past_the_restart_limit_everything_that_depends_on_the_manager_settles() {
@@ -15,24 +19,27 @@ fn past_the_restart_limit_everything_that_depends_on_the_manager_settles() {
         .spawn();
     std::thread::sleep(Duration::from_millis(50));
     faults::panic_manager(10);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Runtime::status().manager_alive {
-        assert!(Instant::now() < deadline, "the supervisor should give up");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until(
+        Duration::from_secs(10),
+        "the supervisor should give up",
+        || !Runtime::status().manager_alive,
+    );
     assert_eq!(
         sleep.join_with_timeout(Duration::from_secs(5)),
         Err(RuntimeError::TaskFailed),
         "a parked sleep is written off"
     );
     // Not `wait()`: a repeat reads Ready between runs, so only `is_finished` says it was written off.
-    let written_off_by = Instant::now() + Duration::from_secs(10);
-    while !repeat.is_finished() && Instant::now() < written_off_by {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert!(repeat.is_finished(), "a gapped repeat is written off");
+    wait_until(
+        Duration::from_secs(10),
+        "a gapped repeat should be written off",
+        || repeat.is_finished(),
+    );
     assert_eq!(
-        Runtime::task(Compute::compute(|()| 2)).spawn().join(),
+        join(
+            &Runtime::task(Compute::compute(|()| 2)).spawn(),
+            "a compute without a manager"
+        ),
         Ok(2),
         "computes still run without a manager"
     );
@@ -40,11 +47,14 @@ fn past_the_restart_limit_everything_that_depends_on_the_manager_settles() {
         !Runtime::healthy(),
         "without a manager the runtime is not healthy"
     );
-    Runtime::shutdown();
+    within("the shutdown after a give-up", Runtime::shutdown);
     Runtime::init().expect("init works again after a give-up");
     assert!(Runtime::healthy());
     assert_eq!(
-        Runtime::task(Compute::compute(|()| 3)).spawn().join(),
+        join(
+            &Runtime::task(Compute::compute(|()| 3)).spawn(),
+            "a compute after init again"
+        ),
         Ok(3)
     );
 }

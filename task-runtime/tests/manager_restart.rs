@@ -1,10 +1,14 @@
 //! Manager faults: the supervisor restarts the manager and timers and parked tasks survive.
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use task_runtime::{Compute, Runtime, Sleep, faults};
+
+use common::{join, wait_until};
 
 #[test]
 fn the_manager_recovers_from_three_faults_and_keeps_timers() {
@@ -26,14 +30,11 @@ fn the_manager_recovers_from_three_faults_and_keeps_timers() {
     std::thread::sleep(Duration::from_millis(50));
     for restart in 1..=3 {
         faults::panic_manager(1);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Runtime::status().manager_restarts < restart {
-            assert!(
-                Instant::now() < deadline,
-                "restart {restart} should happen within 5 s"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_until(
+            Duration::from_secs(5),
+            &format!("restart {restart} should happen"),
+            || Runtime::status().manager_restarts >= restart,
+        );
     }
     let status = Runtime::status();
     assert!(
@@ -45,23 +46,19 @@ fn the_manager_recovers_from_three_faults_and_keeps_timers() {
         "the manager should be back: {status:?}"
     );
     let before = runs.load(Ordering::SeqCst);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while runs.load(Ordering::SeqCst) < before + 3 {
-        assert!(
-            Instant::now() < deadline,
-            "the timed repeat should resume within 5 s"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let slept = parked
-        .join()
+    wait_until(
+        Duration::from_secs(5),
+        "the timed repeat should resume",
+        || runs.load(Ordering::SeqCst) >= before + 3,
+    );
+    let slept = join(&parked, "a 400 ms sleep parked across restarts")
         .expect("a sleep parked across restarts still ends");
     assert!(
         slept >= Duration::from_millis(400),
         "and not early: {slept:?}"
     );
     assert_eq!(
-        timed.join(),
+        join(&timed, "a 30 s sleep with a 300 ms timeout"),
         Err(task_runtime::RuntimeError::TimedOut),
         "a timeout survives manager restarts"
     );

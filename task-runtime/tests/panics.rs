@@ -4,7 +4,7 @@ mod common;
 
 use task_runtime::{Compute, Runtime, RuntimeError, TaskState};
 
-use common::init;
+use common::{init, join};
 
 #[test]
 fn a_panicking_task_fails_alone_and_its_neighbours_finish() {
@@ -18,14 +18,14 @@ fn a_panicking_task_fails_alone_and_its_neighbours_finish() {
         .map(|index| Runtime::task(Compute::compute(move |()| index)).spawn())
         .collect();
     assert_eq!(
-        panicking.join(),
+        join(&panicking, "the panicking compute"),
         Err(RuntimeError::TaskFailed),
         "the panic should fail the task"
     );
     assert_eq!(panicking.state(), TaskState::Failed);
     for (index, handle) in before.into_iter().chain(after).enumerate() {
         assert_eq!(
-            handle.join(),
+            join(&handle, "a neighbour of the panicking compute"),
             Ok(index as u32),
             "a neighbour of the panic should finish"
         );
@@ -38,11 +38,12 @@ fn a_parent_sees_its_child_panic_and_a_flood_of_panics_leaves_the_rest_correct()
     std::panic::set_hook(Box::new(|_| {}));
     let parent = Runtime::task(Compute::compute(|()| {
         let child = Runtime::task(Compute::compute(|()| -> u8 { panic!("child fails") })).spawn();
+        // deadline: the test's own join of the parent bounds this join on a worker (what it checks).
         child.join()
     }))
     .spawn();
     assert_eq!(
-        parent.join(),
+        join(&parent, "the parent joining its panicking child"),
         Ok(Err(RuntimeError::TaskFailed)),
         "the parent sees the failure"
     );
@@ -58,7 +59,7 @@ fn a_parent_sees_its_child_panic_and_a_flood_of_panics_leaves_the_rest_correct()
         })
         .collect();
     for (index, handle) in handles.into_iter().enumerate() {
-        let result = handle.join();
+        let result = join(&handle, "a task of the panic flood");
         if index % 2 == 0 {
             assert_eq!(result, Err(RuntimeError::TaskFailed), "even tasks panic");
         } else {

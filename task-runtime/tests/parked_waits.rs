@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use task_runtime::{File, Runtime, Tcp};
 
-use common::becomes_running;
+use common::{becomes_running, join, take, wait_until};
 
 #[test]
 fn five_hundred_parked_receives_and_three_hundred_watches_hold_no_thread() {
@@ -18,10 +18,11 @@ fn five_hundred_parked_receives_and_three_hundred_watches_hold_no_thread() {
     let mut receives = Vec::new();
     let mut connections = Vec::new();
     for _ in 0..500 {
-        let connection = Runtime::task(Tcp::connect(address))
-            .spawn()
-            .take()
-            .expect("connect");
+        let connection = take(
+            Runtime::task(Tcp::connect(address)).spawn(),
+            "a connect to the local listener",
+        )
+        .expect("connect");
         let (peer, _) = listener.accept().expect("accept");
         receives.push(Runtime::task(connection.recv(16)).spawn());
         connections.push(connection);
@@ -55,21 +56,27 @@ fn five_hundred_parked_receives_and_three_hundred_watches_hold_no_thread() {
     );
     // Each wakes on its own event.
     peers[123].write_all(b"ping").expect("write");
+    // One 10 s budget for both wakes.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !receives[123].is_settled() {
-        assert!(Instant::now() < deadline, "receive 123 should wake");
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    assert_eq!(receives[123].join(), Ok(b"ping".to_vec()));
+    wait_until(
+        deadline.saturating_duration_since(Instant::now()),
+        "receive 123 should wake",
+        || receives[123].is_settled(),
+    );
+    assert_eq!(
+        join(&receives[123], "receive 123 after its ping"),
+        Ok(b"ping".to_vec())
+    );
     assert!(
         receives[122].is_running() && receives[124].is_running(),
         "neighbours stay parked"
     );
     std::fs::write(&paths[42], b"changed").expect("write");
-    while !watches[42].is_settled() {
-        assert!(Instant::now() < deadline, "watch 42 should wake");
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_until(
+        deadline.saturating_duration_since(Instant::now()),
+        "watch 42 should wake",
+        || watches[42].is_settled(),
+    );
     assert!(
         watches[41].is_running() && watches[43].is_running(),
         "other watches stay parked"

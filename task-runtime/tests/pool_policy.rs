@@ -1,8 +1,12 @@
 //! Pool policy: stuck workers make the pool grow, blocking work gets its own threads, idle threads are reaped.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime};
+
+use common::join;
 
 #[test]
 fn the_pool_grows_for_stuck_workers_and_shrinks_back_when_idle() {
@@ -26,7 +30,7 @@ fn the_pool_grows_for_stuck_workers_and_shrinks_back_when_idle() {
         })
         .collect();
     for holder in holders {
-        holder.join().expect("holder");
+        join(&holder, "a compute holding its worker for 1 s").expect("holder");
     }
     let took = started.elapsed();
     let pool = Runtime::pool();
@@ -57,7 +61,7 @@ fn the_pool_grows_for_stuck_workers_and_shrinks_back_when_idle() {
     std::thread::sleep(Duration::from_millis(500));
     let during = Runtime::pool();
     for handle in blocking {
-        handle.join().expect("blocking");
+        join(&handle, "a blocking compute of 1 s").expect("blocking");
     }
     let took = started.elapsed();
     assert!(

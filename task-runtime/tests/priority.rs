@@ -1,8 +1,12 @@
 //! Priority: a priority-255 task overtakes a deep queue of default-priority work.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, RuntimeError};
+
+use common::join;
 
 #[test]
 fn a_priority_255_task_overtakes_a_deep_queue() {
@@ -23,9 +27,9 @@ fn a_priority_255_task_overtakes_a_deep_queue() {
     let urgent = Runtime::task(Compute::compute(move |()| spawned.elapsed()))
         .priority(255)
         .spawn();
-    let waited = urgent.join().expect("the urgent task should run");
+    let waited = join(&urgent, "the priority-255 task").expect("the urgent task should run");
     for handle in queued {
-        handle.join().expect("queued work should finish");
+        join(&handle, "a queued 50 µs compute").expect("queued work should finish");
     }
     let batch = batch_started.elapsed();
     assert!(

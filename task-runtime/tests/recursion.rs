@@ -1,8 +1,15 @@
 //! Recursion: recursive splits and chains deeper than the help depth finish with the right results.
+//!
+//! The joins inside tasks are plain `join` on purpose (nested helping joins on workers are what these
+//! tests check); the test thread's own joins have deadlines, so a nested join that hangs still fails.
+
+mod common;
 
 use std::time::Duration;
 
 use task_runtime::{Compute, Runtime, RuntimeError};
+
+use common::join;
 
 fn fibonacci(n: u64) -> u64 {
     if n < 2 {
@@ -10,6 +17,7 @@ fn fibonacci(n: u64) -> u64 {
     }
     let left = Runtime::task(Compute::compute(move |()| fibonacci(n - 1))).spawn();
     let right = fibonacci(n - 2);
+    // deadline: the test thread's timed join of the whole computation.
     left.join().unwrap_or(0) + right
 }
 
@@ -17,10 +25,9 @@ fn chain(depth: u32) -> u32 {
     if depth == 0 {
         return 0;
     }
-    Runtime::task(Compute::compute(move |()| chain(depth - 1) + 1))
-        .spawn()
-        .join()
-        .unwrap_or(u32::MAX)
+    let link = Runtime::task(Compute::compute(move |()| chain(depth - 1) + 1)).spawn();
+    // deadline: the test thread's timed join of the whole chain.
+    link.join().unwrap_or(u32::MAX)
 }
 
 #[test]
@@ -69,5 +76,5 @@ fn block_inside_a_compute_works() {
         Runtime::block(Compute::compute(|()| 6)).unwrap_or(0) * 7
     }))
     .spawn();
-    assert_eq!(outer.join(), Ok(42));
+    assert_eq!(join(&outer, "a compute that calls Runtime::block"), Ok(42));
 }

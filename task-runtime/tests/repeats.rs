@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, RuntimeError, Sleep, TaskState};
 
-use common::{finishes_within, init};
+use common::{finishes_within, init, join, wait, wait_until};
 
 /// Generous bound for one of these short repeats to end, even on a loaded machine.
 const FINISH_LIMIT: Duration = Duration::from_secs(20);
@@ -37,7 +37,7 @@ fn a_counted_repeat_runs_exactly_that_many_times() {
         "a counted repeat should finish"
     );
     assert_eq!(
-        handle.join(),
+        join(&handle, "a repeat counted to 5"),
         Ok(5),
         "the last output should be from the fifth run"
     );
@@ -74,7 +74,7 @@ fn a_repeat_with_a_gap_holds_no_thread_between_runs() {
         pool.workers.iter().all(|worker| worker.1 == 0),
         "no backlog mid-gap: {pool}"
     );
-    handle.wait();
+    wait(&handle, "a repeat with a 400 ms gap");
     assert!(
         finishes_within(&handle, FINISH_LIMIT),
         "the repeat should end after its second run, but it still runs after {FINISH_LIMIT:?}"
@@ -90,7 +90,6 @@ fn a_repeat_with_a_gap_holds_no_thread_between_runs() {
 fn count_and_deadline_end_at_whichever_comes_first() {
     init();
     let (runs, body) = counter();
-    let started = Instant::now();
     // A 1 s window of 20 ms gaps: at most 51 runs fit, and even on a loaded 2-core machine (where one
     // wake-up can be 150 ms late, so a 300 ms window once saw only two runs) it repeats more than once.
     let handle = Runtime::task(Compute::compute(body))
@@ -99,13 +98,11 @@ fn count_and_deadline_end_at_whichever_comes_first() {
         .count(1000)
         .for_duration(Duration::from_secs(1))
         .spawn();
-    while !handle.is_finished() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the deadline should end it"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until(
+        Duration::from_secs(10),
+        "the deadline should end the repeat",
+        || handle.is_finished(),
+    );
     let count = runs.load(Ordering::SeqCst);
     assert!(
         (2..=51).contains(&count),
@@ -168,7 +165,10 @@ fn a_delayed_task_can_be_cancelled_before_it_starts() {
         0,
         "a cancelled delay never runs"
     );
-    assert_eq!(handle.join(), Err(RuntimeError::Cancelled));
+    assert_eq!(
+        join(&handle, "a delayed task cancelled before it starts"),
+        Err(RuntimeError::Cancelled)
+    );
 }
 
 #[test]
@@ -178,7 +178,7 @@ fn a_start_delay_is_honoured() {
     let handle = Runtime::task(Compute::compute(move |()| started.elapsed()))
         .after(Duration::from_millis(100))
         .spawn();
-    let waited = handle.join().expect("the delayed task should run");
+    let waited = join(&handle, "a task delayed 100 ms").expect("the delayed task should run");
     assert!(
         waited >= Duration::from_millis(100),
         "it should start after 100 ms: {waited:?}"
@@ -204,7 +204,7 @@ fn two_thousand_delayed_tasks_hold_no_threads() {
     );
     for (index, handle) in handles.into_iter().enumerate() {
         assert_eq!(
-            handle.join(),
+            join(&handle, "one of 2,000 tasks delayed 300 ms"),
             Ok(index as u32),
             "every delayed task should run"
         );
@@ -266,20 +266,16 @@ fn at_rate_overlaps_its_runs() {
         .at_rate(Duration::from_millis(50))
         .count(5)
         .spawn();
-    while !handle.is_finished() {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "the series should end"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until(Duration::from_secs(20), "the series should end", || {
+        handle.is_finished()
+    });
     let total = started.elapsed();
     assert!(
         total < Duration::from_secs(3),
         "five overlapping 1 s runs every 50 ms should take well under the 5 s serial time: {total:?}"
     );
     assert!(
-        handle.join().is_ok(),
+        join(&handle, "a series of five 1 s sleeps").is_ok(),
         "the series should leave the last output"
     );
 }
@@ -292,7 +288,7 @@ fn at_rate_with_count_zero_reads_task_failed() {
         .count(0)
         .spawn();
     assert_eq!(
-        handle.join(),
+        join(&handle, "a series counted to 0"),
         Err(RuntimeError::TaskFailed),
         "a series of no runs fails"
     );
@@ -314,5 +310,8 @@ fn a_wrong_but_valid_looking_chain_still_compiles_where_it_should() {
         finishes_within(&handle, FINISH_LIMIT),
         "the count of 2 should end the repeat, but it still runs after {FINISH_LIMIT:?}"
     );
-    assert_eq!(handle.join(), Ok(3));
+    assert_eq!(
+        join(&handle, "a repeat with every option in a valid order"),
+        Ok(3)
+    );
 }

@@ -10,17 +10,19 @@ use task_runtime::{Compute, Runtime, Sleep};
 fn two_hundred_thousand_spawn_join_cycles_do_not_grow_memory() {
     Runtime::builder().cores(2).init().expect("init");
     for _ in 0..1000 {
-        Runtime::task(Sleep::sleep(Duration::from_nanos(1)))
-            .spawn()
-            .join()
-            .expect("warm-up");
+        common::join(
+            &Runtime::task(Sleep::sleep(Duration::from_nanos(1))).spawn(),
+            "a warm-up sleep",
+        )
+        .expect("warm-up");
     }
     let before = common::rss_bytes();
     for _ in 0..200_000 {
-        Runtime::task(Sleep::sleep(Duration::from_nanos(1)))
-            .spawn()
-            .join()
-            .expect("cycle");
+        common::join(
+            &Runtime::task(Sleep::sleep(Duration::from_nanos(1))).spawn(),
+            "a 1 ns sleep of the churn",
+        )
+        .expect("cycle");
     }
     let growth = common::rss_bytes().saturating_sub(before);
     assert!(
@@ -28,14 +30,11 @@ fn two_hundred_thousand_spawn_join_cycles_do_not_grow_memory() {
         "200k cycles grew RSS by {growth} bytes (limit 2 MiB)"
     );
     // The executor drops its claim just after publishing, so allow it a moment.
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while Runtime::pool().live > 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "every slot comes back once handles drop"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    common::wait_until(
+        Duration::from_secs(5),
+        "every slot should come back once handles drop",
+        || Runtime::pool().live == 0,
+    );
     table_slots_are_reused_across_waves();
 }
 
@@ -47,7 +46,10 @@ fn table_slots_are_reused_across_waves() {
             .map(|index| Runtime::task(Compute::compute(move |()| wave + index)).spawn())
             .collect();
         for (index, handle) in handles.into_iter().enumerate() {
-            assert_eq!(handle.join(), Ok(wave + index as u64));
+            assert_eq!(
+                common::join(&handle, "a compute of a wave"),
+                Ok(wave + index as u64)
+            );
         }
         let peak = Runtime::pool().peak_slots;
         let first = *first_peak.get_or_insert(peak);

@@ -21,7 +21,7 @@ fn twenty_long_sleeps_and_a_quiet_pool_keep_idle_cpu_under_five_percent() {
         share * 100.0
     );
     for sleep in sleeps {
-        let slept = sleep.join().expect("sleep");
+        let slept = common::join(&sleep, "a 3 s sleep").expect("sleep");
         assert!(
             slept >= Duration::from_secs(3),
             "no sleep may end early: {slept:?}"
@@ -33,7 +33,10 @@ fn twenty_long_sleeps_and_a_quiet_pool_keep_idle_cpu_under_five_percent() {
         .map(|index| Runtime::task(Compute::compute(move |()| index * index)).spawn())
         .collect();
     for (index, handle) in burst.into_iter().enumerate() {
-        assert_eq!(handle.join(), Ok((index * index) as u64));
+        assert_eq!(
+            common::join(&handle, "a compute of the burst"),
+            Ok((index * index) as u64)
+        );
     }
     // Let spinning workers park and grown threads reap, then measure a quiet window.
     std::thread::sleep(Duration::from_millis(700));

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use task_runtime::{Runtime, RuntimeError, Signal};
 
-use common::becomes_running;
+use common::{becomes_running, join, wait_until};
 
 #[test]
 fn a_signal_wakes_its_waiter_and_bad_signals_are_refused() {
@@ -30,16 +30,16 @@ fn a_signal_wakes_its_waiter_and_bad_signals_are_refused() {
     net_io_sys::signal::send_to_self(libc::SIGUSR1).expect("kill");
     std::thread::sleep(Duration::from_millis(100));
     net_io_sys::signal::send_to_self(libc::SIGUSR1).expect("kill");
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while !repeating.is_finished() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "two deliveries end a count of two"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until(
+        Duration::from_secs(5),
+        "two deliveries should end a count of two",
+        || repeating.is_finished(),
+    );
     assert_eq!(
-        Runtime::task(Signal::wait(libc::SIGKILL)).spawn().join(),
+        join(
+            &Runtime::task(Signal::wait(libc::SIGKILL)).spawn(),
+            "a wait on SIGKILL"
+        ),
         Err(RuntimeError::BadSignal),
         "SIGKILL cannot be watched"
     );

@@ -1,5 +1,7 @@
 //! Stress: thousands of mixed tasks while workers die and the manager faults; nothing is lost or crossed.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use task_runtime::{Channel, Compute, Runtime, RuntimeError, Sleep, TaskHandle, faults};
@@ -114,9 +116,12 @@ fn mixed_work_survives_worker_deaths_and_manager_faults() {
         Runtime::healthy(),
         "the runtime should be healthy after the storm: {pool}"
     );
-    Runtime::shutdown();
+    common::within("the shutdown after the storm", Runtime::shutdown);
     assert_eq!(
-        Runtime::task(Compute::compute(|()| 1)).spawn().join(),
+        common::join(
+            &Runtime::task(Compute::compute(|()| 1)).spawn(),
+            "a spawn after shutdown"
+        ),
         Err(RuntimeError::TaskFailed),
         "a spawn after shutdown fails"
     );

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use task_runtime::{Runtime, RuntimeError, Tcp, TcpConnection};
 
-use common::{becomes_running, init};
+use common::{JOIN_PATIENCE, becomes_running, init, join, take};
 
 #[test]
 fn an_echo_round_trip_works_through_parked_tasks() {
@@ -15,32 +15,41 @@ fn an_echo_round_trip_works_through_parked_tasks() {
     let listener = Tcp::listen("127.0.0.1:0").expect("listen");
     let address = listener.local_addr().expect("address");
     let accepted = Runtime::task(listener.accept()).spawn();
-    let client: TcpConnection = Runtime::task(Tcp::connect(address))
-        .spawn()
-        .take()
-        .expect("connect");
-    let server = accepted.take().expect("accept");
+    let client: TcpConnection = take(
+        Runtime::task(Tcp::connect(address)).spawn(),
+        "a connect to the local listener",
+    )
+    .expect("connect");
+    let server = take(accepted, "the accept of that connect").expect("accept");
     let received = Runtime::task(server.recv_exact(5)).spawn();
     assert!(
         becomes_running(&received),
         "the receive should park while no bytes came"
     );
-    Runtime::task(client.send(b"hello".to_vec()))
-        .spawn()
-        .join()
-        .expect("send");
+    join(
+        &Runtime::task(client.send(b"hello".to_vec())).spawn(),
+        "a send of 5 bytes",
+    )
+    .expect("send");
     assert_eq!(
-        received.take(),
+        take(received, "the parked receive of 5 bytes"),
         Ok(b"hello".to_vec()),
         "the parked receive wakes with the bytes"
     );
 
-    Runtime::task(client.send(b"line one\nline two\n".to_vec()))
-        .spawn()
-        .join()
-        .expect("send");
-    let first = Runtime::task(server.recv_until(b'\n', 100)).spawn().take();
-    let second = Runtime::task(server.recv_until(b'\n', 100)).spawn().take();
+    join(
+        &Runtime::task(client.send(b"line one\nline two\n".to_vec())).spawn(),
+        "a send of two lines",
+    )
+    .expect("send");
+    let first = take(
+        Runtime::task(server.recv_until(b'\n', 100)).spawn(),
+        "the receive of the first line",
+    );
+    let second = take(
+        Runtime::task(server.recv_until(b'\n', 100)).spawn(),
+        "the receive of the second line",
+    );
     assert_eq!(first, Ok(b"line one\n".to_vec()));
     assert_eq!(
         second,
@@ -48,22 +57,27 @@ fn an_echo_round_trip_works_through_parked_tasks() {
         "bytes past a delimiter are kept"
     );
 
-    Runtime::task(client.send(vec![b'x'; 50]))
-        .spawn()
-        .join()
-        .expect("send");
+    join(
+        &Runtime::task(client.send(vec![b'x'; 50])).spawn(),
+        "a send of 50 bytes without a newline",
+    )
+    .expect("send");
     assert_eq!(
-        Runtime::task(server.recv_until(b'\n', 10)).spawn().take(),
+        take(
+            Runtime::task(server.recv_until(b'\n', 10)).spawn(),
+            "a line receive past its limit"
+        ),
         Err(RuntimeError::TooLong),
         "a line past the limit reads TooLong"
     );
     client.finish().expect("finish");
     let mut rest = Vec::new();
     loop {
-        let chunk = Runtime::task(server.recv(1024))
-            .spawn()
-            .take()
-            .expect("recv");
+        let chunk = take(
+            Runtime::task(server.recv(1024)).spawn(),
+            "a receive of what is left",
+        )
+        .expect("recv");
         if chunk.is_empty() {
             break;
         }
@@ -81,10 +95,11 @@ fn a_reader_and_a_writer_park_on_one_socket() {
     init();
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let address = listener.local_addr().expect("address");
-    let connection = Runtime::task(Tcp::connect(address))
-        .spawn()
-        .take()
-        .expect("connect");
+    let connection = take(
+        Runtime::task(Tcp::connect(address)).spawn(),
+        "a connect to the local listener",
+    )
+    .expect("connect");
     let (mut peer, _) = listener.accept().expect("accept");
     // Fill the send buffer so the writer parks too.
     let big = vec![7u8; 8 << 20];
@@ -96,15 +111,18 @@ fn a_reader_and_a_writer_park_on_one_socket() {
     );
     peer.write_all(b"abc").expect("peer write");
     assert_eq!(
-        reader.take(),
+        take(reader, "the parked reader"),
         Ok(b"abc".to_vec()),
         "the reader wakes on its own event"
     );
     assert!(writer.is_running(), "the writer stays parked");
     let mut drained = vec![0u8; big.len()];
-    peer.read_exact(&mut drained).expect("peer read");
+    // A writer that never sends fails the read at the deadline instead of hanging the test.
+    peer.set_read_timeout(Some(JOIN_PATIENCE)).expect("timeout");
+    peer.read_exact(&mut drained)
+        .expect("the peer should read all 8 MiB the parked writer sends");
     assert_eq!(
-        writer.take(),
+        take(writer, "the parked writer of 8 MiB"),
         Ok(big.len()),
         "the writer wakes once the peer drains"
     );
@@ -117,24 +135,29 @@ fn a_refused_connect_reads_an_address_error_and_a_cancelled_receive_frees_its_sl
     let address = listener.local_addr().expect("address");
     drop(listener);
     assert_eq!(
-        Runtime::task(Tcp::connect(address))
-            .spawn()
-            .take()
-            .map(|_| ()),
+        take(
+            Runtime::task(Tcp::connect(address)).spawn(),
+            "a connect to a closed port"
+        )
+        .map(|_| ()),
         Err(RuntimeError::BadAddress),
         "a refused connect reads BadAddress"
     );
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let connection = Runtime::task(Tcp::connect(listener.local_addr().expect("address")))
-        .spawn()
-        .take()
-        .expect("connect");
+    let connection = take(
+        Runtime::task(Tcp::connect(listener.local_addr().expect("address"))).spawn(),
+        "a connect to the second listener",
+    )
+    .expect("connect");
     let (mut peer, _) = listener.accept().expect("accept");
     let receive = Runtime::task(connection.recv(10)).spawn();
     drop(connection);
     std::thread::sleep(Duration::from_millis(20));
     receive.cancel();
-    assert_eq!(receive.join(), Err(RuntimeError::Cancelled));
+    assert_eq!(
+        join(&receive, "the cancelled receive"),
+        Err(RuntimeError::Cancelled)
+    );
     drop(receive);
     // With the task and every handle gone the socket closes: the peer reads end of stream.
     peer.set_read_timeout(Some(Duration::from_secs(5)))

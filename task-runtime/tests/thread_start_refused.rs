@@ -1,5 +1,5 @@
 //! Refused thread starts: when the system will not create a pool thread, the pool keeps no record of
-//! it, retries later, and its tasks still run and its shutdown still ends.
+//! it, counts the refusal, retries later with a backoff, and its tasks still run and its shutdown still ends.
 
 use std::sync::Mutex;
 use std::sync::mpsc;
@@ -13,6 +13,12 @@ static SERIAL: Mutex<()> = Mutex::new(());
 /// Generous bound for anything that should take milliseconds (the machine may be loaded).
 const PATIENCE: Duration = Duration::from_secs(10);
 
+/// How long starts stay refused in the backoff test.
+const REFUSAL_WINDOW: Duration = Duration::from_secs(3);
+
+/// Most start attempts the backoff allows in `REFUSAL_WINDOW`, with room for racing callers.
+const MOST_ATTEMPTS_IN_WINDOW: u64 = 16;
+
 /// Starts a runtime of two workers that does not grow past them (floor and target both 2).
 fn start_small_runtime() {
     Runtime::builder()
@@ -20,6 +26,22 @@ fn start_small_runtime() {
         .workers_per_core(1)
         .init()
         .expect("init");
+}
+
+/// Refuses every pool thread start while it lives, so a failing test does not leave the hook on.
+struct RefusingStarts;
+
+impl RefusingStarts {
+    fn begin() -> Self {
+        faults::refuse_thread_starts(u32::MAX / 2);
+        RefusingStarts
+    }
+}
+
+impl Drop for RefusingStarts {
+    fn drop(&mut self) {
+        faults::stop_refusing_thread_starts();
+    }
 }
 
 /// Threads of this process whose name is `name` (pool threads name themselves).
@@ -41,6 +63,16 @@ fn wait_for_pool(settled: impl Fn(&PoolStatus) -> bool) -> PoolStatus {
         }
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// Makes one worker die and waits until the pool has counted that death.
+fn kill_one_worker() {
+    faults::kill_workers(1);
+    let pool = wait_for_pool(|pool| pool.deaths >= 1);
+    assert_eq!(
+        pool.deaths, 1,
+        "the injected death should be counted: {pool}"
+    );
 }
 
 /// Spawns `count` computes and checks each returns its own value.
@@ -76,12 +108,7 @@ fn a_refused_worker_replacement_leaves_no_dead_worker_in_the_pool() {
     start_small_runtime();
     // One worker dies; the pool's first try to replace it is refused, a later tick's try succeeds.
     faults::refuse_thread_starts(1);
-    faults::kill_workers(1);
-    let pool = wait_for_pool(|pool| pool.deaths >= 1);
-    assert_eq!(
-        pool.deaths, 1,
-        "the injected death should be counted: {pool}"
-    );
+    kill_one_worker();
     tasks_still_run(200);
     let pool = wait_for_pool(|pool| {
         pool.worker_count == pool.floor && threads_named("task-worker") == pool.floor
@@ -131,5 +158,45 @@ fn a_refused_blocking_thread_start_is_retried_and_the_blocking_task_runs() {
         pool.peak_sleep_threads >= 1,
         "the blocking thread that ran the task should be counted: {pool}"
     );
+    shutdown_ends();
+}
+
+#[test]
+fn starts_refused_for_a_while_are_retried_with_backoff_and_the_pool_recovers() {
+    let _turn = SERIAL.lock().unwrap_or_else(|poison| poison.into_inner());
+    start_small_runtime();
+    // Every start is refused until the test says otherwise (or fails); one of the two workers dies.
+    let refusing = RefusingStarts::begin();
+    kill_one_worker();
+    let window_started = Instant::now();
+    let attempts_before = faults::thread_start_attempts();
+    // The one worker left runs everything while the replacement is refused.
+    tasks_still_run(200);
+    std::thread::sleep(REFUSAL_WINDOW.saturating_sub(window_started.elapsed()));
+    let attempts = faults::thread_start_attempts() - attempts_before;
+    // Retrying every 10 ms tick would make about 300 attempts in the window; a backoff that doubles
+    // from 10 ms to 1 s makes 8 or 9. The bound leaves room for two callers racing past the gate.
+    assert!(
+        (1..=MOST_ATTEMPTS_IN_WINDOW).contains(&attempts),
+        "a refused start should be retried, but with backoff: {attempts} attempts in {REFUSAL_WINDOW:?}, \
+         expected 1 to {MOST_ATTEMPTS_IN_WINDOW}"
+    );
+    let pool = Runtime::pool();
+    assert!(
+        pool.refused_starts >= attempts,
+        "every refused start should be reported in the pool status ({attempts} in the window): {pool}"
+    );
+    assert_eq!(
+        pool.worker_count, 1,
+        "only the surviving worker should be listed while starts are refused: {pool}"
+    );
+    drop(refusing);
+    // The next retry comes at most the longest backoff (1 s) later.
+    let pool = wait_for_pool(|pool| pool.worker_count == pool.floor);
+    assert_eq!(
+        pool.worker_count, pool.floor,
+        "the pool should restore its floor once starts succeed again: {pool}"
+    );
+    tasks_still_run(200);
     shutdown_ends();
 }

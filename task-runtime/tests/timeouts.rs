@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, RuntimeError, Sleep, TaskState};
 
-use common::init;
+use common::{init, join, wait_until};
 
 #[test]
 fn a_slow_compute_and_a_long_sleep_time_out() {
@@ -19,7 +19,7 @@ fn a_slow_compute_and_a_long_sleep_time_out() {
     .spawn();
     let started = Instant::now();
     assert_eq!(
-        slow.join(),
+        join(&slow, "a 3 s compute with a 50 ms timeout"),
         Err(RuntimeError::TimedOut),
         "the compute should time out"
     );
@@ -61,13 +61,11 @@ fn the_limit_is_per_run_and_an_overrun_ends_a_repeat() {
     .count(10)
     .timeout(Duration::from_millis(100))
     .spawn();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !handle.is_finished() {
-        assert!(Instant::now() < deadline, "the repeat should end");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until(Duration::from_secs(10), "the repeat should end", || {
+        handle.is_finished()
+    });
     assert_eq!(
-        handle.join(),
+        join(&handle, "a repeat whose fourth run overruns"),
         Err(RuntimeError::TimedOut),
         "three 20 ms runs fit a 100 ms limit each; the fourth overruns and ends the repeat"
     );
@@ -83,7 +81,7 @@ fn the_start_delay_is_not_counted() {
         .after(Duration::from_millis(1500))
         .spawn();
     assert_eq!(
-        handle.join(),
+        join(&handle, "a compute delayed 1.5 s with a 500 ms limit"),
         Ok(5),
         "a 1.5 s delay does not count against a 500 ms limit"
     );
@@ -99,13 +97,11 @@ fn a_waiting_task_is_limited_only_while_running() {
     // Waits three times the limit; the limit itself is generous for an instant compute under load.
     std::thread::sleep(Duration::from_millis(1500));
     handle.give(4).expect("give");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while handle.try_join().is_err() {
-        assert!(Instant::now() < deadline, "the give should run");
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_until(Duration::from_secs(5), "the give should run", || {
+        handle.try_join().is_ok()
+    });
     assert_eq!(
-        handle.join(),
+        join(&handle, "a waiting task given 4 after 1.5 s"),
         Ok(4),
         "waiting 1.5 s for a give is not a timeout"
     );

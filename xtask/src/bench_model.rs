@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 
+use crate::figures::{load_average, median};
 use crate::llama_ref;
 use crate::models::{self, MODELS};
 use crate::{cargo, workspace_root};
@@ -396,16 +397,6 @@ fn render_table(model: &str, runners: &BTreeMap<usize, Samples>) -> String {
     table
 }
 
-fn median(values: &[f64]) -> f64 {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    match sorted.len() {
-        0 => 0.0,
-        length if length % 2 == 1 => sorted[length / 2],
-        length => (sorted[length / 2 - 1] + sorted[length / 2]) / 2.0,
-    }
-}
-
 fn ratio(numerator: f64, denominator: f64) -> f64 {
     if denominator > 0.0 {
         numerator / denominator
@@ -415,17 +406,6 @@ fn ratio(numerator: f64, denominator: f64) -> f64 {
 }
 
 /// The first three fields of /proc/loadavg: how busy the machine was.
-fn load_average() -> String {
-    fs::read_to_string("/proc/loadavg")
-        .map(|text| {
-            text.split_whitespace()
-                .take(3)
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .unwrap_or_else(|_| "unknown".to_owned())
-}
-
 /// One sentence on how busy the machine was, from the 1-minute load averages before the run and at the write,
 /// measured against the CPU count (a fixed sentence went stale whenever the machine was quiet or busier).
 fn load_verdict(before: &str, now: &str) -> String {
@@ -485,12 +465,6 @@ fn target_dir() -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_median_of_an_even_count_is_the_mean_of_the_middle_two() {
-        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5, "median of 1..=4 is 2.5");
-        assert_eq!(median(&[5.0, 1.0, 3.0]), 3.0, "median of 1, 3, 5 is 3");
-    }
 
     #[test]
     fn the_benchmark_prompt_is_128_fixture_ids() {

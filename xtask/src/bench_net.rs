@@ -26,8 +26,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
+use crate::figures::{load_average, median};
+
 const USAGE: &str = "\
-usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,handler,sessions,sessions-loop]
+usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,handler,handler-loop,sessions,sessions-loop]
                              [--duration-ms MS] [--warmup-ms MS] [--churn-ms MS] [--churn-rate N]
                              [--idle N]
                              [--client-threads N]
@@ -35,7 +37,7 @@ usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,handler,s
 
   --quick        one short round for a smoke test (does not write the report unless --output is given)
   --rounds N     rounds per kind, order rotated each round; medians are reported (default 3)
-  --kinds LIST   server kinds to measure (default: all five)
+  --kinds LIST   server kinds to measure (default: all six)
   --duration-ms  timed window of each echo load (default 2000)
   --warmup-ms    warm-up before each echo window (default 500)
   --churn-ms     length of each connect-and-close churn (default 3000)
@@ -75,7 +77,7 @@ struct ServerKind {
     pooled: bool,
 }
 
-const SERVER_KINDS: [ServerKind; 5] = [
+const SERVER_KINDS: [ServerKind; 6] = [
     ServerKind {
         name: "std",
         label: "std, thread per connection",
@@ -89,6 +91,13 @@ const SERVER_KINDS: [ServerKind; 5] = [
     ServerKind {
         name: "handler",
         label: "net-io-blocking handler",
+        pooled: true,
+    },
+    // Not a worker pool either: each handler runs on a coroutine over the event loops; its connection cap is
+    // sized like the pooled kinds'.
+    ServerKind {
+        name: "handler-loop",
+        label: "net-io-blocking handler, coroutines on event loops",
         pooled: true,
     },
     ServerKind {
@@ -183,7 +192,7 @@ pub fn run(arguments: &[String]) -> Result<()> {
     raise_descriptor_limit(options.idle_connections as u64 * 2 + 1_000)?;
     let binaries = build_examples()?;
     let clock_ticks = clock_ticks_per_second();
-    let load_before = read_load_average();
+    let load_before = load_average();
     // The 1-minute load average at the start of every measurement, to report what else was running.
     let mut load_samples = Vec::new();
     let started = Instant::now();
@@ -220,7 +229,7 @@ pub fn run(arguments: &[String]) -> Result<()> {
             system_calls.push((*kind, counted));
         }
     }
-    let load_after = read_load_average();
+    let load_after = load_average();
     load_samples.extend(one_minute_load());
     let report = render_report(
         &options,
@@ -304,7 +313,7 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
                 for name in list.split(',') {
                     let Some(kind) = SERVER_KINDS.iter().find(|kind| kind.name == name) else {
                         bail!(
-                            "unknown server kind `{name}`; the kinds are std, tokio, handler, sessions, sessions-loop"
+                            "unknown server kind `{name}`; the kinds are std, tokio, handler, handler-loop, sessions, sessions-loop"
                         );
                     };
                     kinds.push(*kind);
@@ -923,17 +932,6 @@ fn clock_ticks_per_second() -> f64 {
         .unwrap_or(100.0)
 }
 
-fn read_load_average() -> String {
-    fs::read_to_string("/proc/loadavg")
-        .map(|text| {
-            text.split_whitespace()
-                .take(3)
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .unwrap_or_else(|_| "unknown".to_owned())
-}
-
 /// The 1-minute load average from `/proc/loadavg`.
 fn one_minute_load() -> Option<f64> {
     fs::read_to_string("/proc/loadavg")
@@ -964,7 +962,7 @@ impl Load {
             .iter()
             .copied()
             .fold(f64::NEG_INFINITY, f64::max);
-        let middle = median(self.samples.clone());
+        let middle = median(&self.samples);
         // The load average counts the benchmark's own threads: two client threads plus the server's busy
         // threads, and for a moment the thousands of idle-connection workers being stopped. On a machine doing
         // nothing else a quiet run here read a median of 3.8 and a highest of 5.1 on 2 cores, so only figures
@@ -1043,19 +1041,6 @@ fn summarise(round: &KindRound) -> String {
 }
 
 /// The median of some values (the mean of the middle two for an even count).
-fn median(mut values: Vec<f64>) -> f64 {
-    if values.is_empty() {
-        return f64::NAN;
-    }
-    values.sort_by(f64::total_cmp);
-    let middle = values.len() / 2;
-    if values.len() % 2 == 1 {
-        values[middle]
-    } else {
-        (values[middle - 1] + values[middle]) / 2.0
-    }
-}
-
 /// Medians over the rounds of one kind.
 #[derive(Debug, Clone, Default)]
 struct KindMedians {
@@ -1068,7 +1053,8 @@ struct KindMedians {
 }
 
 fn medians(rounds: &[KindRound]) -> KindMedians {
-    let of = |pick: &dyn Fn(&KindRound) -> f64| median(rounds.iter().map(pick).collect());
+    let of =
+        |pick: &dyn Fn(&KindRound) -> f64| median(&rounds.iter().map(pick).collect::<Vec<_>>());
     let echo = (0..ECHO_CONNECTIONS.len())
         .map(|load| EchoResult {
             round_trips_per_second: of(&|round| round.echo[load].round_trips_per_second),
@@ -1095,7 +1081,12 @@ type ChurnPick = fn(&KindMedians) -> &ChurnResult;
 /// Field-by-field medians of one churn over the rounds.
 fn churn_medians(rounds: &[KindRound], pick: fn(&KindRound) -> &ChurnResult) -> ChurnResult {
     let of = |field: fn(&ChurnResult) -> f64| {
-        median(rounds.iter().map(|round| field(pick(round))).collect())
+        median(
+            &rounds
+                .iter()
+                .map(|round| field(pick(round)))
+                .collect::<Vec<_>>(),
+        )
     };
     ChurnResult {
         per_second: of(|churn| churn.per_second),
@@ -1309,7 +1300,7 @@ fn render_report(
 
     let _ = writeln!(out, "\n## Targets of issue 2, checked against this run\n");
     let mut any_target = false;
-    for name in ["handler", "sessions", "sessions-loop"] {
+    for name in ["handler", "handler-loop", "sessions", "sessions-loop"] {
         let Some(ours) = find(name) else { continue };
         any_target = true;
         let label = SERVER_KINDS
@@ -1337,6 +1328,9 @@ fn render_report(
          sans-IO session echoing what they read, 320 workers (so 256 connections fit beside those still closing), \
          a 4 KiB read buffer, the per-source cap raised to the global cap (every client is 127.0.0.1) and a \
          10-minute idle timeout (std and tokio have none); every other limit is the default (backlog 1,024). \
+         **handler-loop** runs the same handler on a coroutine per connection over one event-loop thread per \
+         core (`HandlerDriver::Coroutines`, 256 KiB of stack address space each) and **sessions-loop** the same \
+         session on the event-loop driver; both cap connections at 8,192 by default. \
          A fresh server process is started for the echo loads, for the idle figure and for the churn.\n\
          - Echo client (`bench_client echo`): closed loop, one 64 B message in flight per connection. It opens \
          the connections (one round trip each, so all are served), then splits them over 1, {threads} and {threads} client threads for \
@@ -1467,20 +1461,6 @@ fn target_lines(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_median_of_an_even_count_is_the_mean_of_the_middle_two() {
-        assert_eq!(
-            median(vec![4.0, 1.0, 3.0, 2.0]),
-            2.5,
-            "even-count median is wrong"
-        );
-        assert_eq!(
-            median(vec![5.0, 1.0, 3.0]),
-            3.0,
-            "odd-count median is wrong"
-        );
-    }
 
     #[test]
     fn client_result_lines_split_into_numbers() {

@@ -21,7 +21,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail, ensure};
 
-use crate::models::{self, MODELS, ModelFile};
+use crate::models::{self, MODELS, ModelFile, run_checked};
 use crate::workspace_root;
 
 /// The pinned npm package carrying llama.cpp's prebuilt libraries and its source bundle.
@@ -375,23 +375,6 @@ fn summarize(row: &[f32], count: usize) -> Summary {
         margin,
         logsumexp: maximum + sum.ln(),
     }
-}
-
-/// Runs a command, turning a failure into an error naming `what` with the tail of its stderr.
-fn run_checked(command: &mut Command, what: &str) -> Result<()> {
-    let output = command
-        .output()
-        .with_context(|| format!("could not start {what}"))?;
-    if !output.status.success() {
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        let lines: Vec<&str> = stderr.lines().collect();
-        bail!(
-            "{what} failed with {}:\n{}",
-            output.status,
-            lines[lines.len().saturating_sub(15)..].join("\n")
-        );
-    }
-    Ok(())
 }
 
 #[cfg(test)]

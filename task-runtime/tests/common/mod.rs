@@ -1,11 +1,18 @@
-//! Helpers shared by the test binaries: starting the runtime, waiting for a task to run, and RSS,
-//! thread count and CPU time from /proc/self.
+//! Helpers shared by the test binaries: starting the runtime, waiting for a task to run, joins that
+//! give up after a deadline, and RSS, thread count and CPU time from /proc/self.
 
 #![allow(dead_code)]
 
+use std::sync::mpsc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use task_runtime::{Runtime, RuntimeError, TaskHandle};
+
+/// How long a test waits for a task or thread that should end. Everything these tests wait for ends in
+/// well under a second on an idle machine; a minute leaves room for a loaded 2-core CI box while a
+/// hang (a lost wake, a deadlock) fails with a message long before CI's 40-minute cap.
+pub const JOIN_PATIENCE: Duration = Duration::from_secs(60);
 
 /// Starts the default runtime unless a test of this binary already did (the runtime is process-wide).
 pub fn init() {
@@ -23,10 +30,109 @@ pub fn becomes_running<T: Send + 'static, G>(handle: &TaskHandle<T, G>) -> bool 
     })
 }
 
+/// Checks `condition` every 2 ms until it holds, failing the test with `expectation` (a sentence
+/// saying what should happen) if it still does not after `limit`.
+#[track_caller]
+pub fn wait_until(limit: Duration, expectation: &str, condition: impl Fn() -> bool) {
+    if !holds_within(limit, Duration::from_millis(2), condition) {
+        panic!("{expectation}, but after {limit:?} it still had not");
+    }
+}
+
 /// Waits up to `limit` for `handle` to end for good (for a repeat: its last run is over); false if it
 /// has not, so a test fails with its own message instead of hanging.
 pub fn finishes_within<T: Send + 'static, G>(handle: &TaskHandle<T, G>, limit: Duration) -> bool {
     holds_within(limit, Duration::from_millis(5), || handle.is_finished())
+}
+
+/// Joins `handle` as [`TaskHandle::join`] does, but fails the test naming `what` if the task has not
+/// settled within [`JOIN_PATIENCE`] instead of hanging.
+#[track_caller]
+pub fn join<T: Clone + Send + 'static, G>(
+    handle: &TaskHandle<T, G>,
+    what: &str,
+) -> Result<T, RuntimeError> {
+    join_within(handle, JOIN_PATIENCE, what)
+}
+
+/// [`join`] with its own limit (for the tests of this helper).
+#[track_caller]
+pub fn join_within<T: Clone + Send + 'static, G>(
+    handle: &TaskHandle<T, G>,
+    limit: Duration,
+    what: &str,
+) -> Result<T, RuntimeError> {
+    let result = handle.join_with_timeout(limit);
+    if matches!(result, Err(RuntimeError::NotReady)) && !handle.is_settled() {
+        did_not_finish(what, limit, handle.state());
+    }
+    result
+}
+
+/// Takes the output as [`TaskHandle::take`] does, but fails the test naming `what` if the task has not
+/// settled within [`JOIN_PATIENCE`].
+#[track_caller]
+pub fn take<T: Send + 'static, G>(handle: TaskHandle<T, G>, what: &str) -> Result<T, RuntimeError> {
+    let result = handle.take_with_timeout(JOIN_PATIENCE);
+    if matches!(result, Err(RuntimeError::NotReady)) && !handle.is_settled() {
+        did_not_finish(what, JOIN_PATIENCE, handle.state());
+    }
+    result
+}
+
+/// Waits as [`TaskHandle::wait`] does (until the state is terminal), but fails the test naming `what`
+/// if that takes longer than [`JOIN_PATIENCE`].
+#[track_caller]
+pub fn wait<T: Send + 'static, G>(handle: &TaskHandle<T, G>, what: &str) {
+    if !holds_within(JOIN_PATIENCE, Duration::from_millis(1), || {
+        handle.is_settled()
+    }) {
+        did_not_finish(what, JOIN_PATIENCE, handle.state());
+    }
+}
+
+/// Joins a std thread, but fails the test naming `what` if it still runs after [`JOIN_PATIENCE`] (the
+/// thread is then left behind; the failing test ends the process soon after).
+#[track_caller]
+pub fn join_thread<R>(thread: JoinHandle<R>, what: &str) -> std::thread::Result<R> {
+    join_thread_within(thread, JOIN_PATIENCE, what)
+}
+
+/// [`join_thread`] with its own limit (for the tests of this helper).
+#[track_caller]
+pub fn join_thread_within<R>(
+    thread: JoinHandle<R>,
+    limit: Duration,
+    what: &str,
+) -> std::thread::Result<R> {
+    if !holds_within(limit, Duration::from_millis(1), || thread.is_finished()) {
+        did_not_finish(what, limit, "still running");
+    }
+    thread.join()
+}
+
+/// Runs `work` (a call that blocks, such as `Runtime::join_all`) on its own thread and returns what it
+/// returns, failing the test naming `what` if it has not returned within [`JOIN_PATIENCE`].
+#[track_caller]
+pub fn within<R: Send + 'static>(what: &str, work: impl FnOnce() -> R + Send + 'static) -> R {
+    let (done, result) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(work());
+    });
+    match result.recv_timeout(JOIN_PATIENCE) {
+        Ok(value) => value,
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            did_not_finish(what, JOIN_PATIENCE, "still blocked")
+        }
+        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("{what} panicked"),
+    }
+}
+
+#[track_caller]
+fn did_not_finish(what: &str, limit: Duration, state: impl std::fmt::Debug) -> ! {
+    panic!(
+        "{what} did not finish within {limit:?} (state: {state:?}); something it waits for never came"
+    )
 }
 
 /// Checks `condition` every `poll` until it holds (true) or `limit` has passed (false).

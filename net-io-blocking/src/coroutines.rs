@@ -1,0 +1,317 @@
+//! Blocking handlers on the event loops: each handler runs on a stackful coroutine owned by a [`Session`]
+//! (the [`HandlerSession`] adapter), and its [`TcpConnection`] suspends where a worker thread would block.
+//!
+//! ```text
+//!   event loop ──on_open / on_data / on_writable / on_timeout / on_peer_closed──▶ HandlerSession
+//!        ▲                                                                          │ resume(Wakeup, Output)
+//!        │ Step::Read / Step::Write / Close / Abort                                  ▼
+//!        └──────────────── suspend(Step, Output) ◀── TcpConnection::read / write_all ◀── handler
+//!   on_close(reason) ──resume(Closed(reason))──▶ the handler's next call returns Err(Closed(reason))
+//! ```
+//!
+//! The loop owns the connection, so everything it guarantees a session holds for the handler too:
+//! admission and caps, the gate before each write, PROXY headers, deadlines by phase, the minimum rate,
+//! kills, drain, panic containment and one close with one reason. The adapter only translates:
+//!
+//! - `read` suspends with [`Step::Read`]; the loop's `on_data` copies up to the handler's buffer length of
+//!   the input it received into a per-thread staging buffer, consumes that much and resumes the handler,
+//!   which copies it out. Input beyond the handler's buffer stays in the loop's read buffer for the next read.
+//! - `write_all` queues into the connection's [`Output`] (moved into the coroutine for the length of each
+//!   resume, so no byte is copied twice) and suspends with [`Step::Write`] until the loop has flushed it;
+//!   a reply larger than the output budget goes out one budget at a time.
+//! - a deadline resumes the waiting call with `Err(Timeout(kind))`, the peer's FIN with `Ok(0)`, and the
+//!   close (kill, drain, slow peer, gate denial, a reset) with `Err(Closed(reason))`. After a deadline or
+//!   the close, every call returns an error at once without suspending, so the handler runs to its end
+//!   inside the loop's `on_close` (or, should it be dropped suspended, during the unwind of its stack).
+//!   After the FIN, reads return `Ok(0)` at once and writes still go out (a half close).
+//! - the handler's return value becomes `Step::Close` (`Ok`, flushed then FIN) or `Step::Abort` (`Err`),
+//!   which the loop turns into the same close reasons the threaded driver reports.
+//!
+//! What the adapter relies on from the loop (a change there must keep these): a session's hooks all run on
+//! the loop thread that made it (the coroutine refuses any other); after `Step::Read`, input left unconsumed
+//! is offered again through `on_data` before the loop reads more; `Step::Write` ends in `on_writable` (or a
+//! deadline, or the close) once the queue is flushed; and `on_close` runs before the session is dropped.
+
+use std::cell::RefCell;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use net_io_core::{
+    CloseReason, ConnectionInfo, Input, NetError, Output, Session, SessionContext, SessionFactory,
+    Step, TimeoutKind,
+};
+use net_io_sys::coroutine::{Coroutine, CoroutineResult};
+
+use crate::connection::TcpConnection;
+use crate::server::{Core, KillHandle};
+
+/// How blocking handlers are run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HandlerDriver {
+    /// One worker thread per connection (the default). A handler may call any blocking code: a database
+    /// client, a file read, a lock, `thread::sleep`. The worker count caps how many connections are served.
+    Threads,
+    /// Each handler runs on a stackful coroutine over `loops` event-loop threads; a call on its
+    /// [`TcpConnection`] that would wait suspends the coroutine instead, so an idle or waiting connection
+    /// holds no thread, only its coroutine's stack pages.
+    ///
+    /// **Hazard: a handler must not block on anything but its `TcpConnection`.** A blocking call elsewhere
+    /// (another socket, a file, a lock held by another thread, a channel, `thread::sleep`, a long
+    /// computation) runs on the loop thread and stalls every connection of that loop until it returns,
+    /// deadlines and kills included. Offload such work or use [`HandlerDriver::Threads`].
+    ///
+    /// Each coroutine has its own stack ([`ServerBuilder::handler_stack_size`](crate::ServerBuilder::handler_stack_size),
+    /// 256 KiB of address space by default, of which only the touched pages are resident) with a guard
+    /// page below it: overflowing it kills the process with `SIGSEGV`, as a thread's stack overflow aborts.
+    /// Each stack is a memory mapping, so the kernel's `vm.max_map_count` (65,530 by default, two
+    /// mappings a stack) bounds the open connections unless it is raised. `TcpConnection::shutdown_write`
+    /// is not available on this driver.
+    Coroutines {
+        /// How many loop threads; at least one.
+        loops: usize,
+    },
+}
+
+impl HandlerDriver {
+    /// Coroutines over one loop thread per available core.
+    pub fn coroutines() -> HandlerDriver {
+        let loops = std::thread::available_parallelism().map_or(2, |cores| cores.get());
+        HandlerDriver::Coroutines { loops }
+    }
+}
+
+/// What a resume tells the handler's waiting call.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Wakeup {
+    /// The connection opened: the handler starts.
+    Start,
+    /// This many bytes of input wait in the loop thread's staging buffer.
+    Data(usize),
+    /// The peer sent FIN.
+    PeerClosed,
+    /// Everything queued was written.
+    Writable,
+    /// A deadline passed.
+    Timeout(TimeoutKind),
+    /// The connection closed with this reason.
+    Closed(CloseReason),
+}
+
+/// What the loop hands the coroutine at each resume.
+pub(crate) struct Resume {
+    pub(crate) wakeup: Wakeup,
+    pub(crate) output: Output,
+}
+
+/// What the handler asked of the loop since its last suspend.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Requests {
+    pub(crate) exchange_deadline: Option<Option<Instant>>,
+    pub(crate) idle_timeout: Option<Duration>,
+}
+
+/// What the coroutine hands back when it suspends.
+pub(crate) struct Suspend {
+    pub(crate) step: Step,
+    /// The most bytes the waiting `read` takes (0 unless the step is a read).
+    pub(crate) want: usize,
+    pub(crate) output: Output,
+    pub(crate) requests: Requests,
+}
+
+/// What the coroutine hands back when the handler returned.
+pub(crate) struct Finish {
+    result: Result<(), NetError>,
+    output: Option<Output>,
+    requests: Requests,
+}
+
+/// The yielder a loop-driven [`TcpConnection`] suspends through.
+pub(crate) type Yielder = net_io_sys::coroutine::Yielder<Resume, Suspend>;
+
+/// Makes a [`HandlerSession`] for each connection the loops admit.
+pub(crate) struct CoroutineFactory<H> {
+    handler: Arc<H>,
+    /// Set once the server's core exists (before the door opens, so before any connection).
+    core: Arc<OnceLock<Arc<Core>>>,
+    stack_size: usize,
+}
+
+/// The session that runs one handler on its coroutine.
+pub(crate) struct HandlerSession {
+    coroutine: Coroutine<Resume, Suspend, Finish>,
+    /// The most bytes the handler's waiting `read` takes; 0 when it is not waiting in a `read`.
+    want: usize,
+    finished: bool,
+}
+
+thread_local! {
+    /// Input on its way from the loop's read buffer to a handler's buffer. One per loop thread: a handler
+    /// is resumed on the thread that drives it, and copies the bytes out before it can suspend again.
+    static STAGING: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+impl<H> CoroutineFactory<H> {
+    pub(crate) fn new(handler: H, core: Arc<OnceLock<Arc<Core>>>, stack_size: usize) -> Self {
+        Self {
+            handler: Arc::new(handler),
+            core,
+            stack_size,
+        }
+    }
+}
+
+impl HandlerSession {
+    /// Resumes the handler with `wakeup` and the connection's output, and turns what it does next into a step.
+    fn run(&mut self, wakeup: Wakeup, context: &mut SessionContext<'_>) -> Step {
+        if self.finished {
+            return Step::Close;
+        }
+        let budget = context.output().budget();
+        let output = std::mem::replace(context.output(), Output::new(budget));
+        // A panic in the handler continues from here into the loop's hook, which closes the connection
+        // with `SessionPanicked`; the output queue it held goes with its stack.
+        let resumed = self.coroutine.resume(Resume { wakeup, output });
+        self.want = 0;
+        match resumed {
+            Ok(CoroutineResult::Yield(suspend)) => {
+                *context.output() = suspend.output;
+                apply(suspend.requests, context);
+                self.want = suspend.want;
+                suspend.step
+            }
+            Ok(CoroutineResult::Return(finish)) => {
+                self.finished = true;
+                if let Some(output) = finish.output {
+                    *context.output() = output;
+                }
+                apply(finish.requests, context);
+                match finish.result {
+                    Ok(()) => Step::Close,
+                    Err(_) => Step::Abort,
+                }
+            }
+            Err(_) => {
+                self.finished = true;
+                Step::Abort
+            }
+        }
+    }
+}
+
+impl<H> SessionFactory for CoroutineFactory<H>
+where
+    H: Fn(&mut TcpConnection<'_>) -> Result<(), NetError> + Send + Sync + 'static,
+{
+    type Session = HandlerSession;
+
+    fn create(&self, info: &ConnectionInfo) -> Option<HandlerSession> {
+        let core = Arc::clone(self.core.get()?);
+        let loop_index = info.worker?.0 as usize;
+        let shared = core.loops.get(loop_index)?;
+        let slot = shared.find(info.id.get())?;
+        let kill = KillHandle {
+            slot: Arc::clone(&slot.slot),
+            wake: Arc::clone(&shared.wake.eventfd),
+            linger: Arc::clone(&slot.linger),
+            id: info.id,
+        };
+        let handler = Arc::clone(&self.handler);
+        let info = *info;
+        let coroutine = Coroutine::new(self.stack_size, move |yielder: &Yielder, first: Resume| {
+            let mut connection = TcpConnection::on_loop(yielder, first.output, info, &core, kill);
+            let result = handler(&mut connection);
+            let (output, requests) = connection.into_loop_parts();
+            Finish {
+                result,
+                output,
+                requests,
+            }
+        })
+        .ok()?;
+        Some(HandlerSession {
+            coroutine,
+            want: 0,
+            finished: false,
+        })
+    }
+}
+
+impl Session for HandlerSession {
+    fn on_open(&mut self, context: &mut SessionContext<'_>) -> Step {
+        self.run(Wakeup::Start, context)
+    }
+
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        let count = input.len().min(self.want);
+        if count == 0 {
+            return if self.finished {
+                Step::Close
+            } else {
+                Step::Read
+            };
+        }
+        STAGING.with(|staging| {
+            let mut staging = staging.borrow_mut();
+            staging.clear();
+            staging.extend_from_slice(&input.bytes()[..count]);
+        });
+        input.consume(count);
+        self.run(Wakeup::Data(count), context)
+    }
+
+    fn on_writable(&mut self, context: &mut SessionContext<'_>) -> Step {
+        self.run(Wakeup::Writable, context)
+    }
+
+    fn on_timeout(&mut self, kind: TimeoutKind, context: &mut SessionContext<'_>) -> Step {
+        self.run(Wakeup::Timeout(kind), context)
+    }
+
+    fn on_peer_closed(&mut self, context: &mut SessionContext<'_>) -> Step {
+        self.run(Wakeup::PeerClosed, context)
+    }
+
+    fn on_close(&mut self, _info: &ConnectionInfo, reason: CloseReason) {
+        if self.finished || !self.coroutine.is_started() {
+            return;
+        }
+        self.finished = true;
+        // The handler's waiting call returns `Err(Closed(reason))` and every later call fails at once, so
+        // it runs to its end here; what it queues now has no socket to go to.
+        let _ = self.coroutine.resume(Resume {
+            wakeup: Wakeup::Closed(reason),
+            output: Output::new(0),
+        });
+    }
+}
+
+impl std::fmt::Debug for HandlerSession {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("HandlerSession")
+            .field("want", &self.want)
+            .field("finished", &self.finished)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Copies the staged input (`count` bytes) into `buffer`.
+pub(crate) fn take_staged(buffer: &mut [u8], count: usize) -> usize {
+    STAGING.with(|staging| {
+        let staging = staging.borrow();
+        let count = count.min(buffer.len()).min(staging.len());
+        buffer[..count].copy_from_slice(&staging[..count]);
+        count
+    })
+}
+
+fn apply(requests: Requests, context: &mut SessionContext<'_>) {
+    if let Some(deadline) = requests.exchange_deadline {
+        context.set_exchange_deadline(deadline);
+    }
+    if let Some(timeout) = requests.idle_timeout {
+        context.set_idle_timeout(timeout);
+    }
+}
