@@ -23,7 +23,7 @@ use net_io_sys::kill::{KillSlot, SlotOwner};
 use net_io_sys::socket::{self, ConnectionOptions};
 
 use crate::coroutines::{Requests, Wakeup, Yielder, take_staged};
-use crate::link::{Link, OWNER_CODE, Received, Sent};
+use crate::link::{Link, Received, Sent};
 use crate::server::{Core, KillHandle, reason_for_code};
 
 /// Ids for client connections, counted from the top half so they never look like a server's ids.
@@ -455,19 +455,12 @@ impl TcpConnection<'static> {
         if link.owner().socket().is_none() {
             return reason;
         }
-        let code = link.owner().begin_close(OWNER_CODE);
-        let reason = if code == OWNER_CODE {
-            reason
-        } else {
-            reason_for_code(code)
-        };
-        link.close(
+        link.close_as(
             self.info.id.get(),
-            !reason.is_abortive(),
+            reason,
             self.limits.linger_timeout,
             self.limits.linger_bytes,
-        );
-        reason
+        )
     }
 }
 
@@ -534,15 +527,9 @@ impl Drop for TcpConnection<'_> {
             && link.owner().socket().is_some()
         {
             let reason = self.terminal.unwrap_or(CloseReason::SessionClosed);
-            let code = link.owner().begin_close(OWNER_CODE);
-            let reason = if code == OWNER_CODE {
-                reason
-            } else {
-                reason_for_code(code)
-            };
-            link.close(
+            link.close_as(
                 self.info.id.get(),
-                !reason.is_abortive(),
+                reason,
                 self.limits.linger_timeout,
                 self.limits.linger_bytes,
             );
