@@ -361,6 +361,11 @@ impl Link {
         Ok(sent)
     }
 
+    /// Sends FIN (a half close): the peer reads the end of our stream, and we can still receive.
+    pub(crate) fn shutdown_write(&self) -> io::Result<()> {
+        socket::shutdown(self.socket()?, Shutdown::Write)
+    }
+
     /// Parks until the wake fires or `until` passes; returns `true` when woken.
     pub(crate) fn park(&mut self, until: Instant) -> io::Result<bool> {
         let now = self.clock.now();
