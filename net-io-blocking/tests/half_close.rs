@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use common::{Recorder, SOON, client, eventually};
 use net_io_blocking::{
-    CloseReason, ConnectionInfo, HandlerDriver, Input, Limits, NetError, Server, ServerBuilder,
-    Session, SessionContext, SessionDriver, Step, TcpConnection,
+    CloseReason, ConnectionInfo, HandlerDriver, Input, Limits, ListenerSpec, NetError, Server,
+    ServerBuilder, Session, SessionContext, SessionDriver, Step, TcpConnection,
 };
 
 /// The reply sent before the FIN: larger than one loopback segment, within the default output budget.
@@ -29,9 +29,16 @@ const HANDLER_DRIVERS: [HandlerDriver; 2] = [
     HandlerDriver::Coroutines { loops: 2 },
 ];
 
+/// A reply larger than the server's send buffer and the client's receive buffer together, so the flush
+/// before the FIN has to wait for the client to read.
+const LARGE_REPLY_BYTES: usize = 1024 * 1024;
+
+/// The server's socket send buffer in the large-reply case (the kernel doubles it).
+const SMALL_SEND_BUFFER: usize = 4096;
+
 /// The reply's bytes: a pattern, so a lost or reordered byte shows.
-fn reply() -> Vec<u8> {
-    (0..REPLY_BYTES).map(|index| (index % 251) as u8).collect()
+fn reply(length: usize) -> Vec<u8> {
+    (0..length).map(|index| (index % 251) as u8).collect()
 }
 
 /// What the server saw, shared with the test.
@@ -54,6 +61,7 @@ impl Seen {
 /// On its first line: queues the reply, half closes, and flushes. Then records everything that arrives.
 struct ReplyThenListen {
     seen: Seen,
+    reply_bytes: usize,
     half_closed: bool,
 }
 
@@ -72,7 +80,7 @@ impl Session for ReplyThenListen {
             return Step::Read;
         };
         input.consume(end + 1);
-        if context.output().push(&reply()).is_err() {
+        if context.output().push(&reply(self.reply_bytes)).is_err() {
             return Step::Abort;
         }
         context.shutdown_write();
@@ -98,6 +106,15 @@ impl Session for ShutAtOpen {
         let _ = context.output().push(b"too late\n");
         Step::Write
     }
+}
+
+/// A builder listening on 127.0.0.1, with a small socket send buffer if asked.
+fn builder(send_buffer: Option<usize>) -> ServerBuilder {
+    let mut spec = ListenerSpec::new("127.0.0.1:0".parse().expect("a socket address"));
+    if let Some(bytes) = send_buffer {
+        spec = spec.send_buffer(bytes);
+    }
+    ServerBuilder::new().listener(spec)
 }
 
 fn session_server<S: Session>(
@@ -146,19 +163,26 @@ fn read_to_eof(stream: &mut TcpStream, driver: &str) -> Vec<u8> {
     received
 }
 
-/// The client side of the main case: ask for the reply, read all of it and the FIN, then send more (which
-/// must still reach the server) and close our side.
-fn ask_read_all_then_write(server: &Server, later: &[u8], driver: &str) {
+/// The client side of the main case: ask for the reply (and wait `pause` before reading it), read all of
+/// it and the FIN, then send more (which must still reach the server) and close our side.
+fn ask_read_all_then_write(
+    server: &Server,
+    reply_bytes: usize,
+    pause: Duration,
+    later: &[u8],
+    driver: &str,
+) {
     let mut stream = client(server.local_addr());
     stream.write_all(b"go\n").unwrap();
+    std::thread::sleep(pause);
     let received = read_to_eof(&mut stream, driver);
     assert_eq!(
         received.len(),
-        REPLY_BYTES,
+        reply_bytes,
         "{driver}: the client should read every byte of the reply before the FIN"
     );
     assert!(
-        received == reply(),
+        received == reply(reply_bytes),
         "{driver}: the reply arrived changed or out of order"
     );
     stream
@@ -171,17 +195,46 @@ fn ask_read_all_then_write(server: &Server, later: &[u8], driver: &str) {
 
 #[test]
 fn a_half_closed_session_sends_every_byte_then_fin_and_still_reads_until_the_peer_closes() {
+    session_reply_then_listen(REPLY_BYTES, Limits::new(), None, Duration::ZERO);
+}
+
+#[test]
+fn a_session_fin_waits_for_a_reply_larger_than_the_socket_buffers() {
+    session_reply_then_listen(
+        LARGE_REPLY_BYTES,
+        Limits::new().output_budget(LARGE_REPLY_BYTES),
+        Some(SMALL_SEND_BUFFER),
+        Duration::from_millis(300),
+    );
+}
+
+fn session_reply_then_listen(
+    reply_bytes: usize,
+    limits: Limits,
+    send_buffer: Option<usize>,
+    pause: Duration,
+) {
     for driver in SESSION_DRIVERS {
         let name = format!("{driver:?}");
         let recorder = Recorder::default();
         let seen = Seen::default();
         let shared = seen.clone();
-        let server = session_server(driver, Limits::new(), &recorder, move || ReplyThenListen {
-            seen: shared.clone(),
-            half_closed: false,
-        });
+        let server = builder(send_buffer)
+            .session_driver(driver)
+            .limits(limits)
+            .events(recorder.clone())
+            .sessions(move |_: &ConnectionInfo| {
+                Some(ReplyThenListen {
+                    seen: shared.clone(),
+                    reply_bytes,
+                    half_closed: false,
+                })
+            })
+            .allow_all()
+            .build()
+            .expect("the session server should start");
         let later = b"still listening?\nyes\n";
-        ask_read_all_then_write(&server, later, &name);
+        ask_read_all_then_write(&server, reply_bytes, pause, later, &name);
         assert_eq!(
             recorder.single_close(SOON),
             CloseReason::PeerClosed,
@@ -286,7 +339,11 @@ fn a_write_queued_after_a_session_half_closed_closes_it_with_session_error() {
 // ----- handlers -----
 
 /// Reads the request line, replies, half closes, then records everything until the peer's FIN.
-fn reply_then_listen(connection: &mut TcpConnection<'_>, seen: &Seen) -> Result<(), NetError> {
+fn reply_then_listen(
+    connection: &mut TcpConnection<'_>,
+    seen: &Seen,
+    reply_bytes: usize,
+) -> Result<(), NetError> {
     let mut buffer = [0u8; 1024];
     let mut request = Vec::new();
     while !request.contains(&b'\n') {
@@ -296,7 +353,7 @@ fn reply_then_listen(connection: &mut TcpConnection<'_>, seen: &Seen) -> Result<
         }
         request.extend_from_slice(&buffer[..count]);
     }
-    connection.write_all(&reply())?;
+    connection.write_all(&reply(reply_bytes))?;
     connection.shutdown_write()?;
     loop {
         let count = connection.read(&mut buffer)?;
@@ -321,16 +378,42 @@ fn describe(result: &Result<usize, NetError>) -> String {
 
 #[test]
 fn a_half_closed_handler_sends_every_byte_then_fin_and_still_reads_until_the_peer_closes() {
+    handler_reply_then_listen(REPLY_BYTES, Limits::new(), None, Duration::ZERO);
+}
+
+#[test]
+fn a_handler_fin_waits_for_a_reply_larger_than_the_socket_buffers() {
+    handler_reply_then_listen(
+        LARGE_REPLY_BYTES,
+        Limits::new(),
+        Some(SMALL_SEND_BUFFER),
+        Duration::from_millis(300),
+    );
+}
+
+fn handler_reply_then_listen(
+    reply_bytes: usize,
+    limits: Limits,
+    send_buffer: Option<usize>,
+    pause: Duration,
+) {
     for driver in HANDLER_DRIVERS {
         let name = format!("{driver:?}");
         let recorder = Recorder::default();
         let seen = Seen::default();
         let shared = seen.clone();
-        let server = handler_server(driver, Limits::new(), &recorder, move |connection| {
-            reply_then_listen(connection, &shared)
-        });
+        let server = builder(send_buffer)
+            .handler_driver(driver)
+            .limits(limits)
+            .events(recorder.clone())
+            .handler(move |connection: &mut TcpConnection<'_>| {
+                reply_then_listen(connection, &shared, reply_bytes)
+            })
+            .allow_all()
+            .build()
+            .expect("the handler server should start");
         let later = b"still listening?\nyes\n";
-        ask_read_all_then_write(&server, later, &name);
+        ask_read_all_then_write(&server, reply_bytes, pause, later, &name);
         assert_eq!(
             recorder.single_close(SOON),
             CloseReason::PeerClosed,
