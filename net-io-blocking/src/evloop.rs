@@ -1484,8 +1484,11 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             }
             self.conn(index).wait = Wait::Running;
             // Every step the session returns passes here, so a half close asked for in any hook is applied
-            // (or bytes queued after it refused) before the loop acts on the step.
-            if let Err(reason) = self.half_close(index) {
+            // (or bytes queued after it refused) before the loop acts on the step. An abort discards the
+            // queue and keeps its own reason.
+            if step != Step::Abort
+                && let Err(reason) = self.half_close(index)
+            {
                 return self.close(index, reason);
             }
             let flow = match step {

@@ -234,8 +234,11 @@ impl<S: Session> Driver<'_, '_, S> {
         let mut input_changed = self.read.unread_len() > 0;
         loop {
             // Every step the session returns passes here, so a half close asked for in any hook is applied
-            // (or bytes queued after it refused) before the driver acts on the step.
-            if let Err(reason) = self.half_close() {
+            // (or bytes queued after it refused) before the driver acts on the step. An abort discards the
+            // queue and keeps its own reason.
+            if step != Step::Abort
+                && let Err(reason) = self.half_close()
+            {
                 return reason;
             }
             step = match step {

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use common::{Recorder, SOON, client, eventually};
 use net_io_blocking::{
     CloseReason, ConnectionInfo, HandlerDriver, Input, Limits, ListenerSpec, NetError, Server,
-    ServerBuilder, Session, SessionContext, SessionDriver, Step, TcpConnection,
+    ServerBuilder, Session, SessionContext, SessionDriver, Step, TcpConnection, TimeoutKind,
 };
 
 /// The reply sent before the FIN: larger than one loopback segment, within the default output budget.
@@ -542,6 +542,101 @@ fn a_handler_write_after_its_half_close_fails_with_session_error() {
             seen.outcome.lock().unwrap().as_deref(),
             Some("Closed(SessionError)"),
             "{name}: the write after the half close should fail"
+        );
+    }
+}
+
+// ----- deadlines and drain while half closed -----
+
+/// Half closes at once, then waits for a whole line (never consuming a partial one).
+struct ShutThenWaitForLine;
+
+impl Session for ShutThenWaitForLine {
+    fn on_open(&mut self, context: &mut SessionContext<'_>) -> Step {
+        context.shutdown_write();
+        Step::Read
+    }
+
+    fn on_data(&mut self, input: &mut Input<'_>, _context: &mut SessionContext<'_>) -> Step {
+        if input.bytes().contains(&b'\n') {
+            input.consume_all();
+        }
+        Step::Read
+    }
+}
+
+#[test]
+fn the_read_deadline_still_applies_to_a_half_closed_session_once_a_request_started() {
+    for driver in SESSION_DRIVERS {
+        let name = format!("{driver:?}");
+        let recorder = Recorder::default();
+        let read = Duration::from_millis(300);
+        let server = session_server(
+            driver,
+            Limits::new()
+                .read_timeout(read)
+                .idle_timeout(Duration::from_secs(30)),
+            &recorder,
+            || ShutThenWaitForLine,
+        );
+        let mut stream = client(server.local_addr());
+        assert!(
+            read_to_eof(&mut stream, &name).is_empty(),
+            "{name}: the half close should reach the client"
+        );
+        let started = Instant::now();
+        stream.write_all(b"half a li").unwrap();
+        assert_eq!(
+            recorder.single_close(SOON),
+            TimeoutKind::Read.close_reason(),
+            "{name}: a partial request to a half-closed session should close at the read deadline"
+        );
+        assert!(
+            started.elapsed() >= read,
+            "{name}: the read-deadline close came before the read timeout"
+        );
+    }
+}
+
+#[test]
+fn a_drain_closes_an_idle_half_closed_connection_at_once() {
+    let handler = |connection: &mut TcpConnection<'_>| {
+        connection.shutdown_write()?;
+        let mut buffer = [0u8; 64];
+        while connection.read(&mut buffer)? > 0 {}
+        Ok(())
+    };
+    let servers: Vec<(String, Recorder, Server)> = SESSION_DRIVERS
+        .iter()
+        .map(|&driver| {
+            let recorder = Recorder::default();
+            let server = session_server(driver, Limits::new(), &recorder, || ShutThenWaitForLine);
+            (format!("{driver:?}"), recorder, server)
+        })
+        .chain(HANDLER_DRIVERS.iter().map(|&driver| {
+            let recorder = Recorder::default();
+            let server = handler_server(driver, Limits::new(), &recorder, handler);
+            (format!("{driver:?} handler"), recorder, server)
+        }))
+        .collect();
+    for (name, recorder, server) in servers {
+        let mut stream = client(server.local_addr());
+        assert!(
+            read_to_eof(&mut stream, &name).is_empty(),
+            "{name}: the half close should reach the client"
+        );
+        let started = Instant::now();
+        let report = server
+            .handle()
+            .drain(Instant::now() + Duration::from_secs(30));
+        assert_eq!(
+            recorder.single_close(SOON),
+            CloseReason::Drained,
+            "{name}: an idle half-closed connection should close at once on a drain ({report:?})"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "{name}: the drain waited for the idle half-closed connection"
         );
     }
 }
