@@ -278,3 +278,53 @@ impl<'a> SessionContext<'a> {
         self.write_shut
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::id::{ConnectionId, ListenerId};
+
+    fn info() -> ConnectionInfo {
+        ConnectionInfo::new(
+            ConnectionId::new(1).expect("a nonzero id"),
+            ListenerId(0),
+            "127.0.0.1:7000".parse().expect("an address"),
+            "127.0.0.1:50000".parse().expect("an address"),
+            Instant::now(),
+        )
+    }
+
+    #[test]
+    fn a_half_close_is_a_request_the_driver_reads_after_the_hook() {
+        let info = info();
+        let mut output = Output::new(1024);
+        let mut requests = SessionRequests::default();
+        let mut context = SessionContext::new(&info, &mut output, &mut requests, Instant::now());
+        assert!(
+            !context.is_write_shut(),
+            "a new context should not say the write side is shut"
+        );
+        context.shutdown_write();
+        assert!(
+            !context.is_write_shut(),
+            "asking for a half close does not shut the write side until the driver sends the FIN"
+        );
+        assert!(
+            requests.shutdown_write,
+            "the half close should reach the driver as a request"
+        );
+    }
+
+    #[test]
+    fn the_driver_tells_the_session_once_the_fin_went_out() {
+        let info = info();
+        let mut output = Output::new(1024);
+        let mut requests = SessionRequests::default();
+        let context = SessionContext::new(&info, &mut output, &mut requests, Instant::now())
+            .with_write_shut(true);
+        assert!(
+            context.is_write_shut(),
+            "a context made after the FIN should say the write side is shut"
+        );
+    }
+}
