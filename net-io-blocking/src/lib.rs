@@ -131,6 +131,7 @@ mod rate;
 mod runtime;
 mod server;
 mod sessions;
+pub mod systemd;
 
 use std::net::ToSocketAddrs;
 
