@@ -111,8 +111,9 @@ pub enum Verdict {
 /// Admission and egress policy. One gate serves the whole server; its `Ticket` is per connection.
 ///
 /// Costs: `admit` runs once per accepted connection on the accept thread; `check` once per write call
-/// (not again after `EAGAIN` or for the rest of a partial write); `closed` exactly once per admitted
-/// connection, with the one close reason.
+/// (not again after `EAGAIN` or for the rest of a partial write); `readmit` at most once, on the serving
+/// thread, when a trusted PROXY header names the real client; `closed` exactly once per admitted connection,
+/// with the one close reason and the ticket as `readmit` left it.
 pub trait Gate: Send + Sync + 'static {
     /// Per-connection state the gate keeps from admission to close.
     type Ticket: Send + 'static;
