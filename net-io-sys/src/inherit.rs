@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use socket2::{SockRef, Socket, Type};
+use socket2::{Protocol, SockRef, Socket, Type};
 
 use crate::socket::Listener;
 use crate::{cvt, shim};
@@ -38,6 +38,8 @@ pub enum Unfit {
     NotSocket,
     /// The socket is not a stream socket (`SO_TYPE` is not `SOCK_STREAM`).
     NotStream,
+    /// The stream socket is not TCP or MPTCP (`SO_PROTOCOL`; SCTP has stream sockets too).
+    NotTcp,
     /// The socket is not listening (`SO_ACCEPTCONN` is 0).
     NotListening,
     /// The socket has no IP address (a Unix socket, for example).
@@ -58,6 +60,7 @@ impl std::fmt::Display for Unfit {
             Unfit::NotOpen => formatter.write_str("it is not open"),
             Unfit::NotSocket => formatter.write_str("it is not a socket"),
             Unfit::NotStream => formatter.write_str("it is not a stream socket"),
+            Unfit::NotTcp => formatter.write_str("it is not a TCP socket"),
             Unfit::NotListening => formatter.write_str("it is not listening"),
             Unfit::NotIp => formatter.write_str("it has no IP address"),
             Unfit::Os(error) => write!(formatter, "checking it failed: {error}"),
@@ -76,8 +79,8 @@ fn bit(fd: i32) -> Result<u64, Unfit> {
     Ok(1 << offset)
 }
 
-/// Checks that inherited descriptor `fd` is an open, listening TCP stream socket not yet taken, and returns
-/// its address; it stays where it is. Costs five system calls (`fcntl`, three `getsockopt`, `getsockname`).
+/// Checks that inherited descriptor `fd` is an open, listening TCP (or MPTCP) socket not yet taken, and returns
+/// its address; it stays where it is. Costs six system calls (`fcntl`, four `getsockopt`, `getsockname`).
 pub fn check_listener(fd: i32) -> Result<SocketAddr, Unfit> {
     let bit = bit(fd)?;
     if TAKEN.load(Ordering::Acquire) & bit != 0 {
@@ -99,7 +102,7 @@ pub fn check_listener(fd: i32) -> Result<SocketAddr, Unfit> {
     verify(borrowed)
 }
 
-/// `SO_TYPE`, `SO_ACCEPTCONN` and `getsockname` of a borrowed descriptor.
+/// `SO_TYPE`, `SO_PROTOCOL`, `SO_ACCEPTCONN` and `getsockname` of a borrowed descriptor.
 fn verify(socket: BorrowedFd<'_>) -> Result<SocketAddr, Unfit> {
     let socket = SockRef::from(&socket);
     shim::enter("getsockopt_type").map_err(Unfit::Os)?;
@@ -111,6 +114,13 @@ fn verify(socket: BorrowedFd<'_>) -> Result<SocketAddr, Unfit> {
         })?;
     if kind != Type::STREAM {
         return Err(Unfit::NotStream);
+    }
+    shim::enter("getsockopt_protocol").map_err(Unfit::Os)?;
+    // 0 means the default protocol of an IP stream socket, which is TCP.
+    match socket.protocol().map_err(Unfit::Os)? {
+        None => {}
+        Some(protocol) if protocol == Protocol::TCP || protocol == Protocol::MPTCP => {}
+        Some(_) => return Err(Unfit::NotTcp),
     }
     shim::enter("getsockopt_acceptconn").map_err(Unfit::Os)?;
     if !socket.is_listener().map_err(Unfit::Os)? {
@@ -222,6 +232,21 @@ mod tests {
         assert!(
             matches!(check_listener(file.as_raw_fd()), Err(Unfit::NotSocket)),
             "a file passed as a socket"
+        );
+        let datagram = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        assert!(
+            matches!(check_listener(datagram.as_raw_fd()), Err(Unfit::NotStream)),
+            "a UDP socket passed as a stream socket"
+        );
+        let path = std::env::temp_dir().join(format!("net-io-inherit-{}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let unix = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let unix_result = check_listener(unix.as_raw_fd());
+        drop(unix);
+        let _ = std::fs::remove_file(&path);
+        assert!(
+            matches!(unix_result, Err(Unfit::NotIp)),
+            "a Unix listener passed as a TCP listener: {unix_result:?}"
         );
     }
 
