@@ -19,8 +19,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use net_io_blocking::systemd::{self, SystemdError};
-use net_io_blocking::{NetError, ServerBuilder, TcpConnection};
+use net_io_blocking::{
+    Admission, CloseReason, ConnectionInfo, Gate, Lane, NetError, ProxyMode, Refusal,
+    ServerBuilder, TcpConnection, TrustedProxies,
+};
 use net_io_sys::inherit::{self, Unfit};
+use std::sync::{Arc, Mutex};
 
 /// Set in the child's environment; the child adopts instead of spawning.
 const CHILD_VARIABLE: &str = "NET_IO_BLOCKING_SYSTEMD_CHILD";
@@ -334,5 +338,103 @@ fn a_pidfd_id_of_another_process_is_ignored_even_with_our_pid() {
         results(child),
         ["adopted 0", "fd3 true"],
         "a LISTEN_PIDFDID of another process was acted on"
+    );
+}
+
+/// Refuses one real client behind the proxy and remembers every close reason.
+#[derive(Clone, Default)]
+struct BlockOne {
+    closes: Arc<Mutex<Vec<&'static str>>>,
+}
+
+impl Gate for BlockOne {
+    type Ticket = ();
+
+    fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
+        Ok(Admission {
+            ticket: (),
+            lane: Lane::DEFAULT,
+        })
+    }
+
+    fn readmit(&self, _ticket: &mut (), info: &ConnectionInfo) -> Result<(), Refusal> {
+        if info.client_addr().ip().to_string() == "203.0.113.66" {
+            return Err(Refusal::Reset { code: 3 });
+        }
+        Ok(())
+    }
+
+    fn closed(&self, _ticket: (), _info: &ConnectionInfo, reason: CloseReason) {
+        self.closes
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push(reason.as_str());
+    }
+}
+
+#[test]
+fn an_adopted_listener_takes_its_own_proxy_settings_and_the_gate_readmits_behind_it() {
+    if env::var_os(CHILD_VARIABLE).is_some() {
+        let mut inherited = systemd::listeners().expect("the child could not adopt its listener");
+        let inherited = inherited.pop().expect("no listener was passed");
+        let gate = BlockOne::default();
+        let server = ServerBuilder::new()
+            .adopt_with(inherited, |spec| {
+                spec.proxy(
+                    ProxyMode::V1,
+                    TrustedProxies::parse(&["127.0.0.1/32"]).unwrap(),
+                )
+            })
+            .workers(2)
+            .handler(echo_handler)
+            .gate(gate.clone())
+            .build()
+            .expect("the child's server did not start");
+        let end = Instant::now() + Duration::from_secs(20);
+        while server.stats().closed < 2 && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let mut closes = gate.closes.lock().unwrap().clone();
+        closes.sort_unstable();
+        println!("RESULT closes {closes:?}");
+        return;
+    }
+    let (listener, address) = listening_socket();
+    let port = listener.local_addr().unwrap().port();
+    let child = spawn_child(
+        "an_adopted_listener_takes_its_own_proxy_settings_and_the_gate_readmits_behind_it",
+        Pid::Own,
+        vec![OwnedFd::from(listener)],
+        &[("LISTEN_FDS", "1")],
+    );
+    let mut kept = TcpStream::connect(&address).expect("connect to the adopted listener");
+    kept.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    kept.write_all(format!("PROXY TCP4 198.51.100.9 127.0.0.1 6000 {port}\r\nhello").as_bytes())
+        .unwrap();
+    let mut echoed = [0_u8; 5];
+    kept.read_exact(&mut echoed)
+        .expect("the adopted PROXY listener did not serve a kept client");
+    assert_eq!(
+        &echoed, b"hello",
+        "the bytes after the header were not echoed"
+    );
+    drop(kept);
+    let mut refused = TcpStream::connect(&address).expect("connect to the adopted listener");
+    refused
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    refused
+        .write_all(format!("PROXY TCP4 203.0.113.66 127.0.0.1 5000 {port}\r\nhello").as_bytes())
+        .unwrap();
+    let mut byte = [0_u8; 1];
+    assert!(
+        !matches!(refused.read(&mut byte), Ok(count) if count > 0),
+        "a client the gate refused at readmit was served"
+    );
+    assert_eq!(
+        results(child),
+        ["closes [\"peer_closed\", \"refused_gate\"]"],
+        "the adopted listener did not require PROXY or the gate did not readmit behind it"
     );
 }
