@@ -716,3 +716,242 @@ fn a_handler_that_overflows_its_coroutine_stack_kills_the_process_at_the_guard_p
         output.status
     );
 }
+
+/// Lines of `/proc/self/maps`: the memory mappings of this process (two per coroutine stack).
+fn mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .map(|maps| maps.lines().count())
+        .unwrap_or(0)
+}
+
+/// Open descriptors of this process.
+fn descriptors() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |entries| entries.count())
+}
+
+#[test]
+fn ten_thousand_churned_handler_connections_leave_no_descriptor_and_a_bounded_stack_pool() {
+    const CONNECTIONS: usize = 10_000;
+    let _alone = TURN
+        .write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .handler_driver(HandlerDriver::Coroutines { loops: 2 })
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .linger_timeout(Duration::from_millis(50)),
+        )
+        .handler(|connection: &mut TcpConnection<'_>| {
+            let mut request = [0_u8; 1];
+            if connection.read(&mut request)? == 0 {
+                return Ok(());
+            }
+            // A few panics (each prints its message), a quarter of errors, the rest echoed.
+            match request[0] {
+                0 => panic!("a handler that fails"),
+                byte if byte % 4 == 1 => Err(NetError::ServerStopped),
+                _ => connection.write_all(&request),
+            }
+        })
+        .allow_all()
+        .build()
+        .expect("the coroutine handler server did not start");
+    let address = server.local_addr();
+    // Warm both loops' pools and this process's other lazy mappings first.
+    for index in 0..64_u8 {
+        let mut stream = client(address);
+        let _ = stream.write_all(&[index]);
+        let _ = stream.read(&mut [0_u8; 1]);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let (descriptors_before, mappings_before) = (descriptors(), mappings());
+    let started = Instant::now();
+    for index in 0..CONNECTIONS {
+        let mut stream = client(address);
+        let byte = (index % 251) as u8;
+        let _ = stream.write_all(&[byte]);
+        let mut reply = [0_u8; 1];
+        let got = stream.read(&mut reply);
+        if byte != 0 && byte % 4 != 1 {
+            assert!(
+                matches!(got, Ok(1)) && reply[0] == byte,
+                "connection {index} should be echoed, got {got:?}"
+            );
+        }
+        if index % 3 == 0 {
+            common::reset(stream);
+        }
+    }
+    let done = common::eventually(Duration::from_secs(30), || {
+        server.stats().closed >= CONNECTIONS as u64 + 64
+    });
+    println!(
+        "{CONNECTIONS} churned handler connections in {:?}; descriptors {descriptors_before} -> {}, mappings \
+         {mappings_before} -> {}",
+        started.elapsed(),
+        descriptors(),
+        mappings()
+    );
+    assert!(done, "every connection should close: {:?}", server.stats());
+    assert!(
+        common::eventually(SOON, || descriptors() <= descriptors_before),
+        "descriptors grew from {descriptors_before} to {} after {CONNECTIONS} closed connections",
+        descriptors()
+    );
+    // Each loop keeps at most STACK_POOL_MAX stacks (two mappings each); the warm-up filled part of that.
+    let bound = 2 * 2 * net_io_sys::coroutine::STACK_POOL_MAX + 64;
+    assert!(
+        mappings() <= mappings_before + bound,
+        "mappings grew from {mappings_before} to {} after {CONNECTIONS} closed connections: stacks leak",
+        mappings()
+    );
+    let stats = server.stats();
+    assert_eq!(
+        stats.accepted, stats.closed,
+        "every accepted connection should be counted closed once: {stats:?}"
+    );
+}
+
+#[test]
+fn a_shutdown_with_handlers_in_every_state_closes_each_once_and_runs_every_destructor() {
+    let _turn = shared_turn();
+    let recorder = Recorder::default();
+    let drops = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&drops);
+    let server = ServerBuilder::new()
+        .listener(ListenerSpec::new("127.0.0.1:0".parse().unwrap()).send_buffer(16 * 1024))
+        .handler_driver(HandlerDriver::Coroutines { loops: 2 })
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .idle_timeout(Duration::from_secs(60))
+                .output_budget(16 * 1024),
+        )
+        .events(recorder.clone())
+        .handler(move |connection: &mut TcpConnection<'_>| {
+            let _guard = DropCounter(Arc::clone(&counter));
+            let mut request = [0_u8; 4];
+            let mut got = 0;
+            while got < 4 {
+                let count = connection.read(&mut request[got..])?;
+                if count == 0 {
+                    return Ok(());
+                }
+                got += count;
+            }
+            match &request {
+                // Suspended in write: a reply far larger than the socket buffers to a client that never reads.
+                b"big!" => connection.write_all(&vec![7_u8; 8 << 20]),
+                // Finished: the handler returns, the close lingers while the client keeps sending.
+                b"done" => Ok(()),
+                _ => connection.write_all(&request),
+            }
+        })
+        .allow_all()
+        .build()
+        .expect("the coroutine handler server did not start");
+    let address = server.local_addr();
+    let mut idle = client(address);
+    assert_eq!(round_trip(&mut idle, b"idle"), b"idle");
+    let mut half = client(address);
+    half.write_all(b"ha").unwrap();
+    let mut writer = client(address);
+    writer.write_all(b"big!").unwrap();
+    let mut finished = client(address);
+    finished.write_all(b"done").unwrap();
+    finished.write_all(b"more bytes for the linger").unwrap();
+    let _never_started = client(address);
+    std::thread::sleep(Duration::from_millis(200));
+    let started = Instant::now();
+    let report = server.shutdown(Instant::now() + Duration::from_millis(500));
+    let took = started.elapsed();
+    println!("shutdown with handlers in every state: {report:?} after {took:?}");
+    assert!(
+        took < Duration::from_secs(5),
+        "the shutdown took {took:?} with a 500 ms deadline"
+    );
+    let closes = recorder.closes();
+    assert_eq!(
+        closes.len(),
+        5,
+        "each connection should close once: {closes:?}"
+    );
+    let mut ids: Vec<_> = closes.iter().map(|(id, _)| *id).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 5, "a connection closed twice: {closes:?}");
+    assert_eq!(
+        drops.load(Ordering::SeqCst),
+        5,
+        "every handler's destructors should run once, whatever state the shutdown found it in"
+    );
+    drop((idle, half, writer, finished));
+}
+
+#[test]
+fn a_handler_reads_what_came_before_the_fin_then_end_of_stream_and_may_still_reply() {
+    let _turn = shared_turn();
+    let recorder = Recorder::default();
+    let server = server(
+        Limits::new(),
+        &recorder,
+        |connection: &mut TcpConnection<'_>| {
+            let mut received = Vec::new();
+            let mut buffer = [0_u8; 3];
+            loop {
+                let count = connection.read(&mut buffer)?;
+                if count == 0 {
+                    break;
+                }
+                received.extend_from_slice(&buffer[..count]);
+            }
+            // Reads after the end of stream keep answering 0 at once.
+            assert_eq!(connection.read(&mut buffer)?, 0);
+            assert_eq!(std::io::Read::read(connection, &mut buffer).unwrap(), 0);
+            received.reverse();
+            connection.write_all(&received)?;
+            std::io::Write::write_all(connection, b"!")?;
+            std::io::Write::flush(connection)?;
+            Ok(())
+        },
+    );
+    let mut stream = client(server.local_addr());
+    stream.write_all(b"abcdefghij").unwrap();
+    stream.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut reply = Vec::new();
+    stream.read_to_end(&mut reply).unwrap();
+    assert_eq!(
+        reply, b"jihgfedcba!",
+        "the handler should read every byte before the FIN and its reply should arrive whole"
+    );
+    assert_eq!(recorder.single_close(SOON), CloseReason::PeerClosed);
+}
+
+#[test]
+fn an_exchange_deadline_already_past_fails_the_next_read_at_once() {
+    let _turn = shared_turn();
+    let recorder = Recorder::default();
+    let seen: Arc<Mutex<Option<String>>> = Arc::default();
+    let outcome = Arc::clone(&seen);
+    let server = server(
+        Limits::new().idle_timeout(Duration::from_secs(60)),
+        &recorder,
+        move |connection: &mut TcpConnection<'_>| {
+            connection.set_exchange_deadline(Some(Instant::now() - Duration::from_secs(1)));
+            let result = connection.read(&mut [0_u8; 4]);
+            *outcome.lock().unwrap() = Some(format!("{result:?}"));
+            result.map(|_| ())
+        },
+    );
+    let started = Instant::now();
+    let _stream = client(server.local_addr());
+    assert_eq!(recorder.single_close(SOON), CloseReason::ExchangeDeadline);
+    assert!(started.elapsed() < Duration::from_secs(3));
+    assert_eq!(
+        seen.lock().unwrap().as_deref(),
+        Some("Err(Timeout(Exchange))")
+    );
+}
