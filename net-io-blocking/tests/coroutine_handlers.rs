@@ -735,7 +735,6 @@ fn ten_thousand_churned_handler_connections_leave_no_descriptor_and_a_bounded_st
     let _alone = TURN
         .write()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
-    let recorder = Recorder::default();
     let server = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .handler_driver(HandlerDriver::Coroutines { loops: 2 })
