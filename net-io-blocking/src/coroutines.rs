@@ -37,13 +37,22 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use net_io_core::{
-    CloseReason, ConnectionInfo, Input, NetError, Output, Session, SessionContext, SessionFactory,
-    Step, TimeoutKind,
+    CloseReason, ConfigError, ConnectionInfo, Input, NetError, Output, Session, SessionContext,
+    SessionFactory, Step, TimeoutKind,
 };
 use net_io_sys::coroutine::{Coroutine, CoroutineResult};
 
 use crate::connection::TcpConnection;
 use crate::server::{Core, KillHandle};
+
+/// The smallest handler stack the builder accepts. The driver's own frames (the coroutine's entry, the
+/// adapter, a suspend) take 8 to 12 KiB in a debug build, and a handler's panic unwinds and runs the panic
+/// hook (which may capture a backtrace) on the same stack: 16 KiB ended the process with `SIGSEGV` there,
+/// 32 KiB did not. Twice that leaves the handler room of its own.
+pub(crate) const MIN_HANDLER_STACK: usize = 64 * 1024;
+/// The largest handler stack the builder accepts: 1 GiB of address space a connection. Beyond it the
+/// mapping fails for every connection (or the size overflows when the guard page is added).
+pub(crate) const MAX_HANDLER_STACK: usize = 1 << 30;
 
 /// How blocking handlers are run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,8 +71,9 @@ pub enum HandlerDriver {
     /// deadlines and kills included. Offload such work or use [`HandlerDriver::Threads`].
     ///
     /// Each coroutine has its own stack ([`ServerBuilder::handler_stack_size`](crate::ServerBuilder::handler_stack_size),
-    /// 256 KiB of address space by default, of which only the touched pages are resident) with a guard
-    /// page below it: overflowing it kills the process with `SIGSEGV`, as a thread's stack overflow aborts.
+    /// 256 KiB of address space by default, at least 64 KiB and at most 1 GiB, else the build fails; only the
+    /// touched pages are resident) with a guard page below it: overflowing it kills the process with
+    /// `SIGSEGV`, as a thread's stack overflow aborts.
     /// Each stack is a memory mapping, so the kernel's `vm.max_map_count` (65,530 by default, two
     /// mappings a stack) bounds the open connections unless it is raised. `TcpConnection::shutdown_write`
     /// is not available on this driver.
@@ -295,6 +305,27 @@ impl std::fmt::Debug for HandlerSession {
             .field("finished", &self.finished)
             .finish_non_exhaustive()
     }
+}
+
+/// Checks [`ServerBuilder::handler_stack_size`](crate::ServerBuilder::handler_stack_size) at build: a stack
+/// too small for the driver would end the process with `SIGSEGV` at the first connection, one too large to
+/// map would refuse every connection.
+pub(crate) fn check_stack_size(bytes: usize) -> Result<(), ConfigError> {
+    if bytes < MIN_HANDLER_STACK {
+        return Err(ConfigError::TooSmall {
+            field: "handler_stack_size",
+            value: bytes as u64,
+            min: MIN_HANDLER_STACK as u64,
+        });
+    }
+    if bytes > MAX_HANDLER_STACK {
+        return Err(ConfigError::TooLarge {
+            field: "handler_stack_size",
+            value: bytes as u64,
+            max: MAX_HANDLER_STACK as u64,
+        });
+    }
+    Ok(())
 }
 
 /// Copies the staged input (`count` bytes) into `buffer`.

@@ -954,3 +954,93 @@ fn an_exchange_deadline_already_past_fails_the_next_read_at_once() {
         Some("Err(Timeout(Exchange))")
     );
 }
+
+/// Set in the child process of the small-stack test.
+const SMALL_STACK_CHILD: &str = "NET_IO_TEST_COROUTINE_SMALL_STACK_CHILD";
+
+/// The smallest handler stack size the builder accepts (64 KiB).
+const SMALLEST_HANDLER_STACK: usize = 64 * 1024;
+
+#[test]
+fn a_handler_stack_too_small_for_the_driver_or_too_large_to_map_fails_at_build_naming_the_field() {
+    // Builds start threads, which the thread-counting test must not see.
+    let _turn = shared_turn();
+    let build = |bytes: usize| {
+        ServerBuilder::new()
+            .listen("127.0.0.1:0")
+            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+            .handler_stack_size(bytes)
+            .handler(echo)
+            .allow_all()
+            .build()
+    };
+    // 8 KiB ended the process with SIGSEGV at the first connection: the driver's own frames need more.
+    let error = build(8 * 1024).expect_err("an 8 KiB handler stack should be refused at build");
+    assert_eq!(
+        error.to_string(),
+        "invalid configuration: handler_stack_size is 8192, below its minimum of 65536; raise it",
+        "the error should name the field, the value and the minimum"
+    );
+    let error =
+        build(usize::MAX).expect_err("a handler stack of usize::MAX should be refused at build");
+    assert!(
+        error.to_string().contains("handler_stack_size") && error.to_string().contains("maximum"),
+        "the error should name the field and its maximum: {error}"
+    );
+    let server =
+        build(SMALLEST_HANDLER_STACK).expect("the smallest accepted stack size should build");
+    drop(server);
+}
+
+#[test]
+fn the_smallest_handler_stack_size_serves_and_survives_a_panic_with_a_backtrace() {
+    use std::os::unix::process::ExitStatusExt;
+    if std::env::var_os(SMALL_STACK_CHILD).is_some() {
+        let server = ServerBuilder::new()
+            .listen("127.0.0.1:0")
+            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+            .handler_stack_size(SMALLEST_HANDLER_STACK)
+            .handler(|connection: &mut TcpConnection<'_>| {
+                // One byte at a time: the handler's own frames are tiny, the stack is the driver's and the
+                // panic machinery's.
+                let mut byte = [0_u8; 1];
+                while connection.read(&mut byte)? == 1 {
+                    if byte[0] == b'!' {
+                        panic!("a handler that fails on the smallest stack");
+                    }
+                    connection.write_all(&byte)?;
+                }
+                Ok(())
+            })
+            .allow_all()
+            .build()
+            .expect("the child's server did not start");
+        let mut stream = client(server.local_addr());
+        assert_eq!(round_trip(&mut stream, b"tiny"), b"tiny");
+        // The panic unwinds, and the panic hook captures a backtrace, on the handler's own stack.
+        let mut failing = client(server.local_addr());
+        failing.write_all(b"!").unwrap();
+        assert!(common::is_closed_by_server(&mut failing));
+        assert_eq!(round_trip(&mut stream, b"still"), b"still");
+        return;
+    }
+    let _turn = shared_turn();
+    let output =
+        std::process::Command::new(std::env::current_exe().expect("no path to this test binary"))
+            .args([
+                "the_smallest_handler_stack_size_serves_and_survives_a_panic_with_a_backtrace",
+                "--exact",
+                "--test-threads=1",
+            ])
+            .env(SMALL_STACK_CHILD, "1")
+            .env("RUST_BACKTRACE", "full")
+            .output()
+            .expect("could not run the child");
+    assert!(
+        output.status.success(),
+        "a server on the smallest handler stack should serve and contain a panic, not end the process: \
+         {:?} (signal {:?})",
+        output.status,
+        output.status.signal()
+    );
+}
