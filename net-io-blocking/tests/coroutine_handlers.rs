@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use common::{Recorder, SOON, client, round_trip};
 use net_io_blocking::{
     Admission, CloseReason, ConnectionInfo, Direction, Gate, HandlerDriver, KillHandle, Lane,
-    Limits, ListenerSpec, MinRateRule, NetError, Refusal, Server, ServerBuilder, TcpConnection,
-    Verdict, WriteFacts,
+    Limits, ListenerSpec, MinRateRule, NetError, Refusal, RefusalCause, Server, ServerBuilder,
+    TcpConnection, Verdict, WriteFacts,
 };
 
 static TURN: RwLock<()> = RwLock::new(());
@@ -1042,5 +1042,92 @@ fn the_smallest_handler_stack_size_serves_and_survives_a_panic_with_a_backtrace(
          {:?} (signal {:?})",
         output.status,
         output.status.signal()
+    );
+}
+
+/// Set in the child process of the memory-mapping limit test.
+const MAP_LIMIT_CHILD: &str = "NET_IO_TEST_COROUTINE_MAP_LIMIT_CHILD";
+
+#[test]
+fn at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on() {
+    if std::env::var_os(MAP_LIMIT_CHILD).is_some() {
+        use net_io_sys::coroutine::{Coroutine, STACK_POOL_MAX};
+        let recorder = Recorder::default();
+        let server = ServerBuilder::new()
+            .listen("127.0.0.1:0")
+            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+            .limits(Limits::new().min_rate(None))
+            .events(recorder.clone())
+            .handler(echo)
+            .allow_all()
+            .build()
+            .expect("the child's server did not start");
+        let address = server.local_addr();
+        let mut warm = client(address);
+        assert_eq!(round_trip(&mut warm, b"warm"), b"warm");
+        drop(warm);
+        assert!(common::eventually(SOON, || recorder.closes().len() == 1));
+        // Take every mapping the kernel allows this process (vm.max_map_count): two a stack.
+        let mut filler = Vec::new();
+        while let Ok(coroutine) = Coroutine::<(), (), ()>::new(4096, |_, ()| ()) {
+            filler.push(coroutine);
+            assert!(filler.len() < 1_000_000, "mappings never ran out");
+        }
+        let filled = filler.len();
+        // Give a few back (this thread's pool keeps the first STACK_POOL_MAX of them mapped).
+        filler.truncate(filled - STACK_POOL_MAX - 8);
+        let mut served = 0;
+        let mut refused = 0;
+        let mut streams = Vec::new();
+        for index in 0..40_u8 {
+            let mut stream = client(address);
+            let _ = stream.write_all(&[index]);
+            let mut reply = [0_u8; 1];
+            match stream.read(&mut reply) {
+                Ok(1) => served += 1,
+                _ => refused += 1,
+            }
+            streams.push(stream);
+        }
+        println!("{filled} filler stacks; at the limit {served} served, {refused} refused");
+        assert!(refused > 0, "the limit was never reached: {served} served");
+        let closes = recorder.closes();
+        let reasons: Vec<_> = closes.iter().skip(1).map(|(_, reason)| *reason).collect();
+        assert!(
+            reasons
+                .iter()
+                .all(|reason| *reason == CloseReason::Refused(RefusalCause::Session)),
+            "a connection whose coroutine stack could not be mapped should be refused (Session): {reasons:?}"
+        );
+        // Mappings come back: new connections are served again.
+        drop(filler);
+        drop(streams);
+        let mut after = client(address);
+        assert_eq!(
+            round_trip(&mut after, b"back"),
+            b"back",
+            "once mappings are free again, a new connection should be served"
+        );
+        return;
+    }
+    let _turn = shared_turn();
+    let output =
+        std::process::Command::new(std::env::current_exe().expect("no path to this test binary"))
+            .args([
+                "at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on",
+                "--exact",
+                "--test-threads=1",
+                "--nocapture",
+            ])
+            .env(MAP_LIMIT_CHILD, "1")
+            .output()
+            .expect("could not run the child");
+    println!("{}", String::from_utf8_lossy(&output.stdout));
+    println!("{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "at the memory-mapping limit the server should refuse new handlers and serve on, not end the \
+         process: {:?}",
+        output.status
     );
 }
