@@ -76,8 +76,8 @@ pub enum HandlerDriver {
     /// `SIGSEGV`, as a thread's stack overflow aborts.
     /// Each stack is a memory mapping, so the kernel's `vm.max_map_count` (65,530 by default, two
     /// mappings a stack) bounds the open connections unless it is raised; at that limit a new connection is
-    /// refused (`Refused(Session)`, after admission) and the server serves on (a test fills the limit). `TcpConnection::shutdown_write`
-    /// is not available on this driver.
+    /// refused (`Refused(Session)`, after admission) and the server serves on (a test fills the limit).
+    /// `TcpConnection::shutdown_write` is not available on this driver.
     Coroutines {
         /// How many loop threads; at least one.
         loops: usize,
