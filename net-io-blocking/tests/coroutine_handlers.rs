@@ -1131,3 +1131,71 @@ fn at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on
         output.status
     );
 }
+
+#[test]
+fn stacks_kept_for_reuse_after_deep_handlers_hold_few_resident_pages() {
+    const CONNECTIONS: usize = 128;
+    let _alone = TURN
+        .write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .max_connections(CONNECTIONS + 8)
+                .max_per_source(CONNECTIONS + 8),
+        )
+        .events(recorder.clone())
+        .handler(|connection: &mut TcpConnection<'_>| {
+            let mut byte = [0_u8; 1];
+            if connection.read(&mut byte)? == 0 {
+                return Ok(());
+            }
+            // About 120 KiB of this coroutine's stack touched once, then an idle wait on a shallow stack.
+            let sum = deep(50);
+            connection.write_all(&[sum as u8])?;
+            while connection.read(&mut byte)? > 0 {}
+            Ok(())
+        })
+        .allow_all()
+        .build()
+        .expect("the coroutine handler server did not start");
+    let address = server.local_addr();
+    let mut warm = client(address);
+    warm.write_all(b"w").unwrap();
+    let _ = warm.read(&mut [0_u8; 1]);
+    drop(warm);
+    assert!(common::eventually(SOON, || recorder.closes().len() == 1));
+    let resident_before = resident_kib();
+    let mut streams = Vec::with_capacity(CONNECTIONS);
+    for _ in 0..CONNECTIONS {
+        let mut stream = client(address);
+        stream.write_all(b"d").unwrap();
+        stream
+            .read_exact(&mut [0_u8; 1])
+            .expect("the deep handler should answer");
+        streams.push(stream);
+    }
+    let resident_open = resident_kib();
+    drop(streams);
+    assert!(
+        common::eventually(SOON, || recorder.closes().len() == CONNECTIONS + 1),
+        "every connection should close"
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    let resident_after = resident_kib();
+    println!(
+        "resident KiB: {resident_before} before, {resident_open} with {CONNECTIONS} deep handlers open, \
+         {resident_after} once they closed (their stacks pooled)"
+    );
+    // Kept whole, the pooled stacks would hold about 120 KiB each: 15 MiB for 128 of them.
+    assert!(
+        resident_after < resident_before + 6 * 1024,
+        "the stack pool keeps {} KiB resident after {CONNECTIONS} deep handlers closed: a pooled stack \
+         should give back the pages below its top",
+        resident_after.saturating_sub(resident_before)
+    );
+}
