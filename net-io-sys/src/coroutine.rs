@@ -18,6 +18,13 @@
 //! - dropping a started, unfinished coroutine on a foreign thread leaks its stack instead of unwinding it
 //!   there (running its destructors would touch the foreign data on another thread).
 //!
+//! One hazard the pin does not cover: a suspended coroutine may hold a borrow of one of its thread's
+//! thread-locals (it suspended inside `LocalKey::with`). Do not keep a started coroutine in a thread-local
+//! itself: when the thread exits, the order in which thread-locals are destroyed is unspecified, and
+//! unwinding the coroutine after the borrowed one is gone would run its destructors against freed data.
+//! Keep it in a value that the thread's own code drops before the thread ends (as the event loops do: a
+//! loop's connections, and their coroutines, are dropped when its function returns).
+//!
 //! # Stacks
 //!
 //! Each stack is `mmap`ed with a `PROT_NONE` guard page below it. **Overflowing a coroutine's stack hits the
