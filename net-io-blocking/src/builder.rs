@@ -13,7 +13,7 @@ use net_io_core::{
 };
 use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::KillSlot;
-use net_io_sys::socket::{self, ConnectionOptions, Keepalive, ListenOptions};
+use net_io_sys::socket::{self, ConnectionOptions, Keepalive, ListenOptions, Listener};
 
 use crate::caps::{Caps, ListenerCaps};
 use crate::connection::TcpConnection;
@@ -23,6 +23,7 @@ use crate::handover::HandOver;
 use crate::runtime::{ListenerRuntime, Runtime, Workload};
 use crate::server::{Core, ListenerShared, QueueCloser, Server, ServerHandle, WorkerShared};
 use crate::sessions::{HandlerWorkload, SessionWorkload};
+use crate::systemd::{InheritedListener, SystemdError};
 
 /// The most listeners one server takes.
 pub const LISTENERS_MAX: usize = 64;
@@ -58,6 +59,8 @@ pub struct ListenerSpec {
     reuse_port: bool,
     receive_buffer: Option<usize>,
     send_buffer: Option<usize>,
+    /// The index of an inherited listener in `Settings::adopted`, used instead of binding `address`.
+    adopted: Option<usize>,
 }
 
 /// Builds a [`Server`]. See the crate docs for an example.
@@ -83,6 +86,8 @@ struct Settings {
     solo_read_slice: Duration,
     handler_driver: HandlerDriver,
     handler_stack: usize,
+    /// Inherited listeners, each taken out by the one spec that names it.
+    adopted: Vec<Option<Listener>>,
 }
 
 impl ListenerSpec {
@@ -96,6 +101,7 @@ impl ListenerSpec {
             reuse_port: false,
             receive_buffer: None,
             send_buffer: None,
+            adopted: None,
         }
     }
 
@@ -156,6 +162,7 @@ impl ServerBuilder<NoWorkload, NoGate> {
                 solo_read_slice: crate::evloop::SOLO_READ_SLICE_DEFAULT,
                 handler_driver: HandlerDriver::Threads,
                 handler_stack: DEFAULT_WORKER_STACK,
+                adopted: Vec::new(),
             },
         }
     }
@@ -196,6 +203,37 @@ impl<W, G> ServerBuilder<W, G> {
     pub fn listener(mut self, spec: ListenerSpec) -> Self {
         self.settings.listeners.push(spec);
         self
+    }
+
+    /// Serves on a listener inherited from systemd (see [`systemd::listeners`](crate::systemd::listeners))
+    /// with the server's settings.
+    pub fn adopt(self, inherited: InheritedListener) -> Self {
+        self.adopt_with(inherited, |spec| spec)
+    }
+
+    /// Serves on an inherited listener with its own settings: `configure` gets a spec for its address and
+    /// may set limits and a PROXY requirement. Socket options of the spec (`reuse_port`, buffer sizes) are
+    /// not applied: the socket was created and bound by its creator.
+    pub fn adopt_with(
+        mut self,
+        inherited: InheritedListener,
+        configure: impl FnOnce(ListenerSpec) -> ListenerSpec,
+    ) -> Self {
+        let mut spec = configure(ListenerSpec::new(inherited.local_addr()));
+        spec.adopted = Some(self.settings.adopted.len());
+        self.settings.adopted.push(Some(inherited.listener));
+        self.settings.listeners.push(spec);
+        self
+    }
+
+    /// Serves on every listener systemd passed to this process (socket activation), in descriptor order,
+    /// with the server's settings; see [`systemd::listeners`](crate::systemd::listeners) for the checks. When
+    /// the variables are absent or meant for another process nothing is added, and `build` fails with no
+    /// listeners unless others were added.
+    pub fn systemd(self) -> Result<Self, SystemdError> {
+        Ok(crate::systemd::listeners()?
+            .into_iter()
+            .fold(self, |builder, inherited| builder.adopt(inherited)))
     }
 
     /// Sets the worker count (128 by default); each worker serves one connection at a time (handlers on
@@ -499,6 +537,7 @@ fn start<G: Gate, W: Workload>(
         });
     }
     // Bind everything before any thread starts: a taken port fails the build with nothing to undo.
+    let mut adopted = settings.adopted;
     let mut bound = Vec::with_capacity(settings.listeners.len());
     for (spec, limits) in settings.listeners.iter().zip(&listener_limits) {
         let options = ListenOptions {
@@ -508,8 +547,20 @@ fn start<G: Gate, W: Workload>(
             send_buffer: spec.send_buffer,
             ..ListenOptions::default()
         };
-        let listener = socket::listen(spec.address, &options)
-            .map_err(|error| NetError::from_bind(spec.address, error))?;
+        let listener = match spec.adopted {
+            // Each adopted spec is made by `adopt_with` with its own index, so each slot is taken once.
+            Some(index) => adopted
+                .get_mut(index)
+                .and_then(Option::take)
+                .ok_or_else(|| {
+                    NetError::from(std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        "an inherited listener was configured twice; adopt each one once",
+                    ))
+                })?,
+            None => socket::listen(spec.address, &options)
+                .map_err(|error| NetError::from_bind(spec.address, error))?,
+        };
         // Accepted sockets inherit these from the listener, so workers need not set them per connection.
         socket::apply_connection_options(
             std::os::fd::AsFd::as_fd(&listener),

@@ -90,6 +90,7 @@ use net_io_sys::socket::{self, Linger};
 
 use crate::caps::Reservation;
 use crate::clock::deadline_after;
+use crate::handshake;
 use crate::link::OWNER_CODE;
 use crate::rate::RateWindow;
 use crate::runtime::{Job, Runtime};
@@ -2007,6 +2008,31 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 .is_some_and(|reservation| reservation.move_source(real_peer.ip()).is_ok());
             if !moved {
                 return self.close(index, CloseReason::Limit(LimitKind::PerSource));
+            }
+            // Then the gate sees the real client (it may swap the ticket or refuse), and only then is it resolved.
+            let refusal_bytes_max = self.limits(index).refusal_bytes_max;
+            let entry = &mut self.entries[index as usize];
+            // Without its socket or ticket the connection cannot be asked about: fail closed, as the
+            // handshake does without a socket.
+            let (Some(conn), Some(socket)) = (entry.conn.as_mut(), entry.owner.socket()) else {
+                return self.close(index, CloseReason::SessionError);
+            };
+            let Some(ticket) = conn.ticket.as_mut() else {
+                return self.close(index, CloseReason::SessionError);
+            };
+            let readmitted = handshake::readmit(
+                &self.runtime.gate,
+                ticket,
+                &conn.info,
+                refusal_bytes_max,
+                |bytes| {
+                    if let Ok(sent) = socket::send(socket, bytes) {
+                        conn.bytes_out += sent as u64;
+                    }
+                },
+            );
+            if let Err(reason) = readmitted {
+                return self.close(index, reason);
             }
             self.core.emit(Event::ProxyResolved { id, real_peer });
         }

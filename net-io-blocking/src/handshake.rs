@@ -4,7 +4,10 @@
 use std::net::SocketAddr;
 
 use net_io_core::proxy::{ProxyCommand, ProxyMode, ProxyParser, ProxyStatus, V1_MAX};
-use net_io_core::{CloseReason, ConnectionInfo, ProxyError, ResolvedLimits, TrustedProxies};
+use net_io_core::{
+    CloseReason, ConnectionInfo, Gate, ProxyError, Refusal, ResolvedLimits, TrustedProxies,
+    readmit_or_refuse,
+};
 
 use crate::link::{Link, Received};
 use crate::server::reason_for_code;
@@ -66,4 +69,24 @@ pub(crate) fn read_proxy_header(
             Err(_) => return Err(CloseReason::ProxyInvalid),
         }
     }
+}
+
+/// Asks the gate again once the header named the real client (`info` already carries it); on a refusal,
+/// `reply` gets at most `refusal_bytes_max` bytes of a [`Refusal::Reply`] for one non-blocking attempt, and the
+/// reason to close with comes back. The ticket stays with the caller either way, for `Gate::closed`.
+pub(crate) fn readmit<G: Gate>(
+    gate: &G,
+    ticket: &mut G::Ticket,
+    info: &ConnectionInfo,
+    refusal_bytes_max: usize,
+    reply: impl FnOnce(&[u8]),
+) -> Result<(), CloseReason> {
+    let Err(refusal) = readmit_or_refuse(gate, ticket, info) else {
+        return Ok(());
+    };
+    if let Refusal::Reply { bytes, .. } = refusal {
+        // As for a refusal at accept: one short try only, so the refusal path cannot become an amplifier.
+        reply(&bytes[..bytes.len().min(refusal_bytes_max)]);
+    }
+    Err(refusal.close_reason())
 }

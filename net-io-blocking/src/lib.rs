@@ -88,8 +88,21 @@
 //!   136 years ahead instead of overflowing.
 //! - **Kill by id** costs a scan of the workers' slots on worker threads and one map lookup per loop with
 //!   event loops; a drain tick or a shed visits every slot either way.
-//! - **Not here**: Unix sockets, TLS, listener hand-off and systemd sockets, adding or removing listeners at
-//!   run time, `Gate::readmit` after a PROXY header. An event loop's slab of connection slots grows to the
+//! - **PROXY and the gate.** On a PROXY listener `Gate::admit` sees the proxy's address. Once a trusted
+//!   header names the real client, the per-source cap moves to it, then [`Gate::readmit`] is asked once with
+//!   the ticket and the updated [`ConnectionInfo`] (it may keep or replace the ticket, or refuse: the
+//!   connection then closes with `Refused(Gate(code))` before any application byte is read; a panic refuses
+//!   too), then `ProxyResolved` and `HandshakeDone` are reported. `closed` gets the current ticket once. The
+//!   default `readmit` keeps the connection, so a gate that decides on addresses must override it. Same on
+//!   every driver.
+//! - **systemd socket activation.** [`ServerBuilder::systemd`] (or [`systemd::listeners`] with
+//!   [`ServerBuilder::adopt_with`] for per-listener settings) serves on the listeners systemd passed: only if
+//!   `LISTEN_PID` (and `LISTEN_PIDFDID`, when set) names this process; at most 64 (`LISTEN_FDS`), named by
+//!   `LISTEN_FDNAMES`; each fd checked (open, `SO_TYPE` stream, `SO_ACCEPTCONN`, an IP address) before any is
+//!   taken, each taken once, made close-on-exec, and the variables removed so children do not take them.
+//!   A wrong variable or fd is a [`systemd::SystemdError`] naming it.
+//! - **Not here**: Unix sockets, TLS, listener hand-off, FastCGI on fd 0, adding or removing listeners at
+//!   run time. An event loop's slab of connection slots grows to the
 //!   most connections it held at once; once at most a quarter is in use, its free top is cut back to twice the
 //!   live connections (64 slots at least).
 //! - **Handlers must do IO to be killable**: a kill shuts the socket's read side and wakes the worker, so a
@@ -131,6 +144,7 @@ mod rate;
 mod runtime;
 mod server;
 mod sessions;
+pub mod systemd;
 
 use std::net::ToSocketAddrs;
 

@@ -499,7 +499,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         let Job {
             socket,
             mut info,
-            ticket,
+            mut ticket,
             mut reservation,
             listener,
         } = job;
@@ -542,6 +542,16 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                     info.set_real_peer(real_peer);
                     if reservation.move_source(real_peer.ip()).is_err() {
                         early = Some(CloseReason::Limit(LimitKind::PerSource));
+                    } else if let Err(reason) = handshake::readmit(
+                        &self.gate,
+                        &mut ticket,
+                        &info,
+                        limits.refusal_bytes_max,
+                        |bytes| {
+                            let _ = link.send_once(bytes);
+                        },
+                    ) {
+                        early = Some(reason);
                     } else {
                         core.emit(Event::ProxyResolved {
                             id: info.id,

@@ -25,7 +25,8 @@ impl Direction {
     }
 }
 
-/// Why a connection was refused before any byte was read from it.
+/// Why a connection was refused before any application byte was read from it (at accept, or by
+/// [`Gate::readmit`](crate::Gate::readmit) once a trusted PROXY header named the real client).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum RefusalCause {
@@ -412,7 +413,8 @@ pub enum CloseReason {
         /// The direction that was too slow.
         direction: Direction,
     },
-    /// The connection was refused before any byte was read.
+    /// The connection was refused before any application byte was read (at accept, or at readmit after a
+    /// PROXY header).
     Refused(RefusalCause),
     /// The peer sent a PROXY header but is not in the trusted set.
     ProxyUntrusted,

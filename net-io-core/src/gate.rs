@@ -1,12 +1,22 @@
 //! The [`Gate`]: admission before any byte is read, a check before every write, the ticket back at close.
 //!
 //! A gate is the application's policy seam (bans, quotas, revocation). The driver calls it through
-//! [`admit_or_refuse`] and [`check_or_deny`], which turn a panic into a refusal or a denial: a broken gate
-//! fails closed and never lets traffic through (threat T-45).
+//! [`admit_or_refuse`], [`readmit_or_refuse`] and [`check_or_deny`], which turn a panic into a refusal or a
+//! denial: a broken gate fails closed and never lets traffic through (threat T-45).
+//!
+//! On a listener that requires a PROXY header, the calls on one connection run in this order:
+//!
+//! ```text
+//! accept ─ caps ─ admit(info: proxy's address) ─ read PROXY header ─ source cap moves to the real client
+//!        ─ readmit(&mut ticket, info: real client) ─ ProxyResolved ─ HandshakeDone ─ check … check ─ closed
+//! ```
+//!
+//! `readmit` is called only when the header names a client (`PROXY` command with an address); a `LOCAL`
+//! health check or an `UNKNOWN` transport keeps the proxy's address and is not asked again.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use crate::close::CloseReason;
+use crate::close::{CloseReason, RefusalCause};
 use crate::id::ConnectionId;
 use crate::info::ConnectionInfo;
 
@@ -48,6 +58,21 @@ pub enum Refusal {
     },
 }
 
+impl Refusal {
+    /// The gate's code.
+    pub const fn code(self) -> u16 {
+        match self {
+            Refusal::Reset { code } | Refusal::Reply { code, .. } => code,
+        }
+    }
+
+    /// The close reason of an admitted connection that [`Gate::readmit`] refused:
+    /// `Refused(RefusalCause::Gate(code))`, named `refused_gate`, the same cause an `admit` refusal counts under.
+    pub const fn close_reason(self) -> CloseReason {
+        CloseReason::Refused(RefusalCause::Gate(self.code()))
+    }
+}
+
 /// What a gate sees before a write system call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -86,14 +111,37 @@ pub enum Verdict {
 /// Admission and egress policy. One gate serves the whole server; its `Ticket` is per connection.
 ///
 /// Costs: `admit` runs once per accepted connection on the accept thread; `check` once per write call
-/// (not again after `EAGAIN` or for the rest of a partial write); `closed` exactly once per admitted
-/// connection, with the one close reason.
+/// (not again after `EAGAIN` or for the rest of a partial write); `readmit` at most once, on the serving
+/// thread, when a trusted PROXY header names the real client; `closed` exactly once per admitted connection,
+/// with the one close reason and the ticket as `readmit` left it.
 pub trait Gate: Send + Sync + 'static {
     /// Per-connection state the gate keeps from admission to close.
     type Ticket: Send + 'static;
 
     /// Admits or refuses a new connection, before any byte is read from it.
     fn admit(&self, info: &ConnectionInfo) -> Result<Admission<Self::Ticket>, Refusal>;
+
+    /// Asks again once a trusted PROXY header named the real client: `info.real_peer` (and so
+    /// [`ConnectionInfo::client_addr`]) now names the real client, `info.peer` is still the proxy, and the
+    /// per-source cap already counts the real client.
+    ///
+    /// Runs once per connection, on the thread serving it, before any application byte is read and before
+    /// `ProxyResolved` is reported. The gate may keep the ticket (return `Ok(())`), replace it (assign to
+    /// `*ticket`, then `Ok(())`; the value it replaces is dropped here, so hand its accounting over first), or
+    /// refuse: the connection then closes with `Refused(RefusalCause::Gate(code))` (`refused_gate`), a
+    /// [`Refusal::Reply`] sends its bytes once without blocking first, and `closed` still receives the ticket.
+    /// A panic refuses with [`GATE_PANIC_CODE`]. Whatever happens, `closed` gets the current ticket exactly once.
+    ///
+    /// **The default keeps the ticket and lets the connection go on**, which is how every gate behaved before
+    /// this method existed. We chose it over no default (gate authors would be made to think, but every
+    /// existing gate would stop compiling) and over re-running `admit` on the real address (that would call
+    /// `admit` twice per connection but `closed` once, silently breaking gates that count in `admit`).
+    /// **A gate that decides on addresses must override this**, or it only ever sees the proxy's address on
+    /// a PROXY listener.
+    fn readmit(&self, ticket: &mut Self::Ticket, info: &ConnectionInfo) -> Result<(), Refusal> {
+        let _ = (ticket, info);
+        Ok(())
+    }
 
     /// Allows or denies a write of `write.bytes` bytes.
     fn check(&self, ticket: &Self::Ticket, write: &WriteFacts) -> Verdict {
@@ -128,6 +176,18 @@ pub fn admit_or_refuse<G: Gate + ?Sized>(
     info: &ConnectionInfo,
 ) -> Result<Admission<G::Ticket>, Refusal> {
     catch_unwind(AssertUnwindSafe(|| gate.admit(info))).unwrap_or(Err(Refusal::Reset {
+        code: GATE_PANIC_CODE,
+    }))
+}
+
+/// Calls [`Gate::readmit`], turning a panic into `Refusal::Reset { code: GATE_PANIC_CODE }`; the ticket is
+/// left as the gate last stored it, so it can still go back through `closed`.
+pub fn readmit_or_refuse<G: Gate + ?Sized>(
+    gate: &G,
+    ticket: &mut G::Ticket,
+    info: &ConnectionInfo,
+) -> Result<(), Refusal> {
+    catch_unwind(AssertUnwindSafe(|| gate.readmit(ticket, info))).unwrap_or(Err(Refusal::Reset {
         code: GATE_PANIC_CODE,
     }))
 }
@@ -170,6 +230,10 @@ mod tests {
         fn check(&self, _ticket: &(), _write: &WriteFacts) -> Verdict {
             panic!("gate bug")
         }
+
+        fn readmit(&self, _ticket: &mut (), _info: &ConnectionInfo) -> Result<(), Refusal> {
+            panic!("gate bug")
+        }
     }
 
     fn info() -> ConnectionInfo {
@@ -187,6 +251,7 @@ mod tests {
         let hook = std::panic::take_hook();
         std::panic::set_hook(Box::new(|_| {}));
         let admitted = admit_or_refuse(&Broken, &info());
+        let readmitted = readmit_or_refuse(&Broken, &mut (), &info());
         let verdict = check_or_deny(
             &Broken,
             &(),
@@ -207,6 +272,45 @@ mod tests {
             Verdict::Deny(GATE_PANIC_CODE),
             "a panicking check let bytes out"
         );
+        assert_eq!(
+            readmitted,
+            Err(Refusal::Reset {
+                code: GATE_PANIC_CODE
+            }),
+            "a panicking readmit let the real client in"
+        );
+    }
+
+    #[test]
+    fn the_default_readmit_keeps_the_ticket() {
+        let mut ticket = ();
+        assert_eq!(
+            readmit_or_refuse(&AllowAll, &mut ticket, &info()),
+            Ok(()),
+            "the default readmit refused a connection admit had let in"
+        );
+    }
+
+    #[test]
+    fn a_readmit_refusal_closes_under_the_gate_cause_with_its_code() {
+        let refusals = [
+            Refusal::Reset { code: 7 },
+            Refusal::Reply {
+                code: 9,
+                bytes: b"no\n",
+            },
+            Refusal::Reset {
+                code: GATE_PANIC_CODE,
+            },
+        ];
+        let named: Vec<String> = refusals
+            .iter()
+            .map(|refusal| {
+                let reason = refusal.close_reason();
+                format!("{refusal:?} -> {reason:?} ({})", reason.as_str())
+            })
+            .collect();
+        insta::assert_snapshot!("readmit_refusal_close_reasons", named.join("\n"));
     }
 
     #[test]

@@ -83,7 +83,7 @@ pub use error::{ErrorClass, NetError};
 pub use event::{CoalescedKind, Coalescer, Event, EventSink, NoopSink};
 pub use gate::{
     Admission, AllowAll, Gate, Lane, Refusal, Verdict, WriteFacts, admit_or_refuse, check_or_deny,
-    close_ticket,
+    close_ticket, readmit_or_refuse,
 };
 pub use id::{ConnectionId, IdAllocator, IdBlock, ListenerId, WorkerId};
 pub use info::ConnectionInfo;

@@ -14,6 +14,7 @@ pub mod coroutine;
 pub mod epoll;
 pub mod eventfd;
 pub mod futex;
+pub mod inherit;
 pub mod inotify;
 pub mod kill;
 pub mod pidfd;

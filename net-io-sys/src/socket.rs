@@ -126,9 +126,19 @@ impl Listener {
         self.local
     }
 
-    /// The backlog passed to `listen(2)` after capping at `somaxconn`.
+    /// The backlog passed to `listen(2)` after capping at `somaxconn`; 0 for an inherited listener, whose
+    /// creator chose it (the kernel does not report it).
     pub fn backlog(&self) -> u32 {
         self.backlog
+    }
+
+    /// A listener made from a checked, inherited socket (see [`crate::inherit`]).
+    pub(crate) fn inherited(socket: Socket, local: SocketAddr) -> Listener {
+        Listener {
+            socket,
+            local,
+            backlog: 0,
+        }
     }
 
     /// Takes one connection off the queue with `accept4(SOCK_CLOEXEC)`; never blocks.
