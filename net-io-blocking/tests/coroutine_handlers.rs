@@ -1199,3 +1199,43 @@ fn stacks_kept_for_reuse_after_deep_handlers_hold_few_resident_pages() {
         resident_after.saturating_sub(resident_before)
     );
 }
+
+#[test]
+fn the_global_cap_refuses_on_coroutines_and_no_connection_is_ever_busy() {
+    let _turn = shared_turn();
+    let recorder = Recorder::default();
+    let server = server(
+        Limits::new().max_connections(2).max_per_source(2),
+        &recorder,
+        echo,
+    );
+    let address = server.local_addr();
+    let mut first = client(address);
+    let mut second = client(address);
+    assert_eq!(round_trip(&mut first, b"a"), b"a");
+    assert_eq!(round_trip(&mut second, b"b"), b"b");
+    let mut third = client(address);
+    let _ = third.write_all(b"never read");
+    assert!(
+        common::is_closed_by_server(&mut third),
+        "the third connection passed the global cap of two"
+    );
+    drop(first);
+    assert!(
+        common::eventually(SOON, || server.handle().open_connections() == 1),
+        "the first connection should close and free its place"
+    );
+    let mut fourth = client(address);
+    assert_eq!(
+        round_trip(&mut fourth, b"d"),
+        b"d",
+        "a freed place should admit again"
+    );
+    let stats = server.stats();
+    assert_eq!(stats.refused_by(RefusalCause::GlobalCap), 1, "{stats:?}");
+    assert_eq!(
+        stats.refused_by(RefusalCause::Busy),
+        0,
+        "coroutines have no worker pool to be busy: {stats:?}"
+    );
+}
