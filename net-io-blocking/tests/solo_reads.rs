@@ -4,10 +4,18 @@
 
 mod common;
 
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{Recorder, SOON, client, round_trip};
-use net_io_blocking::{HandlerDriver, Limits, NetError, Server, ServerBuilder, TcpConnection};
+use net_io_blocking::{
+    CloseReason, HandlerDriver, Limits, ListenerSpec, NetError, ProxyMode, Server, ServerBuilder,
+    TcpConnection, TrustedProxies,
+};
+use net_io_core::ManualClock;
+use net_io_core::proxy::encode_v1;
 
 /// Echoes each read until the peer closes.
 fn echo(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
@@ -69,4 +77,93 @@ fn a_solo_read_waits_one_slice_even_when_the_inherited_receive_timeout_is_within
         common::eventually(SOON, || recorder.closes().len() == 2),
         "both connections should close"
     );
+}
+
+#[test]
+fn under_a_manual_clock_the_idle_deadline_fires_while_the_loop_reads_one_connection_alone() {
+    let clock = Arc::new(ManualClock::new());
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .idle_timeout(Duration::from_secs(600)),
+        )
+        .clock(clock.clone())
+        .events(recorder.clone())
+        .handler(echo)
+        .allow_all()
+        .build()
+        .expect("the manual-clock server did not start");
+    let mut stream = client(server.local_addr());
+    for _ in 0..20 {
+        assert_eq!(round_trip(&mut stream, b"solo"), b"solo");
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(recorder.closes().is_empty(), "nothing should close yet");
+    let advanced = Instant::now();
+    clock.advance(Duration::from_secs(601));
+    assert_eq!(
+        recorder
+            .wait_for_closes(1, SOON)
+            .first()
+            .map(|(_, reason)| *reason),
+        Some(CloseReason::Idle),
+        "the idle deadline on the manual clock should close the connection"
+    );
+    assert!(
+        advanced.elapsed() < Duration::from_secs(2),
+        "the idle deadline fired {:?} after the clock passed it: a solo read held the loop",
+        advanced.elapsed()
+    );
+}
+
+#[test]
+fn a_connection_behind_a_proxy_header_is_read_alone_after_its_header_and_keeps_its_real_client() {
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listener(ListenerSpec::new("127.0.0.1:0".parse().unwrap()).proxy(
+            ProxyMode::Any,
+            TrustedProxies::parse(&["127.0.0.0/8"]).unwrap(),
+        ))
+        .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .handler(|connection: &mut TcpConnection<'_>| {
+            let line = format!("{}\n", connection.peer_addr());
+            connection.write_all(line.as_bytes())?;
+            echo(connection)
+        })
+        .allow_all()
+        .build()
+        .expect("the proxied server did not start");
+    let real: SocketAddr = "203.0.113.9:4343".parse().unwrap();
+    let mut stream = client(server.local_addr());
+    // The header alone first, then the data in its own segments: the loop waits for the header without a
+    // solo read (it is not a session's read), then reads the one connection alone.
+    stream
+        .write_all(encode_v1(real, server.local_addr()).as_bytes())
+        .unwrap();
+    let mut line = Vec::new();
+    let mut byte = [0_u8; 1];
+    while byte[0] != b'\n' {
+        stream.read_exact(&mut byte).unwrap();
+        line.push(byte[0]);
+    }
+    assert_eq!(
+        String::from_utf8_lossy(&line).trim_end(),
+        real.to_string(),
+        "the handler should see the client the header named"
+    );
+    for round in 0..20_u8 {
+        assert_eq!(
+            round_trip(&mut stream, &[b'a' + round]),
+            [b'a' + round],
+            "round trip {round} after the header"
+        );
+    }
+    drop(stream);
+    assert_eq!(recorder.single_close(SOON), CloseReason::PeerClosed);
 }
