@@ -23,7 +23,9 @@
 //!   close (kill, drain, slow peer, gate denial, a reset) with `Err(Closed(reason))`. After a deadline or
 //!   the close, every call returns an error at once without suspending, so the handler runs to its end
 //!   inside the loop's `on_close` (or, should it be dropped suspended, during the unwind of its stack).
-//!   After the FIN, reads return `Ok(0)` at once and writes still go out (a half close).
+//!   After the FIN, reads return `Ok(0)` at once and writes still go out (a half close). A handler that
+//!   panics while it runs to its end after the close is reported (`SessionPanicked` event) as on a worker
+//!   thread; the close keeps the reason it already had.
 //! - the handler's return value becomes `Step::Close` (`Ok`, flushed then FIN) or `Step::Abort` (`Err`),
 //!   which the loop turns into the same close reasons the threaded driver reports.
 //!
@@ -33,12 +35,13 @@
 //! deadline, or the close) once the queue is flushed; and `on_close` runs before the session is dropped.
 
 use std::cell::RefCell;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use net_io_core::{
-    CloseReason, ConfigError, ConnectionInfo, Input, NetError, Output, Session, SessionContext,
-    SessionFactory, Step, TimeoutKind,
+    CloseReason, ConfigError, ConnectionInfo, Event, Input, NetError, Output, Session,
+    SessionContext, SessionFactory, Step, TimeoutKind,
 };
 use net_io_sys::coroutine::{Coroutine, CoroutineResult};
 
@@ -152,6 +155,9 @@ pub(crate) struct CoroutineFactory<H> {
 /// The session that runs one handler on its coroutine.
 pub(crate) struct HandlerSession {
     coroutine: Coroutine<Resume, Suspend, Finish>,
+    /// For the `SessionPanicked` event of a handler that panics on the close path, where no hook of the
+    /// loop sees it.
+    core: Arc<Core>,
     /// The most bytes the handler's waiting `read` takes; 0 when it is not waiting in a `read`.
     want: usize,
     finished: bool,
@@ -230,6 +236,7 @@ where
         };
         let handler = Arc::clone(&self.handler);
         let info = *info;
+        let session_core = Arc::clone(&core);
         let coroutine = Coroutine::new(self.stack_size, move |yielder: &Yielder, first: Resume| {
             let mut connection = TcpConnection::on_loop(yielder, first.output, info, &core, kill);
             let result = handler(&mut connection);
@@ -243,6 +250,7 @@ where
         .ok()?;
         Some(HandlerSession {
             coroutine,
+            core: session_core,
             want: 0,
             finished: false,
         })
@@ -284,17 +292,24 @@ impl Session for HandlerSession {
         self.run(Wakeup::PeerClosed, context)
     }
 
-    fn on_close(&mut self, _info: &ConnectionInfo, reason: CloseReason) {
+    fn on_close(&mut self, info: &ConnectionInfo, reason: CloseReason) {
         if self.finished || !self.coroutine.is_started() {
             return;
         }
         self.finished = true;
         // The handler's waiting call returns `Err(Closed(reason))` and every later call fails at once, so
         // it runs to its end here; what it queues now has no socket to go to.
-        let _ = self.coroutine.resume(Resume {
-            wakeup: Wakeup::Closed(reason),
-            output: Output::new(0),
-        });
+        let resumed = catch_unwind(AssertUnwindSafe(|| {
+            self.coroutine.resume(Resume {
+                wakeup: Wakeup::Closed(reason),
+                output: Output::new(0),
+            })
+        }));
+        // The close and its reason are decided already; the panic is still the handler's, and a worker
+        // thread would report it, so the event says so (the loop would swallow it silently).
+        if resumed.is_err() {
+            self.core.emit(Event::SessionPanicked { id: info.id });
+        }
     }
 }
 

@@ -1239,3 +1239,45 @@ fn the_global_cap_refuses_on_coroutines_and_no_connection_is_ever_busy() {
         "coroutines have no worker pool to be busy: {stats:?}"
     );
 }
+
+#[test]
+fn a_handler_that_panics_after_its_connection_was_killed_is_reported_as_a_panic() {
+    let _turn = shared_turn();
+    let recorder = Recorder::default();
+    let (handles, handle_receiver) = std::sync::mpsc::channel::<KillHandle>();
+    let handles = Mutex::new(handles);
+    let server = server(
+        Limits::new().idle_timeout(Duration::from_secs(60)),
+        &recorder,
+        move |connection: &mut TcpConnection<'_>| {
+            handles
+                .lock()
+                .unwrap()
+                .send(connection.kill_handle())
+                .unwrap();
+            let mut buffer = [0_u8; 8];
+            if connection.read(&mut buffer).is_err() {
+                panic!("the handler fails on the kill's error");
+            }
+            Ok(())
+        },
+    );
+    let mut stream = client(server.local_addr());
+    let handle = handle_receiver.recv_timeout(SOON).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(handle.kill(9), "the kill should win");
+    assert_eq!(recorder.single_close(SOON), CloseReason::Killed(9));
+    let panicked = |recorder: &Recorder| {
+        recorder
+            .events()
+            .iter()
+            .filter(|event| matches!(event, net_io_blocking::Event::SessionPanicked { .. }))
+            .count()
+    };
+    assert!(
+        common::eventually(SOON, || panicked(&recorder) == 1),
+        "a handler panic on the close path went unreported: {:?}",
+        recorder.events()
+    );
+    assert!(common::is_closed_by_server(&mut stream));
+}
