@@ -71,7 +71,11 @@ pub enum HandlerDriver {
     /// **Hazard: a handler must not block on anything but its `TcpConnection`.** A blocking call elsewhere
     /// (another socket, a file, a lock held by another thread, a channel, `thread::sleep`, a long
     /// computation) runs on the loop thread and stalls every connection of that loop until it returns,
-    /// deadlines and kills included. Offload such work or use [`HandlerDriver::Threads`].
+    /// deadlines and kills included. Offload such work or use [`HandlerDriver::Threads`]. Worse, a lock
+    /// (a `Mutex`, a `RefCell` borrow) held across a `read` or `write_all` is held by a suspended handler: a
+    /// second handler on the same loop that takes it blocks the loop thread on which the holder would have
+    /// to resume, and the loop deadlocks for good (a `RefCell` panics instead). Release locks before any
+    /// call on the connection.
     ///
     /// Each coroutine has its own stack ([`ServerBuilder::handler_stack_size`](crate::ServerBuilder::handler_stack_size),
     /// 256 KiB of address space by default, at least 64 KiB and at most 1 GiB, else the build fails; only the
