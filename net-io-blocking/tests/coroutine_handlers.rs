@@ -1281,3 +1281,45 @@ fn a_handler_that_panics_after_its_connection_was_killed_is_reported_as_a_panic(
     );
     assert!(common::is_closed_by_server(&mut stream));
 }
+
+#[test]
+fn an_exchange_deadline_that_passes_while_a_handler_waits_in_write_closes_with_exchange_deadline() {
+    let _turn = shared_turn();
+    let recorder = Recorder::default();
+    let seen: Arc<Mutex<Option<String>>> = Arc::default();
+    let outcome = Arc::clone(&seen);
+    let server = ServerBuilder::new()
+        .listener(ListenerSpec::new("127.0.0.1:0".parse().unwrap()).send_buffer(16 * 1024))
+        .handler_driver(HandlerDriver::Coroutines { loops: 2 })
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .write_timeout(Duration::from_secs(60)),
+        )
+        .events(recorder.clone())
+        .handler(move |connection: &mut TcpConnection<'_>| {
+            let mut byte = [0_u8; 1];
+            connection.read(&mut byte)?;
+            connection.set_exchange_deadline(Some(Instant::now() + Duration::from_millis(300)));
+            let result = connection.write_all(&vec![1_u8; 16 << 20]);
+            *outcome.lock().unwrap() = Some(format!("{result:?}"));
+            result
+        })
+        .allow_all()
+        .build()
+        .expect("the coroutine handler server did not start");
+    let mut stream = client(server.local_addr());
+    stream.write_all(b"x").unwrap();
+    let started = Instant::now();
+    assert_eq!(recorder.single_close(SOON), CloseReason::ExchangeDeadline);
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "the exchange deadline, not the 60 s write timeout, should end the write"
+    );
+    assert_eq!(
+        seen.lock().unwrap().as_deref(),
+        Some("Err(Timeout(Exchange))"),
+        "the handler's write should report the exchange deadline"
+    );
+    drop(stream);
+}
