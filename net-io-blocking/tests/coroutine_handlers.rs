@@ -741,7 +741,10 @@ fn ten_thousand_churned_handler_connections_leave_no_descriptor_and_a_bounded_st
         .limits(
             Limits::new()
                 .min_rate(None)
-                .linger_timeout(Duration::from_millis(50)),
+                .linger_timeout(Duration::from_millis(50))
+                // Closes trail the client's by a moment on a loaded machine: no cap may refuse meanwhile.
+                .max_connections(1_000)
+                .max_per_source(1_000),
         )
         .handler(|connection: &mut TcpConnection<'_>| {
             let mut request = [0_u8; 1];
@@ -1056,7 +1059,13 @@ fn at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on
         let server = ServerBuilder::new()
             .listen("127.0.0.1:0")
             .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-            .limits(Limits::new().min_rate(None))
+            // Caps well above the 40 connections: the mapping limit is the only thing that refuses here.
+            .limits(
+                Limits::new()
+                    .min_rate(None)
+                    .max_connections(1_000)
+                    .max_per_source(1_000),
+            )
             .events(recorder.clone())
             .handler(echo)
             .allow_all()
@@ -1091,6 +1100,11 @@ fn at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on
         }
         println!("{filled} filler stacks; at the limit {served} served, {refused} refused");
         assert!(refused > 0, "the limit was never reached: {served} served");
+        assert!(
+            common::eventually(SOON, || recorder.closes().len() == 1 + refused),
+            "each refused connection should close once: {:?}",
+            recorder.closes()
+        );
         let closes = recorder.closes();
         let reasons: Vec<_> = closes.iter().skip(1).map(|(_, reason)| *reason).collect();
         assert!(
