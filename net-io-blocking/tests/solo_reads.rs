@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 
 use common::{Recorder, SOON, client, round_trip};
 use net_io_blocking::{
-    CloseReason, HandlerDriver, Limits, ListenerSpec, NetError, ProxyMode, Server, ServerBuilder,
-    TcpConnection, TrustedProxies,
+    CloseReason, Completer, ConnectionInfo, HandlerDriver, Input, Limits, ListenerSpec, NetError,
+    ProxyMode, Server, ServerBuilder, Session, SessionContext, SessionDriver, Step, TcpConnection,
+    TrustedProxies,
 };
 use net_io_core::ManualClock;
 use net_io_core::proxy::encode_v1;
@@ -162,6 +163,85 @@ fn a_connection_behind_a_proxy_header_is_read_alone_after_its_header_and_keeps_i
             round_trip(&mut stream, &[b'a' + round]),
             [b'a' + round],
             "round trip {round} after the header"
+        );
+    }
+    drop(stream);
+    assert_eq!(recorder.single_close(SOON), CloseReason::PeerClosed);
+}
+
+/// Echoes, except that `park` parks the session until a completion (posted by the test) says `woke`.
+struct ParkOnRequest {
+    completers: std::sync::mpsc::Sender<Completer>,
+}
+
+impl Session for ParkOnRequest {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        let bytes = input.bytes().to_vec();
+        input.consume(bytes.len());
+        if bytes == b"park" {
+            if let Some(completer) = context.completer() {
+                let _ = self.completers.send(completer);
+            }
+            return Step::Park {
+                until: context.now() + Duration::from_secs(30),
+            };
+        }
+        if context.output().push(&bytes).is_err() {
+            return Step::Abort;
+        }
+        Step::Write
+    }
+
+    fn on_writable(&mut self, _context: &mut SessionContext<'_>) -> Step {
+        Step::Read
+    }
+
+    fn on_wake(&mut self, _token: u64, _value: u64, context: &mut SessionContext<'_>) -> Step {
+        if context.output().push(b"woke").is_err() {
+            return Step::Abort;
+        }
+        Step::Write
+    }
+}
+
+#[test]
+fn a_session_that_parks_between_solo_reads_gets_its_completion_at_once() {
+    let recorder = Recorder::default();
+    let (completers, completer_receiver) = std::sync::mpsc::channel::<Completer>();
+    let completers = std::sync::Mutex::new(completers);
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 1 })
+        // A long slice: a completion that waited for a solo read to end would take a second.
+        .solo_read_slice(Duration::from_secs(1))
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(move |_: &ConnectionInfo| {
+            Some(ParkOnRequest {
+                completers: completers.lock().unwrap().clone(),
+            })
+        })
+        .allow_all()
+        .build()
+        .expect("the one-loop session server did not start");
+    let mut stream = client(server.local_addr());
+    for round in 0..5 {
+        assert_eq!(round_trip(&mut stream, b"solo"), b"solo", "round {round}");
+        stream.write_all(b"park").unwrap();
+        let completer = completer_receiver
+            .recv_timeout(SOON)
+            .expect("the session should park and hand over its completer");
+        std::thread::sleep(Duration::from_millis(20));
+        let posted = Instant::now();
+        completer.post(1, 2).expect("the post should be taken");
+        let mut reply = [0_u8; 4];
+        stream.read_exact(&mut reply).unwrap();
+        assert_eq!(&reply, b"woke");
+        assert!(
+            posted.elapsed() < Duration::from_millis(500),
+            "round {round}: the completion took {:?} to reach a parked session (the slice is 1 s): the \
+             loop must not be in a solo read while its one connection is parked",
+            posted.elapsed()
         );
     }
     drop(stream);
