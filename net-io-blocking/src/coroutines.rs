@@ -26,6 +26,9 @@
 //!   After the FIN, reads return `Ok(0)` at once and writes still go out (a half close). A handler that
 //!   panics while it runs to its end after the close is reported (`SessionPanicked` event) as on a worker
 //!   thread; the close keeps the reason it already had.
+//! - `shutdown_write` asks the loop for the session half close (`SessionContext::shutdown_write`) and
+//!   suspends with [`Step::Write`]; the loop sends the FIN after the queue (empty, since `write_all` waits
+//!   for its flush) and resumes the handler with `Writable`. A later `write_all` fails at once.
 //! - the handler's return value becomes `Step::Close` (`Ok`, flushed then FIN) or `Step::Abort` (`Err`),
 //!   which the loop turns into the same close reasons the threaded driver reports.
 //!
@@ -84,7 +87,6 @@ pub enum HandlerDriver {
     /// Each stack is a memory mapping, so the kernel's `vm.max_map_count` (65,530 by default, two
     /// mappings a stack) bounds the open connections unless it is raised; at that limit a new connection is
     /// refused (`Refused(Session)`, after admission) and the server serves on (a test fills the limit).
-    /// `TcpConnection::shutdown_write` is not available on this driver.
     Coroutines {
         /// How many loop threads; at least one.
         loops: usize,
@@ -127,6 +129,8 @@ pub(crate) struct Resume {
 pub(crate) struct Requests {
     pub(crate) exchange_deadline: Option<Option<Instant>>,
     pub(crate) idle_timeout: Option<Duration>,
+    /// `shutdown_write` was called: the loop's session half close.
+    pub(crate) shutdown_write: bool,
 }
 
 /// What the coroutine hands back when it suspends.
@@ -364,5 +368,8 @@ fn apply(requests: Requests, context: &mut SessionContext<'_>) {
     }
     if let Some(timeout) = requests.idle_timeout {
         context.set_idle_timeout(timeout);
+    }
+    if requests.shutdown_write {
+        context.shutdown_write();
     }
 }

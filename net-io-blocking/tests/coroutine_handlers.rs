@@ -71,15 +71,23 @@ fn echo_fours(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
     }
 }
 
-/// The server threads of this process right now (named `net-io-…`): the test harness starts and ends a
-/// thread per test meanwhile, which a count of every thread would see.
+/// The live server threads of this process right now (named `net-io-…`): the test harness starts and ends
+/// a thread per test meanwhile, which a count of every thread would see, and a thread that a previous test
+/// joined can linger in `/proc` for a moment as a zombie, which is not counted either.
 fn threads() -> usize {
     std::fs::read_dir("/proc/self/task")
         .expect("could not list /proc/self/task")
         .filter_map(Result::ok)
         .filter(|task| {
-            std::fs::read_to_string(task.path().join("comm"))
-                .is_ok_and(|name| name.starts_with("net-io-"))
+            let named = std::fs::read_to_string(task.path().join("comm"))
+                .is_ok_and(|name| name.starts_with("net-io-"));
+            // The state follows the command name in parentheses: `R`, `S`, ... or `Z`/`X` once exited.
+            let live = std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+                stat.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().next())
+                    .is_some_and(|state| state != "Z" && state != "X")
+            });
+            named && live
         })
         .count()
 }
@@ -133,6 +141,13 @@ fn two_thousand_idle_handler_connections_hold_no_extra_threads() {
     // The loops and the accept thread run already; warm each loop's first connection up too.
     let mut first = client(address);
     assert_eq!(round_trip(&mut first, b"warm"), b"warm");
+    // Two loops and one accept thread; a thread names itself once it first runs, which on a loaded machine
+    // can come after the warm-up.
+    assert!(
+        common::eventually(SOON, || threads() == 3),
+        "the server should run two loop threads and one accept thread, saw {}",
+        threads()
+    );
     let threads_before = threads();
     let resident_before = resident_kib();
     let mut streams = Vec::with_capacity(CONNECTIONS);
@@ -227,33 +242,6 @@ fn a_panicking_handler_closes_only_its_connection() {
         b"two",
         "the other connection on the loops should carry on"
     );
-}
-
-#[test]
-fn shutdown_write_is_refused_on_coroutines_and_the_connection_carries_on() {
-    let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let seen: Arc<Mutex<Option<String>>> = Arc::default();
-    let outcome = Arc::clone(&seen);
-    let server = server(
-        Limits::new(),
-        &recorder,
-        move |connection: &mut TcpConnection<'_>| {
-            let refused = connection.shutdown_write();
-            *outcome.lock().unwrap() = Some(match refused {
-                Err(NetError::Os { source, .. }) => format!("{:?}", source.kind()),
-                other => format!("{other:?}"),
-            });
-            echo_fours(connection)
-        },
-    );
-    let mut stream = client(server.local_addr());
-    assert_eq!(
-        round_trip(&mut stream, b"more"),
-        b"more",
-        "the connection should carry on after the refused half close"
-    );
-    assert_eq!(seen.lock().unwrap().as_deref(), Some("Unsupported"));
 }
 
 /// Admits everything, denies every write with code 42 and records the closes it is told of.
