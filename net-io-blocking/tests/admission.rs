@@ -5,21 +5,11 @@ mod common;
 use std::io::Write;
 use std::time::Duration;
 
+use common::echo::Echo;
 use common::{Recorder, SOON, client, eventually, is_closed_by_server, round_trip};
 use net_io_blocking::{
-    ConnectionInfo, Event, Input, Limits, RefusalCause, Server, ServerBuilder, Session,
-    SessionContext, SessionDriver, Step,
+    ConnectionInfo, Event, Limits, RefusalCause, Server, ServerBuilder, SessionDriver,
 };
-
-struct Echo;
-
-impl Session for Echo {
-    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
-        let taken = context.output().push_partial(input.bytes());
-        input.consume(taken);
-        Step::Write
-    }
-}
 
 fn echo_server(workers: usize, limits: Limits, recorder: &Recorder) -> Server {
     echo_server_on(common::session_driver(), workers, limits, recorder)

@@ -6,15 +6,15 @@
 
 #![deny(unsafe_code)]
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use net_io_blocking::{
-    ConnectionInfo, HandlerDriver, Input, NetError, Server, ServerBuilder, Session, SessionContext,
-    SessionDriver, Step, TcpConnection,
-};
+use net_io_blocking::{ConnectionInfo, HandlerDriver, Server, ServerBuilder, SessionDriver};
 
+use common::echo::{Echo, echo};
 use counting::allocations;
 
 /// A global allocator that counts allocations; the one place in this binary that needs `unsafe`.
@@ -66,34 +66,10 @@ mod counting {
     static GLOBAL: CountingAllocator = CountingAllocator;
 }
 
-/// Echoes whatever arrives, as much as the output budget takes each time.
-#[derive(Debug)]
-struct Echo;
-
-impl Session for Echo {
-    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
-        let taken = context.output().push_partial(input.bytes());
-        input.consume(taken);
-        Step::Write
-    }
-}
-
 /// Size of each message: large enough that a per-message buffer would show up.
 const MESSAGE: usize = 1_000;
 const WARM_UP_ROUND_TRIPS: usize = 50;
 const COUNTED_ROUND_TRIPS: usize = 1_000;
-
-/// The handler: echo each read until the peer closes, from a buffer on the worker's stack.
-fn echo_handler(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0_u8; 4096];
-    loop {
-        let read = connection.read(&mut buffer)?;
-        if read == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..read])?;
-    }
-}
 
 /// Warms up, then counts the allocations of the whole process over the steady round trips.
 fn allocations_in_steady_echo(server: Server) -> u64 {
@@ -190,7 +166,7 @@ fn a_steady_echo_allocates_nothing_per_round_trip_with_sessions_an_event_loop_or
     let handler = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .workers(1)
-        .handler(echo_handler)
+        .handler(echo)
         .allow_all()
         .build()
         .expect("the handler echo server did not start");
@@ -204,7 +180,7 @@ fn a_steady_echo_allocates_nothing_per_round_trip_with_sessions_an_event_loop_or
     let coroutines = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-        .handler(echo_handler)
+        .handler(echo)
         .allow_all()
         .build()
         .expect("the coroutine handler echo server did not start");

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::echo::echo;
 use common::{Recorder, SOON, client, eventually};
 use net_io_blocking::{
     CloseReason, ConnectionInfo, ControlLine, ControlState, Direction, Gate, Input, LimitKind,
@@ -195,17 +196,6 @@ fn sessions_server_with(
         .gate(witnesses.gate.clone())
         .build()
         .expect("the test server should start")
-}
-
-fn echo(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0u8; 1024];
-    loop {
-        let count = connection.read(&mut buffer)?;
-        if count == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..count])?;
-    }
 }
 
 fn handler_server(

@@ -5,40 +5,17 @@
 
 #![deny(unsafe_code)]
 
+mod common;
+
 use std::fs;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use net_io_blocking::{
-    ConnectionInfo, HandlerDriver, Input, NetError, Server, ServerBuilder, Session, SessionContext,
-    SessionDriver, Step, TcpConnection,
-};
+use net_io_blocking::{ConnectionInfo, HandlerDriver, Server, ServerBuilder, SessionDriver};
 use socket2::SockRef;
 
-/// Echoes each read back until the peer closes.
-fn echo_handler(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0_u8; 4096];
-    loop {
-        let read = connection.read(&mut buffer)?;
-        if read == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..read])?;
-    }
-}
-
-/// Echoes whatever arrives, as much as the output budget takes each time.
-#[derive(Debug)]
-struct Echo;
-
-impl Session for Echo {
-    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
-        let taken = context.output().push_partial(input.bytes());
-        input.consume(taken);
-        Step::Write
-    }
-}
+use common::echo::{Echo, echo};
 
 /// Descriptors this process has open now (the directory handle itself is counted every time, so it cancels).
 fn open_descriptors() -> usize {
@@ -85,7 +62,7 @@ fn start_servers() -> (Server, Server, Server, Server) {
     let handler = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .workers(16)
-        .handler(echo_handler)
+        .handler(echo)
         .allow_all()
         .build()
         .expect("the handler echo server did not start");
@@ -107,7 +84,7 @@ fn start_servers() -> (Server, Server, Server, Server) {
     let coroutines = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .handler_driver(HandlerDriver::Coroutines { loops: 2 })
-        .handler(echo_handler)
+        .handler(echo)
         .allow_all()
         .build()
         .expect("the coroutine handler echo server did not start");

@@ -6,6 +6,7 @@ mod common;
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
+use common::echo::Echo;
 use common::{Recorder, SOON, client, round_trip};
 use net_io_blocking::{
     CloseReason, ConnectionInfo, Gate, Input, Limits, Output, ServerBuilder, Session,
@@ -103,16 +104,6 @@ fn an_exchange_deadline_can_answer_before_the_connection_closes() {
         "the answer to the timeout was lost"
     );
     assert_eq!(recorder.single_close(SOON), CloseReason::ExchangeDeadline);
-}
-
-struct Echo;
-
-impl Session for Echo {
-    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
-        let taken = context.output().push_partial(input.bytes());
-        input.consume(taken);
-        Step::Write
-    }
 }
 
 #[test]

@@ -14,6 +14,8 @@
 
 #![deny(unsafe_code)]
 
+mod common;
+
 use std::env;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -22,8 +24,10 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use net_io_blocking::{NetError, ServerBuilder, TcpConnection};
+use net_io_blocking::ServerBuilder;
 use net_io_sys::rlimit::{self, ResourceLimit};
+
+use common::echo::echo;
 
 /// Set in the child's environment; the child runs the server instead of the clients.
 const CHILD_VARIABLE: &str = "NET_IO_BLOCKING_EMFILE_CHILD";
@@ -33,18 +37,6 @@ const SPARE_DESCRIPTORS: u64 = 8;
 
 /// More connections than this without a shed means the limit did not bite.
 const MOST_CONNECTIONS: usize = 200;
-
-/// Echoes each read back until the peer closes.
-fn echo_handler(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0_u8; 256];
-    loop {
-        let read = connection.read(&mut buffer)?;
-        if read == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..read])?;
-    }
-}
 
 fn open_descriptors() -> u64 {
     std::fs::read_dir("/proc/self/fd")
@@ -57,7 +49,7 @@ fn run_child() {
     let server = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .workers(64)
-        .handler(echo_handler)
+        .handler(echo)
         .allow_all()
         .build()
         .expect("the child's server did not start");

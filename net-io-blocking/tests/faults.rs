@@ -11,22 +11,13 @@ mod common;
 use std::io::{Read, Write};
 use std::time::Duration;
 
+use common::echo::Echo;
 use common::{Recorder, SOON, client, eventually, round_trip};
 use net_io_blocking::{
-    CloseReason, ConnectionInfo, Event, HandlerDriver, Input, Limits, NetError, RefusalCause,
-    Server, ServerBuilder, Session, SessionContext, Step, TcpConnection,
+    CloseReason, ConnectionInfo, Event, HandlerDriver, Limits, NetError, RefusalCause, Server,
+    ServerBuilder, TcpConnection,
 };
 use net_io_sys::shim;
-
-struct Echo;
-
-impl Session for Echo {
-    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
-        let taken = context.output().push_partial(input.bytes());
-        input.consume(taken);
-        Step::Write
-    }
-}
 
 fn server(recorder: &Recorder) -> Server {
     ServerBuilder::new()

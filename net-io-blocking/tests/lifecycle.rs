@@ -7,22 +7,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use common::echo::echo;
 use common::{Recorder, SOON, client, eventually, round_trip};
 use net_io_blocking::{
     CloseReason, ConnectionInfo, Input, Limits, NetError, ServerBuilder, Session, SessionContext,
     Step, TcpConnection, connect, serve,
 };
-
-fn echo(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0u8; 1024];
-    loop {
-        let count = connection.read(&mut buffer)?;
-        if count == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..count])?;
-    }
-}
 
 #[test]
 fn sixty_four_threads_killing_one_connection_give_one_close_and_sixty_three_false() {

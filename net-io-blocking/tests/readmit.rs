@@ -7,11 +7,12 @@ use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 
+use common::echo::who_am_i;
 use common::{Recorder, SOON, client, round_trip};
 use net_io_blocking::{
     Admission, CloseReason, ConnectionInfo, Event, Gate, HandlerDriver, Input, Lane, Limits,
-    ListenerSpec, NetError, ProxyMode, Refusal, RefusalCause, Server, ServerBuilder, Session,
-    SessionContext, SessionDriver, Step, TcpConnection, TrustedProxies,
+    ListenerSpec, ProxyMode, Refusal, RefusalCause, Server, ServerBuilder, Session, SessionContext,
+    SessionDriver, Step, TrustedProxies,
 };
 use net_io_core::gate::GATE_PANIC_CODE;
 use net_io_core::proxy::{encode_v1, encode_v2};
@@ -134,20 +135,6 @@ impl Gate for AdmitOnly {
             ticket: (),
             lane: Lane::DEFAULT,
         })
-    }
-}
-
-/// Answers the client address it sees, then echoes.
-fn who_am_i(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let line = format!("{}\n", connection.peer_addr());
-    connection.write_all(line.as_bytes())?;
-    let mut buffer = [0u8; 256];
-    loop {
-        let count = connection.read(&mut buffer)?;
-        if count == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..count])?;
     }
 }
 

@@ -6,6 +6,8 @@
 
 #![deny(unsafe_code)]
 
+mod common;
+
 #[cfg(not(net_io_shim))]
 #[test]
 fn system_calls_per_round_trip_are_counted_only_with_the_shim() {
@@ -25,38 +27,17 @@ mod counted {
     use std::time::{Duration, Instant};
 
     use net_io_blocking::{
-        ConnectionInfo, HandlerDriver, Input, Limits, NetError, Server, ServerBuilder, Session,
-        SessionContext, SessionDriver, Step, TcpConnection,
+        ConnectionInfo, HandlerDriver, Limits, Server, ServerBuilder, SessionDriver,
     };
     use net_io_sys::shim;
+
+    use crate::common::echo::{Echo, echo};
 
     /// The shim's counters are process-wide, so the two tests take turns.
     static TURN: Mutex<()> = Mutex::new(());
 
     const WARM_UP_ROUND_TRIPS: u64 = 100;
     const COUNTED_ROUND_TRIPS: u64 = 1_000;
-
-    fn echo_handler(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-        let mut buffer = [0_u8; 4096];
-        loop {
-            let read = connection.read(&mut buffer)?;
-            if read == 0 {
-                return Ok(());
-            }
-            connection.write_all(&buffer[..read])?;
-        }
-    }
-
-    #[derive(Debug)]
-    struct Echo;
-
-    impl Session for Echo {
-        fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
-            let taken = context.output().push_partial(input.bytes());
-            input.consume(taken);
-            Step::Write
-        }
-    }
 
     /// Every name that could be a call site of net-io-sys: each identifier-like string literal in its
     /// source. Some sites are passed through helpers (`receive_with_flags(.., "recv")`), so the test takes
@@ -237,7 +218,7 @@ mod counted {
         let server = ServerBuilder::new()
             .listen("127.0.0.1:0")
             .workers(1)
-            .handler(echo_handler)
+            .handler(echo)
             .allow_all()
             .build()
             .expect("the handler echo server did not start");
@@ -299,7 +280,7 @@ mod counted {
         let server = ServerBuilder::new()
             .listen("127.0.0.1:0")
             .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-            .handler(echo_handler)
+            .handler(echo)
             .allow_all()
             .build()
             .expect("the coroutine handler echo server did not start");

@@ -11,6 +11,8 @@
 
 #![deny(unsafe_code)]
 
+mod common;
+
 use std::env;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -20,11 +22,13 @@ use std::time::{Duration, Instant};
 
 use net_io_blocking::systemd::{self, SystemdError};
 use net_io_blocking::{
-    Admission, CloseReason, ConnectionInfo, Gate, Lane, NetError, ProxyMode, Refusal,
-    ServerBuilder, TcpConnection, TrustedProxies,
+    Admission, CloseReason, ConnectionInfo, Gate, Lane, ProxyMode, Refusal, ServerBuilder,
+    TrustedProxies,
 };
 use net_io_sys::inherit::{self, Unfit};
 use std::sync::{Arc, Mutex};
+
+use common::echo::echo;
 
 /// Set in the child's environment; the child adopts instead of spawning.
 const CHILD_VARIABLE: &str = "NET_IO_BLOCKING_SYSTEMD_CHILD";
@@ -40,17 +44,6 @@ enum Pid {
     Own,
     /// Process 1: variables meant for another process.
     Other,
-}
-
-fn echo_handler(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0_u8; 256];
-    loop {
-        let read = connection.read(&mut buffer)?;
-        if read == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..read])?;
-    }
 }
 
 /// Starts this test binary running `test` as a child, with `fds` on descriptors 3, 4, ... (at most two)
@@ -170,7 +163,7 @@ fn an_adopted_listener_serves_and_the_variables_are_cleared() {
         );
         let server = builder
             .workers(2)
-            .handler(echo_handler)
+            .handler(echo)
             .allow_all()
             .build()
             .expect("the child's server did not start");
@@ -386,7 +379,7 @@ fn an_adopted_listener_takes_its_own_proxy_settings_and_the_gate_readmits_behind
                 )
             })
             .workers(2)
-            .handler(echo_handler)
+            .handler(echo)
             .gate(gate.clone())
             .build()
             .expect("the child's server did not start");

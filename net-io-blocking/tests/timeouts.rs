@@ -6,24 +6,9 @@ mod common;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
+use common::echo::echo_fours;
 use common::{Recorder, SOON, client, round_trip};
 use net_io_blocking::{CloseReason, Limits, NetError, Server, ServerBuilder, TcpConnection};
-
-/// Echoes once four bytes arrived, so a request of fewer bytes keeps the handler reading.
-fn echo_fours(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0u8; 4];
-    loop {
-        let mut got = 0;
-        while got < 4 {
-            let count = connection.read(&mut buffer[got..])?;
-            if count == 0 {
-                return Ok(());
-            }
-            got += count;
-        }
-        connection.write_all(&buffer)?;
-    }
-}
 
 fn server(
     limits: Limits,

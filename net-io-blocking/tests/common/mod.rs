@@ -1,5 +1,8 @@
-//! Helpers shared by the integration tests: an event recorder, `eventually`, and small std clients.
+//! Helpers shared by the integration tests: an event recorder, `eventually`, small std clients, and (in the
+//! submodules) the echo session and handlers.
 #![allow(dead_code)]
+
+pub mod echo;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
