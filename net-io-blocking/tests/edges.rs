@@ -7,29 +7,12 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use common::echo::Echo;
+use common::gates::CountingGate;
 use common::{Recorder, SOON, client, round_trip};
 use net_io_blocking::{
-    CloseReason, ConnectionInfo, Gate, Input, Limits, Output, ServerBuilder, Session,
-    SessionContext, Step, TimeoutKind,
+    CloseReason, ConnectionInfo, Input, Limits, Output, ServerBuilder, Session, SessionContext,
+    Step, TimeoutKind,
 };
-use net_io_core::{Admission, Lane, Refusal, Verdict, WriteFacts};
-
-struct DenyAll;
-
-impl Gate for DenyAll {
-    type Ticket = ();
-
-    fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
-        Ok(Admission {
-            ticket: (),
-            lane: Lane::DEFAULT,
-        })
-    }
-
-    fn check(&self, _ticket: &(), _write: &WriteFacts) -> Verdict {
-        Verdict::Deny(403)
-    }
-}
 
 /// Replies to each line, explains a denial, and answers an exchange timeout before closing.
 struct Polite;
@@ -68,7 +51,7 @@ fn a_denial_before_any_byte_of_the_response_sends_the_denial_text_once_then_rese
         .limits(Limits::new().min_rate(None))
         .events(recorder.clone())
         .sessions(|_info: &ConnectionInfo| Some(Polite))
-        .gate(DenyAll)
+        .gate(CountingGate::deny_all(403))
         .build()
         .unwrap();
     let mut stream = client(server.local_addr());
@@ -152,34 +135,6 @@ fn a_burst_of_new_connections_does_not_stall_an_established_one() {
     );
 }
 
-/// Allows the first `allowed` write calls and denies the rest, counting every check.
-struct CountingGate {
-    checks: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    allowed: usize,
-}
-
-impl Gate for CountingGate {
-    type Ticket = ();
-
-    fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
-        Ok(Admission {
-            ticket: (),
-            lane: Lane::DEFAULT,
-        })
-    }
-
-    fn check(&self, _ticket: &(), _write: &WriteFacts) -> Verdict {
-        let seen = self
-            .checks
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if seen < self.allowed {
-            Verdict::Allow
-        } else {
-            Verdict::Deny(9)
-        }
-    }
-}
-
 /// Answers any input with 130 separate static chunks of 100 bytes, each filled with its index.
 struct Chunks;
 
@@ -225,14 +180,8 @@ fn chunk_server(recorder: &Recorder, gate: CountingGate) -> net_io_blocking::Ser
 #[test]
 fn more_than_64_chunks_go_out_in_order_over_several_gate_checked_writes() {
     let recorder = Recorder::default();
-    let checks = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let server = chunk_server(
-        &recorder,
-        CountingGate {
-            checks: checks.clone(),
-            allowed: usize::MAX,
-        },
-    );
+    let gate = CountingGate::allow_all();
+    let server = chunk_server(&recorder, gate.clone());
     let mut stream = client(server.local_addr());
     stream.write_all(b"go").unwrap();
     let mut received = vec![0u8; 130 * 100];
@@ -244,7 +193,7 @@ fn more_than_64_chunks_go_out_in_order_over_several_gate_checked_writes() {
         );
     }
     assert!(
-        checks.load(std::sync::atomic::Ordering::SeqCst) >= 3,
+        gate.checks() >= 3,
         "130 chunks need at least three write calls, each checked by the gate"
     );
 }
@@ -252,13 +201,7 @@ fn more_than_64_chunks_go_out_in_order_over_several_gate_checked_writes() {
 #[test]
 fn a_denial_in_the_middle_of_a_response_resets_without_denial_text() {
     let recorder = Recorder::default();
-    let server = chunk_server(
-        &recorder,
-        CountingGate {
-            checks: std::sync::Arc::default(),
-            allowed: 1,
-        },
-    );
+    let server = chunk_server(&recorder, CountingGate::deny_after(1, 9));
     let mut stream = client(server.local_addr());
     stream.write_all(b"go").unwrap();
     let mut received = Vec::new();

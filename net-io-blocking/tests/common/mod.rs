@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod echo;
+pub mod gates;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
