@@ -28,6 +28,7 @@ use net_io_blocking::{
 use net_io_sys::inherit::{self, Unfit};
 use std::sync::{Arc, Mutex};
 
+use common::child;
 use common::echo::echo;
 
 /// Set in the child's environment; the child adopts instead of spawning.
@@ -69,8 +70,8 @@ fn spawn_child(test: &str, pid: Pid, fds: Vec<OwnedFd>, variables: &[(&str, &str
     command
         .arg("-c")
         .arg(script)
-        .arg(env::current_exe().expect("no path to this test binary"))
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .arg(child::this_binary())
+        .args(child::only_test(test))
         .env_remove("LISTEN_PID")
         .env_remove("LISTEN_PIDFDID")
         .env_remove("LISTEN_FDS")
@@ -87,17 +88,8 @@ fn spawn_child(test: &str, pid: Pid, fds: Vec<OwnedFd>, variables: &[(&str, &str
 
 /// Waits for the child to exit (killing it past the deadline) and returns its `RESULT` lines.
 fn results(mut child: Child) -> Vec<String> {
-    let end = Instant::now() + CHILD_DEADLINE;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("could not poll the child") {
-            break status;
-        }
-        if Instant::now() >= end {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the child ran past {CHILD_DEADLINE:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    let Some(status) = child::exit_within(&mut child, CHILD_DEADLINE) else {
+        panic!("the child ran past {CHILD_DEADLINE:?}");
     };
     let mut output = String::new();
     child
@@ -148,7 +140,7 @@ fn listening_socket() -> (TcpListener, String) {
 
 #[test]
 fn an_adopted_listener_serves_and_the_variables_are_cleared() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         let builder = ServerBuilder::new()
             .systemd()
             .expect("the child could not adopt its listener");
@@ -217,7 +209,7 @@ fn an_adopted_listener_serves_and_the_variables_are_cleared() {
 
 #[test]
 fn variables_meant_for_another_process_are_ignored() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         let adopted = systemd::listeners().expect("variables of another process are no error");
         println!("RESULT adopted {}", adopted.len());
         println!("RESULT left {:?}", activation_variables_left());
@@ -244,7 +236,7 @@ fn variables_meant_for_another_process_are_ignored() {
 
 #[test]
 fn an_fd_that_is_not_a_listener_is_refused_by_number_and_name() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         report_failed_adoption();
         return;
     }
@@ -265,7 +257,7 @@ fn an_fd_that_is_not_a_listener_is_refused_by_number_and_name() {
 
 #[test]
 fn a_file_passed_as_a_socket_is_refused() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         report_failed_adoption();
         return;
     }
@@ -281,7 +273,7 @@ fn a_file_passed_as_a_socket_is_refused() {
 
 #[test]
 fn a_count_above_the_limit_is_refused() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         report_failed_adoption();
         return;
     }
@@ -297,7 +289,7 @@ fn a_count_above_the_limit_is_refused() {
 
 #[test]
 fn names_that_do_not_match_the_count_are_refused() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         report_failed_adoption();
         return;
     }
@@ -313,7 +305,7 @@ fn names_that_do_not_match_the_count_are_refused() {
 
 #[test]
 fn a_pidfd_id_of_another_process_is_ignored_even_with_our_pid() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         let adopted = systemd::listeners().expect("variables of another process are no error");
         println!("RESULT adopted {}", adopted.len());
         println!("RESULT fd3 {}", inherit::check_listener(3).is_ok());
@@ -367,7 +359,7 @@ impl Gate for BlockOne {
 
 #[test]
 fn an_adopted_listener_takes_its_own_proxy_settings_and_the_gate_readmits_behind_it() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         let mut inherited = systemd::listeners().expect("the child could not adopt its listener");
         let inherited = inherited.pop().expect("no listener was passed");
         let gate = BlockOne::default();

@@ -2,6 +2,7 @@
 //! submodules) the echo session and handlers.
 #![allow(dead_code)]
 
+pub mod child;
 pub mod echo;
 pub mod gates;
 
