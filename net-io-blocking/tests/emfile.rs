@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 use net_io_blocking::ServerBuilder;
 use net_io_sys::rlimit::{self, ResourceLimit};
 
-use common::child;
 use common::echo::echo;
+use common::{child, open_descriptors};
 
 /// Set in the child's environment; the child runs the server instead of the clients.
 const CHILD_VARIABLE: &str = "NET_IO_BLOCKING_EMFILE_CHILD";
@@ -37,12 +37,6 @@ const SPARE_DESCRIPTORS: u64 = 8;
 
 /// More connections than this without a shed means the limit did not bite.
 const MOST_CONNECTIONS: usize = 200;
-
-fn open_descriptors() -> u64 {
-    std::fs::read_dir("/proc/self/fd")
-        .map(|entries| entries.count() as u64)
-        .unwrap_or(0)
-}
 
 /// The child: a server with plenty of workers, under a descriptor limit just above what it holds.
 fn run_child() {

@@ -1,6 +1,35 @@
-//! The echoing session and handlers the tests serve: one copy each, so every test echoes the same way.
+//! The echoing session and handlers the tests serve, and the plain echo servers the counting tests (of
+//! allocations, system calls, descriptors) measure: one copy each, so every test echoes the same way.
 
-use net_io_blocking::{Input, NetError, Session, SessionContext, Step, TcpConnection};
+use net_io_blocking::{
+    ConnectionInfo, HandlerDriver, Input, NetError, Server, ServerBuilder, Session, SessionContext,
+    SessionDriver, Step, TcpConnection,
+};
+
+/// Which driver a plain echo server runs on, and how many threads it has.
+#[derive(Clone, Copy, Debug)]
+pub enum EchoDriver {
+    /// The [`echo`] handler on `workers` worker threads.
+    Handler {
+        /// Worker threads.
+        workers: usize,
+    },
+    /// The [`echo`] handler on coroutines over `loops` event loops.
+    Coroutines {
+        /// Event-loop threads.
+        loops: usize,
+    },
+    /// [`Echo`] sessions on `workers` worker threads.
+    Sessions {
+        /// Worker threads.
+        workers: usize,
+    },
+    /// [`Echo`] sessions on `loops` event loops.
+    EventLoop {
+        /// Event-loop threads.
+        loops: usize,
+    },
+}
 
 /// A session that echoes whatever arrives, as much as the output budget takes each time.
 #[derive(Debug)]
@@ -48,4 +77,42 @@ pub fn who_am_i(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
     let line = format!("{}\n", connection.peer_addr());
     connection.write_all(line.as_bytes())?;
     echo(connection)
+}
+
+/// A plain echo server on 127.0.0.1: the builder's defaults but for the driver, no event sink, allows all.
+/// The counting tests use it so that what they count is the echo path and nothing the test added.
+pub fn plain_echo_server(driver: EchoDriver) -> Server {
+    let builder = ServerBuilder::new().listen("127.0.0.1:0");
+    let (built, what) = match driver {
+        EchoDriver::Handler { workers } => (
+            builder.workers(workers).handler(echo).allow_all().build(),
+            "handler",
+        ),
+        EchoDriver::Coroutines { loops } => (
+            builder
+                .handler_driver(HandlerDriver::Coroutines { loops })
+                .handler(echo)
+                .allow_all()
+                .build(),
+            "coroutine handler",
+        ),
+        EchoDriver::Sessions { workers } => (
+            builder
+                .workers(workers)
+                .session_driver(SessionDriver::Threads)
+                .sessions(|_: &ConnectionInfo| Some(Echo))
+                .allow_all()
+                .build(),
+            "sessions",
+        ),
+        EchoDriver::EventLoop { loops } => (
+            builder
+                .session_driver(SessionDriver::EventLoop { loops })
+                .sessions(|_: &ConnectionInfo| Some(Echo))
+                .allow_all()
+                .build(),
+            "event-loop",
+        ),
+    };
+    built.unwrap_or_else(|error| panic!("the {what} echo server did not start: {error}"))
 }
