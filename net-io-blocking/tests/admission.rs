@@ -5,33 +5,9 @@ mod common;
 use std::io::Write;
 use std::time::Duration;
 
-use common::echo::Echo;
+use common::echo::{Echo, echo_server, echo_server_on};
 use common::{Recorder, SOON, client, eventually, is_closed_by_server, round_trip};
-use net_io_blocking::{
-    ConnectionInfo, Event, Limits, RefusalCause, Server, ServerBuilder, SessionDriver,
-};
-
-fn echo_server(workers: usize, limits: Limits, recorder: &Recorder) -> Server {
-    echo_server_on(common::session_driver(), workers, limits, recorder)
-}
-
-fn echo_server_on(
-    driver: SessionDriver,
-    workers: usize,
-    limits: Limits,
-    recorder: &Recorder,
-) -> Server {
-    ServerBuilder::new()
-        .session_driver(driver)
-        .listen("127.0.0.1:0")
-        .workers(workers)
-        .limits(limits.min_rate(None))
-        .events(recorder.clone())
-        .sessions(|_info: &ConnectionInfo| Some(Echo))
-        .allow_all()
-        .build()
-        .expect("the test server should start")
-}
+use net_io_blocking::{ConnectionInfo, Event, Limits, RefusalCause, ServerBuilder, SessionDriver};
 
 fn refusals(recorder: &Recorder) -> Vec<RefusalCause> {
     recorder

@@ -6,7 +6,7 @@ mod common;
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
-use common::echo::Echo;
+use common::echo::echo_server;
 use common::gates::CountingGate;
 use common::{Recorder, SOON, client, round_trip};
 use net_io_blocking::{
@@ -92,21 +92,11 @@ fn an_exchange_deadline_can_answer_before_the_connection_closes() {
 #[test]
 fn a_burst_of_new_connections_does_not_stall_an_established_one() {
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(2)
-        .limits(
-            Limits::new()
-                .min_rate(None)
-                .max_connections(2)
-                .max_per_source(2),
-        )
-        .events(recorder.clone())
-        .sessions(|_info: &ConnectionInfo| Some(Echo))
-        .allow_all()
-        .build()
-        .unwrap();
+    let server = echo_server(
+        2,
+        Limits::new().max_connections(2).max_per_source(2),
+        &recorder,
+    );
     let address = server.local_addr();
     let mut established = client(address);
     assert_eq!(round_trip(&mut established, b"warm"), b"warm");

@@ -11,7 +11,7 @@ mod common;
 use std::io::{Read, Write};
 use std::time::Duration;
 
-use common::echo::Echo;
+use common::echo::{Echo, echo_server};
 use common::{Recorder, SOON, client, eventually, round_trip};
 use net_io_blocking::{
     CloseReason, ConnectionInfo, Event, HandlerDriver, Limits, NetError, RefusalCause, Server,
@@ -20,16 +20,7 @@ use net_io_blocking::{
 use net_io_sys::shim;
 
 fn server(recorder: &Recorder) -> Server {
-    ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(2)
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
-        .sessions(|_info: &ConnectionInfo| Some(Echo))
-        .allow_all()
-        .build()
-        .expect("the test server should start")
+    echo_server(2, Limits::new(), recorder)
 }
 
 fn has_event(recorder: &Recorder, wanted: impl Fn(&Event) -> bool) -> bool {

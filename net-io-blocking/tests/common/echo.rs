@@ -2,9 +2,11 @@
 //! allocations, system calls, descriptors) measure: one copy each, so every test echoes the same way.
 
 use net_io_blocking::{
-    ConnectionInfo, HandlerDriver, Input, NetError, Server, ServerBuilder, Session, SessionContext,
-    SessionDriver, Step, TcpConnection,
+    ConnectionInfo, HandlerDriver, Input, Limits, NetError, Server, ServerBuilder, Session,
+    SessionContext, SessionDriver, Step, TcpConnection,
 };
+
+use super::Recorder;
 
 /// Which driver a plain echo server runs on, and how many threads it has.
 #[derive(Clone, Copy, Debug)]
@@ -115,4 +117,30 @@ pub fn plain_echo_server(driver: EchoDriver) -> Server {
         ),
     };
     built.unwrap_or_else(|error| panic!("the {what} echo server did not start: {error}"))
+}
+
+/// An [`Echo`] sessions server on 127.0.0.1 for the tests that watch its events: this binary's session
+/// driver (see [`super::session_driver`]), `workers` workers, `limits` without the minimum rate (a loaded
+/// machine must not trip it), every event to `recorder`, allows all.
+pub fn echo_server(workers: usize, limits: Limits, recorder: &Recorder) -> Server {
+    echo_server_on(super::session_driver(), workers, limits, recorder)
+}
+
+/// [`echo_server`] on the session driver `driver`.
+pub fn echo_server_on(
+    driver: SessionDriver,
+    workers: usize,
+    limits: Limits,
+    recorder: &Recorder,
+) -> Server {
+    ServerBuilder::new()
+        .session_driver(driver)
+        .listen("127.0.0.1:0")
+        .workers(workers)
+        .limits(limits.min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(Echo))
+        .allow_all()
+        .build()
+        .expect("the test server should start")
 }
