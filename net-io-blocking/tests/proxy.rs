@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::echo::who_am_i;
-use common::{Recorder, SOON, client, round_trip};
+use common::{Recorder, SOON, client, read_line, round_trip};
 use net_io_blocking::{
     CloseReason, Limits, ListenerSpec, ProxyMode, Server, ServerBuilder, TrustedProxies,
 };
@@ -45,15 +45,6 @@ fn proxied_server_with_handshake(
         .allow_all()
         .build()
         .unwrap()
-}
-
-fn read_line(stream: &mut std::net::TcpStream) -> String {
-    let mut line = Vec::new();
-    let mut byte = [0u8; 1];
-    while stream.read(&mut byte).unwrap_or(0) == 1 && byte[0] != b'\n' {
-        line.push(byte[0]);
-    }
-    String::from_utf8(line).unwrap()
 }
 
 #[test]

@@ -3,12 +3,12 @@
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 
 use common::echo::who_am_i;
-use common::{Recorder, SOON, client, round_trip};
+use common::{Recorder, SOON, client, read_line, read_to_close, round_trip};
 use net_io_blocking::{
     Admission, CloseReason, ConnectionInfo, Event, Gate, HandlerDriver, Input, Lane, Limits,
     ListenerSpec, ProxyMode, Refusal, RefusalCause, Server, ServerBuilder, Session, SessionContext,
@@ -189,28 +189,6 @@ fn server<G: Gate>(driver: Driver, gate: G, recorder: &Recorder) -> Server {
             .build(),
     };
     built.unwrap_or_else(|error| panic!("the {driver:?} server should start: {error}"))
-}
-
-fn read_line(stream: &mut std::net::TcpStream) -> String {
-    let mut line = Vec::new();
-    let mut byte = [0u8; 1];
-    while stream.read(&mut byte).unwrap_or(0) == 1 && byte[0] != b'\n' {
-        line.push(byte[0]);
-    }
-    String::from_utf8(line).unwrap_or_default()
-}
-
-/// Everything the server still sends until it closes (EOF or reset).
-fn read_to_close(stream: &mut std::net::TcpStream) -> Vec<u8> {
-    let mut received = Vec::new();
-    let mut buffer = [0u8; 256];
-    while let Ok(count) = stream.read(&mut buffer) {
-        if count == 0 {
-            break;
-        }
-        received.extend_from_slice(&buffer[..count]);
-    }
-    received
 }
 
 fn v1_header(real: &str, server: &Server) -> Vec<u8> {

@@ -109,6 +109,30 @@ pub fn round_trip(stream: &mut TcpStream, bytes: &[u8]) -> Vec<u8> {
     reply
 }
 
+/// Reads one line byte by byte, without its newline; stops early at EOF or an error (a reset, the read
+/// timeout), so the caller's assertion on the text says what was missing.
+pub fn read_line(stream: &mut TcpStream) -> String {
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while stream.read(&mut byte).unwrap_or(0) == 1 && byte[0] != b'\n' {
+        line.push(byte[0]);
+    }
+    String::from_utf8_lossy(&line).into_owned()
+}
+
+/// Everything the server still sends until it closes (EOF or reset).
+pub fn read_to_close(stream: &mut TcpStream) -> Vec<u8> {
+    let mut received = Vec::new();
+    let mut buffer = [0u8; 256];
+    while let Ok(count) = stream.read(&mut buffer) {
+        if count == 0 {
+            break;
+        }
+        received.extend_from_slice(&buffer[..count]);
+    }
+    received
+}
+
 /// True when the server reset or closed the connection: a read returns EOF or an error.
 pub fn is_closed_by_server(stream: &mut TcpStream) -> bool {
     let mut byte = [0u8; 1];
