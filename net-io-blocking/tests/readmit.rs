@@ -8,6 +8,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 
 use common::echo::who_am_i;
+use common::gates::admit_on_the_default_lane;
 use common::{Recorder, SOON, client, read_line, read_to_close, round_trip};
 use net_io_blocking::{
     Admission, CloseReason, ConnectionInfo, Event, Gate, HandlerDriver, Input, Lane, Limits,
@@ -131,10 +132,7 @@ impl Gate for AdmitOnly {
     type Ticket = ();
 
     fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
-        Ok(Admission {
-            ticket: (),
-            lane: Lane::DEFAULT,
-        })
+        admit_on_the_default_lane()
     }
 }
 

@@ -22,14 +22,14 @@ use std::time::{Duration, Instant};
 
 use net_io_blocking::systemd::{self, SystemdError};
 use net_io_blocking::{
-    Admission, CloseReason, ConnectionInfo, Gate, Lane, ProxyMode, Refusal, ServerBuilder,
-    TrustedProxies,
+    Admission, CloseReason, ConnectionInfo, Gate, ProxyMode, Refusal, ServerBuilder, TrustedProxies,
 };
 use net_io_sys::inherit::{self, Unfit};
 use std::sync::{Arc, Mutex};
 
 use common::child;
 use common::echo::echo;
+use common::gates::admit_on_the_default_lane;
 
 /// Set in the child's environment; the child adopts instead of spawning.
 const CHILD_VARIABLE: &str = "NET_IO_BLOCKING_SYSTEMD_CHILD";
@@ -336,10 +336,7 @@ impl Gate for BlockOne {
     type Ticket = ();
 
     fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
-        Ok(Admission {
-            ticket: (),
-            lane: Lane::DEFAULT,
-        })
+        admit_on_the_default_lane()
     }
 
     fn readmit(&self, _ticket: &mut (), info: &ConnectionInfo) -> Result<(), Refusal> {

@@ -6,6 +6,14 @@ use std::sync::{Arc, Mutex};
 use net_io_blocking::{CloseReason, ConnectionInfo, Gate};
 use net_io_core::{Admission, Lane, Refusal, Verdict, WriteFacts};
 
+/// The admission of a gate that lets everyone in: no ticket, the default lane.
+pub fn admit_on_the_default_lane() -> Result<Admission<()>, Refusal> {
+    Ok(Admission {
+        ticket: (),
+        lane: Lane::DEFAULT,
+    })
+}
+
 /// Admits every connection on the default lane, allows the first `allowed` write checks and denies every
 /// later one with `code`; counts its write checks and records the reason of every close it is told of.
 /// Clones share the counts, so a test keeps one clone to look at while the server owns another.
@@ -56,10 +64,7 @@ impl Gate for CountingGate {
     type Ticket = ();
 
     fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
-        Ok(Admission {
-            ticket: (),
-            lane: Lane::DEFAULT,
-        })
+        admit_on_the_default_lane()
     }
 
     fn check(&self, _ticket: &(), _write: &WriteFacts) -> Verdict {
