@@ -9,6 +9,7 @@
 mod common;
 
 use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::time::Duration;
 
 use common::echo::{Echo, echo_server};
@@ -110,17 +111,23 @@ fn a_failing_recv_closes_only_its_connection() {
     assert_eq!(&reply, b"alive");
 }
 
+/// A warm-up round trip, then one round trip each through a spurious `EAGAIN` on `send`, an `EINTR` on
+/// `recv` and a spurious `EAGAIN` on `recv`: every one must still echo.
+fn round_trips_outlast_spurious_errors(stream: &mut TcpStream) {
+    assert_eq!(round_trip(stream, b"warm"), b"warm");
+    shim::inject("send", 0, 1, libc::EAGAIN);
+    assert_eq!(round_trip(stream, b"again"), b"again");
+    shim::inject("recv", 0, 1, libc::EINTR);
+    assert_eq!(round_trip(stream, b"intr"), b"intr");
+    shim::inject("recv", 0, 1, libc::EAGAIN);
+    assert_eq!(round_trip(stream, b"spurious"), b"spurious");
+}
+
 fn spurious_eagain_and_eintr_are_retried() {
     let recorder = Recorder::default();
     let server = server(&recorder);
     let mut stream = client(server.local_addr());
-    assert_eq!(round_trip(&mut stream, b"warm"), b"warm");
-    shim::inject("send", 0, 1, libc::EAGAIN);
-    assert_eq!(round_trip(&mut stream, b"again"), b"again");
-    shim::inject("recv", 0, 1, libc::EINTR);
-    assert_eq!(round_trip(&mut stream, b"intr"), b"intr");
-    shim::inject("recv", 0, 1, libc::EAGAIN);
-    assert_eq!(round_trip(&mut stream, b"spurious"), b"spurious");
+    round_trips_outlast_spurious_errors(&mut stream);
     assert!(
         recorder.closes().is_empty(),
         "a retried error closed the connection"
@@ -188,13 +195,7 @@ fn handlers_on_coroutines_meet_faults_one_connection_at_a_time() {
     );
     assert!(common::is_closed_by_server(&mut refused));
     let mut other = client(server.local_addr());
-    assert_eq!(round_trip(&mut other, b"warm"), b"warm");
-    shim::inject("send", 0, 1, libc::EAGAIN);
-    assert_eq!(round_trip(&mut other, b"again"), b"again");
-    shim::inject("recv", 0, 1, libc::EINTR);
-    assert_eq!(round_trip(&mut other, b"intr"), b"intr");
-    shim::inject("recv", 0, 1, libc::EAGAIN);
-    assert_eq!(round_trip(&mut other, b"spurious"), b"spurious");
+    round_trips_outlast_spurious_errors(&mut other);
     assert_eq!(
         recorder.closes().len(),
         1,
