@@ -166,12 +166,7 @@ impl net_io_blocking::Gate for LaneByOrder {
 fn shedding_closes_idle_connections_in_shed_lanes_and_spares_lower_lanes() {
     let recorder = Recorder::default();
     let control = std::sync::Arc::new(net_io_blocking::ControlLine::new());
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(4)
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
+    let server = common::test_builder(4, Limits::new(), &recorder)
         .control(std::sync::Arc::clone(&control))
         .sessions(|_info: &ConnectionInfo| Some(Echo))
         .gate(LaneByOrder {

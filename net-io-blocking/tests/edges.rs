@@ -10,8 +10,7 @@ use common::echo::echo_server;
 use common::gates::CountingGate;
 use common::{Recorder, SOON, client, round_trip};
 use net_io_blocking::{
-    CloseReason, ConnectionInfo, Input, Limits, Output, ServerBuilder, Session, SessionContext,
-    Step, TimeoutKind,
+    CloseReason, ConnectionInfo, Input, Limits, Output, Session, SessionContext, Step, TimeoutKind,
 };
 
 /// Replies to each line, explains a denial, and answers an exchange timeout before closing.
@@ -44,12 +43,7 @@ impl Session for Polite {
 #[test]
 fn a_denial_before_any_byte_of_the_response_sends_the_denial_text_once_then_resets() {
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(1)
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
+    let server = common::test_builder(1, Limits::new(), &recorder)
         .sessions(|_info: &ConnectionInfo| Some(Polite))
         .gate(CountingGate::deny_all(403))
         .build()
@@ -68,12 +62,7 @@ fn a_denial_before_any_byte_of_the_response_sends_the_denial_text_once_then_rese
 #[test]
 fn an_exchange_deadline_can_answer_before_the_connection_closes() {
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(1)
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
+    let server = common::test_builder(1, Limits::new(), &recorder)
         .sessions(|_info: &ConnectionInfo| Some(Polite))
         .allow_all()
         .build()
@@ -155,12 +144,7 @@ impl Session for Chunks {
 }
 
 fn chunk_server(recorder: &Recorder, gate: CountingGate) -> net_io_blocking::Server {
-    ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(1)
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
+    common::test_builder(1, Limits::new(), recorder)
         .sessions(|_info: &ConnectionInfo| Some(Chunks))
         .gate(gate)
         .build()
@@ -217,35 +201,30 @@ fn a_kill_during_a_graceful_linger_resets_the_connection_at_once() {
     let recorder = Recorder::default();
     let (handles, handle_receiver) = std::sync::mpsc::channel();
     let handles = std::sync::Mutex::new(handles);
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(1)
-        .limits(
-            Limits::new()
-                .min_rate(None)
-                .linger_timeout(Duration::from_secs(30)),
-        )
-        .events(recorder.clone())
-        .handler_driver(common::handler_driver())
-        .handler(move |connection: &mut net_io_blocking::TcpConnection<'_>| {
-            // Reads half of what the client sent, answers and returns: a graceful close with unread input,
-            // which lingers.
-            let mut request = [0u8; 4];
-            let mut got = 0;
-            while got < request.len() {
-                let count = connection.read(&mut request[got..])?;
-                if count == 0 {
-                    return Ok(());
-                }
-                got += count;
+    let server = common::test_builder(
+        1,
+        Limits::new().linger_timeout(Duration::from_secs(30)),
+        &recorder,
+    )
+    .handler_driver(common::handler_driver())
+    .handler(move |connection: &mut net_io_blocking::TcpConnection<'_>| {
+        // Reads half of what the client sent, answers and returns: a graceful close with unread input,
+        // which lingers.
+        let mut request = [0u8; 4];
+        let mut got = 0;
+        while got < request.len() {
+            let count = connection.read(&mut request[got..])?;
+            if count == 0 {
+                return Ok(());
             }
-            let _ = handles.lock().unwrap().send(connection.kill_handle());
-            connection.write_all(b"done")
-        })
-        .allow_all()
-        .build()
-        .unwrap();
+            got += count;
+        }
+        let _ = handles.lock().unwrap().send(connection.kill_handle());
+        connection.write_all(b"done")
+    })
+    .allow_all()
+    .build()
+    .unwrap();
     let mut stream = client(server.local_addr());
     stream.write_all(b"askmore!").unwrap();
     let mut reply = [0u8; 4];

@@ -143,12 +143,7 @@ impl Session for BigReply {
 #[test]
 fn data_a_session_queued_before_a_drain_is_flushed_before_the_close() {
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(2)
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
+    let server = common::test_builder(2, Limits::new(), &recorder)
         .sessions(|_info: &ConnectionInfo| Some(BigReply))
         .allow_all()
         .build()
@@ -309,12 +304,7 @@ impl Session for OneShot {
 #[test]
 fn a_kill_racing_the_session_s_own_close_gives_one_close_and_a_truthful_answer() {
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(1)
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
+    let server = common::test_builder(1, Limits::new(), &recorder)
         .sessions(|_info: &ConnectionInfo| Some(OneShot))
         .allow_all()
         .build()

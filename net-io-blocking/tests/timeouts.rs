@@ -15,12 +15,7 @@ fn server(
     recorder: &Recorder,
     handler: fn(&mut TcpConnection<'_>) -> Result<(), NetError>,
 ) -> Server {
-    ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(2)
-        .limits(limits.min_rate(None))
-        .events(recorder.clone())
+    common::test_builder(2, limits, recorder)
         .handler_driver(common::handler_driver())
         .handler(handler)
         .allow_all()

@@ -119,9 +119,8 @@ pub fn plain_echo_server(driver: EchoDriver) -> Server {
     built.unwrap_or_else(|error| panic!("the {what} echo server did not start: {error}"))
 }
 
-/// An [`Echo`] sessions server on 127.0.0.1 for the tests that watch its events: this binary's session
-/// driver (see [`super::session_driver`]), `workers` workers, `limits` without the minimum rate (a loaded
-/// machine must not trip it), every event to `recorder`, allows all.
+/// An [`Echo`] sessions server for the tests that watch its events: [`super::test_builder`]'s settings,
+/// allows all.
 pub fn echo_server(workers: usize, limits: Limits, recorder: &Recorder) -> Server {
     echo_server_on(super::session_driver(), workers, limits, recorder)
 }
@@ -133,12 +132,8 @@ pub fn echo_server_on(
     limits: Limits,
     recorder: &Recorder,
 ) -> Server {
-    ServerBuilder::new()
+    super::test_builder(workers, limits, recorder)
         .session_driver(driver)
-        .listen("127.0.0.1:0")
-        .workers(workers)
-        .limits(limits.min_rate(None))
-        .events(recorder.clone())
         .sessions(|_info: &ConnectionInfo| Some(Echo))
         .allow_all()
         .build()

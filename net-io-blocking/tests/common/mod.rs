@@ -11,7 +11,10 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use net_io_blocking::{CloseReason, ConnectionId, Event, EventSink, HandlerDriver, SessionDriver};
+use net_io_blocking::{
+    CloseReason, ConnectionId, Event, EventSink, HandlerDriver, Limits, ServerBuilder,
+    SessionDriver,
+};
 
 /// Records every event, for assertions about closes.
 #[derive(Clone, Default)]
@@ -152,6 +155,18 @@ pub fn open_descriptors() -> u64 {
     std::fs::read_dir("/proc/self/fd")
         .expect("could not list /proc/self/fd")
         .count() as u64
+}
+
+/// The builder most tests start from: this binary's session driver (see [`session_driver`]), a listener on
+/// 127.0.0.1, `workers` workers, `limits` without the minimum rate (a loaded machine must not trip it), and
+/// every event to `recorder`. Later calls on the builder override any of these.
+pub fn test_builder(workers: usize, limits: Limits, recorder: &Recorder) -> ServerBuilder {
+    ServerBuilder::new()
+        .session_driver(session_driver())
+        .listen("127.0.0.1:0")
+        .workers(workers)
+        .limits(limits.min_rate(None))
+        .events(recorder.clone())
 }
 
 /// Generous upper bound for anything that should happen "at once" on a loaded 2-core machine.
