@@ -10,14 +10,14 @@ use std::time::{Duration, Instant};
 use common::echo::echo;
 use common::{Recorder, SOON, client, eventually, round_trip};
 use net_io_blocking::{
-    CloseReason, ConnectionInfo, Input, Limits, NetError, ServerBuilder, Session, SessionContext,
-    Step, TcpConnection, connect, serve,
+    CloseReason, ConnectionInfo, Input, Limits, NetError, Server, ServerBuilder, Session,
+    SessionContext, Step, TcpConnection, connect, serve,
 };
 
-#[test]
-fn sixty_four_threads_killing_one_connection_give_one_close_and_sixty_three_false() {
-    let recorder = Recorder::default();
-    let server = ServerBuilder::new()
+/// The echo handler on two workers of this binary's drivers, with the builder's default limits (unlike
+/// `common::test_builder`, the minimum rate stays on), every event to `recorder`.
+fn echo_handler_server(recorder: &Recorder) -> Server {
+    ServerBuilder::new()
         .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(2)
@@ -26,7 +26,13 @@ fn sixty_four_threads_killing_one_connection_give_one_close_and_sixty_three_fals
         .handler(echo)
         .allow_all()
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn sixty_four_threads_killing_one_connection_give_one_close_and_sixty_three_false() {
+    let recorder = Recorder::default();
+    let server = echo_handler_server(&recorder);
     let mut stream = client(server.local_addr());
     assert_eq!(round_trip(&mut stream, b"x"), b"x");
     let handle = server.handle();
@@ -342,16 +348,7 @@ fn a_kill_racing_the_session_s_own_close_gives_one_close_and_a_truthful_answer()
 #[test]
 fn a_kill_reaches_the_peer_as_a_reset_promptly_and_a_closed_door_stops_accepting_at_once() {
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(2)
-        .events(recorder.clone())
-        .handler_driver(common::handler_driver())
-        .handler(echo)
-        .allow_all()
-        .build()
-        .unwrap();
+    let server = echo_handler_server(&recorder);
     let handle = server.handle();
     let mut stream = client(server.local_addr());
     assert_eq!(round_trip(&mut stream, b"k"), b"k");
