@@ -23,7 +23,7 @@ use net_io_sys::kill::{KillSlot, SlotOwner};
 use net_io_sys::socket::{self, ConnectionOptions};
 
 use crate::coroutines::{Requests, Wakeup, Yielder, take_staged};
-use crate::link::{Link, OWNER_CODE, Received, Sent};
+use crate::link::{Link, Received, Sent};
 use crate::server::{Core, KillHandle, reason_for_code};
 
 /// Ids for client connections, counted from the top half so they never look like a server's ids.
@@ -44,6 +44,8 @@ pub struct TcpConnection<'a> {
     receiving: bool,
     terminal: Option<CloseReason>,
     peer_closed: bool,
+    /// `shutdown_write` sent our FIN: a later write fails with `SessionError`.
+    write_shut: bool,
     exchange_deadline: Option<Instant>,
     idle_timeout: Duration,
 }
@@ -85,6 +87,7 @@ impl<'a> TcpConnection<'a> {
             receiving: false,
             terminal: None,
             peer_closed: false,
+            write_shut: false,
             exchange_deadline: None,
             idle_timeout: limits.idle_timeout,
         }
@@ -113,6 +116,7 @@ impl<'a> TcpConnection<'a> {
             receiving: false,
             terminal: None,
             peer_closed: false,
+            write_shut: false,
             exchange_deadline: None,
             idle_timeout: core.limits.idle_timeout,
         }
@@ -272,6 +276,11 @@ impl<'a> TcpConnection<'a> {
         if bytes.is_empty() {
             return Ok(());
         }
+        if self.write_shut {
+            // Our FIN went out: the bytes could never arrive, so the handler hears of it (as a session that
+            // queues after its half close does) instead of a broken pipe blamed on the peer.
+            return Err(self.fail(CloseReason::SessionError));
+        }
         if self.on_event_loop() {
             return self.write_on_loop(bytes);
         }
@@ -314,24 +323,28 @@ impl<'a> TcpConnection<'a> {
 
     /// Sends FIN (half close): the peer sees the end of our stream and we can still read its reply.
     ///
-    /// Not available to a handler on [`HandlerDriver::Coroutines`](crate::HandlerDriver::Coroutines), whose
-    /// socket the event loop owns: there it returns an `Unsupported` error and changes nothing.
+    /// Every byte written before goes out first; reads carry on under the idle and read deadlines until the
+    /// peer's FIN (`Ok(0)`, and the close is then `PeerClosed`). A `write_all` afterwards fails with
+    /// `Closed(SessionError)`, the close reason the connection then gets. Calling it again does nothing.
+    /// On [`HandlerDriver::Coroutines`](crate::HandlerDriver::Coroutines) the loop sends the FIN (a session
+    /// half close) and the call suspends until it went out.
     pub fn shutdown_write(&mut self) -> Result<(), NetError> {
         if let Some(reason) = self.terminal {
             return Err(NetError::Closed(reason));
         }
+        if self.write_shut {
+            return Ok(());
+        }
         if self.on_event_loop() {
-            // The loop owns the socket and its sessions have no half close yet.
-            return Err(NetError::from(io::Error::new(
-                io::ErrorKind::Unsupported,
-                "shutdown_write is not available to handlers on coroutines; return from the handler to \
-                 close, or use HandlerDriver::Threads",
-            )));
+            self.shutdown_write_on_loop()?;
+            self.write_shut = true;
+            return Ok(());
         }
         let Some(socket) = self.link().owner().socket() else {
             return Err(NetError::Closed(CloseReason::SessionClosed));
         };
         socket::shutdown(socket, std::net::Shutdown::Write)?;
+        self.write_shut = true;
         Ok(())
     }
 
@@ -416,6 +429,26 @@ impl<'a> TcpConnection<'a> {
         Ok(())
     }
 
+    /// `shutdown_write` on an event loop: ask the loop for a session half close and suspend until its FIN
+    /// went out (the loop sends it after every queued byte, then resumes with `Writable`).
+    fn shutdown_write_on_loop(&mut self) -> Result<(), NetError> {
+        let Holder::Loop(side) = &mut self.link else {
+            return Err(self.fail(CloseReason::SessionError));
+        };
+        side.requests.shutdown_write = true;
+        loop {
+            match self.suspend(Step::Write, 0)? {
+                Wakeup::Writable => return Ok(()),
+                Wakeup::Timeout(kind) => {
+                    self.terminal = Some(kind.close_reason());
+                    return Err(NetError::Timeout(kind));
+                }
+                Wakeup::Closed(reason) => return Err(self.fail(reason)),
+                Wakeup::Start | Wakeup::Data(_) | Wakeup::PeerClosed => {}
+            }
+        }
+    }
+
     /// Hands the output queue to the loop with `step` and waits for the loop to resume the handler.
     ///
     /// During an unwind (a panic, or the forced unwind of a dropped coroutine) it does not suspend: a
@@ -455,19 +488,12 @@ impl TcpConnection<'static> {
         if link.owner().socket().is_none() {
             return reason;
         }
-        let code = link.owner().begin_close(OWNER_CODE);
-        let reason = if code == OWNER_CODE {
-            reason
-        } else {
-            reason_for_code(code)
-        };
-        link.close(
+        link.close_as(
             self.info.id.get(),
-            !reason.is_abortive(),
+            reason,
             self.limits.linger_timeout,
             self.limits.linger_bytes,
-        );
-        reason
+        )
     }
 }
 
@@ -523,6 +549,7 @@ pub fn connect(address: SocketAddr, limits: &Limits) -> Result<TcpConnection<'st
         receiving: false,
         terminal: None,
         peer_closed: false,
+        write_shut: false,
         exchange_deadline: None,
         idle_timeout: resolved.idle_timeout,
     })
@@ -534,15 +561,9 @@ impl Drop for TcpConnection<'_> {
             && link.owner().socket().is_some()
         {
             let reason = self.terminal.unwrap_or(CloseReason::SessionClosed);
-            let code = link.owner().begin_close(OWNER_CODE);
-            let reason = if code == OWNER_CODE {
-                reason
-            } else {
-                reason_for_code(code)
-            };
-            link.close(
+            link.close_as(
                 self.info.id.get(),
-                !reason.is_abortive(),
+                reason,
                 self.limits.linger_timeout,
                 self.limits.linger_bytes,
             );

@@ -24,6 +24,9 @@
 //!   the close, every call returns an error at once without suspending, so the handler runs to its end
 //!   inside the loop's `on_close` (or, should it be dropped suspended, during the unwind of its stack).
 //!   After the FIN, reads return `Ok(0)` at once and writes still go out (a half close).
+//! - `shutdown_write` asks the loop for the session half close (`SessionContext::shutdown_write`) and
+//!   suspends with [`Step::Write`]; the loop sends the FIN after the queue (empty, since `write_all` waits
+//!   for its flush) and resumes the handler with `Writable`. A later `write_all` fails at once.
 //! - the handler's return value becomes `Step::Close` (`Ok`, flushed then FIN) or `Step::Abort` (`Err`),
 //!   which the loop turns into the same close reasons the threaded driver reports.
 //!
@@ -65,8 +68,7 @@ pub enum HandlerDriver {
     /// 256 KiB of address space by default, of which only the touched pages are resident) with a guard
     /// page below it: overflowing it kills the process with `SIGSEGV`, as a thread's stack overflow aborts.
     /// Each stack is a memory mapping, so the kernel's `vm.max_map_count` (65,530 by default, two
-    /// mappings a stack) bounds the open connections unless it is raised. `TcpConnection::shutdown_write`
-    /// is not available on this driver.
+    /// mappings a stack) bounds the open connections unless it is raised.
     Coroutines {
         /// How many loop threads; at least one.
         loops: usize,
@@ -109,6 +111,8 @@ pub(crate) struct Resume {
 pub(crate) struct Requests {
     pub(crate) exchange_deadline: Option<Option<Instant>>,
     pub(crate) idle_timeout: Option<Duration>,
+    /// `shutdown_write` was called: the loop's session half close.
+    pub(crate) shutdown_write: bool,
 }
 
 /// What the coroutine hands back when it suspends.
@@ -313,5 +317,8 @@ fn apply(requests: Requests, context: &mut SessionContext<'_>) {
     }
     if let Some(timeout) = requests.idle_timeout {
         context.set_idle_timeout(timeout);
+    }
+    if requests.shutdown_write {
+        context.shutdown_write();
     }
 }

@@ -95,7 +95,7 @@ use crate::link::OWNER_CODE;
 use crate::rate::RateWindow;
 use crate::runtime::{Job, Runtime};
 use crate::server::{CODE_DRAIN_DEADLINE, Core, reason_for_code};
-use crate::sessions::SessionWorkload;
+use crate::sessions::{HalfClose, SessionWorkload, WriteShut};
 
 /// How sessions are driven.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -388,6 +388,8 @@ struct Conn<S, T> {
     idle_timeout: Option<Duration>,
     pending: Option<CloseReason>,
     peer_closed: bool,
+    /// The session's half close (see `net_io_core::session`).
+    write_shut: WriteShut,
     input_changed: bool,
     rate_in: Option<RateWindow>,
     rate_out: Option<RateWindow>,
@@ -1090,6 +1092,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             idle_timeout: None,
             pending: None,
             peer_closed: false,
+            write_shut: WriteShut::Open,
             input_changed: false,
             rate_in: limits.min_rate.map(RateWindow::new),
             rate_out: limits.min_rate.map(RateWindow::new),
@@ -1481,6 +1484,14 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 return;
             }
             self.conn(index).wait = Wait::Running;
+            // Every step the session returns passes here, so a half close asked for in any hook is applied
+            // (or bytes queued after it refused) before the loop acts on the step. An abort discards the
+            // queue and keeps its own reason.
+            if step != Step::Abort
+                && let Err(reason) = self.half_close(index)
+            {
+                return self.close(index, reason);
+            }
             let flow = match step {
                 Step::Read => self.read(index),
                 Step::Write => self.flush(index, false),
@@ -1699,7 +1710,8 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         let mut context =
             SessionContext::new(&conn.info, &mut entry.output, &mut conn.requests, now)
                 .with_draining(draining)
-                .with_completer(&conn.completer);
+                .with_completer(&conn.completer)
+                .with_write_shut(conn.write_shut.is_sent());
         let step = catch_unwind(AssertUnwindSafe(|| {
             session.on_data(&mut input, &mut context)
         }));
@@ -1840,12 +1852,44 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 rate.stop();
             }
         }
+        // A half close waiting for this flush sends its FIN before `on_writable` runs.
+        if let Err(reason) = self.half_close(index) {
+            return Flow::Close(reason);
+        }
         if then_close {
+            let conn = self.conn(index);
             return Flow::Close(conn.pending.unwrap_or(CloseReason::SessionClosed));
         }
         match self.hook(index, |session, context| session.on_writable(context)) {
             Some(step) => Flow::Next(step),
             None => self.panicked_flow(index),
+        }
+    }
+
+    /// Sends the FIN of a half close once the queue is empty; refuses bytes queued after it.
+    fn half_close(&mut self, index: u32) -> Result<(), CloseReason> {
+        let entry = &mut self.entries[index as usize];
+        let Some(conn) = entry.conn.as_mut() else {
+            return Err(CloseReason::SessionError);
+        };
+        match conn.write_shut.due(entry.output.is_empty()) {
+            HalfClose::Nothing => Ok(()),
+            HalfClose::Refuse => Err(CloseReason::SessionError),
+            HalfClose::SendFin => {
+                let Some(socket) = entry.owner.socket() else {
+                    return Err(CloseReason::SessionError);
+                };
+                match socket::shutdown(socket, std::net::Shutdown::Write) {
+                    Ok(()) => {
+                        conn.write_shut = WriteShut::Sent;
+                        Ok(())
+                    }
+                    Err(error) => Err(match entry.owner.closing() {
+                        Some(code) => reason_for_code(code),
+                        None => CloseReason::from_io(&error),
+                    }),
+                }
+            }
         }
     }
 
@@ -2337,7 +2381,8 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             SessionContext::new(&conn.info, &mut entry.output, &mut conn.requests, now)
                 .with_draining(draining)
                 .with_pressure(pressure)
-                .with_completer(&conn.completer);
+                .with_completer(&conn.completer)
+                .with_write_shut(conn.write_shut.is_sent());
         let result = catch_unwind(AssertUnwindSafe(|| call(session, &mut context))).ok();
         apply_requests(conn);
         result
@@ -2369,6 +2414,7 @@ fn apply_requests<S, T>(conn: &mut Conn<S, T>) {
     if let Some(idle) = requests.idle_timeout {
         conn.idle_timeout = Some(idle);
     }
+    conn.write_shut.request(requests.shutdown_write);
 }
 
 fn token(index: u32, generation: u32) -> u64 {

@@ -38,8 +38,11 @@
 //! **The hazard: such a handler must block on nothing but its `TcpConnection`.** Any other blocking call
 //! (another socket, a file, a lock, a channel, `thread::sleep`, a long computation) runs on the loop thread
 //! and stalls every connection of that loop. Overflowing the coroutine's stack
-//! ([`ServerBuilder::handler_stack_size`], 256 KiB by default) kills the process, as a thread's overflow does;
-//! `TcpConnection::shutdown_write` is not available there.
+//! ([`ServerBuilder::handler_stack_size`], 256 KiB by default) kills the process, as a thread's overflow does.
+//!
+//! A handler half closes with [`TcpConnection::shutdown_write`] and a session with
+//! [`SessionContext::shutdown_write`], on every driver: FIN after every queued byte, reading on under the
+//! usual deadlines until the peer's FIN (then `PeerClosed`), and a write after it fails with `SessionError`.
 //!
 //! Every connection closes exactly once, with one [`CloseReason`] that the session's `on_close`, the gate's
 //! `closed` and the [`Event::Closed`] event all see. Only the worker that owns a connection closes its

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use net_io_core::{Direction, MinRateRule, Output, Verdict};
+use net_io_core::{CloseReason, Direction, MinRateRule, Output, Verdict};
 use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::SlotOwner;
 use net_io_sys::socket::{self, Linger};
@@ -27,6 +27,7 @@ use net_io_sys::wait::{self, Interest, Readiness};
 
 use crate::clock::SharedClock;
 use crate::rate::RateWindow;
+use crate::server::reason_for_code;
 
 /// The code an owner passes to its own `begin_close`; any other code that comes back is a killer's.
 pub(crate) const OWNER_CODE: u16 = u16::MAX;
@@ -360,6 +361,11 @@ impl Link {
         Ok(sent)
     }
 
+    /// Sends FIN (a half close): the peer reads the end of our stream, and we can still receive.
+    pub(crate) fn shutdown_write(&self) -> io::Result<()> {
+        socket::shutdown(self.socket()?, Shutdown::Write)
+    }
+
     /// Parks until the wake fires or `until` passes; returns `true` when woken.
     pub(crate) fn park(&mut self, until: Instant) -> io::Result<bool> {
         let now = self.clock.now();
@@ -371,53 +377,78 @@ impl Link {
         Ok(woken)
     }
 
-    /// Closes connection `id`: FIN and a bounded linger read when `graceful`, RST otherwise.
+    /// The owner's own close of connection `id` with `reason`: takes the kill slot (one winner: this close
+    /// or a killer that got there first, whose `Killed` reason then replaces `reason`), then FIN and a
+    /// bounded linger read when the reason is graceful, RST otherwise. Returns the reason the close keeps.
     ///
-    /// The slot must already be closing (the caller called `begin_close`). The linger read is skipped when
-    /// the peer already closed or nothing is waiting to be read; a kill during the linger ends it with an RST.
-    pub(crate) fn close(
+    /// A graceful close publishes its linger word before it takes the kill slot, so a killer that finds the
+    /// slot closing always finds the word to cut, whether the linger has started, is about to, or will not
+    /// happen at all. (Published only once the linger started, as it was, a kill landing between the slot
+    /// and the word found neither: it returned `false` and the linger ran its full course.) The word is
+    /// taken back at the end; if a killer cut it meanwhile, the close ends with an RST.
+    pub(crate) fn close_as(
         &mut self,
         id: u64,
-        graceful: bool,
+        reason: CloseReason,
         linger_timeout: Duration,
         linger_bytes: usize,
-    ) {
+    ) -> CloseReason {
+        let published = !reason.is_abortive();
+        if published {
+            self.linger.store(id, Ordering::Release);
+        }
+        let code = self.owner.begin_close(OWNER_CODE);
+        let reason = if code == OWNER_CODE {
+            reason
+        } else {
+            reason_for_code(code)
+        };
+        let graceful = !reason.is_abortive();
         if let Ok(socket) = self.socket() {
             if graceful {
                 let _ = socket::shutdown(socket, Shutdown::Write);
-                if !self.eof_seen
-                    && self.linger(id, linger_timeout, linger_bytes) == Lingered::Killed
-                    && let Ok(socket) = self.socket()
-                {
-                    let _ = socket::set_linger(socket, Linger::Abortive);
+                if !self.eof_seen {
+                    self.linger(id, linger_timeout, linger_bytes);
                 }
             } else {
                 let _ = socket::set_linger(socket, Linger::Abortive);
             }
         }
+        if published {
+            // Whoever takes the word first decides: a killer that swapped it away makes the close abortive,
+            // and one that comes after this swap finds 0 and does nothing. (A kill that won the slot instead
+            // made the reason abortive, and the socket is set so already.)
+            let cut = self.linger.swap(0, Ordering::AcqRel) != id;
+            if cut
+                && graceful
+                && let Ok(socket) = self.socket()
+            {
+                let _ = socket::set_linger(socket, Linger::Abortive);
+            }
+        }
         let socket: Option<OwnedFd> = self.owner.release();
         drop(socket);
+        reason
     }
 
     /// Reads and discards what the peer still sends after our FIN, so that closing with unread data does not
     /// turn into an RST that could destroy our last reply in flight.
     ///
-    /// Waits on the socket and the worker's wake together, so a kill (which swaps the linger word away from
-    /// `id` and signals the wake) ends the linger at once.
-    fn linger(&mut self, id: u64, timeout: Duration, max_bytes: usize) -> Lingered {
+    /// Runs while the linger word (published by `close_as`) still reads `id`, and waits on the socket and
+    /// the worker's wake together, so a kill (which swaps the word away from `id` and signals the wake) ends
+    /// the linger at once.
+    fn linger(&mut self, id: u64, timeout: Duration, max_bytes: usize) {
         let mut scratch = [0u8; 1024];
         let Ok(socket) = self.socket() else {
-            return Lingered::Done;
+            return;
         };
         match socket::recv_nonblocking(socket, &mut scratch) {
-            Ok(0) => return Lingered::Done,
-            Ok(count) if count >= max_bytes => return Lingered::Done,
+            Ok(0) => return,
+            Ok(count) if count >= max_bytes => return,
             Ok(_) => {}
             // Nothing waiting: a close now sends FIN with an empty receive queue.
-            Err(_) => return Lingered::Done,
+            Err(_) => return,
         }
-        // From here until the swap below a killer can cut the linger short.
-        self.linger.store(id, Ordering::Release);
         let end = crate::clock::deadline_after(Instant::now(), timeout);
         let mut discarded = 0usize;
         while discarded < max_bytes && self.linger.load(Ordering::Acquire) == id {
@@ -449,13 +480,6 @@ impl Link {
                     ) => {}
                 Err(_) => break,
             }
-        }
-        // Whoever takes the word first decides: a killer that already swapped it makes the close abortive,
-        // and one that comes after this swap finds 0 and does nothing.
-        if self.linger.swap(0, Ordering::AcqRel) == id {
-            Lingered::Done
-        } else {
-            Lingered::Killed
         }
     }
 
@@ -536,15 +560,6 @@ impl Link {
         self.armed = wanted;
         Ok(())
     }
-}
-
-/// How a linger ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Lingered {
-    /// The peer closed, went quiet past the linger timeout, sent too much, or failed.
-    Done,
-    /// A kill arrived during the linger: the close must be an RST.
-    Killed,
 }
 
 /// The write deadline of one send: "no progress for `progress_timeout`", capped by a hard deadline.

@@ -25,8 +25,8 @@ use crate::caps::{CapRefusal, Reservation};
 use crate::evloop::Inbox;
 use crate::handover::HandOver;
 use crate::handshake;
-use crate::link::{Link, OWNER_CODE};
-use crate::server::{CODE_SHED, Core, KillHandle, QueueCloser, reason_for_code};
+use crate::link::Link;
+use crate::server::{CODE_SHED, Core, KillHandle, QueueCloser};
 
 /// An admitted connection waiting for a worker.
 pub(crate) struct Job<T> {
@@ -598,16 +598,11 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 )
             }
         };
-        // One winner: our own close or a killer that got there first.
-        let code = link.owner().begin_close(OWNER_CODE);
-        let reason = if code == OWNER_CODE {
-            reason
-        } else {
-            reason_for_code(code)
-        };
-        link.close(
+        // One winner: our own close or a killer that got there first (see `Link::close_as` for a kill
+        // racing a graceful close's linger).
+        let reason = link.close_as(
             info.id.get(),
-            !reason.is_abortive(),
+            reason,
             limits.linger_timeout,
             limits.linger_bytes,
         );

@@ -124,6 +124,7 @@ impl<F: SessionFactory> Workload for SessionWorkload<F> {
             idle_timeout: None,
             pending: None,
             peer_closed: false,
+            write_shut: WriteShut::Open,
             _session: PhantomData,
         }
         .drive(session);
@@ -152,6 +153,53 @@ impl<F: SessionFactory> Workload for SessionWorkload<F> {
     }
 }
 
+/// Where a session's half close stands ([`SessionContext::shutdown_write`]); both session drivers keep one
+/// per connection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum WriteShut {
+    /// No half close asked for.
+    #[default]
+    Open,
+    /// Asked for: the FIN goes once the output queue is empty.
+    Requested,
+    /// The FIN went out: a byte queued now cannot be sent.
+    Sent,
+}
+
+/// What a driver does about the half close once a hook returned or a flush emptied the queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum HalfClose {
+    /// Nothing now.
+    Nothing,
+    /// Send the FIN now (then mark it sent).
+    SendFin,
+    /// Bytes were queued after the FIN: close with `SessionError` rather than drop them silently.
+    Refuse,
+}
+
+impl WriteShut {
+    /// Notes a session's request; asking again changes nothing.
+    pub(crate) fn request(&mut self, asked: bool) {
+        if asked && *self == WriteShut::Open {
+            *self = WriteShut::Requested;
+        }
+    }
+
+    /// Whether the FIN went out.
+    pub(crate) fn is_sent(self) -> bool {
+        self == WriteShut::Sent
+    }
+
+    /// What to do now, with the output queue empty or not.
+    pub(crate) fn due(self, output_empty: bool) -> HalfClose {
+        match self {
+            WriteShut::Requested if output_empty => HalfClose::SendFin,
+            WriteShut::Sent if !output_empty => HalfClose::Refuse,
+            _ => HalfClose::Nothing,
+        }
+    }
+}
+
 /// How a flush ended when it did not close the connection.
 enum Flushed {
     /// Every queued byte went out.
@@ -174,6 +222,7 @@ struct Driver<'r, 'a, S> {
     /// A reason fixed by a deadline or the peer's FIN, kept if the session then closes.
     pending: Option<CloseReason>,
     peer_closed: bool,
+    write_shut: WriteShut,
     _session: PhantomData<S>,
 }
 
@@ -184,6 +233,14 @@ impl<S: Session> Driver<'_, '_, S> {
         };
         let mut input_changed = self.read.unread_len() > 0;
         loop {
+            // Every step the session returns passes here, so a half close asked for in any hook is applied
+            // (or bytes queued after it refused) before the driver acts on the step. An abort discards the
+            // queue and keeps its own reason.
+            if step != Step::Abort
+                && let Err(reason) = self.half_close()
+            {
+                return reason;
+            }
             step = match step {
                 Step::Read => {
                     if input_changed {
@@ -224,6 +281,24 @@ impl<S: Session> Driver<'_, '_, S> {
         }
     }
 
+    /// Sends the FIN of a half close once the queue is empty; refuses bytes queued after it.
+    fn half_close(&mut self) -> Result<(), CloseReason> {
+        match self.write_shut.due(self.output.is_empty()) {
+            HalfClose::Nothing => Ok(()),
+            HalfClose::Refuse => Err(CloseReason::SessionError),
+            HalfClose::SendFin => match self.run.link.shutdown_write() {
+                Ok(()) => {
+                    self.write_shut = WriteShut::Sent;
+                    Ok(())
+                }
+                Err(error) => Err(match self.run.link.owner().closing() {
+                    Some(code) => reason_for_code(code),
+                    None => CloseReason::from_io(&error),
+                }),
+            },
+        }
+    }
+
     fn panicked(&self) -> CloseReason {
         self.run.core.emit(Event::SessionPanicked {
             id: self.run.info.id,
@@ -245,7 +320,8 @@ impl<S: Session> Driver<'_, '_, S> {
         let mut context = SessionContext::new(self.run.info, self.output, &mut self.requests, now)
             .with_draining(draining)
             .with_pressure(pressure)
-            .with_completer(completer);
+            .with_completer(completer)
+            .with_write_shut(self.write_shut.is_sent());
         let result = catch_unwind(AssertUnwindSafe(|| call(session, &mut context))).ok();
         self.apply_requests();
         result
@@ -263,6 +339,7 @@ impl<S: Session> Driver<'_, '_, S> {
         if let Some(idle) = requests.idle_timeout {
             self.idle_timeout = Some(idle);
         }
+        self.write_shut.request(requests.shutdown_write);
     }
 
     fn on_data(&mut self, session: &mut S, input_changed: &mut bool) -> Option<Step> {
@@ -275,7 +352,8 @@ impl<S: Session> Driver<'_, '_, S> {
         let before = input.len();
         let mut context = SessionContext::new(self.run.info, self.output, &mut self.requests, now)
             .with_draining(draining)
-            .with_completer(completer);
+            .with_completer(completer)
+            .with_write_shut(self.write_shut.is_sent());
         let step = catch_unwind(AssertUnwindSafe(|| {
             session.on_data(&mut input, &mut context)
         }));
@@ -425,6 +503,8 @@ impl<S: Session> Driver<'_, '_, S> {
                     self.phase = Phase::Idle;
                     self.run.link.stop_busy(Direction::In);
                 }
+                // A half close waiting for this flush sends its FIN before `on_writable` runs.
+                self.half_close()?;
                 Ok(Flushed::Done)
             }
             Sent::Deadline => {

@@ -223,33 +223,6 @@ fn a_panicking_handler_closes_only_its_connection() {
     );
 }
 
-#[test]
-fn shutdown_write_is_refused_on_coroutines_and_the_connection_carries_on() {
-    let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let seen: Arc<Mutex<Option<String>>> = Arc::default();
-    let outcome = Arc::clone(&seen);
-    let server = server(
-        Limits::new(),
-        &recorder,
-        move |connection: &mut TcpConnection<'_>| {
-            let refused = connection.shutdown_write();
-            *outcome.lock().unwrap() = Some(match refused {
-                Err(NetError::Os { source, .. }) => format!("{:?}", source.kind()),
-                other => format!("{other:?}"),
-            });
-            echo_fours(connection)
-        },
-    );
-    let mut stream = client(server.local_addr());
-    assert_eq!(
-        round_trip(&mut stream, b"more"),
-        b"more",
-        "the connection should carry on after the refused half close"
-    );
-    assert_eq!(seen.lock().unwrap().as_deref(), Some("Unsupported"));
-}
-
 /// Admits everything, denies every write with code 42 and records the closes it is told of.
 #[derive(Clone, Default)]
 struct DenyingGate {

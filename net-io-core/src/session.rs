@@ -9,7 +9,28 @@
 //! ```
 //!
 //! Every hook gets a [`SessionContext`] with the connection facts, the output queue, the time, and setters
-//! for the exchange deadline, the phase and the idle timeout.
+//! for the exchange deadline, the phase and the idle timeout, and the half close.
+//!
+//! # Half close
+//!
+//! [`SessionContext::shutdown_write`] sends FIN while the session keeps reading, as
+//! `TcpConnection::shutdown_write` does for a blocking handler. It is a request rather than a [`Step`]
+//! because it is not a way to wait: the session still says how it goes on (`Read` for the peer's reply,
+//! `Write` to flush first, `Close`), and the drivers apply the request the way they apply the deadline
+//! setters, after the hook returns. The rules, the same on every driver:
+//!
+//! - The FIN goes after every byte queued before it: at once when the queue is empty after the hook, else
+//!   when the flush of the next `Step::Write` (or `Close`) has emptied it, before `on_writable` runs.
+//!   `Step::Read` does not flush, so a session that queued bytes and wants the FIN soon returns `Write`.
+//! - Reading goes on under the usual deadlines (idle between exchanges, read once a request started, the
+//!   exchange deadline, the minimum rate) until the peer's FIN, a deadline, a kill or a drain closes it.
+//!   The close after the peer's FIN is `PeerClosed` (graceful), as for a blocking handler that half
+//!   closed and then read the end of the stream.
+//! - A byte queued once the FIN went out ([`SessionContext::is_write_shut`] is then true) cannot be sent:
+//!   the driver closes the connection with `SessionError` (abortive) at the end of that hook rather than
+//!   drop the bytes silently. A blocking handler's `write_all` after `shutdown_write` fails the same way.
+//! - Asking twice changes nothing; a kill, a drain or an abort while half closed closes as it would
+//!   otherwise.
 
 use std::time::{Duration, Instant};
 
@@ -60,6 +81,8 @@ pub struct SessionRequests {
     pub phase: Option<Phase>,
     /// A per-connection idle timeout.
     pub idle_timeout: Option<Duration>,
+    /// Send FIN once every queued byte is out (see the module doc's half close).
+    pub shutdown_write: bool,
 }
 
 /// What a session sees and can ask for during a hook. Made by the driver for each hook call.
@@ -73,6 +96,7 @@ pub struct SessionContext<'a> {
     draining: bool,
     pressure: f32,
     completer: Option<&'a Completer>,
+    write_shut: bool,
 }
 
 /// A sans-IO connection handler. Only [`Session::on_data`] is required.
@@ -164,6 +188,7 @@ impl<'a> SessionContext<'a> {
             draining: false,
             pressure: 0.0,
             completer: None,
+            write_shut: false,
         }
     }
 
@@ -182,6 +207,12 @@ impl<'a> SessionContext<'a> {
     /// Gives the session a completer for offloaded work.
     pub fn with_completer(mut self, completer: &'a Completer) -> SessionContext<'a> {
         self.completer = Some(completer);
+        self
+    }
+
+    /// Sets whether the FIN of a half close went out already.
+    pub fn with_write_shut(mut self, write_shut: bool) -> SessionContext<'a> {
+        self.write_shut = write_shut;
         self
     }
 
@@ -233,5 +264,67 @@ impl<'a> SessionContext<'a> {
     /// Sets this connection's idle timeout.
     pub fn set_idle_timeout(&mut self, timeout: Duration) {
         self.requests.idle_timeout = Some(timeout);
+    }
+
+    /// Half close: send FIN once every byte queued so far is out, and keep reading. The peer sees the end
+    /// of our stream; its own bytes keep arriving until it closes. See the module doc for the rules.
+    pub fn shutdown_write(&mut self) {
+        self.requests.shutdown_write = true;
+    }
+
+    /// True once the FIN of a half close went out: nothing queued now can be sent, and queueing a byte
+    /// closes the connection with `SessionError`.
+    pub fn is_write_shut(&self) -> bool {
+        self.write_shut
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::id::{ConnectionId, ListenerId};
+
+    fn info() -> ConnectionInfo {
+        ConnectionInfo::new(
+            ConnectionId::new(1).expect("a nonzero id"),
+            ListenerId(0),
+            "127.0.0.1:7000".parse().expect("an address"),
+            "127.0.0.1:50000".parse().expect("an address"),
+            Instant::now(),
+        )
+    }
+
+    #[test]
+    fn a_half_close_is_a_request_the_driver_reads_after_the_hook() {
+        let info = info();
+        let mut output = Output::new(1024);
+        let mut requests = SessionRequests::default();
+        let mut context = SessionContext::new(&info, &mut output, &mut requests, Instant::now());
+        assert!(
+            !context.is_write_shut(),
+            "a new context should not say the write side is shut"
+        );
+        context.shutdown_write();
+        assert!(
+            !context.is_write_shut(),
+            "asking for a half close does not shut the write side until the driver sends the FIN"
+        );
+        assert!(
+            requests.shutdown_write,
+            "the half close should reach the driver as a request"
+        );
+    }
+
+    #[test]
+    fn the_driver_tells_the_session_once_the_fin_went_out() {
+        let info = info();
+        let mut output = Output::new(1024);
+        let mut requests = SessionRequests::default();
+        let context = SessionContext::new(&info, &mut output, &mut requests, Instant::now())
+            .with_write_shut(true);
+        assert!(
+            context.is_write_shut(),
+            "a context made after the FIN should say the write side is shut"
+        );
     }
 }
