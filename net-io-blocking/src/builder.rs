@@ -347,7 +347,8 @@ impl<W, G> ServerBuilder<W, G> {
 
     /// Sets the stack size of each handler's coroutine under [`HandlerDriver::Coroutines`] (256 KiB by
     /// default, like a worker's stack). It is address space: only the pages a handler touches are resident.
-    /// A handler that overflows it hits the guard page and kills the process.
+    /// A handler that overflows it hits the guard page and kills the process. `build` refuses a size below
+    /// 64 KiB (the driver's own frames and a panic's unwind need that much) or above 1 GiB.
     pub fn handler_stack_size(mut self, bytes: usize) -> Self {
         self.settings.handler_stack = bytes;
         self
@@ -403,6 +404,7 @@ where
         if loops == 0 {
             return Err(ConfigError::Zero { field: "loops" }.into());
         }
+        crate::coroutines::check_stack_size(self.settings.handler_stack)?;
         // Each session needs the server's core (for its kill handle and the drain flag), which exists only
         // once `start` made it: the door stays closed until the factory has it.
         let core = Arc::new(OnceLock::new());

@@ -23,7 +23,9 @@
 //!   close (kill, drain, slow peer, gate denial, a reset) with `Err(Closed(reason))`. After a deadline or
 //!   the close, every call returns an error at once without suspending, so the handler runs to its end
 //!   inside the loop's `on_close` (or, should it be dropped suspended, during the unwind of its stack).
-//!   After the FIN, reads return `Ok(0)` at once and writes still go out (a half close).
+//!   After the FIN, reads return `Ok(0)` at once and writes still go out (a half close). A handler that
+//!   panics while it runs to its end after the close is reported (`SessionPanicked` event) as on a worker
+//!   thread; the close keeps the reason it already had.
 //! - `shutdown_write` asks the loop for the session half close (`SessionContext::shutdown_write`) and
 //!   suspends with [`Step::Write`]; the loop sends the FIN after the queue (empty, since `write_all` waits
 //!   for its flush) and resumes the handler with `Writable`. A later `write_all` fails at once.
@@ -36,17 +38,27 @@
 //! deadline, or the close) once the queue is flushed; and `on_close` runs before the session is dropped.
 
 use std::cell::RefCell;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use net_io_core::{
-    CloseReason, ConnectionInfo, Input, NetError, Output, Session, SessionContext, SessionFactory,
-    Step, TimeoutKind,
+    CloseReason, ConfigError, ConnectionInfo, Event, Input, NetError, Output, Session,
+    SessionContext, SessionFactory, Step, TimeoutKind,
 };
 use net_io_sys::coroutine::{Coroutine, CoroutineResult};
 
 use crate::connection::TcpConnection;
 use crate::server::{Core, KillHandle};
+
+/// The smallest handler stack the builder accepts. The driver's own frames (the coroutine's entry, the
+/// adapter, a suspend) take 8 to 12 KiB in a debug build, and a handler's panic unwinds and runs the panic
+/// hook (which may capture a backtrace) on the same stack: 16 KiB ended the process with `SIGSEGV` there,
+/// 32 KiB did not. Twice that leaves the handler room of its own.
+pub(crate) const MIN_HANDLER_STACK: usize = 64 * 1024;
+/// The largest handler stack the builder accepts: 1 GiB of address space a connection. Beyond it the
+/// mapping fails for every connection (or the size overflows when the guard page is added).
+pub(crate) const MAX_HANDLER_STACK: usize = 1 << 30;
 
 /// How blocking handlers are run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,13 +74,19 @@ pub enum HandlerDriver {
     /// **Hazard: a handler must not block on anything but its `TcpConnection`.** A blocking call elsewhere
     /// (another socket, a file, a lock held by another thread, a channel, `thread::sleep`, a long
     /// computation) runs on the loop thread and stalls every connection of that loop until it returns,
-    /// deadlines and kills included. Offload such work or use [`HandlerDriver::Threads`].
+    /// deadlines and kills included. Offload such work or use [`HandlerDriver::Threads`]. Worse, a lock
+    /// (a `Mutex`, a `RefCell` borrow) held across a `read` or `write_all` is held by a suspended handler: a
+    /// second handler on the same loop that takes it blocks the loop thread on which the holder would have
+    /// to resume, and the loop deadlocks for good (a `RefCell` panics instead). Release locks before any
+    /// call on the connection.
     ///
     /// Each coroutine has its own stack ([`ServerBuilder::handler_stack_size`](crate::ServerBuilder::handler_stack_size),
-    /// 256 KiB of address space by default, of which only the touched pages are resident) with a guard
-    /// page below it: overflowing it kills the process with `SIGSEGV`, as a thread's stack overflow aborts.
+    /// 256 KiB of address space by default, at least 64 KiB and at most 1 GiB, else the build fails; only the
+    /// touched pages are resident) with a guard page below it: overflowing it kills the process with
+    /// `SIGSEGV`, as a thread's stack overflow aborts.
     /// Each stack is a memory mapping, so the kernel's `vm.max_map_count` (65,530 by default, two
-    /// mappings a stack) bounds the open connections unless it is raised.
+    /// mappings a stack) bounds the open connections unless it is raised; at that limit a new connection is
+    /// refused (`Refused(Session)`, after admission) and the server serves on (a test fills the limit).
     Coroutines {
         /// How many loop threads; at least one.
         loops: usize,
@@ -145,6 +163,9 @@ pub(crate) struct CoroutineFactory<H> {
 /// The session that runs one handler on its coroutine.
 pub(crate) struct HandlerSession {
     coroutine: Coroutine<Resume, Suspend, Finish>,
+    /// For the `SessionPanicked` event of a handler that panics on the close path, where no hook of the
+    /// loop sees it.
+    core: Arc<Core>,
     /// The most bytes the handler's waiting `read` takes; 0 when it is not waiting in a `read`.
     want: usize,
     finished: bool,
@@ -223,6 +244,7 @@ where
         };
         let handler = Arc::clone(&self.handler);
         let info = *info;
+        let session_core = Arc::clone(&core);
         let coroutine = Coroutine::new(self.stack_size, move |yielder: &Yielder, first: Resume| {
             let mut connection = TcpConnection::on_loop(yielder, first.output, info, &core, kill);
             let result = handler(&mut connection);
@@ -236,6 +258,7 @@ where
         .ok()?;
         Some(HandlerSession {
             coroutine,
+            core: session_core,
             want: 0,
             finished: false,
         })
@@ -277,17 +300,24 @@ impl Session for HandlerSession {
         self.run(Wakeup::PeerClosed, context)
     }
 
-    fn on_close(&mut self, _info: &ConnectionInfo, reason: CloseReason) {
+    fn on_close(&mut self, info: &ConnectionInfo, reason: CloseReason) {
         if self.finished || !self.coroutine.is_started() {
             return;
         }
         self.finished = true;
         // The handler's waiting call returns `Err(Closed(reason))` and every later call fails at once, so
         // it runs to its end here; what it queues now has no socket to go to.
-        let _ = self.coroutine.resume(Resume {
-            wakeup: Wakeup::Closed(reason),
-            output: Output::new(0),
-        });
+        let resumed = catch_unwind(AssertUnwindSafe(|| {
+            self.coroutine.resume(Resume {
+                wakeup: Wakeup::Closed(reason),
+                output: Output::new(0),
+            })
+        }));
+        // The close and its reason are decided already; the panic is still the handler's, and a worker
+        // thread would report it, so the event says so (the loop would swallow it silently).
+        if resumed.is_err() {
+            self.core.emit(Event::SessionPanicked { id: info.id });
+        }
     }
 }
 
@@ -299,6 +329,27 @@ impl std::fmt::Debug for HandlerSession {
             .field("finished", &self.finished)
             .finish_non_exhaustive()
     }
+}
+
+/// Checks [`ServerBuilder::handler_stack_size`](crate::ServerBuilder::handler_stack_size) at build: a stack
+/// too small for the driver would end the process with `SIGSEGV` at the first connection, one too large to
+/// map would refuse every connection.
+pub(crate) fn check_stack_size(bytes: usize) -> Result<(), ConfigError> {
+    if bytes < MIN_HANDLER_STACK {
+        return Err(ConfigError::TooSmall {
+            field: "handler_stack_size",
+            value: bytes as u64,
+            min: MIN_HANDLER_STACK as u64,
+        });
+    }
+    if bytes > MAX_HANDLER_STACK {
+        return Err(ConfigError::TooLarge {
+            field: "handler_stack_size",
+            value: bytes as u64,
+            max: MAX_HANDLER_STACK as u64,
+        });
+    }
+    Ok(())
 }
 
 /// Copies the staged input (`count` bytes) into `buffer`.

@@ -315,6 +315,9 @@ const V2_FIXED: usize = 16;
 ///
 /// [`ServerBuilder::solo_read_slice`]: crate::ServerBuilder::solo_read_slice
 pub(crate) const SOLO_READ_SLICE_DEFAULT: Duration = Duration::from_millis(1);
+/// How far the socket's armed `SO_RCVTIMEO` may be from the wanted slice before a solo read sets it again
+/// (a jiffy at `HZ=1000`; the kernel rounds up to one anyway).
+const SOLO_REARM_MARGIN: Duration = Duration::from_millis(1);
 /// A timer due sooner than this is left to `epoll_wait` rather than to a solo read's slice.
 const SOLO_TIMER_MARGIN: Duration = Duration::from_micros(50);
 /// How often a stopping loop looks at what is still open.
@@ -815,7 +818,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
     /// on; input that the solo read took leaves at most a stale edge, which costs one `recv` answering
     /// `EAGAIN` or nothing at all).
     fn solo_read(&mut self, index: u32, slice: Duration) {
-        let tick = self.core.limits.tick;
+        let margin = SOLO_REARM_MARGIN.min(self.core.limits.tick);
         let entry = &mut self.entries[index as usize];
         let Some(conn) = entry.conn.as_mut() else {
             return;
@@ -823,10 +826,12 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         let Some(socket) = entry.owner.socket() else {
             return;
         };
-        // The kernel rounds SO_RCVTIMEO up to a jiffy, so a slice a tick away from the armed one is as good.
+        // The kernel rounds SO_RCVTIMEO up to a jiffy, so an armed timeout within a millisecond of the slice
+        // is as good. Not within a tick: the socket comes armed with the idle timeout, which may be a tick
+        // (seconds, with a long tick), and a solo read under it would hold the loop that long.
         let close_enough = conn
             .armed
-            .is_some_and(|armed| !armed.is_zero() && armed.abs_diff(slice) <= tick);
+            .is_some_and(|armed| !armed.is_zero() && armed.abs_diff(slice) <= margin);
         if !close_enough {
             if socket::set_receive_timeout(socket, Some(slice)).is_err() {
                 // No solo read this time; `epoll_wait` serves the connection as before.

@@ -5,43 +5,9 @@ mod common;
 use std::io::Write;
 use std::time::Duration;
 
+use common::echo::{Echo, echo_server, echo_server_on};
 use common::{Recorder, SOON, client, eventually, is_closed_by_server, round_trip};
-use net_io_blocking::{
-    ConnectionInfo, Event, Input, Limits, RefusalCause, Server, ServerBuilder, Session,
-    SessionContext, SessionDriver, Step,
-};
-
-struct Echo;
-
-impl Session for Echo {
-    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
-        let taken = context.output().push_partial(input.bytes());
-        input.consume(taken);
-        Step::Write
-    }
-}
-
-fn echo_server(workers: usize, limits: Limits, recorder: &Recorder) -> Server {
-    echo_server_on(common::session_driver(), workers, limits, recorder)
-}
-
-fn echo_server_on(
-    driver: SessionDriver,
-    workers: usize,
-    limits: Limits,
-    recorder: &Recorder,
-) -> Server {
-    ServerBuilder::new()
-        .session_driver(driver)
-        .listen("127.0.0.1:0")
-        .workers(workers)
-        .limits(limits.min_rate(None))
-        .events(recorder.clone())
-        .sessions(|_info: &ConnectionInfo| Some(Echo))
-        .allow_all()
-        .build()
-        .expect("the test server should start")
-}
+use net_io_blocking::{ConnectionInfo, Event, Limits, RefusalCause, ServerBuilder, SessionDriver};
 
 fn refusals(recorder: &Recorder) -> Vec<RefusalCause> {
     recorder
@@ -200,12 +166,7 @@ impl net_io_blocking::Gate for LaneByOrder {
 fn shedding_closes_idle_connections_in_shed_lanes_and_spares_lower_lanes() {
     let recorder = Recorder::default();
     let control = std::sync::Arc::new(net_io_blocking::ControlLine::new());
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(4)
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
+    let server = common::test_builder(4, Limits::new(), &recorder)
         .control(std::sync::Arc::clone(&control))
         .sessions(|_info: &ConnectionInfo| Some(Echo))
         .gate(LaneByOrder {

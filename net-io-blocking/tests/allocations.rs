@@ -6,15 +6,15 @@
 
 #![deny(unsafe_code)]
 
+mod common;
+
 use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use net_io_blocking::{
-    ConnectionInfo, HandlerDriver, Input, NetError, Server, ServerBuilder, Session, SessionContext,
-    SessionDriver, Step, TcpConnection,
-};
+use net_io_blocking::Server;
 
+use common::client;
+use common::echo::{EchoDriver, plain_echo_server};
 use counting::allocations;
 
 /// A global allocator that counts allocations; the one place in this binary that needs `unsafe`.
@@ -66,42 +66,14 @@ mod counting {
     static GLOBAL: CountingAllocator = CountingAllocator;
 }
 
-/// Echoes whatever arrives, as much as the output budget takes each time.
-#[derive(Debug)]
-struct Echo;
-
-impl Session for Echo {
-    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
-        let taken = context.output().push_partial(input.bytes());
-        input.consume(taken);
-        Step::Write
-    }
-}
-
 /// Size of each message: large enough that a per-message buffer would show up.
 const MESSAGE: usize = 1_000;
 const WARM_UP_ROUND_TRIPS: usize = 50;
 const COUNTED_ROUND_TRIPS: usize = 1_000;
 
-/// The handler: echo each read until the peer closes, from a buffer on the worker's stack.
-fn echo_handler(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0_u8; 4096];
-    loop {
-        let read = connection.read(&mut buffer)?;
-        if read == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..read])?;
-    }
-}
-
 /// Warms up, then counts the allocations of the whole process over the steady round trips.
 fn allocations_in_steady_echo(server: Server) -> u64 {
-    let mut stream = TcpStream::connect(server.local_addr()).expect("could not connect");
-    stream.set_nodelay(true).expect("could not set TCP_NODELAY");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("could not set a read timeout");
+    let mut stream = client(server.local_addr());
     let message = [0x5a_u8; MESSAGE];
     let mut echo = [0_u8; MESSAGE];
     for _ in 0..WARM_UP_ROUND_TRIPS {
@@ -158,14 +130,7 @@ fn wait_for_the_harness_to_settle() {
 fn a_steady_echo_allocates_nothing_per_round_trip_with_sessions_an_event_loop_or_a_handler_on_either_driver()
  {
     // One worker, so no worker thread is still starting (and allocating) while we count.
-    let sessions = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .workers(1)
-        .session_driver(SessionDriver::Threads)
-        .sessions(|_: &ConnectionInfo| Some(Echo))
-        .allow_all()
-        .build()
-        .expect("the sessions echo server did not start");
+    let sessions = plain_echo_server(EchoDriver::Sessions { workers: 1 });
     let counted = allocations_in_steady_echo(sessions);
     assert_eq!(
         counted, 0,
@@ -173,13 +138,7 @@ fn a_steady_echo_allocates_nothing_per_round_trip_with_sessions_an_event_loop_or
          {MESSAGE} B; the echo path must not allocate after warm-up"
     );
 
-    let event_loop = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .session_driver(SessionDriver::EventLoop { loops: 1 })
-        .sessions(|_: &ConnectionInfo| Some(Echo))
-        .allow_all()
-        .build()
-        .expect("the event-loop echo server did not start");
+    let event_loop = plain_echo_server(EchoDriver::EventLoop { loops: 1 });
     let counted = allocations_in_steady_echo(event_loop);
     assert_eq!(
         counted, 0,
@@ -187,13 +146,7 @@ fn a_steady_echo_allocates_nothing_per_round_trip_with_sessions_an_event_loop_or
          {MESSAGE} B; the echo path must not allocate after warm-up"
     );
 
-    let handler = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .workers(1)
-        .handler(echo_handler)
-        .allow_all()
-        .build()
-        .expect("the handler echo server did not start");
+    let handler = plain_echo_server(EchoDriver::Handler { workers: 1 });
     let counted = allocations_in_steady_echo(handler);
     assert_eq!(
         counted, 0,
@@ -201,13 +154,7 @@ fn a_steady_echo_allocates_nothing_per_round_trip_with_sessions_an_event_loop_or
          {MESSAGE} B; the echo path must not allocate after warm-up"
     );
 
-    let coroutines = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-        .handler(echo_handler)
-        .allow_all()
-        .build()
-        .expect("the coroutine handler echo server did not start");
+    let coroutines = plain_echo_server(EchoDriver::Coroutines { loops: 1 });
     let counted = allocations_in_steady_echo(coroutines);
     assert_eq!(
         counted, 0,

@@ -9,42 +9,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::echo::echo;
+use common::gates::CountingGate;
 use common::{Recorder, SOON, client, eventually};
 use net_io_blocking::{
-    CloseReason, ConnectionInfo, ControlLine, ControlState, Direction, Gate, Input, LimitKind,
-    Limits, MinRateRule, NetError, RefusalCause, Server, ServerBuilder, Session, SessionContext,
-    Step, TcpConnection,
+    CloseReason, ConnectionInfo, ControlLine, ControlState, Direction, Input, LimitKind, Limits,
+    MinRateRule, NetError, RefusalCause, Server, ServerBuilder, Session, SessionContext, Step,
+    TcpConnection,
 };
-use net_io_core::{Admission, Lane, Refusal, Verdict, WriteFacts};
-
-/// A gate that admits everything, optionally denies writes, and records the reason of every ticket.
-#[derive(Clone, Default)]
-struct RecordingGate {
-    closed: Arc<Mutex<Vec<CloseReason>>>,
-    deny_code: Option<u16>,
-}
-
-impl Gate for RecordingGate {
-    type Ticket = ();
-
-    fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
-        Ok(Admission {
-            ticket: (),
-            lane: Lane::DEFAULT,
-        })
-    }
-
-    fn check(&self, _ticket: &(), _write: &WriteFacts) -> Verdict {
-        match self.deny_code {
-            Some(code) => Verdict::Deny(code),
-            None => Verdict::Allow,
-        }
-    }
-
-    fn closed(&self, _ticket: (), _info: &ConnectionInfo, reason: CloseReason) {
-        self.closed.lock().unwrap().push(reason);
-    }
-}
+use net_io_core::Lane;
 
 /// What one session does; each test picks a behaviour.
 #[derive(Clone, Copy, PartialEq)]
@@ -117,7 +90,7 @@ impl Session for Scripted {
 
 struct Witnesses {
     recorder: Recorder,
-    gate: RecordingGate,
+    gate: CountingGate,
     on_close: Arc<Mutex<Vec<CloseReason>>>,
 }
 
@@ -125,7 +98,7 @@ impl Witnesses {
     fn new() -> Self {
         Self {
             recorder: Recorder::default(),
-            gate: RecordingGate::default(),
+            gate: CountingGate::allow_all(),
             on_close: Arc::default(),
         }
     }
@@ -138,11 +111,11 @@ impl Witnesses {
             "the Closed event carried the wrong reason"
         );
         assert!(
-            eventually(SOON, || self.gate.closed.lock().unwrap().len() == 1),
+            eventually(SOON, || self.gate.closes().len() == 1),
             "the gate's ticket did not come back exactly once"
         );
         assert_eq!(
-            *self.gate.closed.lock().unwrap(),
+            self.gate.closes(),
             vec![expected],
             "the gate saw a different reason"
         );
@@ -195,17 +168,6 @@ fn sessions_server_with(
         .gate(witnesses.gate.clone())
         .build()
         .expect("the test server should start")
-}
-
-fn echo(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0u8; 1024];
-    loop {
-        let count = connection.read(&mut buffer)?;
-        if count == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..count])?;
-    }
 }
 
 fn handler_server(
@@ -410,7 +372,7 @@ fn a_kill_ends_a_blocked_handler_with_killed_and_its_code() {
 #[test]
 fn a_write_the_gate_denies_closes_with_egress_denied() {
     let mut witnesses = Witnesses::new();
-    witnesses.gate.deny_code = Some(42);
+    witnesses.gate = CountingGate::deny_all(42);
     let server = sessions_server(&witnesses, quick_limits(), Behaviour::EchoLines);
     let mut stream = client(server.local_addr());
     stream.write_all(b"let me out\n").unwrap();

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use common::{Recorder, SOON, client, round_trip};
 use net_io_blocking::{
     Admission, CloseReason, ConnectionInfo, Direction, Gate, HandlerDriver, KillHandle, Lane,
-    Limits, ListenerSpec, MinRateRule, NetError, Refusal, Server, ServerBuilder, TcpConnection,
-    Verdict, WriteFacts,
+    Limits, ListenerSpec, MinRateRule, NetError, Refusal, RefusalCause, Server, ServerBuilder,
+    TcpConnection, Verdict, WriteFacts,
 };
 
 static TURN: RwLock<()> = RwLock::new(());
@@ -71,10 +71,24 @@ fn echo_fours(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
     }
 }
 
-/// Threads of this process right now.
+/// The live server threads of this process right now (named `net-io-…`): the test harness starts and ends
+/// a thread per test meanwhile, which a count of every thread would see, and a thread that a previous test
+/// joined can linger in `/proc` for a moment as a zombie, which is not counted either.
 fn threads() -> usize {
     std::fs::read_dir("/proc/self/task")
         .expect("could not list /proc/self/task")
+        .filter_map(Result::ok)
+        .filter(|task| {
+            let named = std::fs::read_to_string(task.path().join("comm"))
+                .is_ok_and(|name| name.starts_with("net-io-"));
+            // The state follows the command name in parentheses: `R`, `S`, ... or `Z`/`X` once exited.
+            let live = std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+                stat.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().next())
+                    .is_some_and(|state| state != "Z" && state != "X")
+            });
+            named && live
+        })
         .count()
 }
 
@@ -127,6 +141,13 @@ fn two_thousand_idle_handler_connections_hold_no_extra_threads() {
     // The loops and the accept thread run already; warm each loop's first connection up too.
     let mut first = client(address);
     assert_eq!(round_trip(&mut first, b"warm"), b"warm");
+    // Two loops and one accept thread; a thread names itself once it first runs, which on a loaded machine
+    // can come after the warm-up.
+    assert!(
+        common::eventually(SOON, || threads() == 3),
+        "the server should run two loop threads and one accept thread, saw {}",
+        threads()
+    );
     let threads_before = threads();
     let resident_before = resident_kib();
     let mut streams = Vec::with_capacity(CONNECTIONS);
@@ -688,4 +709,625 @@ fn a_handler_that_overflows_its_coroutine_stack_kills_the_process_at_the_guard_p
         "a coroutine stack overflow should end the process with SIGSEGV at the guard page, got {:?}",
         output.status
     );
+}
+
+/// Lines of `/proc/self/maps`: the memory mappings of this process (two per coroutine stack).
+fn mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .map(|maps| maps.lines().count())
+        .unwrap_or(0)
+}
+
+/// Open descriptors of this process.
+fn descriptors() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |entries| entries.count())
+}
+
+#[test]
+fn ten_thousand_churned_handler_connections_leave_no_descriptor_and_a_bounded_stack_pool() {
+    const CONNECTIONS: usize = 10_000;
+    let _alone = TURN
+        .write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .handler_driver(HandlerDriver::Coroutines { loops: 2 })
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .linger_timeout(Duration::from_millis(50))
+                // Closes trail the client's by a moment on a loaded machine: no cap may refuse meanwhile.
+                .max_connections(1_000)
+                .max_per_source(1_000),
+        )
+        .handler(|connection: &mut TcpConnection<'_>| {
+            let mut request = [0_u8; 1];
+            if connection.read(&mut request)? == 0 {
+                return Ok(());
+            }
+            // A few panics (each prints its message), a quarter of errors, the rest echoed.
+            match request[0] {
+                0 => panic!("a handler that fails"),
+                byte if byte % 4 == 1 => Err(NetError::ServerStopped),
+                _ => connection.write_all(&request),
+            }
+        })
+        .allow_all()
+        .build()
+        .expect("the coroutine handler server did not start");
+    let address = server.local_addr();
+    // Warm both loops' pools and this process's other lazy mappings first.
+    for index in 0..64_u8 {
+        let mut stream = client(address);
+        let _ = stream.write_all(&[index]);
+        let _ = stream.read(&mut [0_u8; 1]);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let (descriptors_before, mappings_before) = (descriptors(), mappings());
+    let started = Instant::now();
+    for index in 0..CONNECTIONS {
+        let mut stream = client(address);
+        let byte = (index % 251) as u8;
+        let _ = stream.write_all(&[byte]);
+        let mut reply = [0_u8; 1];
+        let got = stream.read(&mut reply);
+        if byte != 0 && byte % 4 != 1 {
+            assert!(
+                matches!(got, Ok(1)) && reply[0] == byte,
+                "connection {index} should be echoed, got {got:?}"
+            );
+        }
+        if index % 3 == 0 {
+            common::reset(stream);
+        }
+    }
+    let done = common::eventually(Duration::from_secs(30), || {
+        server.stats().closed >= CONNECTIONS as u64 + 64
+    });
+    println!(
+        "{CONNECTIONS} churned handler connections in {:?}; descriptors {descriptors_before} -> {}, mappings \
+         {mappings_before} -> {}",
+        started.elapsed(),
+        descriptors(),
+        mappings()
+    );
+    assert!(done, "every connection should close: {:?}", server.stats());
+    assert!(
+        common::eventually(SOON, || descriptors() <= descriptors_before),
+        "descriptors grew from {descriptors_before} to {} after {CONNECTIONS} closed connections",
+        descriptors()
+    );
+    // Each loop keeps at most STACK_POOL_MAX stacks (two mappings each); the warm-up filled part of that.
+    let bound = 2 * 2 * net_io_sys::coroutine::STACK_POOL_MAX + 64;
+    assert!(
+        mappings() <= mappings_before + bound,
+        "mappings grew from {mappings_before} to {} after {CONNECTIONS} closed connections: stacks leak",
+        mappings()
+    );
+    let stats = server.stats();
+    assert_eq!(
+        stats.accepted, stats.closed,
+        "every accepted connection should be counted closed once: {stats:?}"
+    );
+}
+
+#[test]
+fn a_shutdown_with_handlers_in_every_state_closes_each_once_and_runs_every_destructor() {
+    let _turn = shared_turn();
+    let recorder = Recorder::default();
+    let drops = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&drops);
+    let server = ServerBuilder::new()
+        .listener(ListenerSpec::new("127.0.0.1:0".parse().unwrap()).send_buffer(16 * 1024))
+        .handler_driver(HandlerDriver::Coroutines { loops: 2 })
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .idle_timeout(Duration::from_secs(60))
+                .output_budget(16 * 1024),
+        )
+        .events(recorder.clone())
+        .handler(move |connection: &mut TcpConnection<'_>| {
+            let _guard = DropCounter(Arc::clone(&counter));
+            let mut request = [0_u8; 4];
+            let mut got = 0;
+            while got < 4 {
+                let count = connection.read(&mut request[got..])?;
+                if count == 0 {
+                    return Ok(());
+                }
+                got += count;
+            }
+            match &request {
+                // Suspended in write: a reply far larger than the socket buffers to a client that never reads.
+                b"big!" => connection.write_all(&vec![7_u8; 8 << 20]),
+                // Finished: the handler returns, the close lingers while the client keeps sending.
+                b"done" => Ok(()),
+                _ => connection.write_all(&request),
+            }
+        })
+        .allow_all()
+        .build()
+        .expect("the coroutine handler server did not start");
+    let address = server.local_addr();
+    let mut idle = client(address);
+    assert_eq!(round_trip(&mut idle, b"idle"), b"idle");
+    let mut half = client(address);
+    half.write_all(b"ha").unwrap();
+    let mut writer = client(address);
+    writer.write_all(b"big!").unwrap();
+    let mut finished = client(address);
+    finished.write_all(b"done").unwrap();
+    finished.write_all(b"more bytes for the linger").unwrap();
+    let _never_started = client(address);
+    std::thread::sleep(Duration::from_millis(200));
+    let started = Instant::now();
+    let report = server.shutdown(Instant::now() + Duration::from_millis(500));
+    let took = started.elapsed();
+    println!("shutdown with handlers in every state: {report:?} after {took:?}");
+    assert!(
+        took < Duration::from_secs(5),
+        "the shutdown took {took:?} with a 500 ms deadline"
+    );
+    let closes = recorder.closes();
+    assert_eq!(
+        closes.len(),
+        5,
+        "each connection should close once: {closes:?}"
+    );
+    let mut ids: Vec<_> = closes.iter().map(|(id, _)| *id).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 5, "a connection closed twice: {closes:?}");
+    assert_eq!(
+        drops.load(Ordering::SeqCst),
+        5,
+        "every handler's destructors should run once, whatever state the shutdown found it in"
+    );
+    drop((idle, half, writer, finished));
+}
+
+#[test]
+fn a_handler_reads_what_came_before_the_fin_then_end_of_stream_and_may_still_reply() {
+    let _turn = shared_turn();
+    let recorder = Recorder::default();
+    let server = server(
+        Limits::new(),
+        &recorder,
+        |connection: &mut TcpConnection<'_>| {
+            let mut received = Vec::new();
+            let mut buffer = [0_u8; 3];
+            loop {
+                let count = connection.read(&mut buffer)?;
+                if count == 0 {
+                    break;
+                }
+                received.extend_from_slice(&buffer[..count]);
+            }
+            // Reads after the end of stream keep answering 0 at once.
+            assert_eq!(connection.read(&mut buffer)?, 0);
+            assert_eq!(std::io::Read::read(connection, &mut buffer).unwrap(), 0);
+            received.reverse();
+            connection.write_all(&received)?;
+            std::io::Write::write_all(connection, b"!")?;
+            std::io::Write::flush(connection)?;
+            Ok(())
+        },
+    );
+    let mut stream = client(server.local_addr());
+    stream.write_all(b"abcdefghij").unwrap();
+    stream.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut reply = Vec::new();
+    stream.read_to_end(&mut reply).unwrap();
+    assert_eq!(
+        reply, b"jihgfedcba!",
+        "the handler should read every byte before the FIN and its reply should arrive whole"
+    );
+    assert_eq!(recorder.single_close(SOON), CloseReason::PeerClosed);
+}
+
+#[test]
+fn an_exchange_deadline_already_past_fails_the_next_read_at_once() {
+    let _turn = shared_turn();
+    let recorder = Recorder::default();
+    let seen: Arc<Mutex<Option<String>>> = Arc::default();
+    let outcome = Arc::clone(&seen);
+    let server = server(
+        Limits::new().idle_timeout(Duration::from_secs(60)),
+        &recorder,
+        move |connection: &mut TcpConnection<'_>| {
+            connection.set_exchange_deadline(Some(Instant::now() - Duration::from_secs(1)));
+            let result = connection.read(&mut [0_u8; 4]);
+            *outcome.lock().unwrap() = Some(format!("{result:?}"));
+            result.map(|_| ())
+        },
+    );
+    let started = Instant::now();
+    let _stream = client(server.local_addr());
+    assert_eq!(recorder.single_close(SOON), CloseReason::ExchangeDeadline);
+    assert!(started.elapsed() < Duration::from_secs(3));
+    assert_eq!(
+        seen.lock().unwrap().as_deref(),
+        Some("Err(Timeout(Exchange))")
+    );
+}
+
+/// Set in the child process of the small-stack test.
+const SMALL_STACK_CHILD: &str = "NET_IO_TEST_COROUTINE_SMALL_STACK_CHILD";
+
+/// The smallest handler stack size the builder accepts (64 KiB).
+const SMALLEST_HANDLER_STACK: usize = 64 * 1024;
+
+#[test]
+fn a_handler_stack_too_small_for_the_driver_or_too_large_to_map_fails_at_build_naming_the_field() {
+    // Builds start threads, which the thread-counting test must not see.
+    let _turn = shared_turn();
+    let build = |bytes: usize| {
+        ServerBuilder::new()
+            .listen("127.0.0.1:0")
+            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+            .handler_stack_size(bytes)
+            .handler(echo)
+            .allow_all()
+            .build()
+    };
+    // 8 KiB ended the process with SIGSEGV at the first connection: the driver's own frames need more.
+    let error = build(8 * 1024).expect_err("an 8 KiB handler stack should be refused at build");
+    assert_eq!(
+        error.to_string(),
+        "invalid configuration: handler_stack_size is 8192, below its minimum of 65536; raise it",
+        "the error should name the field, the value and the minimum"
+    );
+    let error =
+        build(usize::MAX).expect_err("a handler stack of usize::MAX should be refused at build");
+    assert!(
+        error.to_string().contains("handler_stack_size") && error.to_string().contains("maximum"),
+        "the error should name the field and its maximum: {error}"
+    );
+    let server =
+        build(SMALLEST_HANDLER_STACK).expect("the smallest accepted stack size should build");
+    drop(server);
+}
+
+#[test]
+fn the_smallest_handler_stack_size_serves_and_survives_a_panic_with_a_backtrace() {
+    use std::os::unix::process::ExitStatusExt;
+    if std::env::var_os(SMALL_STACK_CHILD).is_some() {
+        let server = ServerBuilder::new()
+            .listen("127.0.0.1:0")
+            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+            .handler_stack_size(SMALLEST_HANDLER_STACK)
+            .handler(|connection: &mut TcpConnection<'_>| {
+                // One byte at a time: the handler's own frames are tiny, the stack is the driver's and the
+                // panic machinery's.
+                let mut byte = [0_u8; 1];
+                while connection.read(&mut byte)? == 1 {
+                    if byte[0] == b'!' {
+                        panic!("a handler that fails on the smallest stack");
+                    }
+                    connection.write_all(&byte)?;
+                }
+                Ok(())
+            })
+            .allow_all()
+            .build()
+            .expect("the child's server did not start");
+        let mut stream = client(server.local_addr());
+        assert_eq!(round_trip(&mut stream, b"tiny"), b"tiny");
+        // The panic unwinds, and the panic hook captures a backtrace, on the handler's own stack.
+        let mut failing = client(server.local_addr());
+        failing.write_all(b"!").unwrap();
+        assert!(common::is_closed_by_server(&mut failing));
+        assert_eq!(round_trip(&mut stream, b"still"), b"still");
+        return;
+    }
+    let _turn = shared_turn();
+    let output =
+        std::process::Command::new(std::env::current_exe().expect("no path to this test binary"))
+            .args([
+                "the_smallest_handler_stack_size_serves_and_survives_a_panic_with_a_backtrace",
+                "--exact",
+                "--test-threads=1",
+            ])
+            .env(SMALL_STACK_CHILD, "1")
+            .env("RUST_BACKTRACE", "full")
+            .output()
+            .expect("could not run the child");
+    assert!(
+        output.status.success(),
+        "a server on the smallest handler stack should serve and contain a panic, not end the process: \
+         {:?} (signal {:?})",
+        output.status,
+        output.status.signal()
+    );
+}
+
+/// Set in the child process of the memory-mapping limit test.
+const MAP_LIMIT_CHILD: &str = "NET_IO_TEST_COROUTINE_MAP_LIMIT_CHILD";
+
+#[test]
+fn at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on() {
+    if std::env::var_os(MAP_LIMIT_CHILD).is_some() {
+        use net_io_sys::coroutine::{Coroutine, STACK_POOL_MAX};
+        let recorder = Recorder::default();
+        let server = ServerBuilder::new()
+            .listen("127.0.0.1:0")
+            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+            // Caps well above the 40 connections: the mapping limit is the only thing that refuses here.
+            .limits(
+                Limits::new()
+                    .min_rate(None)
+                    .max_connections(1_000)
+                    .max_per_source(1_000),
+            )
+            .events(recorder.clone())
+            .handler(echo)
+            .allow_all()
+            .build()
+            .expect("the child's server did not start");
+        let address = server.local_addr();
+        let mut warm = client(address);
+        assert_eq!(round_trip(&mut warm, b"warm"), b"warm");
+        drop(warm);
+        assert!(common::eventually(SOON, || recorder.closes().len() == 1));
+        // Take every mapping the kernel allows this process (vm.max_map_count): two a stack.
+        let mut filler = Vec::new();
+        while let Ok(coroutine) = Coroutine::<(), (), ()>::new(4096, |_, ()| ()) {
+            filler.push(coroutine);
+            assert!(filler.len() < 1_000_000, "mappings never ran out");
+        }
+        let filled = filler.len();
+        // Give a few back (this thread's pool keeps the first STACK_POOL_MAX of them mapped).
+        filler.truncate(filled - STACK_POOL_MAX - 8);
+        let mut served = 0;
+        let mut refused = 0;
+        let mut streams = Vec::new();
+        for index in 0..40_u8 {
+            let mut stream = client(address);
+            let _ = stream.write_all(&[index]);
+            let mut reply = [0_u8; 1];
+            match stream.read(&mut reply) {
+                Ok(1) => served += 1,
+                _ => refused += 1,
+            }
+            streams.push(stream);
+        }
+        println!("{filled} filler stacks; at the limit {served} served, {refused} refused");
+        assert!(refused > 0, "the limit was never reached: {served} served");
+        assert!(
+            common::eventually(SOON, || recorder.closes().len() == 1 + refused),
+            "each refused connection should close once: {:?}",
+            recorder.closes()
+        );
+        let closes = recorder.closes();
+        let reasons: Vec<_> = closes.iter().skip(1).map(|(_, reason)| *reason).collect();
+        assert!(
+            reasons
+                .iter()
+                .all(|reason| *reason == CloseReason::Refused(RefusalCause::Session)),
+            "a connection whose coroutine stack could not be mapped should be refused (Session): {reasons:?}"
+        );
+        // Mappings come back: new connections are served again.
+        drop(filler);
+        drop(streams);
+        let mut after = client(address);
+        assert_eq!(
+            round_trip(&mut after, b"back"),
+            b"back",
+            "once mappings are free again, a new connection should be served"
+        );
+        return;
+    }
+    let _turn = shared_turn();
+    let output =
+        std::process::Command::new(std::env::current_exe().expect("no path to this test binary"))
+            .args([
+                "at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on",
+                "--exact",
+                "--test-threads=1",
+                "--nocapture",
+            ])
+            .env(MAP_LIMIT_CHILD, "1")
+            .output()
+            .expect("could not run the child");
+    println!("{}", String::from_utf8_lossy(&output.stdout));
+    println!("{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "at the memory-mapping limit the server should refuse new handlers and serve on, not end the \
+         process: {:?}",
+        output.status
+    );
+}
+
+#[test]
+fn stacks_kept_for_reuse_after_deep_handlers_hold_few_resident_pages() {
+    const CONNECTIONS: usize = 128;
+    let _alone = TURN
+        .write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let recorder = Recorder::default();
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .max_connections(CONNECTIONS + 8)
+                .max_per_source(CONNECTIONS + 8),
+        )
+        .events(recorder.clone())
+        .handler(|connection: &mut TcpConnection<'_>| {
+            let mut byte = [0_u8; 1];
+            if connection.read(&mut byte)? == 0 {
+                return Ok(());
+            }
+            // About 120 KiB of this coroutine's stack touched once, then an idle wait on a shallow stack.
+            let sum = deep(50);
+            connection.write_all(&[sum as u8])?;
+            while connection.read(&mut byte)? > 0 {}
+            Ok(())
+        })
+        .allow_all()
+        .build()
+        .expect("the coroutine handler server did not start");
+    let address = server.local_addr();
+    let mut warm = client(address);
+    warm.write_all(b"w").unwrap();
+    let _ = warm.read(&mut [0_u8; 1]);
+    drop(warm);
+    assert!(common::eventually(SOON, || recorder.closes().len() == 1));
+    let resident_before = resident_kib();
+    let mut streams = Vec::with_capacity(CONNECTIONS);
+    for _ in 0..CONNECTIONS {
+        let mut stream = client(address);
+        stream.write_all(b"d").unwrap();
+        stream
+            .read_exact(&mut [0_u8; 1])
+            .expect("the deep handler should answer");
+        streams.push(stream);
+    }
+    let resident_open = resident_kib();
+    drop(streams);
+    assert!(
+        common::eventually(SOON, || recorder.closes().len() == CONNECTIONS + 1),
+        "every connection should close"
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    let resident_after = resident_kib();
+    println!(
+        "resident KiB: {resident_before} before, {resident_open} with {CONNECTIONS} deep handlers open, \
+         {resident_after} once they closed (their stacks pooled)"
+    );
+    // Kept whole, the pooled stacks would hold about 120 KiB each: 15 MiB for 128 of them.
+    assert!(
+        resident_after < resident_before + 6 * 1024,
+        "the stack pool keeps {} KiB resident after {CONNECTIONS} deep handlers closed: a pooled stack \
+         should give back the pages below its top",
+        resident_after.saturating_sub(resident_before)
+    );
+}
+
+#[test]
+fn the_global_cap_refuses_on_coroutines_and_no_connection_is_ever_busy() {
+    let _turn = shared_turn();
+    let recorder = Recorder::default();
+    let server = server(
+        Limits::new().max_connections(2).max_per_source(2),
+        &recorder,
+        echo,
+    );
+    let address = server.local_addr();
+    let mut first = client(address);
+    let mut second = client(address);
+    assert_eq!(round_trip(&mut first, b"a"), b"a");
+    assert_eq!(round_trip(&mut second, b"b"), b"b");
+    let mut third = client(address);
+    let _ = third.write_all(b"never read");
+    assert!(
+        common::is_closed_by_server(&mut third),
+        "the third connection passed the global cap of two"
+    );
+    drop(first);
+    assert!(
+        common::eventually(SOON, || server.handle().open_connections() == 1),
+        "the first connection should close and free its place"
+    );
+    let mut fourth = client(address);
+    assert_eq!(
+        round_trip(&mut fourth, b"d"),
+        b"d",
+        "a freed place should admit again"
+    );
+    let stats = server.stats();
+    assert_eq!(stats.refused_by(RefusalCause::GlobalCap), 1, "{stats:?}");
+    assert_eq!(
+        stats.refused_by(RefusalCause::Busy),
+        0,
+        "coroutines have no worker pool to be busy: {stats:?}"
+    );
+}
+
+#[test]
+fn a_handler_that_panics_after_its_connection_was_killed_is_reported_as_a_panic() {
+    let _turn = shared_turn();
+    let recorder = Recorder::default();
+    let (handles, handle_receiver) = std::sync::mpsc::channel::<KillHandle>();
+    let handles = Mutex::new(handles);
+    let server = server(
+        Limits::new().idle_timeout(Duration::from_secs(60)),
+        &recorder,
+        move |connection: &mut TcpConnection<'_>| {
+            handles
+                .lock()
+                .unwrap()
+                .send(connection.kill_handle())
+                .unwrap();
+            let mut buffer = [0_u8; 8];
+            if connection.read(&mut buffer).is_err() {
+                panic!("the handler fails on the kill's error");
+            }
+            Ok(())
+        },
+    );
+    let mut stream = client(server.local_addr());
+    let handle = handle_receiver.recv_timeout(SOON).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(handle.kill(9), "the kill should win");
+    assert_eq!(recorder.single_close(SOON), CloseReason::Killed(9));
+    let panicked = |recorder: &Recorder| {
+        recorder
+            .events()
+            .iter()
+            .filter(|event| matches!(event, net_io_blocking::Event::SessionPanicked { .. }))
+            .count()
+    };
+    assert!(
+        common::eventually(SOON, || panicked(&recorder) == 1),
+        "a handler panic on the close path went unreported: {:?}",
+        recorder.events()
+    );
+    assert!(common::is_closed_by_server(&mut stream));
+}
+
+#[test]
+fn an_exchange_deadline_that_passes_while_a_handler_waits_in_write_closes_with_exchange_deadline() {
+    let _turn = shared_turn();
+    let recorder = Recorder::default();
+    let seen: Arc<Mutex<Option<String>>> = Arc::default();
+    let outcome = Arc::clone(&seen);
+    let server = ServerBuilder::new()
+        .listener(ListenerSpec::new("127.0.0.1:0".parse().unwrap()).send_buffer(16 * 1024))
+        .handler_driver(HandlerDriver::Coroutines { loops: 2 })
+        .limits(
+            Limits::new()
+                .min_rate(None)
+                .write_timeout(Duration::from_secs(60)),
+        )
+        .events(recorder.clone())
+        .handler(move |connection: &mut TcpConnection<'_>| {
+            let mut byte = [0_u8; 1];
+            connection.read(&mut byte)?;
+            connection.set_exchange_deadline(Some(Instant::now() + Duration::from_millis(300)));
+            let result = connection.write_all(&vec![1_u8; 16 << 20]);
+            *outcome.lock().unwrap() = Some(format!("{result:?}"));
+            result
+        })
+        .allow_all()
+        .build()
+        .expect("the coroutine handler server did not start");
+    let mut stream = client(server.local_addr());
+    stream.write_all(b"x").unwrap();
+    let started = Instant::now();
+    assert_eq!(recorder.single_close(SOON), CloseReason::ExchangeDeadline);
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "the exchange deadline, not the 60 s write timeout, should end the write"
+    );
+    assert_eq!(
+        seen.lock().unwrap().as_deref(),
+        Some("Err(Timeout(Exchange))"),
+        "the handler's write should report the exchange deadline"
+    );
+    drop(stream);
 }

@@ -5,68 +5,20 @@
 
 #![deny(unsafe_code)]
 
-use std::fs;
+mod common;
+
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use net_io_blocking::{
-    ConnectionInfo, HandlerDriver, Input, NetError, Server, ServerBuilder, Session, SessionContext,
-    SessionDriver, Step, TcpConnection,
-};
-use socket2::SockRef;
+use net_io_blocking::Server;
 
-/// Echoes each read back until the peer closes.
-fn echo_handler(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0_u8; 4096];
-    loop {
-        let read = connection.read(&mut buffer)?;
-        if read == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..read])?;
-    }
-}
-
-/// Echoes whatever arrives, as much as the output budget takes each time.
-#[derive(Debug)]
-struct Echo;
-
-impl Session for Echo {
-    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
-        let taken = context.output().push_partial(input.bytes());
-        input.consume(taken);
-        Step::Write
-    }
-}
-
-/// Descriptors this process has open now (the directory handle itself is counted every time, so it cancels).
-fn open_descriptors() -> usize {
-    fs::read_dir("/proc/self/fd")
-        .expect("could not list /proc/self/fd")
-        .count()
-}
-
-/// Polls `condition` every 10 ms until it holds or `timeout` passes; returns whether it held.
-fn eventually(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if condition() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
+use common::echo::{EchoDriver, plain_echo_server};
+use common::{client, eventually, open_descriptors, reset};
 
 /// One connection: send an 8-byte index, read the echo, close with RST (`SO_LINGER` 0, so no TIME_WAIT).
 fn round_trip_and_reset(address: SocketAddr, index: u64) {
-    let mut stream = TcpStream::connect(address).expect("could not connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("could not set a read timeout");
+    let mut stream = client(address);
     let message = index.to_le_bytes();
     stream
         .write_all(&message)
@@ -76,41 +28,14 @@ fn round_trip_and_reset(address: SocketAddr, index: u64) {
         .read_exact(&mut echo)
         .unwrap_or_else(|error| panic!("connection {index} got no echo: {error}"));
     assert_eq!(echo, message, "connection {index} got a different echo");
-    SockRef::from(&stream)
-        .set_linger(Some(Duration::ZERO))
-        .expect("could not set SO_LINGER 0");
+    reset(stream);
 }
 
 fn start_servers() -> (Server, Server, Server, Server) {
-    let handler = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .workers(16)
-        .handler(echo_handler)
-        .allow_all()
-        .build()
-        .expect("the handler echo server did not start");
-    let sessions = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .workers(16)
-        .session_driver(SessionDriver::Threads)
-        .sessions(|_: &ConnectionInfo| Some(Echo))
-        .allow_all()
-        .build()
-        .expect("the sessions echo server did not start");
-    let event_loop = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .session_driver(SessionDriver::EventLoop { loops: 2 })
-        .sessions(|_: &ConnectionInfo| Some(Echo))
-        .allow_all()
-        .build()
-        .expect("the event-loop echo server did not start");
-    let coroutines = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .handler_driver(HandlerDriver::Coroutines { loops: 2 })
-        .handler(echo_handler)
-        .allow_all()
-        .build()
-        .expect("the coroutine handler echo server did not start");
+    let handler = plain_echo_server(EchoDriver::Handler { workers: 16 });
+    let sessions = plain_echo_server(EchoDriver::Sessions { workers: 16 });
+    let event_loop = plain_echo_server(EchoDriver::EventLoop { loops: 2 });
+    let coroutines = plain_echo_server(EchoDriver::Coroutines { loops: 2 });
     (handler, sessions, event_loop, coroutines)
 }
 

@@ -6,29 +6,12 @@ mod common;
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
+use common::echo::echo_server;
+use common::gates::CountingGate;
 use common::{Recorder, SOON, client, round_trip};
 use net_io_blocking::{
-    CloseReason, ConnectionInfo, Gate, Input, Limits, Output, ServerBuilder, Session,
-    SessionContext, Step, TimeoutKind,
+    CloseReason, ConnectionInfo, Input, Limits, Output, Session, SessionContext, Step, TimeoutKind,
 };
-use net_io_core::{Admission, Lane, Refusal, Verdict, WriteFacts};
-
-struct DenyAll;
-
-impl Gate for DenyAll {
-    type Ticket = ();
-
-    fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
-        Ok(Admission {
-            ticket: (),
-            lane: Lane::DEFAULT,
-        })
-    }
-
-    fn check(&self, _ticket: &(), _write: &WriteFacts) -> Verdict {
-        Verdict::Deny(403)
-    }
-}
 
 /// Replies to each line, explains a denial, and answers an exchange timeout before closing.
 struct Polite;
@@ -60,14 +43,9 @@ impl Session for Polite {
 #[test]
 fn a_denial_before_any_byte_of_the_response_sends_the_denial_text_once_then_resets() {
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(1)
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
+    let server = common::test_builder(1, Limits::new(), &recorder)
         .sessions(|_info: &ConnectionInfo| Some(Polite))
-        .gate(DenyAll)
+        .gate(CountingGate::deny_all(403))
         .build()
         .unwrap();
     let mut stream = client(server.local_addr());
@@ -84,12 +62,7 @@ fn a_denial_before_any_byte_of_the_response_sends_the_denial_text_once_then_rese
 #[test]
 fn an_exchange_deadline_can_answer_before_the_connection_closes() {
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(1)
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
+    let server = common::test_builder(1, Limits::new(), &recorder)
         .sessions(|_info: &ConnectionInfo| Some(Polite))
         .allow_all()
         .build()
@@ -105,34 +78,14 @@ fn an_exchange_deadline_can_answer_before_the_connection_closes() {
     assert_eq!(recorder.single_close(SOON), CloseReason::ExchangeDeadline);
 }
 
-struct Echo;
-
-impl Session for Echo {
-    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
-        let taken = context.output().push_partial(input.bytes());
-        input.consume(taken);
-        Step::Write
-    }
-}
-
 #[test]
 fn a_burst_of_new_connections_does_not_stall_an_established_one() {
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(2)
-        .limits(
-            Limits::new()
-                .min_rate(None)
-                .max_connections(2)
-                .max_per_source(2),
-        )
-        .events(recorder.clone())
-        .sessions(|_info: &ConnectionInfo| Some(Echo))
-        .allow_all()
-        .build()
-        .unwrap();
+    let server = echo_server(
+        2,
+        Limits::new().max_connections(2).max_per_source(2),
+        &recorder,
+    );
     let address = server.local_addr();
     let mut established = client(address);
     assert_eq!(round_trip(&mut established, b"warm"), b"warm");
@@ -159,34 +112,6 @@ fn a_burst_of_new_connections_does_not_stall_an_established_one() {
         slowest < Duration::from_secs(1),
         "an established connection stalled for {slowest:?} during the burst"
     );
-}
-
-/// Allows the first `allowed` write calls and denies the rest, counting every check.
-struct CountingGate {
-    checks: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    allowed: usize,
-}
-
-impl Gate for CountingGate {
-    type Ticket = ();
-
-    fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
-        Ok(Admission {
-            ticket: (),
-            lane: Lane::DEFAULT,
-        })
-    }
-
-    fn check(&self, _ticket: &(), _write: &WriteFacts) -> Verdict {
-        let seen = self
-            .checks
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if seen < self.allowed {
-            Verdict::Allow
-        } else {
-            Verdict::Deny(9)
-        }
-    }
 }
 
 /// Answers any input with 130 separate static chunks of 100 bytes, each filled with its index.
@@ -219,12 +144,7 @@ impl Session for Chunks {
 }
 
 fn chunk_server(recorder: &Recorder, gate: CountingGate) -> net_io_blocking::Server {
-    ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(1)
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
+    common::test_builder(1, Limits::new(), recorder)
         .sessions(|_info: &ConnectionInfo| Some(Chunks))
         .gate(gate)
         .build()
@@ -234,14 +154,8 @@ fn chunk_server(recorder: &Recorder, gate: CountingGate) -> net_io_blocking::Ser
 #[test]
 fn more_than_64_chunks_go_out_in_order_over_several_gate_checked_writes() {
     let recorder = Recorder::default();
-    let checks = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let server = chunk_server(
-        &recorder,
-        CountingGate {
-            checks: checks.clone(),
-            allowed: usize::MAX,
-        },
-    );
+    let gate = CountingGate::allow_all();
+    let server = chunk_server(&recorder, gate.clone());
     let mut stream = client(server.local_addr());
     stream.write_all(b"go").unwrap();
     let mut received = vec![0u8; 130 * 100];
@@ -253,7 +167,7 @@ fn more_than_64_chunks_go_out_in_order_over_several_gate_checked_writes() {
         );
     }
     assert!(
-        checks.load(std::sync::atomic::Ordering::SeqCst) >= 3,
+        gate.checks() >= 3,
         "130 chunks need at least three write calls, each checked by the gate"
     );
 }
@@ -261,13 +175,7 @@ fn more_than_64_chunks_go_out_in_order_over_several_gate_checked_writes() {
 #[test]
 fn a_denial_in_the_middle_of_a_response_resets_without_denial_text() {
     let recorder = Recorder::default();
-    let server = chunk_server(
-        &recorder,
-        CountingGate {
-            checks: std::sync::Arc::default(),
-            allowed: 1,
-        },
-    );
+    let server = chunk_server(&recorder, CountingGate::deny_after(1, 9));
     let mut stream = client(server.local_addr());
     stream.write_all(b"go").unwrap();
     let mut received = Vec::new();
@@ -293,35 +201,30 @@ fn a_kill_during_a_graceful_linger_resets_the_connection_at_once() {
     let recorder = Recorder::default();
     let (handles, handle_receiver) = std::sync::mpsc::channel();
     let handles = std::sync::Mutex::new(handles);
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(1)
-        .limits(
-            Limits::new()
-                .min_rate(None)
-                .linger_timeout(Duration::from_secs(30)),
-        )
-        .events(recorder.clone())
-        .handler_driver(common::handler_driver())
-        .handler(move |connection: &mut net_io_blocking::TcpConnection<'_>| {
-            // Reads half of what the client sent, answers and returns: a graceful close with unread input,
-            // which lingers.
-            let mut request = [0u8; 4];
-            let mut got = 0;
-            while got < request.len() {
-                let count = connection.read(&mut request[got..])?;
-                if count == 0 {
-                    return Ok(());
-                }
-                got += count;
+    let server = common::test_builder(
+        1,
+        Limits::new().linger_timeout(Duration::from_secs(30)),
+        &recorder,
+    )
+    .handler_driver(common::handler_driver())
+    .handler(move |connection: &mut net_io_blocking::TcpConnection<'_>| {
+        // Reads half of what the client sent, answers and returns: a graceful close with unread input,
+        // which lingers.
+        let mut request = [0u8; 4];
+        let mut got = 0;
+        while got < request.len() {
+            let count = connection.read(&mut request[got..])?;
+            if count == 0 {
+                return Ok(());
             }
-            let _ = handles.lock().unwrap().send(connection.kill_handle());
-            connection.write_all(b"done")
-        })
-        .allow_all()
-        .build()
-        .unwrap();
+            got += count;
+        }
+        let _ = handles.lock().unwrap().send(connection.kill_handle());
+        connection.write_all(b"done")
+    })
+    .allow_all()
+    .build()
+    .unwrap();
     let mut stream = client(server.local_addr());
     stream.write_all(b"askmore!").unwrap();
     let mut reply = [0u8; 4];

@@ -14,16 +14,20 @@
 
 #![deny(unsafe_code)]
 
-use std::env;
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use net_io_blocking::{NetError, ServerBuilder, TcpConnection};
+use net_io_blocking::ServerBuilder;
 use net_io_sys::rlimit::{self, ResourceLimit};
+
+use common::echo::echo;
+use common::{child, open_descriptors};
 
 /// Set in the child's environment; the child runs the server instead of the clients.
 const CHILD_VARIABLE: &str = "NET_IO_BLOCKING_EMFILE_CHILD";
@@ -34,30 +38,12 @@ const SPARE_DESCRIPTORS: u64 = 8;
 /// More connections than this without a shed means the limit did not bite.
 const MOST_CONNECTIONS: usize = 200;
 
-/// Echoes each read back until the peer closes.
-fn echo_handler(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0_u8; 256];
-    loop {
-        let read = connection.read(&mut buffer)?;
-        if read == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..read])?;
-    }
-}
-
-fn open_descriptors() -> u64 {
-    std::fs::read_dir("/proc/self/fd")
-        .map(|entries| entries.count() as u64)
-        .unwrap_or(0)
-}
-
 /// The child: a server with plenty of workers, under a descriptor limit just above what it holds.
 fn run_child() {
     let server = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .workers(64)
-        .handler(echo_handler)
+        .handler(echo)
         .allow_all()
         .build()
         .expect("the child's server did not start");
@@ -121,22 +107,18 @@ fn field(line: &str, key: &str) -> u64 {
 
 #[test]
 fn a_server_out_of_descriptors_sheds_then_serves_again_once_clients_close() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         run_child();
         return;
     }
-    let mut child = Command::new(env::current_exe().expect("no path to this test binary"))
-        .args([
-            "a_server_out_of_descriptors_sheds_then_serves_again_once_clients_close",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_VARIABLE, "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("could not start the child server");
+    let mut child = child::rerun(
+        "a_server_out_of_descriptors_sheds_then_serves_again_once_clients_close",
+        CHILD_VARIABLE,
+    )
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .spawn()
+    .expect("could not start the child server");
     let stdout = child.stdout.take().expect("the child has no stdout");
     let mut stdin = child.stdin.take().expect("the child has no stdin");
     let (sender, lines) = mpsc::channel();
@@ -199,16 +181,8 @@ fn a_server_out_of_descriptors_sheds_then_serves_again_once_clients_close() {
     drop(recovered);
 
     drop(stdin);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("could not wait for the child") {
-            break status;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            panic!("the child server did not exit within 10 s of its stdin closing");
-        }
-        thread::sleep(Duration::from_millis(20));
+    let Some(status) = child::exit_within(&mut child, Duration::from_secs(10)) else {
+        panic!("the child server did not exit within 10 s of its stdin closing");
     };
     assert!(status.success(), "the child server exited with {status}");
 }

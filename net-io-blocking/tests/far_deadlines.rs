@@ -117,20 +117,15 @@ fn limits_of_duration_max_are_accepted_and_never_strand_a_connection() {
 #[test]
 fn a_park_until_the_far_future_is_cut_by_the_park_timeout_and_then_served() {
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(2)
-        .limits(
-            Limits::new()
-                .min_rate(None)
-                .park_timeout(Duration::from_millis(200)),
-        )
-        .events(recorder.clone())
-        .sessions(|_: &ConnectionInfo| Some(ParksForever))
-        .allow_all()
-        .build()
-        .expect("the server should start");
+    let server = common::test_builder(
+        2,
+        Limits::new().park_timeout(Duration::from_millis(200)),
+        &recorder,
+    )
+    .sessions(|_: &ConnectionInfo| Some(ParksForever))
+    .allow_all()
+    .build()
+    .expect("the server should start");
     let mut stream = client(server.local_addr());
     stream.write_all(b"x").unwrap();
     // The default on_timeout of a park closes with ParkDeadline: what matters is that the park ended.

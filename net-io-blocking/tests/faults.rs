@@ -9,36 +9,19 @@
 mod common;
 
 use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::time::Duration;
 
+use common::echo::{Echo, echo_server};
 use common::{Recorder, SOON, client, eventually, round_trip};
 use net_io_blocking::{
-    CloseReason, ConnectionInfo, Event, HandlerDriver, Input, Limits, NetError, RefusalCause,
-    Server, ServerBuilder, Session, SessionContext, Step, TcpConnection,
+    CloseReason, ConnectionInfo, Event, HandlerDriver, Limits, NetError, RefusalCause, Server,
+    ServerBuilder, TcpConnection,
 };
 use net_io_sys::shim;
 
-struct Echo;
-
-impl Session for Echo {
-    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
-        let taken = context.output().push_partial(input.bytes());
-        input.consume(taken);
-        Step::Write
-    }
-}
-
 fn server(recorder: &Recorder) -> Server {
-    ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(2)
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
-        .sessions(|_info: &ConnectionInfo| Some(Echo))
-        .allow_all()
-        .build()
-        .expect("the test server should start")
+    echo_server(2, Limits::new(), recorder)
 }
 
 fn has_event(recorder: &Recorder, wanted: impl Fn(&Event) -> bool) -> bool {
@@ -128,17 +111,23 @@ fn a_failing_recv_closes_only_its_connection() {
     assert_eq!(&reply, b"alive");
 }
 
+/// A warm-up round trip, then one round trip each through a spurious `EAGAIN` on `send`, an `EINTR` on
+/// `recv` and a spurious `EAGAIN` on `recv`: every one must still echo.
+fn round_trips_outlast_spurious_errors(stream: &mut TcpStream) {
+    assert_eq!(round_trip(stream, b"warm"), b"warm");
+    shim::inject("send", 0, 1, libc::EAGAIN);
+    assert_eq!(round_trip(stream, b"again"), b"again");
+    shim::inject("recv", 0, 1, libc::EINTR);
+    assert_eq!(round_trip(stream, b"intr"), b"intr");
+    shim::inject("recv", 0, 1, libc::EAGAIN);
+    assert_eq!(round_trip(stream, b"spurious"), b"spurious");
+}
+
 fn spurious_eagain_and_eintr_are_retried() {
     let recorder = Recorder::default();
     let server = server(&recorder);
     let mut stream = client(server.local_addr());
-    assert_eq!(round_trip(&mut stream, b"warm"), b"warm");
-    shim::inject("send", 0, 1, libc::EAGAIN);
-    assert_eq!(round_trip(&mut stream, b"again"), b"again");
-    shim::inject("recv", 0, 1, libc::EINTR);
-    assert_eq!(round_trip(&mut stream, b"intr"), b"intr");
-    shim::inject("recv", 0, 1, libc::EAGAIN);
-    assert_eq!(round_trip(&mut stream, b"spurious"), b"spurious");
+    round_trips_outlast_spurious_errors(&mut stream);
     assert!(
         recorder.closes().is_empty(),
         "a retried error closed the connection"
@@ -206,13 +195,7 @@ fn handlers_on_coroutines_meet_faults_one_connection_at_a_time() {
     );
     assert!(common::is_closed_by_server(&mut refused));
     let mut other = client(server.local_addr());
-    assert_eq!(round_trip(&mut other, b"warm"), b"warm");
-    shim::inject("send", 0, 1, libc::EAGAIN);
-    assert_eq!(round_trip(&mut other, b"again"), b"again");
-    shim::inject("recv", 0, 1, libc::EINTR);
-    assert_eq!(round_trip(&mut other, b"intr"), b"intr");
-    shim::inject("recv", 0, 1, libc::EAGAIN);
-    assert_eq!(round_trip(&mut other, b"spurious"), b"spurious");
+    round_trips_outlast_spurious_errors(&mut other);
     assert_eq!(
         recorder.closes().len(),
         1,

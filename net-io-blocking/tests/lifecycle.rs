@@ -7,27 +7,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use common::echo::echo;
 use common::{Recorder, SOON, client, eventually, round_trip};
 use net_io_blocking::{
-    CloseReason, ConnectionInfo, Input, Limits, NetError, ServerBuilder, Session, SessionContext,
-    Step, TcpConnection, connect, serve,
+    CloseReason, ConnectionInfo, Input, Limits, NetError, Server, ServerBuilder, Session,
+    SessionContext, Step, TcpConnection, connect, serve,
 };
 
-fn echo(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0u8; 1024];
-    loop {
-        let count = connection.read(&mut buffer)?;
-        if count == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..count])?;
-    }
-}
-
-#[test]
-fn sixty_four_threads_killing_one_connection_give_one_close_and_sixty_three_false() {
-    let recorder = Recorder::default();
-    let server = ServerBuilder::new()
+/// The echo handler on two workers of this binary's drivers, with the builder's default limits (unlike
+/// `common::test_builder`, the minimum rate stays on), every event to `recorder`.
+fn echo_handler_server(recorder: &Recorder) -> Server {
+    ServerBuilder::new()
         .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(2)
@@ -36,7 +26,13 @@ fn sixty_four_threads_killing_one_connection_give_one_close_and_sixty_three_fals
         .handler(echo)
         .allow_all()
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn sixty_four_threads_killing_one_connection_give_one_close_and_sixty_three_false() {
+    let recorder = Recorder::default();
+    let server = echo_handler_server(&recorder);
     let mut stream = client(server.local_addr());
     assert_eq!(round_trip(&mut stream, b"x"), b"x");
     let handle = server.handle();
@@ -153,12 +149,7 @@ impl Session for BigReply {
 #[test]
 fn data_a_session_queued_before_a_drain_is_flushed_before_the_close() {
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(2)
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
+    let server = common::test_builder(2, Limits::new(), &recorder)
         .sessions(|_info: &ConnectionInfo| Some(BigReply))
         .allow_all()
         .build()
@@ -319,12 +310,7 @@ impl Session for OneShot {
 #[test]
 fn a_kill_racing_the_session_s_own_close_gives_one_close_and_a_truthful_answer() {
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(1)
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
+    let server = common::test_builder(1, Limits::new(), &recorder)
         .sessions(|_info: &ConnectionInfo| Some(OneShot))
         .allow_all()
         .build()
@@ -362,16 +348,7 @@ fn a_kill_racing_the_session_s_own_close_gives_one_close_and_a_truthful_answer()
 #[test]
 fn a_kill_reaches_the_peer_as_a_reset_promptly_and_a_closed_door_stops_accepting_at_once() {
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(2)
-        .events(recorder.clone())
-        .handler_driver(common::handler_driver())
-        .handler(echo)
-        .allow_all()
-        .build()
-        .unwrap();
+    let server = echo_handler_server(&recorder);
     let handle = server.handle();
     let mut stream = client(server.local_addr());
     assert_eq!(round_trip(&mut stream, b"k"), b"k");

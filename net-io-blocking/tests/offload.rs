@@ -7,9 +7,7 @@ use std::io::{Read, Write};
 use std::time::Duration;
 
 use common::{Recorder, SOON, client};
-use net_io_blocking::{
-    CloseReason, ConnectionInfo, Input, Limits, ServerBuilder, Session, SessionContext, Step,
-};
+use net_io_blocking::{CloseReason, ConnectionInfo, Input, Limits, Session, SessionContext, Step};
 
 /// Parses a number per line, hands the squaring to another thread, parks, and answers on wake.
 struct Offloader {
@@ -58,12 +56,7 @@ impl Session for Offloader {
 #[test]
 fn a_parked_session_is_woken_by_its_completer_and_answers_with_the_result() {
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(2)
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
+    let server = common::test_builder(2, Limits::new(), &recorder)
         .sessions(|_info: &ConnectionInfo| Some(Offloader { waiting: false }))
         .allow_all()
         .build()

@@ -7,26 +7,12 @@ use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::{Recorder, SOON, client, round_trip};
+use common::echo::who_am_i;
+use common::{Recorder, SOON, client, read_line, round_trip};
 use net_io_blocking::{
-    CloseReason, Limits, ListenerSpec, NetError, ProxyMode, Server, ServerBuilder, TcpConnection,
-    TrustedProxies,
+    CloseReason, Limits, ListenerSpec, ProxyMode, Server, ServerBuilder, TrustedProxies,
 };
 use net_io_core::proxy::{encode_v1, encode_v2};
-
-/// Answers the client address it sees, then echoes.
-fn who_am_i(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let line = format!("{}\n", connection.peer_addr());
-    connection.write_all(line.as_bytes())?;
-    let mut buffer = [0u8; 256];
-    loop {
-        let count = connection.read(&mut buffer)?;
-        if count == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..count])?;
-    }
-}
 
 /// The handshake deadline of most tests here: short, so the slow-header test ends quickly.
 const SHORT_HANDSHAKE: Duration = Duration::from_millis(300);
@@ -59,15 +45,6 @@ fn proxied_server_with_handshake(
         .allow_all()
         .build()
         .unwrap()
-}
-
-fn read_line(stream: &mut std::net::TcpStream) -> String {
-    let mut line = Vec::new();
-    let mut byte = [0u8; 1];
-    while stream.read(&mut byte).unwrap_or(0) == 1 && byte[0] != b'\n' {
-        line.push(byte[0]);
-    }
-    String::from_utf8(line).unwrap()
 }
 
 #[test]

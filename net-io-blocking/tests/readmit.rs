@@ -3,15 +3,17 @@
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 
-use common::{Recorder, SOON, client, round_trip};
+use common::echo::who_am_i;
+use common::gates::admit_on_the_default_lane;
+use common::{Recorder, SOON, client, read_line, read_to_close, round_trip};
 use net_io_blocking::{
     Admission, CloseReason, ConnectionInfo, Event, Gate, HandlerDriver, Input, Lane, Limits,
-    ListenerSpec, NetError, ProxyMode, Refusal, RefusalCause, Server, ServerBuilder, Session,
-    SessionContext, SessionDriver, Step, TcpConnection, TrustedProxies,
+    ListenerSpec, ProxyMode, Refusal, RefusalCause, Server, ServerBuilder, Session, SessionContext,
+    SessionDriver, Step, TrustedProxies,
 };
 use net_io_core::gate::GATE_PANIC_CODE;
 use net_io_core::proxy::{encode_v1, encode_v2};
@@ -130,24 +132,7 @@ impl Gate for AdmitOnly {
     type Ticket = ();
 
     fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
-        Ok(Admission {
-            ticket: (),
-            lane: Lane::DEFAULT,
-        })
-    }
-}
-
-/// Answers the client address it sees, then echoes.
-fn who_am_i(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let line = format!("{}\n", connection.peer_addr());
-    connection.write_all(line.as_bytes())?;
-    let mut buffer = [0u8; 256];
-    loop {
-        let count = connection.read(&mut buffer)?;
-        if count == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..count])?;
+        admit_on_the_default_lane()
     }
 }
 
@@ -202,28 +187,6 @@ fn server<G: Gate>(driver: Driver, gate: G, recorder: &Recorder) -> Server {
             .build(),
     };
     built.unwrap_or_else(|error| panic!("the {driver:?} server should start: {error}"))
-}
-
-fn read_line(stream: &mut std::net::TcpStream) -> String {
-    let mut line = Vec::new();
-    let mut byte = [0u8; 1];
-    while stream.read(&mut byte).unwrap_or(0) == 1 && byte[0] != b'\n' {
-        line.push(byte[0]);
-    }
-    String::from_utf8(line).unwrap_or_default()
-}
-
-/// Everything the server still sends until it closes (EOF or reset).
-fn read_to_close(stream: &mut std::net::TcpStream) -> Vec<u8> {
-    let mut received = Vec::new();
-    let mut buffer = [0u8; 256];
-    while let Ok(count) = stream.read(&mut buffer) {
-        if count == 0 {
-            break;
-        }
-        received.extend_from_slice(&buffer[..count]);
-    }
-    received
 }
 
 fn v1_header(real: &str, server: &Server) -> Vec<u8> {

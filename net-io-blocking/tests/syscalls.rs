@@ -6,6 +6,8 @@
 
 #![deny(unsafe_code)]
 
+mod common;
+
 #[cfg(not(net_io_shim))]
 #[test]
 fn system_calls_per_round_trip_are_counted_only_with_the_shim() {
@@ -24,39 +26,17 @@ mod counted {
     use std::sync::Mutex;
     use std::time::{Duration, Instant};
 
-    use net_io_blocking::{
-        ConnectionInfo, HandlerDriver, Input, Limits, NetError, Server, ServerBuilder, Session,
-        SessionContext, SessionDriver, Step, TcpConnection,
-    };
+    use net_io_blocking::{ConnectionInfo, Limits, Server, ServerBuilder, SessionDriver};
     use net_io_sys::shim;
+
+    use crate::common::client;
+    use crate::common::echo::{Echo, EchoDriver, plain_echo_server};
 
     /// The shim's counters are process-wide, so the two tests take turns.
     static TURN: Mutex<()> = Mutex::new(());
 
     const WARM_UP_ROUND_TRIPS: u64 = 100;
     const COUNTED_ROUND_TRIPS: u64 = 1_000;
-
-    fn echo_handler(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-        let mut buffer = [0_u8; 4096];
-        loop {
-            let read = connection.read(&mut buffer)?;
-            if read == 0 {
-                return Ok(());
-            }
-            connection.write_all(&buffer[..read])?;
-        }
-    }
-
-    #[derive(Debug)]
-    struct Echo;
-
-    impl Session for Echo {
-        fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
-            let taken = context.output().push_partial(input.bytes());
-            input.consume(taken);
-            Step::Write
-        }
-    }
 
     /// Every name that could be a call site of net-io-sys: each identifier-like string literal in its
     /// source. Some sites are passed through helpers (`receive_with_flags(.., "recv")`), so the test takes
@@ -147,11 +127,7 @@ mod counted {
     fn calls_per_round_trip_with(server: Server, waits: Waits) {
         let sites = call_sites();
         let address: SocketAddr = server.local_addr();
-        let mut stream = TcpStream::connect(address).expect("could not connect");
-        stream.set_nodelay(true).expect("could not set TCP_NODELAY");
-        stream
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .expect("could not set a read timeout");
+        let mut stream = client(address);
         let message = [0x42_u8; 64];
         let mut echo = [0_u8; 64];
         for _ in 0..WARM_UP_ROUND_TRIPS {
@@ -234,27 +210,14 @@ mod counted {
     #[test]
     fn a_handler_echo_round_trip_takes_two_system_calls() {
         let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let server = ServerBuilder::new()
-            .listen("127.0.0.1:0")
-            .workers(1)
-            .handler(echo_handler)
-            .allow_all()
-            .build()
-            .expect("the handler echo server did not start");
+        let server = plain_echo_server(EchoDriver::Handler { workers: 1 });
         calls_per_round_trip(server);
     }
 
     #[test]
     fn a_sessions_echo_round_trip_takes_two_system_calls() {
         let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let server = ServerBuilder::new()
-            .listen("127.0.0.1:0")
-            .workers(1)
-            .session_driver(SessionDriver::Threads)
-            .sessions(|_: &ConnectionInfo| Some(Echo))
-            .allow_all()
-            .build()
-            .expect("the sessions echo server did not start");
+        let server = plain_echo_server(EchoDriver::Sessions { workers: 1 });
         calls_per_round_trip(server);
     }
 
@@ -263,13 +226,7 @@ mod counted {
     #[test]
     fn an_event_loop_with_one_connection_takes_two_system_calls_per_round_trip() {
         let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let server = ServerBuilder::new()
-            .listen("127.0.0.1:0")
-            .session_driver(SessionDriver::EventLoop { loops: 1 })
-            .sessions(|_: &ConnectionInfo| Some(Echo))
-            .allow_all()
-            .build()
-            .expect("the event-loop echo server did not start");
+        let server = plain_echo_server(EchoDriver::EventLoop { loops: 1 });
         calls_per_round_trip_with(server, Waits::Solo);
     }
 
@@ -296,13 +253,7 @@ mod counted {
     #[test]
     fn a_handler_on_a_coroutine_echo_round_trip_takes_two_system_calls() {
         let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let server = ServerBuilder::new()
-            .listen("127.0.0.1:0")
-            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-            .handler(echo_handler)
-            .allow_all()
-            .build()
-            .expect("the coroutine handler echo server did not start");
+        let server = plain_echo_server(EchoDriver::Coroutines { loops: 1 });
         calls_per_round_trip_with(server, Waits::Solo);
     }
 
@@ -325,11 +276,7 @@ mod counted {
         let address = server.local_addr();
         let streams: Vec<TcpStream> = (0..CONNECTIONS)
             .map(|_| {
-                let mut stream = TcpStream::connect(address).expect("could not connect");
-                stream.set_nodelay(true).expect("could not set TCP_NODELAY");
-                stream
-                    .set_read_timeout(Some(Duration::from_secs(10)))
-                    .expect("could not set a read timeout");
+                let mut stream = client(address);
                 let mut echo = [0_u8; 64];
                 stream.write_all(&[1; 64]).expect("warm-up write failed");
                 stream.read_exact(&mut echo).expect("warm-up read failed");

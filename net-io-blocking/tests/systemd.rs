@@ -11,6 +11,8 @@
 
 #![deny(unsafe_code)]
 
+mod common;
+
 use std::env;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -20,11 +22,14 @@ use std::time::{Duration, Instant};
 
 use net_io_blocking::systemd::{self, SystemdError};
 use net_io_blocking::{
-    Admission, CloseReason, ConnectionInfo, Gate, Lane, NetError, ProxyMode, Refusal,
-    ServerBuilder, TcpConnection, TrustedProxies,
+    Admission, CloseReason, ConnectionInfo, Gate, ProxyMode, Refusal, ServerBuilder, TrustedProxies,
 };
 use net_io_sys::inherit::{self, Unfit};
 use std::sync::{Arc, Mutex};
+
+use common::child;
+use common::echo::echo;
+use common::gates::admit_on_the_default_lane;
 
 /// Set in the child's environment; the child adopts instead of spawning.
 const CHILD_VARIABLE: &str = "NET_IO_BLOCKING_SYSTEMD_CHILD";
@@ -40,17 +45,6 @@ enum Pid {
     Own,
     /// Process 1: variables meant for another process.
     Other,
-}
-
-fn echo_handler(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0_u8; 256];
-    loop {
-        let read = connection.read(&mut buffer)?;
-        if read == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..read])?;
-    }
 }
 
 /// Starts this test binary running `test` as a child, with `fds` on descriptors 3, 4, ... (at most two)
@@ -76,8 +70,8 @@ fn spawn_child(test: &str, pid: Pid, fds: Vec<OwnedFd>, variables: &[(&str, &str
     command
         .arg("-c")
         .arg(script)
-        .arg(env::current_exe().expect("no path to this test binary"))
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .arg(child::this_binary())
+        .args(child::only_test(test))
         .env_remove("LISTEN_PID")
         .env_remove("LISTEN_PIDFDID")
         .env_remove("LISTEN_FDS")
@@ -94,17 +88,8 @@ fn spawn_child(test: &str, pid: Pid, fds: Vec<OwnedFd>, variables: &[(&str, &str
 
 /// Waits for the child to exit (killing it past the deadline) and returns its `RESULT` lines.
 fn results(mut child: Child) -> Vec<String> {
-    let end = Instant::now() + CHILD_DEADLINE;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("could not poll the child") {
-            break status;
-        }
-        if Instant::now() >= end {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the child ran past {CHILD_DEADLINE:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    let Some(status) = child::exit_within(&mut child, CHILD_DEADLINE) else {
+        panic!("the child ran past {CHILD_DEADLINE:?}");
     };
     let mut output = String::new();
     child
@@ -155,7 +140,7 @@ fn listening_socket() -> (TcpListener, String) {
 
 #[test]
 fn an_adopted_listener_serves_and_the_variables_are_cleared() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         let builder = ServerBuilder::new()
             .systemd()
             .expect("the child could not adopt its listener");
@@ -170,7 +155,7 @@ fn an_adopted_listener_serves_and_the_variables_are_cleared() {
         );
         let server = builder
             .workers(2)
-            .handler(echo_handler)
+            .handler(echo)
             .allow_all()
             .build()
             .expect("the child's server did not start");
@@ -224,7 +209,7 @@ fn an_adopted_listener_serves_and_the_variables_are_cleared() {
 
 #[test]
 fn variables_meant_for_another_process_are_ignored() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         let adopted = systemd::listeners().expect("variables of another process are no error");
         println!("RESULT adopted {}", adopted.len());
         println!("RESULT left {:?}", activation_variables_left());
@@ -251,7 +236,7 @@ fn variables_meant_for_another_process_are_ignored() {
 
 #[test]
 fn an_fd_that_is_not_a_listener_is_refused_by_number_and_name() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         report_failed_adoption();
         return;
     }
@@ -272,7 +257,7 @@ fn an_fd_that_is_not_a_listener_is_refused_by_number_and_name() {
 
 #[test]
 fn a_file_passed_as_a_socket_is_refused() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         report_failed_adoption();
         return;
     }
@@ -288,7 +273,7 @@ fn a_file_passed_as_a_socket_is_refused() {
 
 #[test]
 fn a_count_above_the_limit_is_refused() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         report_failed_adoption();
         return;
     }
@@ -304,7 +289,7 @@ fn a_count_above_the_limit_is_refused() {
 
 #[test]
 fn names_that_do_not_match_the_count_are_refused() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         report_failed_adoption();
         return;
     }
@@ -320,7 +305,7 @@ fn names_that_do_not_match_the_count_are_refused() {
 
 #[test]
 fn a_pidfd_id_of_another_process_is_ignored_even_with_our_pid() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         let adopted = systemd::listeners().expect("variables of another process are no error");
         println!("RESULT adopted {}", adopted.len());
         println!("RESULT fd3 {}", inherit::check_listener(3).is_ok());
@@ -351,10 +336,7 @@ impl Gate for BlockOne {
     type Ticket = ();
 
     fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
-        Ok(Admission {
-            ticket: (),
-            lane: Lane::DEFAULT,
-        })
+        admit_on_the_default_lane()
     }
 
     fn readmit(&self, _ticket: &mut (), info: &ConnectionInfo) -> Result<(), Refusal> {
@@ -374,7 +356,7 @@ impl Gate for BlockOne {
 
 #[test]
 fn an_adopted_listener_takes_its_own_proxy_settings_and_the_gate_readmits_behind_it() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if child::is_child(CHILD_VARIABLE) {
         let mut inherited = systemd::listeners().expect("the child could not adopt its listener");
         let inherited = inherited.pop().expect("no listener was passed");
         let gate = BlockOne::default();
@@ -386,7 +368,7 @@ fn an_adopted_listener_takes_its_own_proxy_settings_and_the_gate_readmits_behind
                 )
             })
             .workers(2)
-            .handler(echo_handler)
+            .handler(echo)
             .gate(gate.clone())
             .build()
             .expect("the child's server did not start");

@@ -6,36 +6,16 @@ mod common;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
+use common::echo::echo_fours;
 use common::{Recorder, SOON, client, round_trip};
 use net_io_blocking::{CloseReason, Limits, NetError, Server, ServerBuilder, TcpConnection};
-
-/// Echoes once four bytes arrived, so a request of fewer bytes keeps the handler reading.
-fn echo_fours(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0u8; 4];
-    loop {
-        let mut got = 0;
-        while got < 4 {
-            let count = connection.read(&mut buffer[got..])?;
-            if count == 0 {
-                return Ok(());
-            }
-            got += count;
-        }
-        connection.write_all(&buffer)?;
-    }
-}
 
 fn server(
     limits: Limits,
     recorder: &Recorder,
     handler: fn(&mut TcpConnection<'_>) -> Result<(), NetError>,
 ) -> Server {
-    ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(2)
-        .limits(limits.min_rate(None))
-        .events(recorder.clone())
+    common::test_builder(2, limits, recorder)
         .handler_driver(common::handler_driver())
         .handler(handler)
         .allow_all()

@@ -1,12 +1,20 @@
-//! Helpers shared by the integration tests: an event recorder, `eventually`, and small std clients.
+//! Helpers shared by the integration tests: an event recorder, `eventually`, small std clients, and (in the
+//! submodules) the echo session and handlers.
 #![allow(dead_code)]
+
+pub mod child;
+pub mod echo;
+pub mod gates;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use net_io_blocking::{CloseReason, ConnectionId, Event, EventSink, HandlerDriver, SessionDriver};
+use net_io_blocking::{
+    CloseReason, ConnectionId, Event, EventSink, HandlerDriver, Limits, ServerBuilder,
+    SessionDriver,
+};
 
 /// Records every event, for assertions about closes.
 #[derive(Clone, Default)]
@@ -104,6 +112,30 @@ pub fn round_trip(stream: &mut TcpStream, bytes: &[u8]) -> Vec<u8> {
     reply
 }
 
+/// Reads one line byte by byte, without its newline; stops early at EOF or an error (a reset, the read
+/// timeout), so the caller's assertion on the text says what was missing.
+pub fn read_line(stream: &mut TcpStream) -> String {
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while stream.read(&mut byte).unwrap_or(0) == 1 && byte[0] != b'\n' {
+        line.push(byte[0]);
+    }
+    String::from_utf8_lossy(&line).into_owned()
+}
+
+/// Everything the server still sends until it closes (EOF or reset).
+pub fn read_to_close(stream: &mut TcpStream) -> Vec<u8> {
+    let mut received = Vec::new();
+    let mut buffer = [0u8; 256];
+    while let Ok(count) = stream.read(&mut buffer) {
+        if count == 0 {
+            break;
+        }
+        received.extend_from_slice(&buffer[..count]);
+    }
+    received
+}
+
 /// True when the server reset or closed the connection: a read returns EOF or an error.
 pub fn is_closed_by_server(stream: &mut TcpStream) -> bool {
     let mut byte = [0u8; 1];
@@ -115,6 +147,26 @@ pub fn reset(stream: TcpStream) {
     let socket = socket2::SockRef::from(&stream);
     socket.set_linger(Some(Duration::ZERO)).unwrap();
     drop(stream);
+}
+
+/// Descriptors this process has open now (the directory handle that lists them is counted every time, so
+/// it cancels out of any difference).
+pub fn open_descriptors() -> u64 {
+    std::fs::read_dir("/proc/self/fd")
+        .expect("could not list /proc/self/fd")
+        .count() as u64
+}
+
+/// The builder most tests start from: this binary's session driver (see [`session_driver`]), a listener on
+/// 127.0.0.1, `workers` workers, `limits` without the minimum rate (a loaded machine must not trip it), and
+/// every event to `recorder`. Later calls on the builder override any of these.
+pub fn test_builder(workers: usize, limits: Limits, recorder: &Recorder) -> ServerBuilder {
+    ServerBuilder::new()
+        .session_driver(session_driver())
+        .listen("127.0.0.1:0")
+        .workers(workers)
+        .limits(limits.min_rate(None))
+        .events(recorder.clone())
 }
 
 /// Generous upper bound for anything that should happen "at once" on a loaded 2-core machine.
