@@ -3,18 +3,18 @@
 
 mod common;
 
-use std::env;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Recorder, SOON, client, eventually, round_trip};
+use common::child::{exit_within, is_child, rerun};
+use common::echo::echo_fours;
+use common::{Recorder, SOON, client, eventually, open_descriptors, round_trip};
 use net_io_blocking::{
     CloseReason, ConnectionId, ControlLine, ControlState, Event, HandlerDriver, Input, Limits,
     ListenerId, ListenerSpec, NetError, ProxyMode, RefusalCause, Server, ServerBuilder, Session,
-    SessionContext, SessionDriver, Step, TcpConnection, TrustedProxies,
+    SessionContext, SessionDriver, Step, TrustedProxies,
 };
 
 /// Set in the child process that counts descriptors and threads alone.
@@ -36,23 +36,7 @@ const DRIVERS: [Driver; 4] = [
     Driver::SessionLoops,
 ];
 
-/// Echoes requests of exactly four bytes; a partial request keeps the handler mid-exchange.
-fn echo_fours(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    loop {
-        let mut request = [0_u8; 4];
-        let mut got = 0;
-        while got < request.len() {
-            let count = connection.read(&mut request[got..])?;
-            if count == 0 {
-                return Ok(());
-            }
-            got += count;
-        }
-        connection.write_all(&request)?;
-    }
-}
-
-/// The session twin of [`echo_fours`]: a partial request leaves input unconsumed, so the session is busy.
+/// The session twin of `echo_fours`: a partial request leaves input unconsumed, so the session is busy.
 struct Fours;
 
 impl Session for Fours {
@@ -69,12 +53,17 @@ impl Session for Fours {
     }
 }
 
-/// A server on 127.0.0.1:0 with a long idle timeout (so only the drain closes idle connections).
+/// A server on 127.0.0.1:0 with a long idle timeout (so only the drain closes idle connections) and no
+/// minimum rate (a loaded machine must not trip it).
 fn server(driver: Driver, recorder: &Recorder, control: Option<Arc<ControlLine>>) -> Server {
     let mut builder = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .workers(4)
-        .limits(Limits::new().idle_timeout(Duration::from_secs(60)))
+        .limits(
+            Limits::new()
+                .idle_timeout(Duration::from_secs(60))
+                .min_rate(None),
+        )
         .events(recorder.clone());
     if let Some(control) = control {
         builder = builder.control(control);
@@ -592,12 +581,6 @@ fn shutdown_after_adds_and_removes_closes_every_listener_once_and_every_connecti
     }
 }
 
-fn open_descriptors() -> usize {
-    std::fs::read_dir("/proc/self/fd")
-        .expect("could not list /proc/self/fd")
-        .count()
-}
-
 fn threads() -> usize {
     std::fs::read_dir("/proc/self/task")
         .expect("could not list /proc/self/task")
@@ -653,24 +636,20 @@ fn count_in_child() {
 
 #[test]
 fn adding_and_removing_a_listener_200_times_leaves_no_descriptor_or_thread_behind() {
-    if env::var_os(CHILD_VARIABLE).is_some() {
+    if is_child(CHILD_VARIABLE) {
         count_in_child();
         return;
     }
-    let output = Command::new(env::current_exe().expect("no path to this test binary"))
-        .args([
-            "adding_and_removing_a_listener_200_times_leaves_no_descriptor_or_thread_behind",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_VARIABLE, "1")
-        .output()
-        .expect("could not start the counting child");
+    let mut child = rerun(
+        "adding_and_removing_a_listener_200_times_leaves_no_descriptor_or_thread_behind",
+        CHILD_VARIABLE,
+    )
+    .spawn()
+    .expect("could not start the counting child");
+    let status = exit_within(&mut child, Duration::from_secs(300))
+        .expect("the counting child did not finish within 5 minutes");
     assert!(
-        output.status.success(),
-        "the counting child failed:\n{}\n{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
+        status.success(),
+        "the counting child failed with {status} (its output is above)"
     );
 }
