@@ -297,10 +297,19 @@ impl Core {
     fn retire_listener(&self, mut live: LiveListener) {
         live.acceptor.closing.store(true, Ordering::Release);
         let _ = live.acceptor.wake.signal();
+        let mut joined = true;
         if let Some(thread) = live.thread.take() {
-            let _ = thread.join();
+            if thread.thread().id() == std::thread::current().id() {
+                // Removed from its own accept thread (a gate or an event sink did it): it returns when this
+                // call does. Its counter slot stays taken, since it may still write to it.
+                joined = false;
+            } else {
+                let _ = thread.join();
+            }
         }
-        self.lock_listeners().counter_slots &= !(1 << live.counter_slot);
+        if joined {
+            self.lock_listeners().counter_slots &= !(1 << live.counter_slot);
+        }
         self.emit(Event::ListenerClosed {
             listener: live.acceptor.id,
         });
@@ -452,6 +461,9 @@ impl ServerHandle {
     /// Reports `ListenerClosed` (no `DrainStarted`/`DrainFinished`: those are the server's own drain).
     /// An id that is unknown or already removed is an error, and so is a second concurrent removal of it.
     /// If the listener watching the control line is removed, the next live one takes the line over.
+    /// Called on the listener's own accept thread (from a gate or an event sink), it cannot join that
+    /// thread: the socket then closes when the call returns and the thread ends, and the drain runs on it.
+    /// Called from a connection's own worker or loop, the drain waits for that connection like any other.
     pub fn remove_listener(
         &self,
         id: ListenerId,

@@ -653,3 +653,66 @@ fn adding_and_removing_a_listener_200_times_leaves_no_descriptor_or_thread_behin
         "the counting child failed with {status} (its output is above)"
     );
 }
+
+/// Removes listener `target` from inside the event sink, on that listener's own accept thread.
+#[derive(Clone)]
+struct RemovingSink {
+    handle: Arc<std::sync::OnceLock<net_io_blocking::ServerHandle>>,
+    target: Arc<std::sync::OnceLock<ListenerId>>,
+    outcome: Arc<std::sync::Mutex<Option<Result<u64, String>>>>,
+}
+
+impl net_io_blocking::EventSink for RemovingSink {
+    fn emit(&self, event: Event) {
+        let Event::Accepted { listener, .. } = event else {
+            return;
+        };
+        let (Some(handle), Some(target)) = (self.handle.get(), self.target.get()) else {
+            return;
+        };
+        if listener != *target {
+            return;
+        }
+        let result = handle
+            .remove_listener(listener, Instant::now())
+            .map(|report| report.graceful + report.killed)
+            .map_err(|error| error.to_string());
+        self.outcome.lock().unwrap().get_or_insert(result);
+    }
+}
+
+#[test]
+fn a_listener_removed_from_its_own_accept_thread_closes_without_a_deadlock() {
+    let sink = RemovingSink {
+        handle: Arc::default(),
+        target: Arc::default(),
+        outcome: Arc::default(),
+    };
+    let server = ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .workers(2)
+        .events(sink.clone())
+        .handler(echo_fours)
+        .allow_all()
+        .build()
+        .unwrap();
+    let _ = sink.handle.set(server.handle());
+    let (id, address) = add(&server, local_spec());
+    let _ = sink.target.set(id);
+    server.handle().open_door();
+    let _first = TcpStream::connect(address).expect("the first connect should reach the backlog");
+    assert!(
+        eventually(SOON, || sink.outcome.lock().unwrap().is_some()),
+        "the removal from the accept thread did not return"
+    );
+    let outcome = sink.outcome.lock().unwrap().clone().unwrap();
+    assert!(outcome.is_ok(), "the removal failed: {outcome:?}");
+    assert!(
+        eventually(SOON, || TcpStream::connect(address).is_err()),
+        "the listener removed from its own thread kept its port open"
+    );
+    let mut other = client(server.local_addr());
+    assert_eq!(round_trip(&mut other, b"four"), b"four");
+    let report = server.shutdown(Instant::now() + Duration::from_secs(5));
+    assert_eq!(report.killed, 0, "the shutdown needed a kill: {report:?}");
+}
