@@ -477,14 +477,7 @@ impl ServerHandle {
                 .iter()
                 .position(|listener| listener.acceptor.id == id)
             else {
-                return Err(NetError::from(std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    format!(
-                        "listener {} is not live on this server (never added, or already removed); \
-                         list the live ones with ServerHandle::listener_ids",
-                        id.0
-                    ),
-                )));
+                return Err(NetError::UnknownListener { listener: id });
             };
             let live = set.live.remove(position);
             if self.core.control_owner.load(Ordering::Acquire) == id.0 {

@@ -392,6 +392,15 @@ fn listener_ids_are_never_reused_and_removing_twice_or_an_unknown_id_is_an_error
     let unknown = server
         .remove_listener(ListenerId(9_999), Instant::now())
         .expect_err("removing an unknown id should fail");
+    assert!(
+        matches!(
+            unknown,
+            NetError::UnknownListener {
+                listener: ListenerId(9_999)
+            }
+        ),
+        "an unknown id should be UnknownListener naming it: {unknown:?}"
+    );
     insta::assert_snapshot!("remove_unknown_listener", unknown.to_string());
     assert_eq!(server.handle().listener_ids(), vec![ListenerId(0)]);
 }

@@ -4,6 +4,7 @@ use std::io;
 use std::net::SocketAddr;
 
 use crate::close::{CloseReason, OsErrorClass, TimeoutKind};
+use crate::id::ListenerId;
 use crate::limits::ConfigError;
 use crate::output::OutputFull;
 use crate::proxy::ProxyError;
@@ -58,6 +59,14 @@ pub enum NetError {
     /// The server has stopped.
     #[error("the server has stopped; build a new one to serve again")]
     ServerStopped,
+    /// No live listener of this server has this id (it was never added, or was removed already).
+    #[error(
+        "listener {listener} is not live on this server (never added, or already removed); list the live ones with ServerHandle::listener_ids"
+    )]
+    UnknownListener {
+        /// The id asked for.
+        listener: ListenerId,
+    },
     /// An operating-system call failed.
     #[error("{}: {source}", os_advice(*class))]
     Os {
@@ -107,7 +116,7 @@ impl NetError {
                 ErrorClass::Address
             }
             NetError::PermissionDenied { .. } => ErrorClass::Permission,
-            NetError::InvalidConfig(_) => ErrorClass::Config,
+            NetError::InvalidConfig(_) | NetError::UnknownListener { .. } => ErrorClass::Config,
             NetError::Timeout(_) => ErrorClass::Timeout,
             NetError::Closed(_) => ErrorClass::Closed,
             NetError::OutputFull(_) => ErrorClass::Backpressure,
@@ -186,6 +195,7 @@ impl From<NetError> for io::Error {
             NetError::AddressNotAvailable { .. } => io::ErrorKind::AddrNotAvailable,
             NetError::PermissionDenied { .. } => io::ErrorKind::PermissionDenied,
             NetError::InvalidConfig(_) => io::ErrorKind::InvalidInput,
+            NetError::UnknownListener { .. } => io::ErrorKind::NotFound,
             NetError::Timeout(_) => io::ErrorKind::TimedOut,
             NetError::Closed(_) => io::ErrorKind::NotConnected,
             NetError::OutputFull(_) => io::ErrorKind::WouldBlock,

@@ -14,6 +14,7 @@ use net_io_core::close::{
 };
 use net_io_core::completion::PostError;
 use net_io_core::error::NetError;
+use net_io_core::id::ListenerId;
 use net_io_core::limits::ConfigError;
 use net_io_core::output::OutputFull;
 use net_io_core::proxy::ProxyError;
@@ -118,6 +119,9 @@ fn net_error_texts_are_stable() {
         NetError::Proxy(ProxyError::V1TooLong),
         NetError::ShuttingDown,
         NetError::ServerStopped,
+        NetError::UnknownListener {
+            listener: ListenerId(9),
+        },
         NetError::from(io::Error::from_raw_os_error(libc_errno::EMFILE)),
         NetError::from(io::Error::from_raw_os_error(libc_errno::ECONNRESET)),
         NetError::from(io::Error::other("custom failure")),
