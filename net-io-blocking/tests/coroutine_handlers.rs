@@ -14,11 +14,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use common::{Recorder, SOON, client, round_trip};
+use common::echo::{echo, echo_fours};
+use common::gates::CountingGate;
+use common::{Recorder, SOON, child, client, round_trip, test_builder};
 use net_io_blocking::{
-    Admission, CloseReason, ConnectionInfo, Direction, Gate, HandlerDriver, KillHandle, Lane,
-    Limits, ListenerSpec, MinRateRule, NetError, Refusal, RefusalCause, Server, ServerBuilder,
-    TcpConnection, Verdict, WriteFacts,
+    CloseReason, DEFAULT_WORKERS, Direction, HandlerDriver, KillHandle, Limits, ListenerSpec,
+    MinRateRule, NetError, RefusalCause, Server, ServerBuilder, TcpConnection,
 };
 
 static TURN: RwLock<()> = RwLock::new(());
@@ -27,48 +28,41 @@ fn shared_turn() -> std::sync::RwLockReadGuard<'static, ()> {
     TURN.read().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// A server whose handlers run on coroutines over two loops, with the minimum rate off unless `limits` set it.
+/// A server whose handlers run on coroutines over two loops: [`common::test_builder`]'s settings (so the
+/// minimum rate is off) with the default worker count, which only enters the descriptor budget here.
 fn server<H>(limits: Limits, recorder: &Recorder, handler: H) -> Server
 where
     H: Fn(&mut TcpConnection<'_>) -> Result<(), NetError> + Send + Sync + 'static,
 {
-    ServerBuilder::new()
-        .listen("127.0.0.1:0")
+    test_builder(DEFAULT_WORKERS, limits, recorder)
         .handler_driver(HandlerDriver::Coroutines { loops: 2 })
-        .limits(limits.or(Limits::new().min_rate(None)))
-        .events(recorder.clone())
         .handler(handler)
         .allow_all()
         .build()
         .expect("the coroutine handler server did not start")
 }
 
-/// Echoes each read until the peer closes.
-fn echo(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0_u8; 4096];
-    loop {
-        let count = connection.read(&mut buffer)?;
-        if count == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..count])?;
-    }
-}
+/// What a handler's call returned, as its `Debug` text, once [`reporting`] saw it.
+type Outcome = Arc<Mutex<Option<String>>>;
 
-/// Echoes 4-byte requests, reading each one whole.
-fn echo_fours(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    loop {
-        let mut request = [0_u8; 4];
-        let mut got = 0;
-        while got < request.len() {
-            let count = connection.read(&mut request[got..])?;
-            if count == 0 {
-                return Ok(());
-            }
-            got += count;
-        }
-        connection.write_all(&request)?;
-    }
+/// Wraps `handler` so that what it returns is kept, as `Debug` text, in the [`Outcome`] returned with it.
+fn reporting<H>(
+    handler: H,
+) -> (
+    Outcome,
+    impl Fn(&mut TcpConnection<'_>) -> Result<(), NetError> + Send + Sync + 'static,
+)
+where
+    H: Fn(&mut TcpConnection<'_>) -> Result<(), NetError> + Send + Sync + 'static,
+{
+    let seen = Outcome::default();
+    let outcome = Arc::clone(&seen);
+    let wrapped = move |connection: &mut TcpConnection<'_>| {
+        let result = handler(connection);
+        *outcome.lock().unwrap() = Some(format!("{result:?}"));
+        result
+    };
+    (seen, wrapped)
 }
 
 /// The live server threads of this process right now (named `net-io-…`): the test harness starts and ends
@@ -244,49 +238,21 @@ fn a_panicking_handler_closes_only_its_connection() {
     );
 }
 
-/// Admits everything, denies every write with code 42 and records the closes it is told of.
-#[derive(Clone, Default)]
-struct DenyingGate {
-    closed: Arc<Mutex<Vec<CloseReason>>>,
-}
-
-impl Gate for DenyingGate {
-    type Ticket = ();
-
-    fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
-        Ok(Admission {
-            ticket: (),
-            lane: Lane::DEFAULT,
-        })
-    }
-
-    fn check(&self, _ticket: &(), _write: &WriteFacts) -> Verdict {
-        Verdict::Deny(42)
-    }
-
-    fn closed(&self, _ticket: (), _info: &ConnectionInfo, reason: CloseReason) {
-        self.closed.lock().unwrap().push(reason);
-    }
-}
-
 #[test]
 fn a_write_the_gate_denies_fails_in_the_handler_and_closes_once_with_egress_denied() {
     let _turn = shared_turn();
     let recorder = Recorder::default();
-    let gate = DenyingGate::default();
-    let seen: Arc<Mutex<Option<String>>> = Arc::default();
-    let outcome = Arc::clone(&seen);
+    let gate = CountingGate::deny_all(42);
+    let (seen, handler) = reporting(|connection: &mut TcpConnection<'_>| {
+        let mut buffer = [0_u8; 64];
+        let count = connection.read(&mut buffer)?;
+        connection.write_all(&buffer[..count])
+    });
     let server = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .handler_driver(HandlerDriver::Coroutines { loops: 2 })
         .events(recorder.clone())
-        .handler(move |connection: &mut TcpConnection<'_>| {
-            let mut buffer = [0_u8; 64];
-            let count = connection.read(&mut buffer)?;
-            let written = connection.write_all(&buffer[..count]);
-            *outcome.lock().unwrap() = Some(format!("{written:?}"));
-            written
-        })
+        .handler(handler)
         .gate(gate.clone())
         .build()
         .expect("the gated server did not start");
@@ -299,7 +265,7 @@ fn a_write_the_gate_denies_fails_in_the_handler_and_closes_once_with_egress_deni
         "the handler's write_all should report the denial"
     );
     assert_eq!(
-        *gate.closed.lock().unwrap(),
+        gate.closes(),
         vec![CloseReason::EgressDenied(42)],
         "the gate should hear of the one close with the same reason"
     );
@@ -467,16 +433,11 @@ fn a_drain_lets_a_handler_mid_exchange_finish_and_closes_idle_ones() {
 fn an_idle_handler_connection_closes_at_the_idle_deadline() {
     let _turn = shared_turn();
     let recorder = Recorder::default();
-    let seen: Arc<Mutex<Option<String>>> = Arc::default();
-    let errors = Arc::clone(&seen);
+    let (seen, handler) = reporting(echo_fours);
     let server = server(
         Limits::new().idle_timeout(Duration::from_millis(200)),
         &recorder,
-        move |connection: &mut TcpConnection<'_>| {
-            let result = echo_fours(connection);
-            *errors.lock().unwrap() = Some(format!("{result:?}"));
-            result
-        },
+        handler,
     );
     let mut stream = client(server.local_addr());
     assert_eq!(round_trip(&mut stream, b"ping"), b"ping");
@@ -669,7 +630,7 @@ fn deep(depth: usize) -> u64 {
 #[test]
 fn a_handler_that_overflows_its_coroutine_stack_kills_the_process_at_the_guard_page() {
     use std::os::unix::process::ExitStatusExt;
-    if std::env::var_os(OVERFLOW_CHILD).is_some() {
+    if child::is_child(OVERFLOW_CHILD) {
         // The child: a handler that needs about 10 MB of stack on a 64 KiB coroutine stack.
         let server = ServerBuilder::new()
             .listen("127.0.0.1:0")
@@ -693,16 +654,12 @@ fn a_handler_that_overflows_its_coroutine_stack_kills_the_process_at_the_guard_p
         return;
     }
     let _turn = shared_turn();
-    let output =
-        std::process::Command::new(std::env::current_exe().expect("no path to this test binary"))
-            .args([
-                "a_handler_that_overflows_its_coroutine_stack_kills_the_process_at_the_guard_page",
-                "--exact",
-                "--test-threads=1",
-            ])
-            .env(OVERFLOW_CHILD, "1")
-            .output()
-            .expect("could not run the child");
+    let output = child::rerun(
+        "a_handler_that_overflows_its_coroutine_stack_kills_the_process_at_the_guard_page",
+        OVERFLOW_CHILD,
+    )
+    .output()
+    .expect("could not run the child");
     assert_eq!(
         output.status.signal(),
         Some(libc::SIGSEGV),
@@ -930,17 +887,14 @@ fn a_handler_reads_what_came_before_the_fin_then_end_of_stream_and_may_still_rep
 fn an_exchange_deadline_already_past_fails_the_next_read_at_once() {
     let _turn = shared_turn();
     let recorder = Recorder::default();
-    let seen: Arc<Mutex<Option<String>>> = Arc::default();
-    let outcome = Arc::clone(&seen);
+    let (seen, handler) = reporting(|connection: &mut TcpConnection<'_>| {
+        connection.set_exchange_deadline(Some(Instant::now() - Duration::from_secs(1)));
+        connection.read(&mut [0_u8; 4]).map(|_| ())
+    });
     let server = server(
         Limits::new().idle_timeout(Duration::from_secs(60)),
         &recorder,
-        move |connection: &mut TcpConnection<'_>| {
-            connection.set_exchange_deadline(Some(Instant::now() - Duration::from_secs(1)));
-            let result = connection.read(&mut [0_u8; 4]);
-            *outcome.lock().unwrap() = Some(format!("{result:?}"));
-            result.map(|_| ())
-        },
+        handler,
     );
     let started = Instant::now();
     let _stream = client(server.local_addr());
@@ -992,7 +946,7 @@ fn a_handler_stack_too_small_for_the_driver_or_too_large_to_map_fails_at_build_n
 #[test]
 fn the_smallest_handler_stack_size_serves_and_survives_a_panic_with_a_backtrace() {
     use std::os::unix::process::ExitStatusExt;
-    if std::env::var_os(SMALL_STACK_CHILD).is_some() {
+    if child::is_child(SMALL_STACK_CHILD) {
         let server = ServerBuilder::new()
             .listen("127.0.0.1:0")
             .handler_driver(HandlerDriver::Coroutines { loops: 1 })
@@ -1022,17 +976,13 @@ fn the_smallest_handler_stack_size_serves_and_survives_a_panic_with_a_backtrace(
         return;
     }
     let _turn = shared_turn();
-    let output =
-        std::process::Command::new(std::env::current_exe().expect("no path to this test binary"))
-            .args([
-                "the_smallest_handler_stack_size_serves_and_survives_a_panic_with_a_backtrace",
-                "--exact",
-                "--test-threads=1",
-            ])
-            .env(SMALL_STACK_CHILD, "1")
-            .env("RUST_BACKTRACE", "full")
-            .output()
-            .expect("could not run the child");
+    let output = child::rerun(
+        "the_smallest_handler_stack_size_serves_and_survives_a_panic_with_a_backtrace",
+        SMALL_STACK_CHILD,
+    )
+    .env("RUST_BACKTRACE", "full")
+    .output()
+    .expect("could not run the child");
     assert!(
         output.status.success(),
         "a server on the smallest handler stack should serve and contain a panic, not end the process: \
@@ -1047,7 +997,7 @@ const MAP_LIMIT_CHILD: &str = "NET_IO_TEST_COROUTINE_MAP_LIMIT_CHILD";
 
 #[test]
 fn at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on() {
-    if std::env::var_os(MAP_LIMIT_CHILD).is_some() {
+    if child::is_child(MAP_LIMIT_CHILD) {
         use net_io_sys::coroutine::{Coroutine, STACK_POOL_MAX};
         let recorder = Recorder::default();
         let server = ServerBuilder::new()
@@ -1119,17 +1069,12 @@ fn at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on
         return;
     }
     let _turn = shared_turn();
-    let output =
-        std::process::Command::new(std::env::current_exe().expect("no path to this test binary"))
-            .args([
-                "at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on",
-                "--exact",
-                "--test-threads=1",
-                "--nocapture",
-            ])
-            .env(MAP_LIMIT_CHILD, "1")
-            .output()
-            .expect("could not run the child");
+    let output = child::rerun(
+        "at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on",
+        MAP_LIMIT_CHILD,
+    )
+    .output()
+    .expect("could not run the child");
     println!("{}", String::from_utf8_lossy(&output.stdout));
     println!("{}", String::from_utf8_lossy(&output.stderr));
     assert!(
