@@ -28,18 +28,21 @@ fn shared_turn() -> std::sync::RwLockReadGuard<'static, ()> {
     TURN.read().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// A server whose handlers run on coroutines over two loops: [`common::test_builder`]'s settings (so the
-/// minimum rate is off) with the default worker count, which only enters the descriptor budget here.
-fn server<H>(limits: Limits, recorder: &Recorder, handler: H) -> Server
+/// A server whose handlers run on coroutines over two loops, with the recorder of its events:
+/// [`common::test_builder`]'s settings (so the minimum rate is off) with the default worker count, which
+/// only enters the descriptor budget here.
+fn serve<H>(limits: Limits, handler: H) -> (Recorder, Server)
 where
     H: Fn(&mut TcpConnection<'_>) -> Result<(), NetError> + Send + Sync + 'static,
 {
-    test_builder(DEFAULT_WORKERS, limits, recorder)
+    let recorder = Recorder::default();
+    let server = test_builder(DEFAULT_WORKERS, limits, &recorder)
         .handler_driver(HandlerDriver::Coroutines { loops: 2 })
         .handler(handler)
         .allow_all()
         .build()
-        .expect("the coroutine handler server did not start")
+        .expect("the coroutine handler server did not start");
+    (recorder, server)
 }
 
 /// What a handler's call returned, as its `Debug` text, once [`reporting`] saw it.
@@ -122,13 +125,11 @@ fn two_thousand_idle_handler_connections_hold_no_extra_threads() {
         })
         .expect("could not raise RLIMIT_NOFILE");
     }
-    let recorder = Recorder::default();
-    let server = server(
+    let (recorder, server) = serve(
         Limits::new()
             .max_connections(CONNECTIONS + 16)
             .max_per_source(CONNECTIONS + 16)
             .idle_timeout(Duration::from_secs(120)),
-        &recorder,
         echo,
     );
     let address = server.local_addr();
@@ -200,24 +201,19 @@ fn two_thousand_idle_handler_connections_hold_no_extra_threads() {
 #[test]
 fn a_panicking_handler_closes_only_its_connection() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let server = server(
-        Limits::new(),
-        &recorder,
-        |connection: &mut TcpConnection<'_>| {
-            let mut buffer = [0_u8; 64];
-            loop {
-                let count = connection.read(&mut buffer)?;
-                if count == 0 {
-                    return Ok(());
-                }
-                if &buffer[..count] == b"boom" {
-                    panic!("the handler was told to panic");
-                }
-                connection.write_all(&buffer[..count])?;
+    let (recorder, server) = serve(Limits::new(), |connection: &mut TcpConnection<'_>| {
+        let mut buffer = [0_u8; 64];
+        loop {
+            let count = connection.read(&mut buffer)?;
+            if count == 0 {
+                return Ok(());
             }
-        },
-    );
+            if &buffer[..count] == b"boom" {
+                panic!("the handler was told to panic");
+            }
+            connection.write_all(&buffer[..count])?;
+        }
+    });
     let mut calm = client(server.local_addr());
     let mut doomed = client(server.local_addr());
     assert_eq!(round_trip(&mut calm, b"one"), b"one");
@@ -293,22 +289,17 @@ impl Drop for Farewell<'_, '_> {
 #[test]
 fn a_destructor_that_writes_while_a_handler_unwinds_gets_an_error_instead_of_suspending() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
     let seen: Arc<Mutex<Option<String>>> = Arc::default();
     let outcome = Arc::clone(&seen);
-    let server = server(
-        Limits::new(),
-        &recorder,
-        move |connection: &mut TcpConnection<'_>| {
-            let farewell = Farewell {
-                connection,
-                outcome: Arc::clone(&outcome),
-            };
-            let mut buffer = [0_u8; 8];
-            let _ = farewell.connection.read(&mut buffer)?;
-            panic!("the handler fails after its first read");
-        },
-    );
+    let (recorder, server) = serve(Limits::new(), move |connection: &mut TcpConnection<'_>| {
+        let farewell = Farewell {
+            connection,
+            outcome: Arc::clone(&outcome),
+        };
+        let mut buffer = [0_u8; 8];
+        let _ = farewell.connection.read(&mut buffer)?;
+        panic!("the handler fails after its first read");
+    });
     let mut stream = client(server.local_addr());
     stream.write_all(b"go").unwrap();
     assert_eq!(recorder.single_close(SOON), CloseReason::SessionPanicked);
@@ -328,15 +319,13 @@ fn a_destructor_that_writes_while_a_handler_unwinds_gets_an_error_instead_of_sus
 #[test]
 fn a_kill_while_the_handler_waits_in_read_closes_once_with_killed_and_runs_its_destructors() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
     let drops = Arc::new(AtomicUsize::new(0));
     let seen: Arc<Mutex<Vec<String>>> = Arc::default();
     let (handles, handle_receiver) = std::sync::mpsc::channel::<KillHandle>();
     let handles = Mutex::new(handles);
     let (counter, errors) = (Arc::clone(&drops), Arc::clone(&seen));
-    let server = server(
+    let (recorder, server) = serve(
         Limits::new().idle_timeout(Duration::from_secs(60)),
-        &recorder,
         move |connection: &mut TcpConnection<'_>| {
             let _guard = DropCounter(Arc::clone(&counter));
             handles
@@ -386,10 +375,8 @@ fn a_kill_while_the_handler_waits_in_read_closes_once_with_killed_and_runs_its_d
 #[test]
 fn a_drain_lets_a_handler_mid_exchange_finish_and_closes_idle_ones() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let server = server(
+    let (recorder, server) = serve(
         Limits::new().idle_timeout(Duration::from_secs(60)),
-        &recorder,
         echo_fours,
     );
     let mut idle = client(server.local_addr());
@@ -432,11 +419,9 @@ fn a_drain_lets_a_handler_mid_exchange_finish_and_closes_idle_ones() {
 #[test]
 fn an_idle_handler_connection_closes_at_the_idle_deadline() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
     let (seen, handler) = reporting(echo_fours);
-    let server = server(
+    let (recorder, server) = serve(
         Limits::new().idle_timeout(Duration::from_millis(200)),
-        &recorder,
         handler,
     );
     let mut stream = client(server.local_addr());
@@ -452,12 +437,10 @@ fn an_idle_handler_connection_closes_at_the_idle_deadline() {
 #[test]
 fn a_request_that_stops_halfway_closes_at_the_read_deadline() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let server = server(
+    let (recorder, server) = serve(
         Limits::new()
             .idle_timeout(Duration::from_secs(60))
             .read_timeout(Duration::from_millis(200)),
-        &recorder,
         echo_fours,
     );
     let mut stream = client(server.local_addr());
@@ -473,10 +456,8 @@ fn a_request_that_stops_halfway_closes_at_the_read_deadline() {
 #[test]
 fn a_handler_exchange_deadline_closes_with_exchange_deadline() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let server = server(
+    let (recorder, server) = serve(
         Limits::new().idle_timeout(Duration::from_secs(60)),
-        &recorder,
         |connection: &mut TcpConnection<'_>| {
             connection.set_exchange_deadline(Some(Instant::now() + Duration::from_millis(200)));
             echo_fours(connection)
@@ -489,10 +470,8 @@ fn a_handler_exchange_deadline_closes_with_exchange_deadline() {
 #[test]
 fn a_handler_idle_timeout_set_on_its_connection_applies() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let server = server(
+    let (recorder, server) = serve(
         Limits::new().idle_timeout(Duration::from_secs(60)),
-        &recorder,
         |connection: &mut TcpConnection<'_>| {
             connection.set_idle_timeout(Duration::from_millis(200));
             echo_fours(connection)
@@ -847,30 +826,25 @@ fn a_shutdown_with_handlers_in_every_state_closes_each_once_and_runs_every_destr
 #[test]
 fn a_handler_reads_what_came_before_the_fin_then_end_of_stream_and_may_still_reply() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let server = server(
-        Limits::new(),
-        &recorder,
-        |connection: &mut TcpConnection<'_>| {
-            let mut received = Vec::new();
-            let mut buffer = [0_u8; 3];
-            loop {
-                let count = connection.read(&mut buffer)?;
-                if count == 0 {
-                    break;
-                }
-                received.extend_from_slice(&buffer[..count]);
+    let (recorder, server) = serve(Limits::new(), |connection: &mut TcpConnection<'_>| {
+        let mut received = Vec::new();
+        let mut buffer = [0_u8; 3];
+        loop {
+            let count = connection.read(&mut buffer)?;
+            if count == 0 {
+                break;
             }
-            // Reads after the end of stream keep answering 0 at once.
-            assert_eq!(connection.read(&mut buffer)?, 0);
-            assert_eq!(std::io::Read::read(connection, &mut buffer).unwrap(), 0);
-            received.reverse();
-            connection.write_all(&received)?;
-            std::io::Write::write_all(connection, b"!")?;
-            std::io::Write::flush(connection)?;
-            Ok(())
-        },
-    );
+            received.extend_from_slice(&buffer[..count]);
+        }
+        // Reads after the end of stream keep answering 0 at once.
+        assert_eq!(connection.read(&mut buffer)?, 0);
+        assert_eq!(std::io::Read::read(connection, &mut buffer).unwrap(), 0);
+        received.reverse();
+        connection.write_all(&received)?;
+        std::io::Write::write_all(connection, b"!")?;
+        std::io::Write::flush(connection)?;
+        Ok(())
+    });
     let mut stream = client(server.local_addr());
     stream.write_all(b"abcdefghij").unwrap();
     stream.shutdown(std::net::Shutdown::Write).unwrap();
@@ -886,16 +860,11 @@ fn a_handler_reads_what_came_before_the_fin_then_end_of_stream_and_may_still_rep
 #[test]
 fn an_exchange_deadline_already_past_fails_the_next_read_at_once() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
     let (seen, handler) = reporting(|connection: &mut TcpConnection<'_>| {
         connection.set_exchange_deadline(Some(Instant::now() - Duration::from_secs(1)));
         connection.read(&mut [0_u8; 4]).map(|_| ())
     });
-    let server = server(
-        Limits::new().idle_timeout(Duration::from_secs(60)),
-        &recorder,
-        handler,
-    );
+    let (recorder, server) = serve(Limits::new().idle_timeout(Duration::from_secs(60)), handler);
     let started = Instant::now();
     let _stream = client(server.local_addr());
     assert_eq!(recorder.single_close(SOON), CloseReason::ExchangeDeadline);
@@ -1156,12 +1125,7 @@ fn stacks_kept_for_reuse_after_deep_handlers_hold_few_resident_pages() {
 #[test]
 fn the_global_cap_refuses_on_coroutines_and_no_connection_is_ever_busy() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let server = server(
-        Limits::new().max_connections(2).max_per_source(2),
-        &recorder,
-        echo,
-    );
+    let (_recorder, server) = serve(Limits::new().max_connections(2).max_per_source(2), echo);
     let address = server.local_addr();
     let mut first = client(address);
     let mut second = client(address);
@@ -1196,12 +1160,10 @@ fn the_global_cap_refuses_on_coroutines_and_no_connection_is_ever_busy() {
 #[test]
 fn a_handler_that_panics_after_its_connection_was_killed_is_reported_as_a_panic() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
     let (handles, handle_receiver) = std::sync::mpsc::channel::<KillHandle>();
     let handles = Mutex::new(handles);
-    let server = server(
+    let (recorder, server) = serve(
         Limits::new().idle_timeout(Duration::from_secs(60)),
-        &recorder,
         move |connection: &mut TcpConnection<'_>| {
             handles
                 .lock()
