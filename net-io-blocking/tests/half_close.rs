@@ -10,10 +10,11 @@ use std::net::{Shutdown, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{Recorder, SOON, client, eventually};
+use common::{Recorder, SOON, client, eventually, test_builder};
 use net_io_blocking::{
-    CloseReason, ConnectionInfo, HandlerDriver, Input, Limits, ListenerSpec, NetError, Server,
-    ServerBuilder, Session, SessionContext, SessionDriver, Step, TcpConnection, TimeoutKind,
+    CloseReason, ConnectionInfo, DEFAULT_WORKERS, HandlerDriver, Input, Limits, ListenerSpec,
+    NetError, Server, ServerBuilder, Session, SessionContext, SessionDriver, Step, TcpConnection,
+    TimeoutKind,
 };
 
 /// The reply sent before the FIN: larger than one loopback segment, within the default output budget.
@@ -55,6 +56,12 @@ struct Seen {
 impl Seen {
     fn after(&self) -> Vec<u8> {
         self.after.lock().unwrap().clone()
+    }
+
+    /// Keeps what a handler's call after the half close returned (see [`describe`]) and passes it on.
+    fn report(&self, result: Result<usize, NetError>) -> Result<(), NetError> {
+        *self.outcome.lock().unwrap() = Some(describe(&result));
+        result.map(|_| ())
     }
 }
 
@@ -117,23 +124,22 @@ fn builder(send_buffer: Option<usize>) -> ServerBuilder {
     ServerBuilder::new().listener(spec)
 }
 
+/// A sessions server on `driver` from [`common::test_builder`] (default worker count, minimum rate off).
 fn session_server<S: Session>(
     driver: SessionDriver,
     limits: Limits,
     recorder: &Recorder,
     make: impl Fn() -> S + Send + Sync + 'static,
 ) -> Server {
-    ServerBuilder::new()
-        .listen("127.0.0.1:0")
+    test_builder(DEFAULT_WORKERS, limits, recorder)
         .session_driver(driver)
-        .limits(limits)
-        .events(recorder.clone())
         .sessions(move |_: &ConnectionInfo| Some(make()))
         .allow_all()
         .build()
         .expect("the session server should start")
 }
 
+/// A handler server on `driver` from [`common::test_builder`] (default worker count, minimum rate off).
 fn handler_server<H>(
     driver: HandlerDriver,
     limits: Limits,
@@ -143,11 +149,8 @@ fn handler_server<H>(
 where
     H: Fn(&mut TcpConnection<'_>) -> Result<(), NetError> + Send + Sync + 'static,
 {
-    ServerBuilder::new()
-        .listen("127.0.0.1:0")
+    test_builder(DEFAULT_WORKERS, limits, recorder)
         .handler_driver(driver)
-        .limits(limits)
-        .events(recorder.clone())
         .handler(handler)
         .allow_all()
         .build()
@@ -189,6 +192,46 @@ fn ask_read_all_then_write(
         .write_all(later)
         .unwrap_or_else(|error| panic!("{driver}: writing after the server's FIN failed: {error}"));
     stream.shutdown(Shutdown::Write).unwrap();
+}
+
+/// The main case's checks on one server: the client asks for the reply (`reply_bytes` after `pause`), reads
+/// it and the FIN and writes more; the close is PeerClosed and the later bytes reach the server side.
+/// `(fin_of, side)` name the one that sent the FIN and the one that should read on, in the messages.
+fn expect_reply_then_listen(
+    server: &Server,
+    recorder: &Recorder,
+    seen: &Seen,
+    (reply_bytes, pause): (usize, Duration),
+    name: &str,
+    (fin_of, side): (&str, &str),
+) {
+    let later = b"still listening?\nyes\n";
+    ask_read_all_then_write(server, reply_bytes, pause, later, name);
+    assert_eq!(
+        recorder.single_close(SOON),
+        CloseReason::PeerClosed,
+        "{name}: a half close followed by the peer's FIN should close gracefully as PeerClosed"
+    );
+    assert_eq!(
+        seen.after(),
+        later,
+        "{name}: the bytes the client sent after the {fin_of} FIN should reach {side}"
+    );
+}
+
+/// Kills the one connection `recorder` saw admitted to `server` (already half closed) and checks that the
+/// kill wins and the close is `Killed(7)`; `side` names the session or handler in the message.
+fn kill_the_half_closed(server: &Server, recorder: &Recorder, name: &str, side: &str) {
+    let id = *recorder.admitted().last().expect("an admitted id");
+    assert!(
+        server.handle().kill(id, 7),
+        "{name}: the kill of a half-closed connection should win"
+    );
+    assert_eq!(
+        recorder.single_close(SOON),
+        CloseReason::Killed(7),
+        "{name}: a killed half-closed {side} closes with the kill"
+    );
 }
 
 // ----- sessions -----
@@ -233,17 +276,13 @@ fn session_reply_then_listen(
             .allow_all()
             .build()
             .expect("the session server should start");
-        let later = b"still listening?\nyes\n";
-        ask_read_all_then_write(&server, reply_bytes, pause, later, &name);
-        assert_eq!(
-            recorder.single_close(SOON),
-            CloseReason::PeerClosed,
-            "{name}: a half close followed by the peer's FIN should close gracefully as PeerClosed"
-        );
-        assert_eq!(
-            seen.after(),
-            later,
-            "{name}: the bytes the client sent after the server's FIN should reach the session"
+        expect_reply_then_listen(
+            &server,
+            &recorder,
+            &seen,
+            (reply_bytes, pause),
+            &name,
+            ("server's", "the session"),
         );
     }
 }
@@ -294,16 +333,7 @@ fn a_kill_while_a_session_is_half_closed_closes_it_with_the_kill() {
             read_to_eof(&mut stream, &name).is_empty(),
             "{name}: the half close should reach the client"
         );
-        let id = *recorder.admitted().last().expect("an admitted id");
-        assert!(
-            server.handle().kill(id, 7),
-            "{name}: the kill of a half-closed connection should win"
-        );
-        assert_eq!(
-            recorder.single_close(SOON),
-            CloseReason::Killed(7),
-            "{name}: a killed half-closed session closes with the kill"
-        );
+        kill_the_half_closed(&server, &recorder, &name, "session");
     }
 }
 
@@ -412,17 +442,13 @@ fn handler_reply_then_listen(
             .allow_all()
             .build()
             .expect("the handler server should start");
-        let later = b"still listening?\nyes\n";
-        ask_read_all_then_write(&server, reply_bytes, pause, later, &name);
-        assert_eq!(
-            recorder.single_close(SOON),
-            CloseReason::PeerClosed,
-            "{name}: a half close followed by the peer's FIN should close gracefully as PeerClosed"
-        );
-        assert_eq!(
-            seen.after(),
-            later,
-            "{name}: the bytes the client sent after the handler's FIN should reach the handler"
+        expect_reply_then_listen(
+            &server,
+            &recorder,
+            &seen,
+            (reply_bytes, pause),
+            &name,
+            ("handler's", "the handler"),
         );
     }
 }
@@ -442,9 +468,7 @@ fn the_idle_deadline_still_applies_to_a_half_closed_handler() {
             move |connection| {
                 connection.shutdown_write()?;
                 let mut buffer = [0u8; 64];
-                let read = connection.read(&mut buffer);
-                *shared.outcome.lock().unwrap() = Some(describe(&read));
-                read.map(|_| ())
+                shared.report(connection.read(&mut buffer))
             },
         );
         let started = Instant::now();
@@ -480,25 +504,14 @@ fn a_kill_while_a_handler_is_half_closed_ends_its_read_with_the_kill() {
         let server = handler_server(driver, Limits::new(), &recorder, move |connection| {
             connection.shutdown_write()?;
             let mut buffer = [0u8; 64];
-            let read = connection.read(&mut buffer);
-            *shared.outcome.lock().unwrap() = Some(describe(&read));
-            read.map(|_| ())
+            shared.report(connection.read(&mut buffer))
         });
         let mut stream = client(server.local_addr());
         assert!(
             read_to_eof(&mut stream, &name).is_empty(),
             "{name}: the handler's half close should reach the client"
         );
-        let id = *recorder.admitted().last().expect("an admitted id");
-        assert!(
-            server.handle().kill(id, 7),
-            "{name}: the kill of a half-closed connection should win"
-        );
-        assert_eq!(
-            recorder.single_close(SOON),
-            CloseReason::Killed(7),
-            "{name}: a killed half-closed handler closes with the kill"
-        );
+        kill_the_half_closed(&server, &recorder, &name, "handler");
         assert!(
             eventually(SOON, || seen.outcome.lock().unwrap().is_some()),
             "{name}: the handler's read did not return after the kill"
@@ -523,9 +536,7 @@ fn a_handler_write_after_its_half_close_fails_with_session_error() {
             connection.shutdown_write()?;
             // A second call changes nothing.
             connection.shutdown_write()?;
-            let written = connection.write_all(b"after\n").map(|()| 0);
-            *shared.outcome.lock().unwrap() = Some(describe(&written));
-            written.map(|_| ())
+            shared.report(connection.write_all(b"after\n").map(|()| 0))
         });
         let mut stream = client(server.local_addr());
         assert_eq!(
