@@ -234,6 +234,22 @@ fn kill_the_half_closed(server: &Server, recorder: &Recorder, name: &str, side: 
     );
 }
 
+/// Runs `case` on each of `drivers` in turn, with the driver's name (for the messages), a fresh recorder and
+/// a fresh [`Seen`].
+fn on_each_driver<D: std::fmt::Debug + Copy>(
+    drivers: [D; 2],
+    case: impl Fn(D, String, Recorder, Seen),
+) {
+    for driver in drivers {
+        case(
+            driver,
+            format!("{driver:?}"),
+            Recorder::default(),
+            Seen::default(),
+        );
+    }
+}
+
 // ----- sessions -----
 
 #[test]
@@ -257,10 +273,7 @@ fn session_reply_then_listen(
     send_buffer: Option<usize>,
     pause: Duration,
 ) {
-    for driver in SESSION_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
-        let seen = Seen::default();
+    on_each_driver(SESSION_DRIVERS, |driver, name, recorder, seen| {
         let shared = seen.clone();
         let server = builder(send_buffer)
             .session_driver(driver)
@@ -284,15 +297,12 @@ fn session_reply_then_listen(
             &name,
             ("server's", "the session"),
         );
-    }
+    });
 }
 
 #[test]
 fn the_idle_deadline_still_applies_to_a_half_closed_session() {
-    for driver in SESSION_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
-        let seen = Seen::default();
+    on_each_driver(SESSION_DRIVERS, |driver, name, recorder, seen| {
         let idle = Duration::from_millis(300);
         let server = session_server(
             driver,
@@ -316,15 +326,12 @@ fn the_idle_deadline_still_applies_to_a_half_closed_session() {
             started.elapsed() >= idle,
             "{name}: the idle close came before the idle timeout"
         );
-    }
+    });
 }
 
 #[test]
 fn a_kill_while_a_session_is_half_closed_closes_it_with_the_kill() {
-    for driver in SESSION_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
-        let seen = Seen::default();
+    on_each_driver(SESSION_DRIVERS, |driver, name, recorder, seen| {
         let server = session_server(driver, Limits::new(), &recorder, move || ShutAtOpen {
             seen: seen.clone(),
         });
@@ -334,15 +341,12 @@ fn a_kill_while_a_session_is_half_closed_closes_it_with_the_kill() {
             "{name}: the half close should reach the client"
         );
         kill_the_half_closed(&server, &recorder, &name, "session");
-    }
+    });
 }
 
 #[test]
 fn a_write_queued_after_a_session_half_closed_closes_it_with_session_error() {
-    for driver in SESSION_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
-        let seen = Seen::default();
+    on_each_driver(SESSION_DRIVERS, |driver, name, recorder, seen| {
         let shared = seen.clone();
         let server = session_server(driver, Limits::new(), &recorder, move || ShutAtOpen {
             seen: shared.clone(),
@@ -363,7 +367,7 @@ fn a_write_queued_after_a_session_half_closed_closes_it_with_session_error() {
             Some(true),
             "{name}: the context should say the write side is shut once the FIN went out"
         );
-    }
+    });
 }
 
 // ----- handlers -----
@@ -427,10 +431,7 @@ fn handler_reply_then_listen(
     send_buffer: Option<usize>,
     pause: Duration,
 ) {
-    for driver in HANDLER_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
-        let seen = Seen::default();
+    on_each_driver(HANDLER_DRIVERS, |driver, name, recorder, seen| {
         let shared = seen.clone();
         let server = builder(send_buffer)
             .handler_driver(driver)
@@ -450,15 +451,12 @@ fn handler_reply_then_listen(
             &name,
             ("handler's", "the handler"),
         );
-    }
+    });
 }
 
 #[test]
 fn the_idle_deadline_still_applies_to_a_half_closed_handler() {
-    for driver in HANDLER_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
-        let seen = Seen::default();
+    on_each_driver(HANDLER_DRIVERS, |driver, name, recorder, seen| {
         let shared = seen.clone();
         let idle = Duration::from_millis(300);
         let server = handler_server(
@@ -491,15 +489,12 @@ fn the_idle_deadline_still_applies_to_a_half_closed_handler() {
             Some("Timeout(Idle)"),
             "{name}: the handler's read should report the idle deadline"
         );
-    }
+    });
 }
 
 #[test]
 fn a_kill_while_a_handler_is_half_closed_ends_its_read_with_the_kill() {
-    for driver in HANDLER_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
-        let seen = Seen::default();
+    on_each_driver(HANDLER_DRIVERS, |driver, name, recorder, seen| {
         let shared = seen.clone();
         let server = handler_server(driver, Limits::new(), &recorder, move |connection| {
             connection.shutdown_write()?;
@@ -521,15 +516,12 @@ fn a_kill_while_a_handler_is_half_closed_ends_its_read_with_the_kill() {
             Some("Closed(Killed(7))"),
             "{name}: the handler's waiting read should end with the kill"
         );
-    }
+    });
 }
 
 #[test]
 fn a_handler_write_after_its_half_close_fails_with_session_error() {
-    for driver in HANDLER_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
-        let seen = Seen::default();
+    on_each_driver(HANDLER_DRIVERS, |driver, name, recorder, seen| {
         let shared = seen.clone();
         let server = handler_server(driver, Limits::new(), &recorder, move |connection| {
             connection.write_all(b"before\n")?;
@@ -554,7 +546,7 @@ fn a_handler_write_after_its_half_close_fails_with_session_error() {
             Some("Closed(SessionError)"),
             "{name}: the write after the half close should fail"
         );
-    }
+    });
 }
 
 // ----- deadlines and drain while half closed -----
@@ -578,9 +570,7 @@ impl Session for ShutThenWaitForLine {
 
 #[test]
 fn the_read_deadline_still_applies_to_a_half_closed_session_once_a_request_started() {
-    for driver in SESSION_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
+    on_each_driver(SESSION_DRIVERS, |driver, name, recorder, _seen| {
         let read = Duration::from_millis(300);
         let server = session_server(
             driver,
@@ -606,7 +596,7 @@ fn the_read_deadline_still_applies_to_a_half_closed_session_once_a_request_start
             started.elapsed() >= read,
             "{name}: the read-deadline close came before the read timeout"
         );
-    }
+    });
 }
 
 #[test]
