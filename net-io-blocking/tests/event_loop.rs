@@ -74,6 +74,28 @@ fn server(
     (server, completers)
 }
 
+/// A [`ParkOrEcho`] server on two loops (idle timeout 60 s, the default minimum rate) that tells `place`
+/// each new connection's id and the loop it went to (`u32::MAX` if none was named).
+fn placing_server(
+    recorder: &Recorder,
+    place: impl Fn(ConnectionId, u32) + Send + Sync + 'static,
+) -> Server {
+    ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 2 })
+        .limits(Limits::new().idle_timeout(Duration::from_secs(60)))
+        .events(recorder.clone())
+        .sessions(move |info: &ConnectionInfo| {
+            place(info.id, info.worker.map_or(u32::MAX, |worker| worker.0));
+            Some(ParkOrEcho {
+                completers: Arc::default(),
+            })
+        })
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start")
+}
+
 /// Thread counts are process-wide, so the tests take turns.
 static TURN: Mutex<()> = Mutex::new(());
 
@@ -480,23 +502,11 @@ fn a_new_connection_goes_to_the_loop_with_the_fewest_connections() {
     let recorder = Recorder::default();
     let loops_seen: Arc<Mutex<Vec<(ConnectionId, u32)>>> = Arc::default();
     let seen = Arc::clone(&loops_seen);
-    let server = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .session_driver(SessionDriver::EventLoop { loops: 2 })
-        .limits(Limits::new().idle_timeout(Duration::from_secs(60)))
-        .events(recorder.clone())
-        .sessions(move |info: &ConnectionInfo| {
-            let worker = info.worker.map_or(u32::MAX, |worker| worker.0);
-            seen.lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .push((info.id, worker));
-            Some(ParkOrEcho {
-                completers: Arc::default(),
-            })
-        })
-        .allow_all()
-        .build()
-        .expect("the event-loop server should start");
+    let server = placing_server(&recorder, move |id, worker| {
+        seen.lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push((id, worker));
+    });
     let loop_of = |stream_index: usize| {
         let seen = loops_seen
             .lock()
@@ -1473,23 +1483,11 @@ fn a_new_connection_prefers_a_loop_that_is_not_in_a_solo_read_among_loops_holdin
     let recorder = Recorder::default();
     let loops_seen: Arc<Mutex<HashMap<ConnectionId, u32>>> = Arc::default();
     let seen = Arc::clone(&loops_seen);
-    let server = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .session_driver(SessionDriver::EventLoop { loops: 2 })
-        .limits(Limits::new().idle_timeout(Duration::from_secs(60)))
-        .events(recorder.clone())
-        .sessions(move |info: &ConnectionInfo| {
-            let worker = info.worker.map_or(u32::MAX, |worker| worker.0);
-            seen.lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .insert(info.id, worker);
-            Some(ParkOrEcho {
-                completers: Arc::default(),
-            })
-        })
-        .allow_all()
-        .build()
-        .expect("the event-loop server should start");
+    let server = placing_server(&recorder, move |id, worker| {
+        seen.lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(id, worker);
+    });
     let loop_of = |id: ConnectionId| {
         loops_seen
             .lock()

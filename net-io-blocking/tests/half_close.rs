@@ -234,6 +234,34 @@ fn kill_the_half_closed(server: &Server, recorder: &Recorder, name: &str, side: 
     );
 }
 
+/// Connects to `server` and expects its FIN with nothing before it (`fin_expected` says why, in the message),
+/// then a close at the idle deadline `idle`, not before it; `(name, side)` name the driver and the session or
+/// handler in the messages.
+fn expect_fin_then_idle_close(
+    server: &Server,
+    recorder: &Recorder,
+    (name, side): (&str, &str),
+    idle: Duration,
+    fin_expected: &str,
+) {
+    let started = Instant::now();
+    let mut stream = client(server.local_addr());
+    assert!(
+        read_to_eof(&mut stream, name).is_empty(),
+        "{name}: {fin_expected}"
+    );
+    assert_eq!(
+        recorder.single_close(SOON),
+        CloseReason::Idle,
+        "{name}: a half-closed {side} that hears nothing should close at the idle deadline"
+    );
+    // Generous: the deadline must not be skipped (the lower bound) nor lost (SOON caps the wait).
+    assert!(
+        started.elapsed() >= idle,
+        "{name}: the idle close came before the idle timeout"
+    );
+}
+
 /// Runs `case` on each of `drivers` in turn, with the driver's name (for the messages), a fresh recorder and
 /// a fresh [`Seen`].
 fn on_each_driver<D: std::fmt::Debug + Copy>(
@@ -310,21 +338,12 @@ fn the_idle_deadline_still_applies_to_a_half_closed_session() {
             &recorder,
             move || ShutAtOpen { seen: seen.clone() },
         );
-        let started = Instant::now();
-        let mut stream = client(server.local_addr());
-        assert!(
-            read_to_eof(&mut stream, &name).is_empty(),
-            "{name}: a session that half closes at once sends nothing before its FIN"
-        );
-        assert_eq!(
-            recorder.single_close(SOON),
-            CloseReason::Idle,
-            "{name}: a half-closed session that hears nothing should close at the idle deadline"
-        );
-        // Generous: the deadline must not be skipped (the lower bound) nor lost (SOON caps the wait).
-        assert!(
-            started.elapsed() >= idle,
-            "{name}: the idle close came before the idle timeout"
+        expect_fin_then_idle_close(
+            &server,
+            &recorder,
+            (&name, "session"),
+            idle,
+            "a session that half closes at once sends nothing before its FIN",
         );
     });
 }
@@ -469,20 +488,12 @@ fn the_idle_deadline_still_applies_to_a_half_closed_handler() {
                 shared.report(connection.read(&mut buffer))
             },
         );
-        let started = Instant::now();
-        let mut stream = client(server.local_addr());
-        assert!(
-            read_to_eof(&mut stream, &name).is_empty(),
-            "{name}: the handler's half close should reach the client"
-        );
-        assert_eq!(
-            recorder.single_close(SOON),
-            CloseReason::Idle,
-            "{name}: a half-closed handler that hears nothing should close at the idle deadline"
-        );
-        assert!(
-            started.elapsed() >= idle,
-            "{name}: the idle close came before the idle timeout"
+        expect_fin_then_idle_close(
+            &server,
+            &recorder,
+            (&name, "handler"),
+            idle,
+            "the handler's half close should reach the client",
         );
         assert_eq!(
             seen.outcome.lock().unwrap().as_deref(),
