@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::echo::{echo, echo_fours};
 use common::gates::CountingGate;
-use common::{Recorder, SOON, child, client, round_trip, test_builder};
+use common::{Recorder, SOON, child, client, open_descriptors, round_trip, test_builder};
 use net_io_blocking::{
     CloseReason, DEFAULT_WORKERS, Direction, HandlerDriver, KillHandle, Limits, ListenerSpec,
     MinRateRule, NetError, RefusalCause, Server, ServerBuilder, TcpConnection,
@@ -597,6 +597,12 @@ fn a_handler_writing_a_large_reply_to_a_slow_reader_is_closed_for_the_slow_reade
 /// Set in the child process of the stack-overflow test.
 const OVERFLOW_CHILD: &str = "NET_IO_TEST_COROUTINE_OVERFLOW_CHILD";
 
+/// Runs `command` (a [`child::rerun`] of one test) to its end under the shared turn and returns its output.
+fn run_child(mut command: std::process::Command) -> std::process::Output {
+    let _turn = shared_turn();
+    command.output().expect("could not run the child")
+}
+
 /// Recurses `depth` times with a kilobyte on each frame.
 fn deep(depth: usize) -> u64 {
     let frame = std::hint::black_box([depth as u8; 1024]);
@@ -632,13 +638,10 @@ fn a_handler_that_overflows_its_coroutine_stack_kills_the_process_at_the_guard_p
         // Still alive: the parent sees a normal exit and fails.
         return;
     }
-    let _turn = shared_turn();
-    let output = child::rerun(
+    let output = run_child(child::rerun(
         "a_handler_that_overflows_its_coroutine_stack_kills_the_process_at_the_guard_page",
         OVERFLOW_CHILD,
-    )
-    .output()
-    .expect("could not run the child");
+    ));
     assert_eq!(
         output.status.signal(),
         Some(libc::SIGSEGV),
@@ -652,11 +655,6 @@ fn mappings() -> usize {
     std::fs::read_to_string("/proc/self/maps")
         .map(|maps| maps.lines().count())
         .unwrap_or(0)
-}
-
-/// Open descriptors of this process.
-fn descriptors() -> usize {
-    std::fs::read_dir("/proc/self/fd").map_or(0, |entries| entries.count())
 }
 
 #[test]
@@ -699,7 +697,7 @@ fn ten_thousand_churned_handler_connections_leave_no_descriptor_and_a_bounded_st
         let _ = stream.read(&mut [0_u8; 1]);
     }
     std::thread::sleep(Duration::from_millis(300));
-    let (descriptors_before, mappings_before) = (descriptors(), mappings());
+    let (descriptors_before, mappings_before) = (open_descriptors(), mappings());
     let started = Instant::now();
     for index in 0..CONNECTIONS {
         let mut stream = client(address);
@@ -724,14 +722,14 @@ fn ten_thousand_churned_handler_connections_leave_no_descriptor_and_a_bounded_st
         "{CONNECTIONS} churned handler connections in {:?}; descriptors {descriptors_before} -> {}, mappings \
          {mappings_before} -> {}",
         started.elapsed(),
-        descriptors(),
+        open_descriptors(),
         mappings()
     );
     assert!(done, "every connection should close: {:?}", server.stats());
     assert!(
-        common::eventually(SOON, || descriptors() <= descriptors_before),
+        common::eventually(SOON, || open_descriptors() <= descriptors_before),
         "descriptors grew from {descriptors_before} to {} after {CONNECTIONS} closed connections",
-        descriptors()
+        open_descriptors()
     );
     // Each loop keeps at most STACK_POOL_MAX stacks (two mappings each); the warm-up filled part of that.
     let bound = 2 * 2 * net_io_sys::coroutine::STACK_POOL_MAX + 64;
@@ -944,14 +942,12 @@ fn the_smallest_handler_stack_size_serves_and_survives_a_panic_with_a_backtrace(
         assert_eq!(round_trip(&mut stream, b"still"), b"still");
         return;
     }
-    let _turn = shared_turn();
-    let output = child::rerun(
+    let mut command = child::rerun(
         "the_smallest_handler_stack_size_serves_and_survives_a_panic_with_a_backtrace",
         SMALL_STACK_CHILD,
-    )
-    .env("RUST_BACKTRACE", "full")
-    .output()
-    .expect("could not run the child");
+    );
+    command.env("RUST_BACKTRACE", "full");
+    let output = run_child(command);
     assert!(
         output.status.success(),
         "a server on the smallest handler stack should serve and contain a panic, not end the process: \
@@ -969,21 +965,17 @@ fn at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on
     if child::is_child(MAP_LIMIT_CHILD) {
         use net_io_sys::coroutine::{Coroutine, STACK_POOL_MAX};
         let recorder = Recorder::default();
-        let server = ServerBuilder::new()
-            .listen("127.0.0.1:0")
-            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-            // Caps well above the 40 connections: the mapping limit is the only thing that refuses here.
-            .limits(
-                Limits::new()
-                    .min_rate(None)
-                    .max_connections(1_000)
-                    .max_per_source(1_000),
-            )
-            .events(recorder.clone())
-            .handler(echo)
-            .allow_all()
-            .build()
-            .expect("the child's server did not start");
+        // Caps well above the 40 connections: the mapping limit is the only thing that refuses here.
+        let server = test_builder(
+            DEFAULT_WORKERS,
+            Limits::new().max_connections(1_000).max_per_source(1_000),
+            &recorder,
+        )
+        .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+        .handler(echo)
+        .allow_all()
+        .build()
+        .expect("the child's server did not start");
         let address = server.local_addr();
         let mut warm = client(address);
         assert_eq!(round_trip(&mut warm, b"warm"), b"warm");
@@ -1037,13 +1029,10 @@ fn at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on
         );
         return;
     }
-    let _turn = shared_turn();
-    let output = child::rerun(
+    let output = run_child(child::rerun(
         "at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on",
         MAP_LIMIT_CHILD,
-    )
-    .output()
-    .expect("could not run the child");
+    ));
     println!("{}", String::from_utf8_lossy(&output.stdout));
     println!("{}", String::from_utf8_lossy(&output.stderr));
     assert!(
@@ -1061,30 +1050,28 @@ fn stacks_kept_for_reuse_after_deep_handlers_hold_few_resident_pages() {
         .write()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-        .limits(
-            Limits::new()
-                .min_rate(None)
-                .max_connections(CONNECTIONS + 8)
-                .max_per_source(CONNECTIONS + 8),
-        )
-        .events(recorder.clone())
-        .handler(|connection: &mut TcpConnection<'_>| {
-            let mut byte = [0_u8; 1];
-            if connection.read(&mut byte)? == 0 {
-                return Ok(());
-            }
-            // About 120 KiB of this coroutine's stack touched once, then an idle wait on a shallow stack.
-            let sum = deep(50);
-            connection.write_all(&[sum as u8])?;
-            while connection.read(&mut byte)? > 0 {}
-            Ok(())
-        })
-        .allow_all()
-        .build()
-        .expect("the coroutine handler server did not start");
+    let server = test_builder(
+        DEFAULT_WORKERS,
+        Limits::new()
+            .max_connections(CONNECTIONS + 8)
+            .max_per_source(CONNECTIONS + 8),
+        &recorder,
+    )
+    .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+    .handler(|connection: &mut TcpConnection<'_>| {
+        let mut byte = [0_u8; 1];
+        if connection.read(&mut byte)? == 0 {
+            return Ok(());
+        }
+        // About 120 KiB of this coroutine's stack touched once, then an idle wait on a shallow stack.
+        let sum = deep(50);
+        connection.write_all(&[sum as u8])?;
+        while connection.read(&mut byte)? > 0 {}
+        Ok(())
+    })
+    .allow_all()
+    .build()
+    .expect("the coroutine handler server did not start");
     let address = server.local_addr();
     let mut warm = client(address);
     warm.write_all(b"w").unwrap();
@@ -1201,8 +1188,12 @@ fn a_handler_that_panics_after_its_connection_was_killed_is_reported_as_a_panic(
 fn an_exchange_deadline_that_passes_while_a_handler_waits_in_write_closes_with_exchange_deadline() {
     let _turn = shared_turn();
     let recorder = Recorder::default();
-    let seen: Arc<Mutex<Option<String>>> = Arc::default();
-    let outcome = Arc::clone(&seen);
+    let (seen, handler) = reporting(|connection: &mut TcpConnection<'_>| {
+        let mut byte = [0_u8; 1];
+        connection.read(&mut byte)?;
+        connection.set_exchange_deadline(Some(Instant::now() + Duration::from_millis(300)));
+        connection.write_all(&vec![1_u8; 16 << 20])
+    });
     let server = ServerBuilder::new()
         .listener(ListenerSpec::new("127.0.0.1:0".parse().unwrap()).send_buffer(16 * 1024))
         .handler_driver(HandlerDriver::Coroutines { loops: 2 })
@@ -1212,14 +1203,7 @@ fn an_exchange_deadline_that_passes_while_a_handler_waits_in_write_closes_with_e
                 .write_timeout(Duration::from_secs(60)),
         )
         .events(recorder.clone())
-        .handler(move |connection: &mut TcpConnection<'_>| {
-            let mut byte = [0_u8; 1];
-            connection.read(&mut byte)?;
-            connection.set_exchange_deadline(Some(Instant::now() + Duration::from_millis(300)));
-            let result = connection.write_all(&vec![1_u8; 16 << 20]);
-            *outcome.lock().unwrap() = Some(format!("{result:?}"));
-            result
-        })
+        .handler(handler)
         .allow_all()
         .build()
         .expect("the coroutine handler server did not start");
