@@ -597,6 +597,15 @@ fn a_handler_writing_a_large_reply_to_a_slow_reader_is_closed_for_the_slow_reade
 /// Set in the child process of the stack-overflow test.
 const OVERFLOW_CHILD: &str = "NET_IO_TEST_COROUTINE_OVERFLOW_CHILD";
 
+/// A builder for a child's or a build check's server: handlers on coroutines over one loop, each on a stack
+/// of `bytes`, the builder's defaults otherwise.
+fn one_loop_with_stack(bytes: usize) -> ServerBuilder {
+    ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+        .handler_stack_size(bytes)
+}
+
 /// Runs `command` (a [`child::rerun`] of one test) to its end under the shared turn and returns its output.
 fn run_child(mut command: std::process::Command) -> std::process::Output {
     let _turn = shared_turn();
@@ -617,10 +626,7 @@ fn a_handler_that_overflows_its_coroutine_stack_kills_the_process_at_the_guard_p
     use std::os::unix::process::ExitStatusExt;
     if child::is_child(OVERFLOW_CHILD) {
         // The child: a handler that needs about 10 MB of stack on a 64 KiB coroutine stack.
-        let server = ServerBuilder::new()
-            .listen("127.0.0.1:0")
-            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-            .handler_stack_size(64 * 1024)
+        let server = one_loop_with_stack(64 * 1024)
             .handler(|connection: &mut TcpConnection<'_>| {
                 let mut byte = [0_u8; 1];
                 connection.read(&mut byte)?;
@@ -883,15 +889,7 @@ const SMALLEST_HANDLER_STACK: usize = 64 * 1024;
 fn a_handler_stack_too_small_for_the_driver_or_too_large_to_map_fails_at_build_naming_the_field() {
     // Builds start threads, which the thread-counting test must not see.
     let _turn = shared_turn();
-    let build = |bytes: usize| {
-        ServerBuilder::new()
-            .listen("127.0.0.1:0")
-            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-            .handler_stack_size(bytes)
-            .handler(echo)
-            .allow_all()
-            .build()
-    };
+    let build = |bytes: usize| one_loop_with_stack(bytes).handler(echo).allow_all().build();
     // 8 KiB ended the process with SIGSEGV at the first connection: the driver's own frames need more.
     let error = build(8 * 1024).expect_err("an 8 KiB handler stack should be refused at build");
     assert_eq!(
@@ -914,10 +912,7 @@ fn a_handler_stack_too_small_for_the_driver_or_too_large_to_map_fails_at_build_n
 fn the_smallest_handler_stack_size_serves_and_survives_a_panic_with_a_backtrace() {
     use std::os::unix::process::ExitStatusExt;
     if child::is_child(SMALL_STACK_CHILD) {
-        let server = ServerBuilder::new()
-            .listen("127.0.0.1:0")
-            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-            .handler_stack_size(SMALLEST_HANDLER_STACK)
+        let server = one_loop_with_stack(SMALLEST_HANDLER_STACK)
             .handler(|connection: &mut TcpConnection<'_>| {
                 // One byte at a time: the handler's own frames are tiny, the stack is the driver's and the
                 // panic machinery's.

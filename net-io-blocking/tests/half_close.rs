@@ -420,6 +420,13 @@ fn reply_then_listen(
     }
 }
 
+/// Half closes, then reads once and reports what the read returned to `seen`.
+fn shut_then_read_once(connection: &mut TcpConnection<'_>, seen: &Seen) -> Result<(), NetError> {
+    connection.shutdown_write()?;
+    let mut buffer = [0u8; 64];
+    seen.report(connection.read(&mut buffer))
+}
+
 fn describe(result: &Result<usize, NetError>) -> String {
     match result {
         Ok(count) => format!("Ok({count})"),
@@ -482,11 +489,7 @@ fn the_idle_deadline_still_applies_to_a_half_closed_handler() {
             driver,
             Limits::new().idle_timeout(idle),
             &recorder,
-            move |connection| {
-                connection.shutdown_write()?;
-                let mut buffer = [0u8; 64];
-                shared.report(connection.read(&mut buffer))
-            },
+            move |connection| shut_then_read_once(connection, &shared),
         );
         expect_fin_then_idle_close(
             &server,
@@ -508,9 +511,7 @@ fn a_kill_while_a_handler_is_half_closed_ends_its_read_with_the_kill() {
     on_each_driver(HANDLER_DRIVERS, |driver, name, recorder, seen| {
         let shared = seen.clone();
         let server = handler_server(driver, Limits::new(), &recorder, move |connection| {
-            connection.shutdown_write()?;
-            let mut buffer = [0u8; 64];
-            shared.report(connection.read(&mut buffer))
+            shut_then_read_once(connection, &shared)
         });
         let mut stream = client(server.local_addr());
         assert!(
