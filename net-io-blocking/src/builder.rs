@@ -2,30 +2,33 @@
 //! build with the door closed, which opens last.
 
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU16, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU16, AtomicU32, AtomicU64};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
 use net_io_core::proxy::ProxyMode;
 use net_io_core::{
-    AllowAll, BufferPool, Clock, ConfigError, ControlLine, Counters, Event, EventSink, Gate,
-    IdAllocator, Limits, ListenerId, NetError, NoopSink, SessionFactory, TrustedProxies,
+    AllowAll, BufferPool, Clock, ConfigError, ControlLine, ControlWatch, Counters, EventSink, Gate,
+    IdAllocator, Limits, ListenerId, NetError, NoopSink, ResolvedLimits, SessionFactory,
+    TrustedProxies,
 };
 use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::KillSlot;
 use net_io_sys::socket::{self, ConnectionOptions, Keepalive, ListenOptions, Listener};
 
-use crate::caps::{Caps, ListenerCaps};
+use crate::caps::{Caps, ListenerCaps, ListenerCounts};
 use crate::connection::TcpConnection;
 use crate::coroutines::{CoroutineFactory, HandlerDriver};
 use crate::evloop::{Inbox, LoopShared, SessionDriver};
 use crate::handover::HandOver;
 use crate::runtime::{ListenerRuntime, Runtime, Workload};
-use crate::server::{Core, ListenerShared, QueueCloser, Server, ServerHandle, WorkerShared};
+use crate::server::{
+    Core, ListenerSet, NO_LISTENER, RuntimeControl, Server, ServerHandle, WorkerShared,
+};
 use crate::sessions::{HandlerWorkload, SessionWorkload};
 use crate::systemd::{InheritedListener, SystemdError};
 
-/// The most listeners one server takes.
+/// The most listeners one server has live at once (at build, and after [`ServerHandle::add_listener`]).
 pub const LISTENERS_MAX: usize = 64;
 /// Workers when none are configured.
 pub const DEFAULT_WORKERS: usize = 128;
@@ -508,70 +511,33 @@ fn start<G: Gate, W: Workload>(
         None => settings.limits,
     };
     let limits = base_limits.validate(workers, descriptor_limit)?;
-    let mut listener_caps = Vec::with_capacity(settings.listeners.len());
+    let defaults = ListenerDefaults {
+        base_limits,
+        global: limits,
+        workers,
+        connection_options: settings.connection_options,
+    };
     let mut listener_limits = Vec::with_capacity(settings.listeners.len());
     for spec in &settings.listeners {
-        let merged = spec
-            .limits
-            .or(base_limits)
-            .validate(workers, descriptor_limit)?;
-        listener_limits.push(merged);
-        if merged.max_per_listener > limits.max_connections {
-            return Err(ConfigError::AboveGlobal {
-                field: "max_per_listener",
-                value: merged.max_per_listener,
-                global: limits.max_connections,
-            }
-            .into());
-        }
-        if spec.proxy.is_some() && spec.trusted.is_empty() {
-            return Err(ConfigError::Zero {
-                field: "trusted_proxies",
-            }
-            .into());
-        }
-        listener_caps.push(ListenerCaps {
-            max_per_listener: merged.max_per_listener,
-            max_per_source: merged.max_per_source,
-            policy: merged.source_prefix,
-        });
+        listener_limits.push(validate_listener(spec, &defaults, descriptor_limit)?);
     }
     // Bind everything before any thread starts: a taken port fails the build with nothing to undo.
     let mut adopted = settings.adopted;
     let mut bound = Vec::with_capacity(settings.listeners.len());
     for (spec, limits) in settings.listeners.iter().zip(&listener_limits) {
-        let options = ListenOptions {
-            backlog: spec.limits.or(base_limits).resolve(workers).backlog,
-            reuse_port: spec.reuse_port,
-            receive_buffer: spec.receive_buffer,
-            send_buffer: spec.send_buffer,
-            ..ListenOptions::default()
-        };
-        let listener = match spec.adopted {
+        let inherited = match spec.adopted {
             // Each adopted spec is made by `adopt_with` with its own index, so each slot is taken once.
-            Some(index) => adopted
-                .get_mut(index)
-                .and_then(Option::take)
-                .ok_or_else(|| {
+            Some(index) => Some(adopted.get_mut(index).and_then(Option::take).ok_or_else(
+                || {
                     NetError::from(std::io::Error::new(
                         std::io::ErrorKind::InvalidInput,
                         "an inherited listener was configured twice; adopt each one once",
                     ))
-                })?,
-            None => socket::listen(spec.address, &options)
-                .map_err(|error| NetError::from_bind(spec.address, error))?,
+                },
+            )?),
+            None => None,
         };
-        // Accepted sockets inherit these from the listener, so workers need not set them per connection.
-        socket::apply_connection_options(
-            std::os::fd::AsFd::as_fd(&listener),
-            &settings.connection_options,
-        )?;
-        // Likewise SO_RCVTIMEO: a new connection's first wait is usually the idle one, already armed.
-        socket::set_receive_timeout(
-            std::os::fd::AsFd::as_fd(&listener),
-            Some(limits.idle_timeout),
-        )?;
-        bound.push(listener);
+        bound.push(bind_listener(spec, limits, &defaults, inherited)?);
     }
     let events_enabled = settings.events.enabled();
     let manual_clock = settings.clock.is_some();
@@ -591,25 +557,27 @@ fn start<G: Gate, W: Workload>(
             lane: AtomicU8::new(0),
         });
     }
-    let mut listener_shared = Vec::with_capacity(bound.len());
-    for listener in &bound {
-        listener_shared.push(ListenerShared {
-            local: listener.local_addr(),
-            wake: Arc::new(EventFd::new()?),
-        });
-    }
+    let first_local = bound
+        .first()
+        .map(Listener::local_addr)
+        .ok_or(ConfigError::Zero { field: "listeners" })?;
     let core = Arc::new(Core {
         limits,
         clock,
         manual_clock,
         events: settings.events,
         events_enabled,
-        // One close slot per worker, per accept thread, and one for the thread that shuts down.
-        counters: Counters::new(worker_threads + loop_shared.len() + listener_shared.len() + 1),
-        caps: Arc::new(Caps::new(limits.max_connections, &listener_caps)),
+        // One close slot per worker and loop, one per accept thread that can be live at once, and one for
+        // the thread that shuts down.
+        counters: Counters::new(worker_threads + loop_shared.len() + LISTENERS_MAX + 1),
+        caps: Arc::new(Caps::new(limits.max_connections)),
         workers: worker_shared,
         loops: loop_shared,
-        listeners: listener_shared,
+        listeners: Mutex::new(ListenerSet::default()),
+        next_listener: AtomicU32::new(0),
+        control_owner: AtomicU32::new(NO_LISTENER),
+        first_local,
+        runtime: OnceLock::new(),
         door_open: AtomicBool::new(false),
         draining: AtomicBool::new(false),
         drain_expired: AtomicBool::new(false),
@@ -620,33 +588,16 @@ fn start<G: Gate, W: Workload>(
         shed_lane: AtomicU16::new(u16::MAX),
         drain_lock: Mutex::new(()),
     });
-    for (index, listener) in bound.iter().enumerate() {
-        core.emit(Event::ListenerOpened {
-            listener: ListenerId(index as u32),
-            local: listener.local_addr(),
-            backlog: listener.backlog(),
-        });
-    }
-    let listeners = bound
-        .into_iter()
-        .zip(settings.listeners)
-        .zip(listener_limits)
-        .map(|((listener, spec), limits)| ListenerRuntime {
-            listener,
-            limits,
-            proxy: spec.proxy,
-            trusted: spec.trusted,
-        })
-        .collect();
     let runtime = Arc::new(Runtime {
         core: Arc::clone(&core),
         gate,
         workload,
         handover: HandOver::new(workers),
-        listeners,
+        listener_defaults: defaults,
         pool: BufferPool::new(limits.buffer_budget, limits.wipe_buffers),
         ids: IdAllocator::new(),
         control: settings.control,
+        control_watch: Mutex::new(ControlWatch::new()),
         lockdown: AtomicBool::new(false),
         inboxes: (0..loops.map_or(0, |(count, _)| count))
             .map(|_| Inbox::new())
@@ -655,7 +606,8 @@ fn start<G: Gate, W: Workload>(
     let handle = ServerHandle {
         core: Arc::clone(&core),
     };
-    let closer: Arc<dyn QueueCloser> = runtime.clone();
+    let closer: Arc<dyn RuntimeControl> = runtime.clone();
+    let _ = core.runtime.set(Arc::downgrade(&closer));
     let mut server = Server::new(handle.clone(), Vec::new(), closer);
     if let Some((count, body)) = loops {
         for index in 0..count {
@@ -675,17 +627,151 @@ fn start<G: Gate, W: Workload>(
             .spawn(move || runtime.worker_loop(index))?;
         server.push_thread(thread);
     }
-    for index in 0..core.listeners.len() {
-        let runtime = Arc::clone(&runtime);
-        let thread = std::thread::Builder::new()
-            .name(format!("net-io-accept-{index}"))
-            .stack_size(DEFAULT_WORKER_STACK)
-            .spawn(move || runtime.accept_loop(index))?;
-        server.push_thread(thread);
+    // The builder's listeners follow the server's door: open as soon as it opens.
+    for ((socket, spec), limits) in bound
+        .into_iter()
+        .zip(settings.listeners)
+        .zip(listener_limits)
+    {
+        register_listener(&runtime, socket, listener_settings(spec, limits), true)?;
     }
     // The door opens last, once every thread runs.
     if settings.open_door {
         handle.open_door();
     }
     Ok(server)
+}
+
+/// What a listener is validated and set up against: the builder's settings, kept by the runtime so that a
+/// listener added while the server runs gets the same treatment as one given to the builder.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ListenerDefaults {
+    /// The server's limits as configured (unset fields still unset), laid under each listener's.
+    base_limits: Limits,
+    /// The server's resolved limits (for the global cap).
+    global: ResolvedLimits,
+    workers: usize,
+    connection_options: ConnectionOptions,
+}
+
+/// Checks one listener's settings as the builder does: its limits laid over the server's and validated, its
+/// per-listener cap under the global one, and trusted proxies when it requires a PROXY header.
+fn validate_listener(
+    spec: &ListenerSpec,
+    defaults: &ListenerDefaults,
+    descriptor_limit: u64,
+) -> Result<ResolvedLimits, NetError> {
+    let merged = spec
+        .limits
+        .or(defaults.base_limits)
+        .validate(defaults.workers, descriptor_limit)?;
+    if merged.max_per_listener > defaults.global.max_connections {
+        return Err(ConfigError::AboveGlobal {
+            field: "max_per_listener",
+            value: merged.max_per_listener,
+            global: defaults.global.max_connections,
+        }
+        .into());
+    }
+    if spec.proxy.is_some() && spec.trusted.is_empty() {
+        return Err(ConfigError::Zero {
+            field: "trusted_proxies",
+        }
+        .into());
+    }
+    Ok(merged)
+}
+
+/// Binds `spec` (or takes the `inherited` socket) and sets the options accepted sockets inherit.
+fn bind_listener(
+    spec: &ListenerSpec,
+    limits: &ResolvedLimits,
+    defaults: &ListenerDefaults,
+    inherited: Option<Listener>,
+) -> Result<Listener, NetError> {
+    let options = ListenOptions {
+        backlog: spec
+            .limits
+            .or(defaults.base_limits)
+            .resolve(defaults.workers)
+            .backlog,
+        reuse_port: spec.reuse_port,
+        receive_buffer: spec.receive_buffer,
+        send_buffer: spec.send_buffer,
+        ..ListenOptions::default()
+    };
+    let listener = match inherited {
+        Some(listener) => listener,
+        None => socket::listen(spec.address, &options)
+            .map_err(|error| NetError::from_bind(spec.address, error))?,
+    };
+    // Accepted sockets inherit these from the listener, so workers need not set them per connection.
+    socket::apply_connection_options(
+        std::os::fd::AsFd::as_fd(&listener),
+        &defaults.connection_options,
+    )?;
+    // Likewise SO_RCVTIMEO: a new connection's first wait is usually the idle one, already armed.
+    socket::set_receive_timeout(
+        std::os::fd::AsFd::as_fd(&listener),
+        Some(limits.idle_timeout),
+    )?;
+    Ok(listener)
+}
+
+/// The settings a listener's connections are served with.
+fn listener_settings(spec: ListenerSpec, limits: ResolvedLimits) -> ListenerRuntime {
+    ListenerRuntime {
+        limits,
+        proxy: spec.proxy,
+        trusted: spec.trusted,
+        counts: Arc::new(ListenerCounts::new(ListenerCaps {
+            max_per_listener: limits.max_per_listener,
+            max_per_source: limits.max_per_source,
+            policy: limits.source_prefix,
+        })),
+    }
+}
+
+/// Adds a bound listener to the server's live set and starts its accept thread.
+fn register_listener<G: Gate, W: Workload>(
+    runtime: &Arc<Runtime<G, W>>,
+    socket: Listener,
+    settings: ListenerRuntime,
+    door_open: bool,
+) -> Result<ListenerId, NetError> {
+    let settings = Arc::new(settings);
+    let (local, backlog) = (socket.local_addr(), socket.backlog());
+    let accepting = Arc::clone(runtime);
+    let served = Arc::clone(&settings);
+    runtime.core.register_listener(
+        settings,
+        local,
+        backlog,
+        door_open,
+        move |acceptor, counter_slot| {
+            std::thread::Builder::new()
+                .name(format!("net-io-accept-{}", acceptor.id.0))
+                .stack_size(DEFAULT_WORKER_STACK)
+                .spawn(move || accepting.accept_loop(socket, served, acceptor, counter_slot))
+        },
+    )
+}
+
+/// Validates, binds and starts a listener on a running server (see [`ServerHandle::add_listener`]).
+pub(crate) fn start_listener<G: Gate, W: Workload>(
+    runtime: &Arc<Runtime<G, W>>,
+    spec: ListenerSpec,
+    door_open: bool,
+) -> Result<ListenerId, NetError> {
+    if spec.adopted.is_some() {
+        return Err(NetError::from(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "a spec for an inherited listener can be used only in the builder; adopt it there",
+        )));
+    }
+    let defaults = &runtime.listener_defaults;
+    let descriptor_limit = net_io_sys::rlimit::descriptor_limit()?.soft;
+    let limits = validate_listener(&spec, defaults, descriptor_limit)?;
+    let socket = bind_listener(&spec, &limits, defaults, None)?;
+    register_listener(runtime, socket, listener_settings(spec, limits), door_open)
 }

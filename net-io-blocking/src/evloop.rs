@@ -93,7 +93,7 @@ use crate::clock::deadline_after;
 use crate::handshake;
 use crate::link::OWNER_CODE;
 use crate::rate::RateWindow;
-use crate::runtime::{Job, Runtime};
+use crate::runtime::{Job, ListenerRuntime, Runtime};
 use crate::server::{CODE_DRAIN_DEADLINE, Core, reason_for_code};
 use crate::sessions::{HalfClose, SessionWorkload, WriteShut};
 
@@ -371,7 +371,7 @@ struct Conn<S, T> {
     info: ConnectionInfo,
     ticket: Option<T>,
     reservation: Option<Reservation>,
-    listener: usize,
+    listener: Arc<ListenerRuntime>,
     session: Option<S>,
     completer: Completer,
     wait: Wait,
@@ -1065,8 +1065,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             listener,
         } = job;
         info.worker = Some(WorkerId(self.index as u32));
-        let runtime = self.runtime;
-        let limits = &runtime.listeners[listener].limits;
+        let limits = listener.limits;
         let entry = &mut self.entries[index as usize];
         entry.generation = entry.generation.wrapping_add(1);
         self.serving = Some((index, entry.generation));
@@ -1118,12 +1117,11 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         if self.core.drain_expired.load(Ordering::Acquire) {
             return self.close(index, CloseReason::DrainDeadline);
         }
-        let listener_runtime = &runtime.listeners[listener];
-        if listener_runtime.proxy.is_some() {
-            let deadline =
-                deadline_after(self.core.now(), listener_runtime.limits.handshake_timeout);
+        if self.conn(index).listener.proxy.is_some() {
+            let now = self.core.now();
             let conn = self.conn(index);
-            if !listener_runtime.trusted.contains(conn.info.peer.ip()) {
+            let deadline = deadline_after(now, conn.listener.limits.handshake_timeout);
+            if !conn.listener.trusted.contains(conn.info.peer.ip()) {
                 return self.close(index, CloseReason::ProxyUntrusted);
             }
             conn.wait = Wait::Handshake { deadline };
@@ -1960,10 +1958,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
 
     fn handshake(&mut self, index: u32) {
         let limits = self.limits(index);
-        let (proxy_header_max, mode) = (
-            limits.proxy_header_max,
-            self.runtime.listeners[self.conn(index).listener].proxy,
-        );
+        let (proxy_header_max, mode) = (limits.proxy_header_max, self.conn(index).listener.proxy);
         let Some(mode) = mode else {
             return self.open_session(index);
         };
@@ -2299,12 +2294,11 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
             .expect("a connection being run is in its entry")
     }
 
-    fn limits(&self, index: u32) -> &'r ResolvedLimits {
-        let listener = self.entries[index as usize]
+    fn limits(&self, index: u32) -> &ResolvedLimits {
+        self.entries[index as usize]
             .conn
             .as_ref()
-            .map_or(0, |conn| conn.listener);
-        &self.runtime.listeners[listener].limits
+            .map_or(&self.core.limits, |conn| &conn.listener.limits)
     }
 
     fn usual_class(&self, index: u32) -> SizeClass {

@@ -104,8 +104,21 @@
 //!   `LISTEN_FDNAMES`; each fd checked (open, `SO_TYPE` stream, `SO_ACCEPTCONN`, an IP address) before any is
 //!   taken, each taken once, made close-on-exec, and the variables removed so children do not take them.
 //!   A wrong variable or fd is a [`systemd::SystemdError`] naming it.
-//! - **Not here**: Unix sockets, TLS, listener hand-off, FastCGI on fd 0, adding or removing listeners at
-//!   run time. An event loop's slab of connection slots grows to the
+//! - **Listeners at run time.** [`ServerHandle::add_listener`] validates and binds a [`ListenerSpec`] as
+//!   the builder does (its limits over the server's, its cap under the global one, PROXY with trusted
+//!   proxies; an address in use is named) and starts its accept thread; its connections go to the same
+//!   workers or loops. It stays closed, even with the server's door open, until the next
+//!   [`ServerHandle::open_door`], so the caller can finish its set-up first. [`ServerHandle::remove_listener`]
+//!   closes its socket at once (the port refuses, its backlog is reset), joins its accept thread and drains
+//!   only its connections (idle ones close at once as `Drained`, busy ones finish, the rest are killed at the
+//!   deadline as `DrainDeadline`), returning a [`DrainReport`]; every other listener and connection, the
+//!   server's door and its drain state stay as they were. Ids ([`ListenerId`]) are never reused; an unknown
+//!   or removed id is an error. At most [`LISTENERS_MAX`] are live at once. Each connection keeps a share of
+//!   its listener's settings, so they outlive a removal; each admission and close takes its listener's
+//!   member lock once (the ids a removal drains). If the listener watching the control line is removed, the
+//!   next live one takes the line over; with no listener left, the line waits for the next one added.
+//! - **Not here**: Unix sockets, TLS, listener hand-off, FastCGI on fd 0, adopting an inherited listener
+//!   after build (adopt in the builder). An event loop's slab of connection slots grows to the
 //!   most connections it held at once; once at most a quarter is in use, its free top is cut back to twice the
 //!   live connections (64 slots at least).
 //! - **Handlers must do IO to be killable**: a kill shuts the socket's read side and wakes the worker, so a
@@ -163,9 +176,9 @@ pub use server::{DrainReport, KillHandle, Server, ServerHandle};
 pub use net_io_core::proxy::ProxyMode;
 pub use net_io_core::{
     Admission, AllowAll, CloseReason, Completer, ConnectionId, ConnectionInfo, ControlLine,
-    ControlState, Direction, Event, EventSink, Gate, Input, Lane, LimitKind, Limits, MinRateRule,
-    NetError, Output, Phase, Refusal, RefusalCause, Session, SessionContext, SessionFactory, Stats,
-    Step, TimeoutKind, Verdict, WriteFacts,
+    ControlState, Direction, Event, EventSink, Gate, Input, Lane, LimitKind, Limits, ListenerId,
+    MinRateRule, NetError, Output, Phase, Refusal, RefusalCause, Session, SessionContext,
+    SessionFactory, Stats, Step, TimeoutKind, Verdict, WriteFacts,
 };
 pub use net_io_core::{ManualClock, TrustedProxies};
 pub use net_io_sys::socket::Keepalive;

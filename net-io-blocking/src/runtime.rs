@@ -21,12 +21,12 @@ use net_io_sys::socket::{self, AcceptFailure, Linger, Listener};
 use net_io_sys::wait::{self, Interest};
 
 use crate::backoff::Backoff;
-use crate::caps::{CapRefusal, Reservation};
+use crate::caps::{CapRefusal, ListenerCounts, Reservation};
 use crate::evloop::Inbox;
 use crate::handover::HandOver;
 use crate::handshake;
 use crate::link::Link;
-use crate::server::{CODE_SHED, Core, KillHandle, QueueCloser};
+use crate::server::{Acceptor, CODE_SHED, Core, KillHandle};
 
 /// An admitted connection waiting for a worker.
 pub(crate) struct Job<T> {
@@ -34,16 +34,20 @@ pub(crate) struct Job<T> {
     pub(crate) info: ConnectionInfo,
     pub(crate) ticket: T,
     pub(crate) reservation: Reservation,
-    pub(crate) listener: usize,
+    /// The settings of the listener that accepted it; shared, so they outlive a listener removed while
+    /// this connection is still open.
+    pub(crate) listener: Arc<ListenerRuntime>,
 }
 
-/// One listener and how its connections are admitted.
+/// How one listener's connections are admitted and served. The socket itself is owned by its accept
+/// thread, so removing the listener closes it at once while its connections keep these settings.
 pub(crate) struct ListenerRuntime {
-    pub(crate) listener: Listener,
     /// The listener's limits laid over the server's: deadlines, rates, buffers and batch size.
     pub(crate) limits: ResolvedLimits,
     pub(crate) proxy: Option<ProxyMode>,
     pub(crate) trusted: TrustedProxies,
+    /// Its cap, per-source caps and open connections.
+    pub(crate) counts: Arc<ListenerCounts>,
 }
 
 /// What a workload sees while it runs one connection.
@@ -79,10 +83,14 @@ pub(crate) struct Runtime<G: Gate, W: Workload> {
     pub(crate) gate: G,
     pub(crate) workload: W,
     pub(crate) handover: HandOver<Job<G::Ticket>>,
-    pub(crate) listeners: Vec<ListenerRuntime>,
+    /// What a listener added at run time is validated and set up against (the builder's settings).
+    pub(crate) listener_defaults: crate::builder::ListenerDefaults,
     pub(crate) pool: BufferPool,
     pub(crate) ids: IdAllocator,
     pub(crate) control: Option<Arc<ControlLine>>,
+    /// The control line's last seen epoch, kept here (not on an accept thread) so that when the watching
+    /// listener is removed, the next one carries on without applying the current state a second time.
+    pub(crate) control_watch: std::sync::Mutex<ControlWatch>,
     pub(crate) lockdown: std::sync::atomic::AtomicBool,
     /// One inbox per event loop; empty when sessions run on worker threads.
     pub(crate) inboxes: Vec<Inbox<Job<G::Ticket>>>,
@@ -101,9 +109,16 @@ impl Wake for WakeSignal {
     }
 }
 
-impl<G: Gate, W: Workload> QueueCloser for Runtime<G, W> {
+impl<G: Gate, W: Workload> crate::server::RuntimeControl for Runtime<G, W> {
+    fn start_listener(
+        self: Arc<Self>,
+        spec: crate::builder::ListenerSpec,
+    ) -> Result<ListenerId, net_io_core::NetError> {
+        crate::builder::start_listener(&self, spec, false)
+    }
+
     fn close_queue(&self) {
-        let slot = self.core.close_slot_base() + self.listeners.len();
+        let slot = self.core.shutdown_slot();
         for job in self.handover.close() {
             self.refuse_job(job, RefusalCause::DoorClosed, slot);
         }
@@ -118,33 +133,56 @@ impl<G: Gate, W: Workload> QueueCloser for Runtime<G, W> {
 }
 
 impl<G: Gate, W: Workload> Runtime<G, W> {
-    /// The loop of the accept thread for listener `index`.
-    pub(crate) fn accept_loop(self: Arc<Self>, index: usize) {
+    /// The loop of the accept thread of one listener; it owns the socket, which closes when it returns
+    /// (at a stop, or when the listener is removed). `counter_slot` is its close slot past the base.
+    pub(crate) fn accept_loop(
+        self: Arc<Self>,
+        socket: Listener,
+        settings: Arc<ListenerRuntime>,
+        acceptor: Arc<Acceptor>,
+        counter_slot: usize,
+    ) {
         let core = &self.core;
-        let listener = &self.listeners[index];
-        let wake = Arc::clone(&core.listeners[index].wake);
-        let listener_id = ListenerId(index as u32);
+        let listener = Accepting {
+            socket: &socket,
+            settings: &settings,
+            counter_slot: core.close_slot_base() + counter_slot,
+        };
+        let wake = &acceptor.wake;
+        let listener_id = acceptor.id;
         let mut ids = self.ids.block();
         let mut reserve = socket_reserve();
         let mut backoff = Backoff::new();
         let mut coalescer = Coalescer::new();
-        let mut watch = ControlWatch::new();
-        // The first accept thread alone watches the control line, so each change is applied once.
-        let control = self.control.as_ref().filter(|_| index == 0);
-        let control_poll = control.map(|_| Duration::from_millis(100));
+        let ends = |acceptor: &Acceptor| {
+            core.stopping.load(Ordering::Acquire) || acceptor.closing.load(Ordering::Acquire)
+        };
         loop {
-            if core.stopping.load(Ordering::Acquire) {
+            if ends(&acceptor) {
                 return;
             }
-            if let Some(control) = control
-                && let Some(state) = watch.poll(control)
-            {
-                self.react(state);
+            // One accept thread at a time watches the control line, so each change is applied once; the
+            // owner changes only when its listener is removed.
+            let control = self
+                .control
+                .as_ref()
+                .filter(|_| core.control_owner.load(Ordering::Acquire) == listener_id.0);
+            let control_poll = control.map(|_| Duration::from_millis(100));
+            if let Some(control) = control {
+                let state = self
+                    .control_watch
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .poll(control);
+                if let Some(state) = state {
+                    self.react(state);
+                }
             }
-            let door_open = core.door_open.load(Ordering::Acquire);
+            let door_open = core.door_open.load(Ordering::Acquire)
+                && acceptor.door_open.load(Ordering::Acquire);
             let waited = if door_open {
                 wait::wait(
-                    listener.listener.as_fd(),
+                    listener.socket.as_fd(),
                     Interest::Readable,
                     Some(wake.as_fd()),
                     control_poll,
@@ -157,22 +195,25 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 std::thread::sleep(Duration::from_millis(10));
             }
             let _ = wake.drain();
-            if core.stopping.load(Ordering::Acquire) {
+            if ends(&acceptor) {
                 return;
             }
-            if !core.door_open.load(Ordering::Acquire) {
+            if !core.door_open.load(Ordering::Acquire)
+                || !acceptor.door_open.load(Ordering::Acquire)
+            {
                 continue;
             }
             if reserve.is_none() {
                 // The spare could not be reopened after the last pressure episode; try again now.
                 reserve = socket_reserve();
             }
-            for _ in 0..listener.limits.accept_batch {
-                match listener.listener.accept() {
+            for _ in 0..listener.settings.limits.accept_batch {
+                match listener.socket.accept() {
                     Ok(accepted) => {
                         backoff.reset();
                         self.admit(
-                            index,
+                            &listener,
+                            listener_id,
                             accepted.socket,
                             accepted.peer,
                             &mut ids,
@@ -191,7 +232,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                             // Give the spare descriptor back to the kernel, take the waiting connection
                             // and reset it, so the backlog drains instead of the loop spinning.
                             drop(reserve.take());
-                            if let Ok(shed) = listener.listener.accept() {
+                            if let Ok(shed) = listener.socket.accept() {
                                 reset(shed.socket);
                             }
                             reserve = socket_reserve();
@@ -217,8 +258,8 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                                 listener: listener_id,
                                 class: OsErrorClass::of(&error),
                             });
-                            // Wait for the stop instead of spinning on a broken listener.
-                            while !core.stopping.load(Ordering::Acquire) {
+                            // Wait for the stop (or the removal) instead of spinning on a broken listener.
+                            while !ends(&acceptor) {
                                 let _ = wait::wait_readable(wake.as_fd(), None);
                                 let _ = wake.drain();
                             }
@@ -238,7 +279,8 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
     /// Runs caps, the gate and the hand-over for one accepted connection; refuses with RST on any no.
     fn admit(
         &self,
-        index: usize,
+        listener: &Accepting<'_>,
+        listener_id: ListenerId,
         socket: OwnedFd,
         peer: std::net::SocketAddr,
         ids: &mut net_io_core::IdBlock,
@@ -247,7 +289,6 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         let core = &self.core;
         let peer = normalize(peer);
         core.counters.server().record_accepted();
-        let listener_id = ListenerId(index as u32);
         // Counted and reported before the reset, so whoever sees the RST also sees the refusal.
         let refuse = |socket: OwnedFd, cause: RefusalCause, coalescer: &mut Coalescer| {
             core.counters.server().record_refused(cause);
@@ -267,7 +308,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         if self.lockdown.load(Ordering::Acquire) {
             return refuse(socket, RefusalCause::Lockdown, coalescer);
         }
-        let reservation = match core.caps.reserve(index, peer.ip()) {
+        let mut reservation = match core.caps.reserve(&listener.settings.counts, peer.ip()) {
             Ok(reservation) => reservation,
             Err(refusal) => {
                 let (cause, which) = match refusal {
@@ -290,7 +331,8 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             return refuse(socket, RefusalCause::Busy, coalescer);
         }
         let id = ids.next_id();
-        let mut local = self.listeners[index].listener.local_addr();
+        reservation.enroll(id.get());
+        let mut local = listener.socket.local_addr();
         if local.ip().is_unspecified()
             && let Ok(actual) = socket::local_addr(socket.as_fd())
         {
@@ -309,9 +351,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 return refuse(socket, RefusalCause::Gate(code), coalescer);
             }
             Err(Refusal::Reply { code, bytes }) => {
-                let limit = bytes
-                    .len()
-                    .min(self.listeners[index].limits.refusal_bytes_max);
+                let limit = bytes.len().min(listener.settings.limits.refusal_bytes_max);
                 // One non-blocking attempt only: the refusal path must not become an amplifier.
                 let _ = socket::send(socket.as_fd(), &bytes[..limit]);
                 drop(reservation);
@@ -339,7 +379,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             info,
             ticket: admission.ticket,
             reservation,
-            listener: index,
+            listener: Arc::clone(listener.settings),
         };
         if !self.inboxes.is_empty() {
             let loop_index = fewest_connections(&core.loops, id.get());
@@ -351,17 +391,13 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 Ok(false) => {}
                 Err(job) => {
                     core.loops[loop_index].remove_load();
-                    self.refuse_job(
-                        job,
-                        RefusalCause::DoorClosed,
-                        core.close_slot_base() + index,
-                    );
+                    self.refuse_job(job, RefusalCause::DoorClosed, listener.counter_slot);
                 }
             }
             return;
         }
         if let Err(job) = self.handover.offer(job) {
-            self.refuse_job(job, RefusalCause::Busy, core.close_slot_base() + index);
+            self.refuse_job(job, RefusalCause::Busy, listener.counter_slot);
         }
     }
 
@@ -508,7 +544,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             .lane
             .store(info.lane.0, Ordering::Release);
         link.owner_mut().occupy(info.id.get(), socket);
-        let listener_runtime = &self.listeners[listener];
+        let listener_runtime = &*listener;
         let limits = &listener_runtime.limits;
         link.reset(limits.min_rate, Some(limits.idle_timeout));
         receiver.bind(info.id);
@@ -642,6 +678,14 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             lifetime: core.now().saturating_duration_since(info.accepted_at),
         });
     }
+}
+
+/// What an accept thread holds of its listener while it admits.
+struct Accepting<'a> {
+    socket: &'a Listener,
+    settings: &'a Arc<ListenerRuntime>,
+    /// Its close slot in the counters (absolute).
+    counter_slot: usize,
 }
 
 /// Marks a worker free again when dropped: at the normal end of a connection, or while unwinding.

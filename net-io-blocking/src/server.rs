@@ -1,20 +1,25 @@
 //! The running server: its shared state, the [`Server`] owner, the cloneable [`ServerHandle`], the per-connection
-//! [`KillHandle`], drain and shutdown.
+//! [`KillHandle`], drain and shutdown, and the set of live listeners that can grow and shrink while it runs.
 
 use std::fmt;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU16, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU16, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use net_io_core::{CloseReason, ConnectionId, Counters, Event, EventSink, ResolvedLimits, Stats};
+use net_io_core::{
+    CloseReason, ConnectionId, Counters, Event, EventSink, ListenerId, NetError, ResolvedLimits,
+    Stats,
+};
 use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::{KillCondition, KillSlot};
 
+use crate::builder::{LISTENERS_MAX, ListenerSpec};
 use crate::caps::Caps;
 use crate::clock::SharedClock;
 use crate::evloop::LoopShared;
+use crate::runtime::ListenerRuntime;
 
 /// Slot codes at or above this value are the driver's own; user kill codes are capped just below.
 pub(crate) const RESERVED_CODES: u16 = 0xff00;
@@ -62,12 +67,39 @@ pub(crate) struct WorkerShared {
     pub(crate) lane: AtomicU8,
 }
 
-/// One listener's shared parts.
+/// What one listener's accept thread shares with the handles: its wake, its own door and its removal.
 #[derive(Debug)]
-pub(crate) struct ListenerShared {
+pub(crate) struct Acceptor {
+    pub(crate) id: ListenerId,
     pub(crate) local: SocketAddr,
-    pub(crate) wake: Arc<EventFd>,
+    pub(crate) wake: EventFd,
+    /// This listener's part of the door: a listener added at run time stays closed until the next
+    /// [`ServerHandle::open_door`], even while the server's door is open, so its caller can finish set-up.
+    pub(crate) door_open: AtomicBool,
+    /// Set by [`ServerHandle::remove_listener`]: the accept thread returns and its socket closes.
+    pub(crate) closing: AtomicBool,
 }
+
+/// One live listener: its accept thread's shared parts, its settings and the thread itself.
+pub(crate) struct LiveListener {
+    pub(crate) acceptor: Arc<Acceptor>,
+    pub(crate) settings: Arc<ListenerRuntime>,
+    pub(crate) thread: Option<JoinHandle<()>>,
+    /// The accept thread's close slot in the counters, relative to [`Core::close_slot_base`].
+    pub(crate) counter_slot: usize,
+}
+
+/// The live listeners, in the order they were added, and which accept-thread counter slots they hold.
+#[derive(Default)]
+pub(crate) struct ListenerSet {
+    pub(crate) live: Vec<LiveListener>,
+    /// Bit `i` set: counter slot `i` belongs to a live accept thread. A slot is given back only once its
+    /// thread was joined, so each slot has one writer at a time (the counters are single-writer seqlocks).
+    pub(crate) counter_slots: u64,
+}
+
+/// No listener watches the control line (every one was removed).
+pub(crate) const NO_LISTENER: u32 = u32::MAX;
 
 /// Everything the threads and handles of one server share, independent of the gate and workload types.
 pub(crate) struct Core {
@@ -81,7 +113,18 @@ pub(crate) struct Core {
     pub(crate) workers: Vec<WorkerShared>,
     /// The event loops' shared parts; empty when connections run on worker threads.
     pub(crate) loops: Vec<LoopShared>,
-    pub(crate) listeners: Vec<ListenerShared>,
+    /// The live listeners. Locked to add or remove one, to open the door, and to list addresses; never by
+    /// the accept or serving paths.
+    pub(crate) listeners: Mutex<ListenerSet>,
+    /// The next listener id: ids are never reused, so a stale id cannot name a newer listener.
+    pub(crate) next_listener: AtomicU32,
+    /// The listener whose accept thread watches the control line ([`NO_LISTENER`] when none).
+    pub(crate) control_owner: AtomicU32,
+    /// The address of the first listener the server was built with, for `local_addr` once it is gone.
+    pub(crate) first_local: SocketAddr,
+    /// The generic runtime, to start accept threads for listeners added at run time. Weak: the runtime
+    /// holds the core, and the [`Server`] holds the runtime.
+    pub(crate) runtime: OnceLock<Weak<dyn RuntimeControl>>,
     pub(crate) door_open: AtomicBool,
     pub(crate) draining: AtomicBool,
     pub(crate) drain_expired: AtomicBool,
@@ -94,9 +137,13 @@ pub(crate) struct Core {
     pub(crate) drain_lock: Mutex<()>,
 }
 
-/// Closes the hand-over queue of a running server; implemented by the generic runtime.
-pub(crate) trait QueueCloser: Send + Sync {
+/// The parts of the generic runtime that the server's handles reach: closing the hand-over queue and
+/// starting a listener at run time.
+pub(crate) trait RuntimeControl: Send + Sync {
     fn close_queue(&self);
+
+    /// Validates and binds `spec` as the builder does, then starts its accept thread with its door closed.
+    fn start_listener(self: Arc<Self>, spec: ListenerSpec) -> Result<ListenerId, NetError>;
 }
 
 /// A cloneable, thread-safe handle to a running server: kill, door, drain, stop, stats.
@@ -119,7 +166,7 @@ pub struct KillHandle {
 pub struct Server {
     handle: ServerHandle,
     threads: Vec<JoinHandle<()>>,
-    closer: Arc<dyn QueueCloser>,
+    closer: Arc<dyn RuntimeControl>,
     finished: bool,
 }
 
@@ -167,14 +214,105 @@ impl Core {
 
     /// Wakes every accept thread (door or stop changed).
     pub(crate) fn wake_acceptors(&self) {
-        for listener in &self.listeners {
-            let _ = listener.wake.signal();
+        for listener in &self.lock_listeners().live {
+            let _ = listener.acceptor.wake.signal();
         }
     }
 
-    /// The first counter slot after the workers' and the loops' (accept threads and shutdown use the rest).
+    pub(crate) fn lock_listeners(&self) -> MutexGuard<'_, ListenerSet> {
+        self.listeners
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The first counter slot after the workers' and the loops': [`LISTENERS_MAX`] slots for accept
+    /// threads follow, then one for the thread that shuts down ([`Core::shutdown_slot`]).
     pub(crate) fn close_slot_base(&self) -> usize {
         self.workers.len() + self.loops.len()
+    }
+
+    /// The counter slot of the thread that shuts the server down.
+    pub(crate) fn shutdown_slot(&self) -> usize {
+        self.close_slot_base() + LISTENERS_MAX
+    }
+
+    /// Adds a bound listener to the live set and starts its accept thread with `spawn`, under the set's
+    /// lock so that a concurrent stop or `open_door` sees it. Fails when the server is stopping or already
+    /// has [`LISTENERS_MAX`] listeners; the socket is then dropped with nothing started.
+    pub(crate) fn register_listener(
+        &self,
+        settings: Arc<ListenerRuntime>,
+        local: SocketAddr,
+        backlog: u32,
+        door_open: bool,
+        spawn: impl FnOnce(Arc<Acceptor>, usize) -> std::io::Result<JoinHandle<()>>,
+    ) -> Result<ListenerId, NetError> {
+        let mut set = self.lock_listeners();
+        if self.stopping.load(Ordering::Acquire) {
+            return Err(NetError::ShuttingDown);
+        }
+        if set.live.len() >= LISTENERS_MAX {
+            return Err(net_io_core::ConfigError::TooLarge {
+                field: "listeners",
+                value: set.live.len() as u64 + 1,
+                max: LISTENERS_MAX as u64,
+            }
+            .into());
+        }
+        let counter_slot = (!set.counter_slots).trailing_zeros() as usize;
+        let id = ListenerId(self.next_listener.fetch_add(1, Ordering::AcqRel));
+        let acceptor = Arc::new(Acceptor {
+            id,
+            local,
+            wake: EventFd::new()?,
+            door_open: AtomicBool::new(door_open),
+            closing: AtomicBool::new(false),
+        });
+        let thread = spawn(Arc::clone(&acceptor), counter_slot)?;
+        set.counter_slots |= 1 << counter_slot;
+        set.live.push(LiveListener {
+            acceptor,
+            settings,
+            thread: Some(thread),
+            counter_slot,
+        });
+        // The first listener to arrive while none watches the control line takes it over.
+        let _ = self.control_owner.compare_exchange(
+            NO_LISTENER,
+            id.0,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        drop(set);
+        self.emit(Event::ListenerOpened {
+            listener: id,
+            local,
+            backlog,
+        });
+        Ok(id)
+    }
+
+    /// Stops and joins the accept thread of `live` (its socket closes as the thread returns), gives its
+    /// counter slot back and reports the listener closed.
+    fn retire_listener(&self, mut live: LiveListener) {
+        live.acceptor.closing.store(true, Ordering::Release);
+        let _ = live.acceptor.wake.signal();
+        let mut joined = true;
+        if let Some(thread) = live.thread.take() {
+            if thread.thread().id() == std::thread::current().id() {
+                // Removed from its own accept thread (a gate or an event sink did it): it returns when this
+                // call does. Its counter slot stays taken, since it may still write to it.
+                joined = false;
+            } else {
+                let _ = thread.join();
+            }
+        }
+        if joined {
+            self.lock_listeners().counter_slots &= !(1 << live.counter_slot);
+        }
+        self.emit(Event::ListenerClosed {
+            listener: live.acceptor.id,
+        });
     }
 
     /// Visits every connection slot (workers', then every loop's) with its owner's wake, its linger word and
@@ -254,18 +392,182 @@ impl Core {
 }
 
 impl ServerHandle {
-    /// The address of the first listener (with the real port when port 0 was asked for).
+    /// The address of the first live listener (with the real port when port 0 was asked for); once every
+    /// listener was removed, the address of the first one the server was built with.
     pub fn local_addr(&self) -> SocketAddr {
-        self.core.listeners[0].local
+        self.core
+            .lock_listeners()
+            .live
+            .first()
+            .map_or(self.core.first_local, |listener| listener.acceptor.local)
     }
 
-    /// The addresses of every listener, in the order they were added.
+    /// The addresses of every live listener, in the order they were added.
     pub fn local_addrs(&self) -> Vec<SocketAddr> {
         self.core
-            .listeners
+            .lock_listeners()
+            .live
             .iter()
-            .map(|listener| listener.local)
+            .map(|listener| listener.acceptor.local)
             .collect()
+    }
+
+    /// The ids of every live listener, in the order they were added (the builder's first, from 0).
+    pub fn listener_ids(&self) -> Vec<ListenerId> {
+        self.core
+            .lock_listeners()
+            .live
+            .iter()
+            .map(|listener| listener.acceptor.id)
+            .collect()
+    }
+
+    /// The address of live listener `id`, or `None` if it is unknown or was removed.
+    pub fn listener_addr(&self, id: ListenerId) -> Option<SocketAddr> {
+        self.core
+            .lock_listeners()
+            .live
+            .iter()
+            .find(|listener| listener.acceptor.id == id)
+            .map(|listener| listener.acceptor.local)
+    }
+
+    /// Binds a new listener while the server runs, with the builder's validation (its limits laid over the
+    /// server's, the per-listener cap under the global one, a PROXY mode with trusted proxies; an address in
+    /// use is named in the error), and starts its accept thread. Its connections go to the same workers or
+    /// event loops as every other listener's.
+    ///
+    /// The new listener stays closed, even if the server's door is open, until the next
+    /// [`open_door`](Self::open_door): connections wait in its backlog until then, so the caller can finish
+    /// its set-up (register the address, open a firewall) first. Its id is new, never one of a removed
+    /// listener. Fails with `ShuttingDown` once a stop began, and when [`LISTENERS_MAX`] listeners are live.
+    /// A spec made for an inherited listener ([`ServerBuilder::adopt_with`](crate::ServerBuilder::adopt_with))
+    /// is refused: adopt inherited listeners in the builder.
+    pub fn add_listener(&self, spec: ListenerSpec) -> Result<ListenerId, NetError> {
+        let Some(runtime) = self.core.runtime.get().and_then(Weak::upgrade) else {
+            return Err(NetError::ServerStopped);
+        };
+        runtime.start_listener(spec)
+    }
+
+    /// Removes listener `id` while the server runs: closes its socket at once (its port refuses new
+    /// connects; connections still in its backlog are reset), joins its accept thread, then drains only
+    /// its connections until `drain_deadline`: idle ones close at once (`Drained`, graceful), busy ones
+    /// finish their exchange and close when they next go idle, and those still open at the deadline are
+    /// killed (`DrainDeadline`). Every other listener and connection is left alone; the server's door and
+    /// its `is_draining` do not change. Returns when the listener's last connection closed (or a second
+    /// after the deadline kills, at the latest), with what the drain did.
+    ///
+    /// Reports `ListenerClosed` (no `DrainStarted`/`DrainFinished`: those are the server's own drain).
+    /// An id that is unknown or already removed is an error, and so is a second concurrent removal of it.
+    /// If the listener watching the control line is removed, the next live one takes the line over.
+    /// Called on the listener's own accept thread (from a gate or an event sink), it cannot join that
+    /// thread: the socket then closes when the call returns and the thread ends, and the drain runs on it.
+    /// Called from a connection's own worker or loop, the drain waits for that connection like any other.
+    pub fn remove_listener(
+        &self,
+        id: ListenerId,
+        drain_deadline: Instant,
+    ) -> Result<DrainReport, NetError> {
+        let started = Instant::now();
+        let live = {
+            let mut set = self.core.lock_listeners();
+            let Some(position) = set
+                .live
+                .iter()
+                .position(|listener| listener.acceptor.id == id)
+            else {
+                return Err(NetError::from(std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!(
+                        "listener {} is not live on this server (never added, or already removed); \
+                         list the live ones with ServerHandle::listener_ids",
+                        id.0
+                    ),
+                )));
+            };
+            let live = set.live.remove(position);
+            if self.core.control_owner.load(Ordering::Acquire) == id.0 {
+                let next = set
+                    .live
+                    .first()
+                    .map_or(NO_LISTENER, |next| next.acceptor.id.0);
+                self.core.control_owner.store(next, Ordering::Release);
+                if let Some(next) = set.live.first() {
+                    let _ = next.acceptor.wake.signal();
+                }
+            }
+            live
+        };
+        let settings = Arc::clone(&live.settings);
+        self.core.retire_listener(live);
+        Ok(self.drain_listener(&settings, drain_deadline, started))
+    }
+
+    /// Drains the connections of one removed listener (see [`remove_listener`](Self::remove_listener)).
+    fn drain_listener(
+        &self,
+        settings: &ListenerRuntime,
+        deadline: Instant,
+        started: Instant,
+    ) -> DrainReport {
+        let counts = &settings.counts;
+        let open_at_start = counts.open() as u64;
+        let tick = self.core.limits.tick.max(Duration::from_millis(1));
+        let mut killed = 0u64;
+        // Kills every occupant of a slot that belongs to this listener under `condition`; returns how many
+        // kills won. Members are listed first so that no set lock is held while a loop's slots are locked.
+        let kill_members = |code: u16, condition: KillCondition| -> u64 {
+            let members = counts.members();
+            let mut won = 0;
+            self.core.for_each_slot(|slot, wake, _, _| {
+                if let Some(id) = slot.occupant()
+                    && members.binary_search(&id).is_ok()
+                    && slot.kill(id, code, condition)
+                {
+                    won += 1;
+                    let _ = wake.signal();
+                }
+                false
+            });
+            won
+        };
+        loop {
+            if counts.open() == 0 {
+                break;
+            }
+            if Instant::now() >= deadline {
+                killed += kill_members(CODE_DRAIN_DEADLINE, KillCondition::Always);
+                let members = counts.members();
+                self.core.for_each_slot(|_, wake, linger, _| {
+                    let lingering = linger.load(Ordering::Acquire);
+                    if lingering != 0 && members.binary_search(&lingering).is_ok() {
+                        cut_linger(linger, wake, lingering);
+                    }
+                    false
+                });
+                // Connections still queued for a worker or a loop reach a slot soon: kill them there.
+                let limit = Instant::now() + Duration::from_secs(1);
+                while counts.open() > 0 && Instant::now() < limit {
+                    std::thread::sleep(tick);
+                    killed += kill_members(CODE_DRAIN_DEADLINE, KillCondition::Always);
+                }
+                break;
+            }
+            let idle_code = if self.core.idle_close_reason() == CloseReason::Shutdown {
+                CODE_SHUTDOWN
+            } else {
+                CODE_DRAINED
+            };
+            kill_members(idle_code, KillCondition::OnlyIdle);
+            let left = deadline.saturating_duration_since(Instant::now());
+            std::thread::sleep(tick.min(left).max(Duration::from_micros(100)));
+        }
+        DrainReport {
+            graceful: open_at_start.saturating_sub(killed),
+            killed,
+            elapsed: started.elapsed(),
+        }
     }
 
     /// A consistent snapshot of the counters.
@@ -298,15 +600,30 @@ impl ServerHandle {
         ids
     }
 
-    /// Starts accepting. Idempotent; the door starts closed until `build` finishes or this is called.
+    /// Starts accepting, on every listener including those added since the last call. Idempotent; the
+    /// door starts closed until `build` finishes or this is called. Does nothing once a drain or stop began.
     pub fn open_door(&self) {
         if self.core.stopping.load(Ordering::Acquire) || self.core.draining.load(Ordering::Acquire)
         {
             return;
         }
+        // Listeners added at run time open here; set under the set's lock, so one added concurrently is
+        // either opened now or by the next call.
+        let newly_opened: Vec<Arc<Acceptor>> = self
+            .core
+            .lock_listeners()
+            .live
+            .iter()
+            .filter(|listener| !listener.acceptor.door_open.swap(true, Ordering::AcqRel))
+            .map(|listener| Arc::clone(&listener.acceptor))
+            .collect();
         if !self.core.door_open.swap(true, Ordering::AcqRel) {
             self.core.emit(Event::DoorOpened);
             self.core.wake_acceptors();
+        } else {
+            for acceptor in newly_opened {
+                let _ = acceptor.wake.signal();
+            }
         }
     }
 
@@ -487,7 +804,7 @@ impl Server {
     pub(crate) fn new(
         handle: ServerHandle,
         threads: Vec<JoinHandle<()>>,
-        closer: Arc<dyn QueueCloser>,
+        closer: Arc<dyn RuntimeControl>,
     ) -> Self {
         Self {
             handle,
@@ -514,6 +831,20 @@ impl Server {
     /// A snapshot of the counters.
     pub fn stats(&self) -> Stats {
         self.handle.stats()
+    }
+
+    /// Adds a listener while the server runs; see [`ServerHandle::add_listener`].
+    pub fn add_listener(&self, spec: ListenerSpec) -> Result<ListenerId, NetError> {
+        self.handle.add_listener(spec)
+    }
+
+    /// Removes a listener and drains its connections; see [`ServerHandle::remove_listener`].
+    pub fn remove_listener(
+        &self,
+        id: ListenerId,
+        drain_deadline: Instant,
+    ) -> Result<DrainReport, NetError> {
+        self.handle.remove_listener(id, drain_deadline)
     }
 
     /// Drains until `deadline`, stops the accept threads and workers, closes the listeners and joins every
@@ -551,10 +882,11 @@ impl Server {
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
-        for index in 0..self.handle.core.listeners.len() {
-            self.handle.core.emit(Event::ListenerClosed {
-                listener: net_io_core::ListenerId(index as u32),
-            });
+        // Taken out under the lock and joined without it: an accept thread may itself take the lock (its
+        // control-line reaction opens or closes the door).
+        let live = std::mem::take(&mut self.handle.core.lock_listeners().live);
+        for listener in live {
+            self.handle.core.retire_listener(listener);
         }
         self.handle.request_stop();
         report
@@ -573,7 +905,7 @@ impl fmt::Debug for Core {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter
             .debug_struct("Core")
-            .field("listeners", &self.listeners)
+            .field("listeners", &self.lock_listeners().live.len())
             .field("workers", &self.workers.len())
             .field("door_open", &self.door_open)
             .field("draining", &self.draining)
