@@ -14,11 +14,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use common::{Recorder, SOON, client, round_trip};
+use common::echo::{echo, echo_fours};
+use common::gates::CountingGate;
+use common::{Recorder, SOON, child, client, open_descriptors, round_trip, test_builder};
 use net_io_blocking::{
-    Admission, CloseReason, ConnectionInfo, Direction, Gate, HandlerDriver, KillHandle, Lane,
-    Limits, ListenerSpec, MinRateRule, NetError, Refusal, RefusalCause, Server, ServerBuilder,
-    TcpConnection, Verdict, WriteFacts,
+    CloseReason, DEFAULT_WORKERS, Direction, HandlerDriver, KillHandle, Limits, ListenerSpec,
+    MinRateRule, NetError, RefusalCause, Server, ServerBuilder, TcpConnection,
 };
 
 static TURN: RwLock<()> = RwLock::new(());
@@ -27,48 +28,44 @@ fn shared_turn() -> std::sync::RwLockReadGuard<'static, ()> {
     TURN.read().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// A server whose handlers run on coroutines over two loops, with the minimum rate off unless `limits` set it.
-fn server<H>(limits: Limits, recorder: &Recorder, handler: H) -> Server
+/// A server whose handlers run on coroutines over two loops, with the recorder of its events:
+/// [`common::test_builder`]'s settings (so the minimum rate is off) with the default worker count, which
+/// only enters the descriptor budget here.
+fn serve<H>(limits: Limits, handler: H) -> (Recorder, Server)
 where
     H: Fn(&mut TcpConnection<'_>) -> Result<(), NetError> + Send + Sync + 'static,
 {
-    ServerBuilder::new()
-        .listen("127.0.0.1:0")
+    let recorder = Recorder::default();
+    let server = test_builder(DEFAULT_WORKERS, limits, &recorder)
         .handler_driver(HandlerDriver::Coroutines { loops: 2 })
-        .limits(limits.or(Limits::new().min_rate(None)))
-        .events(recorder.clone())
         .handler(handler)
         .allow_all()
         .build()
-        .expect("the coroutine handler server did not start")
+        .expect("the coroutine handler server did not start");
+    (recorder, server)
 }
 
-/// Echoes each read until the peer closes.
-fn echo(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0_u8; 4096];
-    loop {
-        let count = connection.read(&mut buffer)?;
-        if count == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..count])?;
-    }
-}
+/// What a handler's call returned, as its `Debug` text, once [`reporting`] saw it.
+type Outcome = Arc<Mutex<Option<String>>>;
 
-/// Echoes 4-byte requests, reading each one whole.
-fn echo_fours(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    loop {
-        let mut request = [0_u8; 4];
-        let mut got = 0;
-        while got < request.len() {
-            let count = connection.read(&mut request[got..])?;
-            if count == 0 {
-                return Ok(());
-            }
-            got += count;
-        }
-        connection.write_all(&request)?;
-    }
+/// Wraps `handler` so that what it returns is kept, as `Debug` text, in the [`Outcome`] returned with it.
+fn reporting<H>(
+    handler: H,
+) -> (
+    Outcome,
+    impl Fn(&mut TcpConnection<'_>) -> Result<(), NetError> + Send + Sync + 'static,
+)
+where
+    H: Fn(&mut TcpConnection<'_>) -> Result<(), NetError> + Send + Sync + 'static,
+{
+    let seen = Outcome::default();
+    let outcome = Arc::clone(&seen);
+    let wrapped = move |connection: &mut TcpConnection<'_>| {
+        let result = handler(connection);
+        *outcome.lock().unwrap() = Some(format!("{result:?}"));
+        result
+    };
+    (seen, wrapped)
 }
 
 /// The live server threads of this process right now (named `net-io-…`): the test harness starts and ends
@@ -128,13 +125,11 @@ fn two_thousand_idle_handler_connections_hold_no_extra_threads() {
         })
         .expect("could not raise RLIMIT_NOFILE");
     }
-    let recorder = Recorder::default();
-    let server = server(
+    let (recorder, server) = serve(
         Limits::new()
             .max_connections(CONNECTIONS + 16)
             .max_per_source(CONNECTIONS + 16)
             .idle_timeout(Duration::from_secs(120)),
-        &recorder,
         echo,
     );
     let address = server.local_addr();
@@ -206,24 +201,19 @@ fn two_thousand_idle_handler_connections_hold_no_extra_threads() {
 #[test]
 fn a_panicking_handler_closes_only_its_connection() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let server = server(
-        Limits::new(),
-        &recorder,
-        |connection: &mut TcpConnection<'_>| {
-            let mut buffer = [0_u8; 64];
-            loop {
-                let count = connection.read(&mut buffer)?;
-                if count == 0 {
-                    return Ok(());
-                }
-                if &buffer[..count] == b"boom" {
-                    panic!("the handler was told to panic");
-                }
-                connection.write_all(&buffer[..count])?;
+    let (recorder, server) = serve(Limits::new(), |connection: &mut TcpConnection<'_>| {
+        let mut buffer = [0_u8; 64];
+        loop {
+            let count = connection.read(&mut buffer)?;
+            if count == 0 {
+                return Ok(());
             }
-        },
-    );
+            if &buffer[..count] == b"boom" {
+                panic!("the handler was told to panic");
+            }
+            connection.write_all(&buffer[..count])?;
+        }
+    });
     let mut calm = client(server.local_addr());
     let mut doomed = client(server.local_addr());
     assert_eq!(round_trip(&mut calm, b"one"), b"one");
@@ -244,49 +234,21 @@ fn a_panicking_handler_closes_only_its_connection() {
     );
 }
 
-/// Admits everything, denies every write with code 42 and records the closes it is told of.
-#[derive(Clone, Default)]
-struct DenyingGate {
-    closed: Arc<Mutex<Vec<CloseReason>>>,
-}
-
-impl Gate for DenyingGate {
-    type Ticket = ();
-
-    fn admit(&self, _info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
-        Ok(Admission {
-            ticket: (),
-            lane: Lane::DEFAULT,
-        })
-    }
-
-    fn check(&self, _ticket: &(), _write: &WriteFacts) -> Verdict {
-        Verdict::Deny(42)
-    }
-
-    fn closed(&self, _ticket: (), _info: &ConnectionInfo, reason: CloseReason) {
-        self.closed.lock().unwrap().push(reason);
-    }
-}
-
 #[test]
 fn a_write_the_gate_denies_fails_in_the_handler_and_closes_once_with_egress_denied() {
     let _turn = shared_turn();
     let recorder = Recorder::default();
-    let gate = DenyingGate::default();
-    let seen: Arc<Mutex<Option<String>>> = Arc::default();
-    let outcome = Arc::clone(&seen);
+    let gate = CountingGate::deny_all(42);
+    let (seen, handler) = reporting(|connection: &mut TcpConnection<'_>| {
+        let mut buffer = [0_u8; 64];
+        let count = connection.read(&mut buffer)?;
+        connection.write_all(&buffer[..count])
+    });
     let server = ServerBuilder::new()
         .listen("127.0.0.1:0")
         .handler_driver(HandlerDriver::Coroutines { loops: 2 })
         .events(recorder.clone())
-        .handler(move |connection: &mut TcpConnection<'_>| {
-            let mut buffer = [0_u8; 64];
-            let count = connection.read(&mut buffer)?;
-            let written = connection.write_all(&buffer[..count]);
-            *outcome.lock().unwrap() = Some(format!("{written:?}"));
-            written
-        })
+        .handler(handler)
         .gate(gate.clone())
         .build()
         .expect("the gated server did not start");
@@ -299,7 +261,7 @@ fn a_write_the_gate_denies_fails_in_the_handler_and_closes_once_with_egress_deni
         "the handler's write_all should report the denial"
     );
     assert_eq!(
-        *gate.closed.lock().unwrap(),
+        gate.closes(),
         vec![CloseReason::EgressDenied(42)],
         "the gate should hear of the one close with the same reason"
     );
@@ -327,22 +289,17 @@ impl Drop for Farewell<'_, '_> {
 #[test]
 fn a_destructor_that_writes_while_a_handler_unwinds_gets_an_error_instead_of_suspending() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
     let seen: Arc<Mutex<Option<String>>> = Arc::default();
     let outcome = Arc::clone(&seen);
-    let server = server(
-        Limits::new(),
-        &recorder,
-        move |connection: &mut TcpConnection<'_>| {
-            let farewell = Farewell {
-                connection,
-                outcome: Arc::clone(&outcome),
-            };
-            let mut buffer = [0_u8; 8];
-            let _ = farewell.connection.read(&mut buffer)?;
-            panic!("the handler fails after its first read");
-        },
-    );
+    let (recorder, server) = serve(Limits::new(), move |connection: &mut TcpConnection<'_>| {
+        let farewell = Farewell {
+            connection,
+            outcome: Arc::clone(&outcome),
+        };
+        let mut buffer = [0_u8; 8];
+        let _ = farewell.connection.read(&mut buffer)?;
+        panic!("the handler fails after its first read");
+    });
     let mut stream = client(server.local_addr());
     stream.write_all(b"go").unwrap();
     assert_eq!(recorder.single_close(SOON), CloseReason::SessionPanicked);
@@ -362,15 +319,13 @@ fn a_destructor_that_writes_while_a_handler_unwinds_gets_an_error_instead_of_sus
 #[test]
 fn a_kill_while_the_handler_waits_in_read_closes_once_with_killed_and_runs_its_destructors() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
     let drops = Arc::new(AtomicUsize::new(0));
     let seen: Arc<Mutex<Vec<String>>> = Arc::default();
     let (handles, handle_receiver) = std::sync::mpsc::channel::<KillHandle>();
     let handles = Mutex::new(handles);
     let (counter, errors) = (Arc::clone(&drops), Arc::clone(&seen));
-    let server = server(
+    let (recorder, server) = serve(
         Limits::new().idle_timeout(Duration::from_secs(60)),
-        &recorder,
         move |connection: &mut TcpConnection<'_>| {
             let _guard = DropCounter(Arc::clone(&counter));
             handles
@@ -420,10 +375,8 @@ fn a_kill_while_the_handler_waits_in_read_closes_once_with_killed_and_runs_its_d
 #[test]
 fn a_drain_lets_a_handler_mid_exchange_finish_and_closes_idle_ones() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let server = server(
+    let (recorder, server) = serve(
         Limits::new().idle_timeout(Duration::from_secs(60)),
-        &recorder,
         echo_fours,
     );
     let mut idle = client(server.local_addr());
@@ -466,17 +419,10 @@ fn a_drain_lets_a_handler_mid_exchange_finish_and_closes_idle_ones() {
 #[test]
 fn an_idle_handler_connection_closes_at_the_idle_deadline() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let seen: Arc<Mutex<Option<String>>> = Arc::default();
-    let errors = Arc::clone(&seen);
-    let server = server(
+    let (seen, handler) = reporting(echo_fours);
+    let (recorder, server) = serve(
         Limits::new().idle_timeout(Duration::from_millis(200)),
-        &recorder,
-        move |connection: &mut TcpConnection<'_>| {
-            let result = echo_fours(connection);
-            *errors.lock().unwrap() = Some(format!("{result:?}"));
-            result
-        },
+        handler,
     );
     let mut stream = client(server.local_addr());
     assert_eq!(round_trip(&mut stream, b"ping"), b"ping");
@@ -491,12 +437,10 @@ fn an_idle_handler_connection_closes_at_the_idle_deadline() {
 #[test]
 fn a_request_that_stops_halfway_closes_at_the_read_deadline() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let server = server(
+    let (recorder, server) = serve(
         Limits::new()
             .idle_timeout(Duration::from_secs(60))
             .read_timeout(Duration::from_millis(200)),
-        &recorder,
         echo_fours,
     );
     let mut stream = client(server.local_addr());
@@ -512,10 +456,8 @@ fn a_request_that_stops_halfway_closes_at_the_read_deadline() {
 #[test]
 fn a_handler_exchange_deadline_closes_with_exchange_deadline() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let server = server(
+    let (recorder, server) = serve(
         Limits::new().idle_timeout(Duration::from_secs(60)),
-        &recorder,
         |connection: &mut TcpConnection<'_>| {
             connection.set_exchange_deadline(Some(Instant::now() + Duration::from_millis(200)));
             echo_fours(connection)
@@ -528,10 +470,8 @@ fn a_handler_exchange_deadline_closes_with_exchange_deadline() {
 #[test]
 fn a_handler_idle_timeout_set_on_its_connection_applies() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let server = server(
+    let (recorder, server) = serve(
         Limits::new().idle_timeout(Duration::from_secs(60)),
-        &recorder,
         |connection: &mut TcpConnection<'_>| {
             connection.set_idle_timeout(Duration::from_millis(200));
             echo_fours(connection)
@@ -657,6 +597,21 @@ fn a_handler_writing_a_large_reply_to_a_slow_reader_is_closed_for_the_slow_reade
 /// Set in the child process of the stack-overflow test.
 const OVERFLOW_CHILD: &str = "NET_IO_TEST_COROUTINE_OVERFLOW_CHILD";
 
+/// A builder for a child's or a build check's server: handlers on coroutines over one loop, each on a stack
+/// of `bytes`, the builder's defaults otherwise.
+fn one_loop_with_stack(bytes: usize) -> ServerBuilder {
+    ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+        .handler_stack_size(bytes)
+}
+
+/// Runs `command` (a [`child::rerun`] of one test) to its end under the shared turn and returns its output.
+fn run_child(mut command: std::process::Command) -> std::process::Output {
+    let _turn = shared_turn();
+    command.output().expect("could not run the child")
+}
+
 /// Recurses `depth` times with a kilobyte on each frame.
 fn deep(depth: usize) -> u64 {
     let frame = std::hint::black_box([depth as u8; 1024]);
@@ -669,12 +624,9 @@ fn deep(depth: usize) -> u64 {
 #[test]
 fn a_handler_that_overflows_its_coroutine_stack_kills_the_process_at_the_guard_page() {
     use std::os::unix::process::ExitStatusExt;
-    if std::env::var_os(OVERFLOW_CHILD).is_some() {
+    if child::is_child(OVERFLOW_CHILD) {
         // The child: a handler that needs about 10 MB of stack on a 64 KiB coroutine stack.
-        let server = ServerBuilder::new()
-            .listen("127.0.0.1:0")
-            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-            .handler_stack_size(64 * 1024)
+        let server = one_loop_with_stack(64 * 1024)
             .handler(|connection: &mut TcpConnection<'_>| {
                 let mut byte = [0_u8; 1];
                 connection.read(&mut byte)?;
@@ -692,17 +644,10 @@ fn a_handler_that_overflows_its_coroutine_stack_kills_the_process_at_the_guard_p
         // Still alive: the parent sees a normal exit and fails.
         return;
     }
-    let _turn = shared_turn();
-    let output =
-        std::process::Command::new(std::env::current_exe().expect("no path to this test binary"))
-            .args([
-                "a_handler_that_overflows_its_coroutine_stack_kills_the_process_at_the_guard_page",
-                "--exact",
-                "--test-threads=1",
-            ])
-            .env(OVERFLOW_CHILD, "1")
-            .output()
-            .expect("could not run the child");
+    let output = run_child(child::rerun(
+        "a_handler_that_overflows_its_coroutine_stack_kills_the_process_at_the_guard_page",
+        OVERFLOW_CHILD,
+    ));
     assert_eq!(
         output.status.signal(),
         Some(libc::SIGSEGV),
@@ -716,11 +661,6 @@ fn mappings() -> usize {
     std::fs::read_to_string("/proc/self/maps")
         .map(|maps| maps.lines().count())
         .unwrap_or(0)
-}
-
-/// Open descriptors of this process.
-fn descriptors() -> usize {
-    std::fs::read_dir("/proc/self/fd").map_or(0, |entries| entries.count())
 }
 
 #[test]
@@ -763,7 +703,7 @@ fn ten_thousand_churned_handler_connections_leave_no_descriptor_and_a_bounded_st
         let _ = stream.read(&mut [0_u8; 1]);
     }
     std::thread::sleep(Duration::from_millis(300));
-    let (descriptors_before, mappings_before) = (descriptors(), mappings());
+    let (descriptors_before, mappings_before) = (open_descriptors(), mappings());
     let started = Instant::now();
     for index in 0..CONNECTIONS {
         let mut stream = client(address);
@@ -788,14 +728,14 @@ fn ten_thousand_churned_handler_connections_leave_no_descriptor_and_a_bounded_st
         "{CONNECTIONS} churned handler connections in {:?}; descriptors {descriptors_before} -> {}, mappings \
          {mappings_before} -> {}",
         started.elapsed(),
-        descriptors(),
+        open_descriptors(),
         mappings()
     );
     assert!(done, "every connection should close: {:?}", server.stats());
     assert!(
-        common::eventually(SOON, || descriptors() <= descriptors_before),
+        common::eventually(SOON, || open_descriptors() <= descriptors_before),
         "descriptors grew from {descriptors_before} to {} after {CONNECTIONS} closed connections",
-        descriptors()
+        open_descriptors()
     );
     // Each loop keeps at most STACK_POOL_MAX stacks (two mappings each); the warm-up filled part of that.
     let bound = 2 * 2 * net_io_sys::coroutine::STACK_POOL_MAX + 64;
@@ -890,30 +830,25 @@ fn a_shutdown_with_handlers_in_every_state_closes_each_once_and_runs_every_destr
 #[test]
 fn a_handler_reads_what_came_before_the_fin_then_end_of_stream_and_may_still_reply() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let server = server(
-        Limits::new(),
-        &recorder,
-        |connection: &mut TcpConnection<'_>| {
-            let mut received = Vec::new();
-            let mut buffer = [0_u8; 3];
-            loop {
-                let count = connection.read(&mut buffer)?;
-                if count == 0 {
-                    break;
-                }
-                received.extend_from_slice(&buffer[..count]);
+    let (recorder, server) = serve(Limits::new(), |connection: &mut TcpConnection<'_>| {
+        let mut received = Vec::new();
+        let mut buffer = [0_u8; 3];
+        loop {
+            let count = connection.read(&mut buffer)?;
+            if count == 0 {
+                break;
             }
-            // Reads after the end of stream keep answering 0 at once.
-            assert_eq!(connection.read(&mut buffer)?, 0);
-            assert_eq!(std::io::Read::read(connection, &mut buffer).unwrap(), 0);
-            received.reverse();
-            connection.write_all(&received)?;
-            std::io::Write::write_all(connection, b"!")?;
-            std::io::Write::flush(connection)?;
-            Ok(())
-        },
-    );
+            received.extend_from_slice(&buffer[..count]);
+        }
+        // Reads after the end of stream keep answering 0 at once.
+        assert_eq!(connection.read(&mut buffer)?, 0);
+        assert_eq!(std::io::Read::read(connection, &mut buffer).unwrap(), 0);
+        received.reverse();
+        connection.write_all(&received)?;
+        std::io::Write::write_all(connection, b"!")?;
+        std::io::Write::flush(connection)?;
+        Ok(())
+    });
     let mut stream = client(server.local_addr());
     stream.write_all(b"abcdefghij").unwrap();
     stream.shutdown(std::net::Shutdown::Write).unwrap();
@@ -929,19 +864,11 @@ fn a_handler_reads_what_came_before_the_fin_then_end_of_stream_and_may_still_rep
 #[test]
 fn an_exchange_deadline_already_past_fails_the_next_read_at_once() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let seen: Arc<Mutex<Option<String>>> = Arc::default();
-    let outcome = Arc::clone(&seen);
-    let server = server(
-        Limits::new().idle_timeout(Duration::from_secs(60)),
-        &recorder,
-        move |connection: &mut TcpConnection<'_>| {
-            connection.set_exchange_deadline(Some(Instant::now() - Duration::from_secs(1)));
-            let result = connection.read(&mut [0_u8; 4]);
-            *outcome.lock().unwrap() = Some(format!("{result:?}"));
-            result.map(|_| ())
-        },
-    );
+    let (seen, handler) = reporting(|connection: &mut TcpConnection<'_>| {
+        connection.set_exchange_deadline(Some(Instant::now() - Duration::from_secs(1)));
+        connection.read(&mut [0_u8; 4]).map(|_| ())
+    });
+    let (recorder, server) = serve(Limits::new().idle_timeout(Duration::from_secs(60)), handler);
     let started = Instant::now();
     let _stream = client(server.local_addr());
     assert_eq!(recorder.single_close(SOON), CloseReason::ExchangeDeadline);
@@ -962,15 +889,7 @@ const SMALLEST_HANDLER_STACK: usize = 64 * 1024;
 fn a_handler_stack_too_small_for_the_driver_or_too_large_to_map_fails_at_build_naming_the_field() {
     // Builds start threads, which the thread-counting test must not see.
     let _turn = shared_turn();
-    let build = |bytes: usize| {
-        ServerBuilder::new()
-            .listen("127.0.0.1:0")
-            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-            .handler_stack_size(bytes)
-            .handler(echo)
-            .allow_all()
-            .build()
-    };
+    let build = |bytes: usize| one_loop_with_stack(bytes).handler(echo).allow_all().build();
     // 8 KiB ended the process with SIGSEGV at the first connection: the driver's own frames need more.
     let error = build(8 * 1024).expect_err("an 8 KiB handler stack should be refused at build");
     assert_eq!(
@@ -992,11 +911,8 @@ fn a_handler_stack_too_small_for_the_driver_or_too_large_to_map_fails_at_build_n
 #[test]
 fn the_smallest_handler_stack_size_serves_and_survives_a_panic_with_a_backtrace() {
     use std::os::unix::process::ExitStatusExt;
-    if std::env::var_os(SMALL_STACK_CHILD).is_some() {
-        let server = ServerBuilder::new()
-            .listen("127.0.0.1:0")
-            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-            .handler_stack_size(SMALLEST_HANDLER_STACK)
+    if child::is_child(SMALL_STACK_CHILD) {
+        let server = one_loop_with_stack(SMALLEST_HANDLER_STACK)
             .handler(|connection: &mut TcpConnection<'_>| {
                 // One byte at a time: the handler's own frames are tiny, the stack is the driver's and the
                 // panic machinery's.
@@ -1021,18 +937,12 @@ fn the_smallest_handler_stack_size_serves_and_survives_a_panic_with_a_backtrace(
         assert_eq!(round_trip(&mut stream, b"still"), b"still");
         return;
     }
-    let _turn = shared_turn();
-    let output =
-        std::process::Command::new(std::env::current_exe().expect("no path to this test binary"))
-            .args([
-                "the_smallest_handler_stack_size_serves_and_survives_a_panic_with_a_backtrace",
-                "--exact",
-                "--test-threads=1",
-            ])
-            .env(SMALL_STACK_CHILD, "1")
-            .env("RUST_BACKTRACE", "full")
-            .output()
-            .expect("could not run the child");
+    let mut command = child::rerun(
+        "the_smallest_handler_stack_size_serves_and_survives_a_panic_with_a_backtrace",
+        SMALL_STACK_CHILD,
+    );
+    command.env("RUST_BACKTRACE", "full");
+    let output = run_child(command);
     assert!(
         output.status.success(),
         "a server on the smallest handler stack should serve and contain a panic, not end the process: \
@@ -1047,24 +957,20 @@ const MAP_LIMIT_CHILD: &str = "NET_IO_TEST_COROUTINE_MAP_LIMIT_CHILD";
 
 #[test]
 fn at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on() {
-    if std::env::var_os(MAP_LIMIT_CHILD).is_some() {
+    if child::is_child(MAP_LIMIT_CHILD) {
         use net_io_sys::coroutine::{Coroutine, STACK_POOL_MAX};
         let recorder = Recorder::default();
-        let server = ServerBuilder::new()
-            .listen("127.0.0.1:0")
-            .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-            // Caps well above the 40 connections: the mapping limit is the only thing that refuses here.
-            .limits(
-                Limits::new()
-                    .min_rate(None)
-                    .max_connections(1_000)
-                    .max_per_source(1_000),
-            )
-            .events(recorder.clone())
-            .handler(echo)
-            .allow_all()
-            .build()
-            .expect("the child's server did not start");
+        // Caps well above the 40 connections: the mapping limit is the only thing that refuses here.
+        let server = test_builder(
+            DEFAULT_WORKERS,
+            Limits::new().max_connections(1_000).max_per_source(1_000),
+            &recorder,
+        )
+        .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+        .handler(echo)
+        .allow_all()
+        .build()
+        .expect("the child's server did not start");
         let address = server.local_addr();
         let mut warm = client(address);
         assert_eq!(round_trip(&mut warm, b"warm"), b"warm");
@@ -1118,18 +1024,10 @@ fn at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on
         );
         return;
     }
-    let _turn = shared_turn();
-    let output =
-        std::process::Command::new(std::env::current_exe().expect("no path to this test binary"))
-            .args([
-                "at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on",
-                "--exact",
-                "--test-threads=1",
-                "--nocapture",
-            ])
-            .env(MAP_LIMIT_CHILD, "1")
-            .output()
-            .expect("could not run the child");
+    let output = run_child(child::rerun(
+        "at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on",
+        MAP_LIMIT_CHILD,
+    ));
     println!("{}", String::from_utf8_lossy(&output.stdout));
     println!("{}", String::from_utf8_lossy(&output.stderr));
     assert!(
@@ -1147,30 +1045,28 @@ fn stacks_kept_for_reuse_after_deep_handlers_hold_few_resident_pages() {
         .write()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-        .limits(
-            Limits::new()
-                .min_rate(None)
-                .max_connections(CONNECTIONS + 8)
-                .max_per_source(CONNECTIONS + 8),
-        )
-        .events(recorder.clone())
-        .handler(|connection: &mut TcpConnection<'_>| {
-            let mut byte = [0_u8; 1];
-            if connection.read(&mut byte)? == 0 {
-                return Ok(());
-            }
-            // About 120 KiB of this coroutine's stack touched once, then an idle wait on a shallow stack.
-            let sum = deep(50);
-            connection.write_all(&[sum as u8])?;
-            while connection.read(&mut byte)? > 0 {}
-            Ok(())
-        })
-        .allow_all()
-        .build()
-        .expect("the coroutine handler server did not start");
+    let server = test_builder(
+        DEFAULT_WORKERS,
+        Limits::new()
+            .max_connections(CONNECTIONS + 8)
+            .max_per_source(CONNECTIONS + 8),
+        &recorder,
+    )
+    .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+    .handler(|connection: &mut TcpConnection<'_>| {
+        let mut byte = [0_u8; 1];
+        if connection.read(&mut byte)? == 0 {
+            return Ok(());
+        }
+        // About 120 KiB of this coroutine's stack touched once, then an idle wait on a shallow stack.
+        let sum = deep(50);
+        connection.write_all(&[sum as u8])?;
+        while connection.read(&mut byte)? > 0 {}
+        Ok(())
+    })
+    .allow_all()
+    .build()
+    .expect("the coroutine handler server did not start");
     let address = server.local_addr();
     let mut warm = client(address);
     warm.write_all(b"w").unwrap();
@@ -1211,12 +1107,7 @@ fn stacks_kept_for_reuse_after_deep_handlers_hold_few_resident_pages() {
 #[test]
 fn the_global_cap_refuses_on_coroutines_and_no_connection_is_ever_busy() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
-    let server = server(
-        Limits::new().max_connections(2).max_per_source(2),
-        &recorder,
-        echo,
-    );
+    let (_recorder, server) = serve(Limits::new().max_connections(2).max_per_source(2), echo);
     let address = server.local_addr();
     let mut first = client(address);
     let mut second = client(address);
@@ -1251,12 +1142,10 @@ fn the_global_cap_refuses_on_coroutines_and_no_connection_is_ever_busy() {
 #[test]
 fn a_handler_that_panics_after_its_connection_was_killed_is_reported_as_a_panic() {
     let _turn = shared_turn();
-    let recorder = Recorder::default();
     let (handles, handle_receiver) = std::sync::mpsc::channel::<KillHandle>();
     let handles = Mutex::new(handles);
-    let server = server(
+    let (recorder, server) = serve(
         Limits::new().idle_timeout(Duration::from_secs(60)),
-        &recorder,
         move |connection: &mut TcpConnection<'_>| {
             handles
                 .lock()
@@ -1294,8 +1183,12 @@ fn a_handler_that_panics_after_its_connection_was_killed_is_reported_as_a_panic(
 fn an_exchange_deadline_that_passes_while_a_handler_waits_in_write_closes_with_exchange_deadline() {
     let _turn = shared_turn();
     let recorder = Recorder::default();
-    let seen: Arc<Mutex<Option<String>>> = Arc::default();
-    let outcome = Arc::clone(&seen);
+    let (seen, handler) = reporting(|connection: &mut TcpConnection<'_>| {
+        let mut byte = [0_u8; 1];
+        connection.read(&mut byte)?;
+        connection.set_exchange_deadline(Some(Instant::now() + Duration::from_millis(300)));
+        connection.write_all(&vec![1_u8; 16 << 20])
+    });
     let server = ServerBuilder::new()
         .listener(ListenerSpec::new("127.0.0.1:0".parse().unwrap()).send_buffer(16 * 1024))
         .handler_driver(HandlerDriver::Coroutines { loops: 2 })
@@ -1305,14 +1198,7 @@ fn an_exchange_deadline_that_passes_while_a_handler_waits_in_write_closes_with_e
                 .write_timeout(Duration::from_secs(60)),
         )
         .events(recorder.clone())
-        .handler(move |connection: &mut TcpConnection<'_>| {
-            let mut byte = [0_u8; 1];
-            connection.read(&mut byte)?;
-            connection.set_exchange_deadline(Some(Instant::now() + Duration::from_millis(300)));
-            let result = connection.write_all(&vec![1_u8; 16 << 20]);
-            *outcome.lock().unwrap() = Some(format!("{result:?}"));
-            result
-        })
+        .handler(handler)
         .allow_all()
         .build()
         .expect("the coroutine handler server did not start");

@@ -10,10 +10,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{Recorder, SOON, client, eventually, round_trip};
+use common::sessions::{CloseWhenFull, READ_BEFORE_CLOSE};
+use common::{Recorder, SOON, client, eventually, round_trip, test_builder};
 use net_io_blocking::{
-    CloseReason, Completer, ConnectionId, ConnectionInfo, Input, Limits, Server, ServerBuilder,
-    Session, SessionContext, SessionDriver, Step,
+    CloseReason, Completer, ConnectionId, ConnectionInfo, DEFAULT_WORKERS, Input, Limits, Server,
+    ServerBuilder, Session, SessionContext, SessionDriver, Step,
 };
 
 /// Echoes, except that a line `park` parks the session and hands its completer to the test.
@@ -71,6 +72,28 @@ fn server(
         .build()
         .expect("the event-loop server should start");
     (server, completers)
+}
+
+/// A [`ParkOrEcho`] server on two loops (idle timeout 60 s, the default minimum rate) that tells `place`
+/// each new connection's id and the loop it went to (`u32::MAX` if none was named).
+fn placing_server(
+    recorder: &Recorder,
+    place: impl Fn(ConnectionId, u32) + Send + Sync + 'static,
+) -> Server {
+    ServerBuilder::new()
+        .listen("127.0.0.1:0")
+        .session_driver(SessionDriver::EventLoop { loops: 2 })
+        .limits(Limits::new().idle_timeout(Duration::from_secs(60)))
+        .events(recorder.clone())
+        .sessions(move |info: &ConnectionInfo| {
+            place(info.id, info.worker.map_or(u32::MAX, |worker| worker.0));
+            Some(ParkOrEcho {
+                completers: Arc::default(),
+            })
+        })
+        .allow_all()
+        .build()
+        .expect("the event-loop server should start")
 }
 
 /// Thread counts are process-wide, so the tests take turns.
@@ -479,23 +502,11 @@ fn a_new_connection_goes_to_the_loop_with_the_fewest_connections() {
     let recorder = Recorder::default();
     let loops_seen: Arc<Mutex<Vec<(ConnectionId, u32)>>> = Arc::default();
     let seen = Arc::clone(&loops_seen);
-    let server = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .session_driver(SessionDriver::EventLoop { loops: 2 })
-        .limits(Limits::new().idle_timeout(Duration::from_secs(60)))
-        .events(recorder.clone())
-        .sessions(move |info: &ConnectionInfo| {
-            let worker = info.worker.map_or(u32::MAX, |worker| worker.0);
-            seen.lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .push((info.id, worker));
-            Some(ParkOrEcho {
-                completers: Arc::default(),
-            })
-        })
-        .allow_all()
-        .build()
-        .expect("the event-loop server should start");
+    let server = placing_server(&recorder, move |id, worker| {
+        seen.lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push((id, worker));
+    });
     let loop_of = |stream_index: usize| {
         let seen = loops_seen
             .lock()
@@ -551,40 +562,28 @@ fn a_new_connection_goes_to_the_loop_with_the_fewest_connections() {
     drop(server);
 }
 
-/// Reads until its buffer holds 16 KiB, then closes (gracefully) without consuming anything.
-struct CloseWhenFull;
-
-impl Session for CloseWhenFull {
-    fn on_data(&mut self, input: &mut Input<'_>, _context: &mut SessionContext<'_>) -> Step {
-        if input.len() >= 16 * 1024 {
-            return Step::Close;
-        }
-        Step::Read
-    }
-}
-
 #[test]
 fn a_kill_by_id_cuts_a_lingering_close_on_a_loop_short_with_a_reset() {
     let _turn = turn();
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .session_driver(SessionDriver::EventLoop { loops: 2 })
-        .limits(
-            Limits::new()
-                .min_rate(None)
-                .read_buffer(16 * 1024)
-                .linger_timeout(Duration::from_secs(30)),
-        )
-        .events(recorder.clone())
-        .sessions(|_: &ConnectionInfo| Some(CloseWhenFull))
-        .allow_all()
-        .build()
-        .expect("the event-loop server should start");
+    let server = test_builder(
+        DEFAULT_WORKERS,
+        Limits::new()
+            .read_buffer(READ_BEFORE_CLOSE)
+            .linger_timeout(Duration::from_secs(30)),
+        &recorder,
+    )
+    .session_driver(SessionDriver::EventLoop { loops: 2 })
+    .sessions(|_: &ConnectionInfo| Some(CloseWhenFull))
+    .allow_all()
+    .build()
+    .expect("the event-loop server should start");
     let mut stream = client(server.local_addr());
     // One write, one loopback segment: what the session does not read is in the socket when it closes, so
     // the graceful close lingers to read it.
-    stream.write_all(&vec![b'x'; 16 * 1024 + 1000]).unwrap();
+    stream
+        .write_all(&vec![b'x'; READ_BEFORE_CLOSE + 1000])
+        .unwrap();
     let mut byte = [0u8; 1];
     assert_eq!(
         stream.read(&mut byte).unwrap(),
@@ -625,12 +624,8 @@ fn a_kill_by_id_cuts_a_lingering_close_on_a_loop_short_with_a_reset() {
 fn with_event_loops_the_default_connection_cap_is_the_descriptor_budget_not_the_worker_count() {
     let _turn = turn();
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .listen("127.0.0.1:0")
+    let server = test_builder(1, Limits::new(), &recorder)
         .session_driver(SessionDriver::EventLoop { loops: 2 })
-        .workers(1)
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
         .sessions(|_: &ConnectionInfo| {
             Some(ParkOrEcho {
                 completers: Arc::default(),
@@ -704,19 +699,16 @@ fn thousands_of_short_connections_under_a_long_idle_timeout_leave_a_live_deadlin
     let _turn = turn();
     const CHURN: usize = 2_500;
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .session_driver(SessionDriver::EventLoop { loops: 1 })
-        .limits(
-            Limits::new()
-                .min_rate(None)
-                .idle_timeout(Duration::from_secs(3600)),
-        )
-        .events(recorder.clone())
-        .sessions(|_: &ConnectionInfo| Some(ShortIdleOnRequest))
-        .allow_all()
-        .build()
-        .expect("the event-loop server should start");
+    let server = test_builder(
+        DEFAULT_WORKERS,
+        Limits::new().idle_timeout(Duration::from_secs(3600)),
+        &recorder,
+    )
+    .session_driver(SessionDriver::EventLoop { loops: 1 })
+    .sessions(|_: &ConnectionInfo| Some(ShortIdleOnRequest))
+    .allow_all()
+    .build()
+    .expect("the event-loop server should start");
     // The watched connection's 2 s idle deadline is in the heap first; then each short connection leaves an
     // hour-long idle deadline behind, so the heap is compacted several times over. Were the live deadline
     // dropped, the connection would wait out the hour: its later deadlines are never pushed while the heap
@@ -845,25 +837,22 @@ fn idle_connections_that_once_read_a_long_line_do_not_hoard_the_buffer_budget() 
     let _turn = turn();
     const HOARDERS: usize = 16;
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .session_driver(SessionDriver::EventLoop { loops: 1 })
-        .workers(2)
-        .limits(
-            Limits::new()
-                .min_rate(None)
-                .read_buffer(16 * 1024)
-                .read_buffer_max(64 * 1024)
-                // Room for HOARDERS grown (64 KiB) buffers and one usual one, not for one more grown buffer.
-                .buffer_budget(HOARDERS * 64 * 1024 + 32 * 1024)
-                .max_per_source(HOARDERS + 4)
-                .idle_timeout(Duration::from_secs(60)),
-        )
-        .events(recorder.clone())
-        .sessions(|_: &ConnectionInfo| Some(LineAcknowledger))
-        .allow_all()
-        .build()
-        .expect("the event-loop server should start");
+    let server = test_builder(
+        2,
+        Limits::new()
+            .read_buffer(16 * 1024)
+            .read_buffer_max(64 * 1024)
+            // Room for HOARDERS grown (64 KiB) buffers and one usual one, not for one more grown buffer.
+            .buffer_budget(HOARDERS * 64 * 1024 + 32 * 1024)
+            .max_per_source(HOARDERS + 4)
+            .idle_timeout(Duration::from_secs(60)),
+        &recorder,
+    )
+    .session_driver(SessionDriver::EventLoop { loops: 1 })
+    .sessions(|_: &ConnectionInfo| Some(LineAcknowledger))
+    .allow_all()
+    .build()
+    .expect("the event-loop server should start");
     let mut line = vec![b'a'; 40 * 1024];
     line.push(b'\n');
     let send_long_line = |stream: &mut TcpStream, index: usize| {
@@ -909,32 +898,29 @@ fn buffers_one_loop_no_longer_needs_are_not_kept_from_another_loop_that_does() {
     // The loop of each connection, by the client's port.
     let loops_seen: Arc<Mutex<HashMap<u16, u32>>> = Arc::default();
     let seen = Arc::clone(&loops_seen);
-    let server = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .session_driver(SessionDriver::EventLoop { loops: 2 })
-        .workers(2)
-        .limits(
-            Limits::new()
-                .min_rate(None)
-                .read_buffer(16 * 1024)
-                // Exactly the buffers of 2 x PER_LOOP busy connections.
-                .buffer_budget(2 * PER_LOOP * 16 * 1024)
-                .max_per_source(4 * PER_LOOP)
-                .idle_timeout(Duration::from_secs(60)),
-        )
-        .events(recorder.clone())
-        .sessions(move |info: &ConnectionInfo| {
-            seen.lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .insert(
-                    info.peer.port(),
-                    info.worker.map_or(u32::MAX, |worker| worker.0),
-                );
-            Some(LineAcknowledger)
-        })
-        .allow_all()
-        .build()
-        .expect("the event-loop server should start");
+    let server = test_builder(
+        2,
+        Limits::new()
+            .read_buffer(16 * 1024)
+            // Exactly the buffers of 2 x PER_LOOP busy connections.
+            .buffer_budget(2 * PER_LOOP * 16 * 1024)
+            .max_per_source(4 * PER_LOOP)
+            .idle_timeout(Duration::from_secs(60)),
+        &recorder,
+    )
+    .session_driver(SessionDriver::EventLoop { loops: 2 })
+    .sessions(move |info: &ConnectionInfo| {
+        seen.lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(
+                info.peer.port(),
+                info.worker.map_or(u32::MAX, |worker| worker.0),
+            );
+        Some(LineAcknowledger)
+    })
+    .allow_all()
+    .build()
+    .expect("the event-loop server should start");
     let finish_line = |stream: &mut TcpStream, what: &str| {
         stream.write_all(b"\n").unwrap();
         let mut reply = [0u8; 3];
@@ -1497,23 +1483,11 @@ fn a_new_connection_prefers_a_loop_that_is_not_in_a_solo_read_among_loops_holdin
     let recorder = Recorder::default();
     let loops_seen: Arc<Mutex<HashMap<ConnectionId, u32>>> = Arc::default();
     let seen = Arc::clone(&loops_seen);
-    let server = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .session_driver(SessionDriver::EventLoop { loops: 2 })
-        .limits(Limits::new().idle_timeout(Duration::from_secs(60)))
-        .events(recorder.clone())
-        .sessions(move |info: &ConnectionInfo| {
-            let worker = info.worker.map_or(u32::MAX, |worker| worker.0);
-            seen.lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .insert(info.id, worker);
-            Some(ParkOrEcho {
-                completers: Arc::default(),
-            })
-        })
-        .allow_all()
-        .build()
-        .expect("the event-loop server should start");
+    let server = placing_server(&recorder, move |id, worker| {
+        seen.lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(id, worker);
+    });
     let loop_of = |id: ConnectionId| {
         loops_seen
             .lock()

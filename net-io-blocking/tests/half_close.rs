@@ -10,10 +10,11 @@ use std::net::{Shutdown, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{Recorder, SOON, client, eventually};
+use common::{Recorder, SOON, client, eventually, test_builder};
 use net_io_blocking::{
-    CloseReason, ConnectionInfo, HandlerDriver, Input, Limits, ListenerSpec, NetError, Server,
-    ServerBuilder, Session, SessionContext, SessionDriver, Step, TcpConnection, TimeoutKind,
+    CloseReason, ConnectionInfo, DEFAULT_WORKERS, HandlerDriver, Input, Limits, ListenerSpec,
+    NetError, Server, ServerBuilder, Session, SessionContext, SessionDriver, Step, TcpConnection,
+    TimeoutKind,
 };
 
 /// The reply sent before the FIN: larger than one loopback segment, within the default output budget.
@@ -55,6 +56,12 @@ struct Seen {
 impl Seen {
     fn after(&self) -> Vec<u8> {
         self.after.lock().unwrap().clone()
+    }
+
+    /// Keeps what a handler's call after the half close returned (see [`describe`]) and passes it on.
+    fn report(&self, result: Result<usize, NetError>) -> Result<(), NetError> {
+        *self.outcome.lock().unwrap() = Some(describe(&result));
+        result.map(|_| ())
     }
 }
 
@@ -117,23 +124,22 @@ fn builder(send_buffer: Option<usize>) -> ServerBuilder {
     ServerBuilder::new().listener(spec)
 }
 
+/// A sessions server on `driver` from [`common::test_builder`] (default worker count, minimum rate off).
 fn session_server<S: Session>(
     driver: SessionDriver,
     limits: Limits,
     recorder: &Recorder,
     make: impl Fn() -> S + Send + Sync + 'static,
 ) -> Server {
-    ServerBuilder::new()
-        .listen("127.0.0.1:0")
+    test_builder(DEFAULT_WORKERS, limits, recorder)
         .session_driver(driver)
-        .limits(limits)
-        .events(recorder.clone())
         .sessions(move |_: &ConnectionInfo| Some(make()))
         .allow_all()
         .build()
         .expect("the session server should start")
 }
 
+/// A handler server on `driver` from [`common::test_builder`] (default worker count, minimum rate off).
 fn handler_server<H>(
     driver: HandlerDriver,
     limits: Limits,
@@ -143,11 +149,8 @@ fn handler_server<H>(
 where
     H: Fn(&mut TcpConnection<'_>) -> Result<(), NetError> + Send + Sync + 'static,
 {
-    ServerBuilder::new()
-        .listen("127.0.0.1:0")
+    test_builder(DEFAULT_WORKERS, limits, recorder)
         .handler_driver(driver)
-        .limits(limits)
-        .events(recorder.clone())
         .handler(handler)
         .allow_all()
         .build()
@@ -191,6 +194,90 @@ fn ask_read_all_then_write(
     stream.shutdown(Shutdown::Write).unwrap();
 }
 
+/// The main case's checks on one server: the client asks for the reply (`reply_bytes` after `pause`), reads
+/// it and the FIN and writes more; the close is PeerClosed and the later bytes reach the server side.
+/// `(fin_of, side)` name the one that sent the FIN and the one that should read on, in the messages.
+fn expect_reply_then_listen(
+    server: &Server,
+    recorder: &Recorder,
+    seen: &Seen,
+    (reply_bytes, pause): (usize, Duration),
+    name: &str,
+    (fin_of, side): (&str, &str),
+) {
+    let later = b"still listening?\nyes\n";
+    ask_read_all_then_write(server, reply_bytes, pause, later, name);
+    assert_eq!(
+        recorder.single_close(SOON),
+        CloseReason::PeerClosed,
+        "{name}: a half close followed by the peer's FIN should close gracefully as PeerClosed"
+    );
+    assert_eq!(
+        seen.after(),
+        later,
+        "{name}: the bytes the client sent after the {fin_of} FIN should reach {side}"
+    );
+}
+
+/// Kills the one connection `recorder` saw admitted to `server` (already half closed) and checks that the
+/// kill wins and the close is `Killed(7)`; `side` names the session or handler in the message.
+fn kill_the_half_closed(server: &Server, recorder: &Recorder, name: &str, side: &str) {
+    let id = *recorder.admitted().last().expect("an admitted id");
+    assert!(
+        server.handle().kill(id, 7),
+        "{name}: the kill of a half-closed connection should win"
+    );
+    assert_eq!(
+        recorder.single_close(SOON),
+        CloseReason::Killed(7),
+        "{name}: a killed half-closed {side} closes with the kill"
+    );
+}
+
+/// Connects to `server` and expects its FIN with nothing before it (`fin_expected` says why, in the message),
+/// then a close at the idle deadline `idle`, not before it; `(name, side)` name the driver and the session or
+/// handler in the messages.
+fn expect_fin_then_idle_close(
+    server: &Server,
+    recorder: &Recorder,
+    (name, side): (&str, &str),
+    idle: Duration,
+    fin_expected: &str,
+) {
+    let started = Instant::now();
+    let mut stream = client(server.local_addr());
+    assert!(
+        read_to_eof(&mut stream, name).is_empty(),
+        "{name}: {fin_expected}"
+    );
+    assert_eq!(
+        recorder.single_close(SOON),
+        CloseReason::Idle,
+        "{name}: a half-closed {side} that hears nothing should close at the idle deadline"
+    );
+    // Generous: the deadline must not be skipped (the lower bound) nor lost (SOON caps the wait).
+    assert!(
+        started.elapsed() >= idle,
+        "{name}: the idle close came before the idle timeout"
+    );
+}
+
+/// Runs `case` on each of `drivers` in turn, with the driver's name (for the messages), a fresh recorder and
+/// a fresh [`Seen`].
+fn on_each_driver<D: std::fmt::Debug + Copy>(
+    drivers: [D; 2],
+    case: impl Fn(D, String, Recorder, Seen),
+) {
+    for driver in drivers {
+        case(
+            driver,
+            format!("{driver:?}"),
+            Recorder::default(),
+            Seen::default(),
+        );
+    }
+}
+
 // ----- sessions -----
 
 #[test]
@@ -214,10 +301,7 @@ fn session_reply_then_listen(
     send_buffer: Option<usize>,
     pause: Duration,
 ) {
-    for driver in SESSION_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
-        let seen = Seen::default();
+    on_each_driver(SESSION_DRIVERS, |driver, name, recorder, seen| {
         let shared = seen.clone();
         let server = builder(send_buffer)
             .session_driver(driver)
@@ -233,27 +317,20 @@ fn session_reply_then_listen(
             .allow_all()
             .build()
             .expect("the session server should start");
-        let later = b"still listening?\nyes\n";
-        ask_read_all_then_write(&server, reply_bytes, pause, later, &name);
-        assert_eq!(
-            recorder.single_close(SOON),
-            CloseReason::PeerClosed,
-            "{name}: a half close followed by the peer's FIN should close gracefully as PeerClosed"
+        expect_reply_then_listen(
+            &server,
+            &recorder,
+            &seen,
+            (reply_bytes, pause),
+            &name,
+            ("server's", "the session"),
         );
-        assert_eq!(
-            seen.after(),
-            later,
-            "{name}: the bytes the client sent after the server's FIN should reach the session"
-        );
-    }
+    });
 }
 
 #[test]
 fn the_idle_deadline_still_applies_to_a_half_closed_session() {
-    for driver in SESSION_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
-        let seen = Seen::default();
+    on_each_driver(SESSION_DRIVERS, |driver, name, recorder, seen| {
         let idle = Duration::from_millis(300);
         let server = session_server(
             driver,
@@ -261,31 +338,19 @@ fn the_idle_deadline_still_applies_to_a_half_closed_session() {
             &recorder,
             move || ShutAtOpen { seen: seen.clone() },
         );
-        let started = Instant::now();
-        let mut stream = client(server.local_addr());
-        assert!(
-            read_to_eof(&mut stream, &name).is_empty(),
-            "{name}: a session that half closes at once sends nothing before its FIN"
+        expect_fin_then_idle_close(
+            &server,
+            &recorder,
+            (&name, "session"),
+            idle,
+            "a session that half closes at once sends nothing before its FIN",
         );
-        assert_eq!(
-            recorder.single_close(SOON),
-            CloseReason::Idle,
-            "{name}: a half-closed session that hears nothing should close at the idle deadline"
-        );
-        // Generous: the deadline must not be skipped (the lower bound) nor lost (SOON caps the wait).
-        assert!(
-            started.elapsed() >= idle,
-            "{name}: the idle close came before the idle timeout"
-        );
-    }
+    });
 }
 
 #[test]
 fn a_kill_while_a_session_is_half_closed_closes_it_with_the_kill() {
-    for driver in SESSION_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
-        let seen = Seen::default();
+    on_each_driver(SESSION_DRIVERS, |driver, name, recorder, seen| {
         let server = session_server(driver, Limits::new(), &recorder, move || ShutAtOpen {
             seen: seen.clone(),
         });
@@ -294,25 +359,13 @@ fn a_kill_while_a_session_is_half_closed_closes_it_with_the_kill() {
             read_to_eof(&mut stream, &name).is_empty(),
             "{name}: the half close should reach the client"
         );
-        let id = *recorder.admitted().last().expect("an admitted id");
-        assert!(
-            server.handle().kill(id, 7),
-            "{name}: the kill of a half-closed connection should win"
-        );
-        assert_eq!(
-            recorder.single_close(SOON),
-            CloseReason::Killed(7),
-            "{name}: a killed half-closed session closes with the kill"
-        );
-    }
+        kill_the_half_closed(&server, &recorder, &name, "session");
+    });
 }
 
 #[test]
 fn a_write_queued_after_a_session_half_closed_closes_it_with_session_error() {
-    for driver in SESSION_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
-        let seen = Seen::default();
+    on_each_driver(SESSION_DRIVERS, |driver, name, recorder, seen| {
         let shared = seen.clone();
         let server = session_server(driver, Limits::new(), &recorder, move || ShutAtOpen {
             seen: shared.clone(),
@@ -333,7 +386,7 @@ fn a_write_queued_after_a_session_half_closed_closes_it_with_session_error() {
             Some(true),
             "{name}: the context should say the write side is shut once the FIN went out"
         );
-    }
+    });
 }
 
 // ----- handlers -----
@@ -367,6 +420,13 @@ fn reply_then_listen(
     }
 }
 
+/// Half closes, then reads once and reports what the read returned to `seen`.
+fn shut_then_read_once(connection: &mut TcpConnection<'_>, seen: &Seen) -> Result<(), NetError> {
+    connection.shutdown_write()?;
+    let mut buffer = [0u8; 64];
+    seen.report(connection.read(&mut buffer))
+}
+
 fn describe(result: &Result<usize, NetError>) -> String {
     match result {
         Ok(count) => format!("Ok({count})"),
@@ -397,10 +457,7 @@ fn handler_reply_then_listen(
     send_buffer: Option<usize>,
     pause: Duration,
 ) {
-    for driver in HANDLER_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
-        let seen = Seen::default();
+    on_each_driver(HANDLER_DRIVERS, |driver, name, recorder, seen| {
         let shared = seen.clone();
         let server = builder(send_buffer)
             .handler_driver(driver)
@@ -412,93 +469,56 @@ fn handler_reply_then_listen(
             .allow_all()
             .build()
             .expect("the handler server should start");
-        let later = b"still listening?\nyes\n";
-        ask_read_all_then_write(&server, reply_bytes, pause, later, &name);
-        assert_eq!(
-            recorder.single_close(SOON),
-            CloseReason::PeerClosed,
-            "{name}: a half close followed by the peer's FIN should close gracefully as PeerClosed"
+        expect_reply_then_listen(
+            &server,
+            &recorder,
+            &seen,
+            (reply_bytes, pause),
+            &name,
+            ("handler's", "the handler"),
         );
-        assert_eq!(
-            seen.after(),
-            later,
-            "{name}: the bytes the client sent after the handler's FIN should reach the handler"
-        );
-    }
+    });
 }
 
 #[test]
 fn the_idle_deadline_still_applies_to_a_half_closed_handler() {
-    for driver in HANDLER_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
-        let seen = Seen::default();
+    on_each_driver(HANDLER_DRIVERS, |driver, name, recorder, seen| {
         let shared = seen.clone();
         let idle = Duration::from_millis(300);
         let server = handler_server(
             driver,
             Limits::new().idle_timeout(idle),
             &recorder,
-            move |connection| {
-                connection.shutdown_write()?;
-                let mut buffer = [0u8; 64];
-                let read = connection.read(&mut buffer);
-                *shared.outcome.lock().unwrap() = Some(describe(&read));
-                read.map(|_| ())
-            },
+            move |connection| shut_then_read_once(connection, &shared),
         );
-        let started = Instant::now();
-        let mut stream = client(server.local_addr());
-        assert!(
-            read_to_eof(&mut stream, &name).is_empty(),
-            "{name}: the handler's half close should reach the client"
-        );
-        assert_eq!(
-            recorder.single_close(SOON),
-            CloseReason::Idle,
-            "{name}: a half-closed handler that hears nothing should close at the idle deadline"
-        );
-        assert!(
-            started.elapsed() >= idle,
-            "{name}: the idle close came before the idle timeout"
+        expect_fin_then_idle_close(
+            &server,
+            &recorder,
+            (&name, "handler"),
+            idle,
+            "the handler's half close should reach the client",
         );
         assert_eq!(
             seen.outcome.lock().unwrap().as_deref(),
             Some("Timeout(Idle)"),
             "{name}: the handler's read should report the idle deadline"
         );
-    }
+    });
 }
 
 #[test]
 fn a_kill_while_a_handler_is_half_closed_ends_its_read_with_the_kill() {
-    for driver in HANDLER_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
-        let seen = Seen::default();
+    on_each_driver(HANDLER_DRIVERS, |driver, name, recorder, seen| {
         let shared = seen.clone();
         let server = handler_server(driver, Limits::new(), &recorder, move |connection| {
-            connection.shutdown_write()?;
-            let mut buffer = [0u8; 64];
-            let read = connection.read(&mut buffer);
-            *shared.outcome.lock().unwrap() = Some(describe(&read));
-            read.map(|_| ())
+            shut_then_read_once(connection, &shared)
         });
         let mut stream = client(server.local_addr());
         assert!(
             read_to_eof(&mut stream, &name).is_empty(),
             "{name}: the handler's half close should reach the client"
         );
-        let id = *recorder.admitted().last().expect("an admitted id");
-        assert!(
-            server.handle().kill(id, 7),
-            "{name}: the kill of a half-closed connection should win"
-        );
-        assert_eq!(
-            recorder.single_close(SOON),
-            CloseReason::Killed(7),
-            "{name}: a killed half-closed handler closes with the kill"
-        );
+        kill_the_half_closed(&server, &recorder, &name, "handler");
         assert!(
             eventually(SOON, || seen.outcome.lock().unwrap().is_some()),
             "{name}: the handler's read did not return after the kill"
@@ -508,24 +528,19 @@ fn a_kill_while_a_handler_is_half_closed_ends_its_read_with_the_kill() {
             Some("Closed(Killed(7))"),
             "{name}: the handler's waiting read should end with the kill"
         );
-    }
+    });
 }
 
 #[test]
 fn a_handler_write_after_its_half_close_fails_with_session_error() {
-    for driver in HANDLER_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
-        let seen = Seen::default();
+    on_each_driver(HANDLER_DRIVERS, |driver, name, recorder, seen| {
         let shared = seen.clone();
         let server = handler_server(driver, Limits::new(), &recorder, move |connection| {
             connection.write_all(b"before\n")?;
             connection.shutdown_write()?;
             // A second call changes nothing.
             connection.shutdown_write()?;
-            let written = connection.write_all(b"after\n").map(|()| 0);
-            *shared.outcome.lock().unwrap() = Some(describe(&written));
-            written.map(|_| ())
+            shared.report(connection.write_all(b"after\n").map(|()| 0))
         });
         let mut stream = client(server.local_addr());
         assert_eq!(
@@ -543,7 +558,7 @@ fn a_handler_write_after_its_half_close_fails_with_session_error() {
             Some("Closed(SessionError)"),
             "{name}: the write after the half close should fail"
         );
-    }
+    });
 }
 
 // ----- deadlines and drain while half closed -----
@@ -567,9 +582,7 @@ impl Session for ShutThenWaitForLine {
 
 #[test]
 fn the_read_deadline_still_applies_to_a_half_closed_session_once_a_request_started() {
-    for driver in SESSION_DRIVERS {
-        let name = format!("{driver:?}");
-        let recorder = Recorder::default();
+    on_each_driver(SESSION_DRIVERS, |driver, name, recorder, _seen| {
         let read = Duration::from_millis(300);
         let server = session_server(
             driver,
@@ -595,7 +608,7 @@ fn the_read_deadline_still_applies_to_a_half_closed_session_once_a_request_start
             started.elapsed() >= read,
             "{name}: the read-deadline close came before the read timeout"
         );
-    }
+    });
 }
 
 #[test]

@@ -12,32 +12,18 @@ use std::io::Write;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{Recorder, SOON, client, eventually};
+use common::sessions::{CloseWhenFull, READ_BEFORE_CLOSE};
+use common::{Recorder, SOON, client, eventually, test_builder};
 use net_io_blocking::{
-    CloseReason, ConnectionInfo, HandlerDriver, Input, Limits, NetError, Server, ServerBuilder,
-    Session, SessionContext, SessionDriver, Step, TcpConnection,
+    CloseReason, ConnectionInfo, DEFAULT_WORKERS, HandlerDriver, Limits, NetError, Server,
+    SessionDriver, TcpConnection,
 };
-
-/// How much the server reads before it closes; the client sends more, so the close lingers.
-const READ_BEFORE_CLOSE: usize = 16 * 1024;
 
 /// One race at a time: each holds a loop or a worker busy and times its closes.
 static TURN: Mutex<()> = Mutex::new(());
 
 fn turn() -> std::sync::MutexGuard<'static, ()> {
     TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// Closes gracefully once it holds `READ_BEFORE_CLOSE` bytes, without consuming them.
-struct CloseWhenFull;
-
-impl Session for CloseWhenFull {
-    fn on_data(&mut self, input: &mut Input<'_>, _context: &mut SessionContext<'_>) -> Step {
-        if input.len() >= READ_BEFORE_CLOSE {
-            return Step::Close;
-        }
-        Step::Read
-    }
 }
 
 /// Reads exactly `READ_BEFORE_CLOSE` bytes, then returns (a graceful close with input left unread).
@@ -62,11 +48,8 @@ fn limits(linger: Duration) -> Limits {
 }
 
 fn session_server(driver: SessionDriver, linger: Duration, recorder: &Recorder) -> Server {
-    ServerBuilder::new()
-        .listen("127.0.0.1:0")
+    test_builder(DEFAULT_WORKERS, limits(linger), recorder)
         .session_driver(driver)
-        .limits(limits(linger))
-        .events(recorder.clone())
         .sessions(|_: &ConnectionInfo| Some(CloseWhenFull))
         .allow_all()
         .build()
@@ -74,15 +57,21 @@ fn session_server(driver: SessionDriver, linger: Duration, recorder: &Recorder) 
 }
 
 fn handler_server(driver: HandlerDriver, linger: Duration, recorder: &Recorder) -> Server {
-    ServerBuilder::new()
-        .listen("127.0.0.1:0")
+    test_builder(DEFAULT_WORKERS, limits(linger), recorder)
         .handler_driver(driver)
-        .limits(limits(linger))
-        .events(recorder.clone())
         .handler(read_then_return)
         .allow_all()
         .build()
         .expect("the handler server should start")
+}
+
+/// Takes the turn and races [`ATTEMPTS`] kills against graceful closes (lingering up to [`LINGER`]) on the
+/// server `start` makes with the recorder it is given.
+fn race_on(start: impl FnOnce(&Recorder) -> Server) {
+    let _turn = turn();
+    let recorder = Recorder::default();
+    let server = start(&recorder);
+    race(server, &recorder, LINGER, ATTEMPTS);
 }
 
 /// Races `attempts` kills against graceful closes on `server` and checks that none is lost.
@@ -155,32 +144,20 @@ const LINGER: Duration = Duration::from_secs(3);
 
 #[test]
 fn a_kill_racing_a_graceful_close_is_never_lost_on_an_event_loop() {
-    let _turn = turn();
-    let recorder = Recorder::default();
-    let server = session_server(SessionDriver::EventLoop { loops: 1 }, LINGER, &recorder);
-    race(server, &recorder, LINGER, ATTEMPTS);
+    race_on(|recorder| session_server(SessionDriver::EventLoop { loops: 1 }, LINGER, recorder));
 }
 
 #[test]
 fn a_kill_racing_a_graceful_close_is_never_lost_on_session_worker_threads() {
-    let _turn = turn();
-    let recorder = Recorder::default();
-    let server = session_server(SessionDriver::Threads, LINGER, &recorder);
-    race(server, &recorder, LINGER, ATTEMPTS);
+    race_on(|recorder| session_server(SessionDriver::Threads, LINGER, recorder));
 }
 
 #[test]
 fn a_kill_racing_a_graceful_close_is_never_lost_on_handler_worker_threads() {
-    let _turn = turn();
-    let recorder = Recorder::default();
-    let server = handler_server(HandlerDriver::Threads, LINGER, &recorder);
-    race(server, &recorder, LINGER, ATTEMPTS);
+    race_on(|recorder| handler_server(HandlerDriver::Threads, LINGER, recorder));
 }
 
 #[test]
 fn a_kill_racing_a_graceful_close_is_never_lost_on_handler_coroutines() {
-    let _turn = turn();
-    let recorder = Recorder::default();
-    let server = handler_server(HandlerDriver::Coroutines { loops: 1 }, LINGER, &recorder);
-    race(server, &recorder, LINGER, ATTEMPTS);
+    race_on(|recorder| handler_server(HandlerDriver::Coroutines { loops: 1 }, LINGER, recorder));
 }

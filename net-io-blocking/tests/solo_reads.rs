@@ -9,34 +9,21 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Recorder, SOON, client, round_trip};
+use common::echo::{echo, who_am_i};
+use common::{Recorder, SOON, client, read_line, round_trip, test_builder};
 use net_io_blocking::{
-    CloseReason, Completer, ConnectionInfo, HandlerDriver, Input, Limits, ListenerSpec, NetError,
-    ProxyMode, Server, ServerBuilder, Session, SessionContext, SessionDriver, Step, TcpConnection,
+    CloseReason, Completer, ConnectionInfo, DEFAULT_WORKERS, HandlerDriver, Input, Limits,
+    ListenerSpec, ProxyMode, Server, ServerBuilder, Session, SessionContext, SessionDriver, Step,
     TrustedProxies,
 };
 use net_io_core::ManualClock;
 use net_io_core::proxy::encode_v1;
 
-/// Echoes each read until the peer closes.
-fn echo(connection: &mut TcpConnection<'_>) -> Result<(), NetError> {
-    let mut buffer = [0_u8; 4096];
-    loop {
-        let count = connection.read(&mut buffer)?;
-        if count == 0 {
-            return Ok(());
-        }
-        connection.write_all(&buffer[..count])?;
-    }
-}
-
-/// A one-loop echo server with handlers on coroutines and the default solo slice (1 ms).
+/// A one-loop echo server with handlers on coroutines and the default solo slice (1 ms):
+/// [`common::test_builder`]'s settings with the default worker count (it only enters the descriptor budget).
 fn one_loop_server(limits: Limits, recorder: &Recorder) -> Server {
-    ServerBuilder::new()
-        .listen("127.0.0.1:0")
+    test_builder(DEFAULT_WORKERS, limits, recorder)
         .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-        .limits(limits.or(Limits::new().min_rate(None)))
-        .events(recorder.clone())
         .handler(echo)
         .allow_all()
         .build()
@@ -84,20 +71,17 @@ fn a_solo_read_waits_one_slice_even_when_the_inherited_receive_timeout_is_within
 fn under_a_manual_clock_the_idle_deadline_fires_while_the_loop_reads_one_connection_alone() {
     let clock = Arc::new(ManualClock::new());
     let recorder = Recorder::default();
-    let server = ServerBuilder::new()
-        .listen("127.0.0.1:0")
-        .handler_driver(HandlerDriver::Coroutines { loops: 1 })
-        .limits(
-            Limits::new()
-                .min_rate(None)
-                .idle_timeout(Duration::from_secs(600)),
-        )
-        .clock(clock.clone())
-        .events(recorder.clone())
-        .handler(echo)
-        .allow_all()
-        .build()
-        .expect("the manual-clock server did not start");
+    let server = test_builder(
+        DEFAULT_WORKERS,
+        Limits::new().idle_timeout(Duration::from_secs(600)),
+        &recorder,
+    )
+    .handler_driver(HandlerDriver::Coroutines { loops: 1 })
+    .clock(clock.clone())
+    .handler(echo)
+    .allow_all()
+    .build()
+    .expect("the manual-clock server did not start");
     let mut stream = client(server.local_addr());
     for _ in 0..20 {
         assert_eq!(round_trip(&mut stream, b"solo"), b"solo");
@@ -132,11 +116,7 @@ fn a_connection_behind_a_proxy_header_is_read_alone_after_its_header_and_keeps_i
         .handler_driver(HandlerDriver::Coroutines { loops: 1 })
         .limits(Limits::new().min_rate(None))
         .events(recorder.clone())
-        .handler(|connection: &mut TcpConnection<'_>| {
-            let line = format!("{}\n", connection.peer_addr());
-            connection.write_all(line.as_bytes())?;
-            echo(connection)
-        })
+        .handler(who_am_i)
         .allow_all()
         .build()
         .expect("the proxied server did not start");
@@ -147,14 +127,8 @@ fn a_connection_behind_a_proxy_header_is_read_alone_after_its_header_and_keeps_i
     stream
         .write_all(encode_v1(real, server.local_addr()).as_bytes())
         .unwrap();
-    let mut line = Vec::new();
-    let mut byte = [0_u8; 1];
-    while byte[0] != b'\n' {
-        stream.read_exact(&mut byte).unwrap();
-        line.push(byte[0]);
-    }
     assert_eq!(
-        String::from_utf8_lossy(&line).trim_end(),
+        read_line(&mut stream),
         real.to_string(),
         "the handler should see the client the header named"
     );
@@ -209,13 +183,10 @@ fn a_session_that_parks_between_solo_reads_gets_its_completion_at_once() {
     let recorder = Recorder::default();
     let (completers, completer_receiver) = std::sync::mpsc::channel::<Completer>();
     let completers = std::sync::Mutex::new(completers);
-    let server = ServerBuilder::new()
-        .listen("127.0.0.1:0")
+    let server = test_builder(DEFAULT_WORKERS, Limits::new(), &recorder)
         .session_driver(SessionDriver::EventLoop { loops: 1 })
         // A long slice: a completion that waited for a solo read to end would take a second.
         .solo_read_slice(Duration::from_secs(1))
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
         .sessions(move |_: &ConnectionInfo| {
             Some(ParkOnRequest {
                 completers: completers.lock().unwrap().clone(),

@@ -1,10 +1,11 @@
 //! Helpers shared by the integration tests: an event recorder, `eventually`, small std clients, and (in the
-//! submodules) the echo session and handlers.
+//! submodules) the echo session and handlers, gates, child processes and other shared sessions.
 #![allow(dead_code)]
 
 pub mod child;
 pub mod echo;
 pub mod gates;
+pub mod sessions;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
