@@ -124,7 +124,8 @@ fn builder(send_buffer: Option<usize>) -> ServerBuilder {
     ServerBuilder::new().listener(spec)
 }
 
-/// A sessions server on `driver` from [`common::test_builder`] (default worker count, minimum rate off).
+/// A sessions server on `driver` from [`common::test_builder`] (default worker count), with `limits` as given:
+/// the minimum rate stays on unless the caller turns it off, so a half-closed connection is judged by it too.
 fn session_server<S: Session>(
     driver: SessionDriver,
     limits: Limits,
@@ -132,6 +133,7 @@ fn session_server<S: Session>(
     make: impl Fn() -> S + Send + Sync + 'static,
 ) -> Server {
     test_builder(DEFAULT_WORKERS, limits, recorder)
+        .limits(limits)
         .session_driver(driver)
         .sessions(move |_: &ConnectionInfo| Some(make()))
         .allow_all()
@@ -139,7 +141,8 @@ fn session_server<S: Session>(
         .expect("the session server should start")
 }
 
-/// A handler server on `driver` from [`common::test_builder`] (default worker count, minimum rate off).
+/// A handler server on `driver` from [`common::test_builder`] (default worker count), with `limits` as given
+/// (minimum rate included).
 fn handler_server<H>(
     driver: HandlerDriver,
     limits: Limits,
@@ -150,6 +153,7 @@ where
     H: Fn(&mut TcpConnection<'_>) -> Result<(), NetError> + Send + Sync + 'static,
 {
     test_builder(DEFAULT_WORKERS, limits, recorder)
+        .limits(limits)
         .handler_driver(driver)
         .handler(handler)
         .allow_all()
