@@ -2267,22 +2267,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         if self.entries.len() > SLAB_KEPT && self.live * 4 < self.entries.len() {
             self.shrink_wanted = true;
         }
-        match reason {
-            CloseReason::Killed(code) => core.emit(Event::Killed { id: info.id, code }),
-            CloseReason::Limit(which) => core.emit(Event::LimitHit {
-                id: Some(info.id),
-                which,
-            }),
-            CloseReason::EgressDenied(code) => core.emit(Event::EgressDenied { id: info.id, code }),
-            _ => {}
-        }
-        core.emit(Event::Closed {
-            id: info.id,
-            reason,
-            bytes_in,
-            bytes_out,
-            lifetime: core.now().saturating_duration_since(info.accepted_at),
-        });
+        core.emit_closed(&info, reason, bytes_in, bytes_out);
     }
 
     // ----- helpers -----

@@ -417,13 +417,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             .counters
             .slot(counter_slot)
             .record_close(reason, 0, 0);
-        self.core.emit(Event::Closed {
-            id: info.id,
-            reason,
-            bytes_in: 0,
-            bytes_out: 0,
-            lifetime: self.core.now().saturating_duration_since(info.accepted_at),
-        });
+        self.core.emit_closed(&info, reason, 0, 0);
         drop(reservation);
         reset(socket);
     }
@@ -661,22 +655,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         // Closed event is never refused by a connection that is already gone.
         drop(reservation);
         drop(busy);
-        match reason {
-            CloseReason::Killed(code) => core.emit(Event::Killed { id: info.id, code }),
-            CloseReason::Limit(which) => core.emit(Event::LimitHit {
-                id: Some(info.id),
-                which,
-            }),
-            CloseReason::EgressDenied(code) => core.emit(Event::EgressDenied { id: info.id, code }),
-            _ => {}
-        }
-        core.emit(Event::Closed {
-            id: info.id,
-            reason,
-            bytes_in: link.bytes_in,
-            bytes_out: link.bytes_out,
-            lifetime: core.now().saturating_duration_since(info.accepted_at),
-        });
+        core.emit_closed(&info, reason, link.bytes_in, link.bytes_out);
     }
 }
 

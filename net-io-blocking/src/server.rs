@@ -9,8 +9,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use net_io_core::{
-    CloseReason, ConnectionId, Counters, Event, EventSink, ListenerId, NetError, ResolvedLimits,
-    Stats,
+    CloseReason, ConnectionId, ConnectionInfo, Counters, Event, EventSink, ListenerId, NetError,
+    ResolvedLimits, Stats,
 };
 use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::{KillCondition, KillSlot};
@@ -180,6 +180,33 @@ impl Core {
 
     pub(crate) fn now(&self) -> Instant {
         self.clock.now()
+    }
+
+    /// The events of one close, after its caps were freed: the event naming the cause when the reason has
+    /// one (a kill, a limit, a gate denial), then `Closed`. Both drivers end every connection here.
+    pub(crate) fn emit_closed(
+        &self,
+        info: &ConnectionInfo,
+        reason: CloseReason,
+        bytes_in: u64,
+        bytes_out: u64,
+    ) {
+        match reason {
+            CloseReason::Killed(code) => self.emit(Event::Killed { id: info.id, code }),
+            CloseReason::Limit(which) => self.emit(Event::LimitHit {
+                id: Some(info.id),
+                which,
+            }),
+            CloseReason::EgressDenied(code) => self.emit(Event::EgressDenied { id: info.id, code }),
+            _ => {}
+        }
+        self.emit(Event::Closed {
+            id: info.id,
+            reason,
+            bytes_in,
+            bytes_out,
+            lifetime: self.now().saturating_duration_since(info.accepted_at),
+        });
     }
 
     /// Why an idle connection closes while the server drains: `Shutdown` once [`Server::shutdown`] (or a drop,
