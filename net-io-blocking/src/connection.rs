@@ -76,21 +76,15 @@ impl<'a> TcpConnection<'a> {
         kill: KillHandle,
         prefix: &'a [u8],
     ) -> Self {
-        Self {
-            link: Holder::Served(link),
+        Self::fresh(
+            Holder::Served(link),
             info,
-            limits: *limits,
-            check: Some(check),
-            core: Some(core),
+            *limits,
+            Some(check),
+            Some(core),
             kill,
             prefix,
-            receiving: false,
-            terminal: None,
-            peer_closed: false,
-            write_shut: false,
-            exchange_deadline: None,
-            idle_timeout: limits.idle_timeout,
-        }
+        )
     }
 
     /// A connection served on an event loop, inside the handler's coroutine.
@@ -101,24 +95,47 @@ impl<'a> TcpConnection<'a> {
         core: &'a Core,
         kill: KillHandle,
     ) -> Self {
-        Self {
-            link: Holder::Loop(LoopSide {
-                yielder,
-                output: Some(output),
-                requests: Requests::default(),
-            }),
+        let side = LoopSide {
+            yielder,
+            output: Some(output),
+            requests: Requests::default(),
+        };
+        Self::fresh(
+            Holder::Loop(side),
             info,
-            limits: core.limits,
-            check: None,
-            core: Some(core),
+            core.limits,
+            None,
+            Some(core),
             kill,
-            prefix: &[],
+            &[],
+        )
+    }
+
+    /// A connection in its opening state: nothing read or written yet, no close reason, the idle timeout of
+    /// `limits`. Every constructor goes through here, so a new field gets its opening value in one place.
+    fn fresh(
+        link: Holder<'a>,
+        info: ConnectionInfo,
+        limits: ResolvedLimits,
+        check: Option<&'a mut dyn FnMut(usize, bool) -> Verdict>,
+        core: Option<&'a Core>,
+        kill: KillHandle,
+        prefix: &'a [u8],
+    ) -> Self {
+        Self {
+            link,
+            info,
+            limits,
+            check,
+            core,
+            kill,
+            prefix,
             receiving: false,
             terminal: None,
             peer_closed: false,
             write_shut: false,
             exchange_deadline: None,
-            idle_timeout: core.limits.idle_timeout,
+            idle_timeout: limits.idle_timeout,
         }
     }
 
@@ -533,26 +550,21 @@ pub fn connect(address: SocketAddr, limits: &Limits) -> Result<TcpConnection<'st
         false,
     );
     let info = ConnectionInfo::new(id, ListenerId(u32::MAX), local, address, Instant::now());
-    Ok(TcpConnection {
-        link: Holder::Owned(Box::new(link)),
+    let kill = KillHandle {
+        slot,
+        wake,
+        linger,
+        id,
+    };
+    Ok(TcpConnection::fresh(
+        Holder::Owned(Box::new(link)),
         info,
-        limits: resolved,
-        check: None,
-        core: None,
-        kill: KillHandle {
-            slot,
-            wake,
-            linger,
-            id,
-        },
-        prefix: &[],
-        receiving: false,
-        terminal: None,
-        peer_closed: false,
-        write_shut: false,
-        exchange_deadline: None,
-        idle_timeout: resolved.idle_timeout,
-    })
+        resolved,
+        None,
+        None,
+        kill,
+        &[],
+    ))
 }
 
 impl Drop for TcpConnection<'_> {
