@@ -435,25 +435,6 @@ fn an_idle_handler_connection_closes_at_the_idle_deadline() {
 }
 
 #[test]
-fn a_request_that_stops_halfway_closes_at_the_read_deadline() {
-    let _turn = shared_turn();
-    let (recorder, server) = serve(
-        Limits::new()
-            .idle_timeout(Duration::from_secs(60))
-            .read_timeout(Duration::from_millis(200)),
-        echo_fours,
-    );
-    let mut stream = client(server.local_addr());
-    stream.write_all(b"ab").unwrap();
-    let started = Instant::now();
-    assert_eq!(recorder.single_close(SOON), CloseReason::ReadTimeout);
-    assert!(
-        started.elapsed() < Duration::from_secs(50),
-        "the read deadline, not the idle one, should apply once a request started"
-    );
-}
-
-#[test]
 fn a_handler_exchange_deadline_closes_with_exchange_deadline() {
     let _turn = shared_turn();
     let (recorder, server) = serve(
