@@ -634,7 +634,9 @@ fn measure_echo(
             &options.echo_duration.as_millis().to_string(),
         ]),
         "bench_client echo",
-        false,
+        // The client holds its connections until this pipe closes in `finish`, so a thread-per-connection
+        // server keeps its threads, and their context switch counts, past the second reading.
+        true,
     )?;
     let server_pid = server.child.id();
     // The client stays a child until `finish` waits for it, so its /proc entry outlives its last line.
@@ -657,8 +659,10 @@ fn measure_echo(
         server_cpu_after.saturating_sub(server_cpu_before) as f64 / clock_ticks;
     let client_cpu_seconds =
         client_cpu_after.saturating_sub(client_cpu_before) as f64 / clock_ticks;
-    // A thread that exits inside the window takes its switches out of the sum; none of the servers ends a
-    // thread while its connections stay open, and the sum is kept from going below zero if one did.
+    // A thread that exits before the second reading takes its switches out of the sum (the kernel keeps an
+    // exited thread's CPU time in /proc/PID/stat, but not its switches); the client holds every connection
+    // open until `finish`, so no server ends a connection's thread before then, and the sum is kept from
+    // going below zero if one did.
     let switches = switches_after.saturating_sub(switches_before) as f64;
     Ok(EchoResult {
         connections,
