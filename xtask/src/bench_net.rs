@@ -210,6 +210,9 @@ struct ChurnResult {
 /// Everything measured for one kind in one round.
 #[derive(Debug, Clone, Default)]
 struct KindRound {
+    /// When this kind's measurements of the round began, from the start of the run: the echo loads come
+    /// first, so two kinds' echo figures of one round were taken about this far apart.
+    started: Duration,
     echo: Vec<EchoResult>,
     idle_bytes_per_connection: f64,
     idle_total_bytes_per_connection: f64,
@@ -268,8 +271,10 @@ pub fn run(arguments: &[String]) -> Result<()> {
                 kind.name
             );
             load_samples.extend(one_minute_load());
-            let measured = measure_kind(&binaries, kind, &options, clock_ticks)
+            let began = started.elapsed();
+            let mut measured = measure_kind(&binaries, kind, &options, clock_ticks)
                 .with_context(|| format!("measuring {} in round {}", kind.name, round + 1))?;
+            measured.started = began;
             eprintln!("xtask:   {}", summarise(&measured, &options));
             results[index].push(measured);
         }
@@ -1391,20 +1396,22 @@ fn render_ratios_against_tokio(out: &mut String, options: &Options, results: &[V
     let _ = writeln!(
         out,
         "Each round measures every kind once (order rotated by one each round), so a kind's round pairs with \
-         tokio's round of the same number, taken at most a few minutes apart under the same background load. \
-         The headline ratio, in the echo table's `rt/s vs tokio` column and in the targets below, stays the \
-         **ratio of medians** (a kind's median round trips/s over tokio's), as in every earlier run, so that \
-         figures stay comparable across runs. The per-round ratios beside it show how firm that headline is: \
-         their median cancels a slow phase of the machine that hit both sides of one round, and their lowest \
-         and highest give the range a single round could have reported. A kind's own spread (highest minus \
-         lowest round trips/s, as a share of its median) shows how much the machine moved under it.\n"
+         tokio's round of the same number. The headline ratio, in the echo table's `rt/s vs tokio` column and \
+         in the targets below, stays the **ratio of medians** (a kind's median round trips/s over tokio's), as \
+         in every earlier run, so that figures stay comparable across runs. The per-round ratios beside it show \
+         how firm that headline is: their lowest and highest give the range a single round could have reported, \
+         and their median cancels a slow phase of the machine that hit both sides of a round, if the phase \
+         lasted longer than the time between the two measurements (the column \"apart\"; every load a run \
+         selects lengthens it, so `--loads echo256` pairs them closest). A kind's own spread (highest minus \
+         lowest round trips/s, as a share of its median) shows how much the machine moved under it. When the \
+         range of ratios straddles a target, one run of this length cannot settle it.\n"
     );
     let _ = writeln!(
         out,
-        "| Server | Connections | Round trips/s per round | Own spread | vs tokio per round | Median of ratios | \
-         Lowest | Highest | Ratio of medians (headline) |"
+        "| Server | Connections | Round trips/s per round | Own spread | Apart from tokio's, at most (s) | \
+         vs tokio per round | Median of ratios | Lowest | Highest | Ratio of medians (headline) |"
     );
-    let _ = writeln!(out, "|---|---:|---|---:|---|---:|---:|---:|---:|");
+    let _ = writeln!(out, "|---|---:|---|---:|---:|---|---:|---:|---:|---:|");
     let times = |value: f64| {
         if value.is_finite() {
             format!("{value:.2}x")
@@ -1425,7 +1432,7 @@ fn render_ratios_against_tokio(out: &mut String, options: &Options, results: &[V
             if kind.name == "tokio" {
                 let _ = writeln!(
                     out,
-                    "| {} | {connections} | {listed} | {:.0}% | - | - | - | - | - |",
+                    "| {} | {connections} | {listed} | {:.0}% | - | - | - | - | - | - |",
                     kind.label,
                     own.range_of_median() * 100.0
                 );
@@ -1438,9 +1445,14 @@ fn render_ratios_against_tokio(out: &mut String, options: &Options, results: &[V
                 .map(|ratio| times(*ratio))
                 .collect::<Vec<_>>()
                 .join(", ");
+            let apart = rounds
+                .iter()
+                .zip(tokio_rounds)
+                .map(|(ours, tokio)| ours.started.abs_diff(tokio.started).as_secs_f64())
+                .fold(0.0, f64::max);
             let _ = writeln!(
                 out,
-                "| {} | {connections} | {listed} | {:.0}% | {per_round} | {} | {} | {} | {} |",
+                "| {} | {connections} | {listed} | {:.0}% | {apart:.0} | {per_round} | {} | {} | {} | {} |",
                 kind.label,
                 own.range_of_median() * 100.0,
                 times(paired.median),
@@ -2039,11 +2051,14 @@ nonvoluntary_ctxt_switches:\t42
         );
     }
 
-    /// One kind's rounds with the given round trips/s at 256 connections.
-    fn rounds_at_256(rates: &[f64]) -> Vec<KindRound> {
+    /// One kind's rounds with the given round trips/s at 256 connections, begun `offset` seconds into
+    /// rounds that start every 30 s.
+    fn rounds_at_256(rates: &[f64], offset: u64) -> Vec<KindRound> {
         rates
             .iter()
-            .map(|rate| KindRound {
+            .enumerate()
+            .map(|(round, rate)| KindRound {
+                started: Duration::from_secs(round as u64 * 30 + offset),
                 echo: vec![EchoResult {
                     connections: 256,
                     round_trips_per_second: *rate,
@@ -2075,8 +2090,8 @@ nonvoluntary_ctxt_switches:\t42
         // Tokio's fast second round pairs with ours: per round 1.20x, 1.05x, 1.13x (median 1.13x), while
         // the ratio of medians is 120,000 over 100,000, 1.20x.
         let results = vec![
-            rounds_at_256(&[100_000.0, 200_000.0, 80_000.0]),
-            rounds_at_256(&[120_000.0, 210_000.0, 90_000.0]),
+            rounds_at_256(&[100_000.0, 200_000.0, 80_000.0], 0),
+            rounds_at_256(&[120_000.0, 210_000.0, 90_000.0], 12),
         ];
         let report = render_report(
             &options,
@@ -2088,8 +2103,8 @@ nonvoluntary_ctxt_switches:\t42
         );
         assert!(
             report.contains(
-                "| net-io-blocking sessions, event loop | 256 | 120000, 210000, 90000 | 100% | 1.20x, 1.05x, \
-                 1.12x | 1.12x | 1.05x | 1.20x | 1.20x |"
+                "| net-io-blocking sessions, event loop | 256 | 120000, 210000, 90000 | 100% | 12 | 1.20x, \
+                 1.05x, 1.12x | 1.12x | 1.05x | 1.20x | 1.20x |"
             ),
             "the ratio table lost the per-round ratios or their statistics:\n{report}"
         );
