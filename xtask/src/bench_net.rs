@@ -1274,6 +1274,11 @@ fn medians(rounds: &[KindRound]) -> KindMedians {
 
 /// Round trips per second of one kind's echo load at `connections`, round by round.
 fn echo_rates(rounds: &[KindRound], connections: u32) -> Vec<f64> {
+    echo_series(rounds, connections, |echo| echo.round_trips_per_second)
+}
+
+/// One figure of one kind's echo load at `connections`, round by round (NaN where a round lacks it).
+fn echo_series(rounds: &[KindRound], connections: u32, figure: fn(&EchoResult) -> f64) -> Vec<f64> {
     rounds
         .iter()
         .map(|round| {
@@ -1281,9 +1286,14 @@ fn echo_rates(rounds: &[KindRound], connections: u32) -> Vec<f64> {
                 .echo
                 .iter()
                 .find(|echo| echo.connections == connections)
-                .map_or(f64::NAN, |echo| echo.round_trips_per_second)
+                .map_or(f64::NAN, figure)
         })
         .collect()
+}
+
+/// Client plus server CPU per round trip: what one round trip cost the machine.
+fn cpu_per_round_trip(echo: &EchoResult) -> f64 {
+    echo.server_cpu_microseconds_per_round_trip + echo.client_cpu_microseconds_per_round_trip
 }
 
 /// Picks one of the two churns out of a kind's medians.
@@ -1404,14 +1414,26 @@ fn render_ratios_against_tokio(out: &mut String, options: &Options, results: &[V
          lasted longer than the time between the two measurements (the column \"apart\"; every load a run \
          selects lengthens it, so `--loads echo256` pairs them closest). A kind's own spread (highest minus \
          lowest round trips/s, as a share of its median) shows how much the machine moved under it. When the \
-         range of ratios straddles a target, one run of this length cannot settle it.\n"
+         range of ratios straddles a target, one run of this length cannot settle it.\n\n\
+         Why a ratio is what it is: round trips/s equal the cores client and server kept busy divided by the \
+         CPU one round trip cost them both, so each round's ratio is the product of two ratios, whose medians \
+         over the rounds close the table. **From cores busy** is how much more of the machine the pair used \
+         than tokio's pair: above 1 where tokio's workers and the client waited on each other, or where other \
+         work took the cores while tokio was measured. **From CPU per round trip** is how much less client \
+         plus server CPU a round trip cost than with tokio (tokio's cost over this kind's): the server's own \
+         efficiency, plus what its way of replying saved or cost the client. The second is the steadier one \
+         on a shared machine.\n"
     );
     let _ = writeln!(
         out,
         "| Server | Connections | Round trips/s per round | Own spread | Apart from tokio's, at most (s) | \
-         vs tokio per round | Median of ratios | Lowest | Highest | Ratio of medians (headline) |"
+         vs tokio per round | Median of ratios | Lowest | Highest | Ratio of medians (headline) | \
+         From cores busy | From CPU per round trip |"
     );
-    let _ = writeln!(out, "|---|---:|---|---:|---:|---|---:|---:|---:|---:|");
+    let _ = writeln!(
+        out,
+        "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"
+    );
     let times = |value: f64| {
         if value.is_finite() {
             format!("{value:.2}x")
@@ -1432,7 +1454,7 @@ fn render_ratios_against_tokio(out: &mut String, options: &Options, results: &[V
             if kind.name == "tokio" {
                 let _ = writeln!(
                     out,
-                    "| {} | {connections} | {listed} | {:.0}% | - | - | - | - | - | - |",
+                    "| {} | {connections} | {listed} | {:.0}% | - | - | - | - | - | - | - | - |",
                     kind.label,
                     own.range_of_median() * 100.0
                 );
@@ -1450,15 +1472,27 @@ fn render_ratios_against_tokio(out: &mut String, options: &Options, results: &[V
                 .zip(tokio_rounds)
                 .map(|(ours, tokio)| ours.started.abs_diff(tokio.started).as_secs_f64())
                 .fold(0.0, f64::max);
+            // Round trips/s = cores busy / CPU per round trip, so each round's ratio is the product of these two
+            // ratios (up to the few milliseconds between the client's window and the xtask's readings).
+            let from_cores = PairedRatios::new(
+                &echo_series(rounds, *connections, |echo| echo.cores_busy),
+                &echo_series(tokio_rounds, *connections, |echo| echo.cores_busy),
+            );
+            let from_cost = PairedRatios::new(
+                &echo_series(tokio_rounds, *connections, cpu_per_round_trip),
+                &echo_series(rounds, *connections, cpu_per_round_trip),
+            );
             let _ = writeln!(
                 out,
-                "| {} | {connections} | {listed} | {:.0}% | {apart:.0} | {per_round} | {} | {} | {} | {} |",
+                "| {} | {connections} | {listed} | {:.0}% | {apart:.0} | {per_round} | {} | {} | {} | {} | {} | {} |",
                 kind.label,
                 own.range_of_median() * 100.0,
                 times(paired.median),
                 times(paired.lowest),
                 times(paired.highest),
                 times(median(&rates) / median(&tokio_rates)),
+                times(from_cores.median),
+                times(from_cost.median),
             );
         }
     }
@@ -2089,10 +2123,18 @@ nonvoluntary_ctxt_switches:\t42
         let options = parse_options(&arguments).unwrap();
         // Tokio's fast second round pairs with ours: per round 1.20x, 1.05x, 1.13x (median 1.13x), while
         // the ratio of medians is 120,000 over 100,000, 1.20x.
-        let results = vec![
+        let mut results = vec![
             rounds_at_256(&[100_000.0, 200_000.0, 80_000.0], 0),
             rounds_at_256(&[120_000.0, 210_000.0, 90_000.0], 12),
         ];
+        // Tokio's pair kept half the cores busy (a factor of 2 from cores busy), and a round trip cost our
+        // server 3 us instead of 6 (11 us against 14 with the client's 8: a factor of 14 / 11 = 1.27).
+        for round in &mut results[0] {
+            round.echo[0].cores_busy = 0.95;
+        }
+        for round in &mut results[1] {
+            round.echo[0].server_cpu_microseconds_per_round_trip = 3.0;
+        }
         let report = render_report(
             &options,
             &results,
@@ -2104,9 +2146,9 @@ nonvoluntary_ctxt_switches:\t42
         assert!(
             report.contains(
                 "| net-io-blocking sessions, event loop | 256 | 120000, 210000, 90000 | 100% | 12 | 1.20x, \
-                 1.05x, 1.12x | 1.12x | 1.05x | 1.20x | 1.20x |"
+                 1.05x, 1.12x | 1.12x | 1.05x | 1.20x | 1.20x | 2.00x | 1.27x |"
             ),
-            "the ratio table lost the per-round ratios or their statistics:\n{report}"
+            "the ratio table lost the per-round ratios, their statistics or the two factors:\n{report}"
         );
         assert!(
             report
