@@ -1419,7 +1419,8 @@ fn render_ratios_against_tokio(out: &mut String, options: &Options, results: &[V
          CPU one round trip cost them both, so each round's ratio is the product of two ratios, whose medians \
          over the rounds close the table. **From cores busy** is how much more of the machine the pair used \
          than tokio's pair: above 1 where tokio's workers and the client waited on each other, or where other \
-         work took the cores while tokio was measured. **From CPU per round trip** is how much less client \
+         work took the cores while tokio was measured; and under competing load, a server with more runnable \
+         threads wins a larger share of the cores from the scheduler, which shows here and not as efficiency. **From CPU per round trip** is how much less client \
          plus server CPU a round trip cost than with tokio (tokio's cost over this kind's): the server's own \
          efficiency, plus what its way of replying saved or cost the client. The second is the steadier one \
          on a shared machine.\n"
