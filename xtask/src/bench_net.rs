@@ -1761,7 +1761,8 @@ fn render_report(
          during the churn (machine-wide, so another helper's server could add to it). std and tokio listen \
          with their default backlog (128 from `TcpListener::bind`), net-io-blocking with 1,024.\n\
          - Client and server share the same two cores, so from 16 connections on the client takes a large share \
-         of the CPU and the throughput figures are partly client-bound.\n\
+         of the CPU and the throughput figures are partly client-bound; the client CPU and cores busy columns \
+         show how much in each measurement.\n\
          - Each round runs every kind once, with the order rotated by one each round; the medians over rounds \
          are reported, and the throughput against tokio also round by round (a kind's round over tokio's round \
          of the same number). `--loads` selects the loads (for example `--loads echo256 --rounds 9` for the \
