@@ -34,6 +34,7 @@ mod executor;
 mod handle;
 mod kinds;
 mod manager;
+mod park;
 mod pool;
 mod runtime;
 mod table;

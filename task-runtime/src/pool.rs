@@ -8,8 +8,8 @@
 //!   blocking tasks  ──> blocking queue ──> blocking ("sleep") threads
 //! ```
 //!
-//! Workers park on one futex word (`work_word`); a push bumps it and wakes one parked worker, and only
-//! makes the system call when a worker is parked.
+//! Workers park through [`Parking`] (see `park.rs`): a push costs a fence and a load while no worker is
+//! parked, and at most one wake system call is in flight; the woken worker passes the wake on.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -22,6 +22,7 @@ use net_io_sys::futex;
 use crate::error::TaskState;
 use crate::executor;
 use crate::manager::Reactor;
+use crate::park::{Parking, Wake};
 use crate::table::{Slot, TaskRef, table};
 
 /// Idle time before a parked thread above the floor stops.
@@ -251,8 +252,8 @@ pub(crate) struct Pool {
     injected: AtomicUsize,
     blocking: Mutex<VecDeque<TaskRef>>,
     blocking_queued: AtomicUsize,
-    work_word: AtomicU32,
-    parked_workers: AtomicU32,
+    /// Where idle workers park and how pushes wake them.
+    parking: Parking,
     blocking_word: AtomicU32,
     parked_sleepers: AtomicU32,
     workers: Mutex<Vec<Arc<WorkerSlot>>>,
@@ -263,8 +264,6 @@ pub(crate) struct Pool {
     waiting_workers: AtomicUsize,
     /// Tasks in all workers' local deques together, so idle checks need no lock.
     local_queued: AtomicUsize,
-    /// A wake is on its way to a parked worker; later pushes need not make another system call.
-    wake_pending: AtomicBool,
     pub(crate) counters: Counters,
     pub(crate) reactor: Arc<Reactor>,
     /// Fault hook: pool threads that should die on their next loop.
@@ -361,8 +360,7 @@ impl Pool {
             injected: AtomicUsize::new(0),
             blocking: Mutex::new(VecDeque::new()),
             blocking_queued: AtomicUsize::new(0),
-            work_word: AtomicU32::new(0),
-            parked_workers: AtomicU32::new(0),
+            parking: Parking::new(),
             blocking_word: AtomicU32::new(0),
             parked_sleepers: AtomicU32::new(0),
             workers: Mutex::new(Vec::new()),
@@ -372,7 +370,6 @@ impl Pool {
             busy_sleepers: AtomicUsize::new(0),
             waiting_workers: AtomicUsize::new(0),
             local_queued: AtomicUsize::new(0),
-            wake_pending: AtomicBool::new(false),
             counters: Counters::default(),
             reactor,
             kill_threads: AtomicU32::new(0),
@@ -442,17 +439,10 @@ impl Pool {
         self.injected.store(injector.len(), Ordering::Release);
     }
 
+    /// Tells parked workers that a task was queued (see [`Parking::notify`]); the woken worker wakes the
+    /// next one if work remains (the chain wake in `worker_main`).
     fn notify_worker(&self) {
-        // The fence pairs with the parking worker's SeqCst increment of `parked_workers` and its re-check
-        // of the queues: either it sees our push, or we see it parked and wake it. Only one wake is in
-        // flight at a time; the woken worker wakes the next one if work remains (see `worker_main`).
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.parked_workers.load(Ordering::SeqCst) > 0
-            && !self.wake_pending.swap(true, Ordering::AcqRel)
-        {
-            self.work_word.fetch_add(1, Ordering::SeqCst);
-            futex::wake(&self.work_word, 1);
-        }
+        self.parking.notify();
     }
 
     fn push_blocking(self: &Arc<Self>, task: TaskRef) {
@@ -490,8 +480,8 @@ impl Pool {
     }
 
     /// Whether a worker about to park has something to do instead: queued work, a stop, or an injected
-    /// death. Checked again after reading the epoch, because `stop_threads` and `kill_workers` set their
-    /// flag before they bump `work_word`: a worker that read the bumped epoch sees the flag here.
+    /// death. Checked again after [`Parking::prepare`], because `stop_threads` and `kill_workers` set their
+    /// flag before [`Parking::wake_all`]: a worker that read the bumped epoch sees the flag here.
     fn has_cause_to_wake(&self, me: &WorkerSlot) -> bool {
         self.has_work(Some(me))
             || me.stop.load(Ordering::Acquire)
@@ -758,8 +748,7 @@ impl Pool {
         {
             sleeper.stop.store(true, Ordering::Release);
         }
-        self.work_word.fetch_add(1, Ordering::SeqCst);
-        futex::wake_all(&self.work_word);
+        self.parking.wake_all();
         self.blocking_word.fetch_add(1, Ordering::SeqCst);
         futex::wake_all(&self.blocking_word);
     }
@@ -767,8 +756,7 @@ impl Pool {
     /// Wakes every parked worker (fault hooks use it so a kill lands at once).
     #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
     pub(crate) fn stop_threads_wake(&self) {
-        self.work_word.fetch_add(1, Ordering::SeqCst);
-        futex::wake_all(&self.work_word);
+        self.parking.wake_all();
     }
 
     /// Takes every queued task out of every queue (shutdown writes them off).
@@ -957,7 +945,7 @@ fn worker_main(pool: Arc<Pool>, me: Arc<WorkerSlot>) {
         }
         if let Some(task) = pool.find_work(&me, &mut streak) {
             // Chain wake: more work is queued and a worker is parked, so pass the wake on.
-            if pool.parked_workers.load(Ordering::Relaxed) > 0 && pool.has_work(None) {
+            if pool.parking.parked() > 0 && pool.has_work(None) {
                 pool.notify_worker();
             }
             me.busy.store(true, Ordering::Release);
@@ -979,15 +967,9 @@ fn worker_main(pool: Arc<Pool>, me: Arc<WorkerSlot>) {
         if found {
             continue;
         }
-        let epoch = pool.work_word.load(Ordering::SeqCst);
-        pool.parked_workers.fetch_add(1, Ordering::SeqCst);
-        // A wake flagged pending may have gone to a worker that was already awake; clear it so the
-        // next push wakes us. Either that push comes after our queue check below (and wakes us), or
-        // its epoch bump makes our futex wait return at once.
-        pool.wake_pending.store(false, Ordering::SeqCst);
-        std::sync::atomic::fence(Ordering::SeqCst);
+        let ticket = pool.parking.prepare();
         if pool.has_cause_to_wake(&me) {
-            pool.parked_workers.fetch_sub(1, Ordering::SeqCst);
+            pool.parking.cancel(ticket);
             continue;
         }
         let live = pool.live_workers.load(Ordering::Acquire);
@@ -998,10 +980,8 @@ fn worker_main(pool: Arc<Pool>, me: Arc<WorkerSlot>) {
         } else {
             None
         };
-        let woke = futex::wait(&pool.work_word, epoch, timeout);
-        pool.parked_workers.fetch_sub(1, Ordering::SeqCst);
-        pool.wake_pending.store(false, Ordering::Release);
-        if matches!(woke, Ok(futex::Wake::TimedOut)) && !pool.has_work(Some(&me)) {
+        let woke = pool.parking.wait(ticket, timeout);
+        if woke == Wake::TimedOut && !pool.has_work(Some(&me)) {
             // Retire if still above the floor; the CAS keeps two idle workers from both leaving.
             let retired = pool
                 .live_workers
