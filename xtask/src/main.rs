@@ -78,7 +78,7 @@ fn run() -> Result<()> {
 ///
 /// Besides the plain test run, two builds with their own cfg run in their own target directories so they do
 /// not invalidate the main build: the fault-injection shim (`net_io_shim`: syscall counts per round trip and
-/// injected OS faults) and the loom models of the lock-free pieces (kill slot, completion ring).
+/// injected OS faults) and the loom models of the lock-free pieces (kill slot, completion ring, worker parking).
 fn ci() -> Result<()> {
     report_free_space();
     if let Err(error) = models::fetch(&[]) {
@@ -128,7 +128,11 @@ fn ci() -> Result<()> {
         ("CARGO_TARGET_DIR", "loom"),
         ("LOOM_MAX_PREEMPTIONS", preemptions.as_str()),
     ];
-    for (package, models) in [("net-io-sys", "loom_tests"), ("net-io-core", "loom_models")] {
+    for (package, models) in [
+        ("net-io-sys", "loom_tests"),
+        ("net-io-core", "loom_models"),
+        ("task-runtime", "park::loom_models"),
+    ] {
         cargo_with(
             &loom,
             &["test", "--release", "-p", package, "--lib", models],
