@@ -571,8 +571,9 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 Ok(Some(real_peer)) => {
                     info.set_real_peer(real_peer);
                     if reservation.move_source(real_peer.ip()).is_err() {
-                        early = Some(CloseReason::Limit(LimitKind::PerSource));
+                        early = Some(handshake::source_cap_refused(core, &info));
                     } else if let Err(reason) = handshake::readmit(
+                        core,
                         &self.gate,
                         &mut ticket,
                         &info,

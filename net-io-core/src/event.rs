@@ -257,6 +257,11 @@ impl Coalescer {
         }
     }
 
+    /// True while counts folded in the current second wait for [`Coalescer::flush`] to report them.
+    pub fn has_folded(&self) -> bool {
+        self.folded.iter().any(|&count| count > 0)
+    }
+
     /// Emits the folded counts of a finished second. Call it now and then (for example once per loop) so
     /// that a flood that stops still reports its count.
     pub fn flush<S: EventSink + ?Sized>(&mut self, sink: &S, now: Instant) {
