@@ -116,8 +116,61 @@ fn activation_variables_left() -> Vec<&'static str> {
         .collect()
 }
 
-/// The child's side of a failing adoption: the error text, and whether the variables and fds were left.
-fn report_failed_adoption() {
+/// Whether descriptor `fd` of this process is closed, open and close-on-exec, or open and inheritable, from
+/// `/proc/self/fdinfo`: its `flags` carry `O_CLOEXEC` exactly when the descriptor is close-on-exec.
+fn descriptor_state(fd: i32) -> String {
+    let Ok(info) = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")) else {
+        return "closed".to_owned();
+    };
+    let flags = info
+        .lines()
+        .find_map(|line| line.strip_prefix("flags:"))
+        .and_then(|flags| u32::from_str_radix(flags.trim(), 8).ok());
+    match flags {
+        Some(flags) if flags & libc::O_CLOEXEC as u32 != 0 => "cloexec".to_owned(),
+        Some(_) => "inheritable".to_owned(),
+        None => format!("unreadable flags in {info:?}"),
+    }
+}
+
+/// The descriptors among `3 .. 3 + passed` that a child started now would inherit: the leak a failed
+/// adoption must not leave.
+fn inherited_by_a_child(passed: i32) -> Vec<i32> {
+    let script = format!(
+        "fd=3; while [ $fd -lt {} ]; do [ -e /proc/$$/fd/$fd ] && echo $fd; fd=$((fd+1)); done; true",
+        3 + passed
+    );
+    let mut grandchild = Command::new("/bin/sh")
+        .arg("-c")
+        .arg(script)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("could not start a shell to look at inherited descriptors");
+    let Some(status) = child::exit_within(&mut grandchild, CHILD_DEADLINE) else {
+        panic!("the shell listing inherited descriptors ran past {CHILD_DEADLINE:?}");
+    };
+    assert!(
+        status.success(),
+        "the shell listing descriptors failed: {status}"
+    );
+    let mut listed = String::new();
+    grandchild
+        .stdout
+        .take()
+        .expect("the shell has no stdout")
+        .read_to_string(&mut listed)
+        .expect("could not read the shell's list of descriptors");
+    listed
+        .lines()
+        .filter_map(|line| line.trim().parse().ok())
+        .collect()
+}
+
+/// The child's side of a failing adoption: the error text, whether the variables were left, and what became
+/// of the `passed` descriptors (fds 3, 4, ...): left where they were but close-on-exec, so no child of ours
+/// inherits them.
+fn report_failed_adoption(passed: i32) {
     let error = systemd::listeners().expect_err("the adoption should have failed");
     println!("RESULT error {error}");
     println!("RESULT left {:?}", activation_variables_left());
@@ -130,6 +183,10 @@ fn report_failed_adoption() {
     if let SystemdError::Unfit { fd, .. } = error {
         println!("RESULT unfit fd {fd}");
     }
+    for fd in 3..3 + passed {
+        println!("RESULT fd{fd} is {}", descriptor_state(fd));
+    }
+    println!("RESULT a child inherits {:?}", inherited_by_a_child(passed));
 }
 
 fn listening_socket() -> (TcpListener, String) {
@@ -237,7 +294,7 @@ fn variables_meant_for_another_process_are_ignored() {
 #[test]
 fn an_fd_that_is_not_a_listener_is_refused_by_number_and_name() {
     if child::is_child(CHILD_VARIABLE) {
-        report_failed_adoption();
+        report_failed_adoption(2);
         return;
     }
     let (listener, _) = listening_socket();
@@ -258,7 +315,7 @@ fn an_fd_that_is_not_a_listener_is_refused_by_number_and_name() {
 #[test]
 fn a_file_passed_as_a_socket_is_refused() {
     if child::is_child(CHILD_VARIABLE) {
-        report_failed_adoption();
+        report_failed_adoption(1);
         return;
     }
     let file = std::fs::File::open("/dev/null").unwrap();
@@ -274,7 +331,7 @@ fn a_file_passed_as_a_socket_is_refused() {
 #[test]
 fn a_count_above_the_limit_is_refused() {
     if child::is_child(CHILD_VARIABLE) {
-        report_failed_adoption();
+        report_failed_adoption(1);
         return;
     }
     let (listener, _) = listening_socket();
@@ -290,7 +347,7 @@ fn a_count_above_the_limit_is_refused() {
 #[test]
 fn names_that_do_not_match_the_count_are_refused() {
     if child::is_child(CHILD_VARIABLE) {
-        report_failed_adoption();
+        report_failed_adoption(1);
         return;
     }
     let (listener, _) = listening_socket();
