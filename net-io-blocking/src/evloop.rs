@@ -1166,7 +1166,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         let created = catch_unwind(AssertUnwindSafe(|| runtime.workload.factory.create(&info)));
         let session = match created {
             Ok(Some(session)) => session,
-            Ok(None) => return self.close(index, CloseReason::Refused(RefusalCause::Session)),
+            Ok(None) => return self.close(index, crate::coroutines::reason_for_no_session()),
             Err(_) => {
                 core.emit(Event::SessionPanicked { id: info.id });
                 return self.close(index, CloseReason::SessionPanicked);

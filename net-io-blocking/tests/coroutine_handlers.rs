@@ -18,8 +18,8 @@ use common::echo::{echo, echo_fours};
 use common::gates::CountingGate;
 use common::{Recorder, SOON, child, client, open_descriptors, round_trip, test_builder};
 use net_io_blocking::{
-    CloseReason, DEFAULT_WORKERS, Direction, HandlerDriver, KillHandle, Limits, ListenerSpec,
-    MinRateRule, NetError, RefusalCause, Server, ServerBuilder, TcpConnection,
+    CloseReason, DEFAULT_WORKERS, Direction, Event, HandlerDriver, KillHandle, LimitKind, Limits,
+    ListenerSpec, MinRateRule, NetError, RefusalCause, Server, ServerBuilder, TcpConnection,
 };
 
 static TURN: RwLock<()> = RwLock::new(());
@@ -991,8 +991,30 @@ fn at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on
         assert!(
             reasons
                 .iter()
-                .all(|reason| *reason == CloseReason::Refused(RefusalCause::Session)),
-            "a connection whose coroutine stack could not be mapped should be refused (Session): {reasons:?}"
+                .all(|reason| *reason == CloseReason::Limit(LimitKind::HandlerStack)),
+            "a connection whose coroutine stack could not be mapped should close with \
+             Limit(HandlerStack): {reasons:?}"
+        );
+        // Each failure is reported with the OS error and the hint (40 stay below the coalescing threshold).
+        let failures: Vec<(i32, &str)> = recorder
+            .events()
+            .into_iter()
+            .filter_map(|event| match event {
+                Event::HandlerStackFailed { errno, hint, .. } => Some((errno, hint)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            failures.len(),
+            refused,
+            "every connection without a stack should report HandlerStackFailed once: {failures:?}"
+        );
+        assert!(
+            failures
+                .iter()
+                .all(|(errno, hint)| *errno == libc::ENOMEM && hint.contains("vm.max_map_count")),
+            "a stack mapping at the limit should fail with ENOMEM and a hint naming vm.max_map_count: \
+             {failures:?}"
         );
         // Mappings come back: new connections are served again.
         drop(filler);
