@@ -10,6 +10,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -587,10 +588,54 @@ fn one_loop_with_stack(bytes: usize) -> ServerBuilder {
         .handler_stack_size(bytes)
 }
 
+/// How long a child process may run before the test kills it and fails: the slowest child (the one that
+/// fills the mapping limit) takes seconds even on a loaded machine.
+const CHILD_DEADLINE: Duration = Duration::from_secs(120);
+
 /// Runs `command` (a [`child::rerun`] of one test) to its end under the shared turn and returns its output.
-fn run_child(mut command: std::process::Command) -> std::process::Output {
+/// A child still running at [`CHILD_DEADLINE`] is killed and the test fails with what it printed, instead of
+/// hanging the test run.
+fn run_child(mut command: Command) -> Output {
     let _turn = shared_turn();
-    command.output().expect("could not run the child")
+    let mut process = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("could not start the child");
+    // Both pipes are read while the child runs: one that prints much (a full backtrace) must not stall on a
+    // full pipe and look hung.
+    let stdout = read_in_background(process.stdout.take());
+    let stderr = read_in_background(process.stderr.take());
+    let status = child::exit_within(&mut process, CHILD_DEADLINE);
+    // The child has exited or been killed and reaped, so both pipes are at their end.
+    let stdout = stdout.join().expect("the child's stdout reader panicked");
+    let stderr = stderr.join().expect("the child's stderr reader panicked");
+    let Some(status) = status else {
+        panic!(
+            "the child ran past {CHILD_DEADLINE:?} and was killed; it printed:\n{}\n{}",
+            String::from_utf8_lossy(&stdout),
+            String::from_utf8_lossy(&stderr)
+        );
+    };
+    Output {
+        status,
+        stdout,
+        stderr,
+    }
+}
+
+/// Reads `pipe` to its end on a thread of its own.
+fn read_in_background(
+    pipe: Option<impl Read + Send + 'static>,
+) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        if let Some(mut pipe) = pipe {
+            let _ = pipe.read_to_end(&mut bytes);
+        }
+        bytes
+    })
 }
 
 /// Recurses `depth` times with a kilobyte on each frame.
