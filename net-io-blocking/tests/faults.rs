@@ -15,7 +15,7 @@ use std::time::Duration;
 use common::echo::{Echo, echo_server};
 use common::{Recorder, SOON, client, eventually, round_trip};
 use net_io_blocking::{
-    CloseReason, ConnectionInfo, Event, HandlerDriver, Limits, NetError, RefusalCause, Server,
+    CloseReason, ConnectionInfo, Event, HandlerDriver, LimitKind, Limits, NetError, Server,
     ServerBuilder, TcpConnection,
 };
 use net_io_sys::shim;
@@ -190,8 +190,16 @@ fn handlers_on_coroutines_meet_faults_one_connection_at_a_time() {
     let closes = recorder.wait_for_closes(1, SOON);
     assert_eq!(
         closes.first().map(|close| close.1),
-        Some(CloseReason::Refused(RefusalCause::Session)),
-        "a connection whose coroutine stack cannot be mapped should be refused, got {closes:?}"
+        Some(CloseReason::Limit(LimitKind::HandlerStack)),
+        "a connection whose coroutine stack cannot be mapped should close at the handler stack limit, \
+         got {closes:?}"
+    );
+    assert!(
+        recorder.events().iter().any(|event| matches!(
+            event,
+            Event::HandlerStackFailed { errno, .. } if *errno == libc::ENOMEM
+        )),
+        "the failed stack mapping was not reported with its ENOMEM"
     );
     assert!(common::is_closed_by_server(&mut refused));
     let mut other = client(server.local_addr());
