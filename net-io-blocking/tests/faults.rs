@@ -2,7 +2,8 @@
 //! `EAGAIN` and `EINTR`, an event loop whose epoll cannot be created, a coroutine stack that cannot be mapped. Run with
 //! `RUSTFLAGS="--cfg net_io_shim" cargo test -p net-io-blocking --test faults`.
 //!
-//! The shim's faults are process-wide, so every scenario runs in one test, one after another.
+//! The shim's faults are process-wide, so every scenario runs in one test, one after another; the systemd
+//! scenario (a take that fails half-way) injects its fault in a child process of its own.
 
 #![cfg(net_io_shim)]
 
@@ -239,4 +240,96 @@ fn injected_faults_close_or_pause_only_what_they_hit() {
     spurious_eagain_and_eintr_are_retried();
     a_loop_that_cannot_start_is_given_no_connections();
     handlers_on_coroutines_meet_faults_one_connection_at_a_time();
+}
+
+/// Set in the child process of the systemd take test.
+const SYSTEMD_CHILD: &str = "NET_IO_TEST_FAULTS_SYSTEMD_CHILD";
+
+/// Whether descriptor `fd` of this process is closed, open and close-on-exec, or open and inheritable, from
+/// `/proc/self/fdinfo` (its `flags` carry `O_CLOEXEC` exactly when the descriptor is close-on-exec).
+fn descriptor_state(fd: i32) -> &'static str {
+    let Ok(info) = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")) else {
+        return "closed";
+    };
+    let flags = info
+        .lines()
+        .find_map(|line| line.strip_prefix("flags:"))
+        .and_then(|flags| u32::from_str_radix(flags.trim(), 8).ok());
+    match flags {
+        Some(flags) if flags & libc::O_CLOEXEC as u32 != 0 => "cloexec",
+        Some(_) => "inheritable",
+        None => "unreadable",
+    }
+}
+
+/// systemd passes two listeners; both pass the checks, the first is taken, and taking the second fails (an
+/// injected `getsockname` error). The adoption fails as a whole: the listener this process took is closed,
+/// the one it did not take is left open, close-on-exec, for no child of ours to inherit.
+#[test]
+fn a_take_that_fails_half_way_closes_only_what_was_taken() {
+    use std::os::fd::OwnedFd;
+    use std::process::{Command, Stdio};
+
+    use common::child;
+    use net_io_blocking::systemd;
+
+    if child::is_child(SYSTEMD_CHILD) {
+        shim::reset();
+        // getsockname runs once per descriptor in the checks (fds 3 and 4), then once more in each take:
+        // the fourth call is fd 4's take, after fd 3 was taken.
+        shim::inject("getsockname", 3, 1, libc::EIO);
+        let error = systemd::listeners().expect_err("the adoption should have failed");
+        println!("RESULT error {error}");
+        println!("RESULT fd3 {}", descriptor_state(3));
+        println!("RESULT fd4 {}", descriptor_state(4));
+        return;
+    }
+    let first =
+        std::net::TcpListener::bind("127.0.0.1:0").expect("bind the first socket to pass on");
+    let second =
+        std::net::TcpListener::bind("127.0.0.1:0").expect("bind the second socket to pass on");
+    // The shell puts stdin on fd 3 and stderr on fd 4, sets LISTEN_PID to its own pid and execs this test
+    // binary, the way systemd starts a service after its fork.
+    let script = "exec 3<&0 4<&2 0</dev/null 2>&1; export LISTEN_PID=$$; exec \"$0\" \"$@\"";
+    let mut process = Command::new("/bin/sh")
+        .arg("-c")
+        .arg(script)
+        .arg(child::this_binary())
+        .args(child::only_test(
+            "a_take_that_fails_half_way_closes_only_what_was_taken",
+        ))
+        .env_remove("LISTEN_PIDFDID")
+        .env_remove("LISTEN_FDNAMES")
+        .env("LISTEN_FDS", "2")
+        .env(SYSTEMD_CHILD, "1")
+        .stdin(Stdio::from(OwnedFd::from(first)))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(OwnedFd::from(second)))
+        .spawn()
+        .expect("could not start the child");
+    let Some(status) = child::exit_within(&mut process, Duration::from_secs(60)) else {
+        panic!("the systemd child ran past 60 s");
+    };
+    let mut output = String::new();
+    process
+        .stdout
+        .take()
+        .expect("the child has no stdout")
+        .read_to_string(&mut output)
+        .expect("could not read the child's output");
+    assert!(status.success(), "the child failed: {status}\n{output}");
+    let results: Vec<&str> = output
+        .lines()
+        .filter_map(|line| line.split_once("RESULT ").map(|(_, result)| result))
+        .collect();
+    assert_eq!(
+        results,
+        [
+            "error inherited fd 4 (named \"unknown\") cannot be adopted: checking it failed: Input/output \
+             error (os error 5); pass listening TCP stream sockets only (ListenStream=)",
+            "fd3 closed",
+            "fd4 cloexec",
+        ],
+        "a take that failed half-way should close the listener it took and leave the other close-on-exec"
+    );
 }
