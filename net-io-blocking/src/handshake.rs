@@ -101,11 +101,12 @@ pub(crate) fn source_cap_refused(core: &Core, info: &ConnectionInfo) -> CloseRea
     CloseReason::Limit(LimitKind::PerSource)
 }
 
-/// Counts a refusal of the real client in `Stats::refused` under `cause` and reports `Event::Refused`
-/// naming it, as the accept thread does for a refusal before any read, so a gate or cap that decides on the
-/// real client shows in the same figures whether a proxy stands in front or not. The connection was admitted
+/// Counts a refusal of an admitted connection in `Stats::refused` under `cause` and reports `Event::Refused`
+/// naming its client, as the accept thread does for a refusal before any read: a gate or cap that decides on
+/// the real client shows in the same figures whether a proxy stands in front or not, and so does a connection
+/// no worker or loop could take (`Busy`, `DoorClosed` from `refuse_job`). The connection was admitted
 /// and still closes (its ticket comes back, `Closed` follows); the stats keep it out of `open` only once.
-fn count_refusal(core: &Core, info: &ConnectionInfo, cause: RefusalCause) {
+pub(crate) fn count_refusal(core: &Core, info: &ConnectionInfo, cause: RefusalCause) {
     core.counters.server().record_refused_after_admission(cause);
     core.emit_coalesced(Event::Refused {
         peer: info.client_addr(),

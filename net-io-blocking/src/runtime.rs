@@ -412,6 +412,8 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             ..
         } = job;
         let reason = CloseReason::Refused(cause);
+        // Admitted but never served: a refusal in the figures like one at accept (and still one close).
+        handshake::count_refusal(&self.core, &info, cause);
         close_ticket(&self.gate, ticket, &info, reason);
         self.core
             .counters

@@ -16,8 +16,8 @@ use std::time::Duration;
 use common::echo::{Echo, echo_server};
 use common::{Recorder, SOON, client, eventually, round_trip};
 use net_io_blocking::{
-    CloseReason, ConnectionInfo, Event, HandlerDriver, LimitKind, Limits, NetError, Server,
-    ServerBuilder, TcpConnection,
+    CloseReason, ConnectionInfo, Event, HandlerDriver, LimitKind, Limits, NetError, RefusalCause,
+    Server, ServerBuilder, TcpConnection,
 };
 use net_io_sys::shim;
 
@@ -163,6 +163,51 @@ fn a_loop_that_cannot_start_is_given_no_connections() {
     }
 }
 
+fn a_server_whose_only_loop_cannot_start_refuses_as_busy_and_counts_it() {
+    let recorder = Recorder::default();
+    // The only loop thread fails to create its epoll: every admitted connection is refused by it.
+    shim::inject("epoll_create1", 0, 1, libc::EMFILE);
+    let server = ServerBuilder::new()
+        .session_driver(net_io_blocking::SessionDriver::EventLoop { loops: 1 })
+        .listen("127.0.0.1:0")
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(Echo))
+        .allow_all()
+        .build()
+        .expect("the test server should start");
+    assert!(
+        eventually(SOON, || shim::calls("epoll_create1") >= 1),
+        "the loop thread did not try to create its epoll"
+    );
+    let mut stream = client(server.local_addr());
+    assert!(
+        common::is_closed_by_server(&mut stream),
+        "a connection handed to a loop that could not start should be reset"
+    );
+    assert!(
+        eventually(SOON, || server.stats().refused_by(RefusalCause::Busy) == 1),
+        "an admitted connection refused as Busy should count in the refusals: {:?}",
+        server.stats()
+    );
+    let stats = server.stats();
+    assert_eq!(stats.refused_after_admission, 1, "{stats:?}");
+    assert_eq!(
+        stats.closed, 1,
+        "the refused connection was admitted, so it closes once: {stats:?}"
+    );
+    assert!(
+        has_event(&recorder, |event| matches!(
+            event,
+            Event::Refused {
+                cause: RefusalCause::Busy,
+                ..
+            }
+        )),
+        "a Refused event should name the Busy refusal"
+    );
+}
+
 /// Handlers on coroutines: a stack that cannot be mapped refuses only its connection; a failing `recv` closes
 /// only its connection; spurious `EAGAIN` and `EINTR` are retried without the handler seeing them.
 fn handlers_on_coroutines_meet_faults_one_connection_at_a_time() {
@@ -239,6 +284,7 @@ fn injected_faults_close_or_pause_only_what_they_hit() {
     a_failing_recv_closes_only_its_connection();
     spurious_eagain_and_eintr_are_retried();
     a_loop_that_cannot_start_is_given_no_connections();
+    a_server_whose_only_loop_cannot_start_refuses_as_busy_and_counts_it();
     handlers_on_coroutines_meet_faults_one_connection_at_a_time();
 }
 

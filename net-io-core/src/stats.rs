@@ -52,11 +52,11 @@ pub struct Stats {
     pub open: u64,
     /// Connections accepted (admitted or refused).
     pub accepted: u64,
-    /// Connections refused: before any read, or once a PROXY header named a real client that the gate or
-    /// the per-source cap refused.
+    /// Connections refused: before any read, or after admission and still before any byte was served (a
+    /// PROXY header named a real client that the gate or the per-source cap refused, or no worker or loop
+    /// could take the connection: `Busy`, `DoorClosed`).
     pub refused: u64,
-    /// Of `refused`, the connections refused after their PROXY header. They had been admitted, so each of
-    /// them also counts once in `closed`.
+    /// Of `refused`, the connections refused after admission. Each of them also counts once in `closed`.
     pub refused_after_admission: u64,
     /// Admitted connections that closed.
     pub closed: u64,
