@@ -391,7 +391,15 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 Ok(false) => {}
                 Err(job) => {
                     core.loops[loop_index].remove_load();
-                    self.refuse_job(job, RefusalCause::DoorClosed, listener.counter_slot);
+                    // An inbox closes when the server stops (its queue is closed after `stopping` is
+                    // set), or when its loop could not start and no other loop runs: then the door is
+                    // open but nothing can serve the connection, which is what `Busy` says.
+                    let cause = if core.stopping.load(Ordering::Acquire) {
+                        RefusalCause::DoorClosed
+                    } else {
+                        RefusalCause::Busy
+                    };
+                    self.refuse_job(job, cause, listener.counter_slot);
                 }
             }
             return;

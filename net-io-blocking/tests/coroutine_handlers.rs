@@ -597,45 +597,13 @@ const CHILD_DEADLINE: Duration = Duration::from_secs(120);
 /// hanging the test run.
 fn run_child(mut command: Command) -> Output {
     let _turn = shared_turn();
-    let mut process = command
+    let process = command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("could not start the child");
-    // Both pipes are read while the child runs: one that prints much (a full backtrace) must not stall on a
-    // full pipe and look hung.
-    let stdout = read_in_background(process.stdout.take());
-    let stderr = read_in_background(process.stderr.take());
-    let status = child::exit_within(&mut process, CHILD_DEADLINE);
-    // The child has exited or been killed and reaped, so both pipes are at their end.
-    let stdout = stdout.join().expect("the child's stdout reader panicked");
-    let stderr = stderr.join().expect("the child's stderr reader panicked");
-    let Some(status) = status else {
-        panic!(
-            "the child ran past {CHILD_DEADLINE:?} and was killed; it printed:\n{}\n{}",
-            String::from_utf8_lossy(&stdout),
-            String::from_utf8_lossy(&stderr)
-        );
-    };
-    Output {
-        status,
-        stdout,
-        stderr,
-    }
-}
-
-/// Reads `pipe` to its end on a thread of its own.
-fn read_in_background(
-    pipe: Option<impl Read + Send + 'static>,
-) -> std::thread::JoinHandle<Vec<u8>> {
-    std::thread::spawn(move || {
-        let mut bytes = Vec::new();
-        if let Some(mut pipe) = pipe {
-            let _ = pipe.read_to_end(&mut bytes);
-        }
-        bytes
-    })
+    child::output_within(process, CHILD_DEADLINE)
 }
 
 /// Recurses `depth` times with a kilobyte on each frame.

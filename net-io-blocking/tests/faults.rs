@@ -337,7 +337,7 @@ fn a_take_that_fails_half_way_closes_only_what_was_taken() {
     // The shell puts stdin on fd 3 and stderr on fd 4, sets LISTEN_PID to its own pid and execs this test
     // binary, the way systemd starts a service after its fork.
     let script = "exec 3<&0 4<&2 0</dev/null 2>&1; export LISTEN_PID=$$; exec \"$0\" \"$@\"";
-    let mut process = Command::new("/bin/sh")
+    let process = Command::new("/bin/sh")
         .arg("-c")
         .arg(script)
         .arg(child::this_binary())
@@ -353,21 +353,7 @@ fn a_take_that_fails_half_way_closes_only_what_was_taken() {
         .stderr(Stdio::from(OwnedFd::from(second)))
         .spawn()
         .expect("could not start the child");
-    let Some(status) = child::exit_within(&mut process, Duration::from_secs(60)) else {
-        panic!("the systemd child ran past 60 s");
-    };
-    let mut output = String::new();
-    process
-        .stdout
-        .take()
-        .expect("the child has no stdout")
-        .read_to_string(&mut output)
-        .expect("could not read the child's output");
-    assert!(status.success(), "the child failed: {status}\n{output}");
-    let results: Vec<&str> = output
-        .lines()
-        .filter_map(|line| line.split_once("RESULT ").map(|(_, result)| result))
-        .collect();
+    let results = child::result_lines(process, Duration::from_secs(60));
     assert_eq!(
         results,
         [

@@ -87,26 +87,8 @@ fn spawn_child(test: &str, pid: Pid, fds: Vec<OwnedFd>, variables: &[(&str, &str
 }
 
 /// Waits for the child to exit (killing it past the deadline) and returns its `RESULT` lines.
-fn results(mut child: Child) -> Vec<String> {
-    let Some(status) = child::exit_within(&mut child, CHILD_DEADLINE) else {
-        panic!("the child ran past {CHILD_DEADLINE:?}");
-    };
-    let mut output = String::new();
-    child
-        .stdout
-        .take()
-        .expect("the child has no stdout")
-        .read_to_string(&mut output)
-        .expect("could not read the child's output");
-    assert!(status.success(), "the child failed: {status}\n{output}");
-    output
-        .lines()
-        // libtest prints `test NAME ... ` without a newline before the test's own output.
-        .filter_map(|line| {
-            line.split_once("RESULT ")
-                .map(|(_, result)| result.to_owned())
-        })
-        .collect()
+fn results(child: Child) -> Vec<String> {
+    child::result_lines(child, CHILD_DEADLINE)
 }
 
 fn activation_variables_left() -> Vec<&'static str> {
@@ -140,27 +122,21 @@ fn inherited_by_a_child(passed: i32) -> Vec<i32> {
         "fd=3; while [ $fd -lt {} ]; do [ -e /proc/$$/fd/$fd ] && echo $fd; fd=$((fd+1)); done; true",
         3 + passed
     );
-    let mut grandchild = Command::new("/bin/sh")
+    let grandchild = Command::new("/bin/sh")
         .arg("-c")
         .arg(script)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .expect("could not start a shell to look at inherited descriptors");
-    let Some(status) = child::exit_within(&mut grandchild, CHILD_DEADLINE) else {
-        panic!("the shell listing inherited descriptors ran past {CHILD_DEADLINE:?}");
-    };
+    let output = child::output_within(grandchild, CHILD_DEADLINE);
     assert!(
-        status.success(),
-        "the shell listing descriptors failed: {status}"
+        output.status.success(),
+        "the shell listing descriptors failed: {}",
+        output.status
     );
-    let mut listed = String::new();
-    grandchild
-        .stdout
-        .take()
-        .expect("the shell has no stdout")
-        .read_to_string(&mut listed)
-        .expect("could not read the shell's list of descriptors");
+    let listed = String::from_utf8_lossy(&output.stdout);
     listed
         .lines()
         .filter_map(|line| line.trim().parse().ok())
