@@ -25,6 +25,19 @@ fn server(recorder: &Recorder) -> Server {
     echo_server(2, Limits::new(), recorder)
 }
 
+/// An echo server on `loops` event loops.
+fn loop_server(loops: usize, recorder: &Recorder) -> Server {
+    ServerBuilder::new()
+        .session_driver(net_io_blocking::SessionDriver::EventLoop { loops })
+        .listen("127.0.0.1:0")
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(Echo))
+        .allow_all()
+        .build()
+        .expect("the test server should start")
+}
+
 fn has_event(recorder: &Recorder, wanted: impl Fn(&Event) -> bool) -> bool {
     eventually(SOON, || recorder.events().iter().any(&wanted))
 }
@@ -139,15 +152,7 @@ fn a_loop_that_cannot_start_is_given_no_connections() {
     let recorder = Recorder::default();
     // The first loop thread to create its epoll fails; the other one starts.
     shim::inject("epoll_create1", 0, 1, libc::EMFILE);
-    let server = ServerBuilder::new()
-        .session_driver(net_io_blocking::SessionDriver::EventLoop { loops: 2 })
-        .listen("127.0.0.1:0")
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
-        .sessions(|_info: &ConnectionInfo| Some(Echo))
-        .allow_all()
-        .build()
-        .expect("the test server should start");
+    let server = loop_server(2, &recorder);
     assert!(
         eventually(SOON, || shim::calls("epoll_create1") >= 2),
         "the two loop threads did not both try to create their epoll"
@@ -167,15 +172,7 @@ fn a_server_whose_only_loop_cannot_start_refuses_as_busy_and_counts_it() {
     let recorder = Recorder::default();
     // The only loop thread fails to create its epoll: every admitted connection is refused by it.
     shim::inject("epoll_create1", 0, 1, libc::EMFILE);
-    let server = ServerBuilder::new()
-        .session_driver(net_io_blocking::SessionDriver::EventLoop { loops: 1 })
-        .listen("127.0.0.1:0")
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
-        .sessions(|_info: &ConnectionInfo| Some(Echo))
-        .allow_all()
-        .build()
-        .expect("the test server should start");
+    let server = loop_server(1, &recorder);
     assert!(
         eventually(SOON, || shim::calls("epoll_create1") >= 1),
         "the loop thread did not try to create its epoll"
