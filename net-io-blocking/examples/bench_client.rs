@@ -16,7 +16,10 @@
 //!   order. A round trip's latency runs from its write to the end of its read, so one message is in flight
 //!   per connection at all times. Only round trips that start after the warm-up and end before the
 //!   deadline count. It prints `measuring` when the timed window opens, `measured` when it closes, then
-//!   `echo connections=.. round_trips=.. seconds=.. rt_per_s=.. p50_us=.. p99_us=..`.
+//!   `echo connections=.. round_trips=.. seconds=.. rt_per_s=.. p50_us=.. p99_us=..`, and holds the
+//!   connections open until its standard input closes (at once when it is not a pipe): a server with a
+//!   thread per connection then keeps those threads, and their context switch counts, until the benchmark
+//!   has read them.
 //! - `idle`: opens C connections one after the other, each with one 8-byte round trip, prints
 //!   `idle opened=.. served=.. failed=..`, then holds them until its standard input closes.
 //! - `churn`: T threads connect and close; every close is an RST (`SO_LINGER` 0) so that neither side keeps
@@ -80,6 +83,8 @@ struct Options {
 struct EchoTally {
     /// Latency of each counted round trip, in nanoseconds.
     samples: Vec<u64>,
+    /// The thread's connections, handed back so they stay open after the window.
+    connections: Vec<TcpStream>,
 }
 
 fn main() -> ExitCode {
@@ -208,11 +213,13 @@ fn run_echo(options: &Options) -> io::Result<()> {
     sleep_until(window_closes);
     say("measured");
     let mut samples = Vec::new();
+    let mut held = Vec::with_capacity(options.connections);
     for handle in handles {
         let tally = handle
             .join()
             .map_err(|_| io::Error::other("an echo thread panicked"))??;
         samples.extend(tally.samples);
+        held.extend(tally.connections);
     }
     if samples.is_empty() {
         return Err(io::Error::other(
@@ -231,7 +238,19 @@ fn run_echo(options: &Options) -> io::Result<()> {
         percentile(&samples, 0.50) as f64 / 1_000.0,
         percentile(&samples, 0.99) as f64 / 1_000.0,
     ));
+    wait_for_end_of_input();
+    drop(held);
     Ok(())
+}
+
+/// Reads standard input until it ends: the benchmark closes it when it is done with a measurement.
+fn wait_for_end_of_input() {
+    let stdin = io::stdin();
+    let mut line = String::new();
+    let mut locked = stdin.lock();
+    while matches!(locked.read_line(&mut line), Ok(read) if read > 0) {
+        line.clear();
+    }
 }
 
 /// One client thread's closed loop: write on every connection, then read every echo in the same order.
@@ -246,10 +265,12 @@ fn echo_loop(
     let mut written_at = vec![window_opens; group.len()];
     let mut tally = EchoTally {
         samples: Vec::with_capacity(1 << 20),
+        connections: Vec::new(),
     };
     loop {
         let round_start = Instant::now();
         if round_start >= window_closes {
+            tally.connections = group;
             return Ok(tally);
         }
         for (stream, at) in group.iter_mut().zip(written_at.iter_mut()) {
@@ -300,12 +321,7 @@ fn run_idle(options: &Options) -> io::Result<()> {
         options.connections,
         held.len()
     ));
-    let stdin = io::stdin();
-    let mut line = String::new();
-    let mut locked = stdin.lock();
-    while matches!(locked.read_line(&mut line), Ok(read) if read > 0) {
-        line.clear();
-    }
+    wait_for_end_of_input();
     drop(held);
     Ok(())
 }

@@ -1202,7 +1202,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         let created = catch_unwind(AssertUnwindSafe(|| runtime.workload.factory.create(&info)));
         let session = match created {
             Ok(Some(session)) => session,
-            Ok(None) => return self.close(index, CloseReason::Refused(RefusalCause::Session)),
+            Ok(None) => return self.close(index, crate::coroutines::reason_for_no_session()),
             Err(_) => {
                 core.emit(Event::SessionPanicked { id: info.id });
                 return self.close(index, CloseReason::SessionPanicked);
@@ -2107,7 +2107,8 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 .as_mut()
                 .is_some_and(|reservation| reservation.move_source(real_peer.ip()).is_ok());
             if !moved {
-                return self.close(index, CloseReason::Limit(LimitKind::PerSource));
+                let reason = handshake::source_cap_refused(self.core, &self.conn(index).info);
+                return self.close(index, reason);
             }
             // Then the gate sees the real client (it may swap the ticket or refuse), and only then is it resolved.
             let refusal_bytes_max = self.limits(index).refusal_bytes_max;
@@ -2121,6 +2122,7 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
                 return self.close(index, CloseReason::SessionError);
             };
             let readmitted = handshake::readmit(
+                self.core,
                 &self.runtime.gate,
                 ticket,
                 &conn.info,
