@@ -1202,7 +1202,13 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
         let created = catch_unwind(AssertUnwindSafe(|| runtime.workload.factory.create(&info)));
         let session = match created {
             Ok(Some(session)) => session,
-            Ok(None) => return self.close(index, crate::coroutines::reason_for_no_session()),
+            Ok(None) => {
+                let reason = crate::coroutines::reason_for_no_session();
+                if let CloseReason::Refused(cause) = reason {
+                    handshake::count_refusal(core, &info, cause);
+                }
+                return self.close(index, reason);
+            }
             Err(_) => {
                 core.emit(Event::SessionPanicked { id: info.id });
                 return self.close(index, CloseReason::SessionPanicked);
