@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use net_io_core::proxy::ProxyMode;
 use net_io_core::{
-    AllowAll, BufferPool, Clock, ConfigError, ControlLine, ControlWatch, Counters, EventSink, Gate,
-    IdAllocator, Limits, ListenerId, NetError, NoopSink, ResolvedLimits, SessionFactory,
-    TrustedProxies,
+    AllowAll, BufferPool, Clock, Coalescer, ConfigError, ControlLine, ControlWatch, Counters,
+    EventSink, Gate, IdAllocator, Limits, ListenerId, NetError, NoopSink, ResolvedLimits,
+    SessionFactory, TrustedProxies,
 };
 use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::KillSlot;
@@ -587,6 +587,8 @@ fn start<G: Gate, W: Workload>(
         busy_workers: AtomicU64::new(0),
         shed_lane: AtomicU16::new(u16::MAX),
         drain_lock: Mutex::new(()),
+        serving_coalescer: Mutex::new(Coalescer::new()),
+        serving_folded: AtomicBool::new(false),
     });
     let runtime = Arc::new(Runtime {
         core: Arc::clone(&core),

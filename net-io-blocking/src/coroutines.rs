@@ -37,14 +37,14 @@
 //! is offered again through `on_data` before the loop reads more; `Step::Write` ends in `on_writable` (or a
 //! deadline, or the close) once the queue is flushed; and `on_close` runs before the session is dropped.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use net_io_core::{
-    CloseReason, ConfigError, ConnectionInfo, Event, Input, NetError, Output, Session,
-    SessionContext, SessionFactory, Step, TimeoutKind,
+    CloseReason, ConfigError, ConnectionInfo, Event, Input, LimitKind, NetError, Output,
+    RefusalCause, Session, SessionContext, SessionFactory, Step, TimeoutKind, handler_stack_hint,
 };
 use net_io_sys::coroutine::{Coroutine, CoroutineResult};
 
@@ -85,8 +85,10 @@ pub enum HandlerDriver {
     /// touched pages are resident) with a guard page below it: overflowing it kills the process with
     /// `SIGSEGV`, as a thread's stack overflow aborts.
     /// Each stack is a memory mapping, so the kernel's `vm.max_map_count` (65,530 by default, two
-    /// mappings a stack) bounds the open connections unless it is raised; at that limit a new connection is
-    /// refused (`Refused(Session)`, after admission) and the server serves on (a test fills the limit).
+    /// mappings a stack) bounds the open connections unless it is raised; at that limit a new connection
+    /// closes after admission with `Limit(HandlerStack)`, an [`Event::HandlerStackFailed`] carries the
+    /// `errno` and a hint naming `vm.max_map_count` (coalesced in a flood), and the server serves on (a test
+    /// fills the limit).
     Coroutines {
         /// How many loop threads; at least one.
         loops: usize,
@@ -175,6 +177,21 @@ thread_local! {
     /// Input on its way from the loop's read buffer to a handler's buffer. One per loop thread: a handler
     /// is resumed on the thread that drives it, and copies the bytes out before it can suspend again.
     static STAGING: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    /// Set by [`CoroutineFactory::create`] when it made no session because the stack could not be mapped,
+    /// and taken by the loop (on the same thread, right after) through [`reason_for_no_session`]: the
+    /// factory interface can only say "no session", this says why.
+    static STACK_FAILED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The close reason for a connection whose factory made no session on this thread just now:
+/// `Limit(HandlerStack)` when a coroutine stack could not be mapped, else `Refused(Session)` (the
+/// factory declined). Clears the mark, so it answers once per failure.
+pub(crate) fn reason_for_no_session() -> CloseReason {
+    if STACK_FAILED.with(|failed| failed.replace(false)) {
+        CloseReason::Limit(LimitKind::HandlerStack)
+    } else {
+        CloseReason::Refused(RefusalCause::Session)
+    }
 }
 
 impl<H> CoroutineFactory<H> {
@@ -245,7 +262,7 @@ where
         let handler = Arc::clone(&self.handler);
         let info = *info;
         let session_core = Arc::clone(&core);
-        let coroutine = Coroutine::new(self.stack_size, move |yielder: &Yielder, first: Resume| {
+        let created = Coroutine::new(self.stack_size, move |yielder: &Yielder, first: Resume| {
             let mut connection = TcpConnection::on_loop(yielder, first.output, info, &core, kill);
             let result = handler(&mut connection);
             let (output, requests) = connection.into_loop_parts();
@@ -254,8 +271,22 @@ where
                 output,
                 requests,
             }
-        })
-        .ok()?;
+        });
+        let coroutine = match created {
+            Ok(coroutine) => coroutine,
+            Err(error) => {
+                // At the mapping limit every new connection fails here, so the event goes through the
+                // coalescer; the close reason says what ran out.
+                let errno = error.raw_os_error().unwrap_or(0);
+                session_core.emit_coalesced(Event::HandlerStackFailed {
+                    id: info.id,
+                    errno,
+                    hint: handler_stack_hint(errno),
+                });
+                STACK_FAILED.with(|failed| failed.set(true));
+                return None;
+            }
+        };
         Some(HandlerSession {
             coroutine,
             core: session_core,

@@ -5,12 +5,12 @@ use std::net::SocketAddr;
 
 use net_io_core::proxy::{ProxyCommand, ProxyMode, ProxyParser, ProxyStatus, V1_MAX};
 use net_io_core::{
-    CloseReason, ConnectionInfo, Gate, ProxyError, Refusal, ResolvedLimits, TrustedProxies,
-    readmit_or_refuse,
+    CloseReason, ConnectionInfo, Event, Gate, LimitKind, ProxyError, Refusal, RefusalCause,
+    ResolvedLimits, TrustedProxies, readmit_or_refuse,
 };
 
 use crate::link::{Link, Received};
-use crate::server::reason_for_code;
+use crate::server::{Core, reason_for_code};
 
 /// Room kept per worker for header bytes and the application bytes that arrive with them.
 pub(crate) const PREFIX_CAPACITY: usize = 64 * 1024 + 512;
@@ -72,9 +72,11 @@ pub(crate) fn read_proxy_header(
 }
 
 /// Asks the gate again once the header named the real client (`info` already carries it); on a refusal,
-/// `reply` gets at most `refusal_bytes_max` bytes of a [`Refusal::Reply`] for one non-blocking attempt, and the
-/// reason to close with comes back. The ticket stays with the caller either way, for `Gate::closed`.
+/// `reply` gets at most `refusal_bytes_max` bytes of a [`Refusal::Reply`] for one non-blocking attempt, the
+/// refusal is counted and reported as one at accept would be (see [`count_refusal`]), and the reason to close
+/// with comes back. The ticket stays with the caller either way, for `Gate::closed`.
 pub(crate) fn readmit<G: Gate>(
+    core: &Core,
     gate: &G,
     ticket: &mut G::Ticket,
     info: &ConnectionInfo,
@@ -88,5 +90,27 @@ pub(crate) fn readmit<G: Gate>(
         // As for a refusal at accept: one short try only, so the refusal path cannot become an amplifier.
         reply(&bytes[..bytes.len().min(refusal_bytes_max)]);
     }
+    count_refusal(core, info, RefusalCause::Gate(refusal.code()));
     Err(refusal.close_reason())
+}
+
+/// The reason to close with when the per-source cap refuses the real client the header named (the slot
+/// could not move to it), after counting the refusal as one at accept would be (see [`count_refusal`]).
+pub(crate) fn source_cap_refused(core: &Core, info: &ConnectionInfo) -> CloseReason {
+    count_refusal(core, info, RefusalCause::SourceCap);
+    CloseReason::Limit(LimitKind::PerSource)
+}
+
+/// Counts a refusal of an admitted connection in `Stats::refused` under `cause` and reports `Event::Refused`
+/// naming its client, as the accept thread does for a refusal before any read: a gate or cap that decides on
+/// the real client shows in the same figures whether a proxy stands in front or not, and so does a connection
+/// no worker or loop could take (`Busy`, `DoorClosed` from `refuse_job`). The connection was admitted
+/// and still closes (its ticket comes back, `Closed` follows); the stats keep it out of `open` only once.
+pub(crate) fn count_refusal(core: &Core, info: &ConnectionInfo, cause: RefusalCause) {
+    core.counters.server().record_refused_after_admission(cause);
+    core.emit_coalesced(Event::Refused {
+        peer: info.client_addr(),
+        listener: info.listener,
+        cause,
+    });
 }

@@ -391,7 +391,15 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 Ok(false) => {}
                 Err(job) => {
                     core.loops[loop_index].remove_load();
-                    self.refuse_job(job, RefusalCause::DoorClosed, listener.counter_slot);
+                    // An inbox closes when the server stops (its queue is closed after `stopping` is
+                    // set), or when its loop could not start and no other loop runs: then the door is
+                    // open but nothing can serve the connection, which is what `Busy` says.
+                    let cause = if core.stopping.load(Ordering::Acquire) {
+                        RefusalCause::DoorClosed
+                    } else {
+                        RefusalCause::Busy
+                    };
+                    self.refuse_job(job, cause, listener.counter_slot);
                 }
             }
             return;
@@ -412,6 +420,8 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             ..
         } = job;
         let reason = CloseReason::Refused(cause);
+        // Admitted but never served: a refusal in the figures like one at accept (and still one close).
+        handshake::count_refusal(&self.core, &info, cause);
         close_ticket(&self.gate, ticket, &info, reason);
         self.core
             .counters
@@ -571,8 +581,9 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 Ok(Some(real_peer)) => {
                     info.set_real_peer(real_peer);
                     if reservation.move_source(real_peer.ip()).is_err() {
-                        early = Some(CloseReason::Limit(LimitKind::PerSource));
+                        early = Some(handshake::source_cap_refused(core, &info));
                     } else if let Err(reason) = handshake::readmit(
+                        core,
                         &self.gate,
                         &mut ticket,
                         &info,

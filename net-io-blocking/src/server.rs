@@ -9,8 +9,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use net_io_core::{
-    CloseReason, ConnectionId, ConnectionInfo, Counters, Event, EventSink, ListenerId, NetError,
-    ResolvedLimits, Stats,
+    CloseReason, Coalescer, ConnectionId, ConnectionInfo, Counters, Event, EventSink, ListenerId,
+    NetError, ResolvedLimits, Stats,
 };
 use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::{KillCondition, KillSlot};
@@ -135,6 +135,13 @@ pub(crate) struct Core {
     /// Lanes at or above this value are shed; `u16::MAX` sheds nothing.
     pub(crate) shed_lane: AtomicU16,
     pub(crate) drain_lock: Mutex<()>,
+    /// Flood control for the events serving threads raise in bulk (a refusal after the PROXY header, a
+    /// coroutine stack the kernel would not map): one coalescer shared by those threads, so a flood costs a
+    /// lock per connection that already paid for an accept, and the sink sees at most the threshold a second.
+    pub(crate) serving_coalescer: Mutex<Coalescer>,
+    /// Set when `serving_coalescer` holds folded counts, so a close can report them once their second is over
+    /// without taking the lock on every close.
+    pub(crate) serving_folded: AtomicBool,
 }
 
 /// The parts of the generic runtime that the server's handles reach: closing the hand-over queue and
@@ -182,6 +189,46 @@ impl Core {
         self.clock.now()
     }
 
+    /// Emits an event a serving thread may raise once per connection in a flood, through the shared
+    /// coalescer (see [`Coalescer`]): past the threshold in one second it is counted, and the count is
+    /// reported as one [`Event::Coalesced`] once the second is over.
+    pub(crate) fn emit_coalesced(&self, event: Event) {
+        if !self.events_enabled {
+            return;
+        }
+        let now = self.now();
+        let mut coalescer = self
+            .serving_coalescer
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let sink = &self.events;
+        // A panicking sink must not take the serving thread down with it.
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            coalescer.emit(&**sink, event, now)
+        }));
+        self.serving_folded
+            .store(coalescer.has_folded(), Ordering::Relaxed);
+    }
+
+    /// Reports counts folded by [`Core::emit_coalesced`] once their second is over. Cheap when nothing was
+    /// folded (one relaxed load), so it runs on every close.
+    pub(crate) fn flush_coalesced(&self) {
+        if !self.serving_folded.load(Ordering::Relaxed) {
+            return;
+        }
+        let now = self.now();
+        let Ok(mut coalescer) = self.serving_coalescer.try_lock() else {
+            // Someone else is emitting; their emit flushes a finished second first.
+            return;
+        };
+        let sink = &self.events;
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            coalescer.flush(&**sink, now)
+        }));
+        self.serving_folded
+            .store(coalescer.has_folded(), Ordering::Relaxed);
+    }
+
     /// The events of one close, after its caps were freed: the event naming the cause when the reason has
     /// one (a kill, a limit, a gate denial), then `Closed`. Both drivers end every connection here.
     pub(crate) fn emit_closed(
@@ -207,6 +254,7 @@ impl Core {
             bytes_out,
             lifetime: self.now().saturating_duration_since(info.accepted_at),
         });
+        self.flush_coalesced();
     }
 
     /// Why an idle connection closes while the server drains: `Shutdown` once [`Server::shutdown`] (or a drop,

@@ -84,7 +84,12 @@ impl<F: SessionFactory> Workload for SessionWorkload<F> {
         let limits_read_buffer = run.limits.read_buffer;
         let session = match catch_unwind(AssertUnwindSafe(|| self.factory.create(&info))) {
             Ok(Some(session)) => session,
-            Ok(None) => return CloseReason::Refused(net_io_core::RefusalCause::Session),
+            Ok(None) => {
+                // The factory refused an admitted connection: a refusal in the figures, and one close.
+                let cause = net_io_core::RefusalCause::Session;
+                crate::handshake::count_refusal(run.core, &info, cause);
+                return CloseReason::Refused(cause);
+            }
             Err(_) => {
                 run.core.emit(Event::SessionPanicked { id: info.id });
                 return CloseReason::SessionPanicked;

@@ -4,9 +4,10 @@
 //! ```text
 //! systemd: socket(), bind(), listen() ── fork ── exec us with fds 3, 4, ... and LISTEN_* set
 //! us:      listeners() ── is LISTEN_PID (and LISTEN_PIDFDID, if set) us? no ──> nothing, variables left alone
-//!                        └─ yes: parse LISTEN_FDS (at most 64) and LISTEN_FDNAMES, check every fd
-//!                           (open, SO_TYPE stream, SO_ACCEPTCONN, IP address), then take them all or none,
-//!                           and clear the variables so our children do not take them again
+//!                        └─ yes: parse LISTEN_FDS (at most 64), make every passed fd close-on-exec,
+//!                           parse LISTEN_FDNAMES, check every fd (open, SO_TYPE stream, SO_ACCEPTCONN,
+//!                           IP address), then take them all or none, and clear the variables so our
+//!                           children do not take them again
 //! ```
 
 use std::net::SocketAddr;
@@ -97,8 +98,10 @@ impl InheritedListener {
 ///
 /// Returns an empty list when `LISTEN_PID` is unset or names another process (or `LISTEN_PIDFDID` names
 /// another process that reused our pid): those variables are left alone, they are not ours. When they are
-/// ours, every descriptor is checked before any is taken, and the variables are removed whether or not the
-/// checks pass. Call it early, before starting threads that call C `getenv` (see
+/// ours, every passed descriptor is first made close-on-exec (as `sd_listen_fds(3)` does), then every one is
+/// checked before any is taken, and the variables are removed whether or not the checks pass. On a failure
+/// none is taken: the passed descriptors stay open but close-on-exec, so no child of this process inherits
+/// them. Call it early, before starting threads that call C `getenv` (see
 /// [`net_io_sys::inherit::clear_activation_variables`]).
 pub fn listeners() -> Result<Vec<InheritedListener>, SystemdError> {
     let Some(pid) = std::env::var_os("LISTEN_PID") else {
@@ -134,6 +137,21 @@ fn take_all() -> Result<Vec<InheritedListener>, SystemdError> {
     let Ok(count) = value.trim().parse::<u64>() else {
         return Err(SystemdError::Count { value });
     };
+    // As sd_listen_fds(3) does: every passed descriptor becomes close-on-exec before anything else is
+    // checked, so whatever the checks below find, none of them leaks into a child this process starts. A
+    // count above the limit is not trusted, but the numbers up to the limit are ours all the same.
+    let passed = count.min(INHERITED_MAX as u64) as usize;
+    let mut unmarked = None;
+    for offset in 0..passed {
+        let fd = FIRST_INHERITED + offset as i32;
+        match inherit::set_close_on_exec(fd) {
+            // Not open, or taken already: the checks below report those by number and name.
+            Ok(()) | Err(Unfit::NotOpen | Unfit::AlreadyTaken) => {}
+            Err(problem) => {
+                unmarked.get_or_insert((fd, offset, problem));
+            }
+        }
+    }
     if count > INHERITED_MAX as u64 {
         return Err(SystemdError::TooMany {
             count,
@@ -161,11 +179,16 @@ fn take_all() -> Result<Vec<InheritedListener>, SystemdError> {
         name: name_of(offset).unwrap_or_else(|| "unknown".to_owned()),
         problem,
     };
-    // All or nothing: a bad descriptor anywhere leaves every one of them where it was.
+    if let Some((fd, offset, problem)) = unmarked {
+        return Err(unfit(fd, offset, problem));
+    }
+    // All or nothing: a bad descriptor anywhere leaves every one of them where it was (close-on-exec now).
     for offset in 0..count {
         let fd = FIRST_INHERITED + offset as i32;
         inherit::check_listener(fd).map_err(|problem| unfit(fd, offset, problem))?;
     }
+    // Should a take fail half-way (a system call failing after the checks passed), `taken` is dropped on
+    // the way out, which closes exactly the descriptors this process took and no other.
     let mut taken = Vec::with_capacity(count);
     for offset in 0..count {
         let fd = FIRST_INHERITED + offset as i32;

@@ -353,6 +353,15 @@ fn a_factory_that_declines_closes_with_refused_session() {
     let mut stream = client(server.local_addr());
     witnesses.expect(CloseReason::Refused(RefusalCause::Session), false);
     assert!(common::is_closed_by_server(&mut stream));
+    let stats = server.stats();
+    assert_eq!(
+        (
+            stats.refused_by(RefusalCause::Session),
+            stats.refused_after_admission
+        ),
+        (1, 1),
+        "a declined connection counts as a refusal after admission: {stats:?}"
+    );
 }
 
 #[test]

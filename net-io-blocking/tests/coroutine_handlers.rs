@@ -10,6 +10,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -18,8 +19,8 @@ use common::echo::{echo, echo_fours};
 use common::gates::CountingGate;
 use common::{Recorder, SOON, child, client, open_descriptors, round_trip, test_builder};
 use net_io_blocking::{
-    CloseReason, DEFAULT_WORKERS, Direction, HandlerDriver, KillHandle, Limits, ListenerSpec,
-    MinRateRule, NetError, RefusalCause, Server, ServerBuilder, TcpConnection,
+    CloseReason, DEFAULT_WORKERS, Direction, Event, HandlerDriver, KillHandle, LimitKind, Limits,
+    ListenerSpec, MinRateRule, NetError, RefusalCause, Server, ServerBuilder, TcpConnection,
 };
 
 static TURN: RwLock<()> = RwLock::new(());
@@ -587,10 +588,22 @@ fn one_loop_with_stack(bytes: usize) -> ServerBuilder {
         .handler_stack_size(bytes)
 }
 
+/// How long a child process may run before the test kills it and fails: the slowest child (the one that
+/// fills the mapping limit) takes seconds even on a loaded machine.
+const CHILD_DEADLINE: Duration = Duration::from_secs(120);
+
 /// Runs `command` (a [`child::rerun`] of one test) to its end under the shared turn and returns its output.
-fn run_child(mut command: std::process::Command) -> std::process::Output {
+/// A child still running at [`CHILD_DEADLINE`] is killed and the test fails with what it printed, instead of
+/// hanging the test run.
+fn run_child(mut command: Command) -> Output {
     let _turn = shared_turn();
-    command.output().expect("could not run the child")
+    let process = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("could not start the child");
+    child::output_within(process, CHILD_DEADLINE)
 }
 
 /// Recurses `depth` times with a kilobyte on each frame.
@@ -991,8 +1004,30 @@ fn at_the_memory_mapping_limit_new_handlers_are_refused_and_the_server_serves_on
         assert!(
             reasons
                 .iter()
-                .all(|reason| *reason == CloseReason::Refused(RefusalCause::Session)),
-            "a connection whose coroutine stack could not be mapped should be refused (Session): {reasons:?}"
+                .all(|reason| *reason == CloseReason::Limit(LimitKind::HandlerStack)),
+            "a connection whose coroutine stack could not be mapped should close with \
+             Limit(HandlerStack): {reasons:?}"
+        );
+        // Each failure is reported with the OS error and the hint (40 stay below the coalescing threshold).
+        let failures: Vec<(i32, &str)> = recorder
+            .events()
+            .into_iter()
+            .filter_map(|event| match event {
+                Event::HandlerStackFailed { errno, hint, .. } => Some((errno, hint)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            failures.len(),
+            refused,
+            "every connection without a stack should report HandlerStackFailed once: {failures:?}"
+        );
+        assert!(
+            failures
+                .iter()
+                .all(|(errno, hint)| *errno == libc::ENOMEM && hint.contains("vm.max_map_count")),
+            "a stack mapping at the limit should fail with ENOMEM and a hint naming vm.max_map_count: \
+             {failures:?}"
         );
         // Mappings come back: new connections are served again.
         drop(filler);

@@ -2,7 +2,8 @@
 //! `EAGAIN` and `EINTR`, an event loop whose epoll cannot be created, a coroutine stack that cannot be mapped. Run with
 //! `RUSTFLAGS="--cfg net_io_shim" cargo test -p net-io-blocking --test faults`.
 //!
-//! The shim's faults are process-wide, so every scenario runs in one test, one after another.
+//! The shim's faults are process-wide, so every scenario runs in one test, one after another; the systemd
+//! scenario (a take that fails half-way) injects its fault in a child process of its own.
 
 #![cfg(net_io_shim)]
 
@@ -15,13 +16,26 @@ use std::time::Duration;
 use common::echo::{Echo, echo_server};
 use common::{Recorder, SOON, client, eventually, round_trip};
 use net_io_blocking::{
-    CloseReason, ConnectionInfo, Event, HandlerDriver, Limits, NetError, RefusalCause, Server,
-    ServerBuilder, TcpConnection,
+    CloseReason, ConnectionInfo, Event, HandlerDriver, LimitKind, Limits, NetError, RefusalCause,
+    Server, ServerBuilder, TcpConnection,
 };
 use net_io_sys::shim;
 
 fn server(recorder: &Recorder) -> Server {
     echo_server(2, Limits::new(), recorder)
+}
+
+/// An echo server on `loops` event loops.
+fn loop_server(loops: usize, recorder: &Recorder) -> Server {
+    ServerBuilder::new()
+        .session_driver(net_io_blocking::SessionDriver::EventLoop { loops })
+        .listen("127.0.0.1:0")
+        .limits(Limits::new().min_rate(None))
+        .events(recorder.clone())
+        .sessions(|_info: &ConnectionInfo| Some(Echo))
+        .allow_all()
+        .build()
+        .expect("the test server should start")
 }
 
 fn has_event(recorder: &Recorder, wanted: impl Fn(&Event) -> bool) -> bool {
@@ -138,15 +152,7 @@ fn a_loop_that_cannot_start_is_given_no_connections() {
     let recorder = Recorder::default();
     // The first loop thread to create its epoll fails; the other one starts.
     shim::inject("epoll_create1", 0, 1, libc::EMFILE);
-    let server = ServerBuilder::new()
-        .session_driver(net_io_blocking::SessionDriver::EventLoop { loops: 2 })
-        .listen("127.0.0.1:0")
-        .limits(Limits::new().min_rate(None))
-        .events(recorder.clone())
-        .sessions(|_info: &ConnectionInfo| Some(Echo))
-        .allow_all()
-        .build()
-        .expect("the test server should start");
+    let server = loop_server(2, &recorder);
     assert!(
         eventually(SOON, || shim::calls("epoll_create1") >= 2),
         "the two loop threads did not both try to create their epoll"
@@ -160,6 +166,43 @@ fn a_loop_that_cannot_start_is_given_no_connections() {
             "connection {index} was handed to the loop that could not start and refused"
         );
     }
+}
+
+fn a_server_whose_only_loop_cannot_start_refuses_as_busy_and_counts_it() {
+    let recorder = Recorder::default();
+    // The only loop thread fails to create its epoll: every admitted connection is refused by it.
+    shim::inject("epoll_create1", 0, 1, libc::EMFILE);
+    let server = loop_server(1, &recorder);
+    assert!(
+        eventually(SOON, || shim::calls("epoll_create1") >= 1),
+        "the loop thread did not try to create its epoll"
+    );
+    let mut stream = client(server.local_addr());
+    assert!(
+        common::is_closed_by_server(&mut stream),
+        "a connection handed to a loop that could not start should be reset"
+    );
+    assert!(
+        eventually(SOON, || server.stats().refused_by(RefusalCause::Busy) == 1),
+        "an admitted connection refused as Busy should count in the refusals: {:?}",
+        server.stats()
+    );
+    let stats = server.stats();
+    assert_eq!(stats.refused_after_admission, 1, "{stats:?}");
+    assert_eq!(
+        stats.closed, 1,
+        "the refused connection was admitted, so it closes once: {stats:?}"
+    );
+    assert!(
+        has_event(&recorder, |event| matches!(
+            event,
+            Event::Refused {
+                cause: RefusalCause::Busy,
+                ..
+            }
+        )),
+        "a Refused event should name the Busy refusal"
+    );
 }
 
 /// Handlers on coroutines: a stack that cannot be mapped refuses only its connection; a failing `recv` closes
@@ -190,8 +233,16 @@ fn handlers_on_coroutines_meet_faults_one_connection_at_a_time() {
     let closes = recorder.wait_for_closes(1, SOON);
     assert_eq!(
         closes.first().map(|close| close.1),
-        Some(CloseReason::Refused(RefusalCause::Session)),
-        "a connection whose coroutine stack cannot be mapped should be refused, got {closes:?}"
+        Some(CloseReason::Limit(LimitKind::HandlerStack)),
+        "a connection whose coroutine stack cannot be mapped should close at the handler stack limit, \
+         got {closes:?}"
+    );
+    assert!(
+        recorder.events().iter().any(|event| matches!(
+            event,
+            Event::HandlerStackFailed { errno, .. } if *errno == libc::ENOMEM
+        )),
+        "the failed stack mapping was not reported with its ENOMEM"
     );
     assert!(common::is_closed_by_server(&mut refused));
     let mut other = client(server.local_addr());
@@ -230,5 +281,84 @@ fn injected_faults_close_or_pause_only_what_they_hit() {
     a_failing_recv_closes_only_its_connection();
     spurious_eagain_and_eintr_are_retried();
     a_loop_that_cannot_start_is_given_no_connections();
+    a_server_whose_only_loop_cannot_start_refuses_as_busy_and_counts_it();
     handlers_on_coroutines_meet_faults_one_connection_at_a_time();
+}
+
+/// Set in the child process of the systemd take test.
+const SYSTEMD_CHILD: &str = "NET_IO_TEST_FAULTS_SYSTEMD_CHILD";
+
+/// Whether descriptor `fd` of this process is closed, open and close-on-exec, or open and inheritable, from
+/// `/proc/self/fdinfo` (its `flags` carry `O_CLOEXEC` exactly when the descriptor is close-on-exec).
+fn descriptor_state(fd: i32) -> &'static str {
+    let Ok(info) = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")) else {
+        return "closed";
+    };
+    let flags = info
+        .lines()
+        .find_map(|line| line.strip_prefix("flags:"))
+        .and_then(|flags| u32::from_str_radix(flags.trim(), 8).ok());
+    match flags {
+        Some(flags) if flags & libc::O_CLOEXEC as u32 != 0 => "cloexec",
+        Some(_) => "inheritable",
+        None => "unreadable",
+    }
+}
+
+/// systemd passes two listeners; both pass the checks, the first is taken, and taking the second fails (an
+/// injected `getsockname` error). The adoption fails as a whole: the listener this process took is closed,
+/// the one it did not take is left open, close-on-exec, for no child of ours to inherit.
+#[test]
+fn a_take_that_fails_half_way_closes_only_what_was_taken() {
+    use std::os::fd::OwnedFd;
+    use std::process::{Command, Stdio};
+
+    use common::child;
+    use net_io_blocking::systemd;
+
+    if child::is_child(SYSTEMD_CHILD) {
+        shim::reset();
+        // getsockname runs once per descriptor in the checks (fds 3 and 4), then once more in each take:
+        // the fourth call is fd 4's take, after fd 3 was taken.
+        shim::inject("getsockname", 3, 1, libc::EIO);
+        let error = systemd::listeners().expect_err("the adoption should have failed");
+        println!("RESULT error {error}");
+        println!("RESULT fd3 {}", descriptor_state(3));
+        println!("RESULT fd4 {}", descriptor_state(4));
+        return;
+    }
+    let first =
+        std::net::TcpListener::bind("127.0.0.1:0").expect("bind the first socket to pass on");
+    let second =
+        std::net::TcpListener::bind("127.0.0.1:0").expect("bind the second socket to pass on");
+    // The shell puts stdin on fd 3 and stderr on fd 4, sets LISTEN_PID to its own pid and execs this test
+    // binary, the way systemd starts a service after its fork.
+    let script = "exec 3<&0 4<&2 0</dev/null 2>&1; export LISTEN_PID=$$; exec \"$0\" \"$@\"";
+    let process = Command::new("/bin/sh")
+        .arg("-c")
+        .arg(script)
+        .arg(child::this_binary())
+        .args(child::only_test(
+            "a_take_that_fails_half_way_closes_only_what_was_taken",
+        ))
+        .env_remove("LISTEN_PIDFDID")
+        .env_remove("LISTEN_FDNAMES")
+        .env("LISTEN_FDS", "2")
+        .env(SYSTEMD_CHILD, "1")
+        .stdin(Stdio::from(OwnedFd::from(first)))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(OwnedFd::from(second)))
+        .spawn()
+        .expect("could not start the child");
+    let results = child::result_lines(process, Duration::from_secs(60));
+    assert_eq!(
+        results,
+        [
+            "error inherited fd 4 (named \"unknown\") cannot be adopted: checking it failed: Input/output \
+             error (os error 5); pass listening TCP stream sockets only (ListenStream=)",
+            "fd3 closed",
+            "fd4 cloexec",
+        ],
+        "a take that failed half-way should close the listener it took and leave the other close-on-exec"
+    );
 }

@@ -11,9 +11,9 @@ use common::echo::who_am_i;
 use common::gates::admit_on_the_default_lane;
 use common::{Recorder, SOON, client, read_line, read_to_close, round_trip};
 use net_io_blocking::{
-    Admission, CloseReason, ConnectionInfo, Event, Gate, HandlerDriver, Input, Lane, Limits,
-    ListenerSpec, ProxyMode, Refusal, RefusalCause, Server, ServerBuilder, Session, SessionContext,
-    SessionDriver, Step, TrustedProxies,
+    Admission, CloseReason, ConnectionInfo, Event, Gate, HandlerDriver, Input, Lane, LimitKind,
+    Limits, ListenerSpec, ProxyMode, Refusal, RefusalCause, Server, ServerBuilder, Session,
+    SessionContext, SessionDriver, Step, TrustedProxies,
 };
 use net_io_core::gate::GATE_PANIC_CODE;
 use net_io_core::proxy::{encode_v1, encode_v2};
@@ -156,13 +156,22 @@ impl Session for WhoAmI {
 }
 
 fn server<G: Gate>(driver: Driver, gate: G, recorder: &Recorder) -> Server {
+    server_with_limits(driver, gate, recorder, Limits::new())
+}
+
+fn server_with_limits<G: Gate>(
+    driver: Driver,
+    gate: G,
+    recorder: &Recorder,
+    limits: Limits,
+) -> Server {
     let builder = ServerBuilder::new()
         .listener(ListenerSpec::new("127.0.0.1:0".parse().unwrap()).proxy(
             ProxyMode::Any,
             TrustedProxies::parse(&["127.0.0.1/32"]).unwrap(),
         ))
         .workers(2)
-        .limits(Limits::new().min_rate(None))
+        .limits(limits.min_rate(None))
         .events(recorder.clone());
     let built = match driver {
         Driver::ThreadedHandler => builder
@@ -252,6 +261,114 @@ fn a_gate_that_refuses_the_real_client_closes_it_and_lets_others_through() {
                 gate.log()
             );
         }
+    }
+}
+
+/// The `Refused` events the recorder saw, as (peer, cause).
+fn refused_events(recorder: &Recorder) -> Vec<(SocketAddr, RefusalCause)> {
+    recorder
+        .events()
+        .into_iter()
+        .filter_map(|event| match event {
+            Event::Refused { peer, cause, .. } => Some((peer, cause)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_refused_readmit_counts_as_a_refusal_in_stats_and_events() {
+    for driver in DRIVERS {
+        let recorder = Recorder::default();
+        let gate = LoggingGate::new(Readmit::RefuseBlocked);
+        let server = server(driver, gate, &recorder);
+        let before = server.stats();
+        let mut blocked = client(server.local_addr());
+        blocked.write_all(&v1_header(BLOCKED, &server)).unwrap();
+        read_to_close(&mut blocked);
+        let cause = RefusalCause::Gate(BLOCKED_CODE);
+        assert_eq!(
+            recorder.single_close(SOON),
+            CloseReason::Refused(cause),
+            "{driver:?}: the refused real client did not close with the gate's refusal"
+        );
+        let after = server.stats();
+        assert_eq!(
+            after.refused,
+            before.refused + 1,
+            "{driver:?}: a readmit refusal was not counted in Stats::refused"
+        );
+        assert_eq!(
+            after.refused_by(cause),
+            1,
+            "{driver:?}: a readmit refusal was not counted under the gate's cause"
+        );
+        assert_eq!(
+            after.closed, 1,
+            "{driver:?}: the refused connection was admitted, so it must also count as closed once"
+        );
+        assert_eq!(
+            after.open, 0,
+            "{driver:?}: a readmit refusal counted twice against open (accepted {}, refused {}, closed {})",
+            after.accepted, after.refused, after.closed
+        );
+        assert_eq!(
+            refused_events(&recorder),
+            vec![(BLOCKED.parse().unwrap(), cause)],
+            "{driver:?}: a readmit refusal did not report one Refused event naming the real client"
+        );
+    }
+}
+
+#[test]
+fn a_real_client_over_its_source_cap_counts_as_a_refusal_in_stats_and_events() {
+    for driver in DRIVERS {
+        let recorder = Recorder::default();
+        let gate = LoggingGate::new(Readmit::RefuseBlocked);
+        let limits = Limits::new().max_per_source(1);
+        let server = server_with_limits(driver, gate, &recorder, limits);
+        // The first connection moves its source slot from the proxy to the real client and holds it.
+        let mut first = client(server.local_addr());
+        first.write_all(&v1_header(WELCOME, &server)).unwrap();
+        assert_eq!(read_line(&mut first), WELCOME, "{driver:?}: not served");
+        let before = server.stats();
+        let mut second = client(server.local_addr());
+        second.write_all(&v1_header(WELCOME, &server)).unwrap();
+        assert!(
+            read_to_close(&mut second).is_empty(),
+            "{driver:?}: the client over its source cap received bytes"
+        );
+        assert_eq!(
+            recorder.single_close(SOON),
+            CloseReason::Limit(LimitKind::PerSource),
+            "{driver:?}: the second connection of the real client did not close at its source cap"
+        );
+        let after = server.stats();
+        assert_eq!(
+            after.refused,
+            before.refused + 1,
+            "{driver:?}: a source-cap refusal after the header was not counted in Stats::refused"
+        );
+        assert_eq!(
+            after.refused_by(RefusalCause::SourceCap),
+            1,
+            "{driver:?}: a source-cap refusal after the header was not counted under SourceCap"
+        );
+        assert_eq!(
+            after.open, 1,
+            "{driver:?}: only the first connection is open (accepted {}, refused {}, closed {})",
+            after.accepted, after.refused, after.closed
+        );
+        assert_eq!(
+            refused_events(&recorder),
+            vec![(WELCOME.parse().unwrap(), RefusalCause::SourceCap)],
+            "{driver:?}: a source-cap refusal after the header did not report one Refused event"
+        );
+        assert_eq!(
+            round_trip(&mut first, b"still here"),
+            b"still here",
+            "{driver:?}: the first connection suffered from the refusal"
+        );
     }
 }
 

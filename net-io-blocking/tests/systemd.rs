@@ -87,26 +87,8 @@ fn spawn_child(test: &str, pid: Pid, fds: Vec<OwnedFd>, variables: &[(&str, &str
 }
 
 /// Waits for the child to exit (killing it past the deadline) and returns its `RESULT` lines.
-fn results(mut child: Child) -> Vec<String> {
-    let Some(status) = child::exit_within(&mut child, CHILD_DEADLINE) else {
-        panic!("the child ran past {CHILD_DEADLINE:?}");
-    };
-    let mut output = String::new();
-    child
-        .stdout
-        .take()
-        .expect("the child has no stdout")
-        .read_to_string(&mut output)
-        .expect("could not read the child's output");
-    assert!(status.success(), "the child failed: {status}\n{output}");
-    output
-        .lines()
-        // libtest prints `test NAME ... ` without a newline before the test's own output.
-        .filter_map(|line| {
-            line.split_once("RESULT ")
-                .map(|(_, result)| result.to_owned())
-        })
-        .collect()
+fn results(child: Child) -> Vec<String> {
+    child::result_lines(child, CHILD_DEADLINE)
 }
 
 fn activation_variables_left() -> Vec<&'static str> {
@@ -116,8 +98,55 @@ fn activation_variables_left() -> Vec<&'static str> {
         .collect()
 }
 
-/// The child's side of a failing adoption: the error text, and whether the variables and fds were left.
-fn report_failed_adoption() {
+/// Whether descriptor `fd` of this process is closed, open and close-on-exec, or open and inheritable, from
+/// `/proc/self/fdinfo`: its `flags` carry `O_CLOEXEC` exactly when the descriptor is close-on-exec.
+fn descriptor_state(fd: i32) -> String {
+    let Ok(info) = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")) else {
+        return "closed".to_owned();
+    };
+    let flags = info
+        .lines()
+        .find_map(|line| line.strip_prefix("flags:"))
+        .and_then(|flags| u32::from_str_radix(flags.trim(), 8).ok());
+    match flags {
+        Some(flags) if flags & libc::O_CLOEXEC as u32 != 0 => "cloexec".to_owned(),
+        Some(_) => "inheritable".to_owned(),
+        None => format!("unreadable flags in {info:?}"),
+    }
+}
+
+/// The descriptors among `3 .. 3 + passed` that a child started now would inherit: the leak a failed
+/// adoption must not leave.
+fn inherited_by_a_child(passed: i32) -> Vec<i32> {
+    let script = format!(
+        "fd=3; while [ $fd -lt {} ]; do [ -e /proc/$$/fd/$fd ] && echo $fd; fd=$((fd+1)); done; true",
+        3 + passed
+    );
+    let grandchild = Command::new("/bin/sh")
+        .arg("-c")
+        .arg(script)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("could not start a shell to look at inherited descriptors");
+    let output = child::output_within(grandchild, CHILD_DEADLINE);
+    assert!(
+        output.status.success(),
+        "the shell listing descriptors failed: {}",
+        output.status
+    );
+    let listed = String::from_utf8_lossy(&output.stdout);
+    listed
+        .lines()
+        .filter_map(|line| line.trim().parse().ok())
+        .collect()
+}
+
+/// The child's side of a failing adoption: the error text, whether the variables were left, and what became
+/// of the `passed` descriptors (fds 3, 4, ...): left where they were but close-on-exec, so no child of ours
+/// inherits them.
+fn report_failed_adoption(passed: i32) {
     let error = systemd::listeners().expect_err("the adoption should have failed");
     println!("RESULT error {error}");
     println!("RESULT left {:?}", activation_variables_left());
@@ -130,6 +159,10 @@ fn report_failed_adoption() {
     if let SystemdError::Unfit { fd, .. } = error {
         println!("RESULT unfit fd {fd}");
     }
+    for fd in 3..3 + passed {
+        println!("RESULT fd{fd} is {}", descriptor_state(fd));
+    }
+    println!("RESULT a child inherits {:?}", inherited_by_a_child(passed));
 }
 
 fn listening_socket() -> (TcpListener, String) {
@@ -237,7 +270,7 @@ fn variables_meant_for_another_process_are_ignored() {
 #[test]
 fn an_fd_that_is_not_a_listener_is_refused_by_number_and_name() {
     if child::is_child(CHILD_VARIABLE) {
-        report_failed_adoption();
+        report_failed_adoption(2);
         return;
     }
     let (listener, _) = listening_socket();
@@ -258,7 +291,7 @@ fn an_fd_that_is_not_a_listener_is_refused_by_number_and_name() {
 #[test]
 fn a_file_passed_as_a_socket_is_refused() {
     if child::is_child(CHILD_VARIABLE) {
-        report_failed_adoption();
+        report_failed_adoption(1);
         return;
     }
     let file = std::fs::File::open("/dev/null").unwrap();
@@ -274,7 +307,7 @@ fn a_file_passed_as_a_socket_is_refused() {
 #[test]
 fn a_count_above_the_limit_is_refused() {
     if child::is_child(CHILD_VARIABLE) {
-        report_failed_adoption();
+        report_failed_adoption(1);
         return;
     }
     let (listener, _) = listening_socket();
@@ -290,7 +323,7 @@ fn a_count_above_the_limit_is_refused() {
 #[test]
 fn names_that_do_not_match_the_count_are_refused() {
     if child::is_child(CHILD_VARIABLE) {
-        report_failed_adoption();
+        report_failed_adoption(1);
         return;
     }
     let (listener, _) = listening_socket();

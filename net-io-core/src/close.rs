@@ -122,11 +122,14 @@ pub enum LimitKind {
     ReadBuffer,
     /// The process ran out of file descriptors.
     Descriptors,
+    /// The kernel would not map another handler stack for a coroutine handler (`ENOMEM`: usually
+    /// `vm.max_map_count`, two mappings a stack; else memory or `RLIMIT_AS`).
+    HandlerStack,
 }
 
 impl LimitKind {
     /// Every limit once.
-    pub const ALL: [LimitKind; 10] = [
+    pub const ALL: [LimitKind; 11] = [
         LimitKind::Connections,
         LimitKind::PerListener,
         LimitKind::PerSource,
@@ -137,6 +140,7 @@ impl LimitKind {
         LimitKind::AcceptBatch,
         LimitKind::ReadBuffer,
         LimitKind::Descriptors,
+        LimitKind::HandlerStack,
     ];
 
     /// A stable snake_case name.
@@ -152,6 +156,7 @@ impl LimitKind {
             LimitKind::AcceptBatch => "accept_batch",
             LimitKind::ReadBuffer => "read_buffer",
             LimitKind::Descriptors => "descriptors",
+            LimitKind::HandlerStack => "handler_stack",
         }
     }
 }
@@ -558,6 +563,7 @@ impl CloseReason {
                 LimitKind::AcceptBatch => "limit_accept_batch",
                 LimitKind::ReadBuffer => "limit_read_buffer",
                 LimitKind::Descriptors => "limit_descriptors",
+                LimitKind::HandlerStack => "limit_handler_stack",
             },
             CloseReason::Io(class) => match class {
                 OsErrorClass::WouldBlock => "io_would_block",

@@ -161,6 +161,17 @@ pub enum Event {
         /// The connection.
         id: ConnectionId,
     },
+    /// The kernel would not map a coroutine handler's stack, so its connection closes with
+    /// `Limit(HandlerStack)`. Coalesced like refusals: a server at the mapping limit fails every new
+    /// connection the same way.
+    HandlerStackFailed {
+        /// The connection.
+        id: ConnectionId,
+        /// The `errno` of the failed mapping (`ENOMEM` at `vm.max_map_count`).
+        errno: i32,
+        /// What to do about it, for logs: [`handler_stack_hint`] of `errno`.
+        hint: &'static str,
+    },
     /// Events of one kind folded over the last second.
     Coalesced {
         /// Which kind.
@@ -172,11 +183,27 @@ pub enum Event {
 
 /// Which kind of event a [`Event::Coalesced`] stands for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum CoalescedKind {
     /// [`Event::Refused`].
     Refused,
     /// [`Event::LimitHit`].
     LimitHit,
+    /// [`Event::HandlerStackFailed`].
+    HandlerStackFailed,
+}
+
+/// The hint [`Event::HandlerStackFailed`] carries for the `errno` of a failed stack mapping: what ran out
+/// and what to change. `mmap` says `ENOMEM` both at the process's mapping limit and when memory or the
+/// address space is short; on a server with memory to spare it is nearly always the mapping limit.
+pub const fn handler_stack_hint(errno: i32) -> &'static str {
+    if errno == libc::ENOMEM {
+        "the kernel refused another handler stack mapping (ENOMEM): the process is most likely at \
+         vm.max_map_count (two mappings a stack, 65530 by default); raise it (sysctl vm.max_map_count), \
+         or lower max_connections or handler_stack_size; else memory or RLIMIT_AS ran out"
+    } else {
+        "the kernel refused to map a handler stack; check memory, RLIMIT_AS and handler_stack_size"
+    }
 }
 
 /// Receives events. Runs on worker and accept threads: it must be quick and must not block.
@@ -211,13 +238,20 @@ where
     }
 }
 
-/// Per-thread flood control for `Refused` and `LimitHit` events.
+/// The kinds of event a [`Coalescer`] folds, in slot order.
+const COALESCED: [CoalescedKind; 3] = [
+    CoalescedKind::Refused,
+    CoalescedKind::LimitHit,
+    CoalescedKind::HandlerStackFailed,
+];
+
+/// Per-thread flood control for `Refused`, `LimitHit` and `HandlerStackFailed` events.
 #[derive(Debug)]
 pub struct Coalescer {
     threshold: u64,
     window_start: Option<Instant>,
-    seen: [u64; 2],
-    folded: [u64; 2],
+    seen: [u64; COALESCED.len()],
+    folded: [u64; COALESCED.len()],
 }
 
 impl Coalescer {
@@ -231,12 +265,13 @@ impl Coalescer {
         Coalescer {
             threshold,
             window_start: None,
-            seen: [0; 2],
-            folded: [0; 2],
+            seen: [0; COALESCED.len()],
+            folded: [0; COALESCED.len()],
         }
     }
 
-    /// Emits `event` to `sink` unless it is a `Refused` or `LimitHit` past the threshold in this second,
+    /// Emits `event` to `sink` unless it is a `Refused`, `LimitHit` or `HandlerStackFailed` past the
+    /// threshold in this second,
     /// in which case it is counted. When a new second starts, the previous second's folded counts are
     /// emitted first as [`Event::Coalesced`].
     pub fn emit<S: EventSink + ?Sized>(&mut self, sink: &S, event: Event, now: Instant) {
@@ -244,6 +279,7 @@ impl Coalescer {
         let slot = match event {
             Event::Refused { .. } => 0,
             Event::LimitHit { .. } => 1,
+            Event::HandlerStackFailed { .. } => 2,
             _ => {
                 sink.emit(event);
                 return;
@@ -257,6 +293,11 @@ impl Coalescer {
         }
     }
 
+    /// True while counts folded in the current second wait for [`Coalescer::flush`] to report them.
+    pub fn has_folded(&self) -> bool {
+        self.folded.iter().any(|&count| count > 0)
+    }
+
     /// Emits the folded counts of a finished second. Call it now and then (for example once per loop) so
     /// that a flood that stops still reports its count.
     pub fn flush<S: EventSink + ?Sized>(&mut self, sink: &S, now: Instant) {
@@ -264,17 +305,14 @@ impl Coalescer {
         if now.saturating_duration_since(start) < Duration::from_secs(1) {
             return;
         }
-        for (slot, kind) in [(0, CoalescedKind::Refused), (1, CoalescedKind::LimitHit)] {
-            if self.folded[slot] > 0 {
-                sink.emit(Event::Coalesced {
-                    kind,
-                    count: self.folded[slot],
-                });
+        for (&kind, &count) in COALESCED.iter().zip(&self.folded) {
+            if count > 0 {
+                sink.emit(Event::Coalesced { kind, count });
             }
         }
         self.window_start = Some(now);
-        self.seen = [0; 2];
-        self.folded = [0; 2];
+        self.seen = [0; COALESCED.len()];
+        self.folded = [0; COALESCED.len()];
     }
 }
 
@@ -295,6 +333,50 @@ mod tests {
             std::mem::size_of::<Event>() <= 64,
             "Event is {} bytes",
             std::mem::size_of::<Event>()
+        );
+    }
+
+    #[test]
+    fn handler_stack_failures_fold_on_their_own_and_the_hint_names_the_mapping_limit() {
+        let log = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let sink = {
+            let log = std::sync::Arc::clone(&log);
+            move |event: Event| log.lock().unwrap().push(event)
+        };
+        let mut coalescer = Coalescer::with_threshold(2);
+        let start = Instant::now();
+        for n in 0..5 {
+            let failed = Event::HandlerStackFailed {
+                id: ConnectionId::new(n + 1).unwrap(),
+                errno: libc::ENOMEM,
+                hint: handler_stack_hint(libc::ENOMEM),
+            };
+            coalescer.emit(&sink, failed, start + Duration::from_millis(n));
+        }
+        let refused = Event::Refused {
+            peer: "192.0.2.1:9".parse().unwrap(),
+            listener: ListenerId(0),
+            cause: RefusalCause::GlobalCap,
+        };
+        coalescer.emit(&sink, refused, start + Duration::from_millis(6));
+        assert_eq!(
+            log.lock().unwrap().len(),
+            3,
+            "two stack failures and the refusal (its own count) pass"
+        );
+        assert!(coalescer.has_folded(), "three stack failures were folded");
+        coalescer.flush(&sink, start + Duration::from_millis(1001));
+        assert_eq!(
+            *log.lock().unwrap().last().unwrap(),
+            Event::Coalesced {
+                kind: CoalescedKind::HandlerStackFailed,
+                count: 3
+            }
+        );
+        assert!(!coalescer.has_folded(), "the flush did not clear the count");
+        assert!(
+            handler_stack_hint(libc::ENOMEM).contains("vm.max_map_count"),
+            "the ENOMEM hint does not name the mapping limit"
         );
     }
 

@@ -80,7 +80,7 @@ pub use completion::{
 };
 pub use control::{ControlLine, ControlState, ControlWatch};
 pub use error::{ErrorClass, NetError};
-pub use event::{CoalescedKind, Coalescer, Event, EventSink, NoopSink};
+pub use event::{CoalescedKind, Coalescer, Event, EventSink, NoopSink, handler_stack_hint};
 pub use gate::{
     Admission, AllowAll, Gate, Lane, Refusal, Verdict, WriteFacts, admit_or_refuse, check_or_deny,
     close_ticket, readmit_or_refuse,

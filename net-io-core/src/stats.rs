@@ -20,6 +20,8 @@ use crate::close::{CloseReason, RefusalCause};
 pub struct ServerCounters {
     accepted: AtomicU64,
     refused: [AtomicU64; RefusalCause::COUNT],
+    /// Of `refused`, the refusals of admitted connections (after a PROXY header), which also count as closes.
+    refused_after_admission: AtomicU64,
     descriptor_pressure: AtomicU64,
     stale_completions: AtomicU64,
 }
@@ -50,8 +52,12 @@ pub struct Stats {
     pub open: u64,
     /// Connections accepted (admitted or refused).
     pub accepted: u64,
-    /// Connections refused before any read.
+    /// Connections refused: before any read, or after admission and still before any byte was served (a
+    /// PROXY header named a real client that the gate or the per-source cap refused, or no worker or loop
+    /// could take the connection: `Busy`, `DoorClosed`).
     pub refused: u64,
+    /// Of `refused`, the connections refused after admission. Each of them also counts once in `closed`.
+    pub refused_after_admission: u64,
     /// Admitted connections that closed.
     pub closed: u64,
     /// Bytes received on closed connections.
@@ -85,6 +91,15 @@ impl ServerCounters {
     /// Counts a refusal.
     pub fn record_refused(&self, cause: RefusalCause) {
         self.refused[cause.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a refusal of a connection that was already admitted (the real client a PROXY header named was
+    /// refused). It counts in `refused` like any refusal; its close is counted as well, so `open` must not
+    /// subtract it twice.
+    pub fn record_refused_after_admission(&self, cause: RefusalCause) {
+        // Release: a snapshot that sees this refusal among the causes also sees it among the late ones.
+        self.refused_after_admission.fetch_add(1, Ordering::Relaxed);
+        self.refused[cause.index()].fetch_add(1, Ordering::Release);
     }
 
     /// Counts a descriptor-exhaustion episode at accept.
@@ -196,15 +211,20 @@ impl Counters {
         }
         stats.accepted = self.server.accepted.load(Ordering::Relaxed);
         for (count, counter) in stats.by_cause.iter_mut().zip(&self.server.refused) {
-            *count = counter.load(Ordering::Relaxed);
+            *count = counter.load(Ordering::Acquire);
         }
         stats.refused = stats.by_cause.iter().sum();
+        // Read after the causes (it is bumped before them, and they are read with Acquire), so every late
+        // refusal counted above is in it: at worst `open` shows one connection more for an instant, never less.
+        stats.refused_after_admission = self.server.refused_after_admission.load(Ordering::Relaxed);
         stats.descriptor_pressure = self.server.descriptor_pressure.load(Ordering::Relaxed);
         stats.stale_completions = self.server.stale_completions.load(Ordering::Relaxed);
-        // Accepted is read after the closes, so open never counts a close without its accept.
+        // Accepted is read after the closes, so open never counts a close without its accept. A connection
+        // refused after admission counts in both `refused` and `closed`; it leaves `open` once.
+        let refused_at_accept = stats.refused.saturating_sub(stats.refused_after_admission);
         stats.open = stats
             .accepted
-            .saturating_sub(stats.refused)
+            .saturating_sub(refused_at_accept)
             .saturating_sub(stats.closed);
         let count = |reason: CloseReason| stats.by_reason[reason.index()];
         stats.killed = count(CloseReason::Killed(0));
@@ -294,5 +314,31 @@ mod tests {
         assert_eq!(stats.timeouts, 1, "idle is one of our deadlines");
         assert_eq!(stats.refused_by(RefusalCause::Busy), 1);
         assert_eq!(stats.close_reasons().count(), 3);
+    }
+
+    #[test]
+    fn a_refusal_after_admission_leaves_open_once() {
+        let counters = Counters::new(1);
+        counters.server().record_accepted();
+        counters.server().record_accepted();
+        counters
+            .server()
+            .record_refused_after_admission(RefusalCause::Gate(7));
+        let stats = counters.snapshot();
+        assert_eq!(
+            (stats.refused, stats.refused_after_admission, stats.open),
+            (1, 1, 2),
+            "a late refusal counts as refused but its connection is open until its close is counted"
+        );
+        counters
+            .slot(0)
+            .record_close(CloseReason::Refused(RefusalCause::Gate(7)), 0, 0);
+        let stats = counters.snapshot();
+        assert_eq!(
+            (stats.refused, stats.closed, stats.open),
+            (1, 1, 1),
+            "the refused connection must leave open exactly once, not once as refused and once as closed"
+        );
+        assert_eq!(stats.refused_by(RefusalCause::Gate(0)), 1);
     }
 }

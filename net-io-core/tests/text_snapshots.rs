@@ -102,6 +102,15 @@ fn other_vocabulary_names_are_stable() {
 }
 
 #[test]
+fn handler_stack_hints_are_stable() {
+    let mut text = String::new();
+    for (name, errno) in [("ENOMEM", libc::ENOMEM), ("EAGAIN", libc::EAGAIN)] {
+        writeln!(text, "{name}: {}", net_io_core::handler_stack_hint(errno)).unwrap();
+    }
+    insta::assert_snapshot!("handler_stack_hints", text);
+}
+
+#[test]
 fn net_error_texts_are_stable() {
     let address = "127.0.0.1:7000".parse().unwrap();
     let errors = [

@@ -102,6 +102,38 @@ pub fn check_listener(fd: i32) -> Result<SocketAddr, Unfit> {
     verify(borrowed)
 }
 
+/// Makes inherited descriptor `fd` close-on-exec without taking it, as `sd_listen_fds(3)` does for every
+/// passed descriptor before it is checked, so that a descriptor this process does not adopt (it failed a
+/// check, or a neighbour did) still never leaks into a child it starts. The descriptor stays open: it is
+/// not ours to close until taken. Costs one `fcntl`, two when the flag was not set yet.
+///
+/// Fails with [`Unfit::NotOpen`] when nothing is open under `fd`, and with [`Unfit::AlreadyTaken`] without a
+/// system call when `fd` was taken: its owner made it close-on-exec, and once that owner closed it the number
+/// may name an unrelated descriptor, which must be left alone.
+pub fn set_close_on_exec(fd: i32) -> Result<(), Unfit> {
+    let bit = bit(fd)?;
+    if TAKEN.load(Ordering::Acquire) & bit != 0 {
+        return Err(Unfit::AlreadyTaken);
+    }
+    shim::enter("fcntl_getfd").map_err(Unfit::Os)?;
+    // SAFETY: fcntl(2) F_GETFD reads the descriptor flags of a number; it takes no pointers and fails with
+    // EBADF on a number that is not open.
+    let flags = match cvt!(unsafe { libc::fcntl(fd, libc::F_GETFD) }) {
+        Ok(flags) => flags,
+        Err(error) if error.raw_os_error() == Some(libc::EBADF) => return Err(Unfit::NotOpen),
+        Err(error) => return Err(Unfit::Os(error)),
+    };
+    if flags & libc::FD_CLOEXEC != 0 {
+        return Ok(());
+    }
+    shim::enter("fcntl_setfd").map_err(Unfit::Os)?;
+    // SAFETY: fcntl(2) F_SETFD sets the descriptor flags of a number; it takes no pointers. The number is in
+    // the range sd_listen_fds(3) hands to this process and not taken (checked above), so no owner here
+    // relies on it being inheritable.
+    cvt!(unsafe { libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC) }).map_err(Unfit::Os)?;
+    Ok(())
+}
+
 /// `SO_TYPE`, `SO_PROTOCOL`, `SO_ACCEPTCONN` and `getsockname` of a borrowed descriptor.
 fn verify(socket: BorrowedFd<'_>) -> Result<SocketAddr, Unfit> {
     let socket = SockRef::from(&socket);
@@ -247,6 +279,39 @@ mod tests {
         assert!(
             matches!(unix_result, Err(Unfit::NotIp)),
             "a Unix listener passed as a TCP listener: {unix_result:?}"
+        );
+    }
+
+    #[test]
+    fn close_on_exec_is_set_on_an_inheritable_descriptor_and_never_outside_the_inherited_range() {
+        use std::os::fd::AsRawFd;
+        // An inheritable pipe end stands in for a passed descriptor; std makes its own close-on-exec.
+        let (reader, writer) = std::io::pipe().unwrap();
+        let fd = reader.as_raw_fd();
+        assert!(bit(fd).is_ok(), "fd {fd} fell outside the inherited range");
+        let flags = |fd: i32| {
+            // SAFETY: F_GETFD takes no pointers; `fd` is open while `reader` lives.
+            unsafe { libc::fcntl(fd, libc::F_GETFD) }
+        };
+        // SAFETY: F_SETFD takes no pointers; `reader` owns `fd` and lives to the end of the test.
+        assert_eq!(unsafe { libc::fcntl(fd, libc::F_SETFD, 0) }, 0);
+        assert_eq!(
+            flags(fd) & libc::FD_CLOEXEC,
+            0,
+            "the pipe stayed close-on-exec"
+        );
+        set_close_on_exec(fd).expect("an open descriptor could not be made close-on-exec");
+        assert_ne!(
+            flags(fd) & libc::FD_CLOEXEC,
+            0,
+            "set_close_on_exec left the descriptor inheritable"
+        );
+        set_close_on_exec(fd).expect("a descriptor already close-on-exec was refused");
+        drop((reader, writer));
+        // (Not asked again now it is closed: a test on another thread may already have the number.)
+        assert!(
+            matches!(set_close_on_exec(2), Err(Unfit::OutOfRange)),
+            "stderr was touched as if it were inherited"
         );
     }
 

@@ -259,24 +259,36 @@ fn runs_of_a_repeat_never_overlap() {
 #[test]
 fn at_rate_overlaps_its_runs() {
     init();
+    // Ten runs of 1 s each, one started every 50 ms. Overlapped they all end about 1.45 s after the
+    // start. With at most two in flight at a time they could not end before 5 s (five rounds of 1 s;
+    // each run sleeps at least 1 s, checked below), so a series that ends before 5 s had three or more
+    // runs in flight together: the bound is what overlap implies, not a guess at how fast the machine
+    // wakes up. (A 3 s bound on five runs once failed when the whole test process stalled on a loaded
+    // machine; with two CPU hogs and the pool pinned to one core the series still takes 1.2 to 1.6 s, so
+    // the slowness was not the runtime falling behind under CPU load.)
+    const RUN: Duration = Duration::from_secs(1);
+    const RUNS: u32 = 10;
+    let two_at_a_time = RUN * RUNS.div_ceil(2);
     let started = Instant::now();
-    // Runs long against the period so overlapped (about 1.2 s) and serial (5 s) are far apart: on a
-    // loaded 2-core machine 200 ms runs once took 985 ms in all, too close to their 1 s serial time.
-    let handle = Runtime::task(Sleep::sleep(Duration::from_secs(1)).relaxed())
+    let handle = Runtime::task(Sleep::sleep(RUN).relaxed())
         .at_rate(Duration::from_millis(50))
-        .count(5)
+        .count(u64::from(RUNS))
         .spawn();
-    wait_until(Duration::from_secs(20), "the series should end", || {
+    wait_until(Duration::from_secs(30), "the series should end", || {
         handle.is_finished()
     });
     let total = started.elapsed();
+    let slept = join(&handle, "a series of ten 1 s sleeps")
+        .expect("the series should leave the last output");
     assert!(
-        total < Duration::from_secs(3),
-        "five overlapping 1 s runs every 50 ms should take well under the 5 s serial time: {total:?}"
+        slept >= RUN,
+        "the last run slept only {slept:?} of its {RUN:?}, so the series' time says nothing about overlap"
     );
     assert!(
-        join(&handle, "a series of five 1 s sleeps").is_ok(),
-        "the series should leave the last output"
+        total < two_at_a_time,
+        "ten 1 s runs started every 50 ms should overlap (about 1.45 s in all), but the series took \
+         {total:?}, no less than with at most two runs in flight ({two_at_a_time:?}); its last run slept \
+         {slept:?}"
     );
 }
 

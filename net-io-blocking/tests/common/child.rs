@@ -2,8 +2,9 @@
 //! told by an environment variable that it is the child.
 
 use std::env;
+use std::io::Read;
 use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus};
+use std::process::{Child, Command, ExitStatus, Output};
 use std::time::{Duration, Instant};
 
 /// Whether this process is a child started with `variable` set (see [`rerun`]).
@@ -45,4 +46,63 @@ pub fn exit_within(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Waits up to `timeout` for `child` (spawned with piped stdout and stderr, or either left alone) to exit and
+/// returns what it printed. Both pipes are read while it runs, so a child that prints much (a full backtrace)
+/// does not stall on a full pipe and look hung. A child still running at `timeout` is killed, and the test
+/// fails with what it printed instead of hanging the test run.
+pub fn output_within(mut child: Child, timeout: Duration) -> Output {
+    let stdout = read_in_background(child.stdout.take());
+    let stderr = read_in_background(child.stderr.take());
+    let status = exit_within(&mut child, timeout);
+    // The child has exited or been killed and reaped, so both pipes are at their end.
+    let stdout = stdout.join().expect("the child's stdout reader panicked");
+    let stderr = stderr.join().expect("the child's stderr reader panicked");
+    let Some(status) = status else {
+        panic!(
+            "the child ran past {timeout:?} and was killed; it printed:\n{}\n{}",
+            String::from_utf8_lossy(&stdout),
+            String::from_utf8_lossy(&stderr)
+        );
+    };
+    Output {
+        status,
+        stdout,
+        stderr,
+    }
+}
+
+/// Waits for `child` as [`output_within`] does, fails the test unless it exited successfully, and returns
+/// what follows `RESULT ` on each line it printed (libtest prints `test NAME ... ` without a newline before
+/// a test's own output, so the marker may sit mid-line).
+pub fn result_lines(child: Child, timeout: Duration) -> Vec<String> {
+    let output = output_within(child, timeout);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "the child failed: {}\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+        .lines()
+        .filter_map(|line| {
+            line.split_once("RESULT ")
+                .map(|(_, result)| result.to_owned())
+        })
+        .collect()
+}
+
+/// Reads `pipe` to its end on a thread of its own.
+fn read_in_background(
+    pipe: Option<impl Read + Send + 'static>,
+) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        if let Some(mut pipe) = pipe {
+            let _ = pipe.read_to_end(&mut bytes);
+        }
+        bytes
+    })
 }
