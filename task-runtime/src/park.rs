@@ -40,11 +40,13 @@ pub(crate) use net_io_sys::futex::Wake;
 
 /// The shared parking state of one pool's workers.
 pub(crate) struct Parking {
-    /// The futex word parked workers sleep on; bumped by every notify that sees a parked worker.
+    /// The futex word parked workers sleep on; bumped by the notify that wins `wake_pending`, and by
+    /// `wake_all`.
     epoch: AtomicU32,
     /// Workers between [`Parking::prepare`] and the end of their [`Parking::cancel`] or [`Parking::wait`].
     parked: AtomicU32,
-    /// A wake system call is on its way to a sleeping worker (or to nobody: its sender clears it then).
+    /// A wake is on its way to a parked worker, so later notifies make no system call. Cleared by the
+    /// worker leaving its wait and by every worker entering `prepare` (a wake can reach nobody).
     wake_pending: AtomicBool,
     /// Under loom the futex is modelled with a mutex and a condition variable.
     #[cfg(loom)]
