@@ -238,8 +238,9 @@ mod loom_models {
     //! others, so an execution ends only if every task is taken; a task left queued while every worker
     //! sleeps leaves every thread blocked, which loom reports as a deadlock.
     //!
-    //! Bounds: CI runs each model with one preemption (seconds). With two preemptions, run by hand with
-    //! `LOOM_DEPTH=2`, each model runs about five minutes on the shared 2-core machine and passes.
+    //! Bounds: CI runs each model with one preemption (about 5 s for both). With two preemptions, run by
+    //! hand with `LOOM_DEPTH=2`, both pass in about 6 minutes on the shared 2-core machine (nearly all of
+    //! it the two-pusher model).
     use loom::sync::Arc;
     use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
