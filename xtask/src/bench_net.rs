@@ -34,7 +34,7 @@ use anyhow::{Context, Result, bail};
 use crate::figures::{PairedRatios, Spread, load_average, median};
 
 const USAGE: &str = "\
-usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,handler,handler-loop,sessions,sessions-loop]
+usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,floor,handler,handler-loop,sessions,sessions-loop]
                              [--loads echo1,echo16,echo256,idle,churn,syscalls]
                              [--duration-ms MS] [--warmup-ms MS] [--churn-ms MS] [--churn-rate N]
                              [--idle N]
@@ -86,7 +86,7 @@ struct ServerKind {
     pooled: bool,
 }
 
-const SERVER_KINDS: [ServerKind; 6] = [
+const SERVER_KINDS: [ServerKind; 7] = [
     ServerKind {
         name: "std",
         label: "std, thread per connection",
@@ -95,6 +95,12 @@ const SERVER_KINDS: [ServerKind; 6] = [
     ServerKind {
         name: "tokio",
         label: "tokio multi-thread, 2 workers",
+        pooled: false,
+    },
+    // A yardstick, not a peer: the kernel's cost of an epoll echo with no driver around it.
+    ServerKind {
+        name: "floor",
+        label: "bare epoll echo (floor), 2 loops",
         pooled: false,
     },
     ServerKind {
@@ -390,7 +396,7 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
                 for name in list.split(',') {
                     let Some(kind) = SERVER_KINDS.iter().find(|kind| kind.name == name) else {
                         bail!(
-                            "unknown server kind `{name}`; the kinds are std, tokio, handler, handler-loop, sessions, sessions-loop"
+                            "unknown server kind `{name}`; the kinds are std, tokio, floor, handler, handler-loop, sessions, sessions-loop"
                         );
                     };
                     kinds.push(*kind);
@@ -1701,6 +1707,9 @@ fn render_report(
         if !any_target {
             let _ = writeln!(out, "No net-io-blocking kind was measured in this run.\n");
         }
+        for line in floor_lines(&find, tokio_medians) {
+            let _ = writeln!(out, "{line}");
+        }
     } else {
         let _ = writeln!(out);
     }
@@ -1711,7 +1720,10 @@ fn render_report(
         out,
         "- Servers (`net-io-blocking/examples/bench_server.rs`), each its own process bound to 127.0.0.1 port 0: \
          **std**, a thread per connection (default stack) with `TCP_NODELAY` and a 4 KiB buffer; **tokio**, a \
-         multi-thread runtime with 2 workers and a task per connection with a 4 KiB buffer; **handler** and \
+         multi-thread runtime with 2 workers and a task per connection with a 4 KiB buffer; **floor**, a yardstick \
+         rather than a peer: one loop thread per core with its own level-triggered epoll, one `read` and one \
+         `write` per round trip and nothing else (no deadlines, limits, kills, gate, events or statistics), so \
+         it shows what the kernel's path alone allows here; **handler** and \
          **sessions**, net-io-blocking with a blocking handler (4 KiB buffer on the worker stack) and with a \
          sans-IO session echoing what they read, 320 workers (so 256 connections fit beside those still closing), \
          a 4 KiB read buffer, the per-source cap raised to the global cap (every client is 127.0.0.1) and a \
@@ -1800,6 +1812,48 @@ struct Peers<'a> {
     tokio: Option<&'a KindMedians>,
     /// Tokio's rounds, to pair with ours round by round.
     tokio_rounds: Option<&'a [KindRound]>,
+}
+
+/// What the bare epoll echo (`floor`) reached, if this run measured it: its throughput against tokio's is
+/// the most any epoll server with one `recv` and one `send` per round trip could show here, and each
+/// net-io-blocking kind's share of it is what its driver costs.
+fn floor_lines<'a>(
+    find: &dyn Fn(&str) -> Option<&'a KindMedians>,
+    tokio: Option<&KindMedians>,
+) -> Vec<String> {
+    let Some(floor) = find("floor") else {
+        return Vec::new();
+    };
+    let mut lines = vec!["## Against the floor\n".to_owned()];
+    for connections in [1, 16, 256] {
+        let Some(floor_echo) = floor.echo_at(connections) else {
+            continue;
+        };
+        let floor_rate = floor_echo.round_trips_per_second;
+        let mut parts = vec![format!("{floor_rate:.0} rt/s for the floor")];
+        if let Some(tokio_echo) = tokio.and_then(|tokio| tokio.echo_at(connections)) {
+            parts.push(format!(
+                "{:.2}x tokio's",
+                floor_rate / tokio_echo.round_trips_per_second
+            ));
+        }
+        for name in ["handler", "handler-loop", "sessions", "sessions-loop"] {
+            if let Some(echo) = find(name).and_then(|ours| ours.echo_at(connections)) {
+                parts.push(format!(
+                    "{name} {:.0}% of it",
+                    echo.round_trips_per_second / floor_rate * 100.0
+                ));
+            }
+        }
+        let noun = if connections == 1 {
+            "connection"
+        } else {
+            "connections"
+        };
+        lines.push(format!("- {connections} {noun}: {}", parts.join(", ")));
+    }
+    lines.push(String::new());
+    lines
 }
 
 /// The issue's targets that this run measured, each with the measured figure and whether this run met it.
