@@ -1,7 +1,7 @@
 //! Lifecycle benchmark for `cargo xtask bench lifecycle`: kill, door, drain and idle costs of one net-io-blocking driver.
 //!
 //! ```text
-//! bench_lifecycle --kind handler|handler-loop|sessions|sessions-loop --load kill|door|drain|idle
+//! bench_lifecycle --kind handler|handler-loop|sessions|sessions-loop|std --load kill|door|drain|idle
 //!                 [--count N] [--window-ms MS]
 //! bench_lifecycle client --addr ADDR --connections N     (the child process that holds idle connections)
 //! ```
@@ -16,7 +16,9 @@
 //!   `Killed(7)`, an abortive reason, so the server resets (linger 0) and the read fails with
 //!   `ECONNRESET`; an end of file (0) or a timeout (2 s) is counted apart. The figure is from just before
 //!   the `kill` call to the read's return: `p50_us`, `p99_us`, `max_us`; `call_p99_us` is the `kill` call
-//!   alone.
+//!   alone. `--kind std` runs this load against a yardstick instead of net-io-blocking: a std thread per
+//!   connection, killed the way any blocking server has to kill from another thread (`shutdown(SHUT_RD)`
+//!   on a clone of the socket wakes the thread's `read` with 0; the thread then closes with linger 0).
 //! - `door`: `close_door` does not close the listening socket (its documentation: "The listeners stay
 //!   bound; new connections wait in the kernel backlog"), so a connect after it is never refused by the
 //!   kernel; it completes and waits in the backlog. "Refused" here therefore means *no longer admitted*:
@@ -39,11 +41,11 @@
 use std::collections::HashMap;
 use std::fs;
 use std::io::{self, BufRead, BufReader, ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::process::{Child, ChildStdin, ChildStdout, Command, ExitCode, Stdio};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -76,6 +78,8 @@ enum Kind {
     HandlerLoop,
     Sessions,
     SessionsLoop,
+    /// The yardstick for `kill`: a std thread per connection, killed the way any blocking server must be.
+    Std,
 }
 
 impl Kind {
@@ -85,6 +89,7 @@ impl Kind {
             Kind::HandlerLoop => "handler-loop",
             Kind::Sessions => "sessions",
             Kind::SessionsLoop => "sessions-loop",
+            Kind::Std => "std",
         }
     }
 
@@ -192,7 +197,7 @@ fn main() -> ExitCode {
         Err(message) => {
             eprintln!("bench_lifecycle: {message}");
             eprintln!(
-                "usage: bench_lifecycle --kind handler|handler-loop|sessions|sessions-loop --load kill|door|drain|idle [--count N] [--window-ms MS]\n       bench_lifecycle client --addr ADDR --connections N"
+                "usage: bench_lifecycle --kind handler|handler-loop|sessions|sessions-loop|std --load kill|door|drain|idle [--count N] [--window-ms MS]\n       bench_lifecycle client --addr ADDR --connections N"
             );
             ExitCode::FAILURE
         }
@@ -216,6 +221,7 @@ fn parse_options(arguments: &[String]) -> Result<Options, String> {
                     "handler-loop" => Kind::HandlerLoop,
                     "sessions" => Kind::Sessions,
                     "sessions-loop" => Kind::SessionsLoop,
+                    "std" => Kind::Std,
                     other => return Err(format!("unknown kind `{other}`")),
                 })
             }
@@ -235,9 +241,14 @@ fn parse_options(arguments: &[String]) -> Result<Options, String> {
             other => return Err(format!("unknown flag `{other}`")),
         }
     }
+    let kind = kind.ok_or("--kind is required")?;
+    let load = load.ok_or("--load is required")?;
+    if kind == Kind::Std && load != Load::Kill {
+        return Err("the std kind is a yardstick for the kill load only".to_owned());
+    }
     Ok(Options {
-        kind: kind.ok_or("--kind is required")?,
-        load: load.ok_or("--load is required")?,
+        kind,
+        load,
         count,
         window,
     })
@@ -294,14 +305,23 @@ fn run(options: &Options) -> io::Result<()> {
         Load::Kill | Load::Door => 64,
         Load::Drain | Load::Idle => connections + 64,
     };
+    if options.kind == Kind::Std {
+        let (address, streams) = start_std_server()?;
+        let line = measure_kill(address, connections, |id| kill_std(&streams, id))?;
+        println!("result kind=std load=kill {line}");
+        return Ok(());
+    }
     let admissions = Arc::new(Admissions {
         base: Instant::now(),
         count: AtomicU64::new(0),
         last_nanoseconds: AtomicU64::new(0),
     });
     let server = build_server(options.kind, held, Arc::clone(&admissions))?;
+    let handle = server.handle();
     let line = match options.load {
-        Load::Kill => measure_kill(&server, connections)?,
+        Load::Kill => measure_kill(server.local_addr(), connections, |id| {
+            ConnectionId::new(id).is_some_and(|id| handle.kill(id, KILL_CODE))
+        })?,
         Load::Door => measure_door(&server, &admissions, connections)?,
         Load::Drain => measure_drain(&server, connections)?,
         Load::Idle => measure_idle(&server, connections, options.window)?,
@@ -347,6 +367,11 @@ fn build_server(kind: Kind, held: usize, admissions: Arc<Admissions>) -> io::Res
             .handler(id_handler)
             .gate(gate)
             .build(),
+        Kind::Std => {
+            return Err(io::Error::other(
+                "the std yardstick is not a net-io-blocking server",
+            ));
+        }
         Kind::Sessions | Kind::SessionsLoop => {
             let driver = if kind == Kind::SessionsLoop {
                 SessionDriver::event_loop()
@@ -390,18 +415,69 @@ fn connect_served(address: SocketAddr) -> io::Result<(TcpStream, u64)> {
     Ok((stream, u64::from_le_bytes(reply)))
 }
 
-/// The kill load (see the module documentation).
-fn measure_kill(server: &Server, connections: usize) -> io::Result<String> {
-    let handle = server.handle();
-    let address = server.local_addr();
+/// The streams of the std yardstick's connections, by id, for its kill.
+type StdStreams = Arc<Mutex<HashMap<u64, TcpStream>>>;
+
+/// Starts the std yardstick: an accept thread and a thread per connection that answers each read with the
+/// connection's id and, when its read sees an end (the kill shut the read side), closes with an RST.
+fn start_std_server() -> io::Result<(SocketAddr, StdStreams)> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let address = listener.local_addr()?;
+    let streams: StdStreams = Arc::default();
+    let shared = Arc::clone(&streams);
+    thread::spawn(move || {
+        let mut next_id = 0u64;
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            next_id += 1;
+            let id = next_id;
+            let Ok(clone) = stream.try_clone() else {
+                continue;
+            };
+            lock(&shared).insert(id, clone);
+            let shared = Arc::clone(&shared);
+            thread::spawn(move || {
+                let mut buffer = [0u8; 64];
+                while matches!(stream.read(&mut buffer), Ok(read) if read > 0) {
+                    if stream.write_all(&id.to_le_bytes()).is_err() {
+                        break;
+                    }
+                }
+                // Abortive, like net-io-blocking's close for a kill.
+                let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
+                lock(&shared).remove(&id);
+            });
+        }
+    });
+    Ok((address, streams))
+}
+
+/// The std yardstick's kill: shut the read side, which wakes the connection's thread from its `read`.
+fn kill_std(streams: &StdStreams, id: u64) -> bool {
+    lock(streams)
+        .get(&id)
+        .is_some_and(|stream| stream.shutdown(Shutdown::Read).is_ok())
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The kill load (see the module documentation); `kill` ends the connection with the server's id.
+fn measure_kill(
+    address: SocketAddr,
+    connections: usize,
+    kill: impl Fn(u64) -> bool,
+) -> io::Result<String> {
     let mut latencies = Vec::with_capacity(connections);
     let mut calls = Vec::with_capacity(connections);
     let (mut resets, mut ends, mut timeouts, mut others, mut refused_kills) = (0, 0, 0, 0, 0);
     for _ in 0..connections {
-        let (mut stream, raw) = connect_served(address)?;
-        let id = ConnectionId::new(raw).ok_or_else(|| io::Error::other("server sent id 0"))?;
+        let (mut stream, id) = connect_served(address)?;
         let started = Instant::now();
-        let killed = handle.kill(id, KILL_CODE);
+        let killed = kill(id);
         let called = started.elapsed();
         let mut byte = [0u8; 1];
         let outcome = stream.read(&mut byte);

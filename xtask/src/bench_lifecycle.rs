@@ -29,14 +29,15 @@ use anyhow::{Context, Result, bail};
 use crate::figures::{Spread, load_average, median};
 
 const USAGE: &str = "\
-usage: cargo xtask bench lifecycle [--quick] [--rounds N] [--kinds handler,handler-loop,sessions,sessions-loop]
+usage: cargo xtask bench lifecycle [--quick] [--rounds N] [--kinds handler,handler-loop,sessions,sessions-loop,std]
                                    [--loads kill,door,drain,idle] [--output PATH | --no-write]
 
   --quick        one round with small counts, for a smoke test (does not write the report unless --output is
                  given)
   --rounds N     rounds of every (driver, load) pair, order rotated each round; medians are reported
                  (default 3)
-  --kinds LIST   drivers to measure (default: all four)
+  --kinds LIST   drivers to measure (default: all four, and std, a thread-per-connection yardstick that
+                 runs the kill load only)
   --loads LIST   loads to measure (default: all four)
   --output PATH  where to write the markdown report (default docs/performance/lifecycle.md)
 ";
@@ -60,24 +61,36 @@ struct Driver {
     name: &'static str,
     /// How the report names it.
     label: &'static str,
+    /// The loads it runs.
+    loads: &'static [&'static str],
 }
 
-const DRIVERS: [Driver; 4] = [
+const DRIVERS: [Driver; 5] = [
     Driver {
         name: "handler",
         label: "handler, worker threads",
+        loads: &LOADS,
     },
     Driver {
         name: "handler-loop",
         label: "handler, coroutines on event loops",
+        loads: &LOADS,
     },
     Driver {
         name: "sessions",
         label: "sessions, worker threads",
+        loads: &LOADS,
     },
     Driver {
         name: "sessions-loop",
         label: "sessions, event loops",
+        loads: &LOADS,
+    },
+    // A yardstick, not a driver: what a kill costs a plain thread per connection on this machine right now.
+    Driver {
+        name: "std",
+        label: "std thread per connection (yardstick)",
+        loads: &["kill"],
     },
 ];
 
@@ -149,6 +162,9 @@ pub fn run(arguments: &[String]) -> Result<()> {
         for load in &options.loads {
             for offset in 0..options.drivers.len() {
                 let driver = options.drivers[(round + offset) % options.drivers.len()];
+                if !driver.loads.contains(load) {
+                    continue;
+                }
                 eprintln!(
                     "xtask: round {}/{}: {} {}",
                     round + 1,
@@ -226,7 +242,7 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
                 for name in value()?.split(',').map(str::trim) {
                     let Some(driver) = DRIVERS.iter().find(|driver| driver.name == name) else {
                         bail!(
-                            "unknown driver `{name}` in --kinds; the drivers are handler, handler-loop, sessions, sessions-loop"
+                            "unknown driver `{name}` in --kinds; the drivers are handler, handler-loop, sessions, sessions-loop, std"
                         );
                     };
                     if !drivers.contains(driver) {
@@ -563,7 +579,9 @@ fn render_report(
                 .unwrap_or(&[])
         };
         let cell = |load: &str, verdict: Verdict, figure: String| {
-            if options.loads.contains(&load) {
+            if !driver.loads.contains(&load) {
+                "not applicable".to_owned()
+            } else if options.loads.contains(&load) {
                 format!("{} ({figure})", verdict.text())
             } else {
                 "not run".to_owned()
@@ -721,7 +739,10 @@ std `TcpStream`, sends one byte and reads the 8-byte connection id the server an
 calls `ServerHandle::kill(id, 7)` and the client's blocking `read` waits for the result. The time runs from just \
 before the `kill` call to the `read`'s return, so it is the kill-to-RST time plus the client's wake-up: an upper \
 bound on the time to the RST on the wire. `Killed(code)` is an abortive reason, so the server closes with linger 0: \
-an RST, which the client sees as `ECONNRESET` (the column counts any FIN, timeout over 2 s or other error apart).";
+an RST, which the client sees as `ECONNRESET` (the column counts any FIN, timeout over 2 s or other error apart). \
+The std row is a yardstick measured in the same run: a std thread per connection, killed as any blocking server \
+must kill from another thread (`shutdown(SHUT_RD)` on a clone of the socket wakes the thread's `read`, which then \
+closes with linger 0). Its tail shows what the machine's scheduling alone adds.";
 
 const DOOR_METHOD: &str = "Method: `close_door` does not close the listening socket (its documentation: the listeners stay \
 bound and new connections wait in the kernel backlog), so no connect is ever *refused* by the kernel after it; \
@@ -916,9 +937,15 @@ mod tests {
                 "result kind=sessions-loop load=drain n=10000 drain_ms=350 client_last_ms=400 graceful=10000 killed=0 eof=10000 reset=0 unclosed=0",
             )],
         );
+        run.measurements.insert(
+            ("std".to_owned(), "kill".to_owned()),
+            vec![line(
+                "result kind=std load=kill n=2000 p50_us=15 p99_us=60 max_us=900 call_p99_us=20 reset=2000 eof=0 timeout=0 other=0",
+            )],
+        );
         let options = Options {
             rounds: 3,
-            drivers: vec![DRIVERS[3]],
+            drivers: vec![DRIVERS[3], DRIVERS[4]],
             loads: vec!["kill", "drain"],
             counts: HashMap::new(),
             output: None,
@@ -941,6 +968,12 @@ mod tests {
         assert!(
             report.contains("| sessions, event loops | met (40 µs) | not run | **missed** (350 ms at 10000) | not run |"),
             "the targets row should judge the median p99 (40 µs) and the drain:\n{report}"
+        );
+        assert!(
+            report.contains(
+                "| std thread per connection (yardstick) | met (60 µs) | not applicable | not applicable | not applicable |"
+            ),
+            "the yardstick is judged on the kill only:\n{report}"
         );
         assert!(
             report.contains("| 2000 | 21.0 | 40.0 | 30.0 to 1500.0 |"),
