@@ -1,7 +1,7 @@
 //! Lifecycle benchmark for `cargo xtask bench lifecycle`: kill, door, drain and idle costs of one net-io-blocking driver.
 //!
 //! ```text
-//! bench_lifecycle --kind handler|handler-loop|sessions|sessions-loop|std --load kill|door|drain|idle
+//! bench_lifecycle --kind handler|handler-loop|sessions|sessions-loop|std --load kill|door|drain|shutdown|idle
 //!                 [--count N] [--window-ms MS]
 //! bench_lifecycle client --addr ADDR --connections N     (the child process that holds idle connections)
 //! ```
@@ -33,6 +33,9 @@
 //!   one of its connections saw its close (it closes each at once, as a client would, which ends the
 //!   server's graceful linger). The child's clock starts when it reads `go` from its standard input, which
 //!   the server writes just before it calls `drain`.
+//! - `shutdown`: the same through `Server::shutdown(now + 5 s)`, whose idle closes carry `Shutdown`, an
+//!   abortive reason (RST at once, no linger), so it shows what the graceful handshake of a drain costs;
+//!   its figure also includes joining every thread.
 //! - `idle`: the child opens `--count` idle connections (default 5,000), the server waits 200 ms, then
 //!   sums the CPU time (`/proc/self/task/*/schedstat`, nanoseconds) and context switches
 //!   (`/proc/self/task/*/status`) of every server thread over `--window-ms` (default 2,000), leaving out
@@ -105,6 +108,8 @@ enum Load {
     Kill,
     Door,
     Drain,
+    /// The drain of `Server::shutdown`, whose idle closes are abortive.
+    Shutdown,
     Idle,
 }
 
@@ -114,6 +119,7 @@ impl Load {
             Load::Kill => "kill",
             Load::Door => "door",
             Load::Drain => "drain",
+            Load::Shutdown => "shutdown",
             Load::Idle => "idle",
         }
     }
@@ -197,7 +203,7 @@ fn main() -> ExitCode {
         Err(message) => {
             eprintln!("bench_lifecycle: {message}");
             eprintln!(
-                "usage: bench_lifecycle --kind handler|handler-loop|sessions|sessions-loop|std --load kill|door|drain|idle [--count N] [--window-ms MS]\n       bench_lifecycle client --addr ADDR --connections N"
+                "usage: bench_lifecycle --kind handler|handler-loop|sessions|sessions-loop|std --load kill|door|drain|shutdown|idle [--count N] [--window-ms MS]\n       bench_lifecycle client --addr ADDR --connections N"
             );
             ExitCode::FAILURE
         }
@@ -230,6 +236,7 @@ fn parse_options(arguments: &[String]) -> Result<Options, String> {
                     "kill" => Load::Kill,
                     "door" => Load::Door,
                     "drain" => Load::Drain,
+                    "shutdown" => Load::Shutdown,
                     "idle" => Load::Idle,
                     other => return Err(format!("unknown load `{other}`")),
                 })
@@ -295,15 +302,15 @@ fn run(options: &Options) -> io::Result<()> {
     let connections = options.count.unwrap_or(match options.load {
         Load::Kill => 2_000,
         Load::Door => 200,
-        Load::Drain if options.kind.threaded() => 5_000,
-        Load::Drain => 10_000,
+        Load::Drain | Load::Shutdown if options.kind.threaded() => 5_000,
+        Load::Drain | Load::Shutdown => 10_000,
         Load::Idle => 5_000,
     });
     // Connections held at once: one at a time for kill and door (plus those still closing), all of them
     // for drain and idle.
     let held = match options.load {
         Load::Kill | Load::Door => 64,
-        Load::Drain | Load::Idle => connections + 64,
+        Load::Drain | Load::Shutdown | Load::Idle => connections + 64,
     };
     if options.kind == Kind::Std {
         let (address, streams) = start_std_server()?;
@@ -323,16 +330,24 @@ fn run(options: &Options) -> io::Result<()> {
             ConnectionId::new(id).is_some_and(|id| handle.kill(id, KILL_CODE))
         })?,
         Load::Door => measure_door(&server, &admissions, connections)?,
-        Load::Drain => measure_drain(&server, connections)?,
         Load::Idle => measure_idle(&server, connections, options.window)?,
+        Load::Drain | Load::Shutdown => {
+            let line = measure_drain(server, connections, options.load)?;
+            print_result(options, &line);
+            return Ok(());
+        }
     };
+    print_result(options, &line);
+    let _ = server.shutdown(Instant::now() + Duration::from_secs(2));
+    Ok(())
+}
+
+fn print_result(options: &Options, line: &str) {
     println!(
         "result kind={} load={} {line}",
         options.kind.name(),
         options.load.name()
     );
-    let _ = server.shutdown(Instant::now() + Duration::from_secs(2));
-    Ok(())
 }
 
 /// Raises the soft descriptor limit to the hard one: drain and idle hold thousands of sockets.
@@ -596,7 +611,9 @@ fn measure_door(
 }
 
 /// The drain load (see the module documentation).
-fn measure_drain(server: &Server, connections: usize) -> io::Result<String> {
+/// With `Load::Shutdown`, the same through `Server::shutdown`: its idle closes carry `Shutdown`, which is
+/// abortive (an RST, no linger), and the call also joins every thread.
+fn measure_drain(server: Server, connections: usize, load: Load) -> io::Result<String> {
     let handle = server.handle();
     let mut client = Holder::start(server.local_addr(), connections)?;
     let ready = client.expect("ready")?;
@@ -607,10 +624,17 @@ fn measure_drain(server: &Server, connections: usize) -> io::Result<String> {
     let open_before = handle.open_connections();
     client.send("go")?;
     let started = Instant::now();
-    let report = handle.drain(started + DRAIN_DEADLINE);
+    let (report, still_running) = if load == Load::Shutdown {
+        (server.shutdown(started + DRAIN_DEADLINE), None)
+    } else {
+        (handle.drain(started + DRAIN_DEADLINE), Some(server))
+    };
     let returned = started.elapsed();
     let closed = client.expect("closed")?;
     drop(client);
+    if let Some(server) = still_running {
+        let _ = server.shutdown(Instant::now() + Duration::from_secs(2));
+    }
     Ok(format!(
         "n={opened} open={open_before} drain_ms={:.2} call_ms={:.2} graceful={} killed={} \
          client_first_ms={} client_last_ms={} eof={} reset={} unclosed={}",

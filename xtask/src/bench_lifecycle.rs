@@ -30,7 +30,7 @@ use crate::figures::{Spread, load_average, median};
 
 const USAGE: &str = "\
 usage: cargo xtask bench lifecycle [--quick] [--rounds N] [--kinds handler,handler-loop,sessions,sessions-loop,std]
-                                   [--loads kill,door,drain,idle] [--output PATH | --no-write]
+                                   [--loads kill,door,drain,shutdown,idle] [--output PATH | --no-write]
 
   --quick        one round with small counts, for a smoke test (does not write the report unless --output is
                  given)
@@ -38,7 +38,8 @@ usage: cargo xtask bench lifecycle [--quick] [--rounds N] [--kinds handler,handl
                  (default 3)
   --kinds LIST   drivers to measure (default: all four, and std, a thread-per-connection yardstick that
                  runs the kill load only)
-  --loads LIST   loads to measure (default: all four)
+  --loads LIST   loads to measure (default: all five; shutdown is the drain of Server::shutdown, whose
+                 idle closes are abortive, beside the graceful drain)
   --output PATH  where to write the markdown report (default docs/performance/lifecycle.md)
 ";
 
@@ -95,7 +96,7 @@ const DRIVERS: [Driver; 5] = [
 ];
 
 /// The loads, by their `--load` name, in the order a round measures them.
-const LOADS: [&str; 4] = ["kill", "door", "drain", "idle"];
+const LOADS: [&str; 5] = ["kill", "door", "drain", "shutdown", "idle"];
 
 /// Options of one run.
 #[derive(Debug, Clone)]
@@ -256,7 +257,7 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
                 for name in value()?.split(',').map(str::trim) {
                     let Some(load) = LOADS.iter().find(|load| **load == name) else {
                         bail!(
-                            "unknown load `{name}` in --loads; the loads are kill, door, drain, idle"
+                            "unknown load `{name}` in --loads; the loads are kill, door, drain, shutdown, idle"
                         );
                     };
                     if !loads.contains(load) {
@@ -285,6 +286,7 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
             ("kill", 200),
             ("door", 30),
             ("drain", 1_000),
+            ("shutdown", 1_000),
             ("idle", 1_000),
         ]);
         if !output_given {
@@ -711,6 +713,28 @@ fn render_report(
             )
         },
     );
+    if options.loads.contains(&"shutdown") {
+        let _ = writeln!(out, "## Shutdown\n\n{SHUTDOWN_METHOD}\n");
+    }
+    table(
+        &mut out,
+        "shutdown",
+        "| Driver | Idle connections | Drain report (ms) | Range over rounds (ms) | Per connection (µs) | `shutdown` returned (ms) | Last client saw its close (ms) | Clients: FIN / RST / never closed |\n|---|---:|---:|---|---:|---:|---:|---|",
+        &|rounds| {
+            let connections = median_of(rounds, "n");
+            let milliseconds = median_of(rounds, "drain_ms");
+            format!(
+                "{connections:.0} | {milliseconds:.1} | {} | {:.1} | {:.1} | {:.1} | {:.0} / {:.0} / {:.0}",
+                spread_of(rounds, "drain_ms", 1),
+                milliseconds * 1e3 / connections,
+                median_of(rounds, "call_ms"),
+                median_of(rounds, "client_last_ms"),
+                sum_of(rounds, "eof"),
+                sum_of(rounds, "reset"),
+                sum_of(rounds, "unclosed"),
+            )
+        },
+    );
     if options.loads.contains(&"idle") {
         let _ = writeln!(out, "## Idle CPU\n\n{IDLE_METHOD}\n");
     }
@@ -766,6 +790,12 @@ FIN and closes the socket, as a client would, which ends the server's graceful l
 the client's own work on the same two cores. The worker-thread drivers run 5,000 connections, not 10,000: each \
 connection holds a worker thread and each worker two descriptors, and 10,000 of them would need about 30,000 \
 descriptors in one process, over the hard limit; their figure is therefore not judged against B-12.";
+
+const SHUTDOWN_METHOD: &str = "Method: as for the drain, but through `Server::shutdown(now + 5 s)`. Its idle closes carry \
+`Shutdown`, an abortive reason: an RST at once and no linger, so the clients see `ECONNRESET` and nothing waits \
+for their FIN. Set beside the drain it shows what the graceful close costs. \"Drain report\" is the report's \
+`elapsed`; \"`shutdown` returned\" adds stopping the accept threads and joining every worker or loop thread. Not \
+a net-io target; for reference only.";
 
 const IDLE_METHOD: &str = "Method: the same child process opens the idle connections (5,000 by default) with one round \
 trip each; 200 ms after the server counts them all open, the benchmark sums, over every server thread (all but \
