@@ -3,6 +3,7 @@
 //! ```text
 //! bench_lifecycle --kind handler|handler-loop|sessions|sessions-loop|std --load kill|door|drain|shutdown|idle
 //!                 [--count N] [--window-ms MS]
+//!                 [--pause-us US]
 //! bench_lifecycle client --addr ADDR --connections N     (the child process that holds idle connections)
 //! ```
 //!
@@ -22,9 +23,9 @@
 //! - `door`: `close_door` does not close the listening socket (its documentation: "The listeners stay
 //!   bound; new connections wait in the kernel backlog"), so a connect after it is never refused by the
 //!   kernel; it completes and waits in the backlog. "Refused" here therefore means *no longer admitted*:
-//!   a client thread connects and resets without pause, and the latency of one sample is the time from
-//!   the `close_door` call to the last admission the gate saw (0 if none came after the call). `--count`
-//!   samples (default 200); between samples the door is opened again and the sample waits until a new
+//!   a client thread connects and resets, pausing `--pause-us` (default 100; 0 connects flat out) after
+//!   each connect, and the latency of one sample is the time from the `close_door` call to the last
+//!   admission the gate saw (0 if none came after the call). `--count` samples (default 200); between samples the door is opened again and the sample waits until a new
 //!   connection is admitted, which checks that the door accepts again. `late` counts admissions seen from
 //!   10 ms to 15 ms after a close (should be 0).
 //! - `drain`: a child process (`client`) opens `--count` idle connections (default 10,000 for the event
@@ -67,8 +68,9 @@ const CLIENT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The drain deadline from the moment `drain` is called.
 const DRAIN_DEADLINE: Duration = Duration::from_secs(5);
 
-/// The door load's pause between connects: arrivals every 150 to 200 µs resolve a 1 ms target, and a
-/// client thread that never paused would keep a whole core of a small machine from the accept thread.
+/// The door load's default pause between connects (`--pause-us`): arrivals every 150 to 250 µs resolve a
+/// 1 ms target, and a client thread that never paused would keep a whole core of a small machine from the
+/// accept thread.
 const ARRIVAL_PAUSE: Duration = Duration::from_micros(100);
 
 /// How long the idle load lets the server settle after the last connection opened.
@@ -132,6 +134,8 @@ struct Options {
     load: Load,
     count: Option<usize>,
     window: Duration,
+    /// The door load's pause between connects; zero connects flat out.
+    pause: Duration,
 }
 
 /// Options of the child that holds connections.
@@ -203,7 +207,7 @@ fn main() -> ExitCode {
         Err(message) => {
             eprintln!("bench_lifecycle: {message}");
             eprintln!(
-                "usage: bench_lifecycle --kind handler|handler-loop|sessions|sessions-loop|std --load kill|door|drain|shutdown|idle [--count N] [--window-ms MS]\n       bench_lifecycle client --addr ADDR --connections N"
+                "usage: bench_lifecycle --kind handler|handler-loop|sessions|sessions-loop|std --load kill|door|drain|shutdown|idle [--count N] [--window-ms MS] [--pause-us US]\n       bench_lifecycle client --addr ADDR --connections N"
             );
             ExitCode::FAILURE
         }
@@ -215,6 +219,7 @@ fn parse_options(arguments: &[String]) -> Result<Options, String> {
     let mut load = None;
     let mut count = None;
     let mut window = Duration::from_secs(2);
+    let mut pause = ARRIVAL_PAUSE;
     let mut iterator = arguments.iter();
     while let Some(flag) = iterator.next() {
         let value = iterator
@@ -245,6 +250,13 @@ fn parse_options(arguments: &[String]) -> Result<Options, String> {
             "--window-ms" => {
                 window = Duration::from_millis(parse_count(value, "--window-ms")? as u64)
             }
+            "--pause-us" => {
+                pause = Duration::from_micros(
+                    value
+                        .parse()
+                        .map_err(|_| format!("--pause-us takes a whole number, not `{value}`"))?,
+                )
+            }
             other => return Err(format!("unknown flag `{other}`")),
         }
     }
@@ -258,6 +270,7 @@ fn parse_options(arguments: &[String]) -> Result<Options, String> {
         load,
         count,
         window,
+        pause,
     })
 }
 
@@ -329,7 +342,7 @@ fn run(options: &Options) -> io::Result<()> {
         Load::Kill => measure_kill(server.local_addr(), connections, |id| {
             ConnectionId::new(id).is_some_and(|id| handle.kill(id, KILL_CODE))
         })?,
-        Load::Door => measure_door(&server, &admissions, connections)?,
+        Load::Door => measure_door(&server, &admissions, connections, options.pause)?,
         Load::Idle => measure_idle(&server, connections, options.window)?,
         Load::Drain | Load::Shutdown => {
             let line = measure_drain(server, connections, options.load)?;
@@ -533,6 +546,7 @@ fn measure_door(
     server: &Server,
     admissions: &Arc<Admissions>,
     samples: usize,
+    pause: Duration,
 ) -> io::Result<String> {
     let handle = server.handle();
     let address = server.local_addr();
@@ -551,7 +565,9 @@ fn measure_door(
                         // thousands of connects.
                         let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
                         connects.fetch_add(1, Ordering::Relaxed);
-                        thread::sleep(ARRIVAL_PAUSE);
+                        if !pause.is_zero() {
+                            thread::sleep(pause);
+                        }
                     }
                     Err(_) => {
                         failures.fetch_add(1, Ordering::Relaxed);

@@ -776,10 +776,10 @@ table), a gate records the time of each admission on the accept thread, and a sa
 `close_door` call to the last admission after it (0 when none came after the call). 200 samples per round by \
 default; between samples the door is opened again and the sample waits for a new admission, which checks that \
 the door accepts again. \"Admitted 10 to 15 ms after\" counts admissions long after a close (should be 0). \
-Without the 100 µs pause, a client connecting flat out took a whole core from the accept thread on this \
-2-core machine and p99 rose to several milliseconds on every driver: the accept thread checks the door \
-once per wake and then takes up to `accept_batch` (16) connections, so a close that lands while the accept thread \
-waits for a core after its check is seen only after that batch.";
+The pause keeps the client thread from taking a whole core from the accept thread on a small machine; \
+`bench_lifecycle --load door --pause-us 0` connects flat out. Either way the accept thread checks the door once \
+per wake and then takes up to `accept_batch` (16) queued connections without looking again, so a close that \
+lands inside a batch is seen only after it.";
 
 const DRAIN_METHOD: &str = "Method: a child process (so that client and server each have the 20,000-descriptor hard limit \
 of this machine) opens the idle connections one after the other, each with one round trip so that it is served, \
