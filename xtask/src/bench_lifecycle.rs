@@ -150,7 +150,13 @@ struct Run {
     measurements: HashMap<(String, String), Vec<Measurement>>,
     /// The 1-minute load average at the start of each measurement.
     load_samples: Vec<f64>,
+    /// The machine's busy CPU share in a pause before each load of each round, with no benchmark process
+    /// running: the other work on the machine.
+    busy_samples: Vec<f64>,
 }
+
+/// The pause before each load of each round in which the other work on the machine is read.
+const QUIET_WINDOW: Duration = Duration::from_millis(500);
 
 /// Runs the benchmark with the command-line `arguments` after `bench lifecycle`.
 pub fn run(arguments: &[String]) -> Result<()> {
@@ -161,6 +167,7 @@ pub fn run(arguments: &[String]) -> Result<()> {
     let mut run = Run::default();
     for round in 0..options.rounds {
         for load in &options.loads {
+            run.busy_samples.extend(busy_share_over(QUIET_WINDOW));
             for offset in 0..options.drivers.len() {
                 let driver = options.drivers[(round + offset) % options.drivers.len()];
                 if !driver.loads.contains(load) {
@@ -561,11 +568,8 @@ fn render_report(
         "- Load average (1, 5, 15 min) before: {load_before}; after: {load_after}. Run took {:.0} s.",
         elapsed.as_secs_f64()
     );
-    let _ = writeln!(
-        out,
-        "- {}\n",
-        describe_load(&run.load_samples, machine.cores)
-    );
+    let _ = writeln!(out, "- {}", describe_load(&run.load_samples, machine.cores));
+    let _ = writeln!(out, "- {}\n", describe_busy(&run.busy_samples));
 
     let _ = writeln!(out, "## Targets\n");
     let _ = writeln!(
@@ -804,28 +808,77 @@ nanoseconds) and the voluntary plus involuntary context switches from `/proc/sel
 and the end of a 2 s window. The idle timeout is 10 minutes, so no deadline falls in the window; any CPU or \
 switch there is a periodic tick or a stray wake-up. \"CPU since start\" shows that the reading works.";
 
-/// A sentence saying how loaded the machine was during the run, from the 1-minute load samples.
+/// A sentence giving the 1-minute load average at the start of each measurement.
 fn describe_load(samples: &[f64], cores: usize) -> String {
     if samples.is_empty() {
         return "The load average could not be read during the run.".to_owned();
     }
     let spread = Spread::of(samples);
-    // The benchmark itself keeps at most about two threads runnable (a client and the server's thread that
-    // answers it), so a load well above the core count is other work.
-    let verdict = if spread.median > 2.0 * cores as f64 {
-        "other work (the other helpers' builds and benchmarks) was competing for the cores during most \
-         measurements, so tail figures carry scheduling delays that a quiet machine would not show"
-    } else {
-        "no more than the benchmark itself and light other work"
-    };
     format!(
         "1-minute load average at the start of each of the {} measurements: lowest {:.2}, median {:.2}, \
-         highest {:.2} on {cores} logical cores: {verdict}.",
+         highest {:.2} on {cores} logical cores. It counts the benchmark's own threads too: the worker-thread \
+         drivers make thousands of threads runnable at once when their server stops, which lifts it far \
+         above what other work does, so read the busy share below for the other work.",
         samples.len(),
         spread.lowest,
         spread.median,
         spread.highest
     )
+}
+
+/// A sentence saying how busy other work kept the machine, from the busy shares of the quiet pauses.
+fn describe_busy(samples: &[f64]) -> String {
+    if samples.is_empty() {
+        return "The machine's busy share could not be read from /proc/stat.".to_owned();
+    }
+    let spread = Spread::of(samples);
+    // A pause with no benchmark process running sees only the other work, and a sample is the share of
+    // all cores that work kept busy.
+    let verdict = if spread.median > 0.5 {
+        "other work (the other helpers' builds and benchmarks) held more than half the machine during most \
+         measurements, so tail figures carry scheduling delays that a quiet machine would not show"
+    } else if spread.highest > 0.5 {
+        "other work held more than half the machine at times; compare the ranges over rounds"
+    } else {
+        "other work left most of the machine to the benchmark"
+    };
+    format!(
+        "Other work's share of all cores, read from /proc/stat in a {} ms pause before each load of each \
+         round (no benchmark process running): lowest {:.0}%, median {:.0}%, highest {:.0}%: {verdict}.",
+        QUIET_WINDOW.as_millis(),
+        spread.lowest * 100.0,
+        spread.median * 100.0,
+        spread.highest * 100.0
+    )
+}
+
+/// The busy and total ticks of the whole machine from the text of `/proc/stat` (its `cpu` line: user,
+/// nice, system, idle, iowait, irq, softirq, steal; idle and iowait are not busy). Steal counts as busy:
+/// on a virtual machine it is time another guest took from these cores.
+fn machine_ticks(stat: &str) -> Option<(u64, u64)> {
+    let line = stat.lines().find(|line| line.starts_with("cpu "))?;
+    let values: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .map(|word| word.parse().ok())
+        .collect::<Option<_>>()?;
+    if values.len() < 8 {
+        return None;
+    }
+    let total: u64 = values.iter().sum();
+    let idle = values[3] + values[4];
+    Some((total - idle, total))
+}
+
+/// The machine's busy share over `window`, sleeping meanwhile.
+fn busy_share_over(window: Duration) -> Option<f64> {
+    let before = machine_ticks(&fs::read_to_string("/proc/stat").ok()?)?;
+    thread::sleep(window);
+    let after = machine_ticks(&fs::read_to_string("/proc/stat").ok()?)?;
+    let total = after.1.checked_sub(before.1)?;
+    let busy = after.0.checked_sub(before.0)?;
+    (total > 0).then(|| busy as f64 / total as f64)
 }
 
 /// The 1-minute load average from `/proc/loadavg`.
@@ -946,6 +999,42 @@ mod tests {
         assert!(
             matches!(idle_verdict(f64::NAN, 0.0), Verdict::NotComparable(_)),
             "no figure must not be judged"
+        );
+    }
+
+    #[test]
+    fn machine_ticks_count_idle_and_iowait_as_not_busy() {
+        let stat = "cpu  100 5 50 800 20 3 7 15 0 0\ncpu0 50 2 25 400 10 1 3 7 0 0\n";
+        assert_eq!(
+            machine_ticks(stat),
+            Some((180, 1_000)),
+            "busy is user+nice+system+irq+softirq+steal = 180 of 1000 ticks"
+        );
+        assert_eq!(
+            machine_ticks("cpu0 1 2 3\n"),
+            None,
+            "no `cpu` line gives nothing"
+        );
+        assert_eq!(
+            machine_ticks("cpu  1 2 3\n"),
+            None,
+            "a short line gives nothing"
+        );
+    }
+
+    #[test]
+    fn the_busy_share_verdict_names_heavy_other_work() {
+        assert!(
+            describe_busy(&[0.7, 0.8, 0.6]).contains("more than half the machine during most"),
+            "a median over half is heavy other work"
+        );
+        assert!(
+            describe_busy(&[0.1, 0.9, 0.2]).contains("at times"),
+            "a single busy pause is named as such"
+        );
+        assert!(
+            describe_busy(&[0.1, 0.2]).contains("left most of the machine"),
+            "a quiet machine is called quiet"
         );
     }
 
