@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::figures::{Spread, load_average, median};
+use crate::figures::{PairedRatios, Spread, load_average, median};
 
 const USAGE: &str = "\
 usage: cargo xtask bench lifecycle [--quick] [--rounds N] [--kinds handler,handler-loop,sessions,sessions-loop,std]
@@ -479,6 +479,22 @@ fn sum_of(measurements: &[Measurement], key: &str) -> f64 {
         .sum()
 }
 
+/// The median over rounds of `key` divided by the yardstick's `key` of the same round, as `1.23x`.
+fn ratio_to_yardstick(rounds: &[Measurement], yardstick: &[Measurement], key: &str) -> String {
+    let series = |measurements: &[Measurement]| -> Vec<f64> {
+        measurements
+            .iter()
+            .map(|measurement| measurement.figure(key))
+            .collect()
+    };
+    let ratios = PairedRatios::new(&series(rounds), &series(yardstick));
+    if ratios.median.is_nan() {
+        "no yardstick".to_owned()
+    } else {
+        format!("{:.2}x", ratios.median)
+    }
+}
+
 /// The spread of one figure over the rounds, as `lowest to highest`.
 fn spread_of(measurements: &[Measurement], key: &str, decimals: usize) -> String {
     let values: Vec<f64> = measurements
@@ -652,17 +668,22 @@ fn render_report(
     if options.loads.contains(&"kill") {
         let _ = writeln!(out, "## Kill\n\n{KILL_METHOD}\n");
     }
+    let yardstick_kills = run
+        .measurements
+        .get(&("std".to_owned(), "kill".to_owned()))
+        .map_or(&[][..], Vec::as_slice);
     table(
         &mut out,
         "kill",
-        "| Driver | Kills | p50 (µs) | p99 (µs) | p99 range over rounds | max (µs) | `kill` call p99 (µs) | Ended by RST / FIN / timeout / other |\n|---|---:|---:|---:|---|---:|---:|---|",
+        "| Driver | Kills | p50 (µs) | p99 (µs) | p99 range over rounds | p99 over std's, same round (median) | max (µs) | `kill` call p99 (µs) | Ended by RST / FIN / timeout / other |\n|---|---:|---:|---:|---|---:|---:|---:|---|",
         &|rounds| {
             format!(
-                "{:.0} | {:.1} | {:.1} | {} | {:.0} | {:.1} | {:.0} / {:.0} / {:.0} / {:.0}",
+                "{:.0} | {:.1} | {:.1} | {} | {} | {:.0} | {:.1} | {:.0} / {:.0} / {:.0} / {:.0}",
                 median_of(rounds, "n"),
                 median_of(rounds, "p50_us"),
                 median_of(rounds, "p99_us"),
                 spread_of(rounds, "p99_us", 1),
+                ratio_to_yardstick(rounds, yardstick_kills, "p99_us"),
                 median_of(rounds, "max_us"),
                 median_of(rounds, "call_p99_us"),
                 sum_of(rounds, "reset"),
@@ -1095,7 +1116,7 @@ mod tests {
             "the yardstick is judged on the kill only:\n{report}"
         );
         assert!(
-            report.contains("| 2000 | 21.0 | 40.0 | 30.0 to 1500.0 |"),
+            report.contains("| 2000 | 21.0 | 40.0 | 30.0 to 1500.0 | 0.50x |"),
             "the kill row should give medians and the p99 range:\n{report}"
         );
         assert!(
