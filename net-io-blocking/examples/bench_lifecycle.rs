@@ -3,7 +3,7 @@
 //! ```text
 //! bench_lifecycle --kind handler|handler-loop|sessions|sessions-loop|std --load kill|door|drain|shutdown|idle
 //!                 [--count N] [--window-ms MS]
-//!                 [--pause-us US]
+//!                 [--pause-us US] [--control]
 //! bench_lifecycle client --addr ADDR --connections N     (the child process that holds idle connections)
 //! ```
 //!
@@ -40,7 +40,8 @@
 //! - `idle`: the child opens `--count` idle connections (default 5,000), the server waits 200 ms, then
 //!   sums the CPU time (`/proc/self/task/*/schedstat`, nanoseconds) and context switches
 //!   (`/proc/self/task/*/status`) of every server thread over `--window-ms` (default 2,000), leaving out
-//!   the main thread, which only sleeps and reads /proc.
+//!   the main thread, which only sleeps and reads /proc. With `--control` the server also watches a
+//!   control line (`ServerBuilder::control`), which one accept thread polls every 100 ms.
 
 use std::collections::HashMap;
 use std::fs;
@@ -54,8 +55,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use net_io_blocking::{
-    Admission, ConnectionId, ConnectionInfo, Gate, HandlerDriver, Input, Lane, Limits, NetError,
-    Refusal, Server, ServerBuilder, Session, SessionContext, SessionDriver, Step, TcpConnection,
+    Admission, ConnectionId, ConnectionInfo, ControlLine, Gate, HandlerDriver, Input, Lane, Limits,
+    NetError, Refusal, Server, ServerBuilder, Session, SessionContext, SessionDriver, Step,
+    TcpConnection,
 };
 use net_io_sys::epoll::{Epoll, Events, Interest};
 
@@ -136,6 +138,8 @@ struct Options {
     window: Duration,
     /// The door load's pause between connects; zero connects flat out.
     pause: Duration,
+    /// Whether the server watches a control line (`ServerBuilder::control`).
+    control: bool,
 }
 
 /// Options of the child that holds connections.
@@ -207,7 +211,7 @@ fn main() -> ExitCode {
         Err(message) => {
             eprintln!("bench_lifecycle: {message}");
             eprintln!(
-                "usage: bench_lifecycle --kind handler|handler-loop|sessions|sessions-loop|std --load kill|door|drain|shutdown|idle [--count N] [--window-ms MS] [--pause-us US]\n       bench_lifecycle client --addr ADDR --connections N"
+                "usage: bench_lifecycle --kind handler|handler-loop|sessions|sessions-loop|std --load kill|door|drain|shutdown|idle [--count N] [--window-ms MS] [--pause-us US] [--control]\n       bench_lifecycle client --addr ADDR --connections N"
             );
             ExitCode::FAILURE
         }
@@ -220,8 +224,13 @@ fn parse_options(arguments: &[String]) -> Result<Options, String> {
     let mut count = None;
     let mut window = Duration::from_secs(2);
     let mut pause = ARRIVAL_PAUSE;
+    let mut control = false;
     let mut iterator = arguments.iter();
     while let Some(flag) = iterator.next() {
+        if flag == "--control" {
+            control = true;
+            continue;
+        }
         let value = iterator
             .next()
             .ok_or_else(|| format!("{flag} needs a value"))?;
@@ -271,6 +280,7 @@ fn parse_options(arguments: &[String]) -> Result<Options, String> {
         count,
         window,
         pause,
+        control,
     })
 }
 
@@ -336,7 +346,7 @@ fn run(options: &Options) -> io::Result<()> {
         count: AtomicU64::new(0),
         last_nanoseconds: AtomicU64::new(0),
     });
-    let server = build_server(options.kind, held, Arc::clone(&admissions))?;
+    let server = build_server(options, held, Arc::clone(&admissions))?;
     let handle = server.handle();
     let line = match options.load {
         Load::Kill => measure_kill(server.local_addr(), connections, |id| {
@@ -374,7 +384,8 @@ fn raise_descriptor_limit() -> io::Result<()> {
 }
 
 /// Builds the server of `kind` for `held` connections at once, with the door open.
-fn build_server(kind: Kind, held: usize, admissions: Arc<Admissions>) -> io::Result<Server> {
+fn build_server(options: &Options, held: usize, admissions: Arc<Admissions>) -> io::Result<Server> {
+    let kind = options.kind;
     // Every connection comes from 127.0.0.1, so the per-source cap is the global one; the idle timeout is
     // long so that no connection of the benchmark ends on its own.
     let limits = Limits::new()
@@ -384,6 +395,9 @@ fn build_server(kind: Kind, held: usize, admissions: Arc<Admissions>) -> io::Res
         .idle_timeout(Duration::from_secs(600))
         .read_buffer(4096);
     let mut builder = ServerBuilder::new().listen("127.0.0.1:0").limits(limits);
+    if options.control {
+        builder = builder.control(Arc::new(ControlLine::new()));
+    }
     if kind.threaded() {
         builder = builder.workers(held);
     }
