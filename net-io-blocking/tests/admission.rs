@@ -3,11 +3,14 @@
 mod common;
 
 use std::io::Write;
-use std::time::Duration;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
 
 use common::echo::{Echo, echo_server, echo_server_on};
 use common::{Recorder, SOON, client, eventually, is_closed_by_server, round_trip};
-use net_io_blocking::{ConnectionInfo, Event, Limits, RefusalCause, ServerBuilder, SessionDriver};
+use net_io_blocking::{
+    CoalescedKind, ConnectionInfo, Event, Limits, RefusalCause, ServerBuilder, SessionDriver,
+};
 
 fn refusals(recorder: &Recorder) -> Vec<RefusalCause> {
     recorder
@@ -211,4 +214,75 @@ fn an_ipv6_loopback_listener_serves_and_reports_its_address() {
     assert!(server.local_addr().is_ipv6());
     let mut stream = client(server.local_addr());
     assert_eq!(round_trip(&mut stream, b"six"), b"six");
+}
+
+#[test]
+fn a_flood_of_refusals_folds_past_a_thousand_a_second_and_its_count_arrives_after_the_flood_stops()
+{
+    const FLOOD: u64 = 3_000;
+    let recorder = Recorder::default();
+    let server = echo_server(
+        2,
+        Limits::new().max_connections(1).max_per_source(1),
+        &recorder,
+    );
+    let mut holder = client(server.local_addr());
+    assert_eq!(round_trip(&mut holder, b"hold"), b"hold");
+    let started = Instant::now();
+    for attempt in 0..FLOOD {
+        // The connect completes in the kernel; the accept thread then refuses it at the cap with an RST,
+        // which may reach the client before its `connect` returns.
+        match TcpStream::connect(server.local_addr()) {
+            Ok(refused) => drop(refused),
+            Err(error) if error.kind() == std::io::ErrorKind::ConnectionReset => {}
+            Err(error) => panic!("connect {attempt} of the flood failed: {error}"),
+        }
+    }
+    let flood_took = started.elapsed();
+    assert!(
+        eventually(SOON, || server.stats().refused_by(RefusalCause::GlobalCap)
+            == FLOOD),
+        "every connection of the flood should be refused at the global cap, but {} were",
+        server.stats().refused_by(RefusalCause::GlobalCap)
+    );
+    // Nothing connects or closes from here on: the count folded in the flood's last second must still be
+    // reported once that second is over.
+    let reported = || {
+        let events = recorder.events();
+        let passed = events
+            .iter()
+            .filter(|event| matches!(event, Event::Refused { .. }))
+            .count() as u64;
+        let folded: u64 = events
+            .iter()
+            .filter_map(|event| match event {
+                Event::Coalesced {
+                    kind: CoalescedKind::Refused,
+                    count,
+                } => Some(*count),
+                _ => None,
+            })
+            .sum();
+        (passed, folded)
+    };
+    assert!(
+        eventually(SOON, || {
+            let (passed, folded) = reported();
+            passed + folded == FLOOD
+        }),
+        "every refusal of the flood ({FLOOD} in {flood_took:?}) should be reported, one by one or in a \
+         Coalesced count, after the flood stopped; reported (one by one, folded): {:?}",
+        reported()
+    );
+    let (passed, folded) = reported();
+    assert!(
+        folded > 0 && passed < FLOOD,
+        "a flood of {FLOOD} refusals in {flood_took:?} should pass at most 1,000 a second to the sink and fold \
+         the rest, but {passed} passed and {folded} were folded"
+    );
+    assert_eq!(
+        round_trip(&mut holder, b"still"),
+        b"still",
+        "the connection admitted before the flood should still be served"
+    );
 }
