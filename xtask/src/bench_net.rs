@@ -691,6 +691,50 @@ fn measure_echo(
         // server keeps its threads, and their context switch counts, past the second reading.
         true,
     )?;
+    let window = timed_window(server, client, "echo ", clock_ticks)?;
+    let fields = fields(&window.result);
+    let round_trips = number(&fields, "round_trips")?.max(1.0);
+    let TimedWindow {
+        server_cpu_seconds,
+        client_cpu_seconds,
+        server_switches: switches,
+        seconds: window_seconds,
+        ..
+    } = window;
+    Ok(EchoResult {
+        connections,
+        round_trips_per_second: number(&fields, "rt_per_s")?,
+        p50_microseconds: number(&fields, "p50_us")?,
+        p99_microseconds: number(&fields, "p99_us")?,
+        server_cpu_microseconds_per_round_trip: server_cpu_seconds * 1e6 / round_trips,
+        server_context_switches_per_round_trip: switches / round_trips,
+        client_cpu_microseconds_per_round_trip: client_cpu_seconds * 1e6 / round_trips,
+        cores_busy: (server_cpu_seconds + client_cpu_seconds) / window_seconds,
+    })
+}
+
+/// What the machine did while a client's timed window was open.
+#[derive(Debug)]
+struct TimedWindow {
+    /// The client's result line.
+    result: String,
+    server_cpu_seconds: f64,
+    client_cpu_seconds: f64,
+    /// Voluntary plus involuntary context switches of every server thread.
+    server_switches: f64,
+    /// Wall time between the readings.
+    seconds: f64,
+}
+
+/// Reads the server's and the client's CPU time and the server's context switches when the client says
+/// `measuring` and again at `measured`, then takes the client's result line (starting with `prefix`) and
+/// waits for it to end.
+fn timed_window(
+    server: &Running,
+    client: Running,
+    prefix: &str,
+    clock_ticks: f64,
+) -> Result<TimedWindow> {
     let server_pid = server.child.id();
     // The client stays a child until `finish` waits for it, so its /proc entry outlives its last line.
     let client_pid = client.child.id();
@@ -703,29 +747,19 @@ fn measure_echo(
     let server_cpu_after = cpu_ticks(server_pid)?;
     let client_cpu_after = cpu_ticks(client_pid)?;
     let switches_after = context_switches(server_pid)?;
-    let window_seconds = window_opened.elapsed().as_secs_f64();
-    let result = expect_line(&client, |line| line.starts_with("echo "))?;
+    let seconds = window_opened.elapsed().as_secs_f64();
+    let result = expect_line(&client, |line| line.starts_with(prefix))?;
     finish(client)?;
-    let fields = fields(&result);
-    let round_trips = number(&fields, "round_trips")?.max(1.0);
-    let server_cpu_seconds =
-        server_cpu_after.saturating_sub(server_cpu_before) as f64 / clock_ticks;
-    let client_cpu_seconds =
-        client_cpu_after.saturating_sub(client_cpu_before) as f64 / clock_ticks;
-    // A thread that exits before the second reading takes its switches out of the sum (the kernel keeps an
-    // exited thread's CPU time in /proc/PID/stat, but not its switches); the client holds every connection
-    // open until `finish`, so no server ends a connection's thread before then, and the sum is kept from
-    // going below zero if one did.
-    let switches = switches_after.saturating_sub(switches_before) as f64;
-    Ok(EchoResult {
-        connections,
-        round_trips_per_second: number(&fields, "rt_per_s")?,
-        p50_microseconds: number(&fields, "p50_us")?,
-        p99_microseconds: number(&fields, "p99_us")?,
-        server_cpu_microseconds_per_round_trip: server_cpu_seconds * 1e6 / round_trips,
-        server_context_switches_per_round_trip: switches / round_trips,
-        client_cpu_microseconds_per_round_trip: client_cpu_seconds * 1e6 / round_trips,
-        cores_busy: (server_cpu_seconds + client_cpu_seconds) / window_seconds,
+    Ok(TimedWindow {
+        result,
+        server_cpu_seconds: server_cpu_after.saturating_sub(server_cpu_before) as f64 / clock_ticks,
+        client_cpu_seconds: client_cpu_after.saturating_sub(client_cpu_before) as f64 / clock_ticks,
+        // A thread that exits before the second reading takes its switches out of the sum (the kernel keeps
+        // an exited thread's CPU time in /proc/PID/stat, but not its switches); the echo client holds every
+        // connection open until `finish`, so no server ends a connection's thread before then, and the sum
+        // is kept from going below zero if one did.
+        server_switches: switches_after.saturating_sub(switches_before) as f64,
+        seconds,
     })
 }
 
@@ -753,24 +787,15 @@ fn measure_open(
         "bench_client open",
         false,
     )?;
-    let server_pid = server.child.id();
-    let client_pid = client.child.id();
-    expect_line(&client, |line| line == "measuring")?;
-    let window_opened = Instant::now();
-    let server_cpu_before = cpu_ticks(server_pid)?;
-    let client_cpu_before = cpu_ticks(client_pid)?;
-    expect_line(&client, |line| line == "measured")?;
-    let server_cpu_after = cpu_ticks(server_pid)?;
-    let client_cpu_after = cpu_ticks(client_pid)?;
-    let window_seconds = window_opened.elapsed().as_secs_f64();
-    let result = expect_line(&client, |line| line.starts_with("open "))?;
-    finish(client)?;
-    let fields = fields(&result);
+    let window = timed_window(server, client, "open ", clock_ticks)?;
+    let fields = fields(&window.result);
     let sent = number(&fields, "sent")?.max(1.0);
-    let server_cpu_seconds =
-        server_cpu_after.saturating_sub(server_cpu_before) as f64 / clock_ticks;
-    let client_cpu_seconds =
-        client_cpu_after.saturating_sub(client_cpu_before) as f64 / clock_ticks;
+    let TimedWindow {
+        server_cpu_seconds,
+        client_cpu_seconds,
+        seconds: window_seconds,
+        ..
+    } = window;
     Ok(OpenResult {
         sent_per_second: number(&fields, "sent_per_s")?,
         p50_microseconds: number(&fields, "p50_us")?,
