@@ -2,8 +2,7 @@
 //!
 //! ```text
 //! bench_lifecycle --kind handler|handler-loop|sessions|sessions-loop|std --load kill|door|drain|shutdown|idle
-//!                 [--count N] [--window-ms MS]
-//!                 [--pause-us US] [--control]
+//!                 [--count N] [--window-ms MS] [--pause-us US] [--control]
 //! bench_lifecycle client --addr ADDR --connections N     (the child process that holds idle connections)
 //! ```
 //!
@@ -25,9 +24,10 @@
 //!   kernel; it completes and waits in the backlog. "Refused" here therefore means *no longer admitted*:
 //!   a client thread connects and resets, pausing `--pause-us` (default 100; 0 connects flat out) after
 //!   each connect, and the latency of one sample is the time from the `close_door` call to the last
-//!   admission the gate saw (0 if none came after the call). `--count` samples (default 200); between samples the door is opened again and the sample waits until a new
-//!   connection is admitted, which checks that the door accepts again. `late` counts admissions seen from
-//!   10 ms to 15 ms after a close (should be 0).
+//!   admission the gate saw (0 if none came after the call). `--count` samples (default 200); between
+//!   samples the door is opened again and the sample waits until a new connection is admitted, which
+//!   checks that the door accepts again. `late` counts admissions seen from 10 ms to 15 ms after a close
+//!   (should be 0).
 //! - `drain`: a child process (`client`) opens `--count` idle connections (default 10,000 for the event
 //!   loops, 5,000 for worker threads: one thread and two descriptors per worker, under a hard descriptor
 //!   limit of 20,000), one round trip each; then `drain(now + 5 s)` runs, and the child reports when every
@@ -36,7 +36,7 @@
 //!   the server writes just before it calls `drain`.
 //! - `shutdown`: the same through `Server::shutdown(now + 5 s)`, whose idle closes carry `Shutdown`, an
 //!   abortive reason (RST at once, no linger), so it shows what the graceful handshake of a drain costs;
-//!   its figure also includes joining every thread.
+//!   `drain_ms` is its report's elapsed time, and `call_ms` adds joining every thread.
 //! - `idle`: the child opens `--count` idle connections (default 5,000), the server waits 200 ms, then
 //!   sums the CPU time (`/proc/self/task/*/schedstat`, nanoseconds) and context switches
 //!   (`/proc/self/task/*/status`) of every server thread over `--window-ms` (default 2,000), leaving out
