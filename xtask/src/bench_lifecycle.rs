@@ -4,7 +4,7 @@
 //! each (driver, load) pair as a fresh process, several rounds, with the drivers' order rotated each round:
 //!
 //! ```text
-//!   xtask ──spawn──> bench_lifecycle --kind K --load kill|door|drain|idle
+//!   xtask ──spawn──> bench_lifecycle --kind K --load kill|door|drain|shutdown|idle [--control]
 //!                      │ server in-process (ServerBuilder), clients on threads or in a child process
 //!                      └──> prints `result kind=K load=L key=value ...`
 //! ```
@@ -12,7 +12,8 @@
 //! The report gives the median of the rounds for every figure, the spread of the headline figure, and for
 //! each of net-io's lifecycle targets whether the median met it: B-11 / NFR-19 (kill to RST under 1 ms
 //! p99), NFR-20 (`close_door` under 1 ms p99), B-12 (drain of 10,000 idle connections under 100 ms) and
-//! NFR-4 / B-6 (no CPU and no wake-up while connections idle).
+//! NFR-4 / B-6 (no CPU and no wake-up while connections idle, without and with a control line). Beside them
+//! it measures `Server::shutdown`'s abortive drain and, for the kill, a std thread-per-connection yardstick.
 
 use std::collections::HashMap;
 use std::env;
@@ -148,7 +149,7 @@ impl Verdict {
     }
 }
 
-/// The process that started this run, with what it measured.
+/// What one run measured, and how busy the machine was meanwhile.
 #[derive(Debug, Default)]
 struct Run {
     /// measurements[(driver name, load)] = one per round.
@@ -355,10 +356,10 @@ fn measure(
 ) -> Result<Measurement> {
     let mut command = Command::new(binary);
     // `idle-control` is the idle load with a control line set.
+    let example_load = if load == "idle-control" { "idle" } else { load };
+    command.args(["--kind", driver.name, "--load", example_load]);
     if load == "idle-control" {
-        command.args(["--kind", driver.name, "--load", "idle", "--control"]);
-    } else {
-        command.args(["--kind", driver.name, "--load", load]);
+        command.arg("--control");
     }
     let count = count
         .copied()
@@ -402,7 +403,16 @@ fn measure(
         .find(|line| line.starts_with("result "))
         .with_context(|| format!("no result line in the output:\n{output}"))?;
     eprintln!("xtask:   {line}");
-    parse_result_line(line)
+    let measurement = parse_result_line(line)?;
+    if measurement.kind != driver.name || measurement.load != example_load {
+        bail!(
+            "asked for kind {} and load {example_load}, but the result line says kind {} and load {}",
+            driver.name,
+            measurement.kind,
+            measurement.load
+        );
+    }
+    Ok(measurement)
 }
 
 /// Parses `result kind=K load=L key=value ...`; every value but the kind and the load must be a number
