@@ -43,6 +43,7 @@ usage: cargo xtask bench lifecycle [--quick] [--rounds N] [--kinds handler,handl
                  idle closes are abortive, beside the graceful drain; idle-control is the idle load with
                  a control line set)
   --output PATH  where to write the markdown report (default docs/performance/lifecycle.md)
+  --no-write     print the report only
 ";
 
 /// The longest one measurement process may run before it is killed and the run fails.
