@@ -351,8 +351,8 @@ fn manager_loop(weak_pool: &Weak<Pool>, reactor: &Arc<Reactor>) {
         if reactor.stopping.load(Ordering::Acquire) {
             return;
         }
-        let stall = reactor.stall_nanos.swap(0, Ordering::AcqRel);
-        if stall > 0 {
+        if reactor.stall_nanos.load(Ordering::Acquire) > 0 {
+            let stall = reactor.stall_nanos.swap(0, Ordering::AcqRel);
             std::thread::sleep(Duration::from_nanos(stall));
         }
         if reactor.faults_pending.load(Ordering::Acquire) > 0 {
