@@ -1,7 +1,8 @@
-//! Load generator for `cargo xtask bench net`: closed-loop echo, idle connections and connect-and-close churn.
+//! Load generator for `cargo xtask bench net`: closed- and open-loop echo, idle connections and connect-and-close churn.
 //!
 //! ```text
 //! bench_client echo  --addr ADDR --connections C [--threads T] [--warmup-ms 500] [--duration-ms 2000] [--size 64]
+//! bench_client open  --addr ADDR --connections C --rate MESSAGES_PER_SECOND [--threads T] [--warmup-ms 500] [--duration-ms 2000] [--size 64]
 //! bench_client idle  --addr ADDR --connections 5000
 //! bench_client churn --addr ADDR [--threads 4] [--duration-ms 2000] [--rate CONNECTS_PER_SECOND]
 //! bench_client count --addr ADDR [--round-trips 10000] [--size 64]
@@ -20,6 +21,18 @@
 //!   connections open until its standard input closes (at once when it is not a pipe): a server with a
 //!   thread per connection then keeps those threads, and their context switch counts, until the benchmark
 //!   has read them.
+//! - `open`: the same echo as an open loop, free of coordinated omission: messages leave on a fixed schedule
+//!   of R per second whatever the replies do, so a slow reply cannot hold back the messages behind it, and
+//!   each latency runs from the message's *scheduled* time (a late sender counts against the figure too) to
+//!   the end of its echo. The C connections are split over T pairs of threads (default 1): a writer sends
+//!   its share of the schedule round robin over its connections with blocking writes, several messages may
+//!   be in flight on one connection; a reader waits on an epoll over the same connections and reads with
+//!   `MSG_DONTWAIT`, matching every `--size` bytes to the oldest scheduled time of that connection. Messages
+//!   scheduled in the timed window count; replies still missing 1 s after the window are reported as
+//!   unanswered. It prints `open connections=.. threads=.. rate=.. sent=.. seconds=.. sent_per_s=..
+//!   answered=.. unanswered=.. p50_us=.. p99_us=.. p999_us=.. max_us=.. behind_max_us=..`, where
+//!   `behind_max_us` is how late the writers fell behind their schedule at worst (the client's own share of
+//!   the latency when the machine is full).
 //! - `idle`: opens C connections one after the other, each with one 8-byte round trip, prints
 //!   `idle opened=.. served=.. failed=..`, then holds them until its standard input closes.
 //! - `churn`: T threads connect and close; every close is an RST (`SO_LINGER` 0) so that neither side keeps
@@ -58,6 +71,7 @@ const IO_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
     Echo,
+    Open,
     Idle,
     Churn,
     Count,
@@ -74,7 +88,8 @@ struct Options {
     duration: Duration,
     size: usize,
     round_trips: usize,
-    /// Connects per second offered by the churn, or `None` to connect as fast as possible.
+    /// Connects per second offered by the churn (`None`: as fast as possible), or messages per second
+    /// offered by the open-loop echo (required there).
     rate: Option<u64>,
 }
 
@@ -93,13 +108,14 @@ fn main() -> ExitCode {
         Err(message) => {
             eprintln!("bench_client: {message}");
             eprintln!(
-                "usage: bench_client echo|idle|churn|count --addr ADDR [--connections C] [--threads T] [--warmup-ms MS] [--duration-ms MS] [--size BYTES] [--round-trips N] [--rate PER_SECOND]"
+                "usage: bench_client echo|open|idle|churn|count --addr ADDR [--connections C] [--threads T] [--warmup-ms MS] [--duration-ms MS] [--size BYTES] [--round-trips N] [--rate PER_SECOND]"
             );
             return ExitCode::from(2);
         }
     };
     let result = match options.mode {
         Mode::Echo => run_echo(&options),
+        Mode::Open => run_open(&options),
         Mode::Idle => run_idle(&options),
         Mode::Churn => run_churn(&options),
         Mode::Count => run_count(&options),
@@ -116,11 +132,12 @@ fn main() -> ExitCode {
 fn parse_options(mut arguments: impl Iterator<Item = String>) -> Result<Options, String> {
     let mode = match arguments.next().as_deref() {
         Some("echo") => Mode::Echo,
+        Some("open") => Mode::Open,
         Some("idle") => Mode::Idle,
         Some("churn") => Mode::Churn,
         Some("count") => Mode::Count,
         Some(other) => return Err(format!("unknown mode `{other}`")),
-        None => return Err("a mode is required: echo, idle, churn or count".to_owned()),
+        None => return Err("a mode is required: echo, open, idle, churn or count".to_owned()),
     };
     let mut options = Options {
         mode,
@@ -298,6 +315,249 @@ fn sleep_until(deadline: Instant) {
     if deadline > now {
         thread::sleep(deadline - now);
     }
+}
+
+/// How long the readers wait for the replies of the last messages after the window closes (or after their
+/// writer sent its last one, if it was behind).
+const OPEN_DRAIN: Duration = Duration::from_secs(1);
+
+/// The scheduled times of one connection's messages still waiting for their echo, oldest first, shared by
+/// the connection's writer (which adds) and reader (which takes).
+type InFlight = Arc<std::sync::Mutex<std::collections::VecDeque<Instant>>>;
+
+/// What one open-loop reader measured.
+#[derive(Debug, Default)]
+struct OpenTally {
+    /// Latency from the scheduled time of each counted message to the end of its echo, in nanoseconds.
+    samples: Vec<u64>,
+    /// Messages scheduled in the window whose echo did not come.
+    unanswered: u64,
+}
+
+/// What one open-loop writer did.
+#[derive(Debug, Default)]
+struct OpenSent {
+    /// Messages scheduled in the window (and sent).
+    sent: u64,
+    /// How far behind its schedule the writer was at worst.
+    behind: Duration,
+}
+
+fn run_open(options: &Options) -> io::Result<()> {
+    let rate = options
+        .rate
+        .ok_or_else(|| io::Error::other("open needs --rate MESSAGES_PER_SECOND"))?;
+    let mut connections = Vec::with_capacity(options.connections);
+    for _ in 0..options.connections {
+        connections.push(open_served(options.address, options.size)?);
+    }
+    let pairs = options.threads.unwrap_or(1).min(options.connections);
+    let mut groups: Vec<Vec<(TcpStream, InFlight)>> = (0..pairs).map(|_| Vec::new()).collect();
+    for (index, connection) in connections.into_iter().enumerate() {
+        groups[index % pairs].push((connection, InFlight::default()));
+    }
+    let start = Instant::now() + Duration::from_millis(10);
+    let window_opens = start + options.warmup;
+    let window_closes = window_opens + options.duration;
+    // Each writer sends every `pairs / rate` seconds, the writers staggered evenly inside that interval.
+    let interval = Duration::from_secs_f64(pairs as f64 / rate as f64);
+    let size = options.size;
+    let mut writers = Vec::with_capacity(pairs);
+    let mut readers = Vec::with_capacity(pairs);
+    for (pair, group) in groups.into_iter().enumerate() {
+        let mut write_side = Vec::with_capacity(group.len());
+        let mut read_side = Vec::with_capacity(group.len());
+        for (stream, in_flight) in group {
+            write_side.push((stream.try_clone()?, Arc::clone(&in_flight)));
+            read_side.push((stream, in_flight));
+        }
+        let first = start + interval.mul_f64(pair as f64 / pairs as f64);
+        let window = (window_opens, window_closes);
+        let writer_done = Arc::new(std::sync::OnceLock::new());
+        let done = Arc::clone(&writer_done);
+        writers.push(thread::spawn(move || {
+            let sent = open_writer(write_side, size, first, interval, window);
+            let _ = done.set(Instant::now());
+            sent
+        }));
+        readers.push(thread::spawn(move || {
+            open_reader(read_side, size, window, &writer_done)
+        }));
+    }
+    sleep_until(window_opens);
+    say("measuring");
+    sleep_until(window_closes);
+    say("measured");
+    let mut sent = 0;
+    let mut behind = Duration::ZERO;
+    for writer in writers {
+        let done = writer
+            .join()
+            .map_err(|_| io::Error::other("an open-loop writer panicked"))??;
+        sent += done.sent;
+        behind = behind.max(done.behind);
+    }
+    let mut samples = Vec::new();
+    let mut unanswered = 0;
+    for reader in readers {
+        let tally = reader
+            .join()
+            .map_err(|_| io::Error::other("an open-loop reader panicked"))??;
+        samples.extend(tally.samples);
+        unanswered += tally.unanswered;
+    }
+    if samples.is_empty() {
+        return Err(io::Error::other(
+            "no echo of a message scheduled inside the window arrived",
+        ));
+    }
+    samples.sort_unstable();
+    let seconds = options.duration.as_secs_f64();
+    let micros = |nanoseconds: u64| nanoseconds as f64 / 1_000.0;
+    say(&format!(
+        "open connections={} threads={pairs} rate={rate} sent={sent} seconds={seconds:.3} sent_per_s={:.0} \
+         answered={} unanswered={unanswered} p50_us={:.1} p99_us={:.1} p999_us={:.1} max_us={:.1} \
+         behind_max_us={:.1}",
+        options.connections,
+        sent as f64 / seconds,
+        samples.len(),
+        micros(percentile(&samples, 0.50)),
+        micros(percentile(&samples, 0.99)),
+        micros(percentile(&samples, 0.999)),
+        micros(*samples.last().unwrap_or(&0)),
+        behind.as_secs_f64() * 1e6,
+    ));
+    Ok(())
+}
+
+/// One open-loop writer: sends on its connections round robin at its scheduled times, however the
+/// replies go, and records each message's scheduled time for the reader.
+fn open_writer(
+    group: Vec<(TcpStream, InFlight)>,
+    size: usize,
+    first: Instant,
+    interval: Duration,
+    (window_opens, window_closes): (Instant, Instant),
+) -> io::Result<OpenSent> {
+    let message = vec![b'o'; size];
+    let mut done = OpenSent::default();
+    let mut next = first;
+    let mut cursor = 0;
+    let mut group = group;
+    while next < window_closes {
+        let now = Instant::now();
+        if next > now {
+            let wait = next - now;
+            // Sleeping costs a timer's slack (50 us or more); the last stretch is spun so the schedule holds.
+            if wait > Duration::from_micros(200) {
+                thread::sleep(wait - Duration::from_micros(100));
+            } else {
+                std::hint::spin_loop();
+            }
+            continue;
+        }
+        done.behind = done.behind.max(now - next);
+        let (stream, in_flight) = &mut group[cursor];
+        // Recorded before the write, so the reader never sees an echo without its time.
+        in_flight
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push_back(next);
+        stream.write_all(&message)?;
+        if next >= window_opens {
+            done.sent += 1;
+        }
+        cursor = (cursor + 1) % group.len();
+        next += interval;
+    }
+    Ok(done)
+}
+
+/// One open-loop reader: takes every echo as it arrives and matches it to its message's scheduled time.
+fn open_reader(
+    group: Vec<(TcpStream, InFlight)>,
+    size: usize,
+    (window_opens, window_closes): (Instant, Instant),
+    writer_done: &std::sync::OnceLock<Instant>,
+) -> io::Result<OpenTally> {
+    use net_io_sys::epoll::{Epoll, Events, Interest};
+    use std::os::fd::AsFd;
+
+    let epoll = Epoll::new()?;
+    for (index, (stream, _)) in group.iter().enumerate() {
+        epoll.add(stream.as_fd(), index as u64, Interest::READABLE)?;
+    }
+    let mut events = Events::with_capacity(256);
+    let mut buffer = vec![0u8; 64 * 1024];
+    // Bytes of an echo that arrived split, per connection.
+    let mut partial = vec![0usize; group.len()];
+    let mut tally = OpenTally {
+        samples: Vec::with_capacity(1 << 20),
+        unanswered: 0,
+    };
+    loop {
+        let now = Instant::now();
+        // A writer behind its schedule still sends messages of the window after it closed: wait for it.
+        let writer_finished = writer_done.get().copied();
+        if writer_finished.is_some_and(|finished| now >= finished.max(window_closes) + OPEN_DRAIN) {
+            break;
+        }
+        let waiting_in_window = |in_flight: &InFlight| {
+            in_flight
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .iter()
+                .any(|at| *at >= window_opens && *at < window_closes)
+        };
+        if writer_finished.is_some()
+            && !group
+                .iter()
+                .any(|(_, in_flight)| waiting_in_window(in_flight))
+        {
+            break;
+        }
+        epoll.wait(&mut events, Some(Duration::from_millis(10)))?;
+        for event in events.iter() {
+            let index = event.token as usize;
+            let (stream, in_flight) = &group[index];
+            loop {
+                let read = match net_io_sys::socket::recv_nonblocking(stream.as_fd(), &mut buffer) {
+                    Ok(0) => {
+                        return Err(io::Error::other("the server closed a connection mid-run"));
+                    }
+                    Ok(read) => read,
+                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(error) => return Err(error),
+                };
+                let arrived = Instant::now();
+                partial[index] += read;
+                let mut queue = in_flight
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+                while partial[index] >= size {
+                    partial[index] -= size;
+                    let Some(scheduled) = queue.pop_front() else {
+                        return Err(io::Error::other("an echo arrived for no message sent"));
+                    };
+                    if scheduled >= window_opens && scheduled < window_closes {
+                        tally
+                            .samples
+                            .push(arrived.saturating_duration_since(scheduled).as_nanos() as u64);
+                    }
+                }
+            }
+        }
+    }
+    for (_, in_flight) in &group {
+        tally.unanswered += in_flight
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .iter()
+            .filter(|at| **at >= window_opens && **at < window_closes)
+            .count() as u64;
+    }
+    Ok(tally)
 }
 
 fn run_idle(options: &Options) -> io::Result<()> {

@@ -1,7 +1,7 @@
 //! Echo server for `cargo xtask bench net`: one process serving 64-byte echo with a chosen stack until stdin closes.
 //!
 //! ```text
-//! bench_server --kind std|tokio|handler|handler-loop|sessions|sessions-loop [--addr 127.0.0.1:0] [--workers N] [--max-connections N]
+//! bench_server --kind std|tokio|floor|handler|handler-loop|sessions|sessions-loop [--addr 127.0.0.1:0] [--workers N] [--max-connections N]
 //! ```
 //!
 //! It prints `listening on ADDR` once bound, serves until its standard input reaches end of file (the
@@ -12,6 +12,11 @@
 //!   user writes with the standard library alone.
 //! - `tokio`: a multi-thread runtime with 2 workers, a task per connection, `TCP_NODELAY`, a 4 KiB buffer
 //!   in the task.
+//! - `floor`: the least an epoll echo can do, as a yardstick rather than a peer: one loop thread per core,
+//!   each with its own level-triggered epoll, a connection per slot, one `read` and one `write` per round
+//!   trip and nothing else (no deadlines, limits, kills, gate, events or statistics). The accept thread hands
+//!   connections round robin through a channel and an eventfd. A reply the socket cannot take at once closes
+//!   the connection (counted and printed at exit), since 64-byte echoes never fill a send buffer.
 //! - `handler` and `sessions`: net-io-blocking with a blocking handler (4 KiB buffer on the worker's stack)
 //!   and with a sans-IO session, `--workers` workers (default 320, so 256 connections fit beside the ones
 //!   still closing from the previous load) and `--max-connections` (default: the workers). Limits that
@@ -26,11 +31,15 @@
 
 use std::io::{self, BufRead, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
+
+use net_io_sys::epoll::{Epoll, Events, Interest};
+use net_io_sys::eventfd::EventFd;
 
 use net_io_blocking::{
     ConnectionInfo, HandlerDriver, Input, Limits, NetError, Server, ServerBuilder, Session,
@@ -45,6 +54,7 @@ const BUFFER_SIZE: usize = 4096;
 enum Kind {
     Std,
     Tokio,
+    Floor,
     Handler,
     HandlerLoop,
     Sessions,
@@ -72,7 +82,7 @@ fn main() -> ExitCode {
         Err(message) => {
             eprintln!("bench_server: {message}");
             eprintln!(
-                "usage: bench_server --kind std|tokio|handler|handler-loop|sessions|sessions-loop [--addr 127.0.0.1:0] [--workers N] [--max-connections N]"
+                "usage: bench_server --kind std|tokio|floor|handler|handler-loop|sessions|sessions-loop [--addr 127.0.0.1:0] [--workers N] [--max-connections N]"
             );
             return ExitCode::from(2);
         }
@@ -81,6 +91,7 @@ fn main() -> ExitCode {
     let result = match options.kind {
         Kind::Std => run_std(&options, Arc::clone(&served)),
         Kind::Tokio => run_tokio(&options, Arc::clone(&served)),
+        Kind::Floor => run_floor(&options, Arc::clone(&served)),
         Kind::Handler | Kind::HandlerLoop | Kind::Sessions | Kind::SessionsLoop => {
             run_net_io(&options, &served)
         }
@@ -114,6 +125,7 @@ fn parse_options(mut arguments: impl Iterator<Item = String>) -> Result<Options,
                 kind = Some(match value()?.as_str() {
                     "std" => Kind::Std,
                     "tokio" => Kind::Tokio,
+                    "floor" => Kind::Floor,
                     "handler" => Kind::Handler,
                     "handler-loop" => Kind::HandlerLoop,
                     "sessions" => Kind::Sessions,
@@ -236,6 +248,140 @@ fn run_tokio(options: &Options, served: Arc<AtomicU64>) -> io::Result<()> {
     wait_for_stdin_to_close();
     runtime.shutdown_background();
     Ok(())
+}
+
+/// One loop of the `floor` kind: its epoll, the eventfd the accept thread signals, and the channel that
+/// carries new connections.
+struct FloorLoop {
+    epoll: Epoll,
+    wake: EventFd,
+    incoming: Mutex<Vec<TcpStream>>,
+}
+
+/// The token of a loop's eventfd; connection tokens are slot indexes, far below it.
+const FLOOR_WAKE_TOKEN: u64 = u64::MAX;
+
+/// The bare epoll echo (see the module documentation): the kernel's cost of a round trip with no driver.
+fn run_floor(options: &Options, served: Arc<AtomicU64>) -> io::Result<()> {
+    let loops = options
+        .workers
+        .unwrap_or_else(|| thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get));
+    let listener = TcpListener::bind(options.address)?;
+    announce(listener.local_addr()?);
+    let mut shared = Vec::with_capacity(loops);
+    for _ in 0..loops {
+        let floor_loop = Arc::new(FloorLoop {
+            epoll: Epoll::new()?,
+            wake: EventFd::new()?,
+            incoming: Mutex::new(Vec::new()),
+        });
+        floor_loop.epoll.add(
+            floor_loop.wake.as_fd(),
+            FLOOR_WAKE_TOKEN,
+            Interest::READABLE,
+        )?;
+        shared.push(floor_loop);
+    }
+    let overflowed = Arc::new(AtomicU64::new(0));
+    for floor_loop in &shared {
+        let floor_loop = Arc::clone(floor_loop);
+        let overflowed = Arc::clone(&overflowed);
+        thread::spawn(move || floor_serve(&floor_loop, &overflowed));
+    }
+    thread::spawn(move || {
+        let mut next = 0;
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else {
+                continue;
+            };
+            if stream.set_nodelay(true).is_err() || stream.set_nonblocking(true).is_err() {
+                continue;
+            }
+            served.fetch_add(1, Ordering::Relaxed);
+            let floor_loop = &shared[next % shared.len()];
+            next += 1;
+            floor_loop
+                .incoming
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push(stream);
+            let _ = floor_loop.wake.signal();
+        }
+    });
+    wait_for_stdin_to_close();
+    let overflowed = overflowed.load(Ordering::Relaxed);
+    if overflowed > 0 {
+        println!(
+            "floor: {overflowed} connections closed on a reply the socket could not take at once"
+        );
+    }
+    Ok(())
+}
+
+/// A `floor` loop thread: wait, then one read and one write per ready connection.
+fn floor_serve(floor_loop: &FloorLoop, overflowed: &AtomicU64) {
+    let mut events = Events::with_capacity(256);
+    let mut slots: Vec<Option<TcpStream>> = Vec::new();
+    let mut free: Vec<usize> = Vec::new();
+    let mut buffer = [0u8; BUFFER_SIZE];
+    loop {
+        if floor_loop.epoll.wait(&mut events, None).is_err() {
+            continue;
+        }
+        for event in events.iter() {
+            if event.token == FLOOR_WAKE_TOKEN {
+                let _ = floor_loop.wake.drain();
+                let streams = std::mem::take(
+                    &mut *floor_loop
+                        .incoming
+                        .lock()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner()),
+                );
+                for stream in streams {
+                    let slot = free.pop().unwrap_or_else(|| {
+                        slots.push(None);
+                        slots.len() - 1
+                    });
+                    if floor_loop
+                        .epoll
+                        .add(stream.as_fd(), slot as u64, Interest::READABLE)
+                        .is_ok()
+                    {
+                        slots[slot] = Some(stream);
+                    } else {
+                        free.push(slot);
+                    }
+                }
+                continue;
+            }
+            let slot = event.token as usize;
+            let Some(stream) = slots.get_mut(slot).and_then(Option::as_mut) else {
+                continue;
+            };
+            let keep = match stream.read(&mut buffer) {
+                Ok(0) => false,
+                Ok(read) => match stream.write(&buffer[..read]) {
+                    Ok(written) if written == read => true,
+                    Ok(_) => {
+                        overflowed.fetch_add(1, Ordering::Relaxed);
+                        false
+                    }
+                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                        overflowed.fetch_add(1, Ordering::Relaxed);
+                        false
+                    }
+                    Err(_) => false,
+                },
+                Err(error) => error.kind() == io::ErrorKind::WouldBlock,
+            };
+            if !keep {
+                if let Some(stream) = slots[slot].take() {
+                    let _ = floor_loop.epoll.delete(stream.as_fd());
+                }
+                free.push(slot);
+            }
+        }
+    }
 }
 
 /// net-io-blocking with a blocking handler or with sessions.

@@ -175,10 +175,10 @@ pub use server::{DrainReport, KillHandle, Server, ServerHandle};
 
 pub use net_io_core::proxy::ProxyMode;
 pub use net_io_core::{
-    Admission, AllowAll, CloseReason, Completer, ConnectionId, ConnectionInfo, ControlLine,
-    ControlState, Direction, Event, EventSink, Gate, Input, Lane, LimitKind, Limits, ListenerId,
-    MinRateRule, NetError, Output, Phase, Refusal, RefusalCause, Session, SessionContext,
-    SessionFactory, Stats, Step, TimeoutKind, Verdict, WriteFacts,
+    Admission, AllowAll, CloseReason, CoalescedKind, Completer, ConnectionId, ConnectionInfo,
+    ControlLine, ControlState, Direction, Event, EventSink, Gate, Input, Lane, LimitKind, Limits,
+    ListenerId, MinRateRule, NetError, OsErrorClass, Output, Phase, Refusal, RefusalCause, Session,
+    SessionContext, SessionFactory, Stats, Step, TimeoutKind, Verdict, WorkerId, WriteFacts,
 };
 pub use net_io_core::{ManualClock, TrustedProxies};
 pub use net_io_sys::socket::Keepalive;

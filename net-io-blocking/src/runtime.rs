@@ -161,6 +161,14 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             if ends(&acceptor) {
                 return;
             }
+            // First on every pass (whichever way the last one ended), so that a due count never leaves the
+            // wait below with nothing to wait for.
+            if core.events_enabled {
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    coalescer.flush(&*core.events, core.now())
+                }));
+                core.flush_coalesced();
+            }
             // One accept thread at a time watches the control line, so each change is applied once; the
             // owner changes only when its listener is removed.
             let control = self
@@ -168,6 +176,19 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 .as_ref()
                 .filter(|_| core.control_owner.load(Ordering::Acquire) == listener_id.0);
             let control_poll = control.map(|_| Duration::from_millis(100));
+            // Folded event counts are reported once their second is over even if nothing else happens: the
+            // wait ends then at the latest (no deadline at all otherwise, so an idle server costs no CPU).
+            let flush_due = [coalescer.flush_due(), core.serving_flush_due()]
+                .into_iter()
+                .flatten()
+                .min();
+            let wait_limit = match flush_due {
+                Some(due) => {
+                    let until_due = due.saturating_duration_since(core.now());
+                    Some(control_poll.map_or(until_due, |poll| poll.min(until_due)))
+                }
+                None => control_poll,
+            };
             if let Some(control) = control {
                 let state = self
                     .control_watch
@@ -185,11 +206,11 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                     listener.socket.as_fd(),
                     Interest::Readable,
                     Some(wake.as_fd()),
-                    control_poll,
+                    wait_limit,
                 )
                 .map(|_| ())
             } else {
-                wait::wait_readable(wake.as_fd(), control_poll).map(|_| ())
+                wait::wait_readable(wake.as_fd(), wait_limit).map(|_| ())
             };
             if waited.is_err() {
                 std::thread::sleep(Duration::from_millis(10));
@@ -267,11 +288,6 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                         }
                     },
                 }
-            }
-            if core.events_enabled {
-                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    coalescer.flush(&*core.events, core.now())
-                }));
             }
         }
     }

@@ -206,8 +206,27 @@ impl Core {
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             coalescer.emit(&**sink, event, now)
         }));
-        self.serving_folded
-            .store(coalescer.has_folded(), Ordering::Relaxed);
+        let folded = coalescer.has_folded();
+        drop(coalescer);
+        let was_folded = self.serving_folded.swap(folded, Ordering::Relaxed);
+        if folded && !was_folded {
+            // The accept threads report the count once its second is over (see `serving_flush_due`), even if
+            // no connection closes after the flood; one may be asleep with no deadline, so wake them. At most
+            // once a second in a flood.
+            self.wake_acceptors();
+        }
+    }
+
+    /// When the counts folded by [`Core::emit_coalesced`] are due for [`Core::flush_coalesced`], if any are:
+    /// the accept threads sleep until then at most.
+    pub(crate) fn serving_flush_due(&self) -> Option<Instant> {
+        if !self.serving_folded.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.serving_coalescer
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .flush_due()
     }
 
     /// Reports counts folded by [`Core::emit_coalesced`] once their second is over. Cheap when nothing was

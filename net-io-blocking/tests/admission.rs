@@ -3,11 +3,14 @@
 mod common;
 
 use std::io::Write;
-use std::time::Duration;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
 
 use common::echo::{Echo, echo_server, echo_server_on};
 use common::{Recorder, SOON, client, eventually, is_closed_by_server, round_trip};
-use net_io_blocking::{ConnectionInfo, Event, Limits, RefusalCause, ServerBuilder, SessionDriver};
+use net_io_blocking::{
+    CoalescedKind, ConnectionInfo, Event, Limits, RefusalCause, ServerBuilder, SessionDriver,
+};
 
 fn refusals(recorder: &Recorder) -> Vec<RefusalCause> {
     recorder
@@ -211,4 +214,120 @@ fn an_ipv6_loopback_listener_serves_and_reports_its_address() {
     assert!(server.local_addr().is_ipv6());
     let mut stream = client(server.local_addr());
     assert_eq!(round_trip(&mut stream, b"six"), b"six");
+}
+
+/// Connects `count` times to `address`, dropping each connection at once. The server is expected to refuse
+/// each with an RST, which may reach the client before its `connect` returns.
+fn flood(address: std::net::SocketAddr, count: u64) -> Duration {
+    let started = Instant::now();
+    for attempt in 0..count {
+        match TcpStream::connect(address) {
+            Ok(refused) => drop(refused),
+            Err(error) if error.kind() == std::io::ErrorKind::ConnectionReset => {}
+            Err(error) => panic!("connect {attempt} of the flood failed: {error}"),
+        }
+    }
+    started.elapsed()
+}
+
+/// The refusals the sink saw one by one, and those it was told of in `Coalesced` counts.
+fn reported_refusals(recorder: &Recorder) -> (u64, u64) {
+    let events = recorder.events();
+    let passed = events
+        .iter()
+        .filter(|event| matches!(event, Event::Refused { .. }))
+        .count() as u64;
+    let folded = events
+        .iter()
+        .filter_map(|event| match event {
+            Event::Coalesced {
+                kind: CoalescedKind::Refused,
+                count,
+            } => Some(*count),
+            _ => None,
+        })
+        .sum();
+    (passed, folded)
+}
+
+/// Waits until every one of `flood` refusals was reported, one by one or folded (nothing connects or closes
+/// meanwhile: the count folded in the flood's last second must still come once that second is over), and
+/// checks that the sink was spared most of them.
+fn assert_every_refusal_reported_and_most_folded(recorder: &Recorder, flood: u64, took: Duration) {
+    assert!(
+        eventually(SOON, || {
+            let (passed, folded) = reported_refusals(recorder);
+            passed + folded == flood
+        }),
+        "every refusal of the flood ({flood} in {took:?}) should be reported, one by one or in a Coalesced \
+         count, after the flood stopped; reported (one by one, folded): {:?}",
+        reported_refusals(recorder)
+    );
+    let (passed, folded) = reported_refusals(recorder);
+    assert!(
+        folded > 0 && passed < flood,
+        "a flood of {flood} refusals in {took:?} should pass at most 1,000 a second to the sink and fold the \
+         rest, but {passed} passed and {folded} were folded"
+    );
+}
+
+#[test]
+fn a_flood_of_refusals_folds_past_a_thousand_a_second_and_its_count_arrives_after_the_flood_stops()
+{
+    const FLOOD: u64 = 3_000;
+    let recorder = Recorder::default();
+    let server = echo_server(
+        2,
+        Limits::new().max_connections(1).max_per_source(1),
+        &recorder,
+    );
+    let mut holder = client(server.local_addr());
+    assert_eq!(round_trip(&mut holder, b"hold"), b"hold");
+    let took = flood(server.local_addr(), FLOOD);
+    assert!(
+        eventually(SOON, || server.stats().refused_by(RefusalCause::GlobalCap)
+            == FLOOD),
+        "every connection of the flood should be refused at the global cap, but {} were",
+        server.stats().refused_by(RefusalCause::GlobalCap)
+    );
+    assert_every_refusal_reported_and_most_folded(&recorder, FLOOD, took);
+    assert_eq!(
+        round_trip(&mut holder, b"still"),
+        b"still",
+        "the connection admitted before the flood should still be served"
+    );
+}
+
+#[test]
+fn a_flood_of_refusals_after_admission_is_folded_and_reported_after_it_stops_on_both_session_drivers()
+ {
+    const FLOOD: u64 = 3_000;
+    for driver in [
+        SessionDriver::Threads,
+        SessionDriver::EventLoop { loops: 2 },
+    ] {
+        let recorder = Recorder::default();
+        // Admitted at accept, then declined by the factory: a refusal the serving thread reports.
+        let server = common::test_builder(16, Limits::new(), &recorder)
+            .session_driver(driver)
+            .sessions(|_info: &ConnectionInfo| None::<Echo>)
+            .allow_all()
+            .build()
+            .expect("the test server should start");
+        let took = flood(server.local_addr(), FLOOD);
+        // With worker threads some are refused as Busy at accept when every worker is taken; most reach
+        // a worker (or a loop) and are refused after admission.
+        assert!(
+            eventually(SOON, || server.stats().refused == FLOOD),
+            "{driver:?}: every connection of the flood should be refused, but {} were",
+            server.stats().refused
+        );
+        let after_admission = server.stats().refused_by(RefusalCause::Session);
+        assert!(
+            after_admission > 1_000,
+            "{driver:?}: more than 1,000 of the flood should reach the factory, so that the serving threads' \
+             refusals fold too, but {after_admission} did"
+        );
+        assert_every_refusal_reported_and_most_folded(&recorder, FLOOD, took);
+    }
 }

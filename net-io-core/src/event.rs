@@ -298,6 +298,17 @@ impl Coalescer {
         self.folded.iter().any(|&count| count > 0)
     }
 
+    /// When the folded counts of the current second are due for [`Coalescer::flush`]: the end of that second,
+    /// or `None` while nothing is folded. A thread that would otherwise sleep without a deadline sleeps until
+    /// then at most, so the count of a flood that stopped is reported within about a second.
+    pub fn flush_due(&self) -> Option<Instant> {
+        if !self.has_folded() {
+            return None;
+        }
+        self.window_start
+            .map(|start| start + Duration::from_secs(1))
+    }
+
     /// Emits the folded counts of a finished second. Call it now and then (for example once per loop) so
     /// that a flood that stops still reports its count.
     pub fn flush<S: EventSink + ?Sized>(&mut self, sink: &S, now: Instant) {
@@ -403,7 +414,23 @@ mod tests {
             4,
             "3 refusals and the door event pass"
         );
+        assert_eq!(
+            coalescer.flush_due(),
+            Some(start + Duration::from_secs(1)),
+            "folded counts are due at the end of the second they were folded in"
+        );
+        coalescer.flush(&sink, start + Duration::from_millis(999));
+        assert_eq!(
+            log.lock().unwrap().len(),
+            4,
+            "a flush inside the second reports nothing yet"
+        );
         coalescer.flush(&sink, start + Duration::from_millis(1001));
+        assert_eq!(
+            coalescer.flush_due(),
+            None,
+            "nothing is due once the count was reported"
+        );
         let last = *log.lock().unwrap().last().unwrap();
         assert_eq!(
             last,

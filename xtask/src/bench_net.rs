@@ -34,9 +34,9 @@ use anyhow::{Context, Result, bail};
 use crate::figures::{PairedRatios, Spread, load_average, median};
 
 const USAGE: &str = "\
-usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,handler,handler-loop,sessions,sessions-loop]
-                             [--loads echo1,echo16,echo256,idle,churn,syscalls]
-                             [--duration-ms MS] [--warmup-ms MS] [--churn-ms MS] [--churn-rate N]
+usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,floor,handler,handler-loop,sessions,sessions-loop]
+                             [--loads echo1,echo16,echo256,open256,idle,churn,syscalls]
+                             [--duration-ms MS] [--warmup-ms MS] [--churn-ms MS] [--churn-rate N] [--open-rate N]
                              [--idle N]
                              [--client-threads N]
                              [--output PATH | --no-write] [--no-strace]
@@ -45,17 +45,22 @@ usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,handler,h
   --rounds N     rounds per kind, order rotated each round; medians are reported (default 3)
   --kinds LIST   server kinds to measure (default: all six)
   --loads LIST   loads to measure (default: all): echo1, echo16 and echo256 are the closed-loop echo at 1, 16
-                 and 256 connections, idle the idle memory, churn both connect-and-close churns, syscalls the
-                 strace count; e.g. `--loads echo256 --rounds 9` repeats one load to show its spread
+                 and 256 connections, open256 the open-loop echo at 256 connections, idle the idle memory,
+                 churn both connect-and-close churns, syscalls the strace count; e.g. `--loads echo256
+                 --rounds 9` repeats one load to show its spread
   --duration-ms  timed window of each echo load (default 2000)
   --warmup-ms    warm-up before each echo window (default 500)
   --churn-ms     length of each connect-and-close churn (default 3000)
   --churn-rate N connects per second offered by the paced churn (default 21000, 5% over the issue's target)
+  --open-rate N  messages per second offered by the open-loop echo (default 100000)
   --idle N       idle connections held for the memory figure (default 5000)
   --client-threads N  echo client threads at 16 and 256 connections (default 2; 1 at one connection)
   --output PATH  where to write the markdown report (default docs/performance/netbench.md)
   --no-strace    skip the system-call count with `strace -c -f` (done by default when strace is installed)
 ";
+
+/// Connections of the open-loop echo load.
+const OPEN_CONNECTIONS: u32 = 256;
 
 /// Connection counts of the closed-loop echo loads.
 const ECHO_CONNECTIONS: [u32; 3] = [1, 16, 256];
@@ -86,7 +91,7 @@ struct ServerKind {
     pooled: bool,
 }
 
-const SERVER_KINDS: [ServerKind; 6] = [
+const SERVER_KINDS: [ServerKind; 7] = [
     ServerKind {
         name: "std",
         label: "std, thread per connection",
@@ -95,6 +100,12 @@ const SERVER_KINDS: [ServerKind; 6] = [
     ServerKind {
         name: "tokio",
         label: "tokio multi-thread, 2 workers",
+        pooled: false,
+    },
+    // A yardstick, not a peer: the kernel's cost of an epoll echo with no driver around it.
+    ServerKind {
+        name: "floor",
+        label: "bare epoll echo (floor), 2 loops",
         pooled: false,
     },
     ServerKind {
@@ -127,6 +138,8 @@ const SERVER_KINDS: [ServerKind; 6] = [
 enum Workload {
     /// The closed-loop echo at this many connections.
     Echo(u32),
+    /// The open-loop echo at [`OPEN_CONNECTIONS`] connections.
+    Open,
     /// Resident memory with idle connections open.
     Idle,
     /// The paced and the saturated connect-and-close churn.
@@ -136,10 +149,11 @@ enum Workload {
 }
 
 /// Every load with its `--loads` name, in the order a run measures them.
-const WORKLOADS: [(&str, Workload); 6] = [
+const WORKLOADS: [(&str, Workload); 7] = [
     ("echo1", Workload::Echo(1)),
     ("echo16", Workload::Echo(16)),
     ("echo256", Workload::Echo(256)),
+    ("open256", Workload::Open),
     ("idle", Workload::Idle),
     ("churn", Workload::Churn),
     ("syscalls", Workload::SystemCalls),
@@ -152,6 +166,10 @@ struct Options {
     kinds: Vec<ServerKind>,
     /// Connection counts of the echo loads to measure, in the order of `ECHO_CONNECTIONS`.
     echo_connections: Vec<u32>,
+    /// Whether to measure the open-loop echo.
+    open: bool,
+    /// Messages per second the open-loop echo offers.
+    open_rate: u64,
     /// Whether to measure the idle memory.
     idle: bool,
     /// Whether to measure the two churns.
@@ -173,7 +191,7 @@ struct Options {
 impl Options {
     /// Whether any load measured round by round (echo, idle, churn) was selected.
     fn has_round_loads(&self) -> bool {
-        !self.echo_connections.is_empty() || self.idle || self.churn
+        !self.echo_connections.is_empty() || self.open || self.idle || self.churn
     }
 }
 
@@ -190,6 +208,24 @@ struct EchoResult {
     /// The client's user plus system CPU over the window, per round trip.
     client_cpu_microseconds_per_round_trip: f64,
     /// Client and server CPU time together over the window's wall time: how many cores the two kept busy.
+    cores_busy: f64,
+}
+
+/// One open-loop echo's result for one kind in one round.
+#[derive(Debug, Clone, Copy, Default)]
+struct OpenResult {
+    /// Messages per second the client sent in the window (the offered rate, unless the client fell behind).
+    sent_per_second: f64,
+    p50_microseconds: f64,
+    p99_microseconds: f64,
+    p999_microseconds: f64,
+    max_microseconds: f64,
+    /// Messages of the window whose echo never came.
+    unanswered: f64,
+    /// How far the client's writers fell behind their schedule at worst.
+    behind_max_microseconds: f64,
+    server_cpu_microseconds_per_message: f64,
+    /// Client and server CPU time together over the window's wall time.
     cores_busy: f64,
 }
 
@@ -214,6 +250,8 @@ struct KindRound {
     /// first, so two kinds' echo figures of one round were taken about this far apart.
     started: Duration,
     echo: Vec<EchoResult>,
+    /// The open-loop echo, when measured.
+    open: Option<OpenResult>,
     idle_bytes_per_connection: f64,
     idle_total_bytes_per_connection: f64,
     idle_served: f64,
@@ -328,6 +366,8 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
         rounds: 3,
         kinds: SERVER_KINDS.to_vec(),
         echo_connections: ECHO_CONNECTIONS.to_vec(),
+        open: true,
+        open_rate: 100_000,
         idle: true,
         churn: true,
         echo_duration: Duration::from_millis(2_000),
@@ -366,6 +406,7 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
             "--warmup-ms" => options.echo_warmup = Duration::from_millis(count("--warmup-ms")?),
             "--churn-ms" => options.churn_duration = Duration::from_millis(count("--churn-ms")?),
             "--churn-rate" => options.churn_rate = count("--churn-rate")?,
+            "--open-rate" => options.open_rate = count("--open-rate")?,
             "--idle" => options.idle_connections = count("--idle")? as u32,
             "--client-threads" => options.client_threads = count("--client-threads")? as u32,
             "--output" => {
@@ -380,6 +421,7 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
                     .into_iter()
                     .filter(|connections| loads.contains(&Workload::Echo(*connections)))
                     .collect();
+                options.open = loads.contains(&Workload::Open);
                 options.idle = loads.contains(&Workload::Idle);
                 options.churn = loads.contains(&Workload::Churn);
                 options.strace = loads.contains(&Workload::SystemCalls);
@@ -390,7 +432,7 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
                 for name in list.split(',') {
                     let Some(kind) = SERVER_KINDS.iter().find(|kind| kind.name == name) else {
                         bail!(
-                            "unknown server kind `{name}`; the kinds are std, tokio, handler, handler-loop, sessions, sessions-loop"
+                            "unknown server kind `{name}`; the kinds are std, tokio, floor, handler, handler-loop, sessions, sessions-loop"
                         );
                     };
                     kinds.push(*kind);
@@ -574,6 +616,12 @@ fn measure_kind(
         }
         stop(server)?;
     }
+    if options.open {
+        let server = start_server(binaries, kind)?;
+        round.open =
+            Some(measure_open(binaries, &server, options, clock_ticks).context("open-loop echo")?);
+        stop(server)?;
+    }
     if options.idle {
         measure_idle_round(binaries, kind, options, &mut round)?;
     }
@@ -643,6 +691,50 @@ fn measure_echo(
         // server keeps its threads, and their context switch counts, past the second reading.
         true,
     )?;
+    let window = timed_window(server, client, "echo ", clock_ticks)?;
+    let fields = fields(&window.result);
+    let round_trips = number(&fields, "round_trips")?.max(1.0);
+    let TimedWindow {
+        server_cpu_seconds,
+        client_cpu_seconds,
+        server_switches: switches,
+        seconds: window_seconds,
+        ..
+    } = window;
+    Ok(EchoResult {
+        connections,
+        round_trips_per_second: number(&fields, "rt_per_s")?,
+        p50_microseconds: number(&fields, "p50_us")?,
+        p99_microseconds: number(&fields, "p99_us")?,
+        server_cpu_microseconds_per_round_trip: server_cpu_seconds * 1e6 / round_trips,
+        server_context_switches_per_round_trip: switches / round_trips,
+        client_cpu_microseconds_per_round_trip: client_cpu_seconds * 1e6 / round_trips,
+        cores_busy: (server_cpu_seconds + client_cpu_seconds) / window_seconds,
+    })
+}
+
+/// What the machine did while a client's timed window was open.
+#[derive(Debug)]
+struct TimedWindow {
+    /// The client's result line.
+    result: String,
+    server_cpu_seconds: f64,
+    client_cpu_seconds: f64,
+    /// Voluntary plus involuntary context switches of every server thread.
+    server_switches: f64,
+    /// Wall time between the readings.
+    seconds: f64,
+}
+
+/// Reads the server's and the client's CPU time and the server's context switches when the client says
+/// `measuring` and again at `measured`, then takes the client's result line (starting with `prefix`) and
+/// waits for it to end.
+fn timed_window(
+    server: &Running,
+    client: Running,
+    prefix: &str,
+    clock_ticks: f64,
+) -> Result<TimedWindow> {
     let server_pid = server.child.id();
     // The client stays a child until `finish` waits for it, so its /proc entry outlives its last line.
     let client_pid = client.child.id();
@@ -655,28 +747,64 @@ fn measure_echo(
     let server_cpu_after = cpu_ticks(server_pid)?;
     let client_cpu_after = cpu_ticks(client_pid)?;
     let switches_after = context_switches(server_pid)?;
-    let window_seconds = window_opened.elapsed().as_secs_f64();
-    let result = expect_line(&client, |line| line.starts_with("echo "))?;
+    let seconds = window_opened.elapsed().as_secs_f64();
+    let result = expect_line(&client, |line| line.starts_with(prefix))?;
     finish(client)?;
-    let fields = fields(&result);
-    let round_trips = number(&fields, "round_trips")?.max(1.0);
-    let server_cpu_seconds =
-        server_cpu_after.saturating_sub(server_cpu_before) as f64 / clock_ticks;
-    let client_cpu_seconds =
-        client_cpu_after.saturating_sub(client_cpu_before) as f64 / clock_ticks;
-    // A thread that exits before the second reading takes its switches out of the sum (the kernel keeps an
-    // exited thread's CPU time in /proc/PID/stat, but not its switches); the client holds every connection
-    // open until `finish`, so no server ends a connection's thread before then, and the sum is kept from
-    // going below zero if one did.
-    let switches = switches_after.saturating_sub(switches_before) as f64;
-    Ok(EchoResult {
-        connections,
-        round_trips_per_second: number(&fields, "rt_per_s")?,
+    Ok(TimedWindow {
+        result,
+        server_cpu_seconds: server_cpu_after.saturating_sub(server_cpu_before) as f64 / clock_ticks,
+        client_cpu_seconds: client_cpu_after.saturating_sub(client_cpu_before) as f64 / clock_ticks,
+        // A thread that exits before the second reading takes its switches out of the sum (the kernel keeps
+        // an exited thread's CPU time in /proc/PID/stat, but not its switches); the echo client holds every
+        // connection open until `finish`, so no server ends a connection's thread before then, and the sum
+        // is kept from going below zero if one did.
+        server_switches: switches_after.saturating_sub(switches_before) as f64,
+        seconds,
+    })
+}
+
+/// Runs the open-loop echo at [`OPEN_CONNECTIONS`] connections and `--open-rate` against `server`.
+fn measure_open(
+    binaries: &Binaries,
+    server: &Running,
+    options: &Options,
+    clock_ticks: f64,
+) -> Result<OpenResult> {
+    let client = spawn(
+        Command::new(&binaries.client).args([
+            "open",
+            "--addr",
+            &server.address,
+            "--connections",
+            &OPEN_CONNECTIONS.to_string(),
+            "--rate",
+            &options.open_rate.to_string(),
+            "--warmup-ms",
+            &options.echo_warmup.as_millis().to_string(),
+            "--duration-ms",
+            &options.echo_duration.as_millis().to_string(),
+        ]),
+        "bench_client open",
+        false,
+    )?;
+    let window = timed_window(server, client, "open ", clock_ticks)?;
+    let fields = fields(&window.result);
+    let sent = number(&fields, "sent")?.max(1.0);
+    let TimedWindow {
+        server_cpu_seconds,
+        client_cpu_seconds,
+        seconds: window_seconds,
+        ..
+    } = window;
+    Ok(OpenResult {
+        sent_per_second: number(&fields, "sent_per_s")?,
         p50_microseconds: number(&fields, "p50_us")?,
         p99_microseconds: number(&fields, "p99_us")?,
-        server_cpu_microseconds_per_round_trip: server_cpu_seconds * 1e6 / round_trips,
-        server_context_switches_per_round_trip: switches / round_trips,
-        client_cpu_microseconds_per_round_trip: client_cpu_seconds * 1e6 / round_trips,
+        p999_microseconds: number(&fields, "p999_us")?,
+        max_microseconds: number(&fields, "max_us")?,
+        unanswered: number(&fields, "unanswered")?,
+        behind_max_microseconds: number(&fields, "behind_max_us")?,
+        server_cpu_microseconds_per_message: server_cpu_seconds * 1e6 / sent,
         cores_busy: (server_cpu_seconds + client_cpu_seconds) / window_seconds,
     })
 }
@@ -1194,6 +1322,18 @@ fn summarise(round: &KindRound, options: &Options) -> String {
             echo.cores_busy,
         ));
     }
+    if let Some(open) = &round.open {
+        parts.push(format!(
+            "open {:.0}/s p50 {:.1} p99 {:.1} p99.9 {:.1} us, unanswered {}, behind {:.0} us, server {:.1} us/msg",
+            open.sent_per_second,
+            open.p50_microseconds,
+            open.p99_microseconds,
+            open.p999_microseconds,
+            open.unanswered,
+            open.behind_max_microseconds,
+            open.server_cpu_microseconds_per_message,
+        ));
+    }
     if options.idle {
         parts.push(format!(
             "idle {:.1} KiB/conn ({:.1} whole)",
@@ -1223,6 +1363,7 @@ fn summarise(round: &KindRound, options: &Options) -> String {
 #[derive(Debug, Clone, Default)]
 struct KindMedians {
     echo: Vec<EchoResult>,
+    open: Option<OpenResult>,
     idle_kib_per_connection: f64,
     idle_total_kib_per_connection: f64,
     idle_served: f64,
@@ -1262,8 +1403,31 @@ fn medians(rounds: &[KindRound]) -> KindMedians {
             cores_busy: of(&|round| round.echo[load].cores_busy),
         })
         .collect();
+    let open = rounds
+        .iter()
+        .all(|round| round.open.is_some())
+        .then(|| {
+            let of_open = |pick: fn(&OpenResult) -> f64| {
+                of(&|round| round.open.as_ref().map_or(f64::NAN, pick))
+            };
+            OpenResult {
+                sent_per_second: of_open(|open| open.sent_per_second),
+                p50_microseconds: of_open(|open| open.p50_microseconds),
+                p99_microseconds: of_open(|open| open.p99_microseconds),
+                p999_microseconds: of_open(|open| open.p999_microseconds),
+                max_microseconds: of_open(|open| open.max_microseconds),
+                unanswered: of_open(|open| open.unanswered),
+                behind_max_microseconds: of_open(|open| open.behind_max_microseconds),
+                server_cpu_microseconds_per_message: of_open(|open| {
+                    open.server_cpu_microseconds_per_message
+                }),
+                cores_busy: of_open(|open| open.cores_busy),
+            }
+        })
+        .filter(|_| !rounds.is_empty());
     KindMedians {
         echo,
+        open,
         idle_kib_per_connection: of(&|round| round.idle_bytes_per_connection) / 1024.0,
         idle_total_kib_per_connection: of(&|round| round.idle_total_bytes_per_connection) / 1024.0,
         idle_served: of(&|round| round.idle_served),
@@ -1325,6 +1489,58 @@ fn ratio(value: f64, base: Option<f64>) -> String {
         Some(base) if base > 0.0 && value.is_finite() => format!("{:.2}x", value / base),
         _ => "-".to_owned(),
     }
+}
+
+/// The open-loop echo table: latency at a fixed offered rate, medians over the rounds, with p99 against tokio's.
+fn render_open(out: &mut String, options: &Options, summary: &[(ServerKind, KindMedians)]) {
+    let tokio_p99 = summary
+        .iter()
+        .find(|(kind, _)| kind.name == "tokio")
+        .and_then(|(_, medians)| medians.open.as_ref())
+        .map(|open| open.p99_microseconds);
+    let _ = writeln!(
+        out,
+        "\n## Echo, 64 B, open loop: {} messages/s over {OPEN_CONNECTIONS} connections\n",
+        options.open_rate
+    );
+    let _ = writeln!(
+        out,
+        "| Server | Sent/s | p50 (us) | p99 (us) | p99.9 (us) | Max (us) | Unanswered | Client behind schedule, max (us) | \
+         Server CPU per message (us) | Cores busy, client + server | p99 vs tokio |"
+    );
+    let _ = writeln!(
+        out,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for (kind, medians) in summary {
+        let Some(open) = &medians.open else {
+            continue;
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.2} | {:.2} | {} |",
+            kind.label,
+            open.sent_per_second,
+            open.p50_microseconds,
+            open.p99_microseconds,
+            open.p999_microseconds,
+            open.max_microseconds,
+            open.unanswered,
+            open.behind_max_microseconds,
+            open.server_cpu_microseconds_per_message,
+            open.cores_busy,
+            ratio(open.p99_microseconds, tokio_p99),
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nThe closed-loop latency above is what a client that waits for each echo sees; it hides how long a \
+         message would have waited had it been sent on time (coordinated omission). Here messages leave on a \
+         fixed schedule whatever the replies do, and each latency runs from the message's scheduled time, so a \
+         stall shows in every message scheduled during it. Lower is better; a p99 ratio under 1.00x beats \
+         tokio. The client's own lateness (column \"behind\") is part of the figure: on two shared cores a \
+         server that keeps the CPU longer delays the client's writer too."
+    );
 }
 
 /// The echo table: medians of every kind at every measured connection count, with the ratios of medians.
@@ -1575,6 +1791,9 @@ fn render_report(
         render_echo(&mut out, options, &summary);
         render_ratios_against_tokio(&mut out, options, results);
     }
+    if options.open {
+        render_open(&mut out, options, &summary);
+    }
 
     if options.idle {
         let _ = writeln!(out, "\n## Idle memory\n");
@@ -1701,6 +1920,9 @@ fn render_report(
         if !any_target {
             let _ = writeln!(out, "No net-io-blocking kind was measured in this run.\n");
         }
+        for line in floor_lines(&find, tokio_medians) {
+            let _ = writeln!(out, "{line}");
+        }
     } else {
         let _ = writeln!(out);
     }
@@ -1711,7 +1933,10 @@ fn render_report(
         out,
         "- Servers (`net-io-blocking/examples/bench_server.rs`), each its own process bound to 127.0.0.1 port 0: \
          **std**, a thread per connection (default stack) with `TCP_NODELAY` and a 4 KiB buffer; **tokio**, a \
-         multi-thread runtime with 2 workers and a task per connection with a 4 KiB buffer; **handler** and \
+         multi-thread runtime with 2 workers and a task per connection with a 4 KiB buffer; **floor**, a yardstick \
+         rather than a peer: one loop thread per core with its own level-triggered epoll, one `read` and one \
+         `write` per round trip and nothing else (no deadlines, limits, kills, gate, events or statistics), so \
+         it shows what the kernel's path alone allows here; **handler** and \
          **sessions**, net-io-blocking with a blocking handler (4 KiB buffer on the worker stack) and with a \
          sans-IO session echoing what they read, 320 workers (so 256 connections fit beside those still closing), \
          a 4 KiB read buffer, the per-source cap raised to the global cap (every client is 127.0.0.1) and a \
@@ -1732,6 +1957,12 @@ fn render_report(
          connections a p99 under 2 ms needs well over 128,000 round trips/s, which client and server sharing \
          two cores cannot reach here. `--client-threads` changes the split (256 gives one thread per \
          connection).\n\
+         - Open-loop echo (`bench_client open`, load `open256`, a fresh server): 256 connections, one writer \
+         thread sending 64 B messages round robin on a fixed schedule of `--open-rate` per second (several may be \
+         in flight on one connection) and one reader thread taking the echoes through epoll; a latency runs from \
+         the message's scheduled time to the end of its echo, for every message scheduled in the timed window \
+         (same warm-up and window as the closed loop); echoes missing 1 s after the writer's last message are \
+         unanswered. Server CPU per message is read as for the closed loop.\n\
          - Server CPU per round trip: utime + stime of the server from `/proc/PID/stat` at the start and end of \
          the timed window (10 ms ticks, so at low rates it is coarse), divided by the round trips in the window. \
          Client CPU per round trip is read the same way from the client's `/proc/PID/stat`, and server context \
@@ -1800,6 +2031,48 @@ struct Peers<'a> {
     tokio: Option<&'a KindMedians>,
     /// Tokio's rounds, to pair with ours round by round.
     tokio_rounds: Option<&'a [KindRound]>,
+}
+
+/// What the bare epoll echo (`floor`) reached, if this run measured it: its throughput against tokio's is
+/// the most any epoll server with one `recv` and one `send` per round trip could show here, and each
+/// net-io-blocking kind's share of it is what its driver costs.
+fn floor_lines<'a>(
+    find: &dyn Fn(&str) -> Option<&'a KindMedians>,
+    tokio: Option<&KindMedians>,
+) -> Vec<String> {
+    let Some(floor) = find("floor") else {
+        return Vec::new();
+    };
+    let mut lines = vec!["## Against the floor\n".to_owned()];
+    for connections in [1, 16, 256] {
+        let Some(floor_echo) = floor.echo_at(connections) else {
+            continue;
+        };
+        let floor_rate = floor_echo.round_trips_per_second;
+        let mut parts = vec![format!("{floor_rate:.0} rt/s for the floor")];
+        if let Some(tokio_echo) = tokio.and_then(|tokio| tokio.echo_at(connections)) {
+            parts.push(format!(
+                "{:.2}x tokio's",
+                floor_rate / tokio_echo.round_trips_per_second
+            ));
+        }
+        for name in ["handler", "handler-loop", "sessions", "sessions-loop"] {
+            if let Some(echo) = find(name).and_then(|ours| ours.echo_at(connections)) {
+                parts.push(format!(
+                    "{name} {:.0}% of it",
+                    echo.round_trips_per_second / floor_rate * 100.0
+                ));
+            }
+        }
+        let noun = if connections == 1 {
+            "connection"
+        } else {
+            "connections"
+        };
+        lines.push(format!("- {connections} {noun}: {}", parts.join(", ")));
+    }
+    lines.push(String::new());
+    lines
 }
 
 /// The issue's targets that this run measured, each with the measured figure and whether this run met it.
@@ -2022,7 +2295,7 @@ mod tests {
         let error = parse_loads("echo256,echo64").unwrap_err().to_string();
         assert_eq!(
             error,
-            "unknown load `echo64` in --loads; the loads are echo1, echo16, echo256, idle, churn, syscalls",
+            "unknown load `echo64` in --loads; the loads are echo1, echo16, echo256, open256, idle, churn, syscalls",
             "the error should name the bad load and list the good ones"
         );
         assert_eq!(
