@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, faults};
 
-use common::{finishes_within, init, wait_until};
+use common::{finishes_within, init};
 
 /// Held by each test: a stall delays every timer of the process, so the tests take turns.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -46,13 +46,9 @@ fn a_run_due_inside_the_window_runs_even_when_its_timer_fires_after_the_window()
         .every(Duration::from_millis(750))
         .for_duration(Duration::from_secs(1))
         .spawn();
-    wait_until(
-        Duration::from_secs(10),
-        "the first run should start",
-        || !runs(&starts).is_empty(),
-    );
-    // The second run falls due at about 750 ms; the manager sleeps through it and past the window.
-    faults::stall_manager(Duration::from_millis(1200));
+    // The first run needs no timer; the second falls due at about 750 ms, and the manager sleeps through
+    // it and past the window.
+    faults::stall_manager(Duration::from_millis(1300));
     assert!(
         finishes_within(&handle, FINISH_LIMIT),
         "the repeat should end after its second run, but it still runs after {FINISH_LIMIT:?}"
@@ -119,14 +115,9 @@ fn a_series_runs_every_period_that_falls_due_inside_the_window_even_when_started
         .at_rate(Duration::from_millis(300))
         .for_duration(Duration::from_secs(1))
         .spawn();
-    wait_until(
-        Duration::from_secs(10),
-        "the first run of the series should start",
-        || !runs(&starts).is_empty(),
-    );
-    std::thread::sleep(Duration::from_millis(650).saturating_sub(spawned.elapsed()));
-    // The run due at 900 ms waits for the manager until 1,250 ms or later.
-    faults::stall_manager(Duration::from_millis(600));
+    // The first run needs no timer; those due at 300, 600 and 900 ms wait for the manager until 1.2 s or
+    // later, and then start one after the other.
+    faults::stall_manager(Duration::from_millis(1200));
     assert!(
         finishes_within(&handle, FINISH_LIMIT),
         "the series should end after its fourth run, but it still runs after {FINISH_LIMIT:?}"
