@@ -261,13 +261,24 @@ impl<K: Task, W, S: Bounded> TaskBuilder<K, W, S, Undelayed> {
         self
     }
 
-    /// No run starts once `duration` has passed since the spawn.
+    /// Runs only those runs that fall due within `duration` of the spawn (the first run always runs).
+    ///
+    /// A run falls due on the schedule, not when a worker gets to it: the first at the spawn (plus the
+    /// [`after`](TaskBuilder::after) delay), each later one after the one before fell due by that run's
+    /// length plus the gap of [`every`](TaskBuilder::every) (on a series, one period after the one
+    /// before). So how many runs there are depends only on the schedule and how long the runs take,
+    /// never on how late a loaded machine starts them: `every(750 ms).for_duration(1 s)` of short runs
+    /// runs twice, even when the second run starts after the whole second has passed. The price is that
+    /// such a late run does start after the window has closed on the clock; the gap before it is
+    /// always kept in full.
     pub fn for_duration(mut self, duration: Duration) -> Self {
         self.options.for_duration = Some(duration);
         self
     }
 
-    /// No run starts at or after `deadline` (the first run always starts).
+    /// Runs only those runs that fall due before `deadline` (the first run always runs); runs fall due
+    /// on the schedule, as [`for_duration`](TaskBuilder::for_duration) explains, so a run due before
+    /// `deadline` that a loaded machine starts after it still runs.
     pub fn until(mut self, deadline: Instant) -> Self {
         self.options.until = Some(deadline);
         self

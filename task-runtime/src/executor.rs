@@ -304,7 +304,14 @@ fn start_run(
             (Shape::Repeat, Some(count)) => counted >= count.max(1),
             (_, Some(count)) => counted >= count,
         };
-        let past_deadline = runs > 0 && plan.deadline.is_some_and(|deadline| now >= deadline);
+        // Judged on when the run fell due, not on when a worker got to it: a loaded machine that starts a
+        // run late must not change how many runs there are (a 750 ms gap in a 1 s window runs twice).
+        // Wired runs fall due when their value arrives, so they are judged on the clock.
+        let due = match plan.due {
+            Some(due) if !plan.wired => due,
+            _ => now,
+        };
+        let past_deadline = runs > 0 && plan.deadline.is_some_and(|deadline| due >= deadline);
         if count_reached || past_deadline {
             if plan.outstanding > 0 {
                 return Started::Wait;
@@ -324,6 +331,7 @@ fn start_run(
             plan.outstanding += 1;
             let timeout = plan.timeout;
             let next = started + period * (runs as u32 + 1);
+            plan.due = Some(due + period);
             body.runs += 1;
             if body.runs == 1 {
                 slot.set_state(TaskState::Running);
@@ -352,6 +360,7 @@ fn start_run(
             }
         }
         timeout = plan.timeout;
+        plan.run_started = Some(now);
     }
     body.runs += 1;
     body.in_run = true;
@@ -463,7 +472,16 @@ fn publish(
             None => true,
             Some(count) => counted < count,
         };
-        let deadline_left = plan.deadline.is_none_or(|deadline| now < deadline);
+        // The next run falls due this run's length and the gap after this run fell due (see
+        // `start_run`); the timer itself is set from now, so the gap between runs is kept in full.
+        let next_due = match (plan.due, plan.run_started) {
+            (Some(due), Some(started)) if !plan.wired => {
+                due + now.saturating_duration_since(started) + plan.gap.unwrap_or_default()
+            }
+            _ => now + plan.gap.unwrap_or_default(),
+        };
+        plan.due = Some(next_due);
+        let deadline_left = plan.deadline.is_none_or(|deadline| next_due < deadline);
         next = match plan.shape {
             _ if plan.wired => {
                 if count_left {
@@ -482,11 +500,6 @@ fn publish(
             },
             _ => Next::Settle,
         };
-        if let (Next::After(at), Some(deadline)) = (&next, plan.deadline)
-            && *at >= deadline
-        {
-            next = Next::Settle;
-        }
     }
     let dependants = dependants_of(&body);
     let mut release = false;
@@ -706,7 +719,8 @@ fn publish_to_series(parent: TaskRef, result: Result<Box<dyn Any + Send>, Runtim
                     && (plan.count.is_some_and(|count| body.runs >= count)
                         || plan
                             .deadline
-                            .is_some_and(|deadline| Instant::now() >= deadline))
+                            .zip(plan.due)
+                            .is_some_and(|(deadline, due)| due >= deadline))
             });
             drop(body);
             if done {

@@ -94,6 +94,8 @@ pub(crate) struct Reactor {
     idle: AtomicBool,
     pub(crate) restarts: AtomicU32,
     pub(crate) faults_pending: AtomicU32,
+    /// Fault hook: nanoseconds the manager loop sleeps on its next iteration.
+    pub(crate) stall_nanos: AtomicU64,
     pub(crate) watches: crate::kinds::watch::WatchRegistry,
     pub(crate) signals: crate::kinds::signal::SignalRegistry,
 }
@@ -125,6 +127,7 @@ impl Reactor {
             idle: AtomicBool::new(false),
             restarts: AtomicU32::new(0),
             faults_pending: AtomicU32::new(0),
+            stall_nanos: AtomicU64::new(0),
             watches,
             signals: crate::kinds::signal::SignalRegistry::default(),
         }))
@@ -347,6 +350,10 @@ fn manager_loop(weak_pool: &Weak<Pool>, reactor: &Arc<Reactor>) {
     loop {
         if reactor.stopping.load(Ordering::Acquire) {
             return;
+        }
+        if reactor.stall_nanos.load(Ordering::Acquire) > 0 {
+            let stall = reactor.stall_nanos.swap(0, Ordering::AcqRel);
+            std::thread::sleep(Duration::from_nanos(stall));
         }
         if reactor.faults_pending.load(Ordering::Acquire) > 0 {
             reactor.faults_pending.fetch_sub(1, Ordering::AcqRel);

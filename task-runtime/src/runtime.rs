@@ -508,6 +508,7 @@ pub(crate) fn spawn_built<K: Task, G>(
                 (None, until) => until,
             };
             plan.after = options.after;
+            plan.due = Some(now + options.after.unwrap_or_default());
             plan.timeout = options.timeout;
             plan.wired = wired;
             if let Some(set) = options.gather {
@@ -596,7 +597,8 @@ pub(crate) fn spawn_child(
 #[cfg(feature = "fault-injection")]
 #[doc(hidden)]
 pub mod faults {
-    use std::sync::atomic::Ordering;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::Duration;
 
     use crate::pool::global_pool;
 
@@ -632,6 +634,34 @@ pub mod faults {
     /// How many pool thread starts were tried so far in this process, refused or not.
     pub fn thread_start_attempts() -> u64 {
         crate::pool::THREAD_START_ATTEMPTS.load(Ordering::Acquire)
+    }
+
+    /// Makes the next pairing of the two clock readings behind every timer (done once per process, at
+    /// its first timer) pause `pause` between the readings, as a preemption there would.
+    pub fn pause_clock_calibration(pause: Duration) {
+        CALIBRATION_PAUSE.store(pause.as_nanos() as u64, Ordering::Release);
+    }
+
+    /// Makes the manager loop sleep `stall` on its next iteration (and wakes it so it notices), as a
+    /// manager thread kept off the CPU would: every timer due meanwhile fires late.
+    pub fn stall_manager(stall: Duration) {
+        if let Some(pool) = global_pool() {
+            pool.reactor
+                .stall_nanos
+                .store(stall.as_nanos() as u64, Ordering::Release);
+            pool.reactor.wake_manager();
+        }
+    }
+
+    static CALIBRATION_PAUSE: AtomicU64 = AtomicU64::new(0);
+
+    /// Called between the clock readings of a calibration: sleeps a pause set by
+    /// [`pause_clock_calibration`], once.
+    pub(crate) fn pause_in_calibration() {
+        let pause = CALIBRATION_PAUSE.swap(0, Ordering::AcqRel);
+        if pause > 0 {
+            std::thread::sleep(Duration::from_nanos(pause));
+        }
     }
 
     /// Lowers the help depth (the nesting limit for helping waits).

@@ -283,18 +283,57 @@ impl Table {
     }
 }
 
+/// Most readings [`calibrate`] takes while looking for a tight pair.
+const CALIBRATION_TRIES: u32 = 16;
+/// A pair of readings whose bracketing `Instant`s lie at most this far apart is taken at once.
+const CALIBRATION_SPREAD: std::time::Duration = std::time::Duration::from_micros(20);
+
 /// A moment as nanoseconds of `CLOCK_MONOTONIC`, the clock of the manager's timerfd.
+///
+/// `Instant` reads the same clock but does not expose its value, so the offset between the two is
+/// measured once per process (see [`calibrate`]); every timer of the process inherits its error.
 pub(crate) fn monotonic_nanos(at: Instant) -> u64 {
     static BASE: OnceLock<(Instant, u64)> = OnceLock::new();
-    let (base_instant, base_nanos) = *BASE.get_or_init(|| {
-        (
-            Instant::now(),
-            net_io_sys::timerfd::monotonic_now().as_nanos() as u64,
-        )
-    });
+    let (base_instant, base_nanos) = *BASE.get_or_init(calibrate);
     if at >= base_instant {
         base_nanos + (at - base_instant).as_nanos() as u64
     } else {
         base_nanos.saturating_sub((base_instant - at).as_nanos() as u64)
     }
+}
+
+/// Pairs an `Instant` with a `CLOCK_MONOTONIC` reading of the same moment.
+///
+/// Why bracketed: a thread preempted between the two readings would pair an `Instant` with a clock value
+/// taken later, and every timer of the process would then fire that much late, for the life of the
+/// process (a 300 ms preemption here made every repeat gap 300 ms longer). So the clock is read between
+/// two `Instant`s and paired with their midpoint, which bounds the error by half their spread; a pair
+/// spread wider than [`CALIBRATION_SPREAD`] is read again, and the tightest of [`CALIBRATION_TRIES`]
+/// is kept. It costs a few microseconds once per process.
+fn calibrate() -> (Instant, u64) {
+    let mut best: Option<(std::time::Duration, Instant, u64)> = None;
+    for _ in 0..CALIBRATION_TRIES {
+        let before = Instant::now();
+        #[cfg(feature = "fault-injection")]
+        crate::runtime::faults::pause_in_calibration();
+        let nanos = net_io_sys::timerfd::monotonic_now().as_nanos() as u64;
+        let after = Instant::now();
+        let spread = after - before;
+        let pair = (spread, before + spread / 2, nanos);
+        if best.is_none_or(|(tightest, _, _)| spread < tightest) {
+            best = Some(pair);
+        }
+        if spread <= CALIBRATION_SPREAD {
+            break;
+        }
+    }
+    best.map_or_else(
+        || {
+            (
+                Instant::now(),
+                net_io_sys::timerfd::monotonic_now().as_nanos() as u64,
+            )
+        },
+        |(_, instant, nanos)| (instant, nanos),
+    )
 }

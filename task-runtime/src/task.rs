@@ -203,6 +203,12 @@ pub(crate) struct Plan {
     pub(crate) parent: Option<TaskRef>,
     pub(crate) outstanding: u64,
     pub(crate) series_start: Option<Instant>,
+    /// When the next run falls due on the schedule: the spawn (plus the start delay), then for a repeat
+    /// each run's due time plus its length and the gap, for a series one period after the last. The
+    /// count of runs inside `deadline` is judged on these, not on when a worker gets to a run.
+    pub(crate) due: Option<Instant>,
+    /// When the current run of a repeat started, so that its length moves `due` on.
+    pub(crate) run_started: Option<Instant>,
 }
 
 impl Plan {
@@ -223,6 +229,8 @@ impl Plan {
             parent: None,
             outstanding: 0,
             series_start: None,
+            due: None,
+            run_started: None,
         }
     }
 }
