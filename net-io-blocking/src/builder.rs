@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use net_io_core::proxy::ProxyMode;
 use net_io_core::{
-    AllowAll, BufferPool, Clock, Coalescer, ConfigError, ControlLine, ControlWatch, Counters,
-    EventSink, Gate, IdAllocator, Limits, ListenerId, NetError, NoopSink, ResolvedLimits,
+    AllowAll, BufferPool, Clock, Coalescer, ConfigError, ControlLine, ControlWaker, ControlWatch,
+    Counters, EventSink, Gate, IdAllocator, Limits, ListenerId, NetError, NoopSink, ResolvedLimits,
     SessionFactory, TrustedProxies,
 };
 use net_io_sys::eventfd::EventFd;
@@ -274,7 +274,8 @@ impl<W, G> ServerBuilder<W, G> {
         self
     }
 
-    /// Watches `control` for drain, stop, shed and lockdown (accept threads poll it every 100 ms at most).
+    /// Watches `control` for drain, stop, shed and lockdown: each [`ControlLine::set`] wakes the accept
+    /// thread that watches it (no periodic poll).
     pub fn control(mut self, control: Arc<ControlLine>) -> Self {
         self.settings.control = Some(control);
         self
@@ -598,6 +599,16 @@ fn start<G: Gate, W: Workload>(
         listener_defaults: defaults,
         pool: BufferPool::new(limits.buffer_budget, limits.wipe_buffers),
         ids: IdAllocator::new(),
+        _control_waker: settings.control.as_ref().map(|line| {
+            let core = Arc::downgrade(&core);
+            let waker: Arc<ControlWaker> = Arc::new(move || {
+                if let Some(core) = core.upgrade() {
+                    core.wake_acceptors();
+                }
+            });
+            line.subscribe(&waker);
+            waker
+        }),
         control: settings.control,
         control_watch: Mutex::new(ControlWatch::new()),
         lockdown: AtomicBool::new(false),

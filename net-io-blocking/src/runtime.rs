@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 use net_io_core::proxy::ProxyMode;
 use net_io_core::{
     AllowAll, BufferPool, CloseReason, Coalescer, Completer, CompletionReceiver, CompletionRing,
-    ConnectionInfo, ControlLine, ControlState, ControlWatch, Event, Gate, IdAllocator, LimitKind,
-    ListenerId, OsErrorClass, Refusal, RefusalCause, ResolvedLimits, TrustedProxies, Verdict,
-    WorkerId, WriteFacts, admit_or_refuse, check_or_deny, close_ticket, normalize,
+    ConnectionInfo, ControlLine, ControlState, ControlWaker, ControlWatch, Event, Gate,
+    IdAllocator, LimitKind, ListenerId, OsErrorClass, Refusal, RefusalCause, ResolvedLimits,
+    TrustedProxies, Verdict, WorkerId, WriteFacts, admit_or_refuse, check_or_deny, close_ticket,
+    normalize,
 };
 use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::SlotOwner;
@@ -91,6 +92,9 @@ pub(crate) struct Runtime<G: Gate, W: Workload> {
     /// The control line's last seen epoch, kept here (not on an accept thread) so that when the watching
     /// listener is removed, the next one carries on without applying the current state a second time.
     pub(crate) control_watch: std::sync::Mutex<ControlWatch>,
+    /// Subscribed to `control` (which holds it weakly): wakes the accept threads on each change, so the one
+    /// watching needs no periodic poll and an idle server costs no CPU.
+    pub(crate) _control_waker: Option<Arc<ControlWaker>>,
     pub(crate) lockdown: std::sync::atomic::AtomicBool,
     /// One inbox per event loop; empty when sessions run on worker threads.
     pub(crate) inboxes: Vec<Inbox<Job<G::Ticket>>>,
@@ -169,36 +173,15 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 }));
                 core.flush_coalesced();
             }
-            // One accept thread at a time watches the control line, so each change is applied once; the
-            // owner changes only when its listener is removed.
-            let control = self
-                .control
-                .as_ref()
-                .filter(|_| core.control_owner.load(Ordering::Acquire) == listener_id.0);
-            let control_poll = control.map(|_| Duration::from_millis(100));
+            self.watch_control(listener_id);
             // Folded event counts are reported once their second is over even if nothing else happens: the
-            // wait ends then at the latest (no deadline at all otherwise, so an idle server costs no CPU).
-            let flush_due = [coalescer.flush_due(), core.serving_flush_due()]
+            // wait ends then at the latest. Otherwise it has no deadline (a control-line change wakes it), so
+            // an idle server costs no CPU.
+            let wait_limit = [coalescer.flush_due(), core.serving_flush_due()]
                 .into_iter()
                 .flatten()
-                .min();
-            let wait_limit = match flush_due {
-                Some(due) => {
-                    let until_due = due.saturating_duration_since(core.now());
-                    Some(control_poll.map_or(until_due, |poll| poll.min(until_due)))
-                }
-                None => control_poll,
-            };
-            if let Some(control) = control {
-                let state = self
-                    .control_watch
-                    .lock()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner())
-                    .poll(control);
-                if let Some(state) = state {
-                    self.react(state);
-                }
-            }
+                .min()
+                .map(|due| due.saturating_duration_since(core.now()));
             let door_open = core.door_open.load(Ordering::Acquire)
                 && acceptor.door_open.load(Ordering::Acquire);
             let waited = if door_open {
@@ -219,9 +202,13 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             if ends(&acceptor) {
                 return;
             }
-            if !core.door_open.load(Ordering::Acquire)
-                || !acceptor.door_open.load(Ordering::Acquire)
-            {
+            // The wake may be a control-line change: applied before anything that arrived meanwhile is
+            // accepted, so a lockdown or a drain refuses the connection that raced it.
+            self.watch_control(listener_id);
+            let door_is_open = || {
+                core.door_open.load(Ordering::Acquire) && acceptor.door_open.load(Ordering::Acquire)
+            };
+            if !door_is_open() {
                 continue;
             }
             if reserve.is_none() {
@@ -229,6 +216,10 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                 reserve = socket_reserve();
             }
             for _ in 0..listener.settings.limits.accept_batch {
+                // Checked before each accept, so a door closed mid-batch leaves the rest in the backlog.
+                if !door_is_open() {
+                    break;
+                }
                 match listener.socket.accept() {
                     Ok(accepted) => {
                         backoff.reset();
@@ -446,6 +437,26 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         self.core.emit_closed(&info, reason, 0, 0);
         drop(reservation);
         reset(socket);
+    }
+
+    /// Applies a control-line change, if the line moved and this accept thread is the one watching it (one
+    /// at a time does, so each change is applied once; the watcher changes only when its listener is removed).
+    fn watch_control(self: &Arc<Self>, listener_id: ListenerId) {
+        let Some(control) = self
+            .control
+            .as_ref()
+            .filter(|_| self.core.control_owner.load(Ordering::Acquire) == listener_id.0)
+        else {
+            return;
+        };
+        let state = self
+            .control_watch
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .poll(control);
+        if let Some(state) = state {
+            self.react(state);
+        }
     }
 
     /// Applies a control-line state on the accept thread.

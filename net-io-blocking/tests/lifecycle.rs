@@ -378,3 +378,97 @@ fn a_kill_reaches_the_peer_as_a_reset_promptly_and_a_closed_door_stops_accepting
         "a connection was accepted after close_door returned"
     );
 }
+
+/// Set in the child process of the idle control-line test.
+const IDLE_CONTROL_CHILD: &str = "NET_IO_TEST_IDLE_CONTROL_CHILD";
+
+/// Voluntary plus involuntary context switches of this process's server threads (named `net-io-…`): each
+/// time one of them woke up.
+fn server_thread_wake_ups() -> u64 {
+    let mut total = 0;
+    for task in std::fs::read_dir("/proc/self/task").expect("could not list /proc/self/task") {
+        let path = task.expect("could not read a task entry").path();
+        let name = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+        if !name.starts_with("net-io-") {
+            continue;
+        }
+        let status = std::fs::read_to_string(path.join("status")).unwrap_or_default();
+        total += status
+            .lines()
+            .filter(|line| line.contains("ctxt_switches:"))
+            .filter_map(|line| line.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .sum::<u64>();
+    }
+    total
+}
+
+#[test]
+fn a_server_watching_a_control_line_sleeps_while_idle_and_applies_a_change_at_once() {
+    if common::child::is_child(IDLE_CONTROL_CHILD) {
+        // A process of its own, so that only this server's threads are counted.
+        let recorder = Recorder::default();
+        let control = Arc::new(net_io_blocking::ControlLine::new());
+        let server = ServerBuilder::new()
+            .session_driver(common::session_driver())
+            .listen("127.0.0.1:0")
+            .workers(2)
+            .events(recorder.clone())
+            .control(Arc::clone(&control))
+            .handler_driver(common::handler_driver())
+            .handler(echo)
+            .allow_all()
+            .build()
+            .unwrap();
+        let mut stream = client(server.local_addr());
+        assert_eq!(round_trip(&mut stream, b"hi"), b"hi");
+        drop(stream);
+        assert_eq!(recorder.single_close(SOON), CloseReason::PeerClosed);
+        // Let every thread reach its idle wait before counting.
+        std::thread::sleep(Duration::from_millis(200));
+        let before = server_thread_wake_ups();
+        std::thread::sleep(Duration::from_secs(1));
+        let woken = server_thread_wake_ups() - before;
+        println!("RESULT wake_ups={woken}");
+        let changed = Instant::now();
+        control.set(net_io_blocking::ControlState::Lockdown);
+        let mut refused = client(server.local_addr());
+        assert!(
+            common::is_closed_by_server(&mut refused),
+            "a connection after the lockdown should be refused"
+        );
+        println!("RESULT applied_ms={}", changed.elapsed().as_millis());
+        return;
+    }
+    // This file is also a module of the suites that rerun it on other drivers: the child must be asked
+    // for the test by its path in this binary.
+    let test = "a_server_watching_a_control_line_sleeps_while_idle_and_applies_a_change_at_once";
+    let test = match module_path!().split_once("::") {
+        Some((_, module)) => format!("{module}::{test}"),
+        None => test.to_owned(),
+    };
+    let child = common::child::rerun(&test, IDLE_CONTROL_CHILD)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("could not start the child test process");
+    let results = common::child::result_lines(child, Duration::from_secs(30));
+    let value = |key: &str| -> u64 {
+        results
+            .iter()
+            .find_map(|line| line.strip_prefix(&format!("{key}=")))
+            .and_then(|value| value.parse().ok())
+            .unwrap_or_else(|| panic!("the child printed no {key}: {results:?}"))
+    };
+    // A 100 ms poll of the control line would wake the accept thread ten times a second.
+    assert!(
+        value("wake_ups") <= 2,
+        "an idle server watching a control line should not wake up, but its threads woke {} times in 1 s",
+        value("wake_ups")
+    );
+    // Generous for a loaded machine; without a wake the change would wait for the next connection.
+    assert!(
+        value("applied_ms") < 2_000,
+        "the lockdown should apply at once, but took {} ms",
+        value("applied_ms")
+    );
+}

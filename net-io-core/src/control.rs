@@ -1,14 +1,16 @@
 //! The [`ControlLine`]: how an operator tells a running server to drain, stop, shed or lock down.
 //!
 //! ```text
-//!   operator ──set(state)──▶ ControlLine { state (mutex), epoch (atomic) }
+//!   operator ──set(state)──▶ ControlLine { state (mutex), epoch (atomic) } ──▶ each subscribed waker
 //!   accept loop ──ControlWatch::poll──▶ one Acquire load per loop; the mutex only when the epoch moved
 //! ```
 //!
-//! Readers see only the latest state: several changes between two polls read as the last one.
+//! Readers see only the latest state: several changes between two polls read as the last one. A reader that
+//! sleeps subscribes a waker, so it needs no periodic poll: [`ControlLine::set`] calls every live one.
 
-use std::sync::Mutex;
+use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use crate::gate::Lane;
@@ -35,11 +37,26 @@ pub enum ControlState {
     Lockdown,
 }
 
+/// What [`ControlLine::set`] calls after each change: a sleeping reader's way to be woken.
+pub type ControlWaker = dyn Fn() + Send + Sync;
+
 /// A shared control state with an epoch, so pollers pay one atomic load when nothing changed.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct ControlLine {
     epoch: AtomicU64,
     state: Mutex<ControlState>,
+    /// Held weakly: a reader that is gone (a server that was dropped) needs no unsubscribe.
+    wakers: Mutex<Vec<Weak<ControlWaker>>>,
+}
+
+impl fmt::Debug for ControlLine {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter
+            .debug_struct("ControlLine")
+            .field("epoch", &self.epoch)
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
 }
 
 /// One reader's position on a [`ControlLine`].
@@ -64,6 +81,32 @@ impl ControlLine {
         // Bumped while holding the lock and with Release, so a poller that sees the new epoch and then
         // takes the lock reads this state or a later one.
         self.epoch.fetch_add(1, Ordering::Release);
+        drop(guard);
+        // Called after the epoch moved and outside both locks, so a woken reader sees the change and a
+        // waker may read the line itself.
+        for waker in self.live_wakers() {
+            waker();
+        }
+    }
+
+    /// Calls `waker` after every later [`ControlLine::set`], for as long as the caller keeps it alive. The
+    /// line keeps only a weak reference, so dropping the `Arc` ends the subscription.
+    pub fn subscribe(&self, waker: &Arc<ControlWaker>) {
+        let mut wakers = self
+            .wakers
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        wakers.retain(|known| known.strong_count() > 0);
+        wakers.push(Arc::downgrade(waker));
+    }
+
+    fn live_wakers(&self) -> Vec<Arc<ControlWaker>> {
+        let mut wakers = self
+            .wakers
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        wakers.retain(|known| known.strong_count() > 0);
+        wakers.iter().filter_map(Weak::upgrade).collect()
     }
 
     /// The current state (takes the lock).
@@ -100,6 +143,28 @@ impl ControlWatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn a_subscribed_waker_is_called_on_each_change_until_it_is_dropped() {
+        let line = ControlLine::new();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&calls);
+        let waker: Arc<ControlWaker> = Arc::new(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+        });
+        line.subscribe(&waker);
+        line.set(ControlState::Lockdown);
+        line.set(ControlState::Running);
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "one call per change");
+        drop(waker);
+        line.set(ControlState::Lockdown);
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            2,
+            "a dropped waker must not be called"
+        );
+    }
 
     #[test]
     fn several_changes_between_polls_read_as_the_last_one() {

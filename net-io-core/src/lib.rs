@@ -78,7 +78,7 @@ pub use close::{CloseReason, Direction, LimitKind, OsErrorClass, RefusalCause, T
 pub use completion::{
     Completer, Completion, CompletionReceiver, CompletionRing, PostError, Posted,
 };
-pub use control::{ControlLine, ControlState, ControlWatch};
+pub use control::{ControlLine, ControlState, ControlWaker, ControlWatch};
 pub use error::{ErrorClass, NetError};
 pub use event::{CoalescedKind, Coalescer, Event, EventSink, NoopSink, handler_stack_hint};
 pub use gate::{
