@@ -52,7 +52,7 @@ usage: cargo xtask bench net [--quick] [--rounds N] [--kinds std,tokio,floor,han
   --warmup-ms    warm-up before each echo window (default 500)
   --churn-ms     length of each connect-and-close churn (default 3000)
   --churn-rate N connects per second offered by the paced churn (default 21000, 5% over the issue's target)
-  --open-rate N  messages per second offered by the open-loop echo (default 100000)
+  --open-rate N  messages per second offered by the open-loop echo (default 50000)
   --idle N       idle connections held for the memory figure (default 5000)
   --client-threads N  echo client threads at 16 and 256 connections (default 2; 1 at one connection)
   --output PATH  where to write the markdown report (default docs/performance/netbench.md)
@@ -367,7 +367,7 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
         kinds: SERVER_KINDS.to_vec(),
         echo_connections: ECHO_CONNECTIONS.to_vec(),
         open: true,
-        open_rate: 100_000,
+        open_rate: 50_000,
         idle: true,
         churn: true,
         echo_duration: Duration::from_millis(2_000),
