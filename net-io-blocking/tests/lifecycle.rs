@@ -17,11 +17,23 @@ use net_io_blocking::{
 /// The echo handler on two workers of this binary's drivers, with the builder's default limits (unlike
 /// `common::test_builder`, the minimum rate stays on), every event to `recorder`.
 fn echo_handler_server(recorder: &Recorder) -> Server {
-    ServerBuilder::new()
+    echo_handler_server_watching(recorder, None)
+}
+
+/// [`echo_handler_server`], watching `control` when one is given.
+fn echo_handler_server_watching(
+    recorder: &Recorder,
+    control: Option<Arc<net_io_blocking::ControlLine>>,
+) -> Server {
+    let mut builder = ServerBuilder::new()
         .session_driver(common::session_driver())
         .listen("127.0.0.1:0")
         .workers(2)
-        .events(recorder.clone())
+        .events(recorder.clone());
+    if let Some(control) = control {
+        builder = builder.control(control);
+    }
+    builder
         .handler_driver(common::handler_driver())
         .handler(echo)
         .allow_all()
@@ -244,17 +256,7 @@ fn the_client_connect_echoes_and_applies_the_idle_deadline() {
 fn the_control_line_drains_then_stops_the_server() {
     let recorder = Recorder::default();
     let control = Arc::new(net_io_blocking::ControlLine::new());
-    let server = ServerBuilder::new()
-        .session_driver(common::session_driver())
-        .listen("127.0.0.1:0")
-        .workers(2)
-        .events(recorder.clone())
-        .control(Arc::clone(&control))
-        .handler_driver(common::handler_driver())
-        .handler(echo)
-        .allow_all()
-        .build()
-        .unwrap();
+    let server = echo_handler_server_watching(&recorder, Some(Arc::clone(&control)));
     let handle = server.handle();
     let mut stream = client(server.local_addr());
     assert_eq!(round_trip(&mut stream, b"hi"), b"hi");
@@ -408,17 +410,7 @@ fn a_server_watching_a_control_line_sleeps_while_idle_and_applies_a_change_at_on
         // A process of its own, so that only this server's threads are counted.
         let recorder = Recorder::default();
         let control = Arc::new(net_io_blocking::ControlLine::new());
-        let server = ServerBuilder::new()
-            .session_driver(common::session_driver())
-            .listen("127.0.0.1:0")
-            .workers(2)
-            .events(recorder.clone())
-            .control(Arc::clone(&control))
-            .handler_driver(common::handler_driver())
-            .handler(echo)
-            .allow_all()
-            .build()
-            .unwrap();
+        let server = echo_handler_server_watching(&recorder, Some(Arc::clone(&control)));
         let mut stream = client(server.local_addr());
         assert_eq!(round_trip(&mut stream, b"hi"), b"hi");
         drop(stream);
