@@ -205,6 +205,9 @@ struct EchoResult {
     server_cpu_microseconds_per_round_trip: f64,
     /// Voluntary plus involuntary context switches of every server thread over the window, per round trip.
     server_context_switches_per_round_trip: f64,
+    /// The same count over the client's threads: a lock-step client that finds its echo missing sleeps,
+    /// and the reply that wakes it may preempt the server.
+    client_context_switches_per_round_trip: f64,
     /// The client's user plus system CPU over the window, per round trip.
     client_cpu_microseconds_per_round_trip: f64,
     /// Client and server CPU time together over the window's wall time: how many cores the two kept busy.
@@ -698,6 +701,7 @@ fn measure_echo(
         server_cpu_seconds,
         client_cpu_seconds,
         server_switches: switches,
+        client_switches,
         seconds: window_seconds,
         ..
     } = window;
@@ -708,6 +712,7 @@ fn measure_echo(
         p99_microseconds: number(&fields, "p99_us")?,
         server_cpu_microseconds_per_round_trip: server_cpu_seconds * 1e6 / round_trips,
         server_context_switches_per_round_trip: switches / round_trips,
+        client_context_switches_per_round_trip: client_switches / round_trips,
         client_cpu_microseconds_per_round_trip: client_cpu_seconds * 1e6 / round_trips,
         cores_busy: (server_cpu_seconds + client_cpu_seconds) / window_seconds,
     })
@@ -722,6 +727,8 @@ struct TimedWindow {
     client_cpu_seconds: f64,
     /// Voluntary plus involuntary context switches of every server thread.
     server_switches: f64,
+    /// The same over the client's threads.
+    client_switches: f64,
     /// Wall time between the readings.
     seconds: f64,
 }
@@ -743,10 +750,12 @@ fn timed_window(
     let server_cpu_before = cpu_ticks(server_pid)?;
     let client_cpu_before = cpu_ticks(client_pid)?;
     let switches_before = context_switches(server_pid)?;
+    let client_switches_before = context_switches(client_pid)?;
     expect_line(&client, |line| line == "measured")?;
     let server_cpu_after = cpu_ticks(server_pid)?;
     let client_cpu_after = cpu_ticks(client_pid)?;
     let switches_after = context_switches(server_pid)?;
+    let client_switches_after = context_switches(client_pid)?;
     let seconds = window_opened.elapsed().as_secs_f64();
     let result = expect_line(&client, |line| line.starts_with(prefix))?;
     finish(client)?;
@@ -759,6 +768,7 @@ fn timed_window(
         // connection open until `finish`, so no server ends a connection's thread before then, and the sum
         // is kept from going below zero if one did.
         server_switches: switches_after.saturating_sub(switches_before) as f64,
+        client_switches: client_switches_after.saturating_sub(client_switches_before) as f64,
         seconds,
     })
 }
@@ -1311,7 +1321,7 @@ fn summarise(round: &KindRound, options: &Options) -> String {
     let mut parts = Vec::new();
     for echo in &round.echo {
         parts.push(format!(
-            "{}c {:.0} rt/s p50 {:.1} p99 {:.1} us, per rt server {:.1} us {:.2} cs client {:.1} us, {:.2} cores",
+            "{}c {:.0} rt/s p50 {:.1} p99 {:.1} us, per rt server {:.1} us {:.2} cs client {:.1} us {:.2} cs, {:.2} cores",
             echo.connections,
             echo.round_trips_per_second,
             echo.p50_microseconds,
@@ -1319,6 +1329,7 @@ fn summarise(round: &KindRound, options: &Options) -> String {
             echo.server_cpu_microseconds_per_round_trip,
             echo.server_context_switches_per_round_trip,
             echo.client_cpu_microseconds_per_round_trip,
+            echo.client_context_switches_per_round_trip,
             echo.cores_busy,
         ));
     }
@@ -1396,6 +1407,9 @@ fn medians(rounds: &[KindRound]) -> KindMedians {
             }),
             server_context_switches_per_round_trip: of(&|round| {
                 round.echo[load].server_context_switches_per_round_trip
+            }),
+            client_context_switches_per_round_trip: of(&|round| {
+                round.echo[load].client_context_switches_per_round_trip
             }),
             client_cpu_microseconds_per_round_trip: of(&|round| {
                 round.echo[load].client_cpu_microseconds_per_round_trip
@@ -1555,12 +1569,12 @@ fn render_echo(out: &mut String, options: &Options, summary: &[(ServerKind, Kind
     let _ = writeln!(
         out,
         "| Server | Connections | Round trips/s | p50 (us) | p99 (us) | Server CPU per round trip (us) | \
-         Server context switches per round trip | Client CPU per round trip (us) | Cores busy, client + server | \
-         rt/s vs std | rt/s vs tokio | p50 vs std |"
+         Server context switches per round trip | Client CPU per round trip (us) | Client context switches per \
+         round trip | Cores busy, client + server | rt/s vs std | rt/s vs tokio | p50 vs std |"
     );
     let _ = writeln!(
         out,
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for connections in &options.echo_connections {
         let std_echo = peer("std", *connections);
@@ -1571,7 +1585,7 @@ fn render_echo(out: &mut String, options: &Options, summary: &[(ServerKind, Kind
             };
             let _ = writeln!(
                 out,
-                "| {} | {connections} | {:.0} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} | {} |",
+                "| {} | {connections} | {:.0} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} | {} |",
                 kind.label,
                 echo.round_trips_per_second,
                 echo.p50_microseconds,
@@ -1579,6 +1593,7 @@ fn render_echo(out: &mut String, options: &Options, summary: &[(ServerKind, Kind
                 echo.server_cpu_microseconds_per_round_trip,
                 echo.server_context_switches_per_round_trip,
                 echo.client_cpu_microseconds_per_round_trip,
+                echo.client_context_switches_per_round_trip,
                 echo.cores_busy,
                 ratio(
                     echo.round_trips_per_second,
@@ -1608,7 +1623,10 @@ fn render_echo(out: &mut String, options: &Options, summary: &[(ServerKind, Kind
          and context switches per round trip are the steadier comparison. Well below {cores}, either client \
          and server waited on each other (one connection: each wakes the other once per round trip, about one \
          context switch each) or other work took the rest (see the load average above). A server that blocks a \
-         thread once per round trip shows about one context switch per round trip and pays for each in CPU."
+         thread once per round trip shows about one context switch per round trip and pays for each in CPU. \
+         The client's context switches count how often its threads slept (a lock-step client sleeps when the \
+         echo it reads next has not come) or were preempted: each sleep costs a wake-up that a server's `send` \
+         pays for, and that may take the server's core (see `floor.md`)."
     );
 }
 
@@ -2375,6 +2393,7 @@ nonvoluntary_ctxt_switches:\t42
                     p99_microseconds: 1_900.0,
                     server_cpu_microseconds_per_round_trip: 6.0,
                     server_context_switches_per_round_trip: 0.25,
+                    client_context_switches_per_round_trip: 0.5,
                     client_cpu_microseconds_per_round_trip: 8.0,
                     cores_busy: 1.9,
                 }],
@@ -2438,8 +2457,8 @@ nonvoluntary_ctxt_switches:\t42
             "the target line should keep the ratio of medians as its verdict and show the rounds:\n{report}"
         );
         assert!(
-            report.contains("| 0.25 | 8.00 | 1.90 |"),
-            "the echo table lost the context switch, client CPU or cores busy column:\n{report}"
+            report.contains("| 0.25 | 8.00 | 0.50 | 1.90 |"),
+            "the echo table lost the context switch, client CPU, client context switch or cores busy column:\n{report}"
         );
         assert!(
             !report.contains("## Idle memory") && !report.contains("## Connect-and-close churn"),
