@@ -17,7 +17,8 @@
 //!   order. A round trip's latency runs from its write to the end of its read, so one message is in flight
 //!   per connection at all times. Only round trips that start after the warm-up and end before the
 //!   deadline count. It prints `measuring` when the timed window opens, `measured` when it closes, then
-//!   `echo connections=.. round_trips=.. seconds=.. rt_per_s=.. p50_us=.. p99_us=..`, and holds the
+//!   `echo connections=.. round_trips=.. seconds=.. rt_per_s=.. p50_us=.. p99_us=.. client_switches=..` (the echo
+//!   threads' own context switches over their rounds in the window), and holds the
 //!   connections open until its standard input closes (at once when it is not a pipe): a server with a
 //!   thread per connection then keeps those threads, and their context switch counts, until the benchmark
 //!   has read them.
@@ -100,6 +101,10 @@ struct EchoTally {
     samples: Vec<u64>,
     /// The thread's connections, handed back so they stay open after the window.
     connections: Vec<TcpStream>,
+    /// The thread's own context switches over its rounds in the window: how often it slept waiting for an
+    /// echo, or was preempted. Counted by the thread itself, since it ends before anyone outside could read
+    /// its `/proc` entry a second time.
+    switches: u64,
 }
 
 fn main() -> ExitCode {
@@ -231,12 +236,14 @@ fn run_echo(options: &Options) -> io::Result<()> {
     say("measured");
     let mut samples = Vec::new();
     let mut held = Vec::with_capacity(options.connections);
+    let mut switches = 0;
     for handle in handles {
         let tally = handle
             .join()
             .map_err(|_| io::Error::other("an echo thread panicked"))??;
         samples.extend(tally.samples);
         held.extend(tally.connections);
+        switches += tally.switches;
     }
     if samples.is_empty() {
         return Err(io::Error::other(
@@ -246,7 +253,8 @@ fn run_echo(options: &Options) -> io::Result<()> {
     samples.sort_unstable();
     let seconds = options.duration.as_secs_f64();
     say(&format!(
-        "echo connections={} threads={} round_trips={} seconds={:.3} rt_per_s={:.0} p50_us={:.1} p99_us={:.1}",
+        "echo connections={} threads={} round_trips={} seconds={:.3} rt_per_s={:.0} p50_us={:.1} p99_us={:.1} \
+         client_switches={switches}",
         options.connections,
         thread_count,
         samples.len(),
@@ -283,12 +291,20 @@ fn echo_loop(
     let mut tally = EchoTally {
         samples: Vec::with_capacity(1 << 20),
         connections: Vec::new(),
+        switches: 0,
     };
+    let mut switches_at_open = None;
     loop {
         let round_start = Instant::now();
         if round_start >= window_closes {
             tally.connections = group;
+            if let Some(opened) = switches_at_open {
+                tally.switches = own_context_switches().saturating_sub(opened);
+            }
             return Ok(tally);
+        }
+        if switches_at_open.is_none() && round_start >= window_opens {
+            switches_at_open = Some(own_context_switches());
         }
         for (stream, at) in group.iter_mut().zip(written_at.iter_mut()) {
             *at = Instant::now();
@@ -302,6 +318,16 @@ fn echo_loop(
             }
         }
     }
+}
+
+/// Voluntary plus involuntary context switches of the calling thread so far (0 if `/proc` cannot be read).
+fn own_context_switches() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/status")
+        .unwrap_or_default()
+        .lines()
+        .filter(|line| line.contains("ctxt_switches:"))
+        .filter_map(|line| line.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .sum()
 }
 
 /// The value below which `fraction` of the sorted samples lie (nearest rank).

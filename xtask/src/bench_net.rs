@@ -697,11 +697,13 @@ fn measure_echo(
     let window = timed_window(server, client, "echo ", clock_ticks)?;
     let fields = fields(&window.result);
     let round_trips = number(&fields, "round_trips")?.max(1.0);
+    // The echo threads count their own switches: they end at the window's close, and a thread that ended
+    // before the second reading of `/proc` takes its count out of the sum.
+    let client_switches = number(&fields, "client_switches").unwrap_or(window.client_switches);
     let TimedWindow {
         server_cpu_seconds,
         client_cpu_seconds,
         server_switches: switches,
-        client_switches,
         seconds: window_seconds,
         ..
     } = window;
