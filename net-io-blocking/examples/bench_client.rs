@@ -209,11 +209,15 @@ fn open_served(address: SocketAddr, size: usize) -> io::Result<TcpStream> {
     Ok(stream)
 }
 
+/// Opens `--connections` connections with [`open_served`], each served once, one after the other.
+fn open_all_served(options: &Options) -> io::Result<Vec<TcpStream>> {
+    (0..options.connections)
+        .map(|_| open_served(options.address, options.size))
+        .collect()
+}
+
 fn run_echo(options: &Options) -> io::Result<()> {
-    let mut connections = Vec::with_capacity(options.connections);
-    for _ in 0..options.connections {
-        connections.push(open_served(options.address, options.size)?);
-    }
+    let connections = open_all_served(options)?;
     let thread_count = options
         .threads
         .unwrap_or(if options.connections == 1 { 1 } else { 2 })
@@ -373,10 +377,7 @@ fn run_open(options: &Options) -> io::Result<()> {
     let rate = options
         .rate
         .ok_or_else(|| io::Error::other("open needs --rate MESSAGES_PER_SECOND"))?;
-    let mut connections = Vec::with_capacity(options.connections);
-    for _ in 0..options.connections {
-        connections.push(open_served(options.address, options.size)?);
-    }
+    let connections = open_all_served(options)?;
     let pairs = options.threads.unwrap_or(1).min(options.connections);
     let mut groups: Vec<Vec<(TcpStream, InFlight)>> = (0..pairs).map(|_| Vec::new()).collect();
     for (index, connection) in connections.into_iter().enumerate() {
