@@ -143,7 +143,7 @@
 //! # Ok::<(), NetError>(())
 //! ```
 
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod backoff;

@@ -45,7 +45,7 @@
 //! assert_eq!(&received[consumed..], b"GET / HTTP/1.1\r\n");
 //! ```
 
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod addr;
