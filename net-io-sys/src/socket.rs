@@ -1,10 +1,11 @@
-//! TCP sockets: listener creation and options, per-connection options, `accept4`, `recv`, `send`, `shutdown`, `connect`.
+//! TCP sockets: listener creation and options, per-connection options, `accept4`, `recv`, `send`, `shutdown`, `connect` (blocking and non-blocking).
 //!
 //! Options go through `socket2`; the calls on the hot path (`accept4`, `recv`, `send`, `sendmsg`, `setsockopt` of
 //! `SO_RCVTIMEO`) are made here directly so that each has its own shim site and its exact flags are visible.
 //! Listeners are non-blocking (an accept thread accepts until `EAGAIN` after one wake); accepted and connected
 //! sockets are blocking, because a worker reads with a plain `recv` under `SO_RCVTIMEO` and writes with
-//! `MSG_DONTWAIT` per call.
+//! `MSG_DONTWAIT` per call. Event-driven callers (task-runtime) make sockets non-blocking with
+//! [`connect_nonblocking`] and [`set_nonblocking`].
 
 use std::io::{self, IoSlice};
 use std::mem::{MaybeUninit, size_of};
@@ -454,6 +455,52 @@ pub fn connect(address: SocketAddr, timeout: Option<Duration>) -> io::Result<Own
     Ok(OwnedFd::from(socket))
 }
 
+/// How far [`connect_nonblocking`] got before returning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectProgress {
+    /// The connection is established (loopback can finish at once).
+    Connected,
+    /// `EINPROGRESS`: the handshake continues; wait until the socket is writable, then read [`take_error`].
+    InProgress,
+}
+
+/// Starts a connect to `address` on a new non-blocking, close-on-exec socket without waiting for it.
+///
+/// For event-driven callers that park on writability instead of blocking a thread. Once the socket is
+/// writable, [`take_error`] says whether the connect failed and [`peer_addr`] (`ENOTCONN` while pending)
+/// whether it finished. A refusal the kernel knows at once (loopback) comes back here as
+/// `ConnectionRefused`.
+pub fn connect_nonblocking(address: SocketAddr) -> io::Result<(OwnedFd, ConnectProgress)> {
+    shim::enter("socket")?;
+    // SOCK_NONBLOCK at creation saves an fcntl; socket2 adds SOCK_CLOEXEC on Linux.
+    let socket = Socket::new(
+        Domain::for_address(address),
+        Type::STREAM.nonblocking(),
+        None,
+    )?;
+    shim::enter("connect")?;
+    let progress = loop {
+        match socket.connect(&address.into()) {
+            Ok(()) => break ConnectProgress::Connected,
+            Err(error) if error.raw_os_error() == Some(libc::EINPROGRESS) => {
+                break ConnectProgress::InProgress;
+            }
+            // connect(2): an interrupted connect continues asynchronously, like EINPROGRESS.
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => {
+                break ConnectProgress::InProgress;
+            }
+            Err(error) => return Err(error),
+        }
+    };
+    Ok((OwnedFd::from(socket), progress))
+}
+
+/// Sets or clears `O_NONBLOCK` on `socket` (an accepted socket starts blocking).
+pub fn set_nonblocking(socket: BorrowedFd<'_>, nonblocking: bool) -> io::Result<()> {
+    shim::enter("fcntl_nonblocking")?;
+    SockRef::from(&socket).set_nonblocking(nonblocking)
+}
+
 fn receive_with_flags(
     socket: BorrowedFd<'_>,
     buffer: &mut [u8],
@@ -641,6 +688,85 @@ mod tests {
         assert!(
             socket.keepalive().unwrap(),
             "SO_KEEPALIVE was not inherited"
+        );
+    }
+
+    #[test]
+    fn a_nonblocking_connect_finishes_once_writable_and_a_closed_port_is_refused() {
+        let listener = loopback_listener();
+        let (socket, progress) = connect_nonblocking(listener.local_addr()).expect("connect");
+        if progress == ConnectProgress::InProgress {
+            let mut poll = libc::pollfd {
+                fd: socket.as_raw_fd(),
+                events: libc::POLLOUT,
+                revents: 0,
+            };
+            // SAFETY: poll(2) reads and writes one live pollfd for the length of the call.
+            let ready = unsafe { libc::poll(&mut poll, 1, 5_000) };
+            assert_eq!(
+                ready, 1,
+                "a loopback connect should become writable within 5 s"
+            );
+        }
+        assert!(
+            take_error(socket.as_fd()).unwrap().is_none(),
+            "a connect to a listening port should carry no socket error"
+        );
+        assert_eq!(
+            peer_addr(socket.as_fd()).unwrap(),
+            listener.local_addr(),
+            "the connected socket's peer should be the listener"
+        );
+        let mut buffer = [0u8; 1];
+        assert_eq!(
+            recv_nonblocking(socket.as_fd(), &mut buffer)
+                .expect_err("nothing was sent")
+                .kind(),
+            io::ErrorKind::WouldBlock,
+            "the socket should be non-blocking"
+        );
+
+        let closed = listener.local_addr();
+        drop(listener);
+        let refused = match connect_nonblocking(closed) {
+            Err(error) => error,
+            Ok((socket, _)) => {
+                let mut poll = libc::pollfd {
+                    fd: socket.as_raw_fd(),
+                    events: libc::POLLOUT,
+                    revents: 0,
+                };
+                // SAFETY: as above.
+                unsafe { libc::poll(&mut poll, 1, 5_000) };
+                take_error(socket.as_fd())
+                    .unwrap()
+                    .expect("a connect to a closed port should fail")
+            }
+        };
+        assert_eq!(
+            refused.kind(),
+            io::ErrorKind::ConnectionRefused,
+            "a closed loopback port should refuse, got {refused}"
+        );
+    }
+
+    #[test]
+    fn set_nonblocking_turns_an_accepted_blocking_socket_non_blocking() {
+        let listener = loopback_listener();
+        let _client = TcpStream::connect(listener.local_addr()).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        let accepted = listener.accept().expect("accept");
+        // The receive timeout bounds the test if O_NONBLOCK did not take; the elapsed time tells them apart.
+        set_receive_timeout(accepted.socket.as_fd(), Some(Duration::from_secs(5))).unwrap();
+        set_nonblocking(accepted.socket.as_fd(), true).unwrap();
+        let mut buffer = [0u8; 1];
+        let started = std::time::Instant::now();
+        let error = recv(accepted.socket.as_fd(), &mut buffer).expect_err("nothing was sent");
+        assert_eq!(error.kind(), io::ErrorKind::WouldBlock);
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "a plain recv on a non-blocking socket waited {:?} (the 5 s receive timeout, not O_NONBLOCK)",
+            started.elapsed()
         );
     }
 
