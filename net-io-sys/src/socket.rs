@@ -479,18 +479,14 @@ pub fn connect_nonblocking(address: SocketAddr) -> io::Result<(OwnedFd, ConnectP
         None,
     )?;
     shim::enter("connect")?;
-    let progress = loop {
-        match socket.connect(&address.into()) {
-            Ok(()) => break ConnectProgress::Connected,
-            Err(error) if error.raw_os_error() == Some(libc::EINPROGRESS) => {
-                break ConnectProgress::InProgress;
-            }
-            // connect(2): an interrupted connect continues asynchronously, like EINPROGRESS.
-            Err(error) if error.kind() == io::ErrorKind::Interrupted => {
-                break ConnectProgress::InProgress;
-            }
-            Err(error) => return Err(error),
+    let progress = match socket.connect(&address.into()) {
+        Ok(()) => ConnectProgress::Connected,
+        Err(error) if error.raw_os_error() == Some(libc::EINPROGRESS) => {
+            ConnectProgress::InProgress
         }
+        // connect(2): an interrupted connect goes on asynchronously, like EINPROGRESS, so it is not retried.
+        Err(error) if error.kind() == io::ErrorKind::Interrupted => ConnectProgress::InProgress,
+        Err(error) => return Err(error),
     };
     Ok((OwnedFd::from(socket), progress))
 }
