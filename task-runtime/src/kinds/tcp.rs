@@ -5,13 +5,13 @@
 //! both directions; an edge sets a ready flag that a task about to park checks first, so an edge that
 //! lands between a `WouldBlock` and the park is never lost.
 
-use std::io::{self, Read};
-use std::net::{SocketAddr, ToSocketAddrs};
-use std::os::fd::AsFd;
+use std::io;
+use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, Weak};
 
 use net_io_sys::epoll::Interest;
-use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+use net_io_sys::socket::{self, ConnectProgress, ConnectionOptions, ListenOptions, Listener};
 
 use crate::error::RuntimeError;
 use crate::manager::{Dispatch, Reactor};
@@ -67,8 +67,23 @@ impl Dispatch for Record {
     }
 }
 
+/// The descriptor a task parks on: a listener (which accepts) or a connected socket (which moves bytes).
+enum Endpoint {
+    Listening(Listener),
+    Connected(OwnedFd),
+}
+
+impl AsFd for Endpoint {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Endpoint::Listening(listener) => listener.as_fd(),
+            Endpoint::Connected(socket) => socket.as_fd(),
+        }
+    }
+}
+
 struct Inner {
-    socket: Socket,
+    socket: Endpoint,
     record: Arc<Record>,
     /// Bytes read past a delimiter by `recv_until`, served first by later receives.
     pending: Mutex<Vec<u8>>,
@@ -150,7 +165,7 @@ impl Drop for Inner {
     }
 }
 
-fn new_inner(socket: Socket) -> Arc<Inner> {
+fn new_inner(socket: Endpoint) -> Arc<Inner> {
     Arc::new(Inner {
         socket,
         record: Arc::new(Record {
@@ -171,9 +186,13 @@ fn park(inner: &Arc<Inner>, direction: u8) -> Wait {
     )
 }
 
-/// An address the socket reported, as an IP address (`BadAddress` for any other family).
-fn ip_address(address: io::Result<SockAddr>) -> Result<SocketAddr, RuntimeError> {
-    address?.as_socket().ok_or(RuntimeError::BadAddress)
+/// An address the socket reported; `BadAddress` when it is not an IP address (net-io-sys reports that as
+/// `InvalidData`).
+fn ip_address(address: io::Result<SocketAddr>) -> Result<SocketAddr, RuntimeError> {
+    address.map_err(|error| match error.kind() {
+        io::ErrorKind::InvalidData => RuntimeError::BadAddress,
+        _ => error.into(),
+    })
 }
 
 fn resolve(address: impl ToSocketAddrs) -> Result<SocketAddr, RuntimeError> {
@@ -197,20 +216,13 @@ impl Tcp {
         }
     }
 
-    /// Binds and listens on `address` now (address reuse on, backlog 1024).
+    /// Binds and listens on `address` now with net-io-sys's defaults: address reuse on, IPv6 only for an
+    /// IPv6 address, backlog 1024 capped at the kernel's `somaxconn`.
     pub fn listen(address: impl ToSocketAddrs) -> Result<TcpListener, RuntimeError> {
         let address = resolve(address)?;
-        let socket = Socket::new(
-            Domain::for_address(address),
-            Type::STREAM,
-            Some(Protocol::TCP),
-        )?;
-        socket.set_reuse_address(true)?;
-        socket.set_nonblocking(true)?;
-        socket.bind(&SockAddr::from(address))?;
-        socket.listen(1024)?;
+        let listener = socket::listen(address, &ListenOptions::default())?;
         Ok(TcpListener {
-            inner: new_inner(socket),
+            inner: new_inner(Endpoint::Listening(listener)),
         })
     }
 }
@@ -233,7 +245,7 @@ impl std::fmt::Debug for TcpListener {
 impl TcpListener {
     /// The bound address (useful after binding port 0).
     pub fn local_addr(&self) -> Result<SocketAddr, RuntimeError> {
-        ip_address(self.inner.socket.local_addr())
+        ip_address(socket::local_addr(self.inner.socket.as_fd()))
     }
 
     /// A task that accepts one connection, parking until a peer arrives.
@@ -260,27 +272,28 @@ impl std::fmt::Debug for TcpConnection {
 }
 
 impl TcpConnection {
-    fn from_socket(socket: Socket) -> Result<Self, RuntimeError> {
-        socket.set_nonblocking(true)?;
-        socket.set_tcp_nodelay(true)?;
+    /// Wraps an accepted (blocking) socket: non-blocking, since tasks park on the manager's epoll instead.
+    fn from_accepted(socket: OwnedFd) -> Result<Self, RuntimeError> {
+        socket::set_nonblocking(socket.as_fd(), true)?;
+        set_nodelay(socket.as_fd())?;
         Ok(TcpConnection {
-            inner: new_inner(socket),
+            inner: new_inner(Endpoint::Connected(socket)),
         })
     }
 
     /// The peer's address.
     pub fn peer_addr(&self) -> Result<SocketAddr, RuntimeError> {
-        ip_address(self.inner.socket.peer_addr())
+        ip_address(socket::peer_addr(self.inner.socket.as_fd()))
     }
 
     /// The local address.
     pub fn local_addr(&self) -> Result<SocketAddr, RuntimeError> {
-        ip_address(self.inner.socket.local_addr())
+        ip_address(socket::local_addr(self.inner.socket.as_fd()))
     }
 
-    /// Shuts the writing half: the peer reads end of stream.
+    /// Shuts the writing half: the peer reads end of stream. A second call is a no-op.
     pub fn finish(&self) -> Result<(), RuntimeError> {
-        self.inner.socket.shutdown(std::net::Shutdown::Write)?;
+        socket::shutdown(self.inner.socket.as_fd(), Shutdown::Write)?;
         Ok(())
     }
 
@@ -350,9 +363,9 @@ impl Task for TcpConnect {
             Err(error) => return Step::Done(Err(error.clone())),
         };
         if let Some(inner) = self.socket.take() {
-            return match inner.socket.take_error() {
+            return match socket::take_error(inner.socket.as_fd()) {
                 Ok(Some(error)) | Err(error) => Step::Done(Err(error.into())),
-                Ok(None) => match inner.socket.peer_addr() {
+                Ok(None) => match socket::peer_addr(inner.socket.as_fd()) {
                     Ok(_) => Step::Done(Ok(TcpConnection { inner })),
                     Err(error) if error.raw_os_error() == Some(libc::ENOTCONN) => {
                         let wait = park(&inner, WRITE);
@@ -363,34 +376,21 @@ impl Task for TcpConnect {
                 },
             };
         }
-        let socket = match Socket::new(
-            Domain::for_address(address),
-            Type::STREAM,
-            Some(Protocol::TCP),
-        ) {
-            Ok(socket) => socket,
+        let (socket, progress) = match socket::connect_nonblocking(address) {
+            Ok(started) => started,
             Err(error) => return Step::Done(Err(error.into())),
         };
-        if let Err(error) = socket
-            .set_nonblocking(true)
-            .and_then(|()| socket.set_tcp_nodelay(true))
-        {
+        if let Err(error) = set_nodelay(socket.as_fd()) {
             return Step::Done(Err(error.into()));
         }
-        match socket.connect(&SockAddr::from(address)) {
-            Ok(()) => Step::Done(Ok(TcpConnection {
-                inner: new_inner(socket),
-            })),
-            Err(error)
-                if error.raw_os_error() == Some(libc::EINPROGRESS)
-                    || error.kind() == io::ErrorKind::WouldBlock =>
-            {
-                let inner = new_inner(socket);
+        let inner = new_inner(Endpoint::Connected(socket));
+        match progress {
+            ConnectProgress::Connected => Step::Done(Ok(TcpConnection { inner })),
+            ConnectProgress::InProgress => {
                 let wait = park(&inner, WRITE);
                 self.socket = Some(inner);
                 Step::Park(wait)
             }
-            Err(error) => Step::Done(Err(error.into())),
         }
     }
 }
@@ -423,12 +423,13 @@ impl Task for TcpAccept {
     fn start(&mut self, _input: ()) {}
 
     fn step(&mut self) -> Step<TcpConnection> {
-        match self.inner.socket.accept() {
-            Ok((socket, _)) => Step::Done(TcpConnection::from_socket(socket)),
+        let Endpoint::Listening(listener) = &self.inner.socket else {
+            unreachable!("a TcpAccept is made only from a TcpListener");
+        };
+        // accept4 is retried on EINTR inside net-io-sys.
+        match listener.accept() {
+            Ok(accepted) => Step::Done(TcpConnection::from_accepted(accepted.socket)),
             Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
-                Step::Park(park(&self.inner, READ))
-            }
-            Err(error) if error.kind() == io::ErrorKind::Interrupted => {
                 Step::Park(park(&self.inner, READ))
             }
             Err(error) => Step::Done(Err(error.into())),
@@ -470,11 +471,8 @@ impl Task for TcpSend {
                 // Let other tasks run; the socket is still writable, so park with an immediate deadline.
                 return Step::Park(Wait::until(std::time::Instant::now()));
             }
-            match self
-                .inner
-                .socket
-                .send_with_flags(&self.bytes[self.sent..], libc::MSG_NOSIGNAL)
-            {
+            // MSG_DONTWAIT | MSG_NOSIGNAL: a closed peer is an EPIPE error here, never a SIGPIPE.
+            match socket::send(self.inner.socket.as_fd(), &self.bytes[self.sent..]) {
                 Ok(count) => {
                     self.sent += count;
                     moved += count;
@@ -594,7 +592,7 @@ impl Task for TcpRecv {
                 return Step::Park(Wait::until(std::time::Instant::now()));
             }
             let mut buffer = vec![0u8; self.want().min(256 << 10)];
-            match (&self.inner.socket).read(&mut buffer) {
+            match socket::recv_nonblocking(self.inner.socket.as_fd(), &mut buffer) {
                 Ok(0) => {
                     return Step::Done(match self.until {
                         Until::Any(_) => Ok(Vec::new()),
@@ -616,4 +614,15 @@ impl Task for TcpRecv {
             }
         }
     }
+}
+
+/// Turns on `TCP_NODELAY`: a task's send is one message, so it should leave at once.
+fn set_nodelay(socket: BorrowedFd<'_>) -> io::Result<()> {
+    socket::apply_connection_options(
+        socket,
+        &ConnectionOptions {
+            nodelay: true,
+            ..ConnectionOptions::default()
+        },
+    )
 }
