@@ -7,7 +7,7 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use common::echo::{Echo, echo_server, echo_server_on};
-use common::{Recorder, SOON, client, eventually, is_closed_by_server, round_trip};
+use common::{Recorder, SOON, UnwantedClient, client, eventually, round_trip};
 use net_io_blocking::{
     CoalescedKind, ConnectionInfo, Event, Limits, RefusalCause, ServerBuilder, SessionDriver,
 };
@@ -35,9 +35,9 @@ fn with_one_worker_the_second_connection_is_busy_and_the_third_is_served_after_t
     );
     let mut first = client(server.local_addr());
     assert_eq!(round_trip(&mut first, b"one"), b"one");
-    let mut second = client(server.local_addr());
+    let mut second = UnwantedClient::connect(server.local_addr());
     assert!(
-        is_closed_by_server(&mut second),
+        second.is_closed_by_server(),
         "the second connection should be reset while the only worker is busy"
     );
     assert_eq!(refusals(&recorder), vec![RefusalCause::Busy]);
@@ -67,10 +67,10 @@ fn the_global_cap_refuses_before_reading_and_frees_its_slot_at_close() {
     let mut second = client(server.local_addr());
     assert_eq!(round_trip(&mut first, b"a"), b"a");
     assert_eq!(round_trip(&mut second, b"b"), b"b");
-    let mut third = client(server.local_addr());
-    third.write_all(b"never read").ok();
+    let mut third = UnwantedClient::connect(server.local_addr());
+    third.send(b"never read");
     assert!(
-        is_closed_by_server(&mut third),
+        third.is_closed_by_server(),
         "the third connection passed the global cap"
     );
     assert_eq!(refusals(&recorder), vec![RefusalCause::GlobalCap]);
@@ -97,9 +97,9 @@ fn the_per_source_cap_refuses_a_third_connection_from_one_address() {
     let mut second = client(server.local_addr());
     assert_eq!(round_trip(&mut first, b"a"), b"a");
     assert_eq!(round_trip(&mut second, b"b"), b"b");
-    let mut third = client(server.local_addr());
+    let mut third = UnwantedClient::connect(server.local_addr());
     assert!(
-        is_closed_by_server(&mut third),
+        third.is_closed_by_server(),
         "the per-source cap let a third connection in"
     );
     assert_eq!(refusals(&recorder), vec![RefusalCause::SourceCap]);
@@ -187,7 +187,7 @@ fn shedding_closes_idle_connections_in_shed_lanes_and_spares_lower_lanes() {
     let closes = recorder.wait_for_closes(1, SOON);
     assert_eq!(closes[0].1, net_io_blocking::CloseReason::Shed);
     assert!(
-        is_closed_by_server(&mut high),
+        common::is_closed_by_server(&mut high),
         "the lane-5 connection stayed open"
     );
     assert_eq!(

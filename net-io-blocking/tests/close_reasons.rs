@@ -350,9 +350,12 @@ fn a_factory_that_declines_closes_with_refused_session() {
         .gate(witnesses.gate.clone())
         .build()
         .unwrap();
-    let mut stream = client(server.local_addr());
+    let mut stream = common::UnwantedClient::connect(server.local_addr());
     witnesses.expect(CloseReason::Refused(RefusalCause::Session), false);
-    assert!(common::is_closed_by_server(&mut stream));
+    assert!(
+        stream.is_closed_by_server(),
+        "the connection whose session the factory declined was served"
+    );
     let stats = server.stats();
     assert_eq!(
         (

@@ -71,11 +71,8 @@ fn descriptor_pressure_sheds_one_connection_and_then_serves() {
     let recorder = Recorder::default();
     let server = server(&recorder);
     shim::inject("accept4", 0, 1, libc::EMFILE);
-    let mut shed = client(server.local_addr());
-    assert!(
-        common::is_closed_by_server(&mut shed),
-        "the shed connection was served"
-    );
+    let mut shed = common::UnwantedClient::connect(server.local_addr());
+    assert!(shed.is_closed_by_server(), "the shed connection was served");
     assert!(has_event(&recorder, |event| matches!(
         event,
         Event::DescriptorPressure { .. }
@@ -177,9 +174,9 @@ fn a_server_whose_only_loop_cannot_start_refuses_as_busy_and_counts_it() {
         eventually(SOON, || shim::calls("epoll_create1") >= 1),
         "the loop thread did not try to create its epoll"
     );
-    let mut stream = client(server.local_addr());
+    let mut stream = common::UnwantedClient::connect(server.local_addr());
     assert!(
-        common::is_closed_by_server(&mut stream),
+        stream.is_closed_by_server(),
         "a connection handed to a loop that could not start should be reset"
     );
     assert!(
@@ -229,7 +226,7 @@ fn handlers_on_coroutines_meet_faults_one_connection_at_a_time() {
         .expect("the coroutine handler server should start");
     // The loop's stack pool is empty, so the first connection maps a stack, and fails to.
     shim::inject("coroutine_stack", 0, 1, libc::ENOMEM);
-    let mut refused = client(server.local_addr());
+    let mut refused = common::UnwantedClient::connect(server.local_addr());
     let closes = recorder.wait_for_closes(1, SOON);
     assert_eq!(
         closes.first().map(|close| close.1),
@@ -244,7 +241,10 @@ fn handlers_on_coroutines_meet_faults_one_connection_at_a_time() {
         )),
         "the failed stack mapping was not reported with its ENOMEM"
     );
-    assert!(common::is_closed_by_server(&mut refused));
+    assert!(
+        refused.is_closed_by_server(),
+        "the connection without a coroutine stack was served"
+    );
     let mut other = client(server.local_addr());
     round_trips_outlast_spurious_errors(&mut other);
     assert_eq!(

@@ -423,9 +423,9 @@ fn a_server_watching_a_control_line_sleeps_while_idle_and_applies_a_change_at_on
         println!("RESULT wake_ups={woken}");
         let changed = Instant::now();
         control.set(net_io_blocking::ControlState::Lockdown);
-        let mut refused = client(server.local_addr());
+        let mut refused = common::UnwantedClient::connect(server.local_addr());
         assert!(
-            common::is_closed_by_server(&mut refused),
+            refused.is_closed_by_server(),
             "a connection after the lockdown should be refused"
         );
         println!("RESULT applied_ms={}", changed.elapsed().as_millis());

@@ -132,9 +132,12 @@ fn plain_data_where_a_header_is_required_closes_with_proxy_missing() {
 fn a_peer_outside_the_trusted_set_closes_with_proxy_untrusted_before_any_read() {
     let recorder = Recorder::default();
     let server = proxied_server(ProxyMode::Any, &["10.0.0.0/8"], &recorder);
-    let mut stream = client(server.local_addr());
+    let mut stream = common::UnwantedClient::connect(server.local_addr());
     assert_eq!(recorder.single_close(SOON), CloseReason::ProxyUntrusted);
-    assert!(common::is_closed_by_server(&mut stream));
+    assert!(
+        stream.is_closed_by_server(),
+        "the connection from outside the trusted set was served"
+    );
     let closes = recorder.events();
     let bytes_in = closes.iter().find_map(|event| match event {
         net_io_blocking::Event::Closed { bytes_in, .. } => Some(*bytes_in),

@@ -7,7 +7,7 @@ pub mod echo;
 pub mod gates;
 pub mod sessions;
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -137,10 +137,65 @@ pub fn read_to_close(stream: &mut TcpStream) -> Vec<u8> {
     received
 }
 
-/// True when the server reset or closed the connection: a read returns EOF or an error.
+/// True when the server reset or closed the connection: a read returns EOF or a reset. A read that times out
+/// is a connection the server kept open, so it is false (were it true, a server that never closed would pass
+/// every assertion built on this, only slower); the stream needs a read timeout, as [`client`] sets.
 pub fn is_closed_by_server(stream: &mut TcpStream) -> bool {
     let mut byte = [0u8; 1];
-    !matches!(stream.read(&mut byte), Ok(count) if count > 0)
+    match stream.read(&mut byte) {
+        Ok(count) => count == 0,
+        Err(error) => !matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut),
+    }
+}
+
+/// A client of a server that is expected to turn the connection away (a cap, a lockdown, a refusing gate or
+/// factory). Such a server resets at once, and on a busy machine the reset can reach the client before its
+/// `connect` returns, which then fails with a reset; that is the outcome the test wants, so it is kept here
+/// as "closed by the server" instead of failing the connect the way [`client`] does.
+pub struct UnwantedClient {
+    /// The connected stream, or `None` when the connect itself was reset or refused.
+    stream: Option<TcpStream>,
+}
+
+impl UnwantedClient {
+    /// Connects to `address`; a connect that ends in a reset or a refusal is kept as already turned away,
+    /// and any other error fails the test.
+    pub fn connect(address: SocketAddr) -> Self {
+        match TcpStream::connect(address) {
+            Ok(stream) => {
+                stream
+                    .set_read_timeout(Some(Duration::from_secs(10)))
+                    .unwrap();
+                stream.set_nodelay(true).unwrap();
+                Self {
+                    stream: Some(stream),
+                }
+            }
+            Err(error) if is_turned_away(&error) => Self { stream: None },
+            Err(error) => panic!("connect to the test server {address} failed: {error}"),
+        }
+    }
+
+    /// Sends `bytes` if the connection is still there; a write the server's reset beat is no error here.
+    pub fn send(&mut self, bytes: &[u8]) {
+        if let Some(stream) = &mut self.stream {
+            let _ = stream.write_all(bytes);
+        }
+    }
+
+    /// True when the server turned the connection away: the connect was reset or refused, or a read sees EOF
+    /// or a reset (see [`is_closed_by_server`]).
+    pub fn is_closed_by_server(&mut self) -> bool {
+        self.stream.as_mut().is_none_or(is_closed_by_server)
+    }
+}
+
+/// Whether a connect error is the server (or the kernel for it) turning the connection away.
+fn is_turned_away(error: &std::io::Error) -> bool {
+    matches!(
+        error.kind(),
+        ErrorKind::ConnectionReset | ErrorKind::ConnectionRefused | ErrorKind::ConnectionAborted
+    )
 }
 
 /// Makes the client's close an RST (linger 0).
