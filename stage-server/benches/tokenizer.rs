@@ -1,11 +1,11 @@
 //! Encode and decode throughput of the real models' tokenizers on an English paragraph and a mixed-script one.
 
 use std::hint::black_box;
-use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_core::quantized::gguf_file::Content;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use stage_server::model::find_model;
 use stage_server::tokenizer::{StreamDecoder, Tokenizer};
 
 const ENGLISH: &str = "The stage server runs one contiguous layer range of a language model and hands the \
@@ -17,23 +17,16 @@ per lane, and answers prefill and decode requests at absolute positions. In 2024
 const MIXED: &str = "Café naïve résumé — 你好，世界！日本語のテキスト、한국어 텍스트. Ελληνικά, Русский текст, \
 עברית, العربية, हिन्दी. Emoji: 😀👍🏽👨‍👩‍👧‍👦🇫🇷 and ∀x∈ℝ: x² ≥ 0.";
 
-fn model_dir() -> PathBuf {
-    match std::env::var_os("STAGE_SERVER_MODEL_DIR") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-            .join(".cache/stage-server/models"),
-    }
-}
-
+/// The tokenizer of a real model, or `None` with a note when it is absent (a benchmark has no CI gate to obey).
 fn load(name: &str) -> Option<Tokenizer> {
-    let path = model_dir().join(name);
-    let Ok(mut file) = std::fs::File::open(&path) else {
-        eprintln!(
-            "skipping {name}: {} is absent; run `cargo xtask fetch-models`",
-            path.display()
-        );
-        return None;
+    let path = match find_model(name) {
+        Ok(path) => path,
+        Err(explanation) => {
+            eprintln!("skipping {name}: {explanation}");
+            return None;
+        }
     };
+    let mut file = std::fs::File::open(&path).ok()?;
     let content = Content::read(&mut file).ok()?;
     let started = Instant::now();
     let tokenizer = Tokenizer::from_gguf(&content).ok()?;

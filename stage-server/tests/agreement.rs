@@ -32,10 +32,13 @@
 //! bit; what remains is summation order in attention and candle's K-quant products, which 8-bit activation
 //! quantisation amplifies by one to two orders of magnitude per layer.
 
-use std::path::{Path, PathBuf};
+use std::io::Read;
+use std::path::Path;
 
 use serde::Deserialize;
-use stage_server::model::{Logits, Pipeline, StageOptions};
+use sha2::{Digest, Sha256};
+use stage_server::model::testing::{MissingModel, real_model, real_model_in};
+use stage_server::model::{KNOWN_MODELS, Logits, Pipeline, StageOptions, default_model_dir};
 
 /// Positions whose reference top-2 margin is at most this are near-ties: argmax may rightly differ there.
 const MARGIN_THRESHOLD: f32 = 0.25;
@@ -197,26 +200,6 @@ fn load_fixture(short_name: &str) -> Fixture {
         .unwrap_or_else(|error| panic!("the fixture {} does not parse: {error}", path.display()))
 }
 
-/// The cached real model, or `None` (with a note naming the command that fetches it) when absent.
-fn model_path(fixture: &Fixture) -> Option<PathBuf> {
-    let directory =
-        match std::env::var_os("STAGE_SERVER_MODEL_DIR").filter(|value| !value.is_empty()) {
-            Some(directory) => PathBuf::from(directory),
-            None => PathBuf::from(std::env::var_os("HOME")?).join(".cache/stage-server/models"),
-        };
-    let path = directory.join(&fixture.model);
-    if path.exists() {
-        Some(path)
-    } else {
-        eprintln!(
-            "skipping: {} is not in {}; run `cargo xtask fetch-models` to fetch it",
-            fixture.model,
-            directory.display()
-        );
-        None
-    }
-}
-
 /// Loads our model for one case's stream: one stage, one lane, a context just long enough.
 fn load_pipeline(path: &Path, fixture: &Fixture) -> Pipeline {
     let longest = fixture
@@ -274,7 +257,7 @@ fn greedy_tokens(pipeline: &mut Pipeline, prompt: &[u32], count: usize) -> Vec<u
 /// Runs all three checks for one model against its fixture, printing the figures.
 fn agree_with_llama_cpp(short_name: &str) {
     let fixture = load_fixture(short_name);
-    let Some(path) = model_path(&fixture) else {
+    let Some(path) = real_model(&fixture.model) else {
         return;
     };
     let mut pipeline = load_pipeline(&path, &fixture);
@@ -353,7 +336,7 @@ fn gemma3_agrees_with_llama_cpp_teacher_forced_and_greedy() {
 /// llama.cpp's, our own decoding then produces the same token.
 fn decode_equals_one_chunk(short_name: &str) {
     let fixture = load_fixture(short_name);
-    let Some(path) = model_path(&fixture) else {
+    let Some(path) = real_model(&fixture.model) else {
         return;
     };
     let mut pipeline = load_pipeline(&path, &fixture);
@@ -405,11 +388,33 @@ fn smollm2_decodes_bit_identically_to_one_chunk() {
 fn every_fixture_is_internally_consistent() {
     for short_name in ["smollm2", "gemma3"] {
         let fixture = load_fixture(short_name);
+        let Some(known) = KNOWN_MODELS
+            .iter()
+            .find(|known| known.short_name == short_name)
+        else {
+            panic!("{short_name} has a fixture but is not in stage_server::model::KNOWN_MODELS");
+        };
         assert_eq!(
-            fixture.model_sha256.len(),
-            64,
-            "{short_name}: the model digest is not 64 hex digits"
+            fixture.model, known.file_name,
+            "{short_name}: the fixture was made from another file than the one the tests load"
         );
+        assert_eq!(
+            fixture.model_sha256, known.sha256,
+            "{short_name}: the fixture was made from a model whose sha256 differs from the one xtask pins and \
+             fetches; regenerate the fixture with `cargo xtask llama-ref fixtures` or fix the pinned digest"
+        );
+        // Only the digest check waits for the file: the rest of this test needs no model, and the tests that
+        // load it fail under CI when it is missing.
+        let model_dir = default_model_dir();
+        if let Some(path) = real_model_in(&model_dir, &fixture.model, MissingModel::Skip) {
+            assert_eq!(
+                sha256_file(&path),
+                fixture.model_sha256,
+                "{short_name}: {} is not the file the fixture was made from; run `cargo xtask fetch-models`, \
+                 which replaces a file whose digest differs",
+                path.display()
+            );
+        }
         assert!(
             !fixture.cpu_variant.is_empty(),
             "{short_name}: the fixture does not name llama.cpp's CPU variant"
@@ -600,6 +605,28 @@ fn greedy_agreement_stops_at_the_first_near_tie() {
         2,
         "the greedy near-tie at step 2 ends the compared prefix"
     );
+}
+
+/// The sha256 of a file as lower-case hex, read in 1 MiB pieces (test helper).
+fn sha256_file(path: &Path) -> String {
+    let mut file = std::fs::File::open(path)
+        .unwrap_or_else(|error| panic!("could not open {}: {error}", path.display()));
+    let mut hasher = Sha256::new();
+    let mut buffer = vec![0_u8; 1 << 20];
+    loop {
+        let read = file
+            .read(&mut buffer)
+            .unwrap_or_else(|error| panic!("could not read {}: {error}", path.display()));
+        if read == 0 {
+            break;
+        }
+        hasher.update(&buffer[..read]);
+    }
+    hasher
+        .finalize()
+        .iter()
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
 }
 
 /// Builds a fixture-style summary from a full row (test helper).

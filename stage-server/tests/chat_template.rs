@@ -1,10 +1,11 @@
 //! Chat template rendering: SmolLM2's ChatML template, the built-in gemma template, Python string methods and errors.
 
 use std::io::Cursor;
-use std::path::PathBuf;
 
 use candle_core::quantized::gguf_file::{self, Content, Value};
 use stage_server::chat::{ChatError, ChatMessage, ChatTemplate, TemplateSource};
+use stage_server::model::SMOLLM2_FILE;
+use stage_server::model::testing::real_model;
 use stage_server::tokenizer::Tokenizer;
 
 /// `tokenizer.chat_template` of SmolLM2-135M-Instruct (Apache-2.0), as stored in its GGUF file.
@@ -26,24 +27,6 @@ fn gguf(metadata: Vec<(&str, Value)>) -> Content {
     gguf_file::write(&mut bytes, &pairs, &[]).expect("an in-memory GGUF file is written");
     bytes.set_position(0);
     Content::read(&mut bytes).expect("the written GGUF file reads back")
-}
-
-fn model_path(name: &str) -> Option<PathBuf> {
-    let dir = match std::env::var_os("STAGE_SERVER_MODEL_DIR") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-            .join(".cache/stage-server/models"),
-    };
-    let path = dir.join(name);
-    if path.exists() {
-        Some(path)
-    } else {
-        eprintln!(
-            "skipping: {} is absent; run `cargo xtask fetch-models`",
-            path.display()
-        );
-        None
-    }
 }
 
 #[test]
@@ -137,7 +120,7 @@ fn raise_exception_and_syntax_errors_are_clear_errors() {
 
 #[test]
 fn smollm2_file_template_renders_to_its_control_token_ids() {
-    let Some(path) = model_path("SmolLM2-135M-Instruct.Q4_1.gguf") else {
+    let Some(path) = real_model(SMOLLM2_FILE) else {
         return;
     };
     let content = Content::read(&mut std::fs::File::open(path).unwrap()).unwrap();

@@ -1,6 +1,9 @@
 //! Resident memory of a middle stage against the whole model (its own test binary: it reads process RSS).
 
-use stage_server::model::{SMOLLM2_FILE, Stage, StageOptions, StageSpec, find_model};
+use std::path::Path;
+
+use stage_server::model::testing::real_model;
+use stage_server::model::{SMOLLM2_FILE, Stage, StageOptions, StageSpec};
 
 /// Resident set size of this process in bytes, from /proc/self/status.
 fn resident_bytes() -> u64 {
@@ -18,10 +21,9 @@ fn resident_bytes() -> u64 {
 }
 
 /// Memory a stage adds to the process while it is loaded.
-fn stage_footprint(spec: StageSpec) -> u64 {
-    let path = find_model(SMOLLM2_FILE).expect("checked by the caller");
+fn stage_footprint(path: &Path, spec: StageSpec) -> u64 {
     let before = resident_bytes();
-    let stage = Stage::load(&path, spec, StageOptions::default()).expect("load the stage");
+    let stage = Stage::load(path, spec, StageOptions::default()).expect("load the stage");
     let after = resident_bytes();
     drop(stage);
     after.saturating_sub(before)
@@ -29,16 +31,18 @@ fn stage_footprint(spec: StageSpec) -> u64 {
 
 #[test]
 fn a_middle_stage_of_a_third_of_the_layers_holds_under_45_percent_of_the_whole_model() {
-    if let Err(message) = find_model(SMOLLM2_FILE) {
-        eprintln!("skipping: {message}");
+    let Some(path) = real_model(SMOLLM2_FILE) else {
         return;
-    }
-    let middle = stage_footprint(StageSpec {
-        layers: 10..20,
-        first: false,
-        last: false,
-    });
-    let whole = stage_footprint(StageSpec::whole(30));
+    };
+    let middle = stage_footprint(
+        &path,
+        StageSpec {
+            layers: 10..20,
+            first: false,
+            last: false,
+        },
+    );
+    let whole = stage_footprint(&path, StageSpec::whole(30));
     eprintln!(
         "SmolLM2 resident: middle stage 10..20 {:.1} MB, whole model {:.1} MB ({:.0}%)",
         middle as f64 / 1e6,

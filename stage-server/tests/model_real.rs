@@ -1,8 +1,9 @@
 //! The real models (when `cargo xtask fetch-models` has fetched them) answer the France prompt as llama.cpp does.
 
+use stage_server::model::testing::real_model;
 use stage_server::model::{
     GEMMA3_FILE, GenerateOptions, Logits, ModelFile, Pipeline, SMOLLM2_FILE, Sampler,
-    SamplingParams, StageOptions, find_model,
+    SamplingParams, StageOptions,
 };
 use stage_server::tokenizer::Tokenizer;
 
@@ -21,12 +22,8 @@ struct Expected {
 }
 
 fn check(expected: &Expected) {
-    let path = match find_model(expected.file) {
-        Ok(path) => path,
-        Err(message) => {
-            eprintln!("skipping: {message}");
-            return;
-        }
+    let Some(path) = real_model(expected.file) else {
+        return;
     };
     let file = ModelFile::open(&path).expect("open the real model");
     let tokenizer = Tokenizer::from_gguf(file.content()).expect("the model's tokenizer");

@@ -139,12 +139,8 @@ fn real_models_give_bit_identical_logits_split_in_two_and_three() {
         ),
     ];
     for (name, prompt, splits) in cases {
-        let path = match stage_server::model::find_model(name) {
-            Ok(path) => path,
-            Err(message) => {
-                eprintln!("skipping: {message}");
-                continue;
-            }
+        let Some(path) = stage_server::model::testing::real_model(name) else {
+            continue;
         };
         let unsplit = logit_rows(&path, &[], prompt, 6);
         for boundaries in splits {

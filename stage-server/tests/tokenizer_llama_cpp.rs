@@ -1,9 +1,9 @@
 //! Token ids and decoded text against llama.cpp's, over the committed fixture of awkward strings, on the real models.
 
-use std::path::PathBuf;
-
 use candle_core::quantized::gguf_file::Content;
 use serde::Deserialize;
+use stage_server::model::testing::real_model;
+use stage_server::model::{GEMMA3_FILE, SMOLLM2_FILE};
 use stage_server::tokenizer::{SpecialTokens, StreamDecoder, Tokenizer};
 
 #[derive(Deserialize)]
@@ -37,24 +37,11 @@ fn fixture() -> Fixture {
     serde_json::from_str(&text).expect("the tokenizer fixture is valid JSON")
 }
 
-fn model_dir() -> PathBuf {
-    match std::env::var_os("STAGE_SERVER_MODEL_DIR") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-            .join(".cache/stage-server/models"),
-    }
-}
-
-/// The tokenizer of a real model, or `None` (with a note) when the file has not been fetched.
+/// The tokenizer of a real model, or `None` when the file has not been fetched and this run skips missing models.
 fn load(name: &str) -> Option<Tokenizer> {
-    let path = model_dir().join(name);
-    let Ok(mut file) = std::fs::File::open(&path) else {
-        eprintln!(
-            "skipping: {} is absent; run `cargo xtask fetch-models`",
-            path.display()
-        );
-        return None;
-    };
+    let path = real_model(name)?;
+    let mut file = std::fs::File::open(&path)
+        .unwrap_or_else(|error| panic!("could not open {}: {error}", path.display()));
     let content = Content::read(&mut file).expect("the model file is a valid GGUF");
     Some(Tokenizer::from_gguf(&content).expect("the model's tokenizer loads"))
 }
@@ -128,12 +115,12 @@ fn check_model(name: &str) {
 
 #[test]
 fn smollm2_ids_equal_llama_cpp_on_every_fixture_string() {
-    check_model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    check_model(SMOLLM2_FILE);
 }
 
 #[test]
 fn gemma3_ids_equal_llama_cpp_on_every_fixture_string() {
-    check_model("gemma-3-270m-q4_k_m.gguf");
+    check_model(GEMMA3_FILE);
 }
 
 /// Random id sequences over a real vocabulary: the stream equals the whole decode, piece by piece.
@@ -159,19 +146,19 @@ fn stream_matches_decode_on_random_ids(name: &str) {
 
 #[test]
 fn smollm2_streaming_random_ids_equals_decode() {
-    stream_matches_decode_on_random_ids("SmolLM2-135M-Instruct.Q4_1.gguf");
+    stream_matches_decode_on_random_ids(SMOLLM2_FILE);
 }
 
 #[test]
 fn gemma3_streaming_random_ids_equals_decode() {
-    stream_matches_decode_on_random_ids("gemma-3-270m-q4_k_m.gguf");
+    stream_matches_decode_on_random_ids(GEMMA3_FILE);
 }
 
 /// The reference prompt with `add_special`: SmolLM2 adds no BOS, gemma does (ids from the llama.cpp notes).
 #[test]
 fn the_reference_prompt_encodes_with_each_models_bos_rule() {
     let prompt = "The capital of France is";
-    if let Some(tokenizer) = load("SmolLM2-135M-Instruct.Q4_1.gguf") {
+    if let Some(tokenizer) = load(SMOLLM2_FILE) {
         assert!(!tokenizer.add_bos(), "SmolLM2 sets add_bos_token = false");
         assert_eq!(
             tokenizer.encode(prompt, true, false).unwrap(),
@@ -182,7 +169,7 @@ fn the_reference_prompt_encodes_with_each_models_bos_rule() {
             "<|im_end|> ends a SmolLM2 turn"
         );
     }
-    if let Some(tokenizer) = load("gemma-3-270m-q4_k_m.gguf") {
+    if let Some(tokenizer) = load(GEMMA3_FILE) {
         assert!(tokenizer.add_bos(), "gemma adds BOS");
         assert_eq!(
             tokenizer.encode(prompt, true, false).unwrap(),

@@ -1,15 +1,26 @@
-//! Tiny deterministic GGUF models (llama and gemma3, any quant type) written by a seeded generator, for tests.
+//! Test support: tiny deterministic GGUF models written by a seeded generator, and the gate for real-model tests.
 //!
-//! The weights are random but reproducible from the seed; the files carry a small SentencePiece-style
-//! vocabulary (control tokens, the 256 byte tokens and a few pieces) so tokenizer code can load them.
+//! The tiny models (llama and gemma3, any quant type) have random weights reproducible from the seed; the files
+//! carry a small SentencePiece-style vocabulary (control tokens, the 256 byte tokens and a few pieces) so
+//! tokenizer code can load them.
+//!
+//! Tests that need a real model ask [`real_model`] for it. Whether an absent model skips the test or fails it
+//! is decided there and nowhere else ([`MissingModel`]): on a developer's machine it skips with a note naming
+//! `cargo xtask fetch-models`; under CI it fails, so that a green CI run means the real-model tests ran.
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-use super::{Architecture, ModelError};
+use super::{Architecture, ModelError, default_model_dir, find_model_in};
+use crate::tokenizer::Tokenizer;
+
+/// The environment variable that, set to `1`, makes an absent real model fail its test outside CI too.
+/// `cargo xtask ci` sets it for its test runs.
+pub const REQUIRE_MODELS_VARIABLE: &str = "STAGE_SERVER_REQUIRE_MODELS";
 
 /// The shape and seed of a tiny model.
 #[derive(Clone, Debug, PartialEq)]
@@ -37,6 +48,15 @@ pub struct TinyModel {
     pub context_length: usize,
     /// Gemma 3's sliding window (ignored for llama).
     pub sliding_window: usize,
+}
+
+/// What a test does when a real model it needs is absent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MissingModel {
+    /// Print a note naming `cargo xtask fetch-models` and return without checking anything.
+    Skip,
+    /// Fail the test, naming the missing file and the fetch command.
+    Fail,
 }
 
 /// Id of the beginning-of-sequence token in the tiny vocabulary.
@@ -220,39 +240,8 @@ impl TinyModel {
                 format!("{arch}.rope.dimension_count"),
                 u32_value(self.key_length),
             ),
-            ("tokenizer.ggml.model".into(), Value::String("llama".into())),
-            (
-                "tokenizer.ggml.tokens".into(),
-                Value::Array(vocabulary.iter().cloned().map(Value::String).collect()),
-            ),
-            (
-                "tokenizer.ggml.scores".into(),
-                Value::Array(
-                    (0..vocabulary.len())
-                        .map(|index| Value::F32(-(index as f32)))
-                        .collect(),
-                ),
-            ),
-            (
-                "tokenizer.ggml.token_type".into(),
-                Value::Array(
-                    (0..vocabulary.len())
-                        .map(|index| {
-                            Value::I32(match index {
-                                0 => 2,
-                                1 | 2 => 3,
-                                3..=258 => 6,
-                                _ => 1,
-                            })
-                        })
-                        .collect(),
-                ),
-            ),
-            ("tokenizer.ggml.unknown_token_id".into(), Value::U32(0)),
-            ("tokenizer.ggml.bos_token_id".into(), Value::U32(TINY_BOS)),
-            ("tokenizer.ggml.eos_token_id".into(), Value::U32(TINY_EOS)),
-            ("tokenizer.ggml.add_bos_token".into(), Value::Bool(true)),
         ];
+        metadata.extend(sentencepiece_metadata(&vocabulary));
         if gemma {
             metadata.push((
                 format!("{arch}.attention.sliding_window"),
@@ -278,6 +267,197 @@ impl TinyModel {
         std::io::Write::flush(&mut writer).map_err(io_error)?;
         Ok(())
     }
+}
+
+impl MissingModel {
+    /// The policy of this process: [`MissingModel::Fail`] when `CI` is set and not empty (CI services set it to
+    /// `true`) or [`REQUIRE_MODELS_VARIABLE`] is `1`, else [`MissingModel::Skip`].
+    pub fn from_environment() -> Self {
+        Self::from_variables(
+            std::env::var_os("CI").as_deref(),
+            std::env::var_os(REQUIRE_MODELS_VARIABLE).as_deref(),
+        )
+    }
+
+    /// The policy for the given values of `CI` and [`REQUIRE_MODELS_VARIABLE`] (`None` when unset).
+    pub fn from_variables(ci: Option<&OsStr>, require_models: Option<&OsStr>) -> Self {
+        let under_ci = ci.is_some_and(|value| !value.is_empty());
+        let required = require_models.is_some_and(|value| value == "1");
+        if under_ci || required {
+            Self::Fail
+        } else {
+            Self::Skip
+        }
+    }
+}
+
+/// The path of the real model `file_name` in the model directory, or `None` when it is absent and this process
+/// skips missing models (see [`MissingModel::from_environment`]). Every test that needs a real model calls this
+/// and returns on `None`.
+///
+/// # Panics
+///
+/// When the model is absent and this process requires the real models.
+pub fn real_model(file_name: &str) -> Option<PathBuf> {
+    real_model_in(
+        &default_model_dir(),
+        file_name,
+        MissingModel::from_environment(),
+    )
+}
+
+/// As [`real_model`], with the directory and the policy given.
+///
+/// # Panics
+///
+/// When the model is absent and `missing` is [`MissingModel::Fail`].
+pub fn real_model_in(directory: &Path, file_name: &str, missing: MissingModel) -> Option<PathBuf> {
+    let explanation = match find_model_in(directory, file_name) {
+        Ok(path) => return Some(path),
+        Err(explanation) => explanation,
+    };
+    match missing {
+        MissingModel::Skip => {
+            eprintln!("skipping: {explanation}");
+            None
+        }
+        MissingModel::Fail => panic!(
+            "{explanation}. This run requires the real models (CI is set or {REQUIRE_MODELS_VARIABLE}=1), so a \
+             missing model fails the test instead of skipping it"
+        ),
+    }
+}
+
+/// The tokenizer of the tiny models: SentencePiece (`llama`) over [`TinyModel::vocabulary`], with byte fallback.
+///
+/// # Panics
+///
+/// Never for this fixed vocabulary; a panic means the tokenizer rejects a vocabulary it used to accept.
+pub fn tiny_sentencepiece_tokenizer() -> Tokenizer {
+    let mut metadata = vec![(
+        "general.architecture".to_owned(),
+        Value::String("llama".into()),
+    )];
+    metadata.extend(sentencepiece_metadata(&TinyModel::vocabulary()));
+    tokenizer_from_metadata(&metadata)
+}
+
+/// A tiny byte-level BPE tokenizer (`gpt2`) with pre-tokenizer `pre` (`smollm`, `llama3`, `qwen2`, `gpt-2`, ...):
+/// control tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` as ids 0 to 2, the 256 byte characters of GPT-2's
+/// alphabet as ids 3 to 258, then a few merged pieces. Every text encodes, and decodes back to itself.
+///
+/// # Panics
+///
+/// When this crate has no pre-tokenizer named `pre`.
+pub fn tiny_bpe_tokenizer(pre: &str) -> Tokenizer {
+    const MERGED: [&str; 7] = ["Ġt", "he", "Ġthe", "in", "ing", "Ġs", "Ġsing"];
+    const MERGES: [&str; 7] = ["Ġ t", "h e", "Ġt he", "i n", "in g", "Ġ s", "Ġs ing"];
+    let mut tokens: Vec<String> = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        .map(String::from)
+        .to_vec();
+    tokens.extend(gpt2_byte_alphabet().iter().map(char::to_string));
+    tokens.extend(MERGED.map(String::from));
+    let strings =
+        |items: &[String]| Value::Array(items.iter().cloned().map(Value::String).collect());
+    let metadata = vec![
+        (
+            "general.architecture".to_owned(),
+            Value::String("llama".into()),
+        ),
+        (
+            "tokenizer.ggml.model".to_owned(),
+            Value::String("gpt2".into()),
+        ),
+        ("tokenizer.ggml.pre".to_owned(), Value::String(pre.into())),
+        ("tokenizer.ggml.tokens".to_owned(), strings(&tokens)),
+        (
+            "tokenizer.ggml.token_type".to_owned(),
+            Value::Array(
+                (0..tokens.len())
+                    .map(|id| Value::I32(if id < 3 { 3 } else { 1 }))
+                    .collect(),
+            ),
+        ),
+        (
+            "tokenizer.ggml.merges".to_owned(),
+            strings(&MERGES.map(String::from)),
+        ),
+        ("tokenizer.ggml.bos_token_id".to_owned(), Value::U32(1)),
+        ("tokenizer.ggml.eos_token_id".to_owned(), Value::U32(2)),
+        (
+            "tokenizer.ggml.add_bos_token".to_owned(),
+            Value::Bool(false),
+        ),
+    ];
+    tokenizer_from_metadata(&metadata)
+}
+
+/// The SentencePiece tokenizer keys of the tiny models: scores falling with the id, types control (BOS, EOS),
+/// unknown, byte (the 256 `<0xXX>` tokens) and normal.
+fn sentencepiece_metadata(vocabulary: &[String]) -> Vec<(String, Value)> {
+    vec![
+        ("tokenizer.ggml.model".into(), Value::String("llama".into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(vocabulary.iter().cloned().map(Value::String).collect()),
+        ),
+        (
+            "tokenizer.ggml.scores".into(),
+            Value::Array(
+                (0..vocabulary.len())
+                    .map(|index| Value::F32(-(index as f32)))
+                    .collect(),
+            ),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(
+                (0..vocabulary.len())
+                    .map(|index| {
+                        Value::I32(match index {
+                            0 => 2,
+                            1 | 2 => 3,
+                            3..=258 => 6,
+                            _ => 1,
+                        })
+                    })
+                    .collect(),
+            ),
+        ),
+        ("tokenizer.ggml.unknown_token_id".into(), Value::U32(0)),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(TINY_BOS)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(TINY_EOS)),
+        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(true)),
+    ]
+}
+
+/// Writes `metadata` as an in-memory GGUF file without tensors and builds the tokenizer candle reads back.
+fn tokenizer_from_metadata(metadata: &[(String, Value)]) -> Tokenizer {
+    let pairs: Vec<(&str, &Value)> = metadata
+        .iter()
+        .map(|(key, value)| (key.as_str(), value))
+        .collect();
+    let mut bytes = std::io::Cursor::new(Vec::new());
+    gguf_file::write(&mut bytes, &pairs, &[]).expect("an in-memory GGUF file is written");
+    bytes.set_position(0);
+    let content = gguf_file::Content::read(&mut bytes).expect("the written GGUF file reads back");
+    Tokenizer::from_gguf(&content)
+        .unwrap_or_else(|error| panic!("the tiny tokenizer does not load: {error}"))
+}
+
+/// GPT-2's byte alphabet: printable bytes stand for themselves, the rest for the characters from U+0100 on.
+fn gpt2_byte_alphabet() -> Vec<char> {
+    let mut spare = 0x100u32;
+    (0u8..=255)
+        .map(|byte| {
+            if matches!(byte, 0x21..=0x7e | 0xa1..=0xac | 0xae..=0xff) {
+                char::from(byte)
+            } else {
+                spare += 1;
+                char::from_u32(spare - 1).unwrap_or(char::REPLACEMENT_CHARACTER)
+            }
+        })
+        .collect()
 }
 
 /// `wanted` if a row of `columns` values is a whole number of its blocks, else Q8_0 (or F32).
