@@ -26,7 +26,7 @@
 //! state word instead of a per-thread kqueue.
 
 #![warn(missing_docs)]
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 mod builder;
 mod error;
