@@ -219,7 +219,7 @@ impl TimeoutKind {
             TimeoutKind::Write => CloseReason::WriteTimeout,
             TimeoutKind::Exchange => CloseReason::ExchangeDeadline,
             TimeoutKind::Park => CloseReason::ParkDeadline,
-            TimeoutKind::Connect => CloseReason::Io(OsErrorClass::TimedOut),
+            TimeoutKind::Connect => CloseReason::ConnectTimeout,
             TimeoutKind::Drain => CloseReason::DrainDeadline,
         }
     }
@@ -447,13 +447,17 @@ pub enum CloseReason {
     SessionPanicked,
     /// A resource limit was hit.
     Limit(LimitKind),
-    /// An operating-system error ended the connection.
+    /// An operating-system error ended the connection (a refused outbound connect is
+    /// `Io(ConnectionRefused)`).
     Io(OsErrorClass),
+    /// An outbound connection (`ServerHandle::connect`) did not finish its TCP handshake before its
+    /// connect deadline.
+    ConnectTimeout,
 }
 
 impl CloseReason {
     /// Number of distinct reasons ignoring their payload, for per-reason counter arrays.
-    pub const COUNT: usize = 24;
+    pub const COUNT: usize = 25;
 
     /// One representative of every reason, in [`CloseReason::index`] order.
     pub const ALL: [CloseReason; Self::COUNT] = [
@@ -483,6 +487,7 @@ impl CloseReason {
         CloseReason::SessionPanicked,
         CloseReason::Limit(LimitKind::ReadBuffer),
         CloseReason::Io(OsErrorClass::Other),
+        CloseReason::ConnectTimeout,
     ];
 
     /// True when the connection closes with RST; false for the graceful reasons
@@ -508,6 +513,7 @@ impl CloseReason {
                 | CloseReason::ExchangeDeadline
                 | CloseReason::ParkDeadline
                 | CloseReason::DrainDeadline
+                | CloseReason::ConnectTimeout
         )
     }
 
@@ -584,6 +590,7 @@ impl CloseReason {
                 OsErrorClass::InvalidDescriptor => "io_invalid_descriptor",
                 OsErrorClass::Other => "io_other",
             },
+            CloseReason::ConnectTimeout => "connect_timeout",
         }
     }
 
@@ -614,6 +621,7 @@ impl CloseReason {
             CloseReason::SessionPanicked => 21,
             CloseReason::Limit(_) => 22,
             CloseReason::Io(_) => 23,
+            CloseReason::ConnectTimeout => 24,
         }
     }
 
