@@ -79,8 +79,8 @@ pub fn wake_all(word: &AtomicU32) -> usize {
 mod tests {
     use super::{Wake, wait, wake};
     use std::sync::Arc;
-    use std::sync::atomic::{AtomicU32, Ordering};
-    use std::time::Duration;
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    use std::time::{Duration, Instant};
 
     #[test]
     fn a_changed_word_never_sleeps_and_a_timeout_returns() {
@@ -94,19 +94,42 @@ mod tests {
     }
 
     #[test]
-    fn a_wake_ends_a_wait() {
+    fn a_wake_ends_a_wait_long_before_its_timeout() {
+        // The word never changes, so nothing but a wake (or a signal, also reported as Woken) can end the wait
+        // before its timeout. A wake sent before the waiter sleeps is lost, so the wakes repeat until the
+        // waiter is done.
+        const TIMEOUT: Duration = Duration::from_secs(10);
         let word = Arc::new(AtomicU32::new(0));
+        let done = Arc::new(AtomicBool::new(false));
         let waiter = {
-            let word = Arc::clone(&word);
+            let (word, done) = (Arc::clone(&word), Arc::clone(&done));
             std::thread::spawn(move || {
-                while word.load(Ordering::Acquire) == 0 {
-                    wait(&word, 0, Some(Duration::from_secs(10))).expect("wait");
-                }
+                let started = Instant::now();
+                let outcome = wait(&word, 0, Some(TIMEOUT)).expect("wait");
+                done.store(true, Ordering::Release);
+                (outcome, started.elapsed())
             })
         };
-        std::thread::sleep(Duration::from_millis(10));
-        word.store(1, Ordering::Release);
-        wake(&word, 1);
-        waiter.join().expect("the waiter should end once woken");
+        let mut woken = 0;
+        while !done.load(Ordering::Acquire) {
+            woken += wake(&word, 1);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (outcome, waited) = waiter.join().expect("the waiter panicked");
+        assert_eq!(
+            outcome,
+            Wake::Woken,
+            "the wait ended as {outcome:?} after {waited:?} although wakes were sent all along"
+        );
+        // Half the timeout: a woken thread on a loaded 2-core machine gets a core within milliseconds, and a
+        // wait that wake did not end would run the full 10 s.
+        assert!(
+            waited < TIMEOUT / 2,
+            "the wait took {waited:?} of its {TIMEOUT:?} timeout: the wakes did not end it"
+        );
+        assert_eq!(
+            woken, 1,
+            "wake should report the one sleeping waiter it woke, once"
+        );
     }
 }

@@ -54,27 +54,64 @@ pub fn open_reserve() -> io::Result<OwnedFd> {
 
 #[cfg(test)]
 mod tests {
+    use std::os::fd::AsRawFd;
+
     use super::*;
 
     #[test]
-    fn the_descriptor_limit_is_readable_and_the_soft_limit_is_within_the_hard_one() {
+    fn the_descriptor_limit_is_the_one_the_kernel_lists_for_open_files() {
         let limit = descriptor_limit().expect("getrlimit");
-        assert!(
-            limit.soft <= limit.hard,
-            "soft {} above hard {}",
-            limit.soft,
-            limit.hard
-        );
-        assert!(
-            limit.soft >= 16,
-            "a soft limit of {} leaves no room to run",
-            limit.soft
+        // /proc/self/limits is the kernel's own account of this process's limits, read apart from
+        // getrlimit(2): it tells a wrong resource or a mangled RLIM_INFINITY from the right one.
+        let listed = std::fs::read_to_string("/proc/self/limits").expect("read /proc/self/limits");
+        let line = listed
+            .lines()
+            .find(|line| line.starts_with("Max open files"))
+            .expect("/proc/self/limits has no line for open files");
+        let value = |word: &str| match word {
+            "unlimited" => u64::MAX,
+            number => number
+                .parse()
+                .expect("a limit in /proc/self/limits is a number"),
+        };
+        let words: Vec<&str> = line["Max open files".len()..].split_whitespace().collect();
+        let expected = ResourceLimit {
+            soft: value(words[0]),
+            hard: value(words[1]),
+        };
+        assert_eq!(
+            limit, expected,
+            "descriptor_limit() read {limit:?}, but the kernel lists {line:?}"
         );
     }
 
     #[test]
-    fn the_reserve_descriptor_opens() {
+    fn the_reserve_descriptor_is_dev_null_read_only_and_close_on_exec() {
         let reserve = open_reserve().expect("open /dev/null");
-        drop(reserve);
+        let descriptor = reserve.as_raw_fd();
+        assert_eq!(
+            std::fs::read_link(format!("/proc/self/fd/{descriptor}"))
+                .expect("read the descriptor's link"),
+            std::path::Path::new("/dev/null"),
+            "the reserve descriptor is not /dev/null"
+        );
+        // fdinfo lists the open flags in octal, with O_CLOEXEC among them while the descriptor has FD_CLOEXEC.
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{descriptor}"))
+            .expect("read the descriptor's fdinfo");
+        let flags = info
+            .lines()
+            .find_map(|line| line.strip_prefix("flags:"))
+            .map(|octal| i32::from_str_radix(octal.trim(), 8).expect("fdinfo flags are octal"))
+            .expect("fdinfo has no flags line");
+        assert_eq!(
+            flags & libc::O_ACCMODE,
+            libc::O_RDONLY,
+            "the reserve descriptor should be read-only, its flags are {flags:o}"
+        );
+        assert_ne!(
+            flags & libc::O_CLOEXEC,
+            0,
+            "the reserve descriptor is not close-on-exec (flags {flags:o}), so a child would inherit it"
+        );
     }
 }

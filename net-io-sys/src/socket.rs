@@ -645,10 +645,69 @@ mod tests {
     }
 
     #[test]
-    fn the_backlog_never_exceeds_somaxconn_and_is_at_least_one() {
-        let ceiling = somaxconn().unwrap_or(4096);
-        assert_eq!(effective_backlog(u32::MAX), ceiling);
-        assert_eq!(effective_backlog(0), 1);
+    fn a_listener_asks_the_kernel_for_the_requested_backlog_capped_at_somaxconn_and_at_least_one() {
+        // Read here on its own rather than through `somaxconn`, so that a wrong path or parse there fails.
+        let ceiling: u32 = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .expect(
+                "this test reads the kernel's backlog ceiling from /proc/sys/net/core/somaxconn",
+            )
+            .trim()
+            .parse()
+            .expect("somaxconn should hold one number");
+        assert_eq!(
+            somaxconn(),
+            Some(ceiling),
+            "somaxconn() disagrees with /proc/sys/net/core/somaxconn"
+        );
+        let small = 7.min(ceiling);
+        for (requested, expected) in [(0, 1), (small, small), (u32::MAX, ceiling)] {
+            assert_eq!(
+                effective_backlog(requested),
+                expected,
+                "a requested backlog of {requested} should become {expected} (somaxconn is {ceiling})"
+            );
+            let options = ListenOptions {
+                backlog: requested,
+                ..ListenOptions::default()
+            };
+            let listener = listen("127.0.0.1:0".parse().unwrap(), &options).expect("listen");
+            assert_eq!(
+                listener.backlog(),
+                expected,
+                "the listener reports a backlog other than the one it should ask for"
+            );
+            assert_eq!(
+                kernel_backlog(listener.as_fd()),
+                expected,
+                "a requested backlog of {requested} did not reach listen(2) as {expected}"
+            );
+        }
+    }
+
+    /// The accept-queue length a listening socket was given, as the kernel keeps it: for a socket in
+    /// LISTEN, `TCP_INFO` reports it in `tcpi_sacked` (tcp(7), and `tcp_get_info` in the kernel).
+    fn kernel_backlog(socket: BorrowedFd<'_>) -> u32 {
+        // SAFETY: tcp_info is plain integers, for which all zeroes is a valid value.
+        let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+        let mut length = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        // SAFETY: getsockopt(2) writes at most `length` bytes into the live local `info` and updates the live
+        // local `length`; the descriptor is borrowed for the call.
+        let result = unsafe {
+            libc::getsockopt(
+                socket.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_INFO,
+                (&raw mut info).cast(),
+                &mut length,
+            )
+        };
+        assert_eq!(
+            result,
+            0,
+            "getsockopt(TCP_INFO) failed: {}",
+            io::Error::last_os_error()
+        );
+        info.tcpi_sacked
     }
 
     #[test]
