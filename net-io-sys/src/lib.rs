@@ -9,6 +9,8 @@
 //! release builds can never carry fault injection.
 
 #![warn(missing_docs)]
+// The README example runs as a doctest, so the crate's front page cannot drift from its API.
+#![cfg_attr(doctest, doc = include_str!("../README.md"))]
 
 pub mod coroutine;
 pub mod epoll;

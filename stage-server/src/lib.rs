@@ -2,6 +2,8 @@
 
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
+// The README example runs as a doctest, so the crate's front page cannot drift from its API.
+#![cfg_attr(doctest, doc = include_str!("../README.md"))]
 
 pub mod chat;
 pub mod gguf_check;

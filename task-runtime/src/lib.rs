@@ -26,6 +26,8 @@
 //! state word instead of a per-thread kqueue.
 
 #![warn(missing_docs)]
+// The README example runs as a doctest, so the crate's front page cannot drift from its API.
+#![cfg_attr(doctest, doc = include_str!("../README.md"))]
 #![forbid(unsafe_code)]
 
 mod builder;
