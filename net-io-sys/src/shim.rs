@@ -1,8 +1,8 @@
 //! The fault-injection shim: per-site call counters and programmed faults, compiled in only under `cfg(net_io_shim)`.
 //!
 //! Each OS call site names itself (`"recv"`, `"send"`, `"accept4"`, `"epoll_wait"`, ...) and calls
-//! [`enter`] before the system call. Tests built with `--cfg net_io_shim` read [`calls`] to count system
-//! calls per operation and use [`inject`] to make the next calls of a site fail with a chosen `errno`.
+//! [`enter`] before the system call. Tests built with `--cfg net_io_shim` read `calls` to count system
+//! calls per operation and use `inject` to make the next calls of a site fail with a chosen `errno`.
 //! Without the cfg, [`enter`] is an empty inline function and the other items do not exist.
 
 use std::io;
