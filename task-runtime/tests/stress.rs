@@ -2,6 +2,7 @@
 
 mod common;
 
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use task_runtime::{Channel, Compute, Runtime, RuntimeError, Sleep, TaskHandle, faults};
@@ -14,13 +15,28 @@ enum Expect {
 
 #[test]
 fn mixed_work_survives_worker_deaths_and_manager_faults() {
-    std::panic::set_hook(Box::new(|_| {}));
+    // Only the panics this test causes on purpose stay quiet; any other (an assertion here, a bug in the
+    // runtime) is printed as usual.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let message = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if !(message.starts_with("stress ") || message == "injected manager fault") {
+            default_hook(info);
+        }
+    }));
     Runtime::builder().cores(2).init().expect("init");
     let started = Instant::now();
     let mut expectations = Vec::new();
     let mut round = 0u64;
     let (sender, receiver) = Channel::unbounded::<u64>();
     let mut receives = Vec::new();
+    let mut sent = BTreeSet::new();
+    let mut kills = 0u64;
     let mut last_kill = Instant::now();
     let mut last_fault = Instant::now();
     while started.elapsed() < Duration::from_secs(4) {
@@ -52,6 +68,7 @@ fn mixed_work_survives_worker_deaths_and_manager_faults() {
                 _ => {
                     receives.push(Runtime::task(receiver.receive()).spawn());
                     sender.send(key).expect("send");
+                    sent.insert(key);
                     continue;
                 }
             };
@@ -59,6 +76,7 @@ fn mixed_work_survives_worker_deaths_and_manager_faults() {
         }
         if last_kill.elapsed() > Duration::from_millis(700) {
             faults::kill_workers(1);
+            kills += 1;
             last_kill = Instant::now();
         }
         if last_fault.elapsed() > Duration::from_millis(1000) {
@@ -69,6 +87,9 @@ fn mixed_work_survives_worker_deaths_and_manager_faults() {
     }
     let deadline = Instant::now() + Duration::from_secs(60);
     let remaining = |deadline: Instant| deadline.saturating_duration_since(Instant::now());
+    // Tasks that did not end the way they were written: a worker that dies while running a task writes
+    // that one task off, so there may be at most as many of these as deaths, and no other kind of failure.
+    let mut written_off = 0u64;
     for expectation in expectations {
         match expectation {
             Expect::Value(handle, value) => {
@@ -78,11 +99,11 @@ fn mixed_work_survives_worker_deaths_and_manager_faults() {
                     std::thread::sleep(Duration::from_millis(1));
                     result = handle.join_with_timeout(remaining(deadline));
                 }
-                // A worker death may write off the task it was running; anything else is a bug.
-                assert!(
-                    result == Ok(value) || result == Err(RuntimeError::TaskFailed),
-                    "a value task gave {result:?}, expected {value}"
-                );
+                match result {
+                    Ok(got) => assert_eq!(got, value, "a value task gave another task's value"),
+                    Err(RuntimeError::TaskFailed) => written_off += 1,
+                    Err(error) => panic!("a value task expected to give {value} gave {error:?}"),
+                }
             }
             Expect::Failed(handle) => assert_eq!(
                 handle.join_with_timeout(remaining(deadline)),
@@ -94,24 +115,68 @@ fn mixed_work_survives_worker_deaths_and_manager_faults() {
                     slept >= length,
                     "a sleep of {length:?} ended early: {slept:?}"
                 ),
-                Err(error) => assert_eq!(error, RuntimeError::TaskFailed, "sleep gave {error:?}"),
+                Err(RuntimeError::TaskFailed) => written_off += 1,
+                Err(error) => panic!("a sleep of {length:?} gave {error:?}"),
             },
         }
     }
-    let mut received: Vec<u64> = receives
-        .into_iter()
-        .filter_map(|handle| handle.join_with_timeout(remaining(deadline)).ok())
-        .collect();
-    received.sort_unstable();
-    received.dedup();
-    assert!(!received.is_empty(), "channel receives should get values");
+    // Every value sent is received at most once, by a receive that ended well, and only values sent are
+    // received; with one receive per send, that leaves exactly one value unreceived per failed receive
+    // (still in the channel, or gone down with that receive), and the failures are held to the deaths below.
+    let mut received = BTreeSet::new();
+    let mut failed_receives = 0u64;
+    for handle in receives {
+        match handle.join_with_timeout(remaining(deadline)) {
+            Ok(value) => assert!(
+                received.insert(value),
+                "the value {value} was received twice"
+            ),
+            Err(RuntimeError::TaskFailed) => failed_receives += 1,
+            Err(error) => panic!("a channel receive gave {error:?}"),
+        }
+    }
+    assert!(
+        received.is_subset(&sent),
+        "a receive got a value nobody sent: {:?}",
+        received.difference(&sent).collect::<Vec<_>>()
+    );
+    while let Ok(value) = receiver.try_receive() {
+        assert!(
+            sent.contains(&value) && !received.contains(&value),
+            "the value {value} left in the channel was never sent or was received too"
+        );
+    }
+    written_off += failed_receives;
     let status = Runtime::status();
     assert!(
         status.manager_alive,
         "the manager should still be alive: {status:?}"
     );
+    // Each injected kill ends one worker the next time it looks for work, so by now every kill has landed;
+    // a death beyond them would be a worker lost to something else.
+    common::wait_until(
+        Duration::from_secs(10),
+        "every injected worker kill should have ended a worker",
+        || Runtime::pool().deaths >= kills,
+    );
     let pool = Runtime::pool();
-    assert!(pool.deaths >= 1, "worker deaths were injected: {pool}");
+    println!(
+        "sent {}, received {}, written off {written_off}, kills {kills}, deaths {}",
+        sent.len(),
+        received.len(),
+        pool.deaths
+    );
+    assert!(kills >= 1, "the storm should have injected a worker death");
+    assert_eq!(
+        pool.deaths, kills,
+        "{kills} worker deaths were injected, but the pool counts other deaths too: {pool}"
+    );
+    assert!(
+        written_off <= pool.deaths,
+        "{written_off} tasks failed although only {} workers died (each death writes off at most the task it \
+         was running): {pool}",
+        pool.deaths
+    );
     assert!(
         Runtime::healthy(),
         "the runtime should be healthy after the storm: {pool}"
