@@ -365,8 +365,20 @@ impl Linear {
     /// As [`Linear::from_qtensor`] for a shared tensor: a tied output head can share `token_embd` with the
     /// embedding lookup instead of holding a second copy (179 MB for gemma-3).
     pub fn from_arc(weight: Arc<QTensor>) -> candle_core::Result<Self> {
+        Self::from_arc_at(weight, SimdLevel::detect())
+    }
+
+    /// As [`Linear::from_arc`], with our kernels at `level` instead of the best this CPU runs: tests and
+    /// benchmarks use it to run the AVX2 and scalar paths on a CPU that would pick a faster one.
+    ///
+    /// Fails with [`KernelError::LevelUnavailable`] (wrapped) when this CPU cannot run `level`.
+    pub fn from_arc_at(weight: Arc<QTensor>, level: SimdLevel) -> candle_core::Result<Self> {
+        if !level.is_available() {
+            return Err(candle_core::Error::wrap(KernelError::LevelUnavailable(
+                level,
+            )));
+        }
         let (out_features, in_features) = weight.shape().dims2()?;
-        let level = SimdLevel::detect();
         let ours = match WeightFormat::from_ggml(weight.dtype()) {
             Some(WeightFormat::Q8_0) => {
                 let candle_repacks = level == SimdLevel::Avx512Vnni
