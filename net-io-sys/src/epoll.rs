@@ -105,6 +105,23 @@ impl Events {
 }
 
 /// An epoll instance, close-on-exec. Registration and waiting may happen on different threads.
+///
+/// ```
+/// use std::os::fd::AsFd;
+/// use std::time::Duration;
+///
+/// use net_io_sys::epoll::{Epoll, Events, Interest};
+/// use net_io_sys::eventfd::EventFd;
+///
+/// let epoll = Epoll::new()?;
+/// let wake = EventFd::new()?;
+/// epoll.add(wake.as_fd(), 7, Interest::READABLE)?;
+/// wake.signal()?;
+/// let mut events = Events::with_capacity(8);
+/// assert_eq!(epoll.wait(&mut events, Some(Duration::from_secs(5)))?, 1);
+/// assert_eq!(events.iter().next().map(|event| event.token), Some(7), "the eventfd's token");
+/// # Ok::<(), std::io::Error>(())
+/// ```
 #[derive(Debug)]
 pub struct Epoll {
     descriptor: OwnedFd,
