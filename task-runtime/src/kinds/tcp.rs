@@ -204,6 +204,23 @@ fn resolve(address: impl ToSocketAddrs) -> Result<SocketAddr, RuntimeError> {
 }
 
 /// TCP constructors.
+///
+/// Connect, accept, send and receive are tasks; each parks on the manager's epoll while the socket is not
+/// ready, holding no thread:
+///
+/// ```
+/// use task_runtime::{Runtime, Tcp};
+///
+/// let _ = Runtime::init();
+/// let listener = Tcp::listen("127.0.0.1:0")?;
+/// let accepted = Runtime::task(listener.accept()).spawn();
+/// let client = Runtime::task(Tcp::connect(listener.local_addr()?)).spawn().take()?;
+/// let server = accepted.take()?;
+/// let received = Runtime::task(server.recv_until(b'\n', 1024)).spawn();
+/// Runtime::task(client.send(b"hello\n".to_vec())).spawn().take()?;
+/// assert_eq!(received.take()?, b"hello\n");
+/// # Ok::<(), task_runtime::RuntimeError>(())
+/// ```
 #[derive(Debug)]
 pub struct Tcp;
 
