@@ -432,6 +432,22 @@ pub fn validate(path: &Path) -> Result<Summary, GgufError> {
     check(&mut cursor)
 }
 
+/// As [`validate`], for a whole file already in memory (the fuzz target's entry point). `path` only names the
+/// bytes in errors.
+///
+/// The same walk as for a file, so an `Ok` here means the same: candle's `Content::read` over these bytes
+/// cannot panic or over-allocate, and every tensor it would read lies inside them.
+pub fn validate_bytes(bytes: &[u8], path: &Path) -> Result<Summary, GgufError> {
+    let mut cursor = Cursor {
+        path,
+        reader: bytes,
+        position: 0,
+        file_size: bytes.len() as u64,
+        metadata_elements: 0,
+    };
+    check(&mut cursor)
+}
+
 /// A GGUF metadata value type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum ValueType {
@@ -482,17 +498,23 @@ impl ValueType {
     }
 }
 
+/// What the walk reads from: bytes in order, and a forward skip that keeps what is buffered.
+trait Source: Read {
+    /// Moves `count` bytes forward without reading them; the caller checked that they are there.
+    fn skip_forward(&mut self, count: i64) -> std::io::Result<()>;
+}
+
 /// A buffered reader that knows its position and the file size, so every read is checked first.
-struct Cursor<'a> {
+struct Cursor<'a, R> {
     path: &'a Path,
-    reader: BufReader<File>,
+    reader: R,
     position: u64,
     file_size: u64,
     /// Array elements seen so far in the metadata, against [`MAX_METADATA_ELEMENTS`].
     metadata_elements: u64,
 }
 
-impl Cursor<'_> {
+impl<R: Source> Cursor<'_, R> {
     fn remaining(&self) -> u64 {
         self.file_size.saturating_sub(self.position)
     }
@@ -544,7 +566,7 @@ impl Cursor<'_> {
             return Err(self.io_error(std::io::Error::other("skip beyond i64")));
         };
         self.reader
-            .seek_relative(step)
+            .skip_forward(step)
             .map_err(|source| self.io_error(source))?;
         self.position += count;
         Ok(())
@@ -590,8 +612,27 @@ impl Cursor<'_> {
     }
 }
 
+impl Source for BufReader<File> {
+    fn skip_forward(&mut self, count: i64) -> std::io::Result<()> {
+        // `seek_relative` keeps the buffer when the target is inside it; a plain seek would drop it and make
+        // every skipped vocabulary string a system call.
+        self.seek_relative(count)
+    }
+}
+
+impl Source for &[u8] {
+    fn skip_forward(&mut self, count: i64) -> std::io::Result<()> {
+        let rest = usize::try_from(count)
+            .ok()
+            .and_then(|count| self.get(count..))
+            .ok_or_else(|| std::io::Error::other("skip beyond the end of the bytes"))?;
+        *self = rest;
+        Ok(())
+    }
+}
+
 /// The walk over the header sections.
-fn check(cursor: &mut Cursor<'_>) -> Result<Summary, GgufError> {
+fn check(cursor: &mut Cursor<'_, impl Source>) -> Result<Summary, GgufError> {
     let path = cursor.path;
     let magic = cursor.read_array::<4>(&|| "the GGUF magic".to_string())?;
     if &magic != b"GGUF" {
@@ -804,7 +845,10 @@ impl TensorEntry {
 }
 
 /// Reads a metadata value type id and maps it.
-fn read_value_type(cursor: &mut Cursor<'_>, key: &str) -> Result<ValueType, GgufError> {
+fn read_value_type(
+    cursor: &mut Cursor<'_, impl Source>,
+    key: &str,
+) -> Result<ValueType, GgufError> {
     let offset = cursor.position;
     let type_id = cursor.u32(&|| format!("the value type of metadata key `{key}`"))?;
     ValueType::from_id(type_id).ok_or_else(|| GgufError::UnknownValueType {
@@ -818,7 +862,7 @@ fn read_value_type(cursor: &mut Cursor<'_>, key: &str) -> Result<ValueType, Gguf
 /// Reads `general.alignment` the way candle does, rejecting the zero candle would divide by (and any
 /// other value that is not a power of two, which GGUF forbids).
 fn read_alignment(
-    cursor: &mut Cursor<'_>,
+    cursor: &mut Cursor<'_, impl Source>,
     size: u64,
     name: &'static str,
     key: &str,
@@ -850,7 +894,7 @@ fn read_alignment(
 
 /// Steps over one value of `value_type`, checking every length and nested type on the way.
 fn skip_value(
-    cursor: &mut Cursor<'_>,
+    cursor: &mut Cursor<'_, impl Source>,
     value_type: ValueType,
     key: &str,
     depth: usize,

@@ -6,6 +6,7 @@
 #![cfg_attr(doctest, doc = include_str!("../README.md"))]
 
 pub mod chat;
+pub mod fuzzing;
 pub mod gguf_check;
 pub mod kernels;
 pub mod model;
