@@ -9,7 +9,9 @@
 //! The server runs in this process, built through the public API (`ServerBuilder`), and answers every read
 //! with its connection id (8 bytes, little endian), so the client learns which id to kill. A gate records
 //! when the accept thread last admitted a connection. Each load prints one line
-//! `result kind=K load=L key=value ...` on standard output; the xtask parses it.
+//! `result kind=K load=L key=value ...` on standard output; the xtask parses it. Every line also carries
+//! `descriptor_limit`, the descriptor limit the run had once it raised its soft limit to the hard one, so
+//! the report can say what limit the counts below met rather than assume one.
 //!
 //! - `kill`: `--count` connections (default 2,000) one after the other: connect, one round trip, then
 //!   `ServerHandle::kill(id, 7)` and a blocking `read` on the client until it returns. A kill closes with
@@ -22,15 +24,16 @@
 //! - `door`: `close_door` does not close the listening socket (its documentation: "The listeners stay
 //!   bound; new connections wait in the kernel backlog"), so a connect after it is never refused by the
 //!   kernel; it completes and waits in the backlog. "Refused" here therefore means *no longer admitted*:
-//!   a client thread connects and resets, pausing `--pause-us` (default 100; 0 connects flat out) after
-//!   each connect, and the latency of one sample is the time from the `close_door` call to the last
+//!   a client thread connects and resets, pausing `--pause-us` (default 100; 0 connects flat out, and the
+//!   line reports it as `pause_us`) after each connect, and the latency of one sample is the time from the `close_door` call to the last
 //!   admission the gate saw (0 if none came after the call). `--count` samples (default 200); between
 //!   samples the door is opened again and the sample waits until a new connection is admitted, which
 //!   checks that the door accepts again. `late` counts admissions seen from 10 ms to 15 ms after a close
 //!   (should be 0).
 //! - `drain`: a child process (`client`) opens `--count` idle connections (default 10,000 for the event
-//!   loops, 5,000 for worker threads: one thread and two descriptors per worker, under a hard descriptor
-//!   limit of 20,000), one round trip each; then `drain(now + 5 s)` runs, and the child reports when every
+//!   loops, 5,000 for worker threads: each of those holds a thread and two descriptors, so 10,000 would
+//!   need about 30,000 descriptors in one process, more than many hard limits allow; the report sets this
+//!   beside the run's `descriptor_limit`), one round trip each; then `drain(now + 5 s)` runs, and the child reports when every
 //!   one of its connections saw its close (it closes each at once, as a client would, which ends the
 //!   server's graceful linger). The child's clock starts when it reads `go` from its standard input, which
 //!   the server writes just before it calls `drain`.
@@ -41,7 +44,8 @@
 //!   sums the CPU time (`/proc/self/task/*/schedstat`, nanoseconds) and context switches
 //!   (`/proc/self/task/*/status`) of every server thread over `--window-ms` (default 2,000), leaving out
 //!   the main thread, which only sleeps and reads /proc. With `--control` the server also watches a
-//!   control line (`ServerBuilder::control`), which one accept thread polls every 100 ms.
+//!   control line (`ServerBuilder::control`); nothing polls it (a `ControlLine::set` wakes the accept
+//!   threads), so with the line left alone the window should see no wake-up either.
 
 use std::collections::HashMap;
 use std::fs;
@@ -321,7 +325,7 @@ fn parse_count(text: &str, flag: &str) -> Result<usize, String> {
 
 /// Runs one load against a fresh server and prints its result line.
 fn run(options: &Options) -> io::Result<()> {
-    raise_descriptor_limit()?;
+    let descriptor_limit = raise_descriptor_limit()?;
     let connections = options.count.unwrap_or(match options.load {
         Load::Kill => 2_000,
         Load::Door => 200,
@@ -338,7 +342,7 @@ fn run(options: &Options) -> io::Result<()> {
     if options.kind == Kind::Std {
         let (address, streams) = start_std_server()?;
         let line = measure_kill(address, connections, |id| kill_std(&streams, id))?;
-        println!("result kind=std load=kill {line}");
+        println!("result kind=std load=kill {line} descriptor_limit={descriptor_limit}");
         return Ok(());
     }
     let admissions = Arc::new(Admissions {
@@ -356,31 +360,32 @@ fn run(options: &Options) -> io::Result<()> {
         Load::Idle => measure_idle(&server, connections, options.window)?,
         Load::Drain | Load::Shutdown => {
             let line = measure_drain(server, connections, options.load)?;
-            print_result(options, &line);
+            print_result(options, &line, descriptor_limit);
             return Ok(());
         }
     };
-    print_result(options, &line);
+    print_result(options, &line, descriptor_limit);
     let _ = server.shutdown(Instant::now() + Duration::from_secs(2));
     Ok(())
 }
 
-fn print_result(options: &Options, line: &str) {
+fn print_result(options: &Options, line: &str, descriptor_limit: u64) {
     println!(
-        "result kind={} load={} {line}",
+        "result kind={} load={} {line} descriptor_limit={descriptor_limit}",
         options.kind.name(),
         options.load.name()
     );
 }
 
-/// Raises the soft descriptor limit to the hard one: drain and idle hold thousands of sockets.
-fn raise_descriptor_limit() -> io::Result<()> {
+/// Raises the soft descriptor limit to the hard one (drain and idle hold thousands of sockets) and returns
+/// the limit this process now has.
+fn raise_descriptor_limit() -> io::Result<u64> {
     let mut limit = net_io_sys::rlimit::descriptor_limit()?;
     if limit.soft < limit.hard {
         limit.soft = limit.hard;
         net_io_sys::rlimit::set_descriptor_limit(limit)?;
     }
-    Ok(())
+    Ok(limit.soft)
 }
 
 /// Builds the server of `kind` for `held` connections at once, with the door open.
@@ -625,7 +630,7 @@ fn measure_door(
     let call = Percentiles::of(&mut calls);
     Ok(format!(
         "n={} p50_us={:.1} p99_us={:.1} max_us={:.1} call_p99_us={:.1} late={late} reopen_failed={reopen_failures} \
-         arrival_gap_us={:.1} connect_failed={}",
+         arrival_gap_us={:.1} connect_failed={} pause_us={}",
         latencies.len(),
         spread.p50,
         spread.p99,
@@ -636,7 +641,8 @@ fn measure_door(
         } else {
             seconds * 1e6 / connected as f64
         },
-        failures.load(Ordering::Relaxed)
+        failures.load(Ordering::Relaxed),
+        pause.as_micros()
     ))
 }
 

@@ -610,7 +610,12 @@ fn render_report(
         elapsed.as_secs_f64()
     );
     let _ = writeln!(out, "- {}", describe_load(&run.load_samples, machine.cores));
-    let _ = writeln!(out, "- {}\n", describe_busy(&run.busy_samples));
+    let _ = writeln!(out, "- {}", describe_busy(&run.busy_samples));
+    let _ = writeln!(
+        out,
+        "- {}\n",
+        describe_descriptor_limits(descriptor_limits(run))
+    );
 
     let _ = writeln!(out, "## Targets\n");
     let _ = writeln!(
@@ -727,7 +732,9 @@ fn render_report(
         },
     );
     if options.loads.contains(&"door") {
-        let _ = writeln!(out, "## Door\n\n{DOOR_METHOD}\n");
+        let pause =
+            median_over_drivers(run, &DRIVERS.map(|driver| driver.name), "door", "pause_us");
+        let _ = writeln!(out, "## Door\n\n{}\n", door_method(pause));
     }
     table(
         &mut out,
@@ -749,7 +756,9 @@ fn render_report(
         },
     );
     if options.loads.contains(&"drain") {
-        let _ = writeln!(out, "## Drain\n\n{DRAIN_METHOD}\n");
+        let threaded = median_over_drivers(run, &["handler", "sessions"], "drain", "n");
+        let limit = descriptor_limits(run).map(|(lowest, _)| lowest);
+        let _ = writeln!(out, "## Drain\n\n{}\n", drain_method(limit, threaded));
     }
     table(
         &mut out,
@@ -839,38 +848,15 @@ fn render_report(
     out
 }
 
-const KILL_METHOD: &str = "Method: connections one after the other (2,000 per round by default). The client connects with a \
-std `TcpStream`, sends one byte and reads the 8-byte connection id the server answers with; the benchmark then \
-calls `ServerHandle::kill(id, 7)` and the client's blocking `read` waits for the result. The time runs from just \
-before the `kill` call to the `read`'s return, so it is the kill-to-RST time plus the client's wake-up: an upper \
-bound on the time to the RST on the wire. `Killed(code)` is an abortive reason, so the server closes with linger 0: \
-an RST, which the client sees as `ECONNRESET` (the column counts any FIN, timeout over 2 s or other error apart). \
-The std row is a yardstick measured in the same run: a std thread per connection, killed as any blocking server \
-must kill from another thread (`shutdown(SHUT_RD)` on a clone of the socket wakes the thread's `read`, which then \
-closes with linger 0). Its tail shows what the machine's scheduling alone adds.";
-
-const DOOR_METHOD: &str = "Method: `close_door` does not close the listening socket (its documentation: the listeners stay \
-bound and new connections wait in the kernel backlog), so no connect is ever *refused* by the kernel after it; \
-the connect completes and waits. The benchmark therefore measures when the server stops *admitting*: a client \
-thread connects and resets (`SO_LINGER` 0) every 100 µs plus the connect's own time (the mean gap is in the \
-table), a gate records the time of each admission on the accept thread, and a sample is the time from the \
-`close_door` call to the last admission after it (0 when none came after the call). 200 samples per round by \
-default; between samples the door is opened again and the sample waits for a new admission, which checks that \
-the door accepts again. \"Admitted 10 to 15 ms after\" counts admissions long after a close (should be 0). \
-The pause keeps the client thread from taking a whole core from the accept thread on a small machine; \
-`bench_lifecycle --load door --pause-us 0` connects flat out. Either way the accept thread checks the door once \
-per wake and then takes up to `accept_batch` (16) queued connections without looking again, so a close that \
-lands inside a batch is seen only after it.";
-
-const DRAIN_METHOD: &str = "Method: a child process (so that client and server each have the 20,000-descriptor hard limit \
-of this machine) opens the idle connections one after the other, each with one round trip so that it is served, \
-and registers them with its own epoll. The benchmark then writes `go` to the child and calls \
-`drain(now + 5 s)`. \"Drain report\" is the `DrainReport`'s `elapsed` (until the server's open count is 0); the \
-child's clock starts when it reads `go` and stops when the last of its connections saw its close (it reads the \
-FIN and closes the socket, as a client would, which ends the server's graceful linger), so that column includes \
-the client's own work on the same two cores. The worker-thread drivers run 5,000 connections, not 10,000: each \
-connection holds a worker thread and each worker two descriptors, and 10,000 of them would need about 30,000 \
-descriptors in one process, over the hard limit; their figure is therefore not judged against B-12.";
+const KILL_METHOD: &str = "Method: connections one after the other (the Kills column gives how many per round). The client \
+connects with a std `TcpStream`, sends one byte and reads the 8-byte connection id the server answers with; the \
+benchmark then calls `ServerHandle::kill(id, 7)` and the client's blocking `read` waits for the result. The time \
+runs from just before the `kill` call to the `read`'s return, so it is the kill-to-RST time plus the client's \
+wake-up: an upper bound on the time to the RST on the wire. `Killed(code)` is an abortive reason, so the server \
+closes with linger 0: an RST, which the client sees as `ECONNRESET` (the column counts any FIN, timeout over 2 s \
+or other error apart). The std row is a yardstick measured in the same run: a std thread per connection, killed \
+as any blocking server must kill from another thread (`shutdown(SHUT_RD)` on a clone of the socket wakes the \
+thread's `read`, which then closes with linger 0). Its tail shows what the machine's scheduling alone adds.";
 
 const SHUTDOWN_METHOD: &str = "Method: as for the drain, but through `Server::shutdown(now + 5 s)`. Its idle closes carry \
 `Shutdown`, an abortive reason: an RST at once and no linger, so the clients see `ECONNRESET` and nothing waits \
@@ -878,17 +864,146 @@ for their FIN. Set beside the drain it shows what the graceful close costs. \"Dr
 `elapsed`; \"`shutdown` returned\" adds stopping the accept threads and joining every worker or loop thread. Not \
 a net-io target; for reference only.";
 
-const IDLE_METHOD: &str = "Method: the same child process opens the idle connections (5,000 by default) with one round \
-trip each; 200 ms after the server counts them all open, the benchmark sums, over every server thread (all but \
-the main thread, which only sleeps and reads /proc), the CPU time from `/proc/self/task/*/schedstat` (in \
+const IDLE_METHOD: &str = "Method: the same child process opens the idle connections (the table gives how many) with one \
+round trip each; 200 ms after the server counts them all open, the benchmark sums, over every server thread (all \
+but the main thread, which only sleeps and reads /proc), the CPU time from `/proc/self/task/*/schedstat` (in \
 nanoseconds) and the voluntary plus involuntary context switches from `/proc/self/task/*/status`, at the start \
-and the end of a 2 s window. The idle timeout is 10 minutes, so no deadline falls in the window; any CPU or \
-switch there is a periodic tick or a stray wake-up. \"CPU since start\" shows that the reading works.";
+and the end of a window (the table gives its length). The idle timeout is 10 minutes, so no deadline falls in \
+the window; any CPU or switch there is a periodic tick or a stray wake-up. \"CPU since start\" shows that the \
+reading works.";
 
-const IDLE_CONTROL_METHOD: &str = "Method: as for the idle CPU, with 1,000 idle connections (the question is \
-whether a tick runs, which does not depend on the count) and a `ControlLine` given to \
-`ServerBuilder::control`. The accept thread that watches the line polls it every 100 ms (`runtime.rs`), so \
-about 20 wake-ups are expected in the 2 s window whatever the connections do.";
+const IDLE_CONTROL_METHOD: &str = "Method: as for the idle CPU, with fewer idle connections by default (the table gives how \
+many; the question is whether a tick runs, which does not depend on the count) and a `ControlLine` given to \
+`ServerBuilder::control`. Nothing polls the line: each `ControlLine::set` wakes the accept threads that watch it, \
+and the benchmark never sets it, so no wake-up is expected in the window, as without the line.";
+
+/// Descriptors one worker-thread connection needs in the server process: its socket and the two its worker
+/// thread holds.
+const DESCRIPTORS_PER_THREADED_CONNECTION: f64 = 3.0;
+
+/// The door's method, with the pause between connects the runs reported (`pause_us`), if they did.
+fn door_method(pause_microseconds: Option<f64>) -> String {
+    let pause = match pause_microseconds {
+        Some(pause) if pause > 0.0 => format!("pausing {pause:.0} µs after each connect"),
+        Some(_) => "connecting flat out, with no pause".to_owned(),
+        None => {
+            "pausing `--pause-us` after each connect (the runs did not report how long)".to_owned()
+        }
+    };
+    format!(
+        "Method: `close_door` does not close the listening socket (its documentation: the listeners stay \
+         bound and new connections wait in the kernel backlog), so no connect is ever *refused* by the kernel \
+         after it; the connect completes and waits. The benchmark therefore measures when the server stops \
+         *admitting*: a client thread connects and resets (`SO_LINGER` 0), {pause} (the mean gap, the \
+         connect's own time included, is in the table), a gate records the time of each admission on the \
+         accept thread, and a sample is the time from the `close_door` call to the last admission after it \
+         (0 when none came after the call). The Samples column gives the samples per round; between samples \
+         the door is opened again and the sample waits for a new admission, which checks that the door \
+         accepts again. \"Admitted 10 to 15 ms after\" counts admissions long after a close (should be 0). \
+         A pause keeps the client thread from taking a whole core from the accept thread on a small machine; \
+         `bench_lifecycle --load door --pause-us 0` connects flat out. The accept thread checks the door \
+         before each `accept4` of a batch, so a close that lands inside a batch leaves the rest of it in the \
+         backlog; only an accept already under way when `close_door` is called can still admit."
+    )
+}
+
+/// The drain's method, with the descriptor limit the runs reported and the connections the worker-thread
+/// drivers drained (the median over their rounds), when they ran.
+fn drain_method(descriptor_limit: Option<f64>, threaded_connections: Option<f64>) -> String {
+    let limit = descriptor_limit.map_or_else(
+        || "a limit the runs did not report".to_owned(),
+        show_descriptor_limit,
+    );
+    let mut text = format!(
+        "Method: a child process (so that client and server each have the whole descriptor limit, {limit} in \
+         this run, the soft limit raised to the hard one) opens the idle connections one after the other, each \
+         with one round trip so that it is served, and registers them with its own epoll. The benchmark then \
+         writes `go` to the child and calls `drain(now + 5 s)`. \"Drain report\" is the `DrainReport`'s \
+         `elapsed` (until the server's open count is 0); the child's clock starts when it reads `go` and stops \
+         when the last of its connections saw its close (it reads the FIN and closes the socket, as a client \
+         would, which ends the server's graceful linger), so that column includes the client's own work on \
+         the same machine."
+    );
+    if let Some(connections) = threaded_connections {
+        let needed = DRAIN_TARGET_CONNECTIONS * DESCRIPTORS_PER_THREADED_CONNECTION;
+        let fits = match descriptor_limit {
+            Some(limit) if limit < needed => format!(
+                ", over this run's limit of {}",
+                show_descriptor_limit(limit)
+            ),
+            Some(limit) => format!(
+                ", within this run's limit of {} (the smaller count keeps runs comparable across machines)",
+                show_descriptor_limit(limit)
+            ),
+            None => String::new(),
+        };
+        let judged = if connections < DRAIN_TARGET_CONNECTIONS {
+            "their figure is therefore not judged against B-12"
+        } else {
+            "at 10,000 their figure is judged against B-12 like the others"
+        };
+        let _ = write!(
+            text,
+            " The worker-thread drivers drained {connections:.0} connections: each connection holds a worker \
+             thread and each worker two descriptors besides its socket, so 10,000 of them would need about \
+             {needed:.0} descriptors in one process{fits}; {judged}."
+        );
+    }
+    text
+}
+
+/// The descriptor limit every result line reported (`descriptor_limit`), lowest and highest.
+fn descriptor_limits(run: &Run) -> Option<(f64, f64)> {
+    let limits: Vec<f64> = run
+        .measurements
+        .values()
+        .flatten()
+        .map(|measurement| measurement.figure("descriptor_limit"))
+        .filter(|limit| !limit.is_nan())
+        .collect();
+    let spread = Spread::of(&limits);
+    (!limits.is_empty()).then_some((spread.lowest, spread.highest))
+}
+
+/// A sentence on the descriptor limit the measuring processes ran under.
+fn describe_descriptor_limits(limits: Option<(f64, f64)>) -> String {
+    match limits {
+        None => "The measuring processes did not report their descriptor limit.".to_owned(),
+        Some((lowest, highest)) if lowest == highest => format!(
+            "Descriptor limit of every measuring process, its soft limit raised to the hard one: {}.",
+            show_descriptor_limit(lowest)
+        ),
+        Some((lowest, highest)) => format!(
+            "Descriptor limit of the measuring processes, each soft limit raised to the hard one: from {} to {}.",
+            show_descriptor_limit(lowest),
+            show_descriptor_limit(highest)
+        ),
+    }
+}
+
+/// A descriptor limit as the report writes it: `RLIM_INFINITY` (reported as `u64::MAX`) is "unlimited".
+fn show_descriptor_limit(limit: f64) -> String {
+    if limit >= u64::MAX as f64 {
+        "unlimited".to_owned()
+    } else {
+        format!("{limit:.0}")
+    }
+}
+
+/// The median over the rounds of one figure of every given driver's load, when any of them ran it.
+fn median_over_drivers(run: &Run, drivers: &[&str], load: &str, key: &str) -> Option<f64> {
+    let values: Vec<f64> = drivers
+        .iter()
+        .filter_map(|driver| {
+            run.measurements
+                .get(&((*driver).to_owned(), load.to_owned()))
+        })
+        .flatten()
+        .map(|measurement| measurement.figure(key))
+        .filter(|value| !value.is_nan())
+        .collect();
+    (!values.is_empty()).then(|| median(&values))
+}
 
 /// A sentence giving the 1-minute load average at the start of each measurement.
 fn describe_load(samples: &[f64], cores: usize) -> String {
@@ -898,9 +1013,9 @@ fn describe_load(samples: &[f64], cores: usize) -> String {
     let spread = Spread::of(samples);
     format!(
         "1-minute load average at the start of each of the {} measurements: lowest {:.2}, median {:.2}, \
-         highest {:.2} on {cores} logical cores. It counts the benchmark's own threads too: the worker-thread \
-         drivers make thousands of threads runnable at once when their server stops, which lifts it far \
-         above what other work does, so read the busy share below for the other work.",
+         highest {:.2} on {cores} logical cores. It counts the benchmark's own threads too (the worker-thread \
+         drivers make thousands of threads runnable at once when their server stops), so read the busy share \
+         below for the other work.",
         samples.len(),
         spread.lowest,
         spread.median,
@@ -917,8 +1032,7 @@ fn describe_busy(samples: &[f64]) -> String {
     // A pause with no benchmark process running sees only the other work, and a sample is the share of
     // all cores that work kept busy.
     let verdict = if spread.median > 0.5 {
-        "other work (the other helpers' builds and benchmarks) held more than half the machine during most \
-         measurements, so tail figures carry scheduling delays that a quiet machine would not show"
+        "other work held more than half the machine during most measurements, so tail figures carry scheduling delays that a quiet machine would not show"
     } else if spread.highest > 0.5 {
         "other work held more than half the machine at times; compare the ranges over rounds"
     } else {
@@ -1127,7 +1241,7 @@ mod tests {
         run.measurements.insert(
             ("sessions-loop".to_owned(), "kill".to_owned()),
             vec![
-                line("result kind=sessions-loop load=kill n=2000 p50_us=20 p99_us=30 max_us=90 call_p99_us=8 reset=2000 eof=0 timeout=0 other=0"),
+                line("result kind=sessions-loop load=kill n=2000 p50_us=20 p99_us=30 max_us=90 call_p99_us=8 reset=2000 eof=0 timeout=0 other=0 descriptor_limit=20000"),
                 line("result kind=sessions-loop load=kill n=2000 p50_us=22 p99_us=1500 max_us=2000 call_p99_us=9 reset=2000 eof=0 timeout=0 other=0"),
                 line("result kind=sessions-loop load=kill n=2000 p50_us=21 p99_us=40 max_us=95 call_p99_us=8 reset=1999 eof=1 timeout=0 other=0"),
             ],
@@ -1191,6 +1305,123 @@ mod tests {
         assert!(
             !report.contains("## Door"),
             "a load not run has no section:\n{report}"
+        );
+        assert!(
+            report.contains(
+                "Descriptor limit of every measuring process, its soft limit raised to the hard one: 20000."
+            ),
+            "the machine section should give the descriptor limit the runs reported:\n{report}"
+        );
+        assert!(
+            report.contains("the whole descriptor limit, 20000 in this run"),
+            "the drain method should give the run's descriptor limit:\n{report}"
+        );
+        assert!(
+            !report.contains("this machine") && !report.contains("polls it"),
+            "the report should state no fixed machine fact and no control-line poll:\n{report}"
+        );
+    }
+
+    #[test]
+    fn the_control_line_method_says_nothing_polls_the_line() {
+        let options = Options {
+            rounds: 1,
+            drivers: vec![DRIVERS[3]],
+            loads: vec!["idle-control"],
+            counts: HashMap::new(),
+            output: None,
+        };
+        let machine = Machine {
+            cpu: "Test CPU".to_owned(),
+            cores: 2,
+            kernel: "6.0".to_owned(),
+            commit: "abc1234".to_owned(),
+        };
+        let report = render_report(
+            &options,
+            &Run::default(),
+            &machine,
+            "1 1 1",
+            "1 1 1",
+            Duration::from_secs(1),
+            &[],
+        );
+        assert!(
+            report.contains("Nothing polls the line") && !report.contains("every 100 ms"),
+            "a control-line change wakes the accept threads; the method must not describe a poll:\n{report}"
+        );
+    }
+
+    #[test]
+    fn the_drain_method_sets_the_worker_thread_count_beside_the_run_s_descriptor_limit() {
+        let tight = drain_method(Some(20_000.0), Some(5_000.0));
+        assert!(
+            tight.contains("drained 5000 connections")
+                && tight.contains("over this run's limit of 20000")
+                && tight.contains("not judged against B-12"),
+            "under a 20,000 limit, 30,000 descriptors are over it and 5,000 are not judged: {tight}"
+        );
+        let roomy = drain_method(Some(1_048_576.0), Some(5_000.0));
+        assert!(
+            roomy.contains("within this run's limit of 1048576"),
+            "under a limit of a million, 30,000 descriptors fit: {roomy}"
+        );
+        let judged = drain_method(Some(1_048_576.0), Some(10_000.0));
+        assert!(
+            judged.contains("judged against B-12 like the others"),
+            "10,000 worker-thread connections are judged: {judged}"
+        );
+        let unlimited = drain_method(Some(u64::MAX as f64), None);
+        assert!(
+            unlimited.contains("the whole descriptor limit, unlimited in this run")
+                && !unlimited.contains("worker-thread drivers"),
+            "no limit reads as unlimited, and with no worker-thread run there is no sentence on it: {unlimited}"
+        );
+        assert!(
+            drain_method(None, Some(5_000.0)).contains("a limit the runs did not report"),
+            "an unreported limit is said to be unknown"
+        );
+    }
+
+    #[test]
+    fn the_door_method_gives_the_pause_the_runs_reported() {
+        assert!(
+            door_method(Some(100.0)).contains("pausing 100 µs after each connect"),
+            "a reported pause of 100 µs should be named"
+        );
+        assert!(
+            door_method(Some(0.0)).contains("connecting flat out"),
+            "a zero pause connects flat out"
+        );
+        assert!(
+            door_method(None).contains("did not report"),
+            "an unreported pause is said to be unknown"
+        );
+        assert!(
+            door_method(Some(100.0)).contains("checks the door before each `accept4`"),
+            "the door is checked before each accept, not once per batch"
+        );
+    }
+
+    #[test]
+    fn the_descriptor_limit_sentence_follows_what_the_runs_reported() {
+        let line = |text: &str| parse_result_line(text).expect("test lines parse");
+        let mut run = Run::default();
+        assert_eq!(
+            describe_descriptor_limits(descriptor_limits(&run)),
+            "The measuring processes did not report their descriptor limit.",
+            "no run, no limit"
+        );
+        run.measurements.insert(
+            ("handler".to_owned(), "kill".to_owned()),
+            vec![
+                line("result kind=handler load=kill n=1 descriptor_limit=20000"),
+                line("result kind=handler load=kill n=1 descriptor_limit=65536"),
+            ],
+        );
+        assert!(
+            describe_descriptor_limits(descriptor_limits(&run)).contains("from 20000 to 65536"),
+            "differing limits should be given as a range"
         );
     }
 }
