@@ -471,6 +471,17 @@ pub enum ConnectProgress {
 /// whether it finished. A refusal the kernel knows at once (loopback) comes back here as
 /// `ConnectionRefused`.
 pub fn connect_nonblocking(address: SocketAddr) -> io::Result<(OwnedFd, ConnectProgress)> {
+    let socket = stream_socket_for(address)?;
+    let progress = start_connect(socket.as_fd(), address)?;
+    Ok((socket, progress))
+}
+
+/// A new non-blocking, close-on-exec TCP socket of `address`'s family, not yet connected.
+///
+/// With [`start_connect`] this is [`connect_nonblocking`] in two steps, for a caller that must keep the
+/// socket even when the connect fails at once (a server driver reports that failure through the
+/// connection's normal close rather than to the caller of `connect`).
+pub fn stream_socket_for(address: SocketAddr) -> io::Result<OwnedFd> {
     shim::enter("socket")?;
     // SOCK_NONBLOCK at creation saves an fcntl; socket2 adds SOCK_CLOEXEC on Linux.
     let socket = Socket::new(
@@ -478,17 +489,27 @@ pub fn connect_nonblocking(address: SocketAddr) -> io::Result<(OwnedFd, ConnectP
         Type::STREAM.nonblocking(),
         None,
     )?;
+    Ok(OwnedFd::from(socket))
+}
+
+/// Starts connecting the non-blocking `socket` to `address` without waiting for the handshake.
+pub fn start_connect(socket: BorrowedFd<'_>, address: SocketAddr) -> io::Result<ConnectProgress> {
     shim::enter("connect")?;
-    let progress = match socket.connect(&address.into()) {
-        Ok(()) => ConnectProgress::Connected,
+    match SockRef::from(&socket).connect(&address.into()) {
+        Ok(()) => Ok(ConnectProgress::Connected),
         Err(error) if error.raw_os_error() == Some(libc::EINPROGRESS) => {
-            ConnectProgress::InProgress
+            Ok(ConnectProgress::InProgress)
         }
         // connect(2): an interrupted connect goes on asynchronously, like EINPROGRESS, so it is not retried.
-        Err(error) if error.kind() == io::ErrorKind::Interrupted => ConnectProgress::InProgress,
-        Err(error) => return Err(error),
-    };
-    Ok((OwnedFd::from(socket), progress))
+        Err(error) if error.kind() == io::ErrorKind::Interrupted => Ok(ConnectProgress::InProgress),
+        Err(error) => Err(error),
+    }
+}
+
+/// Sets `TCP_NODELAY` on a connected socket (an accepted one inherits it from its listener instead).
+pub fn set_nodelay(socket: BorrowedFd<'_>, nodelay: bool) -> io::Result<()> {
+    shim::enter("setsockopt_nodelay")?;
+    SockRef::from(&socket).set_tcp_nodelay(nodelay)
 }
 
 /// Sets or clears `O_NONBLOCK` on `socket` (an accepted socket starts blocking).
