@@ -4,6 +4,20 @@ use std::fmt::Debug;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+/// How far ahead a deadline too far to represent is put instead: about 136 years, "never" for a connection.
+const FAR_FUTURE: Duration = Duration::from_secs(1 << 32);
+
+/// The deadline `timeout` after `now`, without the panic of `Instant + Duration` on overflow.
+///
+/// A timeout of `Duration::MAX` (from the limits or from a session's request) is a valid way to say "never";
+/// the deadline then lies about 136 years ahead, which no wait ever reaches but every comparison still
+/// orders.
+pub fn deadline_after(now: Instant, timeout: Duration) -> Instant {
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(FAR_FUTURE))
+        .unwrap_or(now)
+}
+
 /// A source of the current time. Injected so tests can move time by hand.
 pub trait Clock: Send + Sync + Debug + 'static {
     /// The current time.

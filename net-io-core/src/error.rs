@@ -67,6 +67,24 @@ pub enum NetError {
         /// The id asked for.
         listener: ListenerId,
     },
+    /// An outbound session was offered to a server that drives another session type (or runs handlers).
+    #[error(
+        "this server drives sessions of type {expected}, not {given}; pass a session of the server's own type to connect (a server whose factory makes Box<dyn Session> takes boxed sessions)"
+    )]
+    WrongSessionType {
+        /// The server's session type (or a note that it runs blocking handlers).
+        expected: &'static str,
+        /// The type that was offered.
+        given: &'static str,
+    },
+    /// An outbound connection would exceed the server's connection cap.
+    #[error(
+        "the server already holds its cap of {cap} connections; close some or raise max_connections before connecting out"
+    )]
+    ConnectionCap {
+        /// The server-wide cap (`max_connections`).
+        cap: usize,
+    },
     /// An operating-system call failed.
     #[error("{}: {source}", os_advice(*class))]
     Os {
@@ -116,7 +134,10 @@ impl NetError {
                 ErrorClass::Address
             }
             NetError::PermissionDenied { .. } => ErrorClass::Permission,
-            NetError::InvalidConfig(_) | NetError::UnknownListener { .. } => ErrorClass::Config,
+            NetError::InvalidConfig(_)
+            | NetError::UnknownListener { .. }
+            | NetError::WrongSessionType { .. } => ErrorClass::Config,
+            NetError::ConnectionCap { .. } => ErrorClass::Resource,
             NetError::Timeout(_) => ErrorClass::Timeout,
             NetError::Closed(_) => ErrorClass::Closed,
             NetError::OutputFull(_) => ErrorClass::Backpressure,
@@ -196,6 +217,8 @@ impl From<NetError> for io::Error {
             NetError::PermissionDenied { .. } => io::ErrorKind::PermissionDenied,
             NetError::InvalidConfig(_) => io::ErrorKind::InvalidInput,
             NetError::UnknownListener { .. } => io::ErrorKind::NotFound,
+            NetError::WrongSessionType { .. } => io::ErrorKind::InvalidInput,
+            NetError::ConnectionCap { .. } => io::ErrorKind::QuotaExceeded,
             NetError::Timeout(_) => io::ErrorKind::TimedOut,
             NetError::Closed(_) => io::ErrorKind::NotConnected,
             NetError::OutputFull(_) => io::ErrorKind::WouldBlock,

@@ -47,6 +47,15 @@ pub enum Event {
         /// The listener.
         listener: ListenerId,
     },
+    /// An outbound connection (opened by the server) finished its TCP handshake and its session opens.
+    Connected {
+        /// The connection's id.
+        id: ConnectionId,
+        /// The address connected to.
+        peer: SocketAddr,
+        /// How long the connect took.
+        took: Duration,
+    },
     /// A connection was refused before any read.
     Refused {
         /// The TCP peer.

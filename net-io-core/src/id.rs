@@ -53,6 +53,12 @@ impl fmt::Display for ConnectionId {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ListenerId(pub u32);
 
+impl ListenerId {
+    /// The listener id that outbound connections carry: they were opened by the server, not accepted, and
+    /// no listener is ever given this id.
+    pub const OUTBOUND: ListenerId = ListenerId(u32::MAX);
+}
+
 impl fmt::Display for ListenerId {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(formatter, "{}", self.0)

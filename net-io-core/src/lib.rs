@@ -66,6 +66,7 @@ pub mod info;
 pub mod input;
 pub mod limits;
 mod loom;
+pub mod machine;
 pub mod output;
 pub mod proxy;
 pub mod rate;
@@ -75,7 +76,7 @@ pub mod stats;
 pub use addr::{Cidr, CidrError, PrefixKey, PrefixPolicy, TrustedProxies, normalize};
 pub use buffer::{BudgetExhausted, Buffer, BufferPool, SizeClass, WorkerBuffers};
 pub use caps::{Cap, SourceCaps};
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{Clock, ManualClock, SystemClock, deadline_after};
 pub use close::{CloseReason, Direction, LimitKind, OsErrorClass, RefusalCause, TimeoutKind};
 pub use completion::{
     Completer, Completion, CompletionReceiver, CompletionRing, PostError, Posted,
@@ -88,9 +89,10 @@ pub use gate::{
     close_ticket, readmit_or_refuse,
 };
 pub use id::{ConnectionId, IdAllocator, IdBlock, ListenerId, WorkerId};
-pub use info::ConnectionInfo;
+pub use info::{ConnectionInfo, Origin};
 pub use input::{Input, ReadBuffer};
 pub use limits::{ConfigError, Limits, MinRateRule, ResolvedLimits};
+pub use machine::{HalfClose, HookEnvironment, SessionMachine, WriteShut};
 pub use output::{Output, OutputFull};
 pub use proxy::{
     ProxyCommand, ProxyError, ProxyHeader, ProxyMode, ProxyParser, ProxyStatus, ProxyTransport,

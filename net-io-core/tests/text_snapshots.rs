@@ -131,6 +131,11 @@ fn net_error_texts_are_stable() {
         NetError::UnknownListener {
             listener: ListenerId(9),
         },
+        NetError::WrongSessionType {
+            expected: "stage_server::serve::LinkSession",
+            given: "alloc::string::String",
+        },
+        NetError::ConnectionCap { cap: 1024 },
         NetError::from(io::Error::from_raw_os_error(libc_errno::EMFILE)),
         NetError::from(io::Error::from_raw_os_error(libc_errno::ECONNRESET)),
         NetError::from(io::Error::other("custom failure")),
