@@ -568,9 +568,9 @@ fn start<G: Gate, W: Workload>(
         manual_clock,
         events: settings.events,
         events_enabled,
-        // One close slot per worker and loop, one per accept thread that can be live at once, and one for
-        // the thread that shuts down.
-        counters: Counters::new(worker_threads + loop_shared.len() + LISTENERS_MAX + 1),
+        // One close slot per worker and loop, one per accept thread that can be live at once, one for the
+        // thread that shuts down and one for outbound connections refused before a loop or worker took them.
+        counters: Counters::new(worker_threads + loop_shared.len() + LISTENERS_MAX + 2),
         caps: Arc::new(Caps::new(limits.max_connections)),
         workers: worker_shared,
         loops: loop_shared,
@@ -591,6 +591,7 @@ fn start<G: Gate, W: Workload>(
         serving_coalescer: Mutex::new(Coalescer::new()),
         serving_folded: AtomicBool::new(false),
     });
+    let ids = IdAllocator::new();
     let runtime = Arc::new(Runtime {
         core: Arc::clone(&core),
         gate,
@@ -598,7 +599,8 @@ fn start<G: Gate, W: Workload>(
         handover: HandOver::new(workers),
         listener_defaults: defaults,
         pool: BufferPool::new(limits.buffer_budget, limits.wipe_buffers),
-        ids: IdAllocator::new(),
+        outbound: crate::runtime::OutboundShared::new(limits, &ids),
+        ids,
         _control_waker: settings.control.as_ref().map(|line| {
             let core = Arc::downgrade(&core);
             let waker: Arc<ControlWaker> = Arc::new(move || {

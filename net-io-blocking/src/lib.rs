@@ -158,6 +158,7 @@ mod evloop;
 mod handover;
 mod handshake;
 mod link;
+mod outbound;
 mod rate;
 mod runtime;
 mod server;
@@ -173,14 +174,16 @@ pub use builder::{
 pub use connection::{TcpConnection, connect};
 pub use coroutines::HandlerDriver;
 pub use evloop::SessionDriver;
+pub use outbound::ConnectOptions;
 pub use server::{DrainReport, KillHandle, Server, ServerHandle};
 
 pub use net_io_core::proxy::ProxyMode;
 pub use net_io_core::{
     Admission, AllowAll, CloseReason, CoalescedKind, Completer, ConnectionId, ConnectionInfo,
     ControlLine, ControlState, Direction, Event, EventSink, Gate, Input, Lane, LimitKind, Limits,
-    ListenerId, MinRateRule, NetError, OsErrorClass, Output, Phase, Refusal, RefusalCause, Session,
-    SessionContext, SessionFactory, Stats, Step, TimeoutKind, Verdict, WorkerId, WriteFacts,
+    ListenerId, MinRateRule, NetError, Origin, OsErrorClass, Output, Phase, Refusal, RefusalCause,
+    Session, SessionContext, SessionFactory, Stats, Step, TimeoutKind, Verdict, WorkerId,
+    WriteFacts,
 };
 pub use net_io_core::{ManualClock, TrustedProxies};
 pub use net_io_sys::socket::Keepalive;

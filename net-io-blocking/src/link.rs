@@ -377,6 +377,49 @@ impl Link {
         Ok(woken)
     }
 
+    /// Waits for an outbound connect to finish, a kill, or `deadline` (then `ConnectTimeout`), and makes the
+    /// socket blocking again, as every other call on this link expects; sets `TCP_NODELAY` as asked.
+    pub(crate) fn finish_connect(
+        &mut self,
+        deadline: Instant,
+        nodelay: bool,
+    ) -> Result<(), CloseReason> {
+        loop {
+            if let Some(code) = self.owner.closing() {
+                return Err(reason_for_code(code));
+            }
+            let now = self.clock.now();
+            if now >= deadline {
+                return Err(CloseReason::ConnectTimeout);
+            }
+            let timeout = self.cap_wait(Some(deadline.saturating_duration_since(now)));
+            let socket = self
+                .socket()
+                .map_err(|error| CloseReason::from_io(&error))?;
+            match wait::wait(socket, Interest::Writable, Some(self.wake_fd()), timeout) {
+                Ok(Readiness::Socket) => {
+                    // poll(2) reports a connecting socket writable once the handshake ended, either way:
+                    // SO_ERROR tells which. Without an error it must be connected now.
+                    let failure = match socket::take_error(socket) {
+                        Ok(Some(error)) | Err(error) => Some(error),
+                        Ok(None) => socket::peer_addr(socket).err(),
+                    };
+                    if let Some(error) = failure {
+                        return Err(CloseReason::from_io(&error));
+                    }
+                    let ready = socket::set_nonblocking(socket, false)
+                        .and_then(|()| socket::set_nodelay(socket, nodelay));
+                    return ready.map_err(|error| CloseReason::from_io(&error));
+                }
+                Ok(Readiness::Woken) => {
+                    let _ = self.wake.drain();
+                }
+                Ok(Readiness::TimedOut) => {}
+                Err(error) => return Err(CloseReason::from_io(&error)),
+            }
+        }
+    }
+
     /// The owner's own close of connection `id` with `reason`: takes the kill slot (one winner: this close
     /// or a killer that got there first, whose `Killed` reason then replaces `reason`), then FIN and a
     /// bounded linger read when the reason is graceful, RST otherwise. Returns the reason the close keeps.

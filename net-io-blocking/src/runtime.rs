@@ -1,20 +1,22 @@
 //! The generic part of a running server: accept threads, the hand-over queue, and the worker loop that runs one
 //! connection at a time and closes it exactly once.
 
-use std::any::TypeId;
+use std::any::{Any, TypeId};
+use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Mutex, MutexGuard};
 use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
 
 use net_io_core::proxy::ProxyMode;
 use net_io_core::{
     AllowAll, BufferPool, CloseReason, Coalescer, Completer, CompletionReceiver, CompletionRing,
-    ConnectionInfo, ControlLine, ControlState, ControlWaker, ControlWatch, Event, Gate,
-    IdAllocator, LimitKind, ListenerId, OsErrorClass, Refusal, RefusalCause, ResolvedLimits,
-    TrustedProxies, Verdict, WorkerId, WriteFacts, admit_or_refuse, check_or_deny, close_ticket,
-    normalize,
+    ConnectionId, ConnectionInfo, ControlLine, ControlState, ControlWaker, ControlWatch, Event,
+    Gate, IdAllocator, IdBlock, LimitKind, ListenerId, NetError, OsErrorClass, Refusal,
+    RefusalCause, ResolvedLimits, TrustedProxies, Verdict, WorkerId, WriteFacts, admit_or_refuse,
+    check_or_deny, close_ticket, normalize,
 };
 use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::SlotOwner;
@@ -22,22 +24,26 @@ use net_io_sys::socket::{self, AcceptFailure, Linger, Listener};
 use net_io_sys::wait::{self, Interest};
 
 use crate::backoff::Backoff;
-use crate::caps::{CapRefusal, ListenerCounts, Reservation};
+use crate::caps::{CapRefusal, ListenerCaps, ListenerCounts, Reservation};
 use crate::evloop::Inbox;
 use crate::handover::HandOver;
 use crate::handshake;
 use crate::link::Link;
+use crate::outbound::{ConnectOptions, Outbound};
 use crate::server::{Acceptor, CODE_SHED, Core, KillHandle};
 
 /// An admitted connection waiting for a worker.
 pub(crate) struct Job<T> {
     pub(crate) socket: OwnedFd,
     pub(crate) info: ConnectionInfo,
-    pub(crate) ticket: T,
+    /// The gate's ticket; `None` for an outbound connection, which the gate never admitted.
+    pub(crate) ticket: Option<T>,
     pub(crate) reservation: Reservation,
     /// The settings of the listener that accepted it; shared, so they outlive a listener removed while
     /// this connection is still open.
     pub(crate) listener: Arc<ListenerRuntime>,
+    /// Set when the server opened this connection itself ([`crate::ServerHandle::connect`]).
+    pub(crate) outbound: Option<Outbound>,
 }
 
 /// How one listener's connections are admitted and served. The socket itself is owned by its accept
@@ -76,6 +82,24 @@ pub(crate) trait Workload: Send + Sync + 'static {
 
     /// Tells the workload the final close reason, exactly once per served connection.
     fn closed(&self, state: &mut Self::State, info: &ConnectionInfo, reason: CloseReason);
+
+    /// The session type an outbound connection must carry, with its name for errors; `None` for a workload
+    /// that cannot drive one (blocking handlers).
+    fn outbound_session(&self) -> Option<(TypeId, &'static str)> {
+        None
+    }
+
+    /// Takes an outbound connection's session into `state` before the connect finishes, so that `closed`
+    /// delivers its `on_close` whatever happens next and `serve` drives it instead of a new one.
+    fn adopt(&self, state: &mut Self::State, session: Box<dyn Any + Send>) {
+        let _ = (state, session);
+    }
+
+    /// Closes an outbound session that no worker or loop took (refused at the hand-over): its one
+    /// `on_close`.
+    fn abandon(&self, session: Box<dyn Any + Send>, info: &ConnectionInfo, reason: CloseReason) {
+        let _ = (session, info, reason);
+    }
 }
 
 /// The generic runtime of one server.
@@ -98,6 +122,8 @@ pub(crate) struct Runtime<G: Gate, W: Workload> {
     pub(crate) lockdown: std::sync::atomic::AtomicBool,
     /// One inbox per event loop; empty when sessions run on worker threads.
     pub(crate) inboxes: Vec<Inbox<Job<G::Ticket>>>,
+    /// What outbound connections share (their settings, ids and refusal counter).
+    pub(crate) outbound: OutboundShared,
 }
 
 /// Wakes a worker by signalling its eventfd; used as the completer's waker.
@@ -119,6 +145,16 @@ impl<G: Gate, W: Workload> crate::server::RuntimeControl for Runtime<G, W> {
         spec: crate::builder::ListenerSpec,
     ) -> Result<ListenerId, net_io_core::NetError> {
         crate::builder::start_listener(&self, spec, false)
+    }
+
+    fn connect(
+        self: Arc<Self>,
+        address: std::net::SocketAddr,
+        session: Box<dyn Any + Send>,
+        given: &'static str,
+        options: ConnectOptions,
+    ) -> Result<net_io_core::ConnectionId, net_io_core::NetError> {
+        self.connect_outbound(address, session, given, options)
     }
 
     fn close_queue(&self) {
@@ -384,10 +420,19 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         let job = Job {
             socket,
             info,
-            ticket: admission.ticket,
+            ticket: Some(admission.ticket),
             reservation,
             listener: Arc::clone(listener.settings),
+            outbound: None,
         };
+        self.place(job, listener.counter_slot);
+    }
+
+    /// Hands an admitted (or outbound) job to the loop with the fewest connections, or to the workers'
+    /// hand-over queue; a job nobody can take is refused, its close counted in `counter_slot`.
+    pub(crate) fn place(&self, job: Job<G::Ticket>, counter_slot: usize) {
+        let core = &self.core;
+        let id = job.info.id;
         if !self.inboxes.is_empty() {
             let loop_index = fewest_connections(&core.loops, id.get());
             core.loops[loop_index].add_load();
@@ -406,13 +451,13 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                     } else {
                         RefusalCause::Busy
                     };
-                    self.refuse_job(job, cause, listener.counter_slot);
+                    self.refuse_job(job, cause, counter_slot);
                 }
             }
             return;
         }
         if let Err(job) = self.handover.offer(job) {
-            self.refuse_job(job, RefusalCause::Busy, listener.counter_slot);
+            self.refuse_job(job, RefusalCause::Busy, counter_slot);
         }
     }
 
@@ -424,12 +469,26 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             info,
             ticket,
             reservation,
+            outbound,
             ..
         } = job;
         let reason = CloseReason::Refused(cause);
         // Admitted but never served: a refusal in the figures like one at accept (and still one close).
         handshake::count_refusal(&self.core, &info, cause);
-        close_ticket(&self.gate, ticket, &info, reason);
+        if let Some(ticket) = ticket {
+            close_ticket(&self.gate, ticket, &info, reason);
+        }
+        // An outbound job is refused on the thread that connected (or that stops the server): its
+        // counters go to the outbound slot, one writer at a time.
+        let _outbound_slot = outbound.as_ref().map(|_| self.outbound.lock_refusals());
+        let counter_slot = if outbound.is_some() {
+            self.core.outbound_slot()
+        } else {
+            counter_slot
+        };
+        if let Some(outbound) = outbound {
+            self.workload.abandon(outbound.session, &info, reason);
+        }
         self.core
             .counters
             .slot(counter_slot)
@@ -569,6 +628,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             mut ticket,
             mut reservation,
             listener,
+            outbound,
         } = job;
         info.worker = Some(WorkerId(index as u32));
         core.workers[index]
@@ -577,7 +637,9 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         link.owner_mut().occupy(info.id.get(), socket);
         let listener_runtime = &*listener;
         let limits = &listener_runtime.limits;
-        link.reset(limits.min_rate, Some(limits.idle_timeout));
+        // An accepted socket inherits the listener's receive timeout; a socket we opened has none set yet.
+        let inherited_timeout = outbound.is_none().then_some(limits.idle_timeout);
+        link.reset(limits.min_rate, inherited_timeout);
         receiver.bind(info.id);
         let completer = receiver.completer(info.id, waker.clone());
         let kill = KillHandle {
@@ -593,8 +655,32 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         if core.drain_expired.load(Ordering::Acquire) {
             early = Some(CloseReason::DrainDeadline);
         }
-        if early.is_none()
+        if let Some(outbound) = outbound {
+            let Outbound {
+                session,
+                deadline,
+                nodelay,
+                failed,
+                started,
+            } = outbound;
+            // Adopted first, so that `closed` below gives it its one `on_close` however the connect ends.
+            self.workload.adopt(state, session);
+            if early.is_none() {
+                early = failed;
+            }
+            if early.is_none() {
+                match link.finish_connect(deadline, nodelay) {
+                    Ok(()) => core.emit(Event::Connected {
+                        id: info.id,
+                        peer: info.peer,
+                        took: core.now().saturating_duration_since(started),
+                    }),
+                    Err(reason) => early = Some(reason),
+                }
+            }
+        } else if early.is_none()
             && let Some(mode) = listener_runtime.proxy
+            && let Some(ticket) = ticket.as_mut()
         {
             let started = core.now();
             match handshake::read_proxy_header(
@@ -612,7 +698,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
                     } else if let Err(reason) = handshake::readmit(
                         core,
                         &self.gate,
-                        &mut ticket,
+                        ticket,
                         &info,
                         limits.refusal_bytes_max,
                         |bytes| {
@@ -641,14 +727,15 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             Some(reason) => reason,
             None => {
                 let gate = &self.gate;
-                let ticket_ref = &ticket;
+                let ticket_ref = ticket.as_ref();
                 let (id, lane) = (info.id, info.lane);
                 let allow_all = TypeId::of::<G>() == TypeId::of::<AllowAll>();
                 let mut check = move |bytes: usize, started: bool| {
-                    if allow_all {
+                    // An outbound connection has no ticket: the gate admits peers, not our own connects.
+                    let Some(ticket) = ticket_ref.filter(|_| !allow_all) else {
                         return Verdict::Allow;
-                    }
-                    check_or_deny(gate, ticket_ref, &WriteFacts::new(id, lane, bytes, started))
+                    };
+                    check_or_deny(gate, ticket, &WriteFacts::new(id, lane, bytes, started))
                 };
                 self.workload.serve(
                     state,
@@ -685,7 +772,9 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             });
         }
         self.workload.closed(state, &info, reason);
-        close_ticket(&self.gate, ticket, &info, reason);
+        if let Some(ticket) = ticket {
+            close_ticket(&self.gate, ticket, &info, reason);
+        }
         core.counters
             .slot(index)
             .record_close(reason, link.bytes_in, link.bytes_out);
@@ -694,6 +783,121 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         drop(reservation);
         drop(busy);
         core.emit_closed(&info, reason, link.bytes_in, link.bytes_out);
+    }
+}
+
+impl<G: Gate, W: Workload> Runtime<G, W> {
+    /// Opens an outbound connection and hands it, with `session`, to a loop or a worker (see
+    /// [`crate::outbound`]). Fails at once, dropping `session` without a hook, only when the server is
+    /// stopping or draining, the session is not of the workload's type, the global cap is full, or no
+    /// socket can be made; every later failure (a refusal, the connect deadline, a kill) reaches the
+    /// session's `on_close`.
+    pub(crate) fn connect_outbound(
+        &self,
+        address: SocketAddr,
+        session: Box<dyn Any + Send>,
+        given: &'static str,
+        options: ConnectOptions,
+    ) -> Result<ConnectionId, NetError> {
+        let core = &*self.core;
+        if core.stopping.load(Ordering::Acquire) || core.draining.load(Ordering::Acquire) {
+            return Err(NetError::ShuttingDown);
+        }
+        let expected = self.workload.outbound_session();
+        let Some((_, _)) = expected.filter(|(type_id, _)| (*session).type_id() == *type_id) else {
+            return Err(NetError::WrongSessionType {
+                expected: expected
+                    .map_or("none: this server runs blocking handlers", |(_, name)| name),
+                given,
+            });
+        };
+        let address = normalize(address);
+        let settings = Arc::clone(&self.outbound.settings);
+        let Ok(mut reservation) = core.caps.reserve(&settings.counts, address.ip()) else {
+            return Err(NetError::ConnectionCap {
+                cap: core.limits.max_connections,
+            });
+        };
+        let socket = socket::stream_socket_for(address).map_err(NetError::from)?;
+        let started = core.now();
+        // A failure connect(2) reports at once still goes through the connection's close, so the session
+        // learns of it the one way it learns of every other.
+        let failed = socket::start_connect(socket.as_fd(), address)
+            .err()
+            .map(|error| CloseReason::from_io(&error));
+        let local = socket::local_addr(socket.as_fd()).unwrap_or_else(|_| {
+            SocketAddr::new(
+                match address {
+                    SocketAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+                    SocketAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+                },
+                0,
+            )
+        });
+        let id = self.outbound.next_id();
+        reservation.enroll(id.get());
+        let info = ConnectionInfo::outbound(id, local, address, started);
+        let job = Job {
+            socket,
+            info,
+            ticket: None,
+            reservation,
+            listener: settings,
+            outbound: Some(Outbound {
+                session,
+                deadline: crate::clock::deadline_after(started, options.connect_timeout),
+                nodelay: options.nodelay,
+                failed,
+                started,
+            }),
+        };
+        self.place(job, core.outbound_slot());
+        Ok(id)
+    }
+}
+
+/// The server-wide parts of outbound connections.
+pub(crate) struct OutboundShared {
+    /// Settings every outbound connection shares, in place of a listener's: the server's limits, no PROXY,
+    /// and counts that take only the global cap (the per-source caps guard us against peers, not the other
+    /// way round).
+    pub(crate) settings: Arc<ListenerRuntime>,
+    ids: Mutex<IdBlock>,
+    /// Serialises writes to the counters' outbound slot (any thread may connect, and a slot's counters have
+    /// one writer at a time).
+    refusals: Mutex<()>,
+}
+
+impl OutboundShared {
+    pub(crate) fn new(limits: ResolvedLimits, ids: &IdAllocator) -> OutboundShared {
+        OutboundShared {
+            settings: Arc::new(ListenerRuntime {
+                limits,
+                proxy: None,
+                trusted: TrustedProxies::default(),
+                counts: Arc::new(ListenerCounts::new(ListenerCaps {
+                    max_per_listener: limits.max_connections,
+                    max_per_source: limits.max_connections,
+                    policy: limits.source_prefix,
+                })),
+            }),
+            ids: Mutex::new(ids.block()),
+            refusals: Mutex::new(()),
+        }
+    }
+
+    pub(crate) fn next_id(&self) -> ConnectionId {
+        self.ids
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .next_id()
+    }
+
+    /// Held while a thread that is not a loop or a worker records an outbound connection's close.
+    pub(crate) fn lock_refusals(&self) -> MutexGuard<'_, ()> {
+        self.refusals
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 

@@ -149,6 +149,15 @@ pub(crate) struct Core {
 pub(crate) trait RuntimeControl: Send + Sync {
     fn close_queue(&self);
 
+    /// Opens an outbound connection driven by `session` (see [`ServerHandle::connect`]).
+    fn connect(
+        self: Arc<Self>,
+        address: SocketAddr,
+        session: Box<dyn std::any::Any + Send>,
+        given: &'static str,
+        options: crate::outbound::ConnectOptions,
+    ) -> Result<ConnectionId, NetError>;
+
     /// Validates and binds `spec` as the builder does, then starts its accept thread with its door closed.
     fn start_listener(self: Arc<Self>, spec: ListenerSpec) -> Result<ListenerId, NetError>;
 }
@@ -328,6 +337,12 @@ impl Core {
     /// The counter slot of the thread that shuts the server down.
     pub(crate) fn shutdown_slot(&self) -> usize {
         self.close_slot_base() + LISTENERS_MAX
+    }
+
+    /// The counter slot for outbound connections closed before a loop or worker took them (written under
+    /// the outbound lock, since any thread may connect).
+    pub(crate) fn outbound_slot(&self) -> usize {
+        self.shutdown_slot() + 1
     }
 
     /// Adds a bound listener to the live set and starts its accept thread with `spawn`, under the set's
@@ -542,6 +557,65 @@ impl ServerHandle {
             return Err(NetError::ServerStopped);
         };
         runtime.start_listener(spec)
+    }
+
+    /// Opens a TCP connection to `address` from this server and drives `session` on it, on the same loops
+    /// (or workers) as accepted connections and with the same guarantees: the server's limits and phase
+    /// deadlines, park and the completion ring, kill by id, drain, stats and events. Returns the new
+    /// connection's id at once; the connect runs in the background under `options.connect_timeout`.
+    ///
+    /// The session's `on_open` runs once the TCP handshake is done. A refused connect, an unreachable
+    /// address, the connect deadline ([`CloseReason::ConnectTimeout`]), a kill or the drain deadline instead
+    /// reach its `on_close` with their reason, exactly once, as every later close does. Its
+    /// [`ConnectionInfo`] says it is outbound (`origin` is `Connected`, `listener` is
+    /// [`ListenerId::OUTBOUND`]); the gate is not asked about it, since the gate admits peers that come to
+    /// us. It counts against `max_connections` (no per-listener or per-source cap applies).
+    ///
+    /// Fails at once, dropping `session` without calling any hook, when `session` is not of the type the
+    /// server's factory makes ([`NetError::WrongSessionType`]; a handler server takes none), when the server
+    /// is draining or stopping ([`NetError::ShuttingDown`], [`NetError::ServerStopped`]), when the global cap
+    /// is full ([`NetError::ConnectionCap`]), or when no socket can be made ([`NetError::Os`]).
+    ///
+    /// ```no_run
+    /// use std::net::SocketAddr;
+    /// use net_io_blocking::{ConnectOptions, Input, Session, SessionContext, Step, serve_sessions};
+    ///
+    /// struct Hello;
+    /// impl Session for Hello {
+    ///     fn on_open(&mut self, context: &mut SessionContext<'_>) -> Step {
+    ///         let _ = context.output().push_static(b"hello\n");
+    ///         Step::Write
+    ///     }
+    ///     fn on_data(&mut self, input: &mut Input<'_>, _: &mut SessionContext<'_>) -> Step {
+    ///         input.consume(input.len());
+    ///         Step::Read
+    ///     }
+    /// }
+    ///
+    /// let server = serve_sessions("127.0.0.1:0", |_: &net_io_blocking::ConnectionInfo| Some(Hello))?;
+    /// let peer: SocketAddr = "127.0.0.1:7000".parse().unwrap();
+    /// let id = server.handle().connect(peer, Hello, ConnectOptions::new())?;
+    /// println!("connecting as {id}");
+    /// # Ok::<(), net_io_blocking::NetError>(())
+    /// ```
+    pub fn connect<S: net_io_core::Session>(
+        &self,
+        address: SocketAddr,
+        session: S,
+        options: crate::outbound::ConnectOptions,
+    ) -> Result<ConnectionId, NetError> {
+        let Some(runtime) = self.core.runtime.get().and_then(Weak::upgrade) else {
+            return Err(NetError::ServerStopped);
+        };
+        if self.core.stopping.load(Ordering::Acquire) {
+            return Err(NetError::ShuttingDown);
+        }
+        runtime.connect(
+            address,
+            Box::new(session),
+            std::any::type_name::<S>(),
+            options,
+        )
     }
 
     /// Removes listener `id` while the server runs: closes its socket at once (its port refuses new

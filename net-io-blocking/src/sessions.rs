@@ -1,15 +1,16 @@
 //! The two workloads a worker runs: a blocking handler over a [`TcpConnection`], and the sans-IO session
 //! driver that performs every read, write, timer and limit for a [`Session`].
 
+use std::any::{Any, TypeId};
 use std::marker::PhantomData;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use net_io_core::{
-    BufferPool, CloseReason, Completer, ConnectionInfo, Direction, Event, LimitKind, NetError,
-    Output, Phase, ReadBuffer, Session, SessionContext, SessionFactory, SessionRequests, SizeClass,
-    Step, TimeoutKind, WorkerBuffers,
+    BufferPool, CloseReason, Completer, ConnectionInfo, Direction, Event, HalfClose,
+    HookEnvironment, LimitKind, NetError, Output, ReadBuffer, Session, SessionContext,
+    SessionFactory, SessionMachine, SizeClass, Step, TimeoutKind, WorkerBuffers,
 };
 
 use crate::connection::TcpConnection;
@@ -82,7 +83,13 @@ impl<F: SessionFactory> Workload for SessionWorkload<F> {
     fn serve(&self, state: &mut Self::State, run: Run<'_>) -> CloseReason {
         let info = *run.info;
         let limits_read_buffer = run.limits.read_buffer;
-        let session = match catch_unwind(AssertUnwindSafe(|| self.factory.create(&info))) {
+        // An outbound connection brought its session along (`adopt`); the factory makes the others.
+        let adopted = state.session.take();
+        let created = match adopted {
+            Some(session) => Ok(Some(session)),
+            None => catch_unwind(AssertUnwindSafe(|| self.factory.create(&info))),
+        };
+        let session = match created {
             Ok(Some(session)) => session,
             Ok(None) => {
                 // The factory refused an admitted connection: a refusal in the figures, and one close.
@@ -122,14 +129,7 @@ impl<F: SessionFactory> Workload for SessionWorkload<F> {
             read,
             output,
             buffers,
-            requests: SessionRequests::default(),
-            phase: Phase::Idle,
-            phase_override: None,
-            exchange: None,
-            idle_timeout: None,
-            pending: None,
-            peer_closed: false,
-            write_shut: WriteShut::Open,
+            machine: SessionMachine::new(),
             _session: PhantomData,
         }
         .drive(session);
@@ -147,62 +147,42 @@ impl<F: SessionFactory> Workload for SessionWorkload<F> {
     }
 
     fn closed(&self, state: &mut Self::State, info: &ConnectionInfo, reason: CloseReason) {
-        if let Some(mut session) = state.session.take() {
-            let _ = catch_unwind(AssertUnwindSafe(|| session.on_close(info, reason)));
-            let _ = catch_unwind(AssertUnwindSafe(move || drop(session)));
+        if let Some(session) = state.session.take() {
+            close_session(session, info, reason);
         }
         state.output.clear();
         if let Some(read) = state.read.as_mut() {
             read.clear();
         }
     }
-}
 
-/// Where a session's half close stands ([`SessionContext::shutdown_write`]); both session drivers keep one
-/// per connection.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) enum WriteShut {
-    /// No half close asked for.
-    #[default]
-    Open,
-    /// Asked for: the FIN goes once the output queue is empty.
-    Requested,
-    /// The FIN went out: a byte queued now cannot be sent.
-    Sent,
-}
+    fn outbound_session(&self) -> Option<(TypeId, &'static str)> {
+        Some((
+            TypeId::of::<F::Session>(),
+            std::any::type_name::<F::Session>(),
+        ))
+    }
 
-/// What a driver does about the half close once a hook returned or a flush emptied the queue.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum HalfClose {
-    /// Nothing now.
-    Nothing,
-    /// Send the FIN now (then mark it sent).
-    SendFin,
-    /// Bytes were queued after the FIN: close with `SessionError` rather than drop them silently.
-    Refuse,
-}
+    fn adopt(&self, state: &mut Self::State, session: Box<dyn Any + Send>) {
+        state.session = downcast_session::<F::Session>(session);
+    }
 
-impl WriteShut {
-    /// Notes a session's request; asking again changes nothing.
-    pub(crate) fn request(&mut self, asked: bool) {
-        if asked && *self == WriteShut::Open {
-            *self = WriteShut::Requested;
+    fn abandon(&self, session: Box<dyn Any + Send>, info: &ConnectionInfo, reason: CloseReason) {
+        if let Some(session) = downcast_session::<F::Session>(session) {
+            close_session(session, info, reason);
         }
     }
+}
 
-    /// Whether the FIN went out.
-    pub(crate) fn is_sent(self) -> bool {
-        self == WriteShut::Sent
-    }
+/// The one `on_close` of a session, then its drop, each contained.
+fn close_session<S: Session>(mut session: S, info: &ConnectionInfo, reason: CloseReason) {
+    let _ = catch_unwind(AssertUnwindSafe(|| session.on_close(info, reason)));
+    let _ = catch_unwind(AssertUnwindSafe(move || drop(session)));
+}
 
-    /// What to do now, with the output queue empty or not.
-    pub(crate) fn due(self, output_empty: bool) -> HalfClose {
-        match self {
-            WriteShut::Requested if output_empty => HalfClose::SendFin,
-            WriteShut::Sent if !output_empty => HalfClose::Refuse,
-            _ => HalfClose::Nothing,
-        }
-    }
+/// An outbound session back from the type-erased job; the type was checked when the job was made.
+pub(crate) fn downcast_session<S: Session>(session: Box<dyn Any + Send>) -> Option<S> {
+    session.downcast::<S>().ok().map(|session| *session)
 }
 
 /// How a flush ended when it did not close the connection.
@@ -219,15 +199,8 @@ struct Driver<'r, 'a, S> {
     read: &'r mut ReadBuffer,
     output: &'r mut Output,
     buffers: &'r mut WorkerBuffers,
-    requests: SessionRequests,
-    phase: Phase,
-    phase_override: Option<Phase>,
-    exchange: Option<Instant>,
-    idle_timeout: Option<std::time::Duration>,
-    /// A reason fixed by a deadline or the peer's FIN, kept if the session then closes.
-    pending: Option<CloseReason>,
-    peer_closed: bool,
-    write_shut: WriteShut,
+    /// The session policy shared with the event loop: phase, deadlines, the reason fixed, the half close.
+    machine: SessionMachine,
     _session: PhantomData<S>,
 }
 
@@ -276,24 +249,24 @@ impl<S: Session> Driver<'_, '_, S> {
                     Err(reason) => return reason,
                 },
                 Step::Close => match self.flush(session) {
-                    Ok(Flushed::Done) => return self.pending.unwrap_or(CloseReason::SessionClosed),
+                    Ok(Flushed::Done) => return self.machine.close_reason(Step::Close),
                     // The session carried on past a write deadline: its step runs next.
                     Ok(Flushed::TimedOut(next)) => next,
                     Err(reason) => return reason,
                 },
-                Step::Abort => return self.pending.unwrap_or(CloseReason::SessionError),
+                Step::Abort => return self.machine.close_reason(Step::Abort),
             };
         }
     }
 
     /// Sends the FIN of a half close once the queue is empty; refuses bytes queued after it.
     fn half_close(&mut self) -> Result<(), CloseReason> {
-        match self.write_shut.due(self.output.is_empty()) {
+        match self.machine.half_close_due(self.output.is_empty()) {
             HalfClose::Nothing => Ok(()),
             HalfClose::Refuse => Err(CloseReason::SessionError),
             HalfClose::SendFin => match self.run.link.shutdown_write() {
                 Ok(()) => {
-                    self.write_shut = WriteShut::Sent;
+                    self.machine.fin_sent();
                     Ok(())
                 }
                 Err(error) => Err(match self.run.link.owner().closing() {
@@ -318,33 +291,19 @@ impl<S: Session> Driver<'_, '_, S> {
         call: impl FnOnce(&mut S, &mut SessionContext<'_>) -> T,
     ) -> Option<T> {
         let core = self.run.core;
-        let now = core.now();
-        let draining = core.draining.load(Ordering::Acquire);
-        let pressure = core.pressure();
-        let completer: &Completer = self.run.completer;
-        let mut context = SessionContext::new(self.run.info, self.output, &mut self.requests, now)
-            .with_draining(draining)
-            .with_pressure(pressure)
-            .with_completer(completer)
-            .with_write_shut(self.write_shut.is_sent());
-        let result = catch_unwind(AssertUnwindSafe(|| call(session, &mut context))).ok();
-        self.apply_requests();
-        result
-    }
-
-    fn apply_requests(&mut self) {
-        let requests = std::mem::take(&mut self.requests);
-        if let Some(exchange) = requests.exchange_deadline {
-            self.exchange = exchange;
-        }
-        if let Some(phase) = requests.phase {
-            self.phase_override = Some(phase);
-            self.phase = phase;
-        }
-        if let Some(idle) = requests.idle_timeout {
-            self.idle_timeout = Some(idle);
-        }
-        self.write_shut.request(requests.shutdown_write);
+        let environment = HookEnvironment {
+            draining: core.draining.load(Ordering::Acquire),
+            pressure: core.pressure(),
+            completer: Some(self.run.completer),
+        };
+        self.machine.hook(
+            session,
+            self.run.info,
+            self.output,
+            core.now(),
+            environment,
+            call,
+        )
     }
 
     fn on_data(&mut self, session: &mut S, input_changed: &mut bool) -> Option<Step> {
@@ -355,15 +314,17 @@ impl<S: Session> Driver<'_, '_, S> {
         let read: &ReadBuffer = self.read;
         let mut input = read.input();
         let before = input.len();
-        let mut context = SessionContext::new(self.run.info, self.output, &mut self.requests, now)
-            .with_draining(draining)
-            .with_completer(completer)
-            .with_write_shut(self.write_shut.is_sent());
+        let write_shut = self.machine.is_write_shut();
+        let mut context =
+            SessionContext::new(self.run.info, self.output, self.machine.requests(), now)
+                .with_draining(draining)
+                .with_completer(completer)
+                .with_write_shut(write_shut);
         let step = catch_unwind(AssertUnwindSafe(|| {
             session.on_data(&mut input, &mut context)
         }));
         let consumed = input.consumed().min(before);
-        self.apply_requests();
+        self.machine.apply_requests();
         self.read.consume(consumed);
         *input_changed = consumed > 0 && self.read.unread_len() > 0;
         step.ok()
@@ -371,16 +332,17 @@ impl<S: Session> Driver<'_, '_, S> {
 
     /// Receives more input under the deadline of the phase; returns the session's next step.
     fn receive(&mut self, session: &mut S, input_changed: &mut bool) -> Result<Step, CloseReason> {
-        if self.peer_closed {
-            return Err(self.pending.unwrap_or(CloseReason::PeerClosed));
+        if self.machine.is_peer_closed() {
+            return Err(self.machine.close_after_fin());
         }
         if self.read.is_full() {
             self.grow()?;
         }
         let core = self.run.core;
         let limits = self.run.limits;
-        let idle =
-            self.phase == Phase::Idle && self.read.unread_len() == 0 && self.output.is_empty();
+        let idle = self
+            .machine
+            .is_idle(self.read.unread_len(), self.output.is_empty());
         if idle && core.draining.load(Ordering::Acquire) {
             return Err(core.idle_close_reason());
         }
@@ -388,22 +350,9 @@ impl<S: Session> Driver<'_, '_, S> {
             return Err(CloseReason::Shed);
         }
         let now = core.now();
-        let (timeout, kind) = if self.phase == Phase::Idle {
-            (
-                self.idle_timeout.unwrap_or(limits.idle_timeout),
-                TimeoutKind::Idle,
-            )
-        } else {
-            (limits.read_timeout, TimeoutKind::Read)
-        };
-        let mut deadline = crate::clock::deadline_after(now, timeout);
-        let mut deadline_kind = kind;
-        if let Some(exchange) = self.exchange
-            && exchange < deadline
-        {
-            deadline = exchange;
-            deadline_kind = TimeoutKind::Exchange;
-        }
+        let (deadline, deadline_kind) =
+            self.machine
+                .read_wait(now, limits.idle_timeout, limits.read_timeout);
         let link = &mut *self.run.link;
         if idle {
             link.owner().set_idle(true);
@@ -418,33 +367,26 @@ impl<S: Session> Driver<'_, '_, S> {
         match received {
             Received::Data(count) => {
                 self.read.commit(count);
-                if self.phase == Phase::Idle && self.phase_override.is_none() {
-                    self.phase = Phase::Receiving;
+                if self.machine.input_arrived() {
                     self.run.link.start_busy(Direction::In);
                 }
                 self.on_data(session, input_changed)
                     .ok_or_else(|| self.panicked())
             }
             Received::Eof => {
-                self.peer_closed = true;
-                self.pending = Some(CloseReason::PeerClosed);
+                self.machine.peer_closed();
                 self.hook(session, |session, context| session.on_peer_closed(context))
                     .ok_or_else(|| self.panicked())
             }
             Received::Deadline => {
-                self.pending = Some(deadline_kind.close_reason());
+                self.machine.deadline_passed(deadline_kind);
                 let step = self
                     .hook(session, |session, context| {
                         session.on_timeout(deadline_kind, context)
                     })
                     .ok_or_else(|| self.panicked())?;
-                if matches!(step, Step::Read | Step::Write | Step::Park { .. }) {
-                    // The session chose to carry on: the deadline starts again from now.
-                    self.pending = None;
-                    if deadline_kind == TimeoutKind::Exchange {
-                        self.exchange = None;
-                    }
-                }
+                // Carrying on, the deadline starts again from now.
+                self.machine.timeout_answered(step);
                 Ok(step)
             }
             Received::Slow => Err(CloseReason::SlowPeer {
@@ -496,16 +438,18 @@ impl<S: Session> Driver<'_, '_, S> {
         let sent = link.flush(
             self.output,
             self.run.limits.write_timeout,
-            self.exchange,
+            self.machine.exchange_deadline(),
             &mut *self.run.check,
             now,
         );
         link.stop_busy(Direction::Out);
-        let exchange_passed = self.exchange.is_some_and(|exchange| core.now() >= exchange);
+        let exchange_passed = self
+            .machine
+            .exchange_deadline()
+            .is_some_and(|exchange| core.now() >= exchange);
         match sent {
             Sent::Done => {
-                if self.read.unread_len() == 0 && self.phase_override.is_none() {
-                    self.phase = Phase::Idle;
+                if self.machine.output_flushed(self.read.unread_len()) {
                     self.run.link.stop_busy(Direction::In);
                 }
                 // A half close waiting for this flush sends its FIN before `on_writable` runs.
@@ -519,15 +463,14 @@ impl<S: Session> Driver<'_, '_, S> {
                     TimeoutKind::Write
                 };
                 let reason = kind.close_reason();
-                if kind == TimeoutKind::Exchange {
-                    // Spent; a new one the session sets in `on_timeout` takes its place.
-                    self.exchange = None;
-                }
+                // A spent exchange deadline is cleared; a new one the session sets in `on_timeout` stands.
+                self.machine.deadline_passed(kind);
                 let step = self
                     .hook(session, |session, context| {
                         session.on_timeout(kind, context)
                     })
                     .ok_or_else(|| self.panicked())?;
+                self.machine.timeout_answered(step);
                 match step {
                     // Unsent output stays queued, so even `Close` ends abortively with the deadline's reason.
                     Step::Close | Step::Abort => Err(reason),
@@ -577,18 +520,13 @@ impl<S: Session> Driver<'_, '_, S> {
                 return Err(reason_for_code(code));
             }
             if core.now() >= until {
-                self.pending = Some(CloseReason::ParkDeadline);
+                self.machine.deadline_passed(TimeoutKind::Park);
                 let step = self
                     .hook(session, |session, context| {
                         session.on_timeout(TimeoutKind::Park, context)
                     })
                     .ok_or_else(|| self.panicked())?;
-                if matches!(step, Step::Read | Step::Write) {
-                    self.pending = None;
-                }
-                if let Step::Park { .. } = step {
-                    self.pending = None;
-                }
+                self.machine.timeout_answered(step);
                 return Ok(step);
             }
             if let Err(error) = self.run.link.park(until) {

@@ -27,6 +27,8 @@ mod far_deadlines;
 mod lifecycle;
 #[path = "offload.rs"]
 mod offload;
+#[path = "outbound.rs"]
+mod outbound;
 #[path = "proxy.rs"]
 mod proxy;
 #[path = "timeouts.rs"]

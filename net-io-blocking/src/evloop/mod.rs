@@ -90,9 +90,10 @@ use std::time::{Duration, Instant};
 use net_io_core::proxy::{ProxyCommand, ProxyError, ProxyParser, ProxyStatus, V1_MAX};
 use net_io_core::{
     AllowAll, CloseReason, Completer, CompletionReceiver, CompletionRing, ConnectionInfo,
-    Direction, Event, Gate, LimitKind, Output, Phase, ReadBuffer, RefusalCause, ResolvedLimits,
-    Session, SessionContext, SessionFactory, SessionRequests, SizeClass, Step, TimeoutKind,
-    Verdict, WorkerBuffers, WorkerId, WriteFacts, check_or_deny, close_ticket,
+    Direction, Event, Gate, HalfClose, HookEnvironment, LimitKind, Output, Phase, ReadBuffer,
+    RefusalCause, ResolvedLimits, Session, SessionContext, SessionFactory, SessionMachine,
+    SizeClass, Step, TimeoutKind, Verdict, WorkerBuffers, WorkerId, WriteFacts, check_or_deny,
+    close_ticket,
 };
 use net_io_sys::epoll::{Epoll, Events, Interest};
 use net_io_sys::eventfd::EventFd;
@@ -106,7 +107,7 @@ use crate::link::OWNER_CODE;
 use crate::rate::RateWindow;
 use crate::runtime::{Job, ListenerRuntime, Runtime};
 use crate::server::{CODE_DRAIN_DEADLINE, Core, reason_for_code};
-use crate::sessions::{HalfClose, SessionWorkload, WriteShut};
+use crate::sessions::SessionWorkload;
 
 mod close;
 mod inbox;
@@ -185,6 +186,12 @@ const STEPS_PER_TURN: usize = 64;
 /// What a connection waits for between events.
 #[derive(Clone, Copy, Debug)]
 enum Wait {
+    /// An outbound connect's TCP handshake, until its connect deadline.
+    Connect {
+        deadline: Instant,
+        nodelay: bool,
+        started: Instant,
+    },
     /// A PROXY header, until the handshake deadline.
     Handshake { deadline: Instant },
     /// Input, until `deadline` (a deadline of `kind`).
@@ -229,15 +236,9 @@ struct Conn<S, T> {
     /// The peer's FIN (or a hang-up) was reported: no edge follows it, so a short read no longer means
     /// the socket is drained, and reading goes on until `recv` answers 0.
     read_closed: bool,
-    requests: SessionRequests,
-    phase: Phase,
-    phase_override: Option<Phase>,
-    exchange: Option<Instant>,
-    idle_timeout: Option<Duration>,
-    pending: Option<CloseReason>,
-    peer_closed: bool,
-    /// The session's half close (see `net_io_core::session`).
-    write_shut: WriteShut,
+    /// The session policy shared with the worker-thread driver: phase, deadlines the session set, the
+    /// reason a deadline or the FIN fixed, the half close.
+    machine: SessionMachine,
     input_changed: bool,
     rate_in: Option<RateWindow>,
     rate_out: Option<RateWindow>,
@@ -752,22 +753,6 @@ impl<'r, G: Gate, F: SessionFactory> EventLoop<'r, G, F> {
     }
 
     // ----- admission -----
-}
-
-/// Applies and clears what the session asked for during a hook.
-fn apply_requests<S, T>(conn: &mut Conn<S, T>) {
-    let requests = std::mem::take(&mut conn.requests);
-    if let Some(exchange) = requests.exchange_deadline {
-        conn.exchange = exchange;
-    }
-    if let Some(phase) = requests.phase {
-        conn.phase_override = Some(phase);
-        conn.phase = phase;
-    }
-    if let Some(idle) = requests.idle_timeout {
-        conn.idle_timeout = Some(idle);
-    }
-    conn.write_shut.request(requests.shutdown_write);
 }
 
 /// The turn's clock reading from `cache`, read from `core` (and kept) if the turn has none yet. A function of

@@ -30,6 +30,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             ticket,
             reservation,
             listener,
+            outbound,
         } = job;
         info.worker = Some(WorkerId(self.index as u32));
         let limits = listener.limits;
@@ -47,7 +48,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         let completer = entry.receiver.completer(info.id, entry.waker.clone());
         entry.conn = Some(Conn {
             info,
-            ticket: Some(ticket),
+            ticket,
             reservation: Some(reservation),
             listener,
             session: None,
@@ -57,14 +58,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             writable: true,
             registered: false,
             read_closed: false,
-            requests: SessionRequests::default(),
-            phase: Phase::Idle,
-            phase_override: None,
-            exchange: None,
-            idle_timeout: None,
-            pending: None,
-            peer_closed: false,
-            write_shut: WriteShut::Open,
+            machine: SessionMachine::new(),
             input_changed: false,
             rate_in: limits.min_rate.map(RateWindow::new),
             rate_out: limits.min_rate.map(RateWindow::new),
@@ -79,10 +73,32 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             output_peak: 0,
             closing_reason: None,
             linger_discarded: 0,
-            armed: Some(limits.idle_timeout),
+            // An accepted socket inherits the listener's receive timeout; one we opened has none yet.
+            armed: outbound.is_none().then_some(limits.idle_timeout),
         });
         self.live += 1;
         let generation = entry.generation;
+        if let Some(outbound) = outbound {
+            let conn = self.conn(index);
+            conn.session = crate::sessions::downcast_session::<F::Session>(outbound.session);
+            if self.core.drain_expired.load(Ordering::Acquire) {
+                return self.close(index, CloseReason::DrainDeadline);
+            }
+            if let Some(reason) = outbound.failed {
+                return self.close(index, reason);
+            }
+            let conn = self.conn(index);
+            conn.writable = false;
+            conn.readable = false;
+            conn.wait = Wait::Connect {
+                deadline: outbound.deadline,
+                nodelay: outbound.nodelay,
+                started: outbound.started,
+            };
+            self.schedule(index, outbound.deadline);
+            // The registration's EPOLLOUT edge reports the end of the handshake (see `connected`).
+            return self.register(index, generation);
+        }
         if self.core.drain_expired.load(Ordering::Acquire) {
             return self.close(index, CloseReason::DrainDeadline);
         }
@@ -127,12 +143,57 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         }
     }
 
-    /// Makes the session and runs its `on_open`.
+    /// An outbound connection's socket became writable (or failed): its handshake ended. On success the
+    /// socket is made blocking again (solo reads wait in a blocking `recv`; every other call passes
+    /// `MSG_DONTWAIT`) and the session opens.
+    pub(super) fn connected(&mut self, index: u32) {
+        let entry = &mut self.entries[index as usize];
+        let Some(conn) = entry.conn.as_mut() else {
+            return;
+        };
+        let Wait::Connect {
+            nodelay, started, ..
+        } = conn.wait
+        else {
+            return;
+        };
+        let Some(socket) = entry.owner.socket() else {
+            return self.close(index, CloseReason::SessionError);
+        };
+        // EPOLLOUT (or EPOLLERR, EPOLLHUP) on a connecting socket means the handshake ended either way;
+        // SO_ERROR tells which. Without an error it must be connected now.
+        let failure = match socket::take_error(socket) {
+            Ok(Some(error)) | Err(error) => Some(error),
+            Ok(None) => socket::peer_addr(socket).err(),
+        };
+        if let Some(error) = failure {
+            return self.close(index, CloseReason::from_io(&error));
+        }
+        let ready = socket::set_nonblocking(socket, false)
+            .and_then(|()| socket::set_nodelay(socket, nodelay));
+        if let Err(error) = ready {
+            return self.close(index, CloseReason::from_io(&error));
+        }
+        conn.wait = Wait::Running;
+        // Whatever the peer sent with its SYN-ACK is read by the session's first step.
+        conn.readable = true;
+        conn.writable = true;
+        let (id, peer) = (conn.info.id, conn.info.peer);
+        let took = self.core.now().saturating_duration_since(started);
+        self.core.emit(Event::Connected { id, peer, took });
+        self.open_session(index);
+    }
+
+    /// Makes the session (an outbound connection brought its own) and runs its `on_open`.
     pub(super) fn open_session(&mut self, index: u32) {
         let core = self.core;
         let runtime = self.runtime;
         let info = self.conn(index).info;
-        let created = catch_unwind(AssertUnwindSafe(|| runtime.workload.factory.create(&info)));
+        let adopted = self.conn(index).session.take();
+        let created = match adopted {
+            Some(session) => Ok(Some(session)),
+            None => catch_unwind(AssertUnwindSafe(|| runtime.workload.factory.create(&info))),
+        };
         let session = match created {
             Ok(Some(session)) => session,
             Ok(None) => {

@@ -29,7 +29,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             && conn.registered
             && !conn.readable
             && !conn.read_closed
-            && !conn.peer_closed
+            && !conn.machine.is_peer_closed()
             && !conn.input_changed;
         if entry.generation != generation || !waits_to_read {
             return None;

@@ -41,6 +41,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             return self.close(index, reason_for_code(code));
         }
         match conn.wait {
+            Wait::Connect { .. } if conn.writable => self.connected(index),
             Wait::Handshake { .. } if conn.readable => self.handshake(index),
             Wait::Read { .. } if conn.readable => self.drive(index, Step::Read),
             Wait::Flush { then_close, .. } if conn.writable => {
@@ -84,7 +85,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             // (or bytes queued after it refused) before the loop acts on the step. An abort discards the
             // queue and keeps its own reason. (Without a half close there is nothing to do.)
             if step != Step::Abort
-                && conn.write_shut != WriteShut::Open
+                && conn.machine.half_close_asked()
                 && let Err(reason) = self.half_close(index)
             {
                 return self.close(index, reason);
@@ -94,10 +95,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
                 Step::Write => self.flush(index, false),
                 Step::Close => self.flush(index, true),
                 Step::Park { until } => self.park(index, until),
-                Step::Abort => {
-                    let pending = self.conn(index).pending;
-                    Flow::Close(pending.unwrap_or(CloseReason::SessionError))
-                }
+                Step::Abort => Flow::Close(self.conn(index).machine.close_reason(Step::Abort)),
             };
             match flow {
                 Flow::Next(next) => step = next,
@@ -114,8 +112,8 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             conn.input_changed = false;
             return self.on_data(index);
         }
-        if conn.peer_closed {
-            return Flow::Close(conn.pending.unwrap_or(CloseReason::PeerClosed));
+        if conn.machine.is_peer_closed() {
+            return Flow::Close(conn.machine.close_after_fin());
         }
         if let Some(code) = self.entries[index as usize].owner.closing() {
             return Flow::Close(reason_for_code(code));
@@ -127,7 +125,9 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         let (Some(conn), Some(read)) = (entry.conn.as_mut(), entry.read.as_mut()) else {
             return Flow::Close(CloseReason::SessionError);
         };
-        let idle = conn.phase == Phase::Idle && read.unread_len() == 0 && entry.output.is_empty();
+        let idle = conn
+            .machine
+            .is_idle(read.unread_len(), entry.output.is_empty());
         if idle && core.draining.load(Ordering::Acquire) {
             return Flow::Close(core.idle_close_reason());
         }
@@ -158,8 +158,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
                 }
                 conn.readable = false;
                 conn.eof_seen = true;
-                conn.peer_closed = true;
-                conn.pending = Some(CloseReason::PeerClosed);
+                conn.machine.peer_closed();
                 match self.hook(index, |session, context| session.on_peer_closed(context)) {
                     Some(step) => Flow::Next(step),
                     None => self.panicked_flow(index),
@@ -180,9 +179,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
                 {
                     return Flow::Close(reason_for_code(code));
                 }
-                if conn.phase == Phase::Idle && conn.phase_override.is_none() {
-                    conn.phase = Phase::Receiving;
-                }
+                conn.machine.input_arrived();
                 if let Some(rate) = conn.rate_in.as_mut() {
                     if rate.is_busy() {
                         let now = turn_now(&self.turn_clock, core);
@@ -192,7 +189,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
                                 direction: Direction::In,
                             });
                         }
-                    } else if conn.phase != Phase::Idle {
+                    } else if conn.machine.phase() != Phase::Idle {
                         // Counted when the request first waits for more input (see `wait_read`).
                         conn.received_unjudged += count as u64;
                     }
@@ -233,19 +230,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         let Some(conn) = entry.conn.as_mut() else {
             return Flow::Close(CloseReason::SessionError);
         };
-        let (timeout, kind) = if conn.phase == Phase::Idle {
-            (conn.idle_timeout.unwrap_or(idle_timeout), TimeoutKind::Idle)
-        } else {
-            (read_timeout, TimeoutKind::Read)
-        };
-        let mut deadline = deadline_after(now, timeout);
-        let mut deadline_kind = kind;
-        if let Some(exchange) = conn.exchange
-            && exchange < deadline
-        {
-            deadline = exchange;
-            deadline_kind = TimeoutKind::Exchange;
-        }
+        let (deadline, deadline_kind) = conn.machine.read_wait(now, idle_timeout, read_timeout);
         let mut wake_at = deadline;
         if idle {
             if !entry.owner.set_idle(true)
@@ -316,11 +301,12 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         };
         let mut input = read.input();
         let before = input.len();
+        let write_shut = conn.machine.is_write_shut();
         let mut context =
-            SessionContext::new(&conn.info, &mut entry.output, &mut conn.requests, now)
+            SessionContext::new(&conn.info, &mut entry.output, conn.machine.requests(), now)
                 .with_draining(draining)
                 .with_completer(&conn.completer)
-                .with_write_shut(conn.write_shut.is_sent());
+                .with_write_shut(write_shut);
         let step = catch_unwind(AssertUnwindSafe(|| {
             session.on_data(&mut input, &mut context)
         }));
@@ -328,7 +314,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         let consumed = input.consumed().min(before);
         read.consume(consumed);
         conn.input_changed = consumed > 0 && read.unread_len() > 0;
-        apply_requests(conn);
+        conn.machine.apply_requests();
         match step {
             Ok(step) => Flow::Next(step),
             Err(_) => self.panicked_flow(index),
@@ -416,7 +402,8 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
                         let now = turn_now(&self.turn_clock, core);
                         let deadline = *conn.write_deadline.get_or_insert_with(|| {
                             let progress = deadline_after(now, write_timeout);
-                            conn.exchange
+                            conn.machine
+                                .exchange_deadline()
                                 .map_or(progress, |exchange| exchange.min(progress))
                         });
                         let mut wake_at = deadline;
@@ -462,22 +449,21 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             rate.stop();
         }
         let unread = entry.read.as_ref().map_or(0, ReadBuffer::unread_len);
-        if unread == 0 && conn.phase_override.is_none() {
-            conn.phase = Phase::Idle;
+        if conn.machine.output_flushed(unread) {
             if let Some(rate) = conn.rate_in.as_mut() {
                 rate.stop();
             }
             conn.received_unjudged = 0;
         }
         // A half close waiting for this flush sends its FIN before `on_writable` runs.
-        if conn.write_shut != WriteShut::Open
+        if conn.machine.half_close_asked()
             && let Err(reason) = self.half_close(index)
         {
             return Flow::Close(reason);
         }
         if then_close {
             let conn = self.conn(index);
-            return Flow::Close(conn.pending.unwrap_or(CloseReason::SessionClosed));
+            return Flow::Close(conn.machine.close_reason(Step::Close));
         }
         match self.hook(index, |session, context| session.on_writable(context)) {
             Some(step) => Flow::Next(step),
@@ -491,7 +477,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         let Some(conn) = entry.conn.as_mut() else {
             return Err(CloseReason::SessionError);
         };
-        match conn.write_shut.due(entry.output.is_empty()) {
+        match conn.machine.half_close_due(entry.output.is_empty()) {
             HalfClose::Nothing => Ok(()),
             HalfClose::Refuse => Err(CloseReason::SessionError),
             HalfClose::SendFin => {
@@ -500,7 +486,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
                 };
                 match socket::shutdown(socket, std::net::Shutdown::Write) {
                     Ok(()) => {
-                        conn.write_shut = WriteShut::Sent;
+                        conn.machine.fin_sent();
                         Ok(())
                     }
                     Err(error) => Err(match entry.owner.closing() {
@@ -581,20 +567,26 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
     ) -> Option<T> {
         let core = self.core;
         let now = self.now();
-        let draining = core.draining.load(Ordering::Acquire);
-        let pressure = core.pressure();
+        let environment = HookEnvironment {
+            draining: core.draining.load(Ordering::Acquire),
+            pressure: core.pressure(),
+            completer: None,
+        };
         let entry = &mut self.entries[index as usize];
         let conn = entry.conn.as_mut()?;
         let session = conn.session.as_mut()?;
-        let mut context =
-            SessionContext::new(&conn.info, &mut entry.output, &mut conn.requests, now)
-                .with_draining(draining)
-                .with_pressure(pressure)
-                .with_completer(&conn.completer)
-                .with_write_shut(conn.write_shut.is_sent());
-        let result = catch_unwind(AssertUnwindSafe(|| call(session, &mut context))).ok();
+        let result = conn.machine.hook(
+            session,
+            &conn.info,
+            &mut entry.output,
+            now,
+            HookEnvironment {
+                completer: Some(&conn.completer),
+                ..environment
+            },
+            call,
+        );
         self.turn_clock.set(None);
-        apply_requests(conn);
         result
     }
 

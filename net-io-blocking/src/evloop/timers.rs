@@ -66,6 +66,12 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             return self.close(index, reason_for_code(code));
         }
         match conn.wait {
+            Wait::Connect { deadline, .. } => {
+                if now >= deadline {
+                    return self.close(index, CloseReason::ConnectTimeout);
+                }
+                self.schedule(index, deadline);
+            }
             Wait::Handshake { deadline } => {
                 if now >= deadline {
                     return self.close(index, CloseReason::HandshakeTimeout);
@@ -144,20 +150,14 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
 
     pub(super) fn read_deadline(&mut self, index: u32, kind: TimeoutKind) {
         let conn = self.conn(index);
-        conn.pending = Some(kind.close_reason());
+        conn.machine.deadline_passed(kind);
         conn.wait = Wait::Running;
         let Some(step) = self.hook(index, |session, context| session.on_timeout(kind, context))
         else {
             return self.panicked(index);
         };
-        let conn = self.conn(index);
-        if matches!(step, Step::Read | Step::Write | Step::Park { .. }) {
-            // The session chose to carry on: the deadline starts again from now.
-            conn.pending = None;
-            if kind == TimeoutKind::Exchange {
-                conn.exchange = None;
-            }
-        }
+        // Carrying on, the deadline starts again from now.
+        self.conn(index).machine.timeout_answered(step);
         self.drive(index, step);
     }
 
@@ -165,14 +165,17 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
     /// a flush for `Close` that the session carries on becomes whatever step it returns.
     pub(super) fn write_deadline(&mut self, index: u32, now: Instant) {
         let conn = self.conn(index);
-        let kind = if conn.exchange.is_some_and(|exchange| now >= exchange) {
+        let kind = if conn
+            .machine
+            .exchange_deadline()
+            .is_some_and(|exchange| now >= exchange)
+        {
             TimeoutKind::Exchange
         } else {
             TimeoutKind::Write
         };
-        if kind == TimeoutKind::Exchange {
-            conn.exchange = None;
-        }
+        // A spent exchange deadline is cleared; a new one the session sets in `on_timeout` stands.
+        conn.machine.deadline_passed(kind);
         conn.wait = Wait::Running;
         conn.checked = false;
         conn.write_deadline = None;
@@ -183,6 +186,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         else {
             return self.panicked(index);
         };
+        self.conn(index).machine.timeout_answered(step);
         match step {
             // Unsent output stays queued, so even `Close` ends abortively with the deadline's reason.
             Step::Close | Step::Abort => self.close(index, kind.close_reason()),
@@ -201,16 +205,14 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
     /// The park deadline passed: the session's `on_timeout` picks the next step.
     pub(super) fn park_timed_out(&mut self, index: u32) -> Flow {
         let conn = self.conn(index);
-        conn.pending = Some(CloseReason::ParkDeadline);
+        conn.machine.deadline_passed(TimeoutKind::Park);
         conn.wait = Wait::Running;
         let Some(step) = self.hook(index, |session, context| {
             session.on_timeout(TimeoutKind::Park, context)
         }) else {
             return self.panicked_flow(index);
         };
-        if matches!(step, Step::Read | Step::Write | Step::Park { .. }) {
-            self.conn(index).pending = None;
-        }
+        self.conn(index).machine.timeout_answered(step);
         Flow::Next(step)
     }
 
