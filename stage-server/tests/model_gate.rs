@@ -23,6 +23,19 @@ fn scratch_dir(name: &str) -> PathBuf {
 /// Runs [`PROBE`] in a child copy of this test binary with a model directory and the given CI variables,
 /// and returns whether it passed and what it printed.
 fn run_probe(model_dir: &Path, ci: Option<&str>, require_models: Option<&str>) -> (bool, String) {
+    let mut command = probe_command();
+    command.env(MODEL_DIR_VARIABLE, model_dir);
+    if let Some(value) = ci {
+        command.env("CI", value);
+    }
+    if let Some(value) = require_models {
+        command.env(REQUIRE_MODELS_VARIABLE, value);
+    }
+    probe_outcome(command)
+}
+
+/// A command that runs [`PROBE`] alone in a child copy of this test binary, with neither CI variable set.
+fn probe_command() -> Command {
     let mut command = Command::new(std::env::current_exe().expect("the test binary's path"));
     command
         .args([
@@ -32,15 +45,13 @@ fn run_probe(model_dir: &Path, ci: Option<&str>, require_models: Option<&str>) -
             "--nocapture",
             "--test-threads=1",
         ])
-        .env(MODEL_DIR_VARIABLE, model_dir)
         .env_remove("CI")
         .env_remove(REQUIRE_MODELS_VARIABLE);
-    if let Some(value) = ci {
-        command.env("CI", value);
-    }
-    if let Some(value) = require_models {
-        command.env(REQUIRE_MODELS_VARIABLE, value);
-    }
+    command
+}
+
+/// Runs a probe command; whether it passed, and what it printed.
+fn probe_outcome(mut command: Command) -> (bool, String) {
     let output = command.output().expect("could not run the probe test");
     let printed = format!(
         "{}{}",
@@ -184,6 +195,29 @@ fn the_environment_decides_in_a_real_test_process() {
         );
     }
     let _ = std::fs::remove_dir_all(&empty);
+}
+
+#[test]
+fn an_empty_model_dir_variable_counts_as_unset() {
+    // Shells leave `VAR=` set but empty; the models are then in the default directory under HOME, as
+    // `cargo xtask fetch-models` (which has the same rule) put them, not in the current directory.
+    let home = scratch_dir("empty-variable");
+    let models = home.join(".cache/stage-server/models");
+    std::fs::create_dir_all(&models).expect("creating the default model directory");
+    std::fs::write(models.join(SMOLLM2_FILE), b"GGUF").expect("writing a stand-in model");
+    let mut command = probe_command();
+    command
+        .env(MODEL_DIR_VARIABLE, "")
+        .env("HOME", &home)
+        .env(REQUIRE_MODELS_VARIABLE, "1");
+    let (passed, printed) = probe_outcome(command);
+    let _ = std::fs::remove_dir_all(&home);
+    let expected = models.join(SMOLLM2_FILE);
+    assert!(
+        passed && printed.contains(&format!("probe: found {}", expected.display())),
+        "with {MODEL_DIR_VARIABLE} empty the gate should find {} under HOME, but the probe printed:\n{printed}",
+        expected.display()
+    );
 }
 
 #[test]

@@ -72,7 +72,9 @@ pub fn default_model_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os(MODEL_DIR_VARIABLE).filter(|dir| !dir.is_empty()) {
         return PathBuf::from(dir);
     }
-    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    let home = std::env::var_os("HOME")
+        .filter(|home| !home.is_empty())
+        .map_or_else(|| PathBuf::from("."), PathBuf::from);
     home.join(".cache").join("stage-server").join("models")
 }
 
