@@ -78,7 +78,8 @@ fn run() -> Result<()> {
 ///
 /// The real models are fetched first so the tests that need them run. Offline on a developer's machine a
 /// failed fetch is a note and those tests skip, naming `cargo xtask fetch-models`; under CI (`CI` set) it is
-/// an error, so a green CI run always means the real-model tests ran.
+/// an error, so a green CI run always means the real-model tests ran. Once the models are fetched the tests run
+/// with `STAGE_SERVER_REQUIRE_MODELS=1`, so a test that still cannot find one fails instead of skipping.
 ///
 /// Besides the plain test run, two builds with their own cfg run in their own target directories so they do
 /// not invalidate the main build: the fault-injection shim (`net_io_shim`: syscall counts per round trip and
