@@ -184,6 +184,19 @@ impl AsFd for Listener {
 /// Creates a non-blocking, close-on-exec TCP listener on `address` with `options`.
 ///
 /// The backlog is capped at [`somaxconn`]. An address in use comes back as `AddrInUse`; callers add the advice.
+///
+/// ```
+/// use net_io_sys::socket::{self, ListenOptions};
+///
+/// let options = ListenOptions {
+///     backlog: u32::MAX,
+///     ..ListenOptions::default()
+/// };
+/// let listener = socket::listen("127.0.0.1:0".parse().unwrap(), &options)?;
+/// assert_ne!(listener.local_addr().port(), 0, "port 0 asks the kernel for a free port");
+/// assert!(listener.backlog() <= socket::somaxconn().unwrap_or(4096), "the backlog is capped");
+/// # Ok::<(), std::io::Error>(())
+/// ```
 pub fn listen(address: SocketAddr, options: &ListenOptions) -> io::Result<Listener> {
     let domain = Domain::for_address(address);
     shim::enter("socket")?;
@@ -470,6 +483,26 @@ pub enum ConnectProgress {
 /// writable, [`take_error`] says whether the connect failed and [`peer_addr`] (`ENOTCONN` while pending)
 /// whether it finished. A refusal the kernel knows at once (loopback) comes back here as
 /// `ConnectionRefused`.
+///
+/// ```
+/// use std::os::fd::AsFd;
+/// use std::time::Duration;
+///
+/// use net_io_sys::epoll::{Epoll, Events, Interest};
+/// use net_io_sys::socket::{self, ConnectProgress};
+///
+/// let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+/// let (socket, progress) = socket::connect_nonblocking(listener.local_addr()?)?;
+/// if progress == ConnectProgress::InProgress {
+///     // Writable means the handshake ended, one way or the other.
+///     let epoll = Epoll::new()?;
+///     epoll.add(socket.as_fd(), 1, Interest::WRITABLE)?;
+///     epoll.wait(&mut Events::with_capacity(1), Some(Duration::from_secs(5)))?;
+/// }
+/// assert!(socket::take_error(socket.as_fd())?.is_none(), "the connect succeeded");
+/// assert_eq!(socket::peer_addr(socket.as_fd())?, listener.local_addr()?);
+/// # Ok::<(), std::io::Error>(())
+/// ```
 pub fn connect_nonblocking(address: SocketAddr) -> io::Result<(OwnedFd, ConnectProgress)> {
     let socket = stream_socket_for(address)?;
     let progress = start_connect(socket.as_fd(), address)?;
