@@ -11,7 +11,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, Weak};
 
 use net_io_sys::epoll::Interest;
-use net_io_sys::socket::{self, ConnectProgress, ConnectionOptions, ListenOptions, Listener};
+use net_io_sys::socket::{self, ConnectProgress, ListenOptions, Listener};
 
 use crate::error::RuntimeError;
 use crate::manager::{Dispatch, Reactor};
@@ -292,7 +292,7 @@ impl TcpConnection {
     /// Wraps an accepted (blocking) socket: non-blocking, since tasks park on the manager's epoll instead.
     fn from_accepted(socket: OwnedFd) -> Result<Self, RuntimeError> {
         socket::set_nonblocking(socket.as_fd(), true)?;
-        set_nodelay(socket.as_fd())?;
+        socket::set_nodelay(socket.as_fd(), true)?;
         Ok(TcpConnection {
             inner: new_inner(Endpoint::Connected(socket)),
         })
@@ -397,7 +397,7 @@ impl Task for TcpConnect {
             Ok(started) => started,
             Err(error) => return Step::Done(Err(error.into())),
         };
-        if let Err(error) = set_nodelay(socket.as_fd()) {
+        if let Err(error) = socket::set_nodelay(socket.as_fd(), true) {
             return Step::Done(Err(error.into()));
         }
         let inner = new_inner(Endpoint::Connected(socket));
@@ -631,15 +631,4 @@ impl Task for TcpRecv {
             }
         }
     }
-}
-
-/// Turns on `TCP_NODELAY`: a task's send is one message, so it should leave at once.
-fn set_nodelay(socket: BorrowedFd<'_>) -> io::Result<()> {
-    socket::apply_connection_options(
-        socket,
-        &ConnectionOptions {
-            nodelay: true,
-            ..ConnectionOptions::default()
-        },
-    )
 }
