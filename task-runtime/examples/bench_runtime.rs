@@ -1,7 +1,10 @@
 //! Side-by-side benchmark: task-runtime against tokio, rayon, std threads and a crossbeam pool, 2 workers each.
 //!
-//! Run with `cargo xtask bench runtime` (release). Prints a markdown table; `--memory-child NAME` is the
-//! internal mode that measures one runtime's memory per parked task in a fresh process.
+//! Run with `cargo xtask bench runtime` (release). Prints a markdown table, then one `method key=value ...`
+//! line with every count the run used and the CPU time it took, from which the xtask writes the method and
+//! how busy the rest of the machine was (so the report states what this run did, not what it once did);
+//! `--memory-child NAME` is the internal mode that measures one runtime's memory per parked task in a fresh
+//! process.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,10 +14,22 @@ use task_runtime::{Compute, Runtime, Sleep, TaskHandle};
 
 const WORKERS: usize = 2;
 const BATCH: usize = 100_000;
+/// Measured runs of a batch row, after one warm-up run.
+const BATCH_RUNS: usize = 5;
+/// The batch of `spawn_blocking` and of std threads, which cost a thread hand-off per task ...
+const BLOCKING_BATCH: usize = 10_000;
+const THREAD_BATCH: usize = 2_000;
+/// ... and their measured runs, fewer because each run is slow.
+const HAND_OFF_RUNS: usize = 3;
 const ROUND_TRIPS: usize = 2_000;
+/// Round trips through a fresh std thread, which cost a thread start each.
+const THREAD_ROUND_TRIPS: usize = 200;
 const SLEEP_SAMPLES: usize = 300;
 /// Sleeps run before the measured ones.
 const WARM_UPS: usize = 10;
+/// Quiet before the idle window, and the window.
+const IDLE_SETTLE: Duration = Duration::from_millis(1500);
+const IDLE_WINDOW: Duration = Duration::from_secs(2);
 const PARKED: usize = 1_000_000;
 
 fn main() {
@@ -54,8 +69,8 @@ fn main() {
 
     let mut rows: Vec<Row> = Vec::new();
 
-    // 1. Spawn plus join of 100,000 computes, per task (median of 5 runs after a warm-up).
-    let ours = median_of(5, || {
+    // 1. Spawn plus join of 100,000 computes, per task (median of BATCH_RUNS runs after a warm-up).
+    let ours = median_of(BATCH_RUNS, || {
         let started = Instant::now();
         let handles: Vec<TaskHandle<u64>> = (0..BATCH as u64)
             .map(|index| Runtime::task(Compute::compute(move |()| index ^ 1)).spawn())
@@ -65,7 +80,7 @@ fn main() {
         }
         started.elapsed() / BATCH as u32
     });
-    let tokio_spawn = median_of(5, || {
+    let tokio_spawn = median_of(BATCH_RUNS, || {
         tokio.block_on(async {
             let started = Instant::now();
             let handles: Vec<_> = (0..BATCH as u64)
@@ -77,19 +92,19 @@ fn main() {
             started.elapsed() / BATCH as u32
         })
     });
-    let tokio_blocking = median_of(3, || {
+    let tokio_blocking = median_of(HAND_OFF_RUNS, || {
         tokio.block_on(async {
             let started = Instant::now();
-            let handles: Vec<_> = (0..BATCH as u64 / 10)
+            let handles: Vec<_> = (0..BLOCKING_BATCH as u64)
                 .map(|index| tokio::task::spawn_blocking(move || index ^ 1))
                 .collect();
             for handle in handles {
                 std::hint::black_box(handle.await.expect("join"));
             }
-            started.elapsed() / (BATCH as u32 / 10)
+            started.elapsed() / BLOCKING_BATCH as u32
         })
     });
-    let rayon_spawn = median_of(5, || {
+    let rayon_spawn = median_of(BATCH_RUNS, || {
         let sum = AtomicU64::new(0);
         let started = Instant::now();
         rayon.scope(|scope| {
@@ -103,18 +118,17 @@ fn main() {
         std::hint::black_box(sum.load(Ordering::Relaxed));
         started.elapsed() / BATCH as u32
     });
-    let threads = median_of(3, || {
-        let count = 2_000u32;
+    let threads = median_of(HAND_OFF_RUNS, || {
         let started = Instant::now();
-        let handles: Vec<_> = (0..count as u64)
+        let handles: Vec<_> = (0..THREAD_BATCH as u64)
             .map(|index| std::thread::spawn(move || index ^ 1))
             .collect();
         for handle in handles {
             std::hint::black_box(handle.join().expect("join"));
         }
-        started.elapsed() / count
+        started.elapsed() / THREAD_BATCH as u32
     });
-    let crossbeam_batch = median_of(5, || {
+    let crossbeam_batch = median_of(BATCH_RUNS, || {
         let started = Instant::now();
         let receivers: Vec<_> = (0..BATCH as u64)
             .map(|index| crossbeam.submit(move || index ^ 1))
@@ -124,14 +138,25 @@ fn main() {
         }
         started.elapsed() / BATCH as u32
     });
+    let blocking_label = format!(
+        "tokio spawn_blocking ({}, median of {HAND_OFF_RUNS})",
+        thousands(BLOCKING_BATCH)
+    );
+    let threads_label = format!(
+        "std thread spawn+join ({}, median of {HAND_OFF_RUNS})",
+        thousands(THREAD_BATCH)
+    );
     rows.push(Row::durations(
-        "spawn + join, 100,000 computes (per task)",
+        &format!(
+            "spawn + join, {} computes (per task, median of {BATCH_RUNS})",
+            thousands(BATCH)
+        ),
         ours,
         tokio_spawn,
         &[
-            ("tokio spawn_blocking (10,000)", tokio_blocking),
+            (blocking_label.as_str(), tokio_blocking),
             ("rayon scope spawn", rayon_spawn),
-            ("std thread spawn+join (2,000)", threads),
+            (threads_label.as_str(), threads),
             ("crossbeam pool", crossbeam_batch),
         ],
     ));
@@ -160,7 +185,7 @@ fn main() {
         crossbeam.submit(|| 1u64).recv().expect("result");
         started.elapsed()
     });
-    let thread_trip = median_samples(200, || {
+    let thread_trip = median_samples(THREAD_ROUND_TRIPS, || {
         let started = Instant::now();
         std::thread::spawn(|| 1u8).join().expect("join");
         started.elapsed()
@@ -172,7 +197,10 @@ fn main() {
         &[
             ("rayon install", rayon_trip),
             ("crossbeam submit+recv", crossbeam_trip),
-            ("std thread spawn+join", thread_trip),
+            (
+                format!("std thread spawn+join (median of {THREAD_ROUND_TRIPS})").as_str(),
+                thread_trip,
+            ),
         ],
     ));
 
@@ -222,13 +250,16 @@ fn main() {
         ));
     }
 
-    // 4. Idle CPU over 2 s after the work above, whole process (all runtimes idle at once).
-    std::thread::sleep(Duration::from_millis(1500));
+    // 4. Idle CPU over the window after the work above, whole process (all runtimes idle at once).
+    std::thread::sleep(IDLE_SETTLE);
     let before = cpu_time();
-    std::thread::sleep(Duration::from_secs(2));
+    std::thread::sleep(IDLE_WINDOW);
     let idle = cpu_time() - before;
     rows.push(Row {
-        label: "idle CPU over 2 s (whole process, all four idle)".into(),
+        label: format!(
+            "idle CPU over {} ms (whole process, all four idle)",
+            IDLE_WINDOW.as_millis()
+        ),
         ours: format!("{} ms", idle.as_millis()),
         tokio: "(same process)".into(),
         ratio: "-".into(),
@@ -239,7 +270,7 @@ fn main() {
     let ours = memory_in_child("ours");
     let tokio_memory = memory_in_child("tokio");
     rows.push(Row {
-        label: format!("RSS per live parked task at {PARKED}"),
+        label: format!("RSS per live parked task at {}", thousands(PARKED)),
         ours: format!("{ours} B"),
         tokio: format!("{tokio_memory} B"),
         ratio: format!("{:.2}", ours as f64 / tokio_memory.max(1) as f64),
@@ -254,6 +285,19 @@ fn main() {
             row.label, row.ours, row.tokio, row.ratio, row.others
         );
     }
+    // The memory children have been waited for, so their CPU time is in the children's share.
+    println!(
+        "method workers={WORKERS} batch={BATCH} batch_runs={BATCH_RUNS} blocking_batch={BLOCKING_BATCH} \
+         thread_batch={THREAD_BATCH} hand_off_runs={HAND_OFF_RUNS} round_trips={ROUND_TRIPS} \
+         round_trip_warm_ups={} thread_round_trips={THREAD_ROUND_TRIPS} thread_round_trip_warm_ups={} \
+         sleep_samples={SLEEP_SAMPLES} sleep_warm_ups={WARM_UPS} idle_settle_ms={} idle_window_ms={} \
+         parked={PARKED} cpu_ms={}",
+        ROUND_TRIPS / 10,
+        THREAD_ROUND_TRIPS / 10,
+        IDLE_SETTLE.as_millis(),
+        IDLE_WINDOW.as_millis(),
+        (cpu_time() + children_cpu_time()).as_millis()
+    );
     Runtime::shutdown();
 }
 
@@ -299,6 +343,7 @@ fn median_of(runs: usize, mut measure: impl FnMut() -> Duration) -> Duration {
     samples[samples.len() / 2]
 }
 
+/// The median of `count` samples after `count / 10` warm-ups (the `round_trip_warm_ups` of the method line).
 fn median_samples(count: usize, mut measure: impl FnMut() -> Duration) -> Duration {
     for _ in 0..count / 10 {
         measure();
@@ -345,21 +390,43 @@ fn status_kib(name: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// This process's user plus system CPU time (utime and stime of /proc/self/stat, 10 ms ticks).
 fn cpu_time() -> Duration {
+    stat_ticks(11, 12)
+}
+
+/// The CPU time of the children this process has waited for (cutime and cstime).
+fn children_cpu_time() -> Duration {
+    stat_ticks(13, 14)
+}
+
+/// The sum of two tick fields of /proc/self/stat, counted from the field after the command name.
+fn stat_ticks(first: usize, second: usize) -> Duration {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
     let Some(close) = stat.rfind(')') else {
         return Duration::ZERO;
     };
     let fields: Vec<&str> = stat[close + 2..].split_whitespace().collect();
-    let ticks: u64 = fields
-        .get(11)
-        .and_then(|value| value.parse().ok())
-        .unwrap_or(0)
-        + fields
-            .get(12)
+    let field = |index: usize| -> u64 {
+        fields
+            .get(index)
             .and_then(|value| value.parse().ok())
-            .unwrap_or(0);
-    Duration::from_millis(ticks * 10)
+            .unwrap_or(0)
+    };
+    Duration::from_millis((field(first) + field(second)) * 10)
+}
+
+/// A count with thousands separators, as the table labels write it (100,000).
+fn thousands(count: usize) -> String {
+    let digits = count.to_string();
+    let mut text = String::new();
+    for (index, digit) in digits.chars().enumerate() {
+        if index > 0 && (digits.len() - index).is_multiple_of(3) {
+            text.push(',');
+        }
+        text.push(digit);
+    }
+    text
 }
 
 fn memory_in_child(name: &str) -> u64 {

@@ -168,7 +168,7 @@ const QUIET_WINDOW: Duration = Duration::from_millis(500);
 /// Runs the benchmark with the command-line `arguments` after `bench lifecycle`.
 pub fn run(arguments: &[String]) -> Result<()> {
     let options = parse_options(arguments)?;
-    let binary = build_example()?;
+    let binary = build_release_example("net-io-blocking", "bench_lifecycle")?;
     let load_before = load_average();
     let started = Instant::now();
     let mut run = Run::default();
@@ -314,17 +314,11 @@ fn parse_options(arguments: &[String]) -> Result<Options> {
     Ok(options)
 }
 
-/// Builds the example once in release mode and returns its path.
-fn build_example() -> Result<PathBuf> {
-    let arguments = [
-        "build",
-        "--release",
-        "-p",
-        "net-io-blocking",
-        "--example",
-        "bench_lifecycle",
-    ];
-    crate::cargo(&arguments).context("building the bench_lifecycle example failed")?;
+/// Builds `example` of `package` once in release mode and returns its path (the runtime benchmark runs its
+/// example the same way, so that no build shares the machine with the measurement).
+pub(crate) fn build_release_example(package: &str, example: &str) -> Result<PathBuf> {
+    let arguments = ["build", "--release", "-p", package, "--example", example];
+    crate::cargo(&arguments).with_context(|| format!("building the {example} example failed"))?;
     let target = env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .map(|path| {
@@ -335,10 +329,7 @@ fn build_example() -> Result<PathBuf> {
             }
         })
         .unwrap_or_else(|| crate::workspace_root().join("target"));
-    let binary = target
-        .join("release")
-        .join("examples")
-        .join("bench_lifecycle");
+    let binary = target.join("release").join("examples").join(example);
     if !binary.exists() {
         bail!(
             "{} is missing after the build; is CARGO_TARGET_DIR the same for xtask and cargo?",
@@ -1051,7 +1042,7 @@ fn describe_busy(samples: &[f64]) -> String {
 /// The busy and total ticks of the whole machine from the text of `/proc/stat` (its `cpu` line: user,
 /// nice, system, idle, iowait, irq, softirq, steal; idle and iowait are not busy). Steal counts as busy:
 /// on a virtual machine it is time another guest took from these cores.
-fn machine_ticks(stat: &str) -> Option<(u64, u64)> {
+pub(crate) fn machine_ticks(stat: &str) -> Option<(u64, u64)> {
     let line = stat.lines().find(|line| line.starts_with("cpu "))?;
     let values: Vec<u64> = line
         .split_whitespace()
