@@ -74,8 +74,8 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_default()
 }
 
-/// The (file name, sha256) pairs of xtask's `MODELS` table, read from its source as text.
-fn xtask_pins() -> Vec<(String, String)> {
+/// The (short name, file name, sha256) of each entry of xtask's `MODELS` table, read from its source as text.
+fn xtask_pins() -> Vec<[String; 3]> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../xtask/src/models.rs");
     let source = std::fs::read_to_string(&path)
         .unwrap_or_else(|error| panic!("could not read {}: {error}", path.display()));
@@ -84,15 +84,20 @@ fn xtask_pins() -> Vec<(String, String)> {
         Some(rest.split('"').next()?.to_owned())
     };
     let mut pins = Vec::new();
-    let mut file_name = None;
+    let (mut short_name, mut file_name) = (None, None);
     for line in source.lines() {
-        if let Some(name) = quoted(line, "file_name:") {
+        if let Some(name) = quoted(line, "short_name:") {
+            short_name = Some(name);
+        } else if let Some(name) = quoted(line, "file_name:") {
             file_name = Some(name);
         } else if let Some(digest) = quoted(line, "sha256:") {
-            let name = file_name.take().unwrap_or_else(|| {
-                panic!("{}: a sha256 comes before any file_name", path.display())
-            });
-            pins.push((name, digest));
+            let (Some(short_name), Some(file_name)) = (short_name.take(), file_name.take()) else {
+                panic!(
+                    "{}: a sha256 comes before its short_name and file_name",
+                    path.display()
+                );
+            };
+            pins.push([short_name, file_name, digest]);
         }
     }
     pins
@@ -262,14 +267,14 @@ fn every_real_model_test_goes_through_the_gate() {
 
 #[test]
 fn the_known_models_are_the_ones_xtask_pins_and_fetches() {
-    let ours: Vec<(String, String)> = KNOWN_MODELS
+    let ours: Vec<[String; 3]> = KNOWN_MODELS
         .iter()
-        .map(|model| (model.file_name.to_owned(), model.sha256.to_owned()))
+        .map(|model| [model.short_name, model.file_name, model.sha256].map(str::to_owned))
         .collect();
     assert_eq!(
         xtask_pins(),
         ours,
-        "stage_server::model::KNOWN_MODELS and xtask/src/models.rs MODELS disagree on the model files or \
-         their sha256; change both together"
+        "stage_server::model::KNOWN_MODELS and xtask/src/models.rs MODELS disagree on the models' names, \
+         files or sha256; change both together"
     );
 }
