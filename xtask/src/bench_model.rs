@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 use std::env;
 use std::fmt::Write as _;
 use std::fs;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::thread;
@@ -36,12 +37,160 @@ const DECODE_TOKENS: usize = 64;
 /// Compute threads for every runner.
 const THREADS: &str = "2";
 
-/// Layer counts of the real models, for the three-way split.
-fn block_count(short_name: &str) -> usize {
-    match short_name {
-        "smollm2" => 30,
-        _ => 18,
+/// Metadata value types of GGUF (the `gguf_type` enum of ggml's `gguf.h`).
+mod gguf_type {
+    pub(super) const UINT8: u32 = 0;
+    pub(super) const INT8: u32 = 1;
+    pub(super) const UINT16: u32 = 2;
+    pub(super) const INT16: u32 = 3;
+    pub(super) const UINT32: u32 = 4;
+    pub(super) const INT32: u32 = 5;
+    pub(super) const FLOAT32: u32 = 6;
+    pub(super) const BOOL: u32 = 7;
+    pub(super) const STRING: u32 = 8;
+    pub(super) const ARRAY: u32 = 9;
+    pub(super) const UINT64: u32 = 10;
+    pub(super) const INT64: u32 = 11;
+    pub(super) const FLOAT64: u32 = 12;
+}
+
+/// The longest metadata string this reader keeps (keys and the architecture name); longer ones are skipped
+/// unread, so a damaged length cannot make it allocate gigabytes.
+const GGUF_KEPT_STRING: u64 = 64 * 1024;
+
+/// The layer count of the GGUF model at `path`, for the three-way split: its `<architecture>.block_count`,
+/// read from the file's metadata at run time (a count written into this file went stale with a new model).
+fn block_count(path: &Path) -> Result<usize> {
+    let file =
+        fs::File::open(path).with_context(|| format!("could not open {}", path.display()))?;
+    let count = gguf_block_count(&mut std::io::BufReader::new(file))
+        .with_context(|| format!("could not read the layer count of {}", path.display()))?;
+    usize::try_from(count).context("the layer count does not fit in usize")
+}
+
+/// Reads a GGUF header (version 2 or 3) up to its metadata and returns `<general.architecture>.block_count`.
+fn gguf_block_count(reader: &mut impl Read) -> Result<u64> {
+    let mut magic = [0_u8; 4];
+    reader
+        .read_exact(&mut magic)
+        .context("the file ends before its magic")?;
+    ensure!(
+        &magic == b"GGUF",
+        "the file does not start with the GGUF magic"
+    );
+    let version = read_u32(reader)?;
+    ensure!(
+        matches!(version, 2 | 3),
+        "GGUF version {version} is not one this reader knows (2 or 3)"
+    );
+    let _tensors = read_u64(reader)?;
+    let entries = read_u64(reader)?;
+    let mut architecture = None;
+    let mut block_counts = BTreeMap::new();
+    for _ in 0..entries {
+        let key = read_kept_string(reader)?;
+        let kind = read_u32(reader)?;
+        if key == "general.architecture" && kind == gguf_type::STRING {
+            architecture = Some(read_kept_string(reader)?);
+        } else if key.ends_with(".block_count") {
+            block_counts.insert(key, read_integer(reader, kind)?);
+        } else {
+            skip_value(reader, kind, 0)?;
+        }
+        if let Some(architecture) = &architecture
+            && let Some(count) = block_counts.get(&format!("{architecture}.block_count"))
+        {
+            return Ok(*count);
+        }
     }
+    let architecture = architecture.context("the metadata has no general.architecture")?;
+    bail!("the metadata has no {architecture}.block_count")
+}
+
+fn read_u32(reader: &mut impl Read) -> Result<u32> {
+    let mut bytes = [0_u8; 4];
+    reader
+        .read_exact(&mut bytes)
+        .context("the GGUF header ends early")?;
+    Ok(u32::from_le_bytes(bytes))
+}
+
+fn read_u64(reader: &mut impl Read) -> Result<u64> {
+    let mut bytes = [0_u8; 8];
+    reader
+        .read_exact(&mut bytes)
+        .context("the GGUF header ends early")?;
+    Ok(u64::from_le_bytes(bytes))
+}
+
+/// A metadata string the reader keeps: a u64 length, then that many UTF-8 bytes.
+fn read_kept_string(reader: &mut impl Read) -> Result<String> {
+    let length = read_u64(reader)?;
+    ensure!(
+        length <= GGUF_KEPT_STRING,
+        "a metadata key or name of {length} bytes is longer than any real one"
+    );
+    let mut bytes = vec![0_u8; length as usize];
+    reader
+        .read_exact(&mut bytes)
+        .context("the GGUF header ends inside a string")?;
+    String::from_utf8(bytes).context("a metadata string is not UTF-8")
+}
+
+/// An integer metadata value of any integer type.
+fn read_integer(reader: &mut impl Read, kind: u32) -> Result<u64> {
+    let width = match kind {
+        gguf_type::UINT8 | gguf_type::INT8 => 1,
+        gguf_type::UINT16 | gguf_type::INT16 => 2,
+        gguf_type::UINT32 | gguf_type::INT32 => 4,
+        gguf_type::UINT64 | gguf_type::INT64 => 8,
+        other => bail!("a block count of metadata type {other} is not an integer"),
+    };
+    let mut bytes = [0_u8; 8];
+    reader
+        .read_exact(&mut bytes[..width])
+        .context("the GGUF header ends inside a value")?;
+    Ok(u64::from_le_bytes(bytes))
+}
+
+/// Reads past one metadata value of type `kind`; `depth` bounds arrays of arrays.
+fn skip_value(reader: &mut impl Read, kind: u32, depth: usize) -> Result<()> {
+    let width = match kind {
+        gguf_type::UINT8 | gguf_type::INT8 | gguf_type::BOOL => 1,
+        gguf_type::UINT16 | gguf_type::INT16 => 2,
+        gguf_type::UINT32 | gguf_type::INT32 | gguf_type::FLOAT32 => 4,
+        gguf_type::UINT64 | gguf_type::INT64 | gguf_type::FLOAT64 => 8,
+        gguf_type::STRING => read_u64(reader)?,
+        gguf_type::ARRAY => {
+            ensure!(depth < 4, "metadata arrays nest deeper than any real file");
+            let element = read_u32(reader)?;
+            let count = read_u64(reader)?;
+            for _ in 0..count {
+                skip_value(reader, element, depth + 1)?;
+            }
+            return Ok(());
+        }
+        other => bail!("metadata type {other} is not a GGUF type"),
+    };
+    let skipped = std::io::copy(&mut reader.take(width), &mut std::io::sink())?;
+    ensure!(skipped == width, "the GGUF header ends inside a value");
+    Ok(())
+}
+
+/// How many CPU variants (`libggml-cpu-*.so`) the llama.cpp library folder holds, for "best variant".
+fn cpu_variant_count(folder: &Path) -> Option<usize> {
+    let entries = fs::read_dir(folder).ok()?;
+    Some(
+        entries
+            .filter_map(Result::ok)
+            .filter(|entry| {
+                entry
+                    .file_name()
+                    .to_str()
+                    .is_some_and(|name| name.starts_with("libggml-cpu-") && name.ends_with(".so"))
+            })
+            .count(),
+    )
 }
 
 /// One runner's figures over the rounds.
@@ -95,7 +244,7 @@ pub fn run(arguments: &[String]) -> Result<()> {
     for model in present {
         let path = model_dir.join(model.file_name);
         let prompt = prompt_ids(model.short_name)?;
-        let blocks = block_count(model.short_name);
+        let blocks = block_count(&path)?;
         let split = format!("{},{}", blocks / 3, 2 * blocks / 3);
         let mut runners: BTreeMap<usize, Samples> = BTreeMap::new();
         for round in 0..rounds {
@@ -173,16 +322,17 @@ fn write_report(rounds: usize, load_before: &str, tables: &str) -> Result<()> {
          contention rather than speed (spinning thread pools suffer most); rerun on a quiet machine \
          before drawing conclusions.\n\n\
          ## Method\n\n\
-         - Every runner uses 2 threads. Figures are medians over {rounds} rounds; each round runs every runner once.\n\
-         - Ours: `stage-server generate --prompt-ids <{PROMPT_TOKENS} ids> --max-tokens {} --threads 2 --json`, \
+         - Every runner uses {THREADS} threads. Figures are medians over {rounds} rounds; each round runs every runner once.\n\
+         - Ours: `stage-server generate --prompt-ids <{PROMPT_TOKENS} ids> --max-tokens {} --threads {THREADS} --json`, \
          a fresh process per run (model load not timed). Prompt tokens/s is the {PROMPT_TOKENS}-token prefill \
          as one chunk; decode tokens/s covers the {DECODE_TOKENS} single-token steps after the first token, \
          so it runs at context {PROMPT_TOKENS} to {}. The split run uses `--split` at a third and two \
-         thirds of the layers (three in-process stages passing f32 activation bytes).\n\
+         thirds of the layers as each file's metadata counts them (`<architecture>.block_count`), three \
+         in-process stages passing f32 activation bytes.\n\
          - llama.cpp: `llama_ref bench --pp {PROMPT_TOKENS} --tg {DECODE_TOKENS}` (our C API driver, \
          xtask/llama-ref/llama_ref.cpp): one warm-up, then pp as one batch from an empty cache and tg one \
-         token at a time from an empty cache, like llama-bench. \"best variant\" lets ggml pick among its 13 CPU \
-         builds; \"AVX2 forced\" loads from a folder holding only `libggml-cpu-haswell.so`.\n\
+         token at a time from an empty cache, like llama-bench. \"best variant\" lets ggml pick among {}; \
+         \"AVX2 forced\" loads from a folder holding only `libggml-cpu-haswell.so`.\n\
          - The prompt is natural text: the longest llama.cpp fixture stream for the model, repeated to \
          {PROMPT_TOKENS} ids.\n\
          - Peak RSS is the process's VmHWM (whole pipeline, all stages). The CLI has no single-stage mode, so a \
@@ -199,6 +349,7 @@ fn write_report(rounds: usize, load_before: &str, tables: &str) -> Result<()> {
         load_verdict(load_before, &load_average()),
         DECODE_TOKENS + 1,
         PROMPT_TOKENS + DECODE_TOKENS,
+        describe_cpu_variants(cpu_variant_count(&llama_ref::library_dir())),
     );
     let destination = workspace_root().join("docs/performance/model.md");
     fs::create_dir_all(destination.parent().context("docs path has no parent")?)?;
@@ -405,7 +556,16 @@ fn ratio(numerator: f64, denominator: f64) -> f64 {
     }
 }
 
-/// The first three fields of /proc/loadavg: how busy the machine was.
+/// What "best variant" chooses among, from the CPU variants counted in the library folder.
+fn describe_cpu_variants(count: Option<usize>) -> String {
+    match count {
+        Some(count) if count > 0 => {
+            format!("the {count} CPU builds (`libggml-cpu-*.so`) in the library folder")
+        }
+        _ => "the CPU builds in the library folder (which could not be counted)".to_owned(),
+    }
+}
+
 /// One sentence on how busy the machine was, from the 1-minute load averages before the run and at the write,
 /// measured against the CPU count (a fixed sentence went stale whenever the machine was quiet or busier).
 fn load_verdict(before: &str, now: &str) -> String {
@@ -465,6 +625,120 @@ fn target_dir() -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A GGUF version 3 header with `entries`, each a key and its already encoded type and value.
+    fn gguf(entries: &[(&str, Vec<u8>)]) -> Vec<u8> {
+        let mut bytes = b"GGUF".to_vec();
+        bytes.extend(3_u32.to_le_bytes());
+        bytes.extend(0_u64.to_le_bytes());
+        bytes.extend((entries.len() as u64).to_le_bytes());
+        for (key, value) in entries {
+            bytes.extend(string(key));
+            bytes.extend(value);
+        }
+        bytes
+    }
+
+    fn string(text: &str) -> Vec<u8> {
+        let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(text.as_bytes());
+        bytes
+    }
+
+    fn string_value(text: &str) -> Vec<u8> {
+        let mut bytes = gguf_type::STRING.to_le_bytes().to_vec();
+        bytes.extend(string(text));
+        bytes
+    }
+
+    fn u32_value(value: u32) -> Vec<u8> {
+        let mut bytes = gguf_type::UINT32.to_le_bytes().to_vec();
+        bytes.extend(value.to_le_bytes());
+        bytes
+    }
+
+    #[test]
+    fn the_layer_count_is_the_block_count_of_the_file_s_architecture() {
+        let mut tokens = gguf_type::ARRAY.to_le_bytes().to_vec();
+        tokens.extend(gguf_type::STRING.to_le_bytes());
+        tokens.extend(3_u64.to_le_bytes());
+        for token in ["<s>", "hello", "world"] {
+            tokens.extend(string(token));
+        }
+        let mut scale = gguf_type::FLOAT32.to_le_bytes().to_vec();
+        scale.extend(1.5_f32.to_le_bytes());
+        let file = gguf(&[
+            ("general.architecture", string_value("gemma3")),
+            ("tokenizer.ggml.tokens", tokens),
+            ("gemma3.rope.scale", scale),
+            // Another architecture's count must not be taken for this one's.
+            ("llama.block_count", u32_value(30)),
+            ("gemma3.block_count", u32_value(18)),
+        ]);
+        assert_eq!(
+            gguf_block_count(&mut file.as_slice()).expect("a well-formed header"),
+            18,
+            "the count under the file's own architecture should be read"
+        );
+    }
+
+    #[test]
+    fn a_header_without_the_count_or_not_gguf_is_an_error_that_says_so() {
+        let cases = [
+            (
+                gguf(&[("general.architecture", string_value("llama"))]),
+                "no llama.block_count",
+            ),
+            (
+                gguf(&[("llama.block_count", u32_value(30))]),
+                "no general.architecture",
+            ),
+            (
+                gguf(&[("general.architecture", string_value("llama"))])[..20].to_vec(),
+                "ends",
+            ),
+            (b"GGML and more bytes".to_vec(), "GGUF magic"),
+        ];
+        for (file, expected) in cases {
+            let error = gguf_block_count(&mut file.as_slice())
+                .expect_err("a bad header must not give a count");
+            assert!(
+                format!("{error:#}").contains(expected),
+                "the error should say `{expected}`, got `{error:#}`"
+            );
+        }
+    }
+
+    #[test]
+    fn the_best_variant_names_the_cpu_builds_it_counted() {
+        let folder =
+            std::env::temp_dir().join(format!("xtask-cpu-variants-{}", std::process::id()));
+        fs::create_dir_all(&folder).expect("create a scratch folder");
+        for name in [
+            "libggml-cpu-haswell.so",
+            "libggml-cpu-skylakex.so",
+            "libggml-base.so",
+            "libllama.so",
+        ] {
+            fs::write(folder.join(name), b"").expect("write a scratch library");
+        }
+        let count = cpu_variant_count(&folder);
+        let _ = fs::remove_dir_all(&folder);
+        assert_eq!(
+            count,
+            Some(2),
+            "only libggml-cpu-*.so files are CPU variants"
+        );
+        assert_eq!(
+            describe_cpu_variants(count),
+            "the 2 CPU builds (`libggml-cpu-*.so`) in the library folder",
+            "the sentence should give the count"
+        );
+        assert!(
+            describe_cpu_variants(None).contains("could not be counted"),
+            "an unreadable folder is said to be uncounted"
+        );
+    }
 
     #[test]
     fn the_benchmark_prompt_is_128_fixture_ids() {
