@@ -6,11 +6,10 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU16, AtomicU32, AtomicU64};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
-use net_io_core::proxy::ProxyMode;
 use net_io_core::{
     AllowAll, BufferPool, Clock, Coalescer, ConfigError, ControlLine, ControlWaker, ControlWatch,
     Counters, EventSink, Gate, IdAllocator, Limits, ListenerId, NetError, NoopSink, ResolvedLimits,
-    SessionFactory, TrustedProxies,
+    SessionFactory,
 };
 use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::KillSlot;
@@ -19,17 +18,17 @@ use net_io_sys::socket::{self, ConnectionOptions, Keepalive, ListenOptions, List
 use crate::caps::{Caps, ListenerCaps, ListenerCounts};
 use crate::connection::TcpConnection;
 use crate::coroutines::{CoroutineFactory, HandlerDriver};
-use crate::evloop::{Inbox, LoopShared, SessionDriver};
+use crate::evloop::SessionDriver;
+use crate::handle::ServerHandle;
 use crate::handover::HandOver;
-use crate::runtime::{ListenerRuntime, Runtime, Workload};
-use crate::server::{
-    Core, ListenerSet, NO_LISTENER, RuntimeControl, Server, ServerHandle, WorkerShared,
-};
+use crate::listener::{LISTENERS_MAX, ListenerDefaults, ListenerRuntime, ListenerSpec};
+use crate::loop_shared::{Inbox, LoopShared};
+use crate::runtime::{Runtime, Workload};
+use crate::server::Server;
 use crate::sessions::{HandlerWorkload, SessionWorkload};
+use crate::shared::{Core, ListenerSet, NO_LISTENER, RuntimeControl, WorkerShared};
 use crate::systemd::{InheritedListener, SystemdError};
 
-/// The most listeners one server has live at once (at build, and after [`ServerHandle::add_listener`]).
-pub const LISTENERS_MAX: usize = 64;
 /// Workers when none are configured.
 pub const DEFAULT_WORKERS: usize = 128;
 /// Worker stack size when none is configured.
@@ -51,20 +50,6 @@ pub struct Handler<H>(H);
 /// A session factory workload.
 #[derive(Debug, Clone, Copy)]
 pub struct Sessions<F>(F);
-
-/// One listening address and its own settings.
-#[derive(Debug, Clone)]
-pub struct ListenerSpec {
-    address: SocketAddr,
-    limits: Limits,
-    proxy: Option<ProxyMode>,
-    trusted: TrustedProxies,
-    reuse_port: bool,
-    receive_buffer: Option<usize>,
-    send_buffer: Option<usize>,
-    /// The index of an inherited listener in `Settings::adopted`, used instead of binding `address`.
-    adopted: Option<usize>,
-}
 
 /// Builds a [`Server`]. See the crate docs for an example.
 pub struct ServerBuilder<W = NoWorkload, G = NoGate> {
@@ -91,54 +76,6 @@ struct Settings {
     handler_stack: usize,
     /// Inherited listeners, each taken out by the one spec that names it.
     adopted: Vec<Option<Listener>>,
-}
-
-impl ListenerSpec {
-    /// A listener on `address` with the server's limits and no PROXY header.
-    pub fn new(address: SocketAddr) -> Self {
-        Self {
-            address,
-            limits: Limits::new(),
-            proxy: None,
-            trusted: TrustedProxies::new(),
-            reuse_port: false,
-            receive_buffer: None,
-            send_buffer: None,
-            adopted: None,
-        }
-    }
-
-    /// Limits for this listener; fields left unset fall back to the server's.
-    pub fn limits(mut self, limits: Limits) -> Self {
-        self.limits = limits;
-        self
-    }
-
-    /// Requires a PROXY header (v1, v2 or either) from a peer in `trusted`, read under the handshake
-    /// deadline; other peers close with `ProxyUntrusted` before anything is read.
-    pub fn proxy(mut self, mode: ProxyMode, trusted: TrustedProxies) -> Self {
-        self.proxy = Some(mode);
-        self.trusted = trusted;
-        self
-    }
-
-    /// Sets `SO_REUSEPORT` so several servers can share the port.
-    pub fn reuse_port(mut self, reuse: bool) -> Self {
-        self.reuse_port = reuse;
-        self
-    }
-
-    /// Sets `SO_RCVBUF` on the listener (accepted sockets inherit it).
-    pub fn receive_buffer(mut self, bytes: usize) -> Self {
-        self.receive_buffer = Some(bytes);
-        self
-    }
-
-    /// Sets `SO_SNDBUF` on the listener (accepted sockets inherit it); a small one bounds a slow reader.
-    pub fn send_buffer(mut self, bytes: usize) -> Self {
-        self.send_buffer = Some(bytes);
-        self
-    }
 }
 
 impl ServerBuilder<NoWorkload, NoGate> {
@@ -657,18 +594,6 @@ fn start<G: Gate, W: Workload>(
     Ok(server)
 }
 
-/// What a listener is validated and set up against: the builder's settings, kept by the runtime so that a
-/// listener added while the server runs gets the same treatment as one given to the builder.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct ListenerDefaults {
-    /// The server's limits as configured (unset fields still unset), laid under each listener's.
-    base_limits: Limits,
-    /// The server's resolved limits (for the global cap).
-    global: ResolvedLimits,
-    workers: usize,
-    connection_options: ConnectionOptions,
-}
-
 /// Checks one listener's settings as the builder does: its limits laid over the server's and validated, its
 /// per-listener cap under the global one, and trusted proxies when it requires a PROXY header.
 fn validate_listener(
@@ -789,4 +714,26 @@ pub(crate) fn start_listener<G: Gate, W: Workload>(
     let limits = validate_listener(&spec, defaults, descriptor_limit)?;
     let socket = bind_listener(&spec, &limits, defaults, None)?;
     register_listener(runtime, socket, listener_settings(spec, limits), door_open)
+}
+
+/// The handles reach the generic runtime through this: it sits here, at the top, because starting a
+/// listener at run time is the builder's own validation and binding (everything else it forwards).
+impl<G: Gate, W: Workload> RuntimeControl for Runtime<G, W> {
+    fn start_listener(self: Arc<Self>, spec: ListenerSpec) -> Result<ListenerId, NetError> {
+        start_listener(&self, spec, false)
+    }
+
+    fn connect(
+        self: Arc<Self>,
+        address: SocketAddr,
+        session: Box<dyn std::any::Any + Send>,
+        given: &'static str,
+        options: crate::outbound::ConnectOptions,
+    ) -> Result<net_io_core::ConnectionId, NetError> {
+        self.connect_outbound(address, session, given, options)
+    }
+
+    fn close_queue(&self) {
+        Runtime::close_queue(self);
+    }
 }

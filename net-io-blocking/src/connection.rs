@@ -22,9 +22,10 @@ use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::{KillSlot, SlotOwner};
 use net_io_sys::socket::{self, ConnectionOptions};
 
-use crate::coroutines::{Requests, Wakeup, Yielder, take_staged};
+use crate::codes::reason_for_code;
+use crate::handler_io::{Requests, Suspend, Wakeup, Yielder, take_staged};
 use crate::link::{Link, Received, Sent};
-use crate::server::{Core, KillHandle, reason_for_code};
+use crate::shared::{Core, KillHandle};
 
 /// Ids for client connections, counted from the top half so they never look like a server's ids.
 static CLIENT_IDS: AtomicU64 = AtomicU64::new(1 << 63);
@@ -480,7 +481,7 @@ impl<'a> TcpConnection<'a> {
         };
         let output = side.output.take().unwrap_or_else(|| Output::new(0));
         let requests = std::mem::take(&mut side.requests);
-        let resumed = side.yielder.suspend(crate::coroutines::Suspend {
+        let resumed = side.yielder.suspend(Suspend {
             step,
             want,
             output,

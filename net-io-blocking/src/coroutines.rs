@@ -37,10 +37,9 @@
 //! is offered again through `on_data` before the loop reads more; `Step::Write` ends in `on_writable` (or a
 //! deadline, or the close) once the queue is flushed; and `on_close` runs before the session is dropped.
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
 
 use net_io_core::{
     CloseReason, ConfigError, ConnectionInfo, Event, Input, LimitKind, NetError, Output,
@@ -49,7 +48,8 @@ use net_io_core::{
 use net_io_sys::coroutine::{Coroutine, CoroutineResult};
 
 use crate::connection::TcpConnection;
-use crate::server::{Core, KillHandle};
+use crate::handler_io::{Requests, Resume, STAGING, Suspend, Wakeup, Yielder};
+use crate::shared::{Core, KillHandle};
 
 /// The smallest handler stack the builder accepts. The driver's own frames (the coroutine's entry, the
 /// adapter, a suspend) take 8 to 12 KiB in a debug build, and a handler's panic unwinds and runs the panic
@@ -103,56 +103,12 @@ impl HandlerDriver {
     }
 }
 
-/// What a resume tells the handler's waiting call.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Wakeup {
-    /// The connection opened: the handler starts.
-    Start,
-    /// This many bytes of input wait in the loop thread's staging buffer.
-    Data(usize),
-    /// The peer sent FIN.
-    PeerClosed,
-    /// Everything queued was written.
-    Writable,
-    /// A deadline passed.
-    Timeout(TimeoutKind),
-    /// The connection closed with this reason.
-    Closed(CloseReason),
-}
-
-/// What the loop hands the coroutine at each resume.
-pub(crate) struct Resume {
-    pub(crate) wakeup: Wakeup,
-    pub(crate) output: Output,
-}
-
-/// What the handler asked of the loop since its last suspend.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Requests {
-    pub(crate) exchange_deadline: Option<Option<Instant>>,
-    pub(crate) idle_timeout: Option<Duration>,
-    /// `shutdown_write` was called: the loop's session half close.
-    pub(crate) shutdown_write: bool,
-}
-
-/// What the coroutine hands back when it suspends.
-pub(crate) struct Suspend {
-    pub(crate) step: Step,
-    /// The most bytes the waiting `read` takes (0 unless the step is a read).
-    pub(crate) want: usize,
-    pub(crate) output: Output,
-    pub(crate) requests: Requests,
-}
-
 /// What the coroutine hands back when the handler returned.
 pub(crate) struct Finish {
     result: Result<(), NetError>,
     output: Option<Output>,
     requests: Requests,
 }
-
-/// The yielder a loop-driven [`TcpConnection`] suspends through.
-pub(crate) type Yielder = net_io_sys::coroutine::Yielder<Resume, Suspend>;
 
 /// Makes a [`HandlerSession`] for each connection the loops admit.
 pub(crate) struct CoroutineFactory<H> {
@@ -174,9 +130,6 @@ pub(crate) struct HandlerSession {
 }
 
 thread_local! {
-    /// Input on its way from the loop's read buffer to a handler's buffer. One per loop thread: a handler
-    /// is resumed on the thread that drives it, and copies the bytes out before it can suspend again.
-    static STAGING: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
     /// Set by [`CoroutineFactory::create`] when it made no session because the stack could not be mapped,
     /// and taken by the loop (on the same thread, right after) through [`reason_for_no_session`]: the
     /// factory interface can only say "no session", this says why.
@@ -381,16 +334,6 @@ pub(crate) fn check_stack_size(bytes: usize) -> Result<(), ConfigError> {
         });
     }
     Ok(())
-}
-
-/// Copies the staged input (`count` bytes) into `buffer`.
-pub(crate) fn take_staged(buffer: &mut [u8], count: usize) -> usize {
-    STAGING.with(|staging| {
-        let staging = staging.borrow();
-        let count = count.min(buffer.len()).min(staging.len());
-        buffer[..count].copy_from_slice(&staging[..count]);
-        count
-    })
 }
 
 fn apply(requests: Requests, context: &mut SessionContext<'_>) {

@@ -9,8 +9,9 @@ use net_io_core::{
     ResolvedLimits, TrustedProxies, readmit_or_refuse,
 };
 
+use crate::codes::reason_for_code;
 use crate::link::{Link, Received};
-use crate::server::{Core, reason_for_code};
+use crate::shared::Core;
 
 /// Room kept per worker for header bytes and the application bytes that arrive with them.
 pub(crate) const PREFIX_CAPACITY: usize = 64 * 1024 + 512;

@@ -148,34 +148,47 @@
 // The README example runs as a doctest, so the crate's front page cannot drift from its API.
 #![cfg_attr(doctest, doc = include_str!("../README.md"))]
 
+// The house, from the bottom up: a module uses only modules before it on these lines (xtask's tidy test
+// checks every `crate::` path against them; rustfmt sorts the declarations below, so the order lives here).
+// layers: backoff caps clock codes handover rate systemd outbound listener link loop_shared shared
+// layers: handle handshake handler_io connection coroutines runtime sessions evloop server builder
 mod backoff;
 mod builder;
 mod caps;
 mod clock;
+mod codes;
 mod connection;
 mod coroutines;
 mod evloop;
+mod handle;
+mod handler_io;
 mod handover;
 mod handshake;
 mod link;
+mod listener;
+mod loop_shared;
 mod outbound;
 mod rate;
 mod runtime;
 mod server;
 mod sessions;
+mod shared;
 pub mod systemd;
 
 use std::net::ToSocketAddrs;
 
 pub use builder::{
-    DEFAULT_WORKER_STACK, DEFAULT_WORKERS, EVENT_LOOP_CONNECTIONS_DEFAULT_MAX, Handler,
-    LISTENERS_MAX, ListenerSpec, NoGate, NoWorkload, ServerBuilder, Sessions,
+    DEFAULT_WORKER_STACK, DEFAULT_WORKERS, EVENT_LOOP_CONNECTIONS_DEFAULT_MAX, Handler, NoGate,
+    NoWorkload, ServerBuilder, Sessions,
 };
 pub use connection::{TcpConnection, connect};
 pub use coroutines::HandlerDriver;
 pub use evloop::SessionDriver;
+pub use handle::{DrainReport, ServerHandle};
+pub use listener::{LISTENERS_MAX, ListenerSpec};
 pub use outbound::ConnectOptions;
-pub use server::{DrainReport, KillHandle, Server, ServerHandle};
+pub use server::Server;
+pub use shared::KillHandle;
 
 pub use net_io_core::proxy::ProxyMode;
 pub use net_io_core::{

@@ -26,8 +26,8 @@ use net_io_sys::socket::{self, Linger};
 use net_io_sys::wait::{self, Interest, Readiness};
 
 use crate::clock::SharedClock;
+use crate::codes::reason_for_code;
 use crate::rate::RateWindow;
-use crate::server::reason_for_code;
 
 /// The code an owner passes to its own `begin_close`; any other code that comes back is a killer's.
 pub(crate) const OWNER_CODE: u16 = u16::MAX;

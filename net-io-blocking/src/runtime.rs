@@ -10,7 +10,6 @@ use std::sync::{Mutex, MutexGuard};
 use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
 
-use net_io_core::proxy::ProxyMode;
 use net_io_core::{
     AllowAll, BufferPool, CloseReason, Coalescer, Completer, CompletionReceiver, CompletionRing,
     ConnectionId, ConnectionInfo, ControlLine, ControlState, ControlWaker, ControlWatch, Event,
@@ -25,12 +24,14 @@ use net_io_sys::wait::{self, Interest};
 
 use crate::backoff::Backoff;
 use crate::caps::{CapRefusal, ListenerCaps, ListenerCounts, Reservation};
-use crate::evloop::Inbox;
+use crate::codes::CODE_SHED;
 use crate::handover::HandOver;
 use crate::handshake;
 use crate::link::Link;
+use crate::listener::{ListenerDefaults, ListenerRuntime};
+use crate::loop_shared::{Inbox, LoopShared};
 use crate::outbound::{ConnectOptions, Outbound};
-use crate::server::{Acceptor, CODE_SHED, Core, KillHandle};
+use crate::shared::{Acceptor, Core, KillHandle};
 
 /// An admitted connection waiting for a worker.
 pub(crate) struct Job<T> {
@@ -44,17 +45,6 @@ pub(crate) struct Job<T> {
     pub(crate) listener: Arc<ListenerRuntime>,
     /// Set when the server opened this connection itself ([`crate::ServerHandle::connect`]).
     pub(crate) outbound: Option<Outbound>,
-}
-
-/// How one listener's connections are admitted and served. The socket itself is owned by its accept
-/// thread, so removing the listener closes it at once while its connections keep these settings.
-pub(crate) struct ListenerRuntime {
-    /// The listener's limits laid over the server's: deadlines, rates, buffers and batch size.
-    pub(crate) limits: ResolvedLimits,
-    pub(crate) proxy: Option<ProxyMode>,
-    pub(crate) trusted: TrustedProxies,
-    /// Its cap, per-source caps and open connections.
-    pub(crate) counts: Arc<ListenerCounts>,
 }
 
 /// What a workload sees while it runs one connection.
@@ -109,7 +99,7 @@ pub(crate) struct Runtime<G: Gate, W: Workload> {
     pub(crate) workload: W,
     pub(crate) handover: HandOver<Job<G::Ticket>>,
     /// What a listener added at run time is validated and set up against (the builder's settings).
-    pub(crate) listener_defaults: crate::builder::ListenerDefaults,
+    pub(crate) listener_defaults: ListenerDefaults,
     pub(crate) pool: BufferPool,
     pub(crate) ids: IdAllocator,
     pub(crate) control: Option<Arc<ControlLine>>,
@@ -139,25 +129,9 @@ impl Wake for WakeSignal {
     }
 }
 
-impl<G: Gate, W: Workload> crate::server::RuntimeControl for Runtime<G, W> {
-    fn start_listener(
-        self: Arc<Self>,
-        spec: crate::builder::ListenerSpec,
-    ) -> Result<ListenerId, net_io_core::NetError> {
-        crate::builder::start_listener(&self, spec, false)
-    }
-
-    fn connect(
-        self: Arc<Self>,
-        address: std::net::SocketAddr,
-        session: Box<dyn Any + Send>,
-        given: &'static str,
-        options: ConnectOptions,
-    ) -> Result<net_io_core::ConnectionId, net_io_core::NetError> {
-        self.connect_outbound(address, session, given, options)
-    }
-
-    fn close_queue(&self) {
+impl<G: Gate, W: Workload> Runtime<G, W> {
+    /// Refuses every job still queued for a worker or a loop (the server is stopping) and wakes the loops.
+    pub(crate) fn close_queue(&self) {
         let slot = self.core.shutdown_slot();
         for job in self.handover.close() {
             self.refuse_job(job, RefusalCause::DoorClosed, slot);
@@ -520,7 +494,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
 
     /// Applies a control-line state on the accept thread.
     fn react(self: &Arc<Self>, state: ControlState) {
-        let handle = crate::server::ServerHandle {
+        let handle = crate::handle::ServerHandle {
             core: Arc::clone(&self.core),
         };
         self.core.emit(Event::ControlReacted { state });
@@ -935,7 +909,7 @@ fn socket_reserve() -> Option<OwnedFd> {
 /// The loop with the fewest connections (queued or held); ties go to the first one at or after `id` modulo the
 /// loop count, so equal loads still spread. One relaxed load per loop: two accept threads placing at the same
 /// moment may pick the same loop, which the next placements even out.
-fn fewest_connections(loops: &[crate::evloop::LoopShared], id: u64) -> usize {
+fn fewest_connections(loops: &[LoopShared], id: u64) -> usize {
     let count = loops.len().max(1);
     let start = (id % count as u64) as usize;
     let mut best = start;

@@ -13,10 +13,11 @@ use net_io_core::{
     SessionFactory, SessionMachine, SizeClass, Step, TimeoutKind, WorkerBuffers,
 };
 
+use crate::codes::reason_for_code;
 use crate::connection::TcpConnection;
 use crate::link::{Received, Sent};
 use crate::runtime::{Run, Workload};
-use crate::server::{Core, reason_for_code};
+use crate::shared::Core;
 
 /// A blocking handler: one call per connection.
 pub(crate) struct HandlerWorkload<H> {

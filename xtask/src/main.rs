@@ -11,6 +11,7 @@ mod bench_model;
 mod bench_net;
 mod bench_runtime;
 mod figures;
+mod house;
 mod llama_ref;
 mod models;
 mod run;

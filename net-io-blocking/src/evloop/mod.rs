@@ -77,14 +77,14 @@
 
 use std::cell::Cell;
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 use std::io;
 use std::net::Shutdown;
 use std::os::fd::AsFd;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Wake, Waker};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use net_io_core::proxy::{ProxyCommand, ProxyError, ProxyParser, ProxyStatus, V1_MAX};
@@ -96,31 +96,28 @@ use net_io_core::{
     close_ticket,
 };
 use net_io_sys::epoll::{Epoll, Events, Interest};
-use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::{KillSlot, SlotOwner};
 use net_io_sys::socket::{self, Linger};
 
 use crate::caps::Reservation;
 use crate::clock::deadline_after;
+use crate::codes::{CODE_DRAIN_DEADLINE, reason_for_code};
 use crate::handshake;
 use crate::link::OWNER_CODE;
+use crate::listener::ListenerRuntime;
 use crate::rate::RateWindow;
-use crate::runtime::{Job, ListenerRuntime, Runtime};
-use crate::server::{CODE_DRAIN_DEADLINE, Core, reason_for_code};
+use crate::runtime::{Job, Runtime};
 use crate::sessions::SessionWorkload;
+use crate::shared::Core;
 
 mod close;
-mod inbox;
 mod open;
-mod shared;
 mod slab;
 mod solo;
 mod step;
 mod timers;
 
-pub(crate) use inbox::Inbox;
-use shared::EntryWake;
-pub(crate) use shared::{ConnectionSlot, LoopShared};
+use crate::loop_shared::{ConnectionSlot, EntryWake};
 
 /// How sessions are driven.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -175,8 +172,6 @@ const OUTPUT_KEPT_IDLE: usize = 4096;
 const SLAB_KEPT: usize = 64;
 /// Free read buffers a loop keeps per size class even when none of its connections holds one.
 const FREE_BUFFERS_KEPT: usize = 16;
-/// The load a loop that could not start reports.
-const DEAD_LOOP_LOAD: usize = usize::MAX / 2;
 /// Stale timer entries tolerated beyond twice the live connections before the heap is compacted.
 const TIMERS_SLACK: usize = 1024;
 /// Steps one connection may take per turn before the others get theirs: a peer that keeps the socket full
