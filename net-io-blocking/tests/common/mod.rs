@@ -161,18 +161,8 @@ impl UnwantedClient {
     /// Connects to `address`; a connect that ends in a reset or a refusal is kept as already turned away,
     /// and any other error fails the test.
     pub fn connect(address: SocketAddr) -> Self {
-        match TcpStream::connect(address) {
-            Ok(stream) => {
-                stream
-                    .set_read_timeout(Some(Duration::from_secs(10)))
-                    .unwrap();
-                stream.set_nodelay(true).unwrap();
-                Self {
-                    stream: Some(stream),
-                }
-            }
-            Err(error) if is_turned_away(&error) => Self { stream: None },
-            Err(error) => panic!("connect to the test server {address} failed: {error}"),
+        Self {
+            stream: connect_unless_turned_away(address),
         }
     }
 
@@ -187,6 +177,23 @@ impl UnwantedClient {
     /// or a reset (see [`is_closed_by_server`]).
     pub fn is_closed_by_server(&mut self) -> bool {
         self.stream.as_mut().is_none_or(is_closed_by_server)
+    }
+}
+
+/// A client as [`client`] makes it, for a server that may turn the connection away at once: `None` when the
+/// connect itself ended in a reset or a refusal (see [`UnwantedClient`] for why that can happen); any other
+/// error fails the test.
+pub fn connect_unless_turned_away(address: SocketAddr) -> Option<TcpStream> {
+    match TcpStream::connect(address) {
+        Ok(stream) => {
+            stream
+                .set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
+            stream.set_nodelay(true).unwrap();
+            Some(stream)
+        }
+        Err(error) if is_turned_away(&error) => None,
+        Err(error) => panic!("connect to the test server {address} failed: {error}"),
     }
 }
 
