@@ -32,6 +32,17 @@ use crate::rate::RateWindow;
 /// The code an owner passes to its own `begin_close`; any other code that comes back is a killer's.
 pub(crate) const OWNER_CODE: u16 = u16::MAX;
 
+/// How [`Link::wait_input_or_wake`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Listened {
+    /// Input, its end or an error is ready to read.
+    Input,
+    /// The wake descriptor was signalled: a completion was posted, or a kill.
+    Woken,
+    /// The deadline passed first.
+    Deadline,
+}
+
 /// What a receive produced.
 #[derive(Debug)]
 pub(crate) enum Received {
@@ -375,6 +386,28 @@ impl Link {
             self.wake.drain()?;
         }
         Ok(woken)
+    }
+
+    /// Waits until input (or its end) is ready, the wake descriptor is signalled (a post or a kill; the wake
+    /// is drained here), or `deadline` passes; for a session that listens for both. Reads nothing.
+    pub(crate) fn wait_input_or_wake(&mut self, deadline: Instant) -> io::Result<Listened> {
+        loop {
+            let now = self.clock.now();
+            if now >= deadline {
+                return Ok(Listened::Deadline);
+            }
+            let timeout = self.cap_wait(Some(deadline.saturating_duration_since(now)));
+            let socket = self.socket()?;
+            match wait::wait(socket, Interest::Readable, Some(self.wake_fd()), timeout)? {
+                Readiness::Socket => return Ok(Listened::Input),
+                Readiness::Woken => {
+                    self.wake.drain()?;
+                    return Ok(Listened::Woken);
+                }
+                // A capped wait (an injected clock) comes back to look at the time again.
+                Readiness::TimedOut => {}
+            }
+        }
     }
 
     /// Waits for an outbound connect to finish, a kill, or `deadline` (then `ConnectTimeout`), and makes the

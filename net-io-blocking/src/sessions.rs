@@ -15,7 +15,7 @@ use net_io_core::{
 
 use crate::codes::reason_for_code;
 use crate::connection::TcpConnection;
-use crate::link::{Received, Sent};
+use crate::link::{Listened, Received, Sent};
 use crate::runtime::{Run, Workload};
 use crate::shared::Core;
 
@@ -221,7 +221,7 @@ impl<S: Session> Driver<'_, '_, S> {
                 return reason;
             }
             step = match step {
-                Step::Read => {
+                Step::Read | Step::Listen => {
                     if input_changed {
                         input_changed = false;
                         match self.on_data(session, &mut input_changed) {
@@ -229,7 +229,8 @@ impl<S: Session> Driver<'_, '_, S> {
                             None => return self.panicked(),
                         }
                     } else {
-                        match self.receive(session, &mut input_changed) {
+                        let listening = step == Step::Listen;
+                        match self.receive(session, &mut input_changed, listening) {
                             Ok(next) => next,
                             Err(reason) => return reason,
                         }
@@ -332,9 +333,24 @@ impl<S: Session> Driver<'_, '_, S> {
     }
 
     /// Receives more input under the deadline of the phase; returns the session's next step.
-    fn receive(&mut self, session: &mut S, input_changed: &mut bool) -> Result<Step, CloseReason> {
+    ///
+    /// `listening` (the session returned `Step::Listen`): a completion posted before input comes ends the
+    /// wait too, with `on_wake`.
+    fn receive(
+        &mut self,
+        session: &mut S,
+        input_changed: &mut bool,
+        listening: bool,
+    ) -> Result<Step, CloseReason> {
         if self.machine.is_peer_closed() {
             return Err(self.machine.close_after_fin());
+        }
+        if listening && let Some(completion) = self.run.receiver.pop() {
+            return self
+                .hook(session, |session, context| {
+                    session.on_wake(completion.token, completion.value, context)
+                })
+                .ok_or_else(|| self.panicked());
         }
         if self.read.is_full() {
             self.grow()?;
@@ -361,9 +377,39 @@ impl<S: Session> Driver<'_, '_, S> {
         } else {
             link.start_busy_at(Direction::In, now);
         }
-        let received = link.receive(self.read.spare_mut(), Some(deadline), now);
+        let mut woken = None;
+        let received = if listening {
+            // Wait for input or a post; only input (or its end) goes on to the `recv`.
+            loop {
+                match link.wait_input_or_wake(deadline) {
+                    Ok(Listened::Input) => {
+                        break link.receive(self.read.spare_mut(), Some(deadline), now);
+                    }
+                    Ok(Listened::Deadline) => break Received::Deadline,
+                    Ok(Listened::Woken) => {
+                        if let Some(code) = link.owner().closing() {
+                            break Received::Killed(code);
+                        }
+                        if let Some(completion) = self.run.receiver.pop() {
+                            woken = Some(completion);
+                            break Received::Deadline;
+                        }
+                    }
+                    Err(error) => break Received::Failed(error),
+                }
+            }
+        } else {
+            link.receive(self.read.spare_mut(), Some(deadline), now)
+        };
         if idle {
             link.owner().set_idle(false);
+        }
+        if let Some(completion) = woken {
+            return self
+                .hook(session, |session, context| {
+                    session.on_wake(completion.token, completion.value, context)
+                })
+                .ok_or_else(|| self.panicked());
         }
         match received {
             Received::Data(count) => {

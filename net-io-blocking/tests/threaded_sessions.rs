@@ -25,6 +25,8 @@ mod exactly_once;
 mod far_deadlines;
 #[path = "lifecycle.rs"]
 mod lifecycle;
+#[path = "listen.rs"]
+mod listen;
 #[path = "offload.rs"]
 mod offload;
 #[path = "outbound.rs"]

@@ -228,10 +228,13 @@ impl SessionMachine {
         }
     }
 
-    /// The session answered a deadline with `step`: carrying on (`Read`, `Write`, `Park`) forgets the
+    /// The session answered a deadline with `step`: carrying on (`Read`, `Listen`, `Write`, `Park`) forgets the
     /// deadline's reason, so a later close is the session's own.
     pub fn timeout_answered(&mut self, step: Step) {
-        if matches!(step, Step::Read | Step::Write | Step::Park { .. }) {
+        if matches!(
+            step,
+            Step::Read | Step::Listen | Step::Write | Step::Park { .. }
+        ) {
             self.pending = None;
         }
     }

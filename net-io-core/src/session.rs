@@ -4,6 +4,7 @@
 //!   driver ──on_open──────────▶ session ──Step──▶ driver
 //!   recv ───on_data(Input)────▶ session ──Step──▶ Read: recv again / Write: flush Output, then on_writable
 //!   wake ───on_wake(token,v)──▶ session          Park{until}: stop reading until a post or `until`
+//!                                               Listen: read, or on_wake at a post, whichever is first
 //!   timer ──on_timeout(kind)──▶ session          Close: flush, FIN, linger / Abort: RST
 //!   close ──on_close(info, reason), exactly once
 //! ```
@@ -46,6 +47,12 @@ use crate::output::Output;
 pub enum Step {
     /// Read more input. Does not flush queued output (return `Write` for that).
     Read,
+    /// Read more input, and also end the wait when a completion is posted for this connection
+    /// ([`Session::on_wake`]), whichever comes first: for a full-duplex connection whose other side may
+    /// need it at any time (a link that relays frames it is handed from another connection). The read
+    /// deadlines apply as for `Read`; a completion posted while the session runs is delivered at its next
+    /// `Listen` (or `Park`).
+    Listen,
     /// Flush queued output, then call `on_writable`.
     Write,
     /// Stop reading (and the idle timer) until a completion is posted or `until` passes.

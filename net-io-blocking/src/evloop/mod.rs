@@ -231,6 +231,8 @@ struct Conn<S, T> {
     /// The peer's FIN (or a hang-up) was reported: no edge follows it, so a short read no longer means
     /// the socket is drained, and reading goes on until `recv` answers 0.
     read_closed: bool,
+    /// The session's last wait for input was a `Step::Listen`: a completion posted meanwhile ends it.
+    listening: bool,
     /// The session policy shared with the worker-thread driver: phase, deadlines the session set, the
     /// reason a deadline or the FIN fixed, the half close.
     machine: SessionMachine,

@@ -59,6 +59,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             registered: false,
             read_closed: false,
             machine: SessionMachine::new(),
+            listening: false,
             input_changed: false,
             rate_in: limits.min_rate.map(RateWindow::new),
             rate_out: limits.min_rate.map(RateWindow::new),

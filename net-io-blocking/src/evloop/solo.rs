@@ -30,6 +30,8 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             && !conn.readable
             && !conn.read_closed
             && !conn.machine.is_peer_closed()
+            // A listening session must see a post at once, not after a blocking recv's slice.
+            && !conn.listening
             && !conn.input_changed;
         if entry.generation != generation || !waits_to_read {
             return None;

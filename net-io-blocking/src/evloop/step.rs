@@ -59,9 +59,38 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         let Some(conn) = entry.conn.as_ref() else {
             return;
         };
-        if let Wait::Park { until } = conn.wait {
-            self.drive(index, Step::Park { until });
+        match conn.wait {
+            Wait::Park { until } => self.drive(index, Step::Park { until }),
+            // A listening session waiting for input takes the completion now; its read deadline's timer
+            // stays in the heap and is found stale or re-armed by the next wait.
+            Wait::Read { .. } if conn.listening => self.drive(index, Step::Listen),
+            _ => {}
         }
+    }
+
+    /// `Step::Listen`: a completion already posted is delivered at once; otherwise the connection reads,
+    /// and a completion posted while it waits for input ends that wait (see `on_completion`).
+    pub(super) fn listen(&mut self, index: u32) -> Flow {
+        let entry = &mut self.entries[index as usize];
+        let Some(conn) = entry.conn.as_mut() else {
+            return Flow::Close(CloseReason::SessionError);
+        };
+        conn.listening = true;
+        if let Some(completion) = entry.receiver.pop() {
+            // An idle wait marked the slot idle (so a drain may close it); the session is busy again now.
+            if !entry.owner.set_idle(false)
+                && let Some(code) = entry.owner.closing()
+            {
+                return Flow::Close(reason_for_code(code));
+            }
+            return match self.hook(index, |session, context| {
+                session.on_wake(completion.token, completion.value, context)
+            }) {
+                Some(step) => Flow::Next(step),
+                None => self.panicked_flow(index),
+            };
+        }
+        self.read(index)
     }
 
     // ----- timers -----
@@ -72,7 +101,10 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         loop {
             steps += 1;
             if steps > STEPS_PER_TURN
-                && matches!(step, Step::Read | Step::Write | Step::Park { .. })
+                && matches!(
+                    step,
+                    Step::Read | Step::Listen | Step::Write | Step::Park { .. }
+                )
             {
                 self.conn(index).wait = Wait::Yielded { step };
                 let generation = self.entries[index as usize].generation;
@@ -91,7 +123,11 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
                 return self.close(index, reason);
             }
             let flow = match step {
-                Step::Read => self.read(index),
+                Step::Read => {
+                    self.conn(index).listening = false;
+                    self.read(index)
+                }
+                Step::Listen => self.listen(index),
                 Step::Write => self.flush(index, false),
                 Step::Close => self.flush(index, true),
                 Step::Park { until } => self.park(index, until),
