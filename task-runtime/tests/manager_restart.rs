@@ -13,7 +13,7 @@ use common::{join, wait_until};
 #[test]
 fn the_manager_recovers_from_three_faults_and_keeps_timers() {
     // Injected panics are expected; keep their messages (and slow backtraces) out of the way.
-    std::panic::set_hook(Box::new(|_| {}));
+    common::quiet_expected_panics(&["injected manager fault"]);
     Runtime::builder().cores(2).init().expect("init");
     let runs = Arc::new(AtomicU32::new(0));
     let counted = Arc::clone(&runs);

@@ -6,10 +6,14 @@ use task_runtime::{Compute, Runtime, RuntimeError, TaskState};
 
 use common::{init, join};
 
+/// The panics both tests cause on purpose; each test quiets all of them, since the two run at once and a
+/// panic hook is process-wide.
+const PLANNED_PANICS: &[&str] = &["on purpose", "child fails", "flood"];
+
 #[test]
 fn a_panicking_task_fails_alone_and_its_neighbours_finish() {
     init();
-    std::panic::set_hook(Box::new(|_| {}));
+    common::quiet_expected_panics(PLANNED_PANICS);
     let before: Vec<_> = (0..10u32)
         .map(|index| Runtime::task(Compute::compute(move |()| index)).spawn())
         .collect();
@@ -35,7 +39,7 @@ fn a_panicking_task_fails_alone_and_its_neighbours_finish() {
 #[test]
 fn a_parent_sees_its_child_panic_and_a_flood_of_panics_leaves_the_rest_correct() {
     init();
-    std::panic::set_hook(Box::new(|_| {}));
+    common::quiet_expected_panics(PLANNED_PANICS);
     let parent = Runtime::task(Compute::compute(|()| {
         let child = Runtime::task(Compute::compute(|()| -> u8 { panic!("child fails") })).spawn();
         // deadline: the test's own join of the parent bounds this join on a worker (what it checks).

@@ -15,20 +15,7 @@ enum Expect {
 
 #[test]
 fn mixed_work_survives_worker_deaths_and_manager_faults() {
-    // Only the panics this test causes on purpose stay quiet; any other (an assertion here, a bug in the
-    // runtime) is printed as usual.
-    let default_hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        let message = info
-            .payload()
-            .downcast_ref::<String>()
-            .map(String::as_str)
-            .or_else(|| info.payload().downcast_ref::<&str>().copied())
-            .unwrap_or("");
-        if !(message.starts_with("stress ") || message == "injected manager fault") {
-            default_hook(info);
-        }
-    }));
+    common::quiet_expected_panics(&["stress ", "injected manager fault"]);
     Runtime::builder().cores(2).init().expect("init");
     let started = Instant::now();
     let mut expectations = Vec::new();

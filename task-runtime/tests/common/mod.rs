@@ -14,6 +14,25 @@ use task_runtime::{Runtime, RuntimeError, TaskHandle};
 /// hang (a lost wake, a deadlock) fails with a message long before CI's 40-minute cap.
 pub const JOIN_PATIENCE: Duration = Duration::from_secs(60);
 
+/// Keeps the panics a test causes on purpose (messages starting with one of `expected`) out of its output and
+/// prints every other one as before: a hook that hid them all would also hide the message of an assertion
+/// that fails, or of a bug in the runtime. Hooks are process-wide; a second call adds its messages to the
+/// first's.
+pub fn quiet_expected_panics(expected: &'static [&'static str]) {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if !expected.iter().any(|start| message.starts_with(start)) {
+            previous(info);
+        }
+    }));
+}
+
 /// Starts the default runtime unless a test of this binary already did (the runtime is process-wide).
 pub fn init() {
     match Runtime::init() {
