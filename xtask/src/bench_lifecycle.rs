@@ -935,9 +935,11 @@ fn drain_method(descriptor_limit: Option<f64>, threaded_connections: Option<f64>
         };
         let _ = write!(
             text,
-            " The worker-thread drivers drained {connections:.0} connections: each connection holds a worker \
+            " The worker-thread drivers drained {} connections: each connection holds a worker \
              thread and each worker two descriptors besides its socket, so 10,000 of them would need about \
-             {needed:.0} descriptors in one process{fits}; {judged}."
+             {} descriptors in one process{fits}; {judged}.",
+            with_separators(connections),
+            with_separators(needed)
         );
     }
     text
@@ -977,8 +979,21 @@ fn show_descriptor_limit(limit: f64) -> String {
     if limit >= u64::MAX as f64 {
         "unlimited".to_owned()
     } else {
-        format!("{limit:.0}")
+        with_separators(limit)
     }
+}
+
+/// A whole number with thousands separators, as the report writes counts (30,000).
+fn with_separators(value: f64) -> String {
+    let digits = format!("{value:.0}");
+    let mut text = String::new();
+    for (index, digit) in digits.chars().enumerate() {
+        if index > 0 && digit.is_ascii_digit() && (digits.len() - index).is_multiple_of(3) {
+            text.push(',');
+        }
+        text.push(digit);
+    }
+    text
 }
 
 /// The median over the rounds of one figure of every given driver's load, when any of them ran it.
@@ -1299,12 +1314,12 @@ mod tests {
         );
         assert!(
             report.contains(
-                "Descriptor limit of every measuring process, its soft limit raised to the hard one: 20000."
+                "Descriptor limit of every measuring process, its soft limit raised to the hard one: 20,000."
             ),
             "the machine section should give the descriptor limit the runs reported:\n{report}"
         );
         assert!(
-            report.contains("the whole descriptor limit, 20000 in this run"),
+            report.contains("the whole descriptor limit, 20,000 in this run"),
             "the drain method should give the run's descriptor limit:\n{report}"
         );
         assert!(
@@ -1347,14 +1362,14 @@ mod tests {
     fn the_drain_method_sets_the_worker_thread_count_beside_the_run_s_descriptor_limit() {
         let tight = drain_method(Some(20_000.0), Some(5_000.0));
         assert!(
-            tight.contains("drained 5000 connections")
-                && tight.contains("over this run's limit of 20000")
+            tight.contains("drained 5,000 connections")
+                && tight.contains("over this run's limit of 20,000")
                 && tight.contains("not judged against B-12"),
             "under a 20,000 limit, 30,000 descriptors are over it and 5,000 are not judged: {tight}"
         );
         let roomy = drain_method(Some(1_048_576.0), Some(5_000.0));
         assert!(
-            roomy.contains("within this run's limit of 1048576"),
+            roomy.contains("within this run's limit of 1,048,576"),
             "under a limit of a million, 30,000 descriptors fit: {roomy}"
         );
         let judged = drain_method(Some(1_048_576.0), Some(10_000.0));
@@ -1411,7 +1426,7 @@ mod tests {
             ],
         );
         assert!(
-            describe_descriptor_limits(descriptor_limits(&run)).contains("from 20000 to 65536"),
+            describe_descriptor_limits(descriptor_limits(&run)).contains("from 20,000 to 65,536"),
             "differing limits should be given as a range"
         );
     }
