@@ -11,3 +11,4 @@ pub mod gguf_check;
 pub mod kernels;
 pub mod model;
 pub mod tokenizer;
+pub mod wire;

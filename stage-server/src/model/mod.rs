@@ -8,6 +8,7 @@
 mod config;
 mod error;
 mod file;
+mod fingerprint;
 mod pipeline;
 mod sampling;
 mod stage;
@@ -18,6 +19,7 @@ use std::path::{Path, PathBuf};
 pub use config::{Architecture, LayerAttention, ModelConfig};
 pub use error::ModelError;
 pub use file::{ModelFile, TensorTypeSummary, type_name};
+pub use fingerprint::fingerprint;
 pub use pipeline::{
     Finish, GenerateOptions, Generation, PREFILL_CHUNK, Pipeline, decode_activations,
     encode_activations,

@@ -1,0 +1,136 @@
+//! Why bytes from a link are not a frame of this protocol: each text names the field, the value and the limit.
+
+use super::codec::Codec;
+use super::frame::ErrorCode;
+
+/// Why the decoder refused its input. After one, the link's byte stream cannot be trusted any further: answer
+/// with an `Error` frame of [`WireError::code`] and close the link.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WireError {
+    /// A frame's length is over [`WireLimits::max_frame_bytes`](super::WireLimits::max_frame_bytes).
+    #[error(
+        "a frame declares {length} bytes, over the limit of {limit}; the peer is not a stage of this protocol, or raise the frame limit if its chunks are that large"
+    )]
+    FrameTooLarge {
+        /// The declared length.
+        length: u64,
+        /// The limit.
+        limit: usize,
+    },
+    /// A frame's length is zero, so it has no kind byte.
+    #[error(
+        "a frame declares length 0 and has no kind byte; the peer is not a stage of this protocol"
+    )]
+    EmptyFrame,
+    /// A kind byte names no frame of this protocol.
+    #[error(
+        "frame kind {0} is not one of this protocol's (1 to 11); the peer is not a stage of this protocol"
+    )]
+    UnknownKind(u8),
+    /// A frame ends before one of its fields does.
+    #[error(
+        "a {kind} frame of {length} bytes ends inside its {field}; the peer wrote a broken frame"
+    )]
+    Truncated {
+        /// The frame kind's name.
+        kind: &'static str,
+        /// The field it ends in.
+        field: &'static str,
+        /// The frame's declared length.
+        length: u32,
+    },
+    /// A frame has bytes after its last field.
+    #[error(
+        "a {kind} frame of {length} bytes has {extra} bytes after its last field; the peer wrote a broken frame"
+    )]
+    TrailingBytes {
+        /// The frame kind's name.
+        kind: &'static str,
+        /// The frame's declared length.
+        length: u32,
+        /// The bytes left over.
+        extra: u32,
+    },
+    /// A count or length inside a frame is over its limit.
+    #[error(
+        "a frame's {field} is {count}, over the limit of {limit}; the peer sent more than this stage accepts"
+    )]
+    TooMany {
+        /// The field (`rows`, `width`, `stop tokens`, ...).
+        field: &'static str,
+        /// The count it holds.
+        count: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// A hello does not start with [`MAGIC`](super::MAGIC).
+    #[error(
+        "a hello starts with {} instead of {}; the peer is not a stage-server stage",
+        hex(.found),
+        hex(&super::MAGIC)
+    )]
+    BadMagic {
+        /// The four bytes found.
+        found: [u8; 4],
+    },
+    /// A hello is of another protocol version.
+    #[error(
+        "the peer speaks stage protocol version {found} but this stage speaks version {supported}; run the same stage-server release on every stage"
+    )]
+    Version {
+        /// The peer's version.
+        found: u16,
+        /// This build's [`PROTOCOL_VERSION`](super::PROTOCOL_VERSION).
+        supported: u16,
+    },
+    /// A field holds a value it has no meaning for (a flag that is not 0 or 1, an unknown codec, role or code).
+    #[error(
+        "a frame's {field} holds {value}, which is not one of its values; the peer wrote a broken frame"
+    )]
+    BadValue {
+        /// The field.
+        field: &'static str,
+        /// The value found.
+        value: u64,
+    },
+    /// A text field is not UTF-8.
+    #[error("a frame's {field} is not UTF-8; the peer wrote a broken frame")]
+    BadText {
+        /// The field.
+        field: &'static str,
+    },
+    /// An activation payload's byte count does not match its shape.
+    #[error(
+        "an activation payload of {rows} rows of width {width} in {codec} needs {expected} bytes but declares {bytes}; the peer wrote a broken frame"
+    )]
+    RowsMismatch {
+        /// Rows declared.
+        rows: u32,
+        /// Width declared.
+        width: u32,
+        /// The codec.
+        codec: Codec,
+        /// Bytes the shape needs.
+        expected: u64,
+        /// Bytes declared.
+        bytes: u32,
+    },
+}
+
+impl WireError {
+    /// The code of the `Error` frame that answers this error: [`ErrorCode::Version`] for another version,
+    /// [`ErrorCode::Protocol`] for everything else.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            WireError::Version { .. } => ErrorCode::Version,
+            _ => ErrorCode::Protocol,
+        }
+    }
+}
+
+/// Bytes as `0x..` hex.
+fn hex(bytes: &[u8]) -> String {
+    let digits: String = bytes.iter().map(|byte| format!("{byte:02x}")).collect();
+    format!("0x{digits}")
+}
