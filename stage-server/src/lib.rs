@@ -6,9 +6,11 @@
 #![cfg_attr(doctest, doc = include_str!("../README.md"))]
 
 pub mod chat;
+pub mod driver;
 pub mod fuzzing;
 pub mod gguf_check;
 pub mod kernels;
 pub mod model;
+pub mod serve;
 pub mod tokenizer;
 pub mod wire;

@@ -1,15 +1,22 @@
 //! The `stage-server` command line: `generate` runs a model (optionally split into in-process stages), `inspect` describes a GGUF file.
 
 use std::io::Write;
+use std::net::SocketAddr;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
+use net_io_blocking::TrustedProxies;
+use net_io_sys::signal::SignalWatch;
 use stage_server::chat::{ChatMessage, ChatTemplate};
+use stage_server::driver::{Chain, ChainOptions};
 use stage_server::model::{
     self, GenerateOptions, ModelFile, Pipeline, Sampler, SamplingParams, StageOptions,
 };
+use stage_server::serve::{StageConfig, StageProcess};
 use stage_server::tokenizer::StreamDecoder;
+use stage_server::wire::{ClusterKey, CodecPolicy};
 
 /// Runs layer ranges of GGUF language models.
 #[derive(Debug, Parser)]
@@ -21,8 +28,11 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Generate text from a prompt, optionally split into in-process stages.
+    /// Generate text from a prompt, optionally split into in-process stages, or as stage 0 of a chain of
+    /// stage processes (`--layers 0..K --next ADDR`).
     Generate(GenerateArgs),
+    /// Serve a layer range of a model to the stage before this one (stage 1 and later).
+    Serve(ServeArgs),
     /// Describe a GGUF model file: architecture, sizes, tokenizer, tensor types.
     Inspect {
         /// The GGUF file.
@@ -90,20 +100,117 @@ struct GenerateArgs {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// Run as stage 0 of a chain: only these layers here (`0..K`), the rest on the stage at `--next`.
+    #[arg(long, value_parser = parse_layers, requires = "next")]
+    layers: Option<Range<usize>>,
+    /// The first stage process of the chain (with `--layers 0..K`).
+    #[arg(long, requires = "layers")]
+    next: Option<SocketAddr>,
+    /// How activations go down the chain: f32, f16, bf16 or auto-lossless.
+    #[arg(long, value_parser = parse_codec, default_value = "f32")]
+    codec: CodecPolicy,
+    /// Non-final prefill chunks stage 0 sends ahead of the chain's acknowledgements.
+    #[arg(long, default_value_t = 1)]
+    reply_credits: usize,
+    /// The cluster's shared key file (every stage of the chain needs the same one).
+    #[arg(long)]
+    cluster_key: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// The GGUF model (default: SmolLM2 in the model directory `cargo xtask fetch-models` fills).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The layers this stage serves, `A..B` (A > 0: layers from 0 belong to stage 0).
+    #[arg(long, value_parser = parse_layers)]
+    layers: Range<usize>,
+    /// Where to listen for the stage before this one.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    bind: SocketAddr,
+    /// The next stage (required unless this stage serves the model's last layers).
+    #[arg(long)]
+    next: Option<SocketAddr>,
+    /// This stage's place in the chain, for the ready line and messages.
+    #[arg(long)]
+    stage: Option<u16>,
+    /// Concurrent sessions, each with its own KV cache.
+    #[arg(long, default_value_t = 4)]
+    lanes: usize,
+    /// Context limit per lane (default: the model's).
+    #[arg(long)]
+    context_length: Option<usize>,
+    /// The cluster's shared key file; links without it are refused.
+    #[arg(long)]
+    cluster_key: Option<PathBuf>,
+    /// Only these addresses may connect: comma-separated CIDRs or addresses.
+    #[arg(long, value_delimiter = ',')]
+    allow_from: Vec<String>,
+    /// How activations go to the next stage: f32, f16, bf16 or auto-lossless.
+    #[arg(long, value_parser = parse_codec, default_value = "f32")]
+    codec: CodecPolicy,
+    /// Seconds a SIGTERM or SIGINT gives in-flight generations to finish.
+    #[arg(long, default_value_t = 30)]
+    drain_timeout: u64,
+    /// Compute threads (sets CANDLE_NUM_THREADS and RAYON_NUM_THREADS).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+/// `A..B` as a range of layers.
+fn parse_layers(text: &str) -> Result<Range<usize>, String> {
+    let (start, end) = text.split_once("..").ok_or_else(|| {
+        format!("`{text}` is not a layer range; write it as A..B, for example 10..20")
+    })?;
+    let start: usize = start
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{start}` in `{text}` is not a layer number"))?;
+    let end: usize = end
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{end}` in `{text}` is not a layer number"))?;
+    if start >= end {
+        return Err(format!(
+            "the layer range {start}..{end} is empty; the end must be above the start"
+        ));
+    }
+    Ok(start..end)
+}
+
+fn parse_codec(text: &str) -> Result<CodecPolicy, String> {
+    match text {
+        "f32" => Ok(CodecPolicy::F32),
+        "f16" => Ok(CodecPolicy::F16),
+        "bf16" => Ok(CodecPolicy::Bf16),
+        "auto-lossless" => Ok(CodecPolicy::AutoLossless),
+        other => Err(format!(
+            "`{other}` is not an activation codec; use f32, f16, bf16 or auto-lossless"
+        )),
+    }
+}
+
+fn load_key(path: &Option<PathBuf>) -> anyhow::Result<Option<ClusterKey>> {
+    path.as_ref()
+        .map(|path| ClusterKey::load(path).map_err(anyhow::Error::from))
+        .transpose()
 }
 
 fn main() {
     let cli = Cli::parse();
-    if let Command::Generate(GenerateArgs {
-        threads: Some(threads),
-        ..
-    }) = &cli.command
-        && let Some(code) = reexec_with_threads(*threads)
+    let threads = match &cli.command {
+        Command::Generate(args) => args.threads,
+        Command::Serve(args) => args.threads,
+        Command::Inspect { .. } => None,
+    };
+    if let Some(threads) = threads
+        && let Some(code) = reexec_with_threads(threads)
     {
         std::process::exit(code);
     }
     let result = match cli.command {
         Command::Generate(args) => generate(args),
+        Command::Serve(args) => serve(args),
         Command::Inspect { file } => inspect(&file),
     };
     if let Err(error) = result {
@@ -169,12 +276,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     if prompt.is_empty() {
         bail!("the prompt has no tokens");
     }
-    let options = StageOptions {
-        lane_count: 1,
-        context_length: args.context_length,
-    };
-    let mut pipeline = Pipeline::from_file(&file, &args.split, options)?;
-    let mut sampler = Sampler::new(SamplingParams {
+    let sampling = SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,
         top_p: args.top_p,
@@ -184,7 +286,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         presence_penalty: args.presence_penalty,
         frequency_penalty: args.frequency_penalty,
         penalty_last_n: 64,
-    });
+    };
     let generate_options = GenerateOptions {
         max_tokens: args.max_tokens,
         stop_tokens: match &tokenizer {
@@ -197,7 +299,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout().lock();
     let mut decoder = tokenizer.as_ref().ok().map(StreamDecoder::new);
     let mut text = String::new();
-    let generation = pipeline.generate(0, &prompt, &mut sampler, &generate_options, |token| {
+    let mut on_token = |token: u32| {
         let piece = match decoder.as_mut() {
             Some(decoder) => decoder.push(token),
             None => format!("{token} "),
@@ -207,7 +309,42 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
             let _ = stdout.flush();
         }
         text.push_str(&piece);
-    })?;
+    };
+    let generation = match (&args.layers, args.next) {
+        (Some(layers), Some(next)) => {
+            if args.logits_out.is_some() {
+                bail!(
+                    "--logits-out needs the logits, which stay at the chain's last stage; drop it with --next"
+                );
+            }
+            if layers.start != 0 {
+                bail!(
+                    "stage 0 runs the layers from 0 (with the embeddings): --layers must be 0..K, not {}..{}",
+                    layers.start,
+                    layers.end
+                );
+            }
+            let options = ChainOptions {
+                codec: args.codec,
+                credits: args.reply_credits,
+                cluster_key: load_key(&args.cluster_key)?,
+                ..ChainOptions::default()
+            };
+            let mut chain = Chain::connect(&file, layers.end, next, options)?;
+            chain.generate(&prompt, sampling, &generate_options, |predicted| {
+                on_token(predicted.token)
+            })?
+        }
+        _ => {
+            let options = StageOptions {
+                lane_count: 1,
+                context_length: args.context_length,
+            };
+            let mut pipeline = Pipeline::from_file(&file, &args.split, options)?;
+            let mut sampler = Sampler::new(sampling);
+            pipeline.generate(0, &prompt, &mut sampler, &generate_options, on_token)?
+        }
+    };
     if let Some(decoder) = decoder.as_mut() {
         let rest = decoder.finish();
         if stream {
@@ -241,6 +378,66 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
             generation.tokens.len(),
         );
     }
+    Ok(())
+}
+
+/// Runs a stage process until SIGTERM or SIGINT, then drains it within `--drain-timeout`.
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let path = match &args.model {
+        Some(path) => path.clone(),
+        None => model::find_model(model::SMOLLM2_FILE).map_err(anyhow::Error::msg)?,
+    };
+    let allow_from = if args.allow_from.is_empty() {
+        None
+    } else {
+        Some(
+            TrustedProxies::parse(&args.allow_from)
+                .map_err(|error| anyhow::anyhow!("--allow-from: {error}"))?,
+        )
+    };
+    // Installed before the stage starts, so a signal that comes while it loads is not lost.
+    let terminate = SignalWatch::install(libc::SIGTERM).context("watching SIGTERM")?;
+    let interrupt = SignalWatch::install(libc::SIGINT).context("watching SIGINT")?;
+    let mut config = StageConfig::new(path.clone(), args.layers.clone(), args.bind);
+    config.next = args.next;
+    config.lanes = args.lanes;
+    config.context_length = args.context_length;
+    config.cluster_key = load_key(&args.cluster_key)?;
+    config.allow_from = allow_from;
+    config.codec = args.codec;
+    let stage = StageProcess::start(config).with_context(|| {
+        format!(
+            "starting the stage for layers {}..{} of {}",
+            args.layers.start,
+            args.layers.end,
+            path.display()
+        )
+    })?;
+    let name = args
+        .stage
+        .map_or_else(|| "stage".to_owned(), |index| format!("stage {index}"));
+    println!(
+        "{name} serving layers {}..{} on {} (width {})",
+        args.layers.start,
+        args.layers.end,
+        stage.local_addr(),
+        stage.hello().width
+    );
+    let _ = std::io::stdout().flush();
+    loop {
+        net_io_sys::wait::wait_readable(net_io_sys::signal::wake_descriptor()?, None)?;
+        let _ = net_io_sys::signal::drain_wake();
+        if terminate.take_count() + interrupt.take_count() > 0 {
+            break;
+        }
+    }
+    eprintln!("{name}: draining (at most {} s)", args.drain_timeout);
+    let report = stage
+        .shutdown(std::time::Instant::now() + std::time::Duration::from_secs(args.drain_timeout));
+    eprintln!(
+        "{name}: stopped ({} links closed gracefully, {} cut at the deadline)",
+        report.graceful, report.killed
+    );
     Ok(())
 }
 

@@ -1,0 +1,445 @@
+//! Stage 0's side of a generation over a chain of stage processes: it runs the first layer range itself (with
+//! the embeddings), streams chunks of activations down the chain and gets the predicted tokens back.
+//!
+//! ```text
+//!   prompt ──▶ Stage (layers 0..K, here) ──Prefill chunks (credits)──▶ stage 1 ──▶ … ──▶ last stage (samples)
+//!                     ▲                                                                     │
+//!                     └──────────── Decode (one row) ◀── token ◀── Token frames ◀────────────┘
+//! ```
+//!
+//! [`Chain`] holds one link to the first downstream stage and runs one generation at a time on it (one lane
+//! down the whole chain). A stage that fails or refuses ends the generation with an error that names it; a
+//! generation always ends with a `Stop` down the chain, so no lane is left taken.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use net_io_blocking::{Limits, NetError, TcpConnection};
+
+use crate::model::{
+    self, Finish, GenerateOptions, Generation, Logits, ModelError, ModelFile, PREFILL_CHUNK,
+    SamplingParams, Stage, StageInput, StageOptions, StageOutput, StageSpec,
+};
+use crate::wire::{
+    Activations, ClusterKey, CodecPolicy, CodecSet, Decoder, ErrorCode, Frame, Hello,
+    PROTOCOL_VERSION, Role, Side, WireError, WireLimits, check_adjacent, encode, fresh_nonce,
+    proof, verify,
+};
+
+/// How stage 0 drives a chain.
+#[derive(Clone, Debug)]
+pub struct ChainOptions {
+    /// How activations go down the chain.
+    pub codec: CodecPolicy,
+    /// Non-final prefill chunks in flight before stage 0 waits for the chain to acknowledge one.
+    pub credits: usize,
+    /// The cluster's shared key, if its stages have one.
+    pub cluster_key: Option<ClusterKey>,
+    /// How long the connect to the first stage may take.
+    pub connect_timeout: Duration,
+    /// How long stage 0 waits for an answer from the chain before it gives up on it.
+    pub reply_timeout: Duration,
+    /// Alternatives (top log-probabilities) each token comes with, up to 20.
+    pub top_logprobs: u8,
+}
+
+impl Default for ChainOptions {
+    fn default() -> Self {
+        ChainOptions {
+            codec: CodecPolicy::F32,
+            credits: 1,
+            cluster_key: None,
+            connect_timeout: Duration::from_secs(5),
+            reply_timeout: Duration::from_secs(60),
+            top_logprobs: 0,
+        }
+    }
+}
+
+/// Why a generation over the chain failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DriverError {
+    /// Stage 0's own layers failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The link to the first stage failed (it is down, or it closed).
+    #[error("the link to stage 1 at {address} failed: {error}")]
+    Link {
+        /// The first stage's address.
+        address: SocketAddr,
+        /// What the link said.
+        error: NetError,
+    },
+    /// A stage refused or failed, in its own words.
+    #[error("{message} ({code})", code = code.as_str())]
+    Stage {
+        /// The error code it sent.
+        code: ErrorCode,
+        /// Its message.
+        message: String,
+    },
+    /// The chain sent something stage 0 cannot read.
+    #[error("the chain sent a frame stage 0 cannot read: {0}")]
+    Wire(#[from] WireError),
+    /// The chain broke the protocol.
+    #[error("the chain broke the stage protocol: {0}")]
+    Protocol(String),
+    /// The layer range does not fit the model.
+    #[error("{0}")]
+    Layers(String),
+}
+
+/// One token the chain predicted, with its log-probability and the alternatives asked for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Predicted {
+    /// The token id.
+    pub token: u32,
+    /// Its log-probability under the raw logits.
+    pub logprob: f32,
+    /// The most likely tokens with theirs, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Stage 0 with a link to the rest of a running chain.
+#[derive(Debug)]
+pub struct Chain {
+    stage: Stage,
+    link: TcpConnection<'static>,
+    address: SocketAddr,
+    decoder: Decoder,
+    /// Bytes read from the link and not yet decoded.
+    unread: Vec<u8>,
+    unread_start: usize,
+    /// The first downstream stage's hello.
+    next: Hello,
+    options: ChainOptions,
+    next_session: u64,
+}
+
+impl Chain {
+    /// Loads layers `0..layers_end` of `file` and opens the link to the first stage at `next`, which must
+    /// serve the layers from `layers_end` on (checked in the hellos, as are the model and the width).
+    pub fn connect(
+        file: &ModelFile,
+        layers_end: usize,
+        next: SocketAddr,
+        options: ChainOptions,
+    ) -> Result<Chain, DriverError> {
+        let block_count = file.config().block_count;
+        if layers_end == 0 || layers_end >= block_count {
+            return Err(DriverError::Layers(format!(
+                "stage 0 must keep some layers and leave some to the chain: 0..{layers_end} is not inside 0..{block_count}"
+            )));
+        }
+        let spec = StageSpec {
+            layers: 0..layers_end,
+            first: true,
+            last: false,
+        };
+        let stage = Stage::from_file(
+            file,
+            spec,
+            StageOptions {
+                lane_count: 1,
+                context_length: None,
+            },
+        )?;
+        let ours = Hello {
+            version: PROTOCOL_VERSION,
+            role: Role::StageLink,
+            fingerprint: model::fingerprint(file.path())?,
+            stage_index: 0,
+            layer_start: 0,
+            layer_end: layers_end as u32,
+            block_count: block_count as u32,
+            width: stage.width() as u32,
+            vocab_size: file.config().vocab_size as u32,
+            lanes: 1,
+            codecs: CodecSet::all(),
+            nonce: if options.cluster_key.is_some() {
+                fresh_nonce()
+            } else {
+                [0; 16]
+            },
+            proof: None,
+        };
+        let limits = Limits::new()
+            .handshake_timeout(options.connect_timeout)
+            .idle_timeout(options.reply_timeout)
+            .read_timeout(options.reply_timeout)
+            .write_timeout(options.reply_timeout)
+            .min_rate(None);
+        let link = net_io_blocking::connect(next, &limits).map_err(|error| DriverError::Link {
+            address: next,
+            error,
+        })?;
+        let mut chain = Chain {
+            stage,
+            link,
+            address: next,
+            decoder: Decoder::new(WireLimits::default()),
+            unread: Vec::new(),
+            unread_start: 0,
+            next: ours.clone(),
+            options,
+            next_session: (u64::from(std::process::id()) << 32) | 1,
+        };
+        chain.send(&Frame::Hello(ours.clone()))?;
+        let theirs = match chain.receive()? {
+            Frame::Hello(theirs) => theirs,
+            Frame::Error { code, message, .. } => return Err(DriverError::Stage { code, message }),
+            other => {
+                return Err(DriverError::Protocol(format!(
+                    "stage 1 answered the hello with a {} frame",
+                    other.kind_name()
+                )));
+            }
+        };
+        check_adjacent(&ours, &theirs).map_err(|mismatch| DriverError::Stage {
+            code: mismatch.code(),
+            message: mismatch.to_string(),
+        })?;
+        if let Some(key) = chain.options.cluster_key.clone() {
+            let proven = theirs.proof.is_some_and(|proof| {
+                verify(&key, Side::Accepting, &ours.nonce, &theirs.nonce, &proof)
+            });
+            if !proven {
+                return Err(DriverError::Stage {
+                    code: ErrorCode::Auth,
+                    message: "stage 1 did not prove the cluster key; give every stage the same --cluster-key file".into(),
+                });
+            }
+            let answer = proof(&key, Side::Connecting, &ours.nonce, &theirs.nonce);
+            chain.send(&Frame::Proof { proof: answer })?;
+        }
+        chain.next = theirs;
+        Ok(chain)
+    }
+
+    /// The first downstream stage's hello.
+    pub fn next_stage(&self) -> &Hello {
+        &self.next
+    }
+
+    /// Generates from `prompt` as [`crate::model::Pipeline::generate`] does, with the last stage sampling
+    /// under `sampling`; `on_token` sees each token as it arrives. The logits stay at the last stage, so
+    /// `Generation::logits` is empty.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        sampling: SamplingParams,
+        options: &GenerateOptions,
+        mut on_token: impl FnMut(&Predicted),
+    ) -> Result<Generation, DriverError> {
+        if prompt.is_empty() {
+            return Err(ModelError::EmptyChunk.into());
+        }
+        let session = self.next_session;
+        self.next_session += 1;
+        let result = self.run(session, prompt, sampling, options, &mut on_token);
+        // Always free the session's lanes down the chain, however the generation ended.
+        let stopped = self.send(&Frame::Stop { session });
+        let generation = result?;
+        stopped?;
+        Ok(generation)
+    }
+
+    fn run(
+        &mut self,
+        session: u64,
+        prompt: &[u32],
+        sampling: SamplingParams,
+        options: &GenerateOptions,
+        on_token: &mut impl FnMut(&Predicted),
+    ) -> Result<Generation, DriverError> {
+        let mut generation = Generation {
+            tokens: Vec::new(),
+            logits: Vec::new(),
+            prompt_time: Duration::ZERO,
+            decode_time: Duration::ZERO,
+            finish: Finish::Length,
+        };
+        if options.max_tokens == 0 {
+            return Ok(generation);
+        }
+        self.stage.reset(0)?;
+        self.send(&Frame::Configure {
+            session,
+            sampling: (&sampling).into(),
+            stop_tokens: options.stop_tokens.clone(),
+            logit_bias: Vec::new(),
+            top_logprobs: self.options.top_logprobs,
+            trace: None,
+        })?;
+        let started = Instant::now();
+        let chunks: Vec<&[u32]> = prompt.chunks(PREFILL_CHUNK).collect();
+        let mut unacknowledged = 0usize;
+        for (index, chunk) in chunks.iter().enumerate() {
+            let position = index * PREFILL_CHUNK;
+            let last = index + 1 == chunks.len();
+            let rows = self.rows(position, StageInput::Tokens(chunk))?;
+            self.send(&Frame::Prefill {
+                session,
+                position: position as u32,
+                last,
+                rows,
+            })?;
+            if !last {
+                unacknowledged += 1;
+                while unacknowledged > self.options.credits {
+                    self.wait_for_ack(session)?;
+                    unacknowledged -= 1;
+                }
+            }
+        }
+        let mut position = prompt.len();
+        let mut predicted = self.wait_for_token(session, position, &mut unacknowledged)?;
+        generation.prompt_time = started.elapsed();
+        let decode_started = Instant::now();
+        loop {
+            if options.stop_tokens.contains(&predicted.token) {
+                generation.finish = Finish::Stop;
+                break;
+            }
+            generation.tokens.push(predicted.token);
+            on_token(&predicted);
+            if generation.tokens.len() >= options.max_tokens {
+                break;
+            }
+            let rows = self.rows(position, StageInput::Tokens(&[predicted.token]))?;
+            self.send(&Frame::Decode {
+                session,
+                position: position as u32,
+                rows,
+            })?;
+            position += 1;
+            predicted = self.wait_for_token(session, position, &mut unacknowledged)?;
+        }
+        generation.decode_time = decode_started.elapsed();
+        Ok(generation)
+    }
+
+    /// Runs stage 0's layers over `input` at `position` and encodes the rows for the chain.
+    fn rows(&mut self, position: usize, input: StageInput<'_>) -> Result<Activations, DriverError> {
+        match self.stage.forward(0, position, input, Logits::Last)? {
+            StageOutput::Activations(values) => Ok(Activations::encode(
+                &values,
+                self.stage.width() as u32,
+                self.options.codec,
+            )),
+            StageOutput::Logits(_) => Err(DriverError::Protocol(
+                "stage 0 produced logits; it must not hold the model's last layer".into(),
+            )),
+        }
+    }
+
+    fn wait_for_ack(&mut self, session: u64) -> Result<(), DriverError> {
+        match self.receive_for(session)? {
+            Frame::Ack { .. } => Ok(()),
+            other => Err(DriverError::Protocol(format!(
+                "a {} frame came while stage 0 waited for a prefill acknowledgement",
+                other.kind_name()
+            ))),
+        }
+    }
+
+    fn wait_for_token(
+        &mut self,
+        session: u64,
+        position: usize,
+        unacknowledged: &mut usize,
+    ) -> Result<Predicted, DriverError> {
+        loop {
+            match self.receive_for(session)? {
+                Frame::Ack { .. } if *unacknowledged > 0 => *unacknowledged -= 1,
+                Frame::Token {
+                    position: at,
+                    token,
+                    logprob,
+                    top,
+                    ..
+                } => {
+                    if at as usize != position {
+                        return Err(DriverError::Protocol(format!(
+                            "the chain predicted a token for position {at}, but stage 0 is at {position}"
+                        )));
+                    }
+                    return Ok(Predicted {
+                        token,
+                        logprob,
+                        top,
+                    });
+                }
+                other => {
+                    return Err(DriverError::Protocol(format!(
+                        "a {} frame came while stage 0 waited for a token",
+                        other.kind_name()
+                    )));
+                }
+            }
+        }
+    }
+
+    /// The next frame about `session`: an `Error` for it (or for the whole link) ends the generation.
+    fn receive_for(&mut self, session: u64) -> Result<Frame, DriverError> {
+        loop {
+            let frame = self.receive()?;
+            match frame {
+                Frame::Error {
+                    session: about,
+                    code,
+                    message,
+                } if about == session || about == 0 => {
+                    return Err(DriverError::Stage { code, message });
+                }
+                frame if frame.session() == Some(session) => return Ok(frame),
+                // Answers about an earlier, finished session (its Stop raced them) are dropped.
+                _ => {}
+            }
+        }
+    }
+
+    fn send(&mut self, frame: &Frame) -> Result<(), DriverError> {
+        let mut bytes = Vec::new();
+        encode(frame, &mut bytes);
+        self.link
+            .write_all(&bytes)
+            .map_err(|error| DriverError::Link {
+                address: self.address,
+                error,
+            })
+    }
+
+    fn receive(&mut self) -> Result<Frame, DriverError> {
+        let mut scratch = [0u8; 64 * 1024];
+        loop {
+            while self.unread_start < self.unread.len() {
+                let (taken, frame) = self.decoder.decode(&self.unread[self.unread_start..])?;
+                self.unread_start += taken;
+                if let Some(frame) = frame {
+                    return Ok(frame);
+                }
+            }
+            self.unread.clear();
+            self.unread_start = 0;
+            let count = self
+                .link
+                .read(&mut scratch)
+                .map_err(|error| DriverError::Link {
+                    address: self.address,
+                    error,
+                })?;
+            if count == 0 {
+                return Err(DriverError::Stage {
+                    code: ErrorCode::StageDown,
+                    message: format!(
+                        "stage 1 at {} closed the link (the stage, or one after it, stopped)",
+                        self.address
+                    ),
+                });
+            }
+            self.unread.extend_from_slice(&scratch[..count]);
+        }
+    }
+}

@@ -1,0 +1,838 @@
+//! The stage links of a stage process as net-io-blocking sessions: an accepted link from the stage before this
+//! one (`Upstream`), and, unless this stage is last, the link it opens to the next stage (`Downstream`).
+//!
+//! ```text
+//!   previous stage ══▶ Upstream session ──Work──▶ compute thread ──Outcome──▶ Upstream (on_wake)
+//!                          ▲    │ Configure, Trim, Stop                          │ rows for the next stage
+//!                          │    ▼                                               ▼
+//!                          │  Pair.to_downstream ──post──▶ Downstream session ══▶ next stage
+//!                          └─── Pair.to_upstream ◀──post── Downstream (Ack, Token, Error from the next stage)
+//! ```
+//!
+//! Every session listens ([`Step::Listen`]): it reads its socket and is woken by a post when the compute thread
+//! or its partner has something for it, so neither side ever holds a thread or waits on the other. One
+//! downstream link per upstream link, opened once the upstream hello checked out, so the lanes of the chain
+//! mirror each other; the upstream's hello is answered only once the whole rest of the chain answered, so a
+//! refusal anywhere reaches stage 0 before any activation moves.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+use net_io_blocking::{
+    CloseReason, Completer, ConnectOptions, ConnectionInfo, Input, ServerHandle, Session,
+    SessionContext, Step,
+};
+
+use super::compute::{COMPUTE_TOKEN, ComputeHandle, Mailbox, Outcome, Work};
+use crate::wire::{
+    Activations, ClusterKey, CodecPolicy, Decoder, ErrorCode, Frame, Hello, Role, Side,
+    StageTiming, WireLimits, check_adjacent, encode, fresh_nonce, proof, verify,
+};
+
+/// The completion token with which one link of a pair wakes the other.
+const RELAY_TOKEN: u64 = 2;
+/// Compute jobs one upstream link may have in flight before it stops taking frames off its socket (the
+/// stage before it then sees TCP back-pressure).
+const JOBS_IN_FLIGHT_MAX: usize = 8;
+/// How long a link may sit idle between generations.
+const LINK_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// What every link of one stage process shares.
+#[derive(Debug)]
+pub(crate) struct StageShared {
+    /// This stage's hello (its stage index is filled in per link, from the upstream's).
+    pub(crate) hello: Hello,
+    pub(crate) key: Option<ClusterKey>,
+    pub(crate) compute: ComputeHandle,
+    /// The server's handle, for opening downstream links; set right after the server is built.
+    pub(crate) handle: OnceLock<ServerHandle>,
+    pub(crate) next: Option<std::net::SocketAddr>,
+    pub(crate) limits: WireLimits,
+    pub(crate) codec: CodecPolicy,
+    pub(crate) connect_timeout: Duration,
+}
+
+/// The one session type of a stage's server: links it accepted and links it opened.
+#[derive(Debug)]
+pub(crate) enum Link {
+    /// From the stage before this one (or stage 0).
+    Upstream(Upstream),
+    /// To the next stage.
+    Downstream(Downstream),
+}
+
+/// Frames and news each link of a pair hands the other.
+#[derive(Debug, Default)]
+struct PairState {
+    to_downstream: VecDeque<Vec<u8>>,
+    to_upstream: VecDeque<Vec<u8>>,
+    upstream: Option<Completer>,
+    downstream: Option<Completer>,
+    /// The next stage's hello once its handshake ended, or why it failed.
+    downstream_answer: Option<Result<Hello, String>>,
+    /// Why the downstream link closed, once it did.
+    downstream_closed: Option<String>,
+    upstream_closed: bool,
+}
+
+/// An upstream link and the downstream link opened for it.
+#[derive(Debug, Default)]
+pub(crate) struct Pair {
+    state: Mutex<PairState>,
+}
+
+impl Pair {
+    fn lock(&self) -> MutexGuard<'_, PairState> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn wake(completer: Option<&Completer>) {
+        if let Some(completer) = completer {
+            // A full ring means a wake is pending already; that wake sees this news too.
+            let _ = completer.post(RELAY_TOKEN, 0);
+        }
+    }
+
+    fn send_down(&self, frame: &Frame) {
+        let mut state = self.lock();
+        let mut bytes = Vec::new();
+        encode(frame, &mut bytes);
+        state.to_downstream.push_back(bytes);
+        Self::wake(state.downstream.as_ref());
+    }
+
+    fn send_up(&self, bytes: Vec<u8>) {
+        let mut state = self.lock();
+        state.to_upstream.push_back(bytes);
+        Self::wake(state.upstream.as_ref());
+    }
+}
+
+/// Where an upstream link is in its life.
+#[derive(Debug)]
+enum UpstreamState {
+    /// Waiting for the upstream's hello.
+    Hello,
+    /// The upstream's hello checked out; waiting for the next stage to answer ours.
+    Downstream { theirs: Hello },
+    /// Our hello went out on a keyed link; waiting for the upstream's proof.
+    Proof { theirs: Hello, ours: [u8; 16] },
+    /// Frames flow.
+    Serving,
+    /// An error frame went out; the link closes once it is flushed.
+    Closing,
+}
+
+/// A link accepted from the stage before this one.
+#[derive(Debug)]
+pub(crate) struct Upstream {
+    shared: Arc<StageShared>,
+    decoder: Decoder,
+    state: UpstreamState,
+    mailbox: Option<Arc<Mailbox>>,
+    pair: Option<Arc<Pair>>,
+    /// Sessions configured over this link and not stopped: stopped when the link ends.
+    sessions: HashSet<u64>,
+    /// Compute jobs submitted and not yet answered.
+    in_flight: usize,
+}
+
+/// A link this stage opened to the next one.
+#[derive(Debug)]
+pub(crate) struct Downstream {
+    shared: Arc<StageShared>,
+    decoder: Decoder,
+    pair: Arc<Pair>,
+    /// Our hello as sent (for the adjacency check and the nonces).
+    ours: Hello,
+    /// The next stage's hello checked out.
+    serving: bool,
+}
+
+impl Link {
+    /// A link accepted on this stage's listener.
+    pub(crate) fn accepted(shared: Arc<StageShared>) -> Link {
+        Link::Upstream(Upstream {
+            decoder: Decoder::new(shared.limits),
+            shared,
+            state: UpstreamState::Hello,
+            mailbox: None,
+            pair: None,
+            sessions: HashSet::new(),
+            in_flight: 0,
+        })
+    }
+}
+
+impl Session for Link {
+    fn on_open(&mut self, context: &mut SessionContext<'_>) -> Step {
+        context.set_idle_timeout(LINK_IDLE_TIMEOUT);
+        match self {
+            Link::Upstream(link) => link.on_open(context),
+            Link::Downstream(link) => link.on_open(context),
+        }
+    }
+
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        match self {
+            Link::Upstream(link) => link.on_data(input, context),
+            Link::Downstream(link) => link.on_data(input, context),
+        }
+    }
+
+    fn on_writable(&mut self, _context: &mut SessionContext<'_>) -> Step {
+        match self {
+            Link::Upstream(link) if matches!(link.state, UpstreamState::Closing) => Step::Close,
+            _ => Step::Listen,
+        }
+    }
+
+    fn on_wake(&mut self, token: u64, _value: u64, context: &mut SessionContext<'_>) -> Step {
+        match self {
+            Link::Upstream(link) => link.on_wake(token, context),
+            Link::Downstream(link) => link.on_wake(context),
+        }
+    }
+
+    fn on_peer_closed(&mut self, _context: &mut SessionContext<'_>) -> Step {
+        Step::Close
+    }
+
+    fn on_close(&mut self, _info: &ConnectionInfo, reason: CloseReason) {
+        match self {
+            Link::Upstream(link) => link.on_close(),
+            Link::Downstream(link) => link.on_close(reason),
+        }
+    }
+}
+
+impl Upstream {
+    fn on_open(&mut self, context: &mut SessionContext<'_>) -> Step {
+        let Some(completer) = context.completer() else {
+            return Step::Abort;
+        };
+        self.mailbox = Some(Mailbox::new(completer));
+        Step::Listen
+    }
+
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        loop {
+            if matches!(self.state, UpstreamState::Closing) {
+                input.consume_all();
+                return Step::Write;
+            }
+            // Back-pressure: with enough work queued, leave the rest in the socket.
+            if self.in_flight >= JOBS_IN_FLIGHT_MAX || input.is_empty() {
+                break;
+            }
+            match self.decoder.decode(input.bytes()) {
+                Ok((taken, frame)) => {
+                    input.consume(taken);
+                    let Some(frame) = frame else {
+                        break;
+                    };
+                    self.on_frame(frame, context);
+                }
+                Err(error) => {
+                    input.consume_all();
+                    self.refuse(context, 0, error.code(), error.to_string());
+                }
+            }
+        }
+        if context.output().is_empty() {
+            Step::Listen
+        } else {
+            Step::Write
+        }
+    }
+
+    fn on_frame(&mut self, frame: Frame, context: &mut SessionContext<'_>) {
+        match std::mem::replace(&mut self.state, UpstreamState::Serving) {
+            UpstreamState::Hello => {
+                let Frame::Hello(theirs) = frame else {
+                    return self.refuse(
+                        context,
+                        0,
+                        ErrorCode::Protocol,
+                        format!("expected a hello first, got a {} frame", frame.kind_name()),
+                    );
+                };
+                self.on_hello(theirs, context);
+            }
+            UpstreamState::Downstream { theirs } => {
+                self.state = UpstreamState::Downstream { theirs };
+                self.refuse(
+                    context,
+                    frame.session().unwrap_or(0),
+                    ErrorCode::Protocol,
+                    format!(
+                        "a {} frame came before this stage answered the hello",
+                        frame.kind_name()
+                    ),
+                );
+            }
+            UpstreamState::Proof { theirs, ours } => {
+                let (Frame::Proof { proof }, Some(key)) = (&frame, &self.shared.key) else {
+                    return self.refuse(
+                        context,
+                        0,
+                        ErrorCode::Auth,
+                        "this stage needs the cluster key's proof before any other frame".into(),
+                    );
+                };
+                if !verify(key, Side::Connecting, &theirs.nonce, &ours, proof) {
+                    self.refuse(
+                        context,
+                        0,
+                        ErrorCode::Auth,
+                        "the proof does not match this stage's cluster key; give every stage the same --cluster-key file".into(),
+                    );
+                }
+            }
+            UpstreamState::Serving => self.on_serving(frame, context),
+            UpstreamState::Closing => self.state = UpstreamState::Closing,
+        }
+    }
+
+    fn on_hello(&mut self, theirs: Hello, context: &mut SessionContext<'_>) {
+        let ours = self.our_hello(&theirs);
+        if theirs.role != Role::StageLink {
+            return self.refuse(
+                context,
+                0,
+                ErrorCode::Protocol,
+                format!(
+                    "stage {} opened a {:?} link, which this stage does not serve yet",
+                    theirs.stage_index, theirs.role
+                ),
+            );
+        }
+        if let Err(mismatch) = check_adjacent(&theirs, &ours) {
+            return self.refuse(context, 0, mismatch.code(), mismatch.to_string());
+        }
+        if self.shared.key.is_some() && theirs.nonce == [0; 16] {
+            return self.refuse(
+                context,
+                0,
+                ErrorCode::Auth,
+                format!(
+                    "stage {} sent no cluster-key nonce, but this stage requires --cluster-key",
+                    theirs.stage_index
+                ),
+            );
+        }
+        let Some(next) = self.shared.next else {
+            return self.answer(theirs, context);
+        };
+        let Some(handle) = self.shared.handle.get() else {
+            return self.refuse(
+                context,
+                0,
+                ErrorCode::Internal,
+                "the stage is still starting; retry".into(),
+            );
+        };
+        let pair = Arc::new(Pair::default());
+        pair.lock().upstream = context.completer();
+        let downstream = Downstream {
+            decoder: Decoder::new(self.shared.limits),
+            shared: Arc::clone(&self.shared),
+            pair: Arc::clone(&pair),
+            ours: Hello {
+                nonce: if self.shared.key.is_some() {
+                    fresh_nonce()
+                } else {
+                    [0; 16]
+                },
+                proof: None,
+                ..ours
+            },
+            serving: false,
+        };
+        let options = ConnectOptions::new().connect_timeout(self.shared.connect_timeout);
+        if let Err(error) = handle.connect(next, Link::Downstream(downstream), options) {
+            return self.refuse(
+                context,
+                0,
+                ErrorCode::StageDown,
+                format!(
+                    "stage {} could not reach the next stage at {next}: {error}",
+                    ours.stage_index
+                ),
+            );
+        }
+        self.pair = Some(pair);
+        self.state = UpstreamState::Downstream { theirs };
+    }
+
+    /// This stage's hello toward `upstream`: its stage index follows the upstream's.
+    fn our_hello(&self, upstream: &Hello) -> Hello {
+        Hello {
+            stage_index: upstream.stage_index.saturating_add(1),
+            ..self.shared.hello.clone()
+        }
+    }
+
+    /// Answers the upstream's hello (the rest of the chain, if any, has answered ours).
+    fn answer(&mut self, theirs: Hello, context: &mut SessionContext<'_>) {
+        let mut ours = self.our_hello(&theirs);
+        if let Some(key) = &self.shared.key {
+            ours.nonce = fresh_nonce();
+            ours.proof = Some(proof(key, Side::Accepting, &theirs.nonce, &ours.nonce));
+            let nonce = ours.nonce;
+            self.write(context, &Frame::Hello(ours));
+            self.state = UpstreamState::Proof {
+                theirs,
+                ours: nonce,
+            };
+        } else {
+            self.write(context, &Frame::Hello(ours));
+            self.state = UpstreamState::Serving;
+        }
+    }
+
+    fn on_serving(&mut self, frame: Frame, context: &mut SessionContext<'_>) {
+        let session = frame.session().unwrap_or(0);
+        let work = match &frame {
+            Frame::Configure {
+                session,
+                sampling,
+                logit_bias,
+                top_logprobs,
+                ..
+            } => {
+                self.sessions.insert(*session);
+                Work::Open {
+                    session: *session,
+                    sampling: (*sampling).into(),
+                    history: Vec::new(),
+                    logit_bias: logit_bias.clone(),
+                    top_logprobs: *top_logprobs,
+                }
+            }
+            Frame::Prefill {
+                session,
+                position,
+                last,
+                rows,
+            } => match self.rows(rows) {
+                Ok(values) => Work::Chunk {
+                    session: *session,
+                    position: *position,
+                    rows: values,
+                    sample: *last,
+                    decode: false,
+                },
+                Err(message) => {
+                    return self.error(context, *session, ErrorCode::Protocol, message);
+                }
+            },
+            Frame::Decode {
+                session,
+                position,
+                rows,
+            } => match self.rows(rows) {
+                Ok(values) => Work::Chunk {
+                    session: *session,
+                    position: *position,
+                    rows: values,
+                    sample: true,
+                    decode: true,
+                },
+                Err(message) => {
+                    return self.error(context, *session, ErrorCode::Protocol, message);
+                }
+            },
+            Frame::Trim { session, length } => Work::Trim {
+                session: *session,
+                length: *length,
+            },
+            Frame::Stop { session } => {
+                self.sessions.remove(session);
+                Work::Stop { session: *session }
+            }
+            other => {
+                let message = format!(
+                    "a {} frame is not something a stage is sent",
+                    other.kind_name()
+                );
+                return self.error(context, session, ErrorCode::Protocol, message);
+            }
+        };
+        // Control frames go down the chain as they came; rows go down once computed.
+        if matches!(
+            frame,
+            Frame::Configure { .. } | Frame::Trim { .. } | Frame::Stop { .. }
+        ) && let Some(pair) = &self.pair
+        {
+            pair.send_down(&frame);
+        }
+        self.submit(work, context);
+    }
+
+    fn rows(&self, rows: &Activations) -> Result<Vec<f32>, String> {
+        if rows.width != self.shared.hello.width {
+            return Err(format!(
+                "activation rows are {} wide but this model's width is {}",
+                rows.width, self.shared.hello.width
+            ));
+        }
+        if rows.rows == 0 {
+            return Err("a chunk with no rows".into());
+        }
+        Ok(rows.decode())
+    }
+
+    fn submit(&mut self, work: Work, context: &mut SessionContext<'_>) {
+        let Some(mailbox) = &self.mailbox else {
+            return self.refuse(context, 0, ErrorCode::Internal, "no mailbox".into());
+        };
+        if self.shared.compute.submit(work, mailbox) {
+            self.in_flight += 1;
+        } else {
+            self.refuse(
+                context,
+                0,
+                ErrorCode::Internal,
+                "this stage's compute thread has stopped".into(),
+            );
+        }
+    }
+
+    fn on_wake(&mut self, token: u64, context: &mut SessionContext<'_>) -> Step {
+        if token == COMPUTE_TOKEN || token == RELAY_TOKEN {
+            self.take_outcomes(context);
+            self.take_relayed(context);
+        }
+        if matches!(self.state, UpstreamState::Closing) || !context.output().is_empty() {
+            Step::Write
+        } else {
+            Step::Listen
+        }
+    }
+
+    fn take_outcomes(&mut self, context: &mut SessionContext<'_>) {
+        let Some(mailbox) = self.mailbox.clone() else {
+            return;
+        };
+        let stage_index = self.shared.hello.stage_index;
+        for outcome in mailbox.take() {
+            self.in_flight = self.in_flight.saturating_sub(1);
+            match outcome {
+                Outcome::Opened | Outcome::Settled => {}
+                Outcome::Rows {
+                    session,
+                    position,
+                    rows,
+                    sample,
+                    decode,
+                } => {
+                    let Some(pair) = &self.pair else {
+                        continue;
+                    };
+                    let rows =
+                        Activations::encode(&rows, self.shared.hello.width, self.shared.codec);
+                    let frame = if decode {
+                        Frame::Decode {
+                            session,
+                            position,
+                            rows,
+                        }
+                    } else {
+                        Frame::Prefill {
+                            session,
+                            position,
+                            last: sample,
+                            rows,
+                        }
+                    };
+                    pair.send_down(&frame);
+                }
+                Outcome::Token {
+                    session,
+                    position,
+                    token,
+                    logprob,
+                    top,
+                    ..
+                } => self.write(
+                    context,
+                    &Frame::Token {
+                        session,
+                        position,
+                        token,
+                        logprob,
+                        top,
+                    },
+                ),
+                Outcome::Done {
+                    session,
+                    position,
+                    compute_micros,
+                } => self.write(
+                    context,
+                    &Frame::Ack {
+                        session,
+                        position,
+                        timings: vec![StageTiming {
+                            stage_index,
+                            compute_micros,
+                            wait_micros: 0,
+                        }],
+                    },
+                ),
+                Outcome::Failed {
+                    session,
+                    code,
+                    message,
+                } => self.error(context, session, code, message),
+            }
+        }
+    }
+
+    fn take_relayed(&mut self, context: &mut SessionContext<'_>) {
+        let Some(pair) = self.pair.clone() else {
+            return;
+        };
+        let (frames, answer, closed) = {
+            let mut state = pair.lock();
+            (
+                std::mem::take(&mut state.to_upstream),
+                state.downstream_answer.take(),
+                state.downstream_closed.clone(),
+            )
+        };
+        for bytes in frames {
+            if context.output().push(&bytes).is_err() {
+                return self.refuse(
+                    context,
+                    0,
+                    ErrorCode::Internal,
+                    "the link's output budget is full".into(),
+                );
+            }
+        }
+        if let Some(answer) = answer {
+            let UpstreamState::Downstream { theirs } =
+                std::mem::replace(&mut self.state, UpstreamState::Serving)
+            else {
+                return;
+            };
+            match answer {
+                Ok(_) => self.answer(theirs, context),
+                Err(message) => self.refuse(context, 0, ErrorCode::StageDown, message),
+            }
+            return;
+        }
+        if let Some(reason) = closed
+            && !matches!(self.state, UpstreamState::Closing)
+        {
+            self.refuse(context, 0, ErrorCode::StageDown, reason);
+        }
+    }
+
+    fn write(&mut self, context: &mut SessionContext<'_>, frame: &Frame) {
+        let mut bytes = Vec::new();
+        encode(frame, &mut bytes);
+        if context.output().push(&bytes).is_err() {
+            self.state = UpstreamState::Closing;
+        }
+    }
+
+    /// An error for one session; the link and its other sessions go on.
+    fn error(
+        &mut self,
+        context: &mut SessionContext<'_>,
+        session: u64,
+        code: ErrorCode,
+        message: String,
+    ) {
+        self.write(
+            context,
+            &Frame::Error {
+                session,
+                code,
+                message,
+            },
+        );
+    }
+
+    /// An error for the whole link, then a close once it is flushed.
+    fn refuse(
+        &mut self,
+        context: &mut SessionContext<'_>,
+        session: u64,
+        code: ErrorCode,
+        message: String,
+    ) {
+        self.error(context, session, code, message);
+        self.state = UpstreamState::Closing;
+    }
+
+    fn on_close(&mut self) {
+        // The lanes of this link's sessions are freed at once, whatever ended the link.
+        if let Some(mailbox) = &self.mailbox {
+            for session in self.sessions.drain() {
+                let _ = self.shared.compute.submit(Work::Stop { session }, mailbox);
+            }
+        }
+        if let Some(pair) = &self.pair {
+            let mut state = pair.lock();
+            state.upstream_closed = true;
+            state.upstream = None;
+            Pair::wake(state.downstream.as_ref());
+        }
+    }
+}
+
+impl Downstream {
+    fn on_open(&mut self, context: &mut SessionContext<'_>) -> Step {
+        self.pair.lock().downstream = context.completer();
+        let mut bytes = Vec::new();
+        encode(&Frame::Hello(self.ours.clone()), &mut bytes);
+        if context.output().push(&bytes).is_err() {
+            return Step::Abort;
+        }
+        Step::Write
+    }
+
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        while !input.is_empty() {
+            match self.decoder.decode(input.bytes()) {
+                Ok((taken, frame)) => {
+                    input.consume(taken);
+                    let Some(frame) = frame else {
+                        break;
+                    };
+                    if let Some(step) = self.on_frame(frame, context) {
+                        return step;
+                    }
+                }
+                Err(error) => {
+                    input.consume_all();
+                    self.fail(format!(
+                        "stage {} sent a frame this stage cannot read: {error}",
+                        self.ours.stage_index + 1
+                    ));
+                    return Step::Abort;
+                }
+            }
+        }
+        if context.output().is_empty() {
+            Step::Listen
+        } else {
+            Step::Write
+        }
+    }
+
+    fn on_frame(&mut self, frame: Frame, context: &mut SessionContext<'_>) -> Option<Step> {
+        if !self.serving {
+            match frame {
+                Frame::Hello(theirs) => {
+                    if let Err(mismatch) = check_adjacent(&self.ours, &theirs) {
+                        self.fail(mismatch.to_string());
+                        return Some(Step::Close);
+                    }
+                    if let Some(key) = &self.shared.key {
+                        let proven = theirs.proof.is_some_and(|proof| {
+                            verify(
+                                key,
+                                Side::Accepting,
+                                &self.ours.nonce,
+                                &theirs.nonce,
+                                &proof,
+                            )
+                        });
+                        if !proven {
+                            self.fail(format!(
+                                "stage {} did not prove the cluster key; give every stage the same --cluster-key file",
+                                theirs.stage_index
+                            ));
+                            return Some(Step::Close);
+                        }
+                        let answer = proof(key, Side::Connecting, &self.ours.nonce, &theirs.nonce);
+                        let mut bytes = Vec::new();
+                        encode(&Frame::Proof { proof: answer }, &mut bytes);
+                        let _ = context.output().push(&bytes);
+                    }
+                    self.serving = true;
+                    let mut state = self.pair.lock();
+                    state.downstream_answer = Some(Ok(theirs));
+                    Pair::wake(state.upstream.as_ref());
+                }
+                Frame::Error { message, .. } => {
+                    self.fail(message);
+                    return Some(Step::Close);
+                }
+                other => {
+                    self.fail(format!(
+                        "the next stage answered the hello with a {} frame",
+                        other.kind_name()
+                    ));
+                    return Some(Step::Close);
+                }
+            }
+            self.take_queued(context);
+            return None;
+        }
+        // Answers from the rest of the chain go up as they came.
+        let mut bytes = Vec::new();
+        encode(&frame, &mut bytes);
+        self.pair.send_up(bytes);
+        None
+    }
+
+    fn on_wake(&mut self, context: &mut SessionContext<'_>) -> Step {
+        if self.pair.lock().upstream_closed {
+            return Step::Close;
+        }
+        if self.serving {
+            self.take_queued(context);
+        }
+        if context.output().is_empty() {
+            Step::Listen
+        } else {
+            Step::Write
+        }
+    }
+
+    fn take_queued(&mut self, context: &mut SessionContext<'_>) {
+        let frames = std::mem::take(&mut self.pair.lock().to_downstream);
+        for bytes in frames {
+            if context.output().push(&bytes).is_err() {
+                self.fail("the link to the next stage has too much queued output".into());
+                return;
+            }
+        }
+    }
+
+    /// The handshake failed: the upstream link answers its own upstream with `message`.
+    fn fail(&mut self, message: String) {
+        let mut state = self.pair.lock();
+        if state.downstream_answer.is_none() && !self.serving {
+            state.downstream_answer = Some(Err(message));
+        } else {
+            state.downstream_closed = Some(message);
+        }
+        Pair::wake(state.upstream.as_ref());
+    }
+
+    fn on_close(&mut self, reason: CloseReason) {
+        let mut state = self.pair.lock();
+        state.downstream = None;
+        if state.upstream_closed {
+            return;
+        }
+        let stage = self.ours.stage_index + 1;
+        let message = format!("the link to stage {stage} closed ({reason})");
+        if !self.serving && state.downstream_answer.is_none() {
+            state.downstream_answer = Some(Err(message));
+        } else if state.downstream_closed.is_none() {
+            state.downstream_closed = Some(message);
+        }
+        Pair::wake(state.upstream.as_ref());
+    }
+}

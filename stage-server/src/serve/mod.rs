@@ -1,0 +1,237 @@
+//! A stage process: serves one layer range of a model to the stage before it over the stage protocol, on the
+//! event loops of a net-io-blocking server, with one compute thread owning the layers and their lanes.
+//!
+//! ```text
+//!   stage-server serve --model F --layers 10..20 --bind ADDR [--next ADDR]
+//!
+//!     listener ──(caps, --allow-from gate)──▶ event loops: Link::Upstream sessions ──▶ compute thread
+//!                                                 │ (one per link of the stage before)      (Stage, lanes)
+//!                                                 └─▶ Link::Downstream sessions, outbound ──▶ next stage
+//! ```
+//!
+//! What a stage keeps: a link never holds a thread (sessions listen on the loops), compute never runs on a
+//! loop thread, a lane is freed the moment its link ends, and every refusal is an `Error` frame in words
+//! before the close. Stage 0 (the layers from 0, with the embeddings) is not served here: it drives the
+//! chain (see [`crate::driver`]).
+
+mod compute;
+mod gate;
+mod link;
+
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use net_io_blocking::{
+    DrainReport, Limits, NetError, Server, ServerBuilder, ServerHandle, SessionDriver,
+    TrustedProxies,
+};
+
+use crate::model::{self, ModelError, ModelFile, Stage, StageOptions, StageSpec};
+use crate::wire::{ClusterKey, CodecPolicy, CodecSet, Hello, PROTOCOL_VERSION, Role, WireLimits};
+use link::{Link, StageShared};
+
+/// How a stage process runs.
+#[derive(Clone, Debug)]
+pub struct StageConfig {
+    /// The GGUF model.
+    pub model: PathBuf,
+    /// The layers this stage serves; must not start at 0 (that is stage 0's, with the embeddings).
+    pub layers: Range<usize>,
+    /// Where the stage listens for the stage before it.
+    pub bind: SocketAddr,
+    /// The next stage, unless this one serves the model's last layers.
+    pub next: Option<SocketAddr>,
+    /// Concurrent sessions (each with its own KV cache).
+    pub lanes: usize,
+    /// Context limit per lane (default: the model's).
+    pub context_length: Option<usize>,
+    /// A shared secret every stage of the cluster holds; links without it are refused.
+    pub cluster_key: Option<ClusterKey>,
+    /// Addresses allowed to connect (empty: any).
+    pub allow_from: Option<TrustedProxies>,
+    /// How activations go to the next stage.
+    pub codec: CodecPolicy,
+    /// How long the connect to the next stage may take.
+    pub connect_timeout: Duration,
+}
+
+impl StageConfig {
+    /// A stage of `model` serving `layers` on `bind` with the defaults: 4 lanes, f32 activations, no key,
+    /// any peer, a 5 s connect timeout.
+    pub fn new(model: PathBuf, layers: Range<usize>, bind: SocketAddr) -> StageConfig {
+        StageConfig {
+            model,
+            layers,
+            bind,
+            next: None,
+            lanes: 4,
+            context_length: None,
+            cluster_key: None,
+            allow_from: None,
+            codec: CodecPolicy::F32,
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Why a stage process could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    /// The model could not be loaded.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The layer range does not fit the model or this command.
+    #[error("{0}")]
+    Layers(String),
+    /// The server could not start (an address in use, a bad limit).
+    #[error("the stage's server did not start")]
+    Server(#[from] NetError),
+    /// The compute thread could not start.
+    #[error("the compute thread did not start")]
+    Thread(#[source] std::io::Error),
+}
+
+/// A running stage process.
+#[derive(Debug)]
+pub struct StageProcess {
+    server: Server,
+    hello: Hello,
+    compute: Option<JoinHandle<()>>,
+}
+
+impl StageProcess {
+    /// Loads the stage's layers (only those), starts its compute thread and its server. Returns once the
+    /// stage accepts links.
+    pub fn start(config: StageConfig) -> Result<StageProcess, ServeError> {
+        let file = ModelFile::open(&config.model)?;
+        let block_count = file.config().block_count;
+        let layers = config.layers.clone();
+        if layers.start == 0 {
+            return Err(ServeError::Layers(format!(
+                "layers {}..{} start at 0, which is stage 0's (it holds the embeddings and drives the chain); run it with `stage-server generate --layers 0..{} --next ADDR`",
+                layers.start, layers.end, layers.end
+            )));
+        }
+        if layers.is_empty() || layers.end > block_count {
+            return Err(ServeError::Layers(format!(
+                "layers {}..{} are not a range of this model's {block_count} layers",
+                layers.start, layers.end
+            )));
+        }
+        let last = layers.end == block_count;
+        if last && config.next.is_some() {
+            return Err(ServeError::Layers(format!(
+                "layers {}..{} end the model, so this stage is last and takes no --next",
+                layers.start, layers.end
+            )));
+        }
+        if !last && config.next.is_none() {
+            return Err(ServeError::Layers(format!(
+                "layers {}..{} stop before the model's last layer ({block_count}); give the next stage with --next ADDR",
+                layers.start, layers.end
+            )));
+        }
+        let fingerprint = model::fingerprint(&config.model)?;
+        let spec = StageSpec {
+            layers: layers.clone(),
+            first: false,
+            last,
+        };
+        let options = StageOptions {
+            lane_count: config.lanes.max(1),
+            context_length: config.context_length,
+        };
+        let stage = Stage::from_file(&file, spec, options)?;
+        let model_config = file.config();
+        let hello = Hello {
+            version: PROTOCOL_VERSION,
+            role: Role::StageLink,
+            fingerprint,
+            stage_index: 0,
+            layer_start: layers.start as u32,
+            layer_end: layers.end as u32,
+            block_count: block_count as u32,
+            width: stage.width() as u32,
+            vocab_size: model_config.vocab_size as u32,
+            lanes: stage.lane_count().min(usize::from(u16::MAX)) as u16,
+            codecs: CodecSet::all(),
+            nonce: [0; 16],
+            proof: None,
+        };
+        let (compute, compute_thread) = compute::start(stage).map_err(ServeError::Thread)?;
+        let shared = Arc::new(StageShared {
+            hello: hello.clone(),
+            key: config.cluster_key.clone(),
+            compute,
+            handle: OnceLock::new(),
+            next: config.next,
+            limits: WireLimits::default(),
+            codec: config.codec,
+            connect_timeout: config.connect_timeout,
+        });
+        let factory_shared = Arc::clone(&shared);
+        let builder = ServerBuilder::new()
+            .listen(config.bind)
+            .session_driver(SessionDriver::EventLoop { loops: 2 })
+            .limits(link_limits())
+            // Downstream links are opened from the first upstream hello: the handle must be set by then.
+            .open_door_at_build(false)
+            .sessions(move |_: &net_io_blocking::ConnectionInfo| {
+                Some(Link::accepted(Arc::clone(&factory_shared)))
+            });
+        let server = match config.allow_from {
+            Some(allowed) => builder.gate(gate::AllowFrom::new(allowed)).build()?,
+            None => builder.allow_all().build()?,
+        };
+        let _ = shared.handle.set(server.handle());
+        server.handle().open_door();
+        Ok(StageProcess {
+            server,
+            hello,
+            compute: Some(compute_thread),
+        })
+    }
+
+    /// Where the stage listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.server.local_addr()
+    }
+
+    /// The stage's hello (its stage index is learned per link from the stage before).
+    pub fn hello(&self) -> &Hello {
+        &self.hello
+    }
+
+    /// The server's handle: stats, kill, drain.
+    pub fn handle(&self) -> ServerHandle {
+        self.server.handle()
+    }
+
+    /// Drains (idle links close at once, links with a generation in flight get until `deadline`) and stops.
+    pub fn shutdown(self, deadline: Instant) -> DrainReport {
+        let StageProcess {
+            server, compute, ..
+        } = self;
+        let report = server.handle().drain(deadline);
+        let _ = server.shutdown(Instant::now());
+        // The compute thread ends once the last link, and with it the last compute handle, is gone.
+        drop(compute);
+        report
+    }
+}
+
+/// Limits for stage links: frames up to a prefill chunk of activations, links that idle between generations
+/// for long, and a read deadline generous enough for the slowest stage of a chain to answer.
+fn link_limits() -> Limits {
+    Limits::new()
+        .output_budget(256 << 20)
+        .completion_queue(64)
+        .read_timeout(Duration::from_secs(300))
+        .park_timeout(Duration::from_secs(300))
+        .min_rate(None)
+}
