@@ -69,8 +69,20 @@ fn sampling() -> impl Strategy<Value = Sampling> {
 
 fn hello() -> impl Strategy<Value = Hello> {
     (
-        (any::<bool>(), any::<[u8; 32]>(), any::<u16>(), any::<u32>(), any::<u32>()),
-        (any::<u32>(), any::<u32>(), any::<u32>(), any::<u16>(), 0u8..8),
+        (
+            any::<bool>(),
+            any::<[u8; 32]>(),
+            any::<u16>(),
+            any::<u32>(),
+            any::<u32>(),
+        ),
+        (
+            any::<u32>(),
+            any::<u32>(),
+            any::<u32>(),
+            any::<u16>(),
+            0u8..8,
+        ),
         (any::<[u8; 16]>(), proptest::option::of(any::<[u8; 32]>())),
     )
         .prop_map(
@@ -180,7 +192,10 @@ fn frame() -> impl Strategy<Value = Frame> {
             any::<u32>(),
             any::<u32>(),
             any_f32(),
-            vec((any::<u32>(), any_f32()), 0..=limits.max_top_logprobs as usize)
+            vec(
+                (any::<u32>(), any_f32()),
+                0..=limits.max_top_logprobs as usize
+            )
         )
             .prop_map(|(session, position, token, logprob, top)| Frame::Token {
                 session,
@@ -211,7 +226,11 @@ fn decode_in_pieces(
     let mut offset = 0;
     let mut piece = 0;
     while offset < bytes.len() {
-        let size = pieces.get(piece % pieces.len().max(1)).copied().unwrap_or(usize::MAX).max(1);
+        let size = pieces
+            .get(piece % pieces.len().max(1))
+            .copied()
+            .unwrap_or(usize::MAX)
+            .max(1);
         piece += 1;
         let end = offset.saturating_add(size).min(bytes.len());
         let mut chunk = &bytes[offset..end];
@@ -458,7 +477,7 @@ fn a_count_over_its_limit_is_refused_with_the_field_named() {
                 position: 0,
                 rows: Activations::encode(&vec![0.0; 65537], 65537, CodecPolicy::F32),
             },
-            "width",
+            "values per row",
         ),
     ];
     for (name, frame, field) in cases {
@@ -546,5 +565,9 @@ fn a_hello_of_another_version_is_refused_as_a_version_error() {
         },
         "another version was refused for another reason"
     );
-    assert_eq!(error.code(), ErrorCode::Version, "a version error must answer with the version code");
+    assert_eq!(
+        error.code(),
+        ErrorCode::Version,
+        "a version error must answer with the version code"
+    );
 }

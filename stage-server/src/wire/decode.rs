@@ -289,12 +289,16 @@ impl<'a> Reader<'a> {
         match self.u8(field)? {
             0 => Ok(false),
             1 => Ok(true),
-            value => Err(bad_value(field, u64::from(value))),
+            value => Err(self.bad_value(field, u64::from(value))),
         }
     }
 
-    fn optional<const N: usize>(&mut self, field: &'static str) -> Result<Option<[u8; N]>, Stop> {
-        if self.bool(field)? {
+    fn optional<const N: usize>(
+        &mut self,
+        flag: &'static str,
+        field: &'static str,
+    ) -> Result<Option<[u8; N]>, Stop> {
+        if self.bool(flag)? {
             Ok(Some(self.array(field)?))
         } else {
             Ok(None)
@@ -312,6 +316,7 @@ impl<'a> Reader<'a> {
     ) -> Result<usize, Stop> {
         if count > limit {
             return Err(Stop::Wire(WireError::TooMany {
+                kind: self.kind,
                 field,
                 count,
                 limit,
@@ -326,6 +331,14 @@ impl<'a> Reader<'a> {
             }));
         }
         Ok(count as usize)
+    }
+
+    fn bad_value(&self, field: &'static str, value: u64) -> Stop {
+        Stop::Wire(WireError::BadValue {
+            kind: self.kind,
+            field,
+            value,
+        })
     }
 
     /// Marks that every count and limit of the frame has been read: the rest is bulk bytes.
@@ -472,8 +485,8 @@ fn parse_body(kind: u8, reader: &mut Reader<'_>, limits: &WireLimits) -> Result<
         kind::ERROR => {
             let session = reader.u64("session")?;
             let value = reader.u16("error code")?;
-            let code =
-                ErrorCode::from_wire(value).ok_or_else(|| bad_value("error code", value.into()))?;
+            let code = ErrorCode::from_wire(value)
+                .ok_or_else(|| reader.bad_value("error code", value.into()))?;
             let length = reader.u32("message length")?;
             let length = reader.count(
                 u64::from(length),
@@ -484,7 +497,10 @@ fn parse_body(kind: u8, reader: &mut Reader<'_>, limits: &WireLimits) -> Result<
             reader.limits_checked();
             let bytes = reader.take(length, "message")?;
             let message = std::str::from_utf8(bytes)
-                .map_err(|_| WireError::BadText { field: "message" })?
+                .map_err(|_| WireError::BadText {
+                    kind: "error",
+                    field: "message",
+                })?
                 .to_owned();
             Frame::Error {
                 session,
@@ -511,19 +527,20 @@ fn parse_hello(reader: &mut Reader<'_>) -> Result<Hello, Stop> {
         }));
     }
     let role = reader.u8("role")?;
-    let role = Role::from_wire(role).ok_or_else(|| bad_value("role", role.into()))?;
+    let role = Role::from_wire(role).ok_or_else(|| reader.bad_value("role", role.into()))?;
     let fingerprint = reader.array("fingerprint")?;
     let stage_index = reader.u16("stage index")?;
     let layer_start = reader.u32("layer start")?;
     let layer_end = reader.u32("layer end")?;
     let block_count = reader.u32("block count")?;
-    let width = reader.u32("width")?;
+    let width = reader.u32("values per row")?;
     let vocab_size = reader.u32("vocabulary size")?;
     let lanes = reader.u16("lanes")?;
     let codecs = reader.u8("codecs")?;
-    let codecs = CodecSet::from_bits(codecs).ok_or_else(|| bad_value("codecs", codecs.into()))?;
+    let codecs =
+        CodecSet::from_bits(codecs).ok_or_else(|| reader.bad_value("codecs", codecs.into()))?;
     let nonce = reader.array("nonce")?;
-    let proof = reader.optional("proof")?;
+    let proof = reader.optional("proof flag", "proof")?;
     Ok(Hello {
         version,
         role,
@@ -557,12 +574,13 @@ fn parse_configure(reader: &mut Reader<'_>, limits: &WireLimits) -> Result<Frame
     let top_logprobs = reader.u8("top log-probabilities")?;
     if top_logprobs > limits.max_top_logprobs {
         return Err(Stop::Wire(WireError::TooMany {
+            kind: "configure",
             field: "top log-probabilities",
             count: top_logprobs.into(),
             limit: limits.max_top_logprobs.into(),
         }));
     }
-    let trace = reader.optional("trace context")?;
+    let trace = reader.optional("trace flag", "trace context")?;
     let count = reader.u32("stop tokens count")?;
     let count = reader.count(
         u64::from(count),
@@ -607,10 +625,15 @@ fn parse_activations(
 ) -> Result<(Activations, std::ops::Range<usize>), Stop> {
     let rows = reader.u32("rows")?;
     reader.count(u64::from(rows), u64::from(limits.max_rows), 0, "rows")?;
-    let width = reader.u32("width")?;
-    reader.count(u64::from(width), u64::from(limits.max_width), 0, "width")?;
+    let width = reader.u32("values per row")?;
+    reader.count(
+        u64::from(width),
+        u64::from(limits.max_width),
+        0,
+        "values per row",
+    )?;
     let codec = reader.u8("codec")?;
-    let codec = Codec::from_wire(codec).ok_or_else(|| bad_value("codec", codec.into()))?;
+    let codec = Codec::from_wire(codec).ok_or_else(|| reader.bad_value("codec", codec.into()))?;
     let bytes = reader.u32("activation byte count")?;
     let expected = u64::from(rows) * u64::from(width) * codec.value_bytes() as u64;
     if u64::from(bytes) != expected {
@@ -641,10 +664,6 @@ fn set_activation_bytes(frame: &mut Frame, bytes: Vec<u8>) {
     if let Frame::Prefill { rows, .. } | Frame::Decode { rows, .. } = frame {
         rows.bytes = bytes;
     }
-}
-
-fn bad_value(field: &'static str, value: u64) -> Stop {
-    Stop::Wire(WireError::BadValue { field, value })
 }
 
 #[cfg(test)]
@@ -727,6 +746,7 @@ mod tests {
         assert_eq!(
             error.unwrap_err(),
             WireError::TooMany {
+                kind: "configure",
                 field: "stop tokens",
                 count: 65,
                 limit: 64

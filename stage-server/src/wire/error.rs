@@ -30,7 +30,8 @@ pub enum WireError {
     UnknownKind(u8),
     /// A frame ends before one of its fields does.
     #[error(
-        "a {kind} frame of {length} bytes ends inside its {field}; the peer wrote a broken frame"
+        "{} frame of {length} bytes ends inside its {field}; the peer wrote a broken frame",
+        with_article(.kind)
     )]
     Truncated {
         /// The frame kind's name.
@@ -42,7 +43,9 @@ pub enum WireError {
     },
     /// A frame has bytes after its last field.
     #[error(
-        "a {kind} frame of {length} bytes has {extra} bytes after its last field; the peer wrote a broken frame"
+        "{} frame of {length} bytes has {extra} {} after its last field; the peer wrote a broken frame",
+        with_article(.kind),
+        bytes_word(u64::from(*.extra))
     )]
     TrailingBytes {
         /// The frame kind's name.
@@ -54,10 +57,13 @@ pub enum WireError {
     },
     /// A count or length inside a frame is over its limit.
     #[error(
-        "a frame's {field} is {count}, over the limit of {limit}; the peer sent more than this stage accepts"
+        "{} frame carries {count} {field}, over the limit of {limit}; the peer sent more than this stage accepts",
+        with_article(.kind)
     )]
     TooMany {
-        /// The field (`rows`, `width`, `stop tokens`, ...).
+        /// The frame kind's name.
+        kind: &'static str,
+        /// What is counted (`rows`, `values per row`, `stop tokens`, ...).
         field: &'static str,
         /// The count it holds.
         count: u64,
@@ -86,23 +92,32 @@ pub enum WireError {
     },
     /// A field holds a value it has no meaning for (a flag that is not 0 or 1, an unknown codec, role or code).
     #[error(
-        "a frame's {field} holds {value}, which is not one of its values; the peer wrote a broken frame"
+        "{} frame's {field} holds {value}, which is not one of its values; the peer wrote a broken frame",
+        with_article(.kind)
     )]
     BadValue {
+        /// The frame kind's name.
+        kind: &'static str,
         /// The field.
         field: &'static str,
         /// The value found.
         value: u64,
     },
     /// A text field is not UTF-8.
-    #[error("a frame's {field} is not UTF-8; the peer wrote a broken frame")]
+    #[error(
+        "{} frame's {field} is not UTF-8; the peer wrote a broken frame",
+        with_article(.kind)
+    )]
     BadText {
+        /// The frame kind's name.
+        kind: &'static str,
         /// The field.
         field: &'static str,
     },
     /// An activation payload's byte count does not match its shape.
     #[error(
-        "an activation payload of {rows} rows of width {width} in {codec} needs {expected} bytes but declares {bytes}; the peer wrote a broken frame"
+        "an activation payload of {rows} x {width} values in {codec} needs {expected} {} but declares {bytes}; the peer wrote a broken frame",
+        bytes_word(*.expected)
     )]
     RowsMismatch {
         /// Rows declared.
@@ -127,6 +142,21 @@ impl WireError {
             _ => ErrorCode::Protocol,
         }
     }
+}
+
+/// `a hello`, `an error`: a frame kind's name after its article.
+fn with_article(kind: &str) -> String {
+    let article = if kind.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        "an"
+    } else {
+        "a"
+    };
+    format!("{article} {kind}")
+}
+
+/// `byte` or `bytes`, for a count.
+fn bytes_word(count: u64) -> &'static str {
+    if count == 1 { "byte" } else { "bytes" }
 }
 
 /// Bytes as `0x..` hex.
