@@ -239,10 +239,16 @@ fn decode_in_pieces(
                 Ok((taken, frame)) => {
                     assert!(taken > 0, "the decoder took nothing from a non-empty input");
                     assert!(
-                        decoder.buffered() <= limits.max_frame_bytes + 5,
+                        decoder.held_bytes() <= limits.max_frame_bytes + 5,
                         "the decoder holds {} bytes, over the frame limit {}",
-                        decoder.buffered(),
+                        decoder.held_bytes(),
                         limits.max_frame_bytes
+                    );
+                    assert!(
+                        decoder.held_bytes() <= (2 * decoder.buffered() + 64).max(4096) + 5,
+                        "the decoder holds {} bytes for {} buffered: it reserved ahead of the input",
+                        decoder.held_bytes(),
+                        decoder.buffered()
                     );
                     chunk = &chunk[taken..];
                     offset += taken;
@@ -569,5 +575,28 @@ fn a_hello_of_another_version_is_refused_as_a_version_error() {
         error.code(),
         ErrorCode::Version,
         "a version error must answer with the version code"
+    );
+}
+
+#[test]
+fn a_frame_that_declares_the_largest_length_and_sends_little_holds_little() {
+    let limits = WireLimits::default();
+    let mut decoder = Decoder::new(limits);
+    let mut bytes = encode_to_vec(&Frame::Decode {
+        session: 1,
+        position: 0,
+        rows: Activations::encode(&vec![0.5; 4000 * 4096], 4096, CodecPolicy::F32),
+    });
+    bytes.truncate(1000);
+    let (taken, frame) = decoder.decode(&bytes).expect("a valid prefix was refused");
+    assert_eq!(
+        (taken, frame),
+        (1000, None),
+        "the prefix was not all taken, or gave a frame"
+    );
+    assert!(
+        decoder.held_bytes() <= 2 * 1000 + 64,
+        "a 62 MiB frame of which 1000 bytes arrived holds {} bytes",
+        decoder.held_bytes()
     );
 }

@@ -23,6 +23,9 @@ use super::{MAGIC, PROTOCOL_VERSION, WireLimits};
 /// Length and kind of a frame.
 const HEADER_BYTES: usize = 5;
 
+/// The largest body buffer kept for the next frame once a frame completes.
+pub(crate) const RETAINED_BYTES: usize = 4096;
+
 /// Turns a link's bytes into frames, whatever the read boundaries.
 ///
 /// After an error the decoder keeps returning it: the stream's frame boundaries are lost, so the link must
@@ -112,6 +115,14 @@ impl Decoder {
         self.header_filled + self.body.len()
     }
 
+    /// Bytes of memory the decoder holds (its header and its buffer's capacity): for the frame it is in the
+    /// middle of, never more than that frame's declared length and at most about twice what has arrived of it,
+    /// so a peer that declares a large frame and sends little of it costs little; between frames, at most a
+    /// 4 KiB buffer kept from a small frame for the next one.
+    pub fn held_bytes(&self) -> usize {
+        HEADER_BYTES + self.body.capacity()
+    }
+
     /// The limits this decoder holds frames to.
     pub fn limits(&self) -> &WireLimits {
         &self.limits
@@ -178,7 +189,8 @@ impl Decoder {
                 body.truncate(range.end);
                 body.drain(..range.start);
                 set_activation_bytes(&mut frame, body);
-            } else {
+            } else if body.capacity() <= RETAINED_BYTES {
+                // Small frames reuse one buffer; a large one's buffer is let go rather than held while idle.
                 body.clear();
                 self.body = body;
             }
