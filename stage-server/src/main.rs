@@ -220,21 +220,23 @@ fn main() {
 }
 
 /// candle sizes its thread pool from the environment when it first computes, and changing the
-/// environment of a running process is unsafe, so `--threads` re-runs the binary with it set.
-/// Returns the child's exit code, or `None` when the environment already matches.
+/// environment of a running process is unsafe, so `--threads` replaces this process with the binary run
+/// again with it set (exec, not a child: signals sent to this process then reach the real one). Returns
+/// only when that failed (the exit code to use), or `None` when the environment already matches.
 fn reexec_with_threads(threads: usize) -> Option<i32> {
+    use std::os::unix::process::CommandExt;
     let wanted = threads.max(1).to_string();
     if std::env::var("CANDLE_NUM_THREADS").ok().as_deref() == Some(wanted.as_str()) {
         return None;
     }
     let executable = std::env::current_exe().ok()?;
-    let status = std::process::Command::new(executable)
+    let error = std::process::Command::new(executable)
         .args(std::env::args_os().skip(1))
         .env("CANDLE_NUM_THREADS", &wanted)
         .env("RAYON_NUM_THREADS", &wanted)
-        .status()
-        .ok()?;
-    Some(status.code().unwrap_or(1))
+        .exec();
+    eprintln!("stage-server: could not run itself again with --threads {wanted}: {error}");
+    Some(1)
 }
 
 fn generate(args: GenerateArgs) -> anyhow::Result<()> {
@@ -395,6 +397,13 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 .map_err(|error| anyhow::anyhow!("--allow-from: {error}"))?,
         )
     };
+    // Refusals and link failures are logged on stderr (RUST_LOG overrides the level).
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
     // Installed before the stage starts, so a signal that comes while it loads is not lost.
     let terminate = SignalWatch::install(libc::SIGTERM).context("watching SIGTERM")?;
     let interrupt = SignalWatch::install(libc::SIGINT).context("watching SIGINT")?;

@@ -114,7 +114,6 @@ pub struct Chain {
     /// The first downstream stage's hello.
     next: Hello,
     options: ChainOptions,
-    next_session: u64,
 }
 
 impl Chain {
@@ -183,7 +182,6 @@ impl Chain {
             unread_start: 0,
             next: ours.clone(),
             options,
-            next_session: (u64::from(std::process::id()) << 32) | 1,
         };
         chain.send(&Frame::Hello(ours.clone()))?;
         let theirs = match chain.receive()? {
@@ -235,8 +233,7 @@ impl Chain {
         if prompt.is_empty() {
             return Err(ModelError::EmptyChunk.into());
         }
-        let session = self.next_session;
-        self.next_session += 1;
+        let session = new_session_id();
         let result = self.run(session, prompt, sampling, options, &mut on_token);
         // Always free the session's lanes down the chain, however the generation ended.
         let stopped = self.send(&Frame::Stop { session });
@@ -442,4 +439,13 @@ impl Chain {
             self.unread.extend_from_slice(&scratch[..count]);
         }
     }
+}
+
+/// A session id no other stage 0 uses at the same time: random, so that stage 0 processes on different hosts
+/// sharing a chain do not collide (and never 0, which names the whole link).
+fn new_session_id() -> u64 {
+    let nonce = fresh_nonce();
+    let mut bytes = [0u8; 8];
+    bytes.copy_from_slice(&nonce[..8]);
+    u64::from_le_bytes(bytes).max(1)
 }

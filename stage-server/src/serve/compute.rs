@@ -94,13 +94,16 @@ pub(crate) enum Outcome {
 pub(crate) struct Mailbox {
     outcomes: Mutex<VecDeque<Outcome>>,
     completer: Completer,
+    /// The link's connection id: sessions are this link's own, so another link cannot reach them.
+    link: u64,
 }
 
 impl Mailbox {
-    pub(crate) fn new(completer: Completer) -> Arc<Mailbox> {
+    pub(crate) fn new(completer: Completer, link: u64) -> Arc<Mailbox> {
         Arc::new(Mailbox {
             outcomes: Mutex::new(VecDeque::new()),
             completer,
+            link,
         })
     }
 
@@ -157,7 +160,8 @@ struct Lane {
 /// The compute thread's state.
 struct Owner {
     stage: Stage,
-    lanes: HashMap<u64, Lane>,
+    /// Open sessions by (link, session id).
+    lanes: HashMap<(u64, u64), Lane>,
     free: Vec<usize>,
 }
 
@@ -180,12 +184,12 @@ pub(crate) fn start(stage: Stage) -> std::io::Result<(ComputeHandle, JoinHandle<
 impl Owner {
     fn run(mut self, jobs: Receiver<Job>) {
         while let Ok(Job { work, mailbox }) = jobs.recv() {
-            let outcome = self.work(work);
+            let outcome = self.work(mailbox.link, work);
             mailbox.deliver(outcome);
         }
     }
 
-    fn work(&mut self, work: Work) -> Outcome {
+    fn work(&mut self, link: u64, work: Work) -> Outcome {
         match work {
             Work::Open {
                 session,
@@ -193,15 +197,15 @@ impl Owner {
                 history,
                 logit_bias,
                 top_logprobs,
-            } => self.open(session, sampling, history, logit_bias, top_logprobs),
+            } => self.open((link, session), sampling, history, logit_bias, top_logprobs),
             Work::Chunk {
                 session,
                 position,
                 rows,
                 sample,
                 decode,
-            } => self.chunk(session, position, &rows, sample, decode),
-            Work::Trim { session, length } => match self.lanes.get(&session) {
+            } => self.chunk((link, session), position, &rows, sample, decode),
+            Work::Trim { session, length } => match self.lanes.get(&(link, session)) {
                 None => unknown(session),
                 Some(lane) => match self.stage.trim(lane.index, length as usize) {
                     Ok(()) => Outcome::Settled,
@@ -209,7 +213,7 @@ impl Owner {
                 },
             },
             Work::Stop { session } => {
-                if let Some(lane) = self.lanes.remove(&session) {
+                if let Some(lane) = self.lanes.remove(&(link, session)) {
                     let _ = self.stage.reset(lane.index);
                     self.free.push(lane.index);
                 }
@@ -220,13 +224,14 @@ impl Owner {
 
     fn open(
         &mut self,
-        session: u64,
+        key: (u64, u64),
         sampling: SamplingParams,
         history: Vec<u32>,
         logit_bias: Vec<(u32, f32)>,
         top_logprobs: u8,
     ) -> Outcome {
-        if self.lanes.contains_key(&session) {
+        let session = key.1;
+        if self.lanes.contains_key(&key) {
             return Outcome::Failed {
                 session,
                 code: ErrorCode::SessionBusy,
@@ -255,7 +260,7 @@ impl Owner {
             sampler
         });
         self.lanes.insert(
-            session,
+            key,
             Lane {
                 index,
                 sampler,
@@ -268,13 +273,14 @@ impl Owner {
 
     fn chunk(
         &mut self,
-        session: u64,
+        key: (u64, u64),
         position: u32,
         rows: &[f32],
         sample: bool,
         decode: bool,
     ) -> Outcome {
-        let Some(lane) = self.lanes.get_mut(&session) else {
+        let session = key.1;
+        let Some(lane) = self.lanes.get_mut(&key) else {
             return unknown(session);
         };
         let width = self.stage.width().max(1);

@@ -1,16 +1,13 @@
-//! The `--allow-from` gate of a stage: links from addresses outside the list are refused before a byte is read,
-//! with an `Error` frame that says why.
-
-use std::sync::OnceLock;
+//! The `--allow-from` gate of a stage: a link from an address outside the list is marked at admission, before
+//! a byte is read, and its session refuses it in words (an `Error` frame, then a graceful close), since the
+//! connecting side writes its hello first and an accept-time reset could destroy the explanation.
 
 use net_io_blocking::{Admission, ConnectionInfo, Gate, Lane, Refusal, TrustedProxies};
 
-use crate::wire::{ErrorCode, Frame, encode_to_vec};
+/// The lane an address outside `--allow-from` is admitted into, only to be refused by its session.
+pub(crate) const REFUSED_LANE: Lane = Lane(u8::MAX);
 
-/// The gate's refusal code (reported in the `Refused` event).
-const NOT_ALLOWED: u16 = 403;
-
-/// Admits links only from the listed addresses.
+/// Admits links from the listed addresses into the default lane and every other one into [`REFUSED_LANE`].
 #[derive(Debug)]
 pub(crate) struct AllowFrom {
     allowed: TrustedProxies,
@@ -22,32 +19,15 @@ impl AllowFrom {
     }
 }
 
-/// The refusal's `Error` frame, encoded once (a refusal reply must be static).
-fn refusal_frame() -> &'static [u8] {
-    static FRAME: OnceLock<Vec<u8>> = OnceLock::new();
-    FRAME.get_or_init(|| {
-        encode_to_vec(&Frame::Error {
-            session: 0,
-            code: ErrorCode::Auth,
-            message: "this stage takes links only from the addresses given to --allow-from".into(),
-        })
-    })
-}
-
 impl Gate for AllowFrom {
     type Ticket = ();
 
     fn admit(&self, info: &ConnectionInfo) -> Result<Admission<()>, Refusal> {
-        if self.allowed.contains(info.peer.ip()) {
-            Ok(Admission {
-                ticket: (),
-                lane: Lane::DEFAULT,
-            })
+        let lane = if self.allowed.contains(info.peer.ip()) {
+            Lane::DEFAULT
         } else {
-            Err(Refusal::Reply {
-                code: NOT_ALLOWED,
-                bytes: refusal_frame(),
-            })
-        }
+            REFUSED_LANE
+        };
+        Ok(Admission { ticket: (), lane })
     }
 }

@@ -214,7 +214,20 @@ impl Upstream {
         let Some(completer) = context.completer() else {
             return Step::Abort;
         };
-        self.mailbox = Some(Mailbox::new(completer));
+        self.mailbox = Some(Mailbox::new(completer, context.info().id.get()));
+        if context.info().lane == super::gate::REFUSED_LANE {
+            let peer = context.info().peer;
+            self.refuse(
+                context,
+                0,
+                ErrorCode::Auth,
+                format!(
+                    "this stage takes links only from the addresses given to --allow-from, and {} is not one of them",
+                    peer.ip()
+                ),
+            );
+            return Step::Write;
+        }
         Step::Listen
     }
 
@@ -668,6 +681,7 @@ impl Upstream {
         code: ErrorCode,
         message: String,
     ) {
+        tracing::warn!(peer = %context.info().peer, code = code.as_str(), "refused a link: {message}");
         self.error(context, session, code, message);
         self.state = UpstreamState::Closing;
     }

@@ -1,0 +1,630 @@
+//! A model split across stage processes on 127.0.0.1: the same tokens as the unsplit model, refusals in words on
+//! both sides, a dead stage reported at once, a drain on SIGTERM, and garbage on a stage port kept to its link.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::channel;
+use std::time::{Duration, Instant};
+
+use candle_core::quantized::GgmlDType;
+use stage_server::driver::{Chain, ChainOptions, DriverError};
+use stage_server::model::testing::{TinyModel, real_model};
+use stage_server::model::{GEMMA3_FILE, GenerateOptions, ModelFile, SMOLLM2_FILE, SamplingParams};
+use stage_server::wire::{CodecPolicy, Decoder, ErrorCode, Frame, WireLimits};
+
+const BINARY: &str = env!("CARGO_BIN_EXE_stage-server");
+/// Generous bound for a stage process to load a model and listen on a loaded 2-core machine.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A running `stage-server serve` child, killed (SIGKILL) when dropped.
+struct StageChild {
+    child: Option<Child>,
+    address: SocketAddr,
+    stderr: std::sync::mpsc::Receiver<String>,
+}
+
+impl StageChild {
+    /// Starts a stage of `model` for `layers` and waits for its ready line.
+    fn start(model: &Path, layers: &str, next: Option<SocketAddr>, extra: &[&str]) -> StageChild {
+        Self::start_on(model, layers, "127.0.0.1:0", next, extra)
+    }
+
+    fn start_on(
+        model: &Path,
+        layers: &str,
+        bind: &str,
+        next: Option<SocketAddr>,
+        extra: &[&str],
+    ) -> StageChild {
+        let mut command = Command::new(BINARY);
+        command
+            .args(["serve", "--model"])
+            .arg(model)
+            .args(["--layers", layers, "--bind", bind, "--threads", "1"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(next) = next {
+            command.args(["--next", &next.to_string()]);
+        }
+        let mut child = command.spawn().expect("spawning stage-server serve");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let (lines, ready) = channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = lines.send(line);
+        });
+        let (errors, stderr_lines) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = errors.send(line);
+            }
+        });
+        let line = ready.recv_timeout(START_TIMEOUT).unwrap_or_default();
+        let address = line
+            .trim()
+            .rsplit_once(" on ")
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .and_then(|address| address.parse().ok())
+            .unwrap_or_else(|| {
+                let _ = child.kill();
+                let errors: Vec<String> = stderr_lines.try_iter().collect();
+                panic!("stage {layers} printed no ready line: {line:?}; stderr: {errors:?}")
+            });
+        assert!(
+            line.contains(&format!("serving layers {layers} on")),
+            "the ready line should name the layers: {line:?}"
+        );
+        StageChild {
+            child: Some(child),
+            address,
+            stderr: stderr_lines,
+        }
+    }
+
+    /// Sends `signal` and waits (bounded) for the exit status.
+    fn signal_and_wait(mut self, signal: i32) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("the child is running");
+        let pid = child.id() as i32;
+        let sent = Command::new("kill")
+            .args([format!("-{signal}"), pid.to_string()])
+            .status()
+            .expect("running kill");
+        assert!(sent.success(), "kill -{signal} {pid} failed");
+        let deadline = Instant::now() + Duration::from_secs(40);
+        loop {
+            if let Some(status) = child.try_wait().expect("waiting for the stage") {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("the stage did not exit within 40 s of signal {signal}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for StageChild {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn scratch_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "stage-server-processes-{}-{name}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).expect("a scratch directory in the temp dir");
+    dir
+}
+
+fn tiny(name: &str, model: &TinyModel) -> PathBuf {
+    model
+        .write_to_dir(&scratch_dir(name))
+        .expect("writing the tiny model")
+}
+
+/// `stage-server generate --json` with `args`; the parsed object.
+fn generate(model: &Path, args: &[&str]) -> serde_json::Value {
+    let output = Command::new(BINARY)
+        .arg("generate")
+        .arg("--model")
+        .arg(model)
+        .args(["--json", "--threads", "1"])
+        .args(args)
+        .output()
+        .expect("running stage-server generate");
+    assert!(
+        output.status.success(),
+        "stage-server generate {args:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("--json prints one object")
+}
+
+/// The error text of a `generate` that must fail.
+fn generate_error(model: &Path, args: &[&str]) -> String {
+    let output = Command::new(BINARY)
+        .arg("generate")
+        .arg("--model")
+        .arg(model)
+        .args(["--threads", "1"])
+        .args(args)
+        .output()
+        .expect("running stage-server generate");
+    assert!(
+        !output.status.success(),
+        "stage-server generate {args:?} should have failed"
+    );
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Stages for `boundaries` of a `block_count`-layer model, last first; returns them with stage 1's address.
+fn chain_of(
+    model: &Path,
+    block_count: usize,
+    boundaries: &[usize],
+    extra: &[&str],
+) -> (Vec<StageChild>, SocketAddr) {
+    let mut edges = boundaries.to_vec();
+    edges.push(block_count);
+    let mut stages = Vec::new();
+    let mut next = None;
+    for window in edges.windows(2).rev() {
+        let layers = format!("{}..{}", window[0], window[1]);
+        let stage = StageChild::start(model, &layers, next, extra);
+        next = Some(stage.address);
+        stages.push(stage);
+    }
+    (stages, next.expect("at least one stage"))
+}
+
+fn tokens_of(value: &serde_json::Value) -> Vec<u64> {
+    value["tokens"]
+        .as_array()
+        .expect("a tokens array")
+        .iter()
+        .map(|token| token.as_u64().expect("a token id"))
+        .collect()
+}
+
+fn assert_chain_matches_unsplit(
+    model: &Path,
+    block_count: usize,
+    boundaries: &[usize],
+    codec: &str,
+) {
+    let prompt = [
+        "--prompt-ids",
+        "1,300,301,302,303,304",
+        "--max-tokens",
+        "12",
+    ];
+    let unsplit = generate(model, &prompt);
+    let (_stages, first) = chain_of(model, block_count, &boundaries[1..], &["--codec", codec]);
+    let layers = format!("0..{}", boundaries[1]);
+    let first = first.to_string();
+    let mut args = prompt.to_vec();
+    args.extend(["--layers", &layers, "--next", &first, "--codec", codec]);
+    let chained = generate(model, &args);
+    assert_eq!(
+        tokens_of(&chained),
+        tokens_of(&unsplit),
+        "{} split at {boundaries:?} over processes ({codec}) should give the unsplit tokens",
+        model.display()
+    );
+    assert!(
+        !tokens_of(&unsplit).is_empty(),
+        "the test should generate tokens"
+    );
+}
+
+#[test]
+fn two_and_three_processes_give_the_unsplit_tokens_of_the_tiny_models() {
+    let llama = tiny("agreement-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    assert_chain_matches_unsplit(&llama, 4, &[0, 2], "f32");
+    assert_chain_matches_unsplit(&llama, 4, &[0, 1, 3], "f32");
+    assert_chain_matches_unsplit(&llama, 4, &[0, 1, 3], "auto-lossless");
+    let gemma = tiny("agreement-gemma", &TinyModel::gemma3(GgmlDType::Q8_0));
+    assert_chain_matches_unsplit(&gemma, 6, &[0, 2, 4], "f32");
+    assert_chain_matches_unsplit(&gemma, 6, &[0, 3], "auto-lossless");
+}
+
+#[test]
+fn both_real_models_give_the_unsplit_tokens_over_three_processes() {
+    for (file, block_count) in [(SMOLLM2_FILE, 30), (GEMMA3_FILE, 18)] {
+        let Some(model) = real_model(file) else {
+            continue;
+        };
+        let third = block_count / 3;
+        let prompt = ["--prompt", "The capital of France is", "--max-tokens", "16"];
+        let unsplit = generate(&model, &prompt);
+        let (_stages, first) = chain_of(&model, block_count, &[third, 2 * third], &[]);
+        let layers = format!("0..{third}");
+        let first = first.to_string();
+        let mut args = prompt.to_vec();
+        args.extend(["--layers", &layers, "--next", &first]);
+        let chained = generate(&model, &args);
+        assert_eq!(
+            tokens_of(&chained),
+            tokens_of(&unsplit),
+            "{file} over three processes should give the unsplit tokens"
+        );
+        assert_eq!(chained["text"], unsplit["text"]);
+    }
+}
+
+#[test]
+fn a_gap_an_overlap_and_another_model_are_refused_naming_both_sides() {
+    let llama = tiny("refusals-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let other = tiny("refusals-other", &TinyModel::llama(GgmlDType::Q8_0));
+    let stage = StageChild::start(&llama, "2..4", None, &[]);
+    let address = stage.address.to_string();
+    let prompt = ["--prompt-ids", "1,300", "--max-tokens", "2"];
+    let mut gap = prompt.to_vec();
+    gap.extend(["--layers", "0..1", "--next", &address]);
+    let text = generate_error(&llama, &gap);
+    assert!(
+        text.contains("stage 1 serves layers 2..4 but stage 0 ends at layer 1"),
+        "a gap should be refused naming both ranges: {text}"
+    );
+    let mut overlap = prompt.to_vec();
+    overlap.extend(["--layers", "0..3", "--next", &address]);
+    let text = generate_error(&llama, &overlap);
+    assert!(
+        text.contains("stage 1 serves layers 2..4 but stage 0 ends at layer 3"),
+        "an overlap should be refused naming both ranges: {text}"
+    );
+    let mut model = prompt.to_vec();
+    model.extend(["--layers", "0..2", "--next", &address]);
+    let text = generate_error(&other, &model);
+    assert!(
+        text.contains("model"),
+        "another model should be refused naming the model: {text}"
+    );
+    // The stage itself serves on after refusing three links.
+    let mut good = prompt.to_vec();
+    good.extend(["--layers", "0..2", "--next", &address]);
+    let served = generate(&llama, &good);
+    assert_eq!(tokens_of(&served).len(), 2);
+}
+
+#[test]
+fn a_wrong_cluster_key_and_an_address_outside_allow_from_are_refused_in_words() {
+    let llama = tiny("keys-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let dir = scratch_dir("keys");
+    let key = dir.join("cluster.key");
+    let wrong = dir.join("wrong.key");
+    std::fs::write(&key, b"a cluster key of at least sixteen bytes").unwrap();
+    std::fs::write(&wrong, b"another key, also long enough to use").unwrap();
+    let key_text = key.to_str().unwrap();
+    let stage = StageChild::start(&llama, "2..4", None, &["--cluster-key", key_text]);
+    let address = stage.address.to_string();
+    let base = [
+        "--prompt-ids",
+        "1,300",
+        "--max-tokens",
+        "2",
+        "--layers",
+        "0..2",
+        "--next",
+        &address,
+    ];
+    let mut with_wrong = base.to_vec();
+    with_wrong.extend(["--cluster-key", wrong.to_str().unwrap()]);
+    let text = generate_error(&llama, &with_wrong);
+    assert!(
+        text.contains("cluster key"),
+        "a wrong key should be refused naming the key: {text}"
+    );
+    let text = generate_error(&llama, &base);
+    assert!(
+        text.contains("--cluster-key"),
+        "a missing key should be refused naming the flag: {text}"
+    );
+    let mut with_key = base.to_vec();
+    with_key.extend(["--cluster-key", key_text]);
+    assert_eq!(
+        tokens_of(&generate(&llama, &with_key)).len(),
+        2,
+        "the right key is served"
+    );
+
+    let fenced = StageChild::start(&llama, "2..4", None, &["--allow-from", "10.0.0.0/8"]);
+    let fenced_address = fenced.address.to_string();
+    let args = [
+        "--prompt-ids",
+        "1,300",
+        "--max-tokens",
+        "2",
+        "--layers",
+        "0..2",
+        "--next",
+        &fenced_address,
+    ];
+    let text = generate_error(&llama, &args);
+    assert!(
+        text.contains("--allow-from"),
+        "an address outside --allow-from should be refused naming the flag: {text}"
+    );
+    // The stage says so too, on its side.
+    let logged = std::iter::from_fn(|| fenced.stderr.recv_timeout(Duration::from_secs(5)).ok())
+        .any(|line| line.contains("refused a link") && line.contains("--allow-from"));
+    assert!(logged, "the stage should log the refusal with its cause");
+}
+
+#[test]
+fn killing_the_middle_stage_fails_the_generation_within_a_second_and_a_restart_serves_again() {
+    let llama = tiny("faults-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    let last = StageChild::start(&llama, "3..4", None, &[]);
+    let mut middle = StageChild::start(&llama, "1..3", Some(last.address), &[]);
+    let middle_address = middle.address;
+    let mut chain = Chain::connect(&file, 1, middle_address, ChainOptions::default()).unwrap();
+    let options = GenerateOptions {
+        max_tokens: 200,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    let mut killed_at = None;
+    let result = chain.generate(&[1, 300, 301], SamplingParams::default(), &options, |_| {
+        if killed_at.is_none() {
+            middle.kill();
+            killed_at = Some(Instant::now());
+        }
+    });
+    let failed_after = killed_at.expect("a token came before the kill").elapsed();
+    let error = result.expect_err("a generation whose middle stage died must fail");
+    assert!(
+        failed_after < Duration::from_secs(1),
+        "the error took {failed_after:?} after the kill"
+    );
+    assert!(
+        error.to_string().contains("stage 1"),
+        "the error should name the stage: {error}"
+    );
+    // A new generation fails fast while the stage is down.
+    let started = Instant::now();
+    let down = Chain::connect(&file, 1, middle_address, ChainOptions::default());
+    assert!(down.is_err(), "connecting to a dead stage should fail");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "it should fail fast"
+    );
+    // Back on the same address, the chain serves again without restarting anything else.
+    let _restarted = StageChild::start_on(
+        &llama,
+        "1..3",
+        &middle_address.to_string(),
+        Some(last.address),
+        &[],
+    );
+    let mut chain = Chain::connect(&file, 1, middle_address, ChainOptions::default()).unwrap();
+    let options = GenerateOptions {
+        max_tokens: 4,
+        ..options
+    };
+    let generation = chain
+        .generate(&[1, 300, 301], SamplingParams::default(), &options, |_| {})
+        .expect("the restarted chain should serve");
+    assert_eq!(generation.tokens.len(), 4);
+}
+
+#[test]
+fn killing_the_last_stage_is_reported_by_the_stage_before_it() {
+    let llama = tiny("faults-last-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    let mut last = StageChild::start(&llama, "3..4", None, &[]);
+    let middle = StageChild::start(&llama, "1..3", Some(last.address), &[]);
+    let mut chain = Chain::connect(&file, 1, middle.address, ChainOptions::default()).unwrap();
+    let options = GenerateOptions {
+        max_tokens: 200,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    let mut killed_at = None;
+    let result = chain.generate(&[1, 300], SamplingParams::default(), &options, |_| {
+        if killed_at.is_none() {
+            last.kill();
+            killed_at = Some(Instant::now());
+        }
+    });
+    let failed_after = killed_at.expect("a token came before the kill").elapsed();
+    let error = result.expect_err("a generation whose last stage died must fail");
+    assert!(
+        failed_after < Duration::from_secs(1),
+        "the error took {failed_after:?}"
+    );
+    match &error {
+        DriverError::Stage { code, message } => {
+            assert_eq!(*code, ErrorCode::StageDown, "{message}");
+            assert!(
+                message.contains("stage 2"),
+                "the error should name stage 2: {message}"
+            );
+        }
+        other => panic!("expected the middle stage's report, got {other}"),
+    }
+}
+
+#[test]
+fn four_chains_at_once_on_four_lanes_each_give_their_solo_tokens() {
+    let llama = tiny("lanes-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    let last = StageChild::start(&llama, "3..4", None, &["--lanes", "4"]);
+    let middle = StageChild::start(&llama, "1..3", Some(last.address), &["--lanes", "4"]);
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|index| vec![1, 300 + index, 310 + index])
+        .collect();
+    let options = GenerateOptions {
+        max_tokens: 10,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    let solo: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|prompt| {
+            let mut chain =
+                Chain::connect(&file, 1, middle.address, ChainOptions::default()).unwrap();
+            chain
+                .generate(prompt, SamplingParams::default(), &options, |_| {})
+                .unwrap()
+                .tokens
+        })
+        .collect();
+    let together: Vec<Vec<u32>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|prompt| {
+                let file = &file;
+                let options = &options;
+                let address = middle.address;
+                scope.spawn(move || {
+                    let mut chain =
+                        Chain::connect(file, 1, address, ChainOptions::default()).unwrap();
+                    chain
+                        .generate(prompt, SamplingParams::default(), options, |_| {})
+                        .unwrap()
+                        .tokens
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| handle.join().unwrap())
+            .collect()
+    });
+    assert_eq!(
+        together, solo,
+        "each concurrent generation should equal its solo run"
+    );
+}
+
+#[test]
+fn sigterm_drains_a_stage_and_it_exits_zero() {
+    let llama = tiny("sigterm-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let stage = StageChild::start(&llama, "2..4", None, &[]);
+    let address = stage.address.to_string();
+    let served = generate(
+        &llama,
+        &[
+            "--prompt-ids",
+            "1,300",
+            "--max-tokens",
+            "3",
+            "--layers",
+            "0..2",
+            "--next",
+            &address,
+        ],
+    );
+    assert_eq!(tokens_of(&served).len(), 3);
+    let status = stage.signal_and_wait(libc::SIGTERM);
+    assert!(
+        status.success(),
+        "a drained stage should exit 0, got {status}"
+    );
+}
+
+#[test]
+fn garbage_on_a_stage_port_closes_that_link_with_its_reason_and_the_stage_serves_on() {
+    let llama = tiny("garbage-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let stage = StageChild::start(&llama, "2..4", None, &[]);
+    let inputs: Vec<Vec<u8>> = vec![
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(),
+        vec![0xff; 64],
+        // A frame claiming 4 GiB.
+        vec![0xff, 0xff, 0xff, 0xff, 1],
+        // A hello cut short.
+        vec![40, 0, 0, 0, 1, b'S', b'S'],
+    ];
+    for bytes in inputs {
+        let mut stream = TcpStream::connect(stage.address).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        stream.write_all(&bytes).unwrap();
+        let _ = stream.shutdown(std::net::Shutdown::Write);
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer);
+        if !answer.is_empty() {
+            let mut decoder = Decoder::new(WireLimits::default());
+            let (_, frame) = decoder
+                .decode(&answer)
+                .expect("the stage answers in frames");
+            assert!(
+                matches!(frame, Some(Frame::Error { .. })),
+                "the stage should answer garbage with an Error frame, got {frame:?}"
+            );
+        }
+    }
+    let address = stage.address.to_string();
+    let served = generate(
+        &llama,
+        &[
+            "--prompt-ids",
+            "1,300",
+            "--max-tokens",
+            "2",
+            "--layers",
+            "0..2",
+            "--next",
+            &address,
+        ],
+    );
+    assert_eq!(
+        tokens_of(&served).len(),
+        2,
+        "the stage should serve on after the garbage"
+    );
+    let _ = stage.stderr.try_iter().count();
+}
+
+#[test]
+fn auto_lossless_and_f32_links_give_the_same_tokens_through_the_library() {
+    let llama = tiny("codecs-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    let last = StageChild::start(&llama, "2..4", None, &[]);
+    let options = GenerateOptions {
+        max_tokens: 8,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    let mut runs = Vec::new();
+    for codec in [CodecPolicy::F32, CodecPolicy::AutoLossless] {
+        let chain_options = ChainOptions {
+            codec,
+            top_logprobs: 5,
+            ..ChainOptions::default()
+        };
+        let mut chain = Chain::connect(&file, 2, last.address, chain_options).unwrap();
+        let mut predicted = Vec::new();
+        chain
+            .generate(
+                &[1, 300, 301],
+                SamplingParams::default(),
+                &options,
+                |token| predicted.push(token.clone()),
+            )
+            .unwrap();
+        assert!(predicted.iter().all(|token| token.top.len() == 5));
+        runs.push(predicted);
+    }
+    assert_eq!(
+        runs[0], runs[1],
+        "a lossless codec must change nothing, not even a log-probability"
+    );
+}
