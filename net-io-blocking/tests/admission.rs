@@ -307,8 +307,14 @@ fn a_flood_of_refusals_after_admission_is_folded_and_reported_after_it_stops_on_
         SessionDriver::EventLoop { loops: 2 },
     ] {
         let recorder = Recorder::default();
-        // Admitted at accept, then declined by the factory: a refusal the serving thread reports.
-        let server = common::test_builder(16, Limits::new(), &recorder)
+        // Admitted at accept, then declined by the factory: a refusal the serving thread reports. Caps as
+        // large as the flood: connections admitted and not yet declined count against them, and with the
+        // defaults (16 per source, 16 on 16 workers) a serving thread that a loaded machine held back left
+        // most of the flood refused at a cap on the accept thread, never reaching the factory.
+        let caps = Limits::new()
+            .max_connections(FLOOD as usize)
+            .max_per_source(FLOOD as usize);
+        let server = common::test_builder(16, caps, &recorder)
             .session_driver(driver)
             .sessions(|_info: &ConnectionInfo| None::<Echo>)
             .allow_all()
