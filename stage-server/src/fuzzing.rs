@@ -12,6 +12,7 @@ use candle_core::quantized::gguf_file::Content;
 use crate::gguf_check::validate_bytes;
 use crate::model::testing::{tiny_bpe_tokenizer, tiny_sentencepiece_tokenizer};
 use crate::tokenizer::{SpecialTokens, StreamDecoder, Tokenizer};
+use crate::wire::{Decoder, Frame, WireError, WireLimits, encode_to_vec};
 
 /// The tokenizers the tokenizer target picks from: byte-level BPE under each pre-tokenizer family, and
 /// SentencePiece with byte fallback.
@@ -156,4 +157,129 @@ pub fn gguf_check(bytes: &[u8]) {
             bytes.len()
         );
     }
+}
+
+/// Small limits for the wire target, so that random bytes reach them often.
+pub const WIRE_FUZZ_LIMITS: WireLimits = WireLimits {
+    // Past the 4 KiB a decoder keeps between frames, so the bound on what it holds mid-frame is tested.
+    max_frame_bytes: 1 << 16,
+    max_rows: 16,
+    max_width: 64,
+    max_top_logprobs: 4,
+    max_stop_tokens: 8,
+    max_logit_bias: 8,
+    max_message_bytes: 64,
+    max_timings: 8,
+};
+
+/// Decodes the bytes after the first as a link's stream, once whole and once in pieces whose sizes the first
+/// byte picks, and holds the decoder to its promises: no panic; the same frames and the same error whatever
+/// the read boundaries; every frame encodes back to exactly the bytes it came from (the encoding is
+/// canonical); activations hold as many bytes as their shape says; the decoder never holds more than the
+/// frame limit, nor more than about twice what it was given of the frame it is in.
+///
+/// # Panics
+///
+/// When one of those promises breaks.
+pub fn wire_decoder(bytes: &[u8]) {
+    let Some((&selector, input)) = bytes.split_first() else {
+        return;
+    };
+    // Sizes from 1 to 16 and from 1 to 16 again, alternating: small enough to cut every field.
+    let pieces = [
+        usize::from(selector & 0x0f) + 1,
+        usize::from(selector >> 4) + 1,
+    ];
+    let (whole, whole_error) = decode_wire_stream(input, &[usize::MAX]);
+    let (split, split_error) = decode_wire_stream(input, &pieces);
+    assert_eq!(
+        whole_error, split_error,
+        "reading in pieces of {pieces:?} changed the error"
+    );
+    assert_eq!(
+        whole.len(),
+        split.len(),
+        "reading in pieces of {pieces:?} changed the number of frames"
+    );
+    let mut offset = 0;
+    for ((whole_frame, whole_bytes), (_, split_bytes)) in whole.iter().zip(&split) {
+        assert_eq!(
+            whole_bytes,
+            split_bytes,
+            "reading in pieces of {pieces:?} changed a {} frame",
+            whole_frame.kind_name()
+        );
+        assert_eq!(
+            &input[offset..offset + whole_bytes.len()],
+            &whole_bytes[..],
+            "a {} frame does not encode back to the bytes it was decoded from",
+            whole_frame.kind_name()
+        );
+        offset += whole_bytes.len();
+        if let Frame::Prefill { rows, .. } | Frame::Decode { rows, .. } = whole_frame {
+            let expected = rows.rows as usize * rows.width as usize * rows.codec.value_bytes();
+            assert_eq!(
+                rows.bytes.len(),
+                expected,
+                "an activation payload of {} x {} values in {} holds {} bytes",
+                rows.rows,
+                rows.width,
+                rows.codec,
+                rows.bytes.len()
+            );
+            assert_eq!(
+                rows.decode().len(),
+                rows.values_len(),
+                "decoding activations gave another number of values than they hold"
+            );
+        }
+    }
+}
+
+/// Feeds `input` to a decoder in pieces of the given sizes (cycled); returns each frame with its encoding,
+/// and the error that ended the stream, if any.
+fn decode_wire_stream(
+    input: &[u8],
+    pieces: &[usize],
+) -> (Vec<(Frame, Vec<u8>)>, Option<WireError>) {
+    let limits = WIRE_FUZZ_LIMITS;
+    let mut decoder = Decoder::new(limits);
+    let mut frames = Vec::new();
+    let mut offset = 0;
+    for &size in pieces.iter().cycle() {
+        if offset == input.len() {
+            break;
+        }
+        let mut chunk = &input[offset..offset.saturating_add(size).min(input.len())];
+        while !chunk.is_empty() {
+            let (taken, frame) = match decoder.decode(chunk) {
+                Ok(outcome) => outcome,
+                Err(error) => return (frames, Some(error)),
+            };
+            assert!(
+                taken > 0,
+                "the decoder took nothing from {} bytes",
+                chunk.len()
+            );
+            assert!(
+                decoder.held_bytes() <= limits.max_frame_bytes + 5,
+                "the decoder holds {} bytes, over the frame limit of {}",
+                decoder.held_bytes(),
+                limits.max_frame_bytes
+            );
+            assert!(
+                decoder.held_bytes() <= (2 * decoder.buffered() + 64).max(4096) + 5,
+                "the decoder holds {} bytes for the {} it was given of a frame",
+                decoder.held_bytes(),
+                decoder.buffered()
+            );
+            chunk = &chunk[taken..];
+            offset += taken;
+            if let Some(frame) = frame {
+                let encoded = encode_to_vec(&frame);
+                frames.push((frame, encoded));
+            }
+        }
+    }
+    (frames, None)
 }

@@ -16,8 +16,12 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use stage_server::fuzzing::{TokenizerTargets, gguf_check};
+use stage_server::fuzzing::{TokenizerTargets, gguf_check, wire_decoder};
 use stage_server::gguf_check::validate_bytes;
+use stage_server::wire::{
+    Activations, CodecPolicy, CodecSet, ErrorCode, Frame, Hello, PROTOCOL_VERSION, Role, Sampling,
+    StageTiming, encode_to_vec,
+};
 
 /// Wall-clock budget of one twin: long enough for thousands of cases, short enough for every `cargo test`.
 const BUDGET: Duration = Duration::from_secs(3);
@@ -27,6 +31,119 @@ const MAXIMUM_CASES: usize = 100_000;
 /// The committed seed corpus of the GGUF target.
 fn gguf_corpus_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/gguf_check")
+}
+
+/// The committed seed corpus of the wire target.
+fn wire_corpus_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/wire_decoder")
+}
+
+/// One valid frame of every kind, encoded, each with the wire target's selector byte (pieces of 3 and 5) in
+/// front; activations in each codec.
+fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        role: Role::StageLink,
+        fingerprint: [7; 32],
+        stage_index: 1,
+        layer_start: 10,
+        layer_end: 24,
+        block_count: 24,
+        width: 8,
+        vocab_size: 300,
+        lanes: 2,
+        codecs: CodecSet::all(),
+        nonce: [9; 16],
+        proof: Some([5; 32]),
+    };
+    let values: Vec<f32> = (0..16).map(|index| index as f32 / 4.0 - 1.5).collect();
+    let frames = [
+        ("hello", Frame::Hello(hello)),
+        ("proof", Frame::Proof { proof: [3; 32] }),
+        (
+            "configure",
+            Frame::Configure {
+                session: 4,
+                sampling: Sampling::from(&stage_server::model::SamplingParams::default()),
+                stop_tokens: vec![2, 3],
+                logit_bias: vec![(5, -1.0)],
+                top_logprobs: 2,
+                trace: Some([1; 25]),
+            },
+        ),
+        (
+            "prefill",
+            Frame::Prefill {
+                session: 4,
+                position: 0,
+                last: true,
+                rows: Activations::encode(&values, 8, CodecPolicy::F32),
+            },
+        ),
+        (
+            "decode-bf16",
+            Frame::Decode {
+                session: 4,
+                position: 2,
+                rows: Activations::encode(&values[..8], 8, CodecPolicy::AutoLossless),
+            },
+        ),
+        (
+            "decode-f16",
+            Frame::Decode {
+                session: 4,
+                position: 3,
+                rows: Activations::encode(&values[..8], 8, CodecPolicy::F16),
+            },
+        ),
+        (
+            "trim",
+            Frame::Trim {
+                session: 4,
+                length: 2,
+            },
+        ),
+        ("stop", Frame::Stop { session: 4 }),
+        ("open-return", Frame::OpenReturn { session: 4 }),
+        (
+            "ack",
+            Frame::Ack {
+                session: 4,
+                position: 3,
+                timings: vec![StageTiming {
+                    stage_index: 1,
+                    compute_micros: 10,
+                    wait_micros: 2,
+                }],
+            },
+        ),
+        (
+            "token",
+            Frame::Token {
+                session: 4,
+                position: 3,
+                token: 77,
+                logprob: -0.5,
+                top: vec![(77, -0.5), (12, -2.0)],
+            },
+        ),
+        (
+            "error",
+            Frame::Error {
+                session: 4,
+                code: ErrorCode::SessionBusy,
+                message: "session 4 is busy".to_string(),
+            },
+        ),
+    ];
+    frames
+        .into_iter()
+        .map(|(name, frame)| {
+            let mut bytes = vec![0x42];
+            bytes.extend(encode_to_vec(&frame));
+            (name, bytes)
+        })
+        .collect()
 }
 
 /// Small valid GGUF files: metadata of every value type with an alignment, and a few tensors of several types.
@@ -212,6 +329,68 @@ fn the_tokenizer_target_holds_on_random_texts() {
     let targets = TokenizerTargets::new();
     let cases = run_for_budget(0x746f_6b65, tokenizer_input, |bytes| targets.encode(bytes));
     eprintln!("tokenizer twin: {cases} texts");
+}
+
+#[test]
+fn the_wire_decoder_target_holds_on_mutated_frame_streams() {
+    let seeds = wire_seeds();
+    for (_, bytes) in &seeds {
+        wire_decoder(bytes);
+    }
+    let cases = run_for_budget(
+        0x7769_7265,
+        |random| {
+            // A selector byte, then one to three seed frames, then one mutation of the whole stream (so a
+            // broken frame may sit after good ones), or random bytes.
+            let mut stream = vec![random.random::<u8>()];
+            if random.random_bool(0.1) {
+                let length = random.random_range(0..256);
+                stream.extend((0..length).map(|_| random.random::<u8>()));
+                return stream;
+            }
+            for _ in 0..random.random_range(1..=3) {
+                let (_, seed) = &seeds[random.random_range(0..seeds.len())];
+                stream.extend_from_slice(&seed[1..]);
+            }
+            let mut mutated = mutate(&stream[1..], random);
+            mutated.insert(0, stream[0]);
+            mutated
+        },
+        wire_decoder,
+    );
+    eprintln!("wire_decoder twin: {cases} streams");
+}
+
+#[test]
+fn every_committed_wire_seed_decodes_to_one_frame() {
+    let mut seen = 0;
+    for entry in std::fs::read_dir(wire_corpus_dir()).expect("the wire seed corpus is committed") {
+        let path = entry.expect("a corpus entry").path();
+        let bytes = std::fs::read(&path).expect("a corpus file is readable");
+        let mut decoder = stage_server::wire::Decoder::new(stage_server::fuzzing::WIRE_FUZZ_LIMITS);
+        let outcome = decoder.decode(&bytes[1..]);
+        assert!(
+            matches!(outcome, Ok((taken, Some(_))) if taken == bytes.len() - 1),
+            "the seed {} is not one valid frame: {outcome:?}",
+            path.display()
+        );
+        seen += 1;
+    }
+    assert!(
+        seen >= wire_seeds().len(),
+        "the wire seed corpus holds {seen} files, fewer than the {} seeds",
+        wire_seeds().len()
+    );
+}
+
+#[test]
+#[ignore = "writes the seed corpus of stage-server/fuzz; run by hand after changing wire_seeds"]
+fn write_the_wire_seed_corpus() {
+    let directory = wire_corpus_dir();
+    std::fs::create_dir_all(&directory).expect("creating the corpus directory");
+    for (name, bytes) in wire_seeds() {
+        std::fs::write(directory.join(name), bytes).expect("writing a seed");
+    }
 }
 
 #[test]

@@ -328,7 +328,7 @@ proptest! {
     }
 
     #[test]
-    fn a_frame_with_one_byte_changed_never_panics(
+    fn a_frame_with_one_byte_changed_never_panics_and_reads_the_same_in_any_pieces(
         frame in frame(),
         at in any::<prop::sample::Index>(),
         flip in 1u8..=255,
@@ -337,7 +337,12 @@ proptest! {
         let mut bytes = encode_to_vec(&frame);
         let at = at.index(bytes.len());
         bytes[at] ^= flip;
-        let (frames, _) = decode_in_pieces(&bytes, &pieces, WireLimits::default());
+        // A second frame after the broken one, so a wrong length runs into it.
+        stage_server::wire::encode(&frame, &mut bytes);
+        let (frames, error) = decode_in_pieces(&bytes, &pieces, WireLimits::default());
+        let (whole_frames, whole_error) = decode_in_pieces(&bytes, &[], WireLimits::default());
+        prop_assert_eq!(&error, &whole_error, "reading in pieces {:?} changed the error", pieces);
+        prop_assert_eq!(frames.len(), whole_frames.len(), "reading in pieces {:?} changed the frame count", pieces);
         // Whatever came out must be a frame the encoder makes from exactly the bytes it came from.
         let mut offset = 0;
         for decoded in &frames {
@@ -599,4 +604,32 @@ fn a_frame_that_declares_the_largest_length_and_sends_little_holds_little() {
         "a 62 MiB frame of which 1000 bytes arrived holds {} bytes",
         decoder.held_bytes()
     );
+}
+
+#[test]
+fn a_frame_longer_than_its_fields_is_refused_at_its_last_count_whatever_the_pieces() {
+    // An Ack with one timing whose length claims 2048 more bytes; only its fields arrive.
+    let mut bytes = encode_to_vec(&Frame::Ack {
+        session: 4,
+        position: 3,
+        timings: vec![StageTiming {
+            stage_index: 1,
+            compute_micros: 10,
+            wait_micros: 2,
+        }],
+    });
+    let length = u32::from_le_bytes(bytes[..4].try_into().unwrap()) + 2048;
+    bytes[..4].copy_from_slice(&length.to_le_bytes());
+    let expected = Some(WireError::TrailingBytes {
+        kind: "ack",
+        length,
+        extra: 2048,
+    });
+    for pieces in [vec![], vec![1], vec![9, 8], vec![20]] {
+        let (_, error) = decode_in_pieces(&bytes, &pieces, WireLimits::default());
+        assert_eq!(
+            error, expected,
+            "in pieces {pieces:?} the overlong frame was not refused at its count"
+        );
+    }
 }

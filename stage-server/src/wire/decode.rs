@@ -353,9 +353,20 @@ impl<'a> Reader<'a> {
         })
     }
 
-    /// Marks that every count and limit of the frame has been read: the rest is bulk bytes.
-    fn limits_checked(&mut self) {
+    /// Marks that every count and limit of the frame has been read and only `remaining` bulk bytes are left
+    /// (already checked to fit in the frame), so the frame's end is known: a frame longer than that is
+    /// refused now, at the same field whatever the read boundaries, not once its last byte arrives.
+    fn limits_checked(&mut self, remaining: usize) -> Result<(), Stop> {
+        let end = self.position + remaining;
+        if end < self.total {
+            return Err(Stop::Wire(WireError::TrailingBytes {
+                kind: self.kind,
+                length: self.length,
+                extra: (self.total - end) as u32,
+            }));
+        }
         self.limits_checked = true;
+        Ok(())
     }
 }
 
@@ -399,12 +410,9 @@ type Body = (Frame, Option<std::ops::Range<usize>>);
 fn parse_body(kind: u8, reader: &mut Reader<'_>, limits: &WireLimits) -> Result<Body, Stop> {
     let frame = match kind {
         kind::HELLO => Frame::Hello(parse_hello(reader)?),
-        kind::PROOF => {
-            reader.limits_checked();
-            Frame::Proof {
-                proof: reader.array("proof")?,
-            }
-        }
+        kind::PROOF => Frame::Proof {
+            proof: reader.array("proof")?,
+        },
         kind::CONFIGURE => parse_configure(reader, limits)?,
         kind::PREFILL => {
             let session = reader.u64("session")?;
@@ -454,7 +462,7 @@ fn parse_body(kind: u8, reader: &mut Reader<'_>, limits: &WireLimits) -> Result<
                 10,
                 "stage timings",
             )?;
-            reader.limits_checked();
+            reader.limits_checked(count * 10)?;
             let mut timings = Vec::with_capacity(count);
             for _ in 0..count {
                 timings.push(StageTiming {
@@ -481,7 +489,7 @@ fn parse_body(kind: u8, reader: &mut Reader<'_>, limits: &WireLimits) -> Result<
                 8,
                 "alternatives",
             )?;
-            reader.limits_checked();
+            reader.limits_checked(count * 8)?;
             let mut top = Vec::with_capacity(count);
             for _ in 0..count {
                 top.push((reader.u32("alternatives")?, reader.f32("alternatives")?));
@@ -506,7 +514,7 @@ fn parse_body(kind: u8, reader: &mut Reader<'_>, limits: &WireLimits) -> Result<
                 1,
                 "message bytes",
             )?;
-            reader.limits_checked();
+            reader.limits_checked(length)?;
             let bytes = reader.take(length, "message")?;
             let message = std::str::from_utf8(bytes)
                 .map_err(|_| WireError::BadText {
@@ -611,7 +619,7 @@ fn parse_configure(reader: &mut Reader<'_>, limits: &WireLimits) -> Result<Frame
         8,
         "logit-bias entries",
     )?;
-    reader.limits_checked();
+    reader.limits_checked(count * 8)?;
     let mut logit_bias = Vec::with_capacity(count);
     for _ in 0..count {
         logit_bias.push((
@@ -658,7 +666,7 @@ fn parse_activations(
         }));
     }
     let length = reader.count(u64::from(bytes), u64::MAX, 1, "activations")?;
-    reader.limits_checked();
+    reader.limits_checked(length)?;
     let start = reader.position;
     reader.take(length, "activations")?;
     Ok((
