@@ -628,3 +628,44 @@ fn auto_lossless_and_f32_links_give_the_same_tokens_through_the_library() {
         "a lossless codec must change nothing, not even a log-probability"
     );
 }
+
+#[test]
+fn sigterm_during_a_generation_lets_it_finish_and_the_stage_exits_zero() {
+    let llama = tiny("sigterm-busy-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    let last = StageChild::start(&llama, "3..4", None, &[]);
+    let middle = StageChild::start(&llama, "1..3", Some(last.address), &[]);
+    let mut chain = Chain::connect(&file, 1, middle.address, ChainOptions::default()).unwrap();
+    let options = GenerateOptions {
+        max_tokens: 150,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    let pid = middle.child.as_ref().unwrap().id();
+    let mut signalled = false;
+    let generation = chain
+        .generate(&[1, 300, 301], SamplingParams::default(), &options, |_| {
+            if !signalled {
+                signalled = true;
+                let sent = Command::new("kill")
+                    .args(["-TERM", &pid.to_string()])
+                    .status();
+                assert!(
+                    sent.is_ok_and(|status| status.success()),
+                    "kill -TERM failed"
+                );
+            }
+        })
+        .expect("a generation in flight when its stage drains should finish");
+    assert_eq!(
+        generation.tokens.len(),
+        150,
+        "every token of the generation should arrive"
+    );
+    drop(chain);
+    let status = middle.signal_and_wait(0);
+    assert!(
+        status.success(),
+        "the drained stage should exit 0, got {status}"
+    );
+}

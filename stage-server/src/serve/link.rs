@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use net_io_blocking::{
-    CloseReason, Completer, ConnectOptions, ConnectionInfo, Input, ServerHandle, Session,
+    CloseReason, Completer, ConnectOptions, ConnectionInfo, Input, Phase, ServerHandle, Session,
     SessionContext, Step,
 };
 
@@ -74,6 +74,8 @@ struct PairState {
     /// Why the downstream link closed, once it did.
     downstream_closed: Option<String>,
     upstream_closed: bool,
+    /// The upstream link has sessions open: both links are busy (a drain lets them finish).
+    active: bool,
 }
 
 /// An upstream link and the downstream link opened for it.
@@ -255,10 +257,29 @@ impl Upstream {
                 }
             }
         }
+        self.mark_busy(context);
         if context.output().is_empty() {
             Step::Listen
         } else {
             Step::Write
+        }
+    }
+
+    /// A link with a session open is busy, not idle, between its frames: a drain lets the generation finish
+    /// instead of closing the link as idle. The downstream link follows.
+    fn mark_busy(&mut self, context: &mut SessionContext<'_>) {
+        let active = !self.sessions.is_empty();
+        context.set_phase(if active {
+            Phase::Receiving
+        } else {
+            Phase::Idle
+        });
+        if let Some(pair) = &self.pair {
+            let mut state = pair.lock();
+            if state.active != active {
+                state.active = active;
+                Pair::wake(state.downstream.as_ref());
+            }
         }
     }
 
@@ -417,6 +438,10 @@ impl Upstream {
                 top_logprobs,
                 ..
             } => {
+                if context.draining() {
+                    let message = "this stage is draining (it is shutting down); start the generation on another chain".to_owned();
+                    return self.error(context, *session, ErrorCode::Draining, message);
+                }
                 self.sessions.insert(*session);
                 Work::Open {
                     session: *session,
@@ -520,6 +545,7 @@ impl Upstream {
             self.take_outcomes(context);
             self.take_relayed(context);
         }
+        self.mark_busy(context);
         if matches!(self.state, UpstreamState::Closing) || !context.output().is_empty() {
             Step::Write
         } else {
@@ -800,9 +826,18 @@ impl Downstream {
     }
 
     fn on_wake(&mut self, context: &mut SessionContext<'_>) -> Step {
-        if self.pair.lock().upstream_closed {
+        let (closed, active) = {
+            let state = self.pair.lock();
+            (state.upstream_closed, state.active)
+        };
+        if closed {
             return Step::Close;
         }
+        context.set_phase(if active {
+            Phase::Receiving
+        } else {
+            Phase::Idle
+        });
         if self.serving {
             self.take_queued(context);
         }
