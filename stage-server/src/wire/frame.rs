@@ -191,7 +191,7 @@ pub enum Frame {
         /// The most likely alternatives with their log-probabilities, when asked for.
         top: Vec<(u32, f32)>,
     },
-    /// A refusal or failure.
+    /// A refusal or failure. Build it with [`Frame::error`], which keeps the message within the limit.
     Error {
         /// The session it concerns; 0 for the whole link.
         session: u64,
@@ -306,6 +306,27 @@ impl ErrorCode {
 }
 
 impl Frame {
+    /// An `Error` frame whose message fits the default [`WireLimits::max_message_bytes`](super::WireLimits)
+    /// (4096 bytes): a longer message is cut at a character boundary and ends in `...`, so the refusal reaches
+    /// the peer instead of being refused itself.
+    pub fn error(session: u64, code: ErrorCode, message: impl Into<String>) -> Frame {
+        let mut message = message.into();
+        let limit = super::WireLimits::default().max_message_bytes as usize;
+        if message.len() > limit {
+            let mut cut = limit - 3;
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            message.truncate(cut);
+            message.push_str("...");
+        }
+        Frame::Error {
+            session,
+            code,
+            message,
+        }
+    }
+
     /// The frame kind's name (`hello`, `prefill`, `open-return`, ...), for logs and errors.
     pub fn kind_name(&self) -> &'static str {
         kind::name(self.kind()).unwrap_or("unknown")
@@ -625,6 +646,27 @@ mod tests {
             back, params,
             "a setting changed on its way through Sampling"
         );
+    }
+
+    #[test]
+    fn a_long_error_message_is_cut_to_the_limit_at_a_character_boundary() {
+        let Frame::Error { message, .. } = Frame::error(0, ErrorCode::Internal, "é".repeat(3000))
+        else {
+            unreachable!("Frame::error builds an Error frame");
+        };
+        assert_eq!(
+            message.len(),
+            4095,
+            "the message was not cut to the last whole character"
+        );
+        assert!(
+            message.ends_with("..."),
+            "a cut message does not say it was cut"
+        );
+        let Frame::Error { message, .. } = Frame::error(0, ErrorCode::Internal, "short") else {
+            unreachable!("Frame::error builds an Error frame");
+        };
+        assert_eq!(message, "short", "a short message was changed");
     }
 
     #[test]
