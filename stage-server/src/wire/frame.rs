@@ -1,35 +1,4 @@
 //! The frames of the stage protocol, their wire layouts and the encoder.
-//!
-//! Every frame is `length: u32, kind: u8, body` (see the module docs of [`wire`](super)); the bodies, all
-//! integers and floats little-endian, `bool` a byte that is 0 or 1, `T?` a 0/1 byte followed by `T` when 1:
-//!
-//! ```text
-//!  kind  frame        body
-//!  1     Hello        magic [4] "SSTG", version u16, role u8, fingerprint [32], stage_index u16,
-//!                     layer_start u32, layer_end u32, block_count u32, width u32, vocab_size u32,
-//!                     lanes u16, codecs u8, nonce [16], proof [32]?
-//!  2     Proof        proof [32]
-//!  3     Configure    session u64, sampling (temperature f32, top_k u32, top_p f32, min_p f32, seed u64,
-//!                     repeat_penalty f32, presence_penalty f32, frequency_penalty f32, penalty_last_n u32),
-//!                     top_logprobs u8, trace [25]?, stop_count u32, stop_count x token u32,
-//!                     bias_count u32, bias_count x (token u32, bias f32)
-//!  4     Prefill      session u64, position u32, last bool, activations
-//!  5     Decode       session u64, position u32, activations
-//!  6     Trim         session u64, length u32
-//!  7     Stop         session u64
-//!  8     OpenReturn   session u64
-//!  9     Ack          session u64, position u32, count u32, count x (stage_index u16, compute_micros u32,
-//!                     wait_micros u32)
-//!  10    Token        session u64, position u32, token u32, logprob f32, count u8, count x (token u32, logprob f32)
-//!  11    Error        session u64, code u16, length u32, message [length] (UTF-8)
-//!
-//!  activations = rows u32, width u32, codec u8 (1 f32, 2 f16, 3 bf16), byte_count u32, bytes [byte_count]
-//!                with byte_count == rows x width x bytes per value
-//! ```
-//!
-//! Role bytes: 1 stage link, 2 prediction return. Codec sets: bit 0 f32, bit 1 f16, bit 2 bf16. Error codes are
-//! the `u16`s of [`ErrorCode::to_wire`]. The encoding is canonical: a frame the decoder accepts encodes back to
-//! exactly the bytes it came from (the fuzz target checks this).
 
 use super::codec::Activations;
 use super::hello::Hello;
@@ -108,6 +77,37 @@ pub enum ErrorCode {
 }
 
 /// One message on a link.
+///
+/// Every frame is `length: u32, kind: u8, body` (see the module docs of [`wire`](super)); the bodies, all
+/// integers and floats little-endian, `bool` a byte that is 0 or 1, `T?` a 0/1 byte followed by `T` when 1:
+///
+/// ```text
+///  kind  frame        body
+///  1     Hello        magic [4] "SSTG", version u16, role u8, fingerprint [32], stage_index u16,
+///                     layer_start u32, layer_end u32, block_count u32, width u32, vocab_size u32,
+///                     lanes u16, codecs u8, nonce [16], proof [32]?
+///  2     Proof        proof [32]
+///  3     Configure    session u64, sampling (temperature f32, top_k u32, top_p f32, min_p f32, seed u64,
+///                     repeat_penalty f32, presence_penalty f32, frequency_penalty f32, penalty_last_n u32),
+///                     top_logprobs u8, trace [25]?, stop_count u32, stop_count x token u32,
+///                     bias_count u32, bias_count x (token u32, bias f32)
+///  4     Prefill      session u64, position u32, last bool, activations
+///  5     Decode       session u64, position u32, activations
+///  6     Trim         session u64, length u32
+///  7     Stop         session u64
+///  8     OpenReturn   session u64
+///  9     Ack          session u64, position u32, count u32, count x (stage_index u16, compute_micros u32,
+///                     wait_micros u32)
+///  10    Token        session u64, position u32, token u32, logprob f32, count u8, count x (token u32, logprob f32)
+///  11    Error        session u64, code u16, length u32, message [length] (UTF-8)
+///
+///  activations = rows u32, width u32, codec u8 (1 f32, 2 f16, 3 bf16), byte_count u32, bytes [byte_count]
+///                with byte_count == rows x width x bytes per value
+/// ```
+///
+/// Role bytes: 1 stage link, 2 prediction return. Codec sets: bit 0 f32, bit 1 f16, bit 2 bf16. Error codes are
+/// the `u16`s of [`ErrorCode::to_wire`]. The encoding is canonical: a frame the decoder accepts encodes back to
+/// exactly the bytes it came from (the fuzz target checks this).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Frame {
     /// The first frame each way on a link: who the sender is and what it serves.

@@ -17,7 +17,7 @@
 //! where `length` counts the kind byte and the body. The decoder refuses a length over
 //! [`WireLimits::max_frame_bytes`] as soon as the four length bytes are in, and every count inside a body
 //! (rows, width, stop tokens, logit biases, alternatives, timings, message bytes) as soon as its own field is
-//! in, before anything is allocated for it. The layout of each kind is in [`frame`](Frame)'s docs.
+//! in, before anything is allocated for it. The layout of each kind is in the docs of [`Frame`].
 //!
 //! Frozen across protocol versions, so that two releases can still refuse each other in words: the framing
 //! above, the first fields of a hello ([`MAGIC`], then the `u16` version) and the layout of the `Error` frame.
