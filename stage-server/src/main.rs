@@ -14,7 +14,7 @@ use stage_server::driver::{Chain, ChainOptions};
 use stage_server::model::{
     self, GenerateOptions, ModelFile, Pipeline, Sampler, SamplingParams, StageOptions,
 };
-use stage_server::serve::{StageConfig, StageProcess};
+use stage_server::serve::{LinkShape, StageConfig, StageProcess};
 use stage_server::tokenizer::StreamDecoder;
 use stage_server::wire::{ClusterKey, CodecPolicy};
 
@@ -115,6 +115,12 @@ struct GenerateArgs {
     /// The cluster's shared key file (every stage of the chain needs the same one).
     #[arg(long)]
     cluster_key: Option<PathBuf>,
+    /// Milliseconds of one-way delay added to stage 0's link to stage 1 (tests and benchmarks).
+    #[arg(long, default_value_t = 0.0)]
+    link_delay: f64,
+    /// Stage 0's link rate in Mbit/s (tests and benchmarks; default unlimited).
+    #[arg(long)]
+    link_rate: Option<f64>,
 }
 
 #[derive(Debug, Args)]
@@ -155,6 +161,28 @@ struct ServeArgs {
     /// Compute threads (sets CANDLE_NUM_THREADS and RAYON_NUM_THREADS).
     #[arg(long)]
     threads: Option<usize>,
+    /// Milliseconds of one-way delay added to the link to the next stage (tests and benchmarks).
+    #[arg(long, default_value_t = 0.0)]
+    link_delay: f64,
+    /// The link to the next stage's rate in Mbit/s (tests and benchmarks; default unlimited).
+    #[arg(long)]
+    link_rate: Option<f64>,
+}
+
+/// A link shape from `--link-delay MS` and `--link-rate MBIT`.
+fn link_shape(delay_ms: f64, rate_mbit: Option<f64>) -> anyhow::Result<LinkShape> {
+    if !(delay_ms.is_finite() && delay_ms >= 0.0) {
+        bail!("--link-delay {delay_ms} is not a delay in milliseconds (0 or more)");
+    }
+    if let Some(rate) = rate_mbit
+        && !(rate.is_finite() && rate > 0.0)
+    {
+        bail!("--link-rate {rate} is not a rate in Mbit/s (above 0)");
+    }
+    Ok(LinkShape {
+        delay: std::time::Duration::from_secs_f64(delay_ms / 1000.0),
+        rate_bits_per_second: rate_mbit.map(|rate| (rate * 1_000_000.0) as u64),
+    })
 }
 
 /// `A..B` as a range of layers.
@@ -330,6 +358,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
                 codec: args.codec,
                 credits: args.reply_credits,
                 cluster_key: load_key(&args.cluster_key)?,
+                shape: link_shape(args.link_delay, args.link_rate)?,
                 ..ChainOptions::default()
             };
             let mut chain = Chain::connect(&file, layers.end, next, options)?;
@@ -414,6 +443,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.cluster_key = load_key(&args.cluster_key)?;
     config.allow_from = allow_from;
     config.codec = args.codec;
+    config.shape = link_shape(args.link_delay, args.link_rate)?;
     let stage = StageProcess::start(config).with_context(|| {
         format!(
             "starting the stage for layers {}..{} of {}",

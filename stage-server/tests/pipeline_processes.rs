@@ -669,3 +669,45 @@ fn sigterm_during_a_generation_lets_it_finish_and_the_stage_exits_zero() {
         "the drained stage should exit 0, got {status}"
     );
 }
+
+#[test]
+fn a_slow_link_changes_no_token_and_every_hop_costs_its_delay() {
+    let llama = tiny("shaped-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    let shaped = ["--link-delay", "20", "--link-rate", "100"];
+    let last = StageChild::start(&llama, "3..4", None, &[]);
+    let middle = StageChild::start(&llama, "1..3", Some(last.address), &shaped);
+    let options = GenerateOptions {
+        max_tokens: 10,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    let prompt = [1, 300, 301, 302];
+    let mut plain = Chain::connect(&file, 1, middle.address, ChainOptions::default()).unwrap();
+    let fast = plain
+        .generate(&prompt, SamplingParams::default(), &options, |_| {})
+        .unwrap();
+    let slow_options = ChainOptions {
+        shape: stage_server::serve::LinkShape {
+            delay: Duration::from_millis(20),
+            rate_bits_per_second: Some(100_000_000),
+        },
+        ..ChainOptions::default()
+    };
+    let mut slow = Chain::connect(&file, 1, middle.address, slow_options).unwrap();
+    let started = Instant::now();
+    let shaped_run = slow
+        .generate(&prompt, SamplingParams::default(), &options, |_| {})
+        .unwrap();
+    let took = started.elapsed();
+    assert_eq!(
+        shaped_run.tokens, fast.tokens,
+        "shaping must not change a token"
+    );
+    // Two shaped hops (stage 0 to 1, 1 to 2) of 20 ms each, for the prefill and each of the 9 decode steps.
+    let floor = Duration::from_millis(40 * 10);
+    assert!(
+        took >= floor,
+        "ten steps over two 20 ms hops took only {took:?}; the shaping is not applied"
+    );
+}

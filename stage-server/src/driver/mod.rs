@@ -20,6 +20,7 @@ use crate::model::{
     self, Finish, GenerateOptions, Generation, Logits, ModelError, ModelFile, PREFILL_CHUNK,
     SamplingParams, Stage, StageInput, StageOptions, StageOutput, StageSpec,
 };
+use crate::serve::LinkShape;
 use crate::wire::{
     Activations, ClusterKey, CodecPolicy, CodecSet, Decoder, ErrorCode, Frame, Hello,
     PROTOCOL_VERSION, Role, Side, WireError, WireLimits, check_adjacent, encode, fresh_nonce,
@@ -41,6 +42,9 @@ pub struct ChainOptions {
     pub reply_timeout: Duration,
     /// Alternatives (top log-probabilities) each token comes with, up to 20.
     pub top_logprobs: u8,
+    /// Delay and rate on the link to stage 1 (tests and benchmarks): stage 0 holds each frame back until
+    /// such a link would have delivered it.
+    pub shape: LinkShape,
 }
 
 impl Default for ChainOptions {
@@ -52,6 +56,7 @@ impl Default for ChainOptions {
             connect_timeout: Duration::from_secs(5),
             reply_timeout: Duration::from_secs(60),
             top_logprobs: 0,
+            shape: LinkShape::default(),
         }
     }
 }
@@ -114,6 +119,8 @@ pub struct Chain {
     /// The first downstream stage's hello.
     next: Hello,
     options: ChainOptions,
+    /// When the shaped link is free again.
+    link_free: Instant,
 }
 
 impl Chain {
@@ -182,6 +189,7 @@ impl Chain {
             unread_start: 0,
             next: ours.clone(),
             options,
+            link_free: Instant::now(),
         };
         chain.send(&Frame::Hello(ours.clone()))?;
         let theirs = match chain.receive()? {
@@ -400,6 +408,15 @@ impl Chain {
     fn send(&mut self, frame: &Frame) -> Result<(), DriverError> {
         let mut bytes = Vec::new();
         encode(frame, &mut bytes);
+        if self.options.shape.is_shaped() {
+            let now = Instant::now();
+            let (release, free) = self
+                .options
+                .shape
+                .schedule(now, self.link_free, bytes.len());
+            self.link_free = free;
+            std::thread::sleep(release.saturating_duration_since(now));
+        }
         self.link
             .write_all(&bytes)
             .map_err(|error| DriverError::Link {

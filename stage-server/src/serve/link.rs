@@ -25,6 +25,7 @@ use net_io_blocking::{
 };
 
 use super::compute::{COMPUTE_TOKEN, ComputeHandle, Mailbox, Outcome, Work};
+use super::shaping::{LinkShape, Shaper};
 use crate::wire::{
     Activations, ClusterKey, CodecPolicy, Decoder, ErrorCode, Frame, Hello, Role, Side,
     StageTiming, WireLimits, check_adjacent, encode, fresh_nonce, proof, verify,
@@ -51,6 +52,8 @@ pub(crate) struct StageShared {
     pub(crate) limits: WireLimits,
     pub(crate) codec: CodecPolicy,
     pub(crate) connect_timeout: Duration,
+    /// Shaping of the downstream links (tests and benchmarks).
+    pub(crate) shape: LinkShape,
 }
 
 /// The one session type of a stage's server: links it accepted and links it opened.
@@ -152,6 +155,8 @@ pub(crate) struct Downstream {
     ours: Hello,
     /// The next stage's hello checked out.
     serving: bool,
+    /// Holds frames back when the link is shaped (`--link-delay`, `--link-rate`).
+    shaper: Option<Shaper>,
 }
 
 impl Link {
@@ -385,6 +390,11 @@ impl Upstream {
                 ..ours
             },
             serving: false,
+            shaper: self
+                .shared
+                .shape
+                .is_shaped()
+                .then(|| Shaper::new(self.shared.shape)),
         };
         let options = ConnectOptions::new().connect_timeout(self.shared.connect_timeout);
         if let Err(error) = handle.connect(next, Link::Downstream(downstream), options) {
@@ -850,6 +860,20 @@ impl Downstream {
 
     fn take_queued(&mut self, context: &mut SessionContext<'_>) {
         let frames = std::mem::take(&mut self.pair.lock().to_downstream);
+        let frames: Vec<Vec<u8>> = match self.shaper.as_mut() {
+            None => frames.into(),
+            Some(shaper) => {
+                let now = std::time::Instant::now();
+                for bytes in frames {
+                    shaper.hold(now, bytes);
+                }
+                let due = shaper.due(now);
+                if let Some(completer) = context.completer() {
+                    shaper.arm(now, &completer);
+                }
+                due
+            }
+        };
         for bytes in frames {
             if context.output().push(&bytes).is_err() {
                 self.fail("the link to the next stage has too much queued output".into());

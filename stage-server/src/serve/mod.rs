@@ -17,6 +17,7 @@
 mod compute;
 mod gate;
 mod link;
+mod shaping;
 
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -33,6 +34,7 @@ use net_io_blocking::{
 use crate::model::{self, ModelError, ModelFile, Stage, StageOptions, StageSpec};
 use crate::wire::{ClusterKey, CodecPolicy, CodecSet, Hello, PROTOCOL_VERSION, Role, WireLimits};
 use link::{Link, StageShared};
+pub use shaping::LinkShape;
 
 /// How a stage process runs.
 #[derive(Clone, Debug)]
@@ -57,6 +59,8 @@ pub struct StageConfig {
     pub codec: CodecPolicy,
     /// How long the connect to the next stage may take.
     pub connect_timeout: Duration,
+    /// Delay and rate on the link to the next stage, applied in the process (for tests and benchmarks).
+    pub shape: LinkShape,
 }
 
 impl StageConfig {
@@ -74,6 +78,7 @@ impl StageConfig {
             allow_from: None,
             codec: CodecPolicy::F32,
             connect_timeout: Duration::from_secs(5),
+            shape: LinkShape::default(),
         }
     }
 }
@@ -173,7 +178,12 @@ impl StageProcess {
             limits: WireLimits::default(),
             codec: config.codec,
             connect_timeout: config.connect_timeout,
+            shape: config.shape,
         });
+        if config.shape.is_shaped() {
+            // The shaper's timers run on the task runtime (a second init changes nothing).
+            let _ = task_runtime::Runtime::init();
+        }
         let factory_shared = Arc::clone(&shared);
         let builder = ServerBuilder::new()
             .listen(config.bind)
