@@ -60,7 +60,7 @@ const GGUF_KEPT_STRING: u64 = 64 * 1024;
 
 /// The layer count of the GGUF model at `path`, for the three-way split: its `<architecture>.block_count`,
 /// read from the file's metadata at run time (a count written into this file went stale with a new model).
-fn block_count(path: &Path) -> Result<usize> {
+pub(crate) fn block_count(path: &Path) -> Result<usize> {
     let file =
         fs::File::open(path).with_context(|| format!("could not open {}", path.display()))?;
     let count = gguf_block_count(&mut std::io::BufReader::new(file))
@@ -447,7 +447,7 @@ fn run_ours(
 }
 
 /// 128 natural-text ids: the longest fixture stream for the model, repeated.
-fn prompt_ids(short_name: &str) -> Result<Vec<u64>> {
+pub(crate) fn prompt_ids(short_name: &str) -> Result<Vec<u64>> {
     let path = workspace_root().join(format!(
         "stage-server/tests/fixtures/llama_cpp/{short_name}.json"
     ));
@@ -595,7 +595,7 @@ fn load_verdict(before: &str, now: &str) -> String {
 }
 
 /// The CPU model and count, from lscpu.
-fn machine() -> String {
+pub(crate) fn machine() -> String {
     let text = command_output("lscpu", &[]);
     let field = |name: &str| {
         text.lines()
@@ -606,7 +606,7 @@ fn machine() -> String {
     format!("{} ({} CPUs)", field("Model name:"), field("CPU(s):"))
 }
 
-fn command_output(program: &str, arguments: &[&str]) -> String {
+pub(crate) fn command_output(program: &str, arguments: &[&str]) -> String {
     Command::new(program)
         .args(arguments)
         .output()
@@ -615,7 +615,7 @@ fn command_output(program: &str, arguments: &[&str]) -> String {
 }
 
 /// Cargo's target directory: `$CARGO_TARGET_DIR` or `<workspace>/target`.
-fn target_dir() -> PathBuf {
+pub(crate) fn target_dir() -> PathBuf {
     env::var_os("CARGO_TARGET_DIR")
         .filter(|value| !value.is_empty())
         .map(PathBuf::from)

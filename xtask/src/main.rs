@@ -9,6 +9,7 @@ use anyhow::{Context, Result, bail};
 mod bench_lifecycle;
 mod bench_model;
 mod bench_net;
+mod bench_pipeline;
 mod bench_runtime;
 mod figures;
 mod house;
@@ -27,6 +28,8 @@ tasks:
   bench net     echo, idle memory and churn: net-io-blocking beside std and tokio
   bench runtime spawn, join, sleep and memory: task-runtime beside tokio, rayon, std, crossbeam
   bench model   prompt and decode speed: stage-server beside llama.cpp
+  bench pipeline
+                decode and prefill of a model split across stage processes, beside it unsplit
   bench lifecycle
                 kill, close_door, drain and idle CPU of every net-io-blocking driver against net-io's targets
   fetch-models [smollm2] [gemma3]
@@ -63,7 +66,10 @@ fn run() -> Result<()> {
             Some("runtime") => bench_runtime::run(&arguments[2..]),
             Some("model") => bench_model::run(&arguments[2..]),
             Some("lifecycle") => bench_lifecycle::run(&arguments[2..]),
-            _ => bail!("`cargo xtask bench` takes one of: net, runtime, model, lifecycle"),
+            Some("pipeline") => bench_pipeline::run(&arguments[2..]),
+            _ => {
+                bail!("`cargo xtask bench` takes one of: net, runtime, model, lifecycle, pipeline")
+            }
         },
         "fetch-models" => models::fetch(&arguments[1..]),
         "llama-ref" => llama_ref::run(&arguments[1..]),
