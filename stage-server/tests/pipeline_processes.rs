@@ -711,3 +711,114 @@ fn a_slow_link_changes_no_token_and_every_hop_costs_its_delay() {
         "ten steps over two 20 ms hops took only {took:?}; the shaping is not applied"
     );
 }
+
+#[test]
+fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
+    use stage_server::wire::{
+        Activations, CodecSet, Hello, PROTOCOL_VERSION, Role, Sampling, encode,
+    };
+    let llama = tiny("ahead-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let stage = StageChild::start(&llama, "2..4", None, &[]);
+    let mut stream = TcpStream::connect(stage.address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        role: Role::StageLink,
+        fingerprint: stage_server::model::fingerprint(&llama).unwrap(),
+        stage_index: 0,
+        layer_start: 0,
+        layer_end: 2,
+        block_count: 4,
+        width: 64,
+        vocab_size: TinyModel::vocabulary().len() as u32,
+        lanes: 1,
+        codecs: CodecSet::all(),
+        nonce: [0; 16],
+        proof: None,
+    };
+    let mut bytes = Vec::new();
+    encode(&Frame::Hello(hello), &mut bytes);
+    let session = 7;
+    encode(
+        &Frame::Configure {
+            session,
+            sampling: Sampling::from(&SamplingParams::default()),
+            stop_tokens: Vec::new(),
+            logit_bias: Vec::new(),
+            top_logprobs: 0,
+            trace: None,
+        },
+        &mut bytes,
+    );
+    // Twenty one-row chunks in one write: more than the stage computes at once, fewer than it refuses.
+    let chunks = 20u32;
+    for position in 0..chunks {
+        let row: Vec<f32> = (0..64)
+            .map(|index| ((index + position) as f32 * 0.01).sin())
+            .collect();
+        encode(
+            &Frame::Prefill {
+                session,
+                position,
+                last: position + 1 == chunks,
+                rows: Activations::encode(&row, 64, CodecPolicy::F32),
+            },
+            &mut bytes,
+        );
+    }
+    stream.write_all(&bytes).unwrap();
+    let mut decoder = Decoder::new(WireLimits::default());
+    let mut frames = Vec::new();
+    let mut buffer = vec![0u8; 64 * 1024];
+    let mut pending: Vec<u8> = Vec::new();
+    while !frames
+        .iter()
+        .any(|frame| matches!(frame, Frame::Token { .. }))
+    {
+        let count = stream
+            .read(&mut buffer)
+            .expect("the stage should answer every chunk");
+        assert!(
+            count > 0,
+            "the stage closed the link after {} frames: {frames:?}",
+            frames.len()
+        );
+        pending.extend_from_slice(&buffer[..count]);
+        let mut offset = 0;
+        while offset < pending.len() {
+            let (taken, frame) = decoder.decode(&pending[offset..]).unwrap();
+            offset += taken;
+            match frame {
+                Some(frame) => frames.push(frame),
+                None => break,
+            }
+        }
+        pending.drain(..offset);
+    }
+    assert!(
+        matches!(frames[0], Frame::Hello(_)),
+        "first the hello: {:?}",
+        frames[0]
+    );
+    let acks: Vec<u32> = frames
+        .iter()
+        .filter_map(|frame| match frame {
+            Frame::Ack { position, .. } => Some(*position),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        acks,
+        (1..chunks).collect::<Vec<_>>(),
+        "one acknowledgement per non-final chunk, in order"
+    );
+    let Some(Frame::Token { position, .. }) = frames.last() else {
+        panic!("the last answer should be the token: {frames:?}");
+    };
+    assert_eq!(
+        *position, chunks,
+        "the token goes to the position after the prompt"
+    );
+}

@@ -36,6 +36,9 @@ const RELAY_TOKEN: u64 = 2;
 /// Compute jobs one upstream link may have in flight before it stops taking frames off its socket (the
 /// stage before it then sees TCP back-pressure).
 const JOBS_IN_FLIGHT_MAX: usize = 8;
+/// Frames an upstream link may have read ahead of its answers before it is refused: a stage 0 that keeps to
+/// its reply credits never comes near, and the memory a link holds stays bounded.
+const QUEUED_FRAMES_MAX: usize = 64;
 /// How long a link may sit idle between generations.
 const LINK_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
 
@@ -143,6 +146,8 @@ pub(crate) struct Upstream {
     sessions: HashSet<u64>,
     /// Compute jobs submitted and not yet answered.
     in_flight: usize,
+    /// Frames read and not yet acted on (while `in_flight` is at its limit).
+    queued: VecDeque<Frame>,
 }
 
 /// A link this stage opened to the next one.
@@ -170,6 +175,7 @@ impl Link {
             pair: None,
             sessions: HashSet::new(),
             in_flight: 0,
+            queued: VecDeque::new(),
         })
     }
 }
@@ -239,29 +245,29 @@ impl Upstream {
     }
 
     fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
-        loop {
-            if matches!(self.state, UpstreamState::Closing) {
-                input.consume_all();
-                return Step::Write;
-            }
-            // Back-pressure: with enough work queued, leave the rest in the socket.
-            if self.in_flight >= JOBS_IN_FLIGHT_MAX || input.is_empty() {
-                break;
-            }
+        // Every byte is taken (a frame cut by a read boundary waits in the decoder), so nothing is left in the
+        // driver's buffer that no later read would bring back to this hook; whole frames wait in `queued`.
+        while !input.is_empty() && !matches!(self.state, UpstreamState::Closing) {
             match self.decoder.decode(input.bytes()) {
                 Ok((taken, frame)) => {
                     input.consume(taken);
-                    let Some(frame) = frame else {
-                        break;
-                    };
-                    self.on_frame(frame, context);
+                    if let Some(frame) = frame {
+                        self.queued.push_back(frame);
+                    }
                 }
                 Err(error) => {
-                    input.consume_all();
                     self.refuse(context, 0, error.code(), error.to_string());
                 }
             }
         }
+        input.consume_all();
+        if self.queued.len() > QUEUED_FRAMES_MAX {
+            let message = format!(
+                "more than {QUEUED_FRAMES_MAX} frames arrived ahead of this stage's answers; keep to the reply credits"
+            );
+            self.refuse(context, 0, ErrorCode::Credits, message);
+        }
+        self.run_queued(context);
         self.mark_busy(context);
         if context.output().is_empty() {
             Step::Listen
@@ -285,6 +291,16 @@ impl Upstream {
                 state.active = active;
                 Pair::wake(state.downstream.as_ref());
             }
+        }
+    }
+
+    /// Acts on queued frames while the compute thread has room for more of this link's work.
+    fn run_queued(&mut self, context: &mut SessionContext<'_>) {
+        while self.in_flight < JOBS_IN_FLIGHT_MAX && !matches!(self.state, UpstreamState::Closing) {
+            let Some(frame) = self.queued.pop_front() else {
+                break;
+            };
+            self.on_frame(frame, context);
         }
     }
 
@@ -555,6 +571,7 @@ impl Upstream {
             self.take_outcomes(context);
             self.take_relayed(context);
         }
+        self.run_queued(context);
         self.mark_busy(context);
         if matches!(self.state, UpstreamState::Closing) || !context.output().is_empty() {
             Step::Write
