@@ -524,26 +524,29 @@ fn a_huge_count_in_a_short_frame_is_refused_as_truncated_not_allocated() {
 
 #[test]
 fn an_activation_byte_count_that_does_not_match_the_shape_is_refused() {
-    let mut bytes = encode_to_vec(&Frame::Decode {
+    let frame = encode_to_vec(&Frame::Decode {
         session: 1,
         position: 0,
         rows: Activations::encode(&[1.0, 2.0], 2, CodecPolicy::F32),
     });
     // Layout: 5 header bytes, session 8, position 4, rows 4, width 4, codec 1, then the byte count.
     let count_at = 5 + 8 + 4 + 4 + 4 + 1;
-    bytes[count_at..count_at + 4].copy_from_slice(&4u32.to_le_bytes());
-    let (_, error) = decode_in_pieces(&bytes, &[], WireLimits::default());
-    assert_eq!(
-        error,
-        Some(WireError::RowsMismatch {
-            rows: 1,
-            width: 2,
-            codec: Codec::F32,
-            expected: 8,
-            bytes: 4
-        }),
-        "a byte count that disagrees with rows x width was accepted"
-    );
+    for declared in [4u32, 12] {
+        let mut bytes = frame.clone();
+        bytes[count_at..count_at + 4].copy_from_slice(&declared.to_le_bytes());
+        let (_, error) = decode_in_pieces(&bytes, &[], WireLimits::default());
+        assert_eq!(
+            error,
+            Some(WireError::RowsMismatch {
+                rows: 1,
+                width: 2,
+                codec: Codec::F32,
+                expected: 8,
+                bytes: declared
+            }),
+            "a byte count of {declared} for 1 x 2 f32 values was accepted"
+        );
+    }
 }
 
 #[test]

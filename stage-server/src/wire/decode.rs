@@ -740,9 +740,17 @@ mod tests {
             },
             "a 4 GiB length was not refused at once"
         );
+    }
+
+    #[test]
+    fn after_an_error_the_decoder_reads_no_further_frame() {
+        let mut decoder = Decoder::new(WireLimits::default());
+        let error = decoder.decode(&[1, 0, 0, 0, 99]).unwrap_err();
+        assert_eq!(error, WireError::UnknownKind(99), "kind 99 was not refused");
+        // The stream's frame boundaries are lost, so even a valid frame after the error must not be read.
         assert_eq!(
-            decoder.decode(&[0]).unwrap_err(),
-            error,
+            decoder.decode(&encode_to_vec(&prefill())),
+            Err(error),
             "the decoder forgot its error and read on"
         );
     }
