@@ -670,6 +670,30 @@ mod tests {
     }
 
     #[test]
+    fn link_frames_name_no_session_and_session_frames_name_theirs() {
+        assert_eq!(
+            Frame::Proof { proof: [0; 32] }.session(),
+            None,
+            "a proof names a session"
+        );
+        assert_eq!(
+            Frame::error(0, ErrorCode::Auth, "no").session(),
+            None,
+            "an error for the whole link names session 0"
+        );
+        assert_eq!(
+            Frame::error(9, ErrorCode::SessionBusy, "busy").session(),
+            Some(9),
+            "an error for session 9 lost its session"
+        );
+        assert_eq!(
+            Frame::Stop { session: 4 }.session(),
+            Some(4),
+            "a stop lost its session"
+        );
+    }
+
+    #[test]
     fn the_length_prefix_counts_the_kind_byte_and_the_body() {
         let bytes = encode_to_vec(&Frame::Stop { session: 7 });
         assert_eq!(
