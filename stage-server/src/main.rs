@@ -14,7 +14,7 @@ use stage_server::driver::{Chain, ChainOptions};
 use stage_server::model::{
     self, GenerateOptions, ModelFile, Pipeline, Sampler, SamplingParams, StageOptions,
 };
-use stage_server::serve::{LinkShape, StageConfig, StageProcess};
+use stage_server::serve::{LinkShape, StageConfig, StageProcess, Topology};
 use stage_server::tokenizer::StreamDecoder;
 use stage_server::wire::{ClusterKey, CodecPolicy};
 
@@ -106,6 +106,9 @@ struct GenerateArgs {
     /// The first stage process of the chain (with `--layers 0..K`).
     #[arg(long, requires = "layers")]
     next: Option<SocketAddr>,
+    /// A topology file listing every stage: stage 0's layers and the first stage's address come from it.
+    #[arg(long, conflicts_with_all = ["layers", "next", "split"])]
+    topology: Option<PathBuf>,
     /// How activations go down the chain: f32, f16, bf16 or auto-lossless.
     #[arg(long, value_parser = parse_codec, default_value = "f32")]
     codec: CodecPolicy,
@@ -129,8 +132,12 @@ struct ServeArgs {
     #[arg(long)]
     model: Option<PathBuf>,
     /// The layers this stage serves, `A..B` (A > 0: layers from 0 belong to stage 0).
-    #[arg(long, value_parser = parse_layers)]
-    layers: Range<usize>,
+    #[arg(long, value_parser = parse_layers, required_unless_present = "topology")]
+    layers: Option<Range<usize>>,
+    /// A topology file listing every stage (address and layers); with `--stage I` it sets this stage's
+    /// layers, its bind address and the next stage.
+    #[arg(long, requires = "stage", conflicts_with_all = ["layers", "next"])]
+    topology: Option<PathBuf>,
     /// Where to listen for the stage before this one.
     #[arg(long, default_value = "127.0.0.1:0")]
     bind: SocketAddr,
@@ -340,7 +347,18 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         }
         text.push_str(&piece);
     };
-    let generation = match (&args.layers, args.next) {
+    let (chain_layers, chain_next) = match &args.topology {
+        Some(file) => {
+            let topology = Topology::load(file)?;
+            let name = file.display().to_string();
+            (
+                Some(topology.stage(0, &name)?.layers.clone()),
+                topology.next_of(0),
+            )
+        }
+        None => (args.layers.clone(), args.next),
+    };
+    let generation = match (&chain_layers, chain_next) {
         (Some(layers), Some(next)) => {
             if args.logits_out.is_some() {
                 bail!(
@@ -436,8 +454,22 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Installed before the stage starts, so a signal that comes while it loads is not lost.
     let terminate = SignalWatch::install(libc::SIGTERM).context("watching SIGTERM")?;
     let interrupt = SignalWatch::install(libc::SIGINT).context("watching SIGINT")?;
-    let mut config = StageConfig::new(path.clone(), args.layers.clone(), args.bind);
-    config.next = args.next;
+    let (layers, bind, next) = match &args.topology {
+        Some(file) => {
+            let topology = Topology::load(file)?;
+            let index = usize::from(args.stage.unwrap_or(0));
+            let name = file.display().to_string();
+            let stage = topology.stage(index, &name)?;
+            (stage.layers.clone(), stage.address, topology.next_of(index))
+        }
+        None => (
+            args.layers.clone().context("--layers or --topology")?,
+            args.bind,
+            args.next,
+        ),
+    };
+    let mut config = StageConfig::new(path.clone(), layers.clone(), bind);
+    config.next = next;
     config.lanes = args.lanes;
     config.context_length = args.context_length;
     config.cluster_key = load_key(&args.cluster_key)?;
@@ -447,8 +479,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let stage = StageProcess::start(config).with_context(|| {
         format!(
             "starting the stage for layers {}..{} of {}",
-            args.layers.start,
-            args.layers.end,
+            layers.start,
+            layers.end,
             path.display()
         )
     })?;
@@ -457,8 +489,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .map_or_else(|| "stage".to_owned(), |index| format!("stage {index}"));
     println!(
         "{name} serving layers {}..{} on {} (width {})",
-        args.layers.start,
-        args.layers.end,
+        layers.start,
+        layers.end,
         stage.local_addr(),
         stage.hello().width
     );

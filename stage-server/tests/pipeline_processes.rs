@@ -822,3 +822,54 @@ fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
         "the token goes to the position after the prompt"
     );
 }
+
+#[test]
+fn one_topology_file_starts_every_stage_and_drives_the_chain() {
+    let llama = tiny("topology-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let free = || {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap()
+    };
+    let (one, two) = (free(), free());
+    let topology = scratch_dir("topology").join("chain.json");
+    std::fs::write(
+        &topology,
+        format!(
+            r#"{{"stages": [{{"address": "127.0.0.1:0", "layers": "0..1"}},
+                {{"address": "{one}", "layers": "1..3"}},
+                {{"address": "{two}", "layers": "3..4"}}]}}"#
+        ),
+    )
+    .unwrap();
+    let file = topology.to_str().unwrap();
+    // The last stage first: stage 1 connects to it when stage 0's link arrives.
+    let mut stages = Vec::new();
+    for index in ["2", "1"] {
+        let mut command = Command::new(BINARY);
+        command
+            .args(["serve", "--model"])
+            .arg(&llama)
+            .args(["--topology", file, "--stage", index, "--threads", "1"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        let mut child = command.spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(
+            line.starts_with(&format!("stage {index} serving layers")),
+            "{line:?}"
+        );
+        stages.push(StageChild {
+            child: Some(child),
+            address: one,
+            stderr: channel().1,
+        });
+    }
+    let prompt = ["--prompt-ids", "1,300,301", "--max-tokens", "5"];
+    let unsplit = generate(&llama, &prompt);
+    let mut args = prompt.to_vec();
+    args.extend(["--topology", file]);
+    assert_eq!(tokens_of(&generate(&llama, &args)), tokens_of(&unsplit));
+}

@@ -18,6 +18,7 @@ mod compute;
 mod gate;
 mod link;
 mod shaping;
+mod topology;
 
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -35,6 +36,7 @@ use crate::model::{self, ModelError, ModelFile, Stage, StageOptions, StageSpec};
 use crate::wire::{ClusterKey, CodecPolicy, CodecSet, Hello, PROTOCOL_VERSION, Role, WireLimits};
 use link::{Link, StageShared};
 pub use shaping::LinkShape;
+pub use topology::{Topology, TopologyError, TopologyStage};
 
 /// How a stage process runs.
 #[derive(Clone, Debug)]
