@@ -125,7 +125,11 @@ impl Session for Endpoint {
 /// A server of [`Endpoint`]s on this binary's session driver, with `workers` workers (the worker-thread
 /// driver needs one per connection, both ends of a loopback exchange included).
 fn endpoint_server(workers: usize, recorder: &Recorder) -> Server {
-    test_builder(workers, Limits::new(), recorder)
+    // Every accepted end comes from 127.0.0.1: the per-source cap (16 by default) must not refuse the
+    // server's own connects, whose closing ends still count for a moment on a loaded machine. As many per
+    // source as there are workers is as many as the worker-thread driver can serve at all.
+    let limits = Limits::new().max_per_source(workers);
+    test_builder(workers, limits, recorder)
         .sessions(|_: &ConnectionInfo| Some(Endpoint::echo()))
         .allow_all()
         .build()
