@@ -276,7 +276,8 @@ fn small_limits() -> WireLimits {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    // Each case is microseconds (the crate builds at opt-level 2), so many cases cost little.
+    #![proptest_config(ProptestConfig::with_cases(2048))]
 
     #[test]
     fn every_frame_decodes_to_itself_and_encodes_back_to_the_same_bytes(frame in frame()) {
