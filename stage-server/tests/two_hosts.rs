@@ -153,7 +153,7 @@ fn a_stage_on_another_host_serves_stage_zero_across_a_veth_pair() {
         .output()
         .is_ok_and(|output| output.stdout.starts_with(b"0"));
     if !root {
-        eprintln!("skipping: creating network namespaces (ip netns) needs root; CI runs as root");
+        eprintln!("not run: creating network namespaces (ip netns) needs root; CI runs as root");
         return;
     }
     let (hosts, addresses) = match Hosts::create() {
@@ -163,7 +163,7 @@ fn a_stage_on_another_host_serves_stage_zero_across_a_veth_pair() {
             if std::env::var_os("CI").is_some() {
                 panic!("CI runs as root but could not make the test hosts: {error}");
             }
-            eprintln!("skipping: could not make the test hosts: {error}");
+            eprintln!("not run: could not make the test hosts: {error}");
             return;
         }
     };
