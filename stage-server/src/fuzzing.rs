@@ -167,6 +167,7 @@ pub const WIRE_FUZZ_LIMITS: WireLimits = WireLimits {
     max_width: 64,
     max_top_logprobs: 4,
     max_stop_tokens: 8,
+    max_history: 8,
     max_logit_bias: 8,
     max_message_bytes: 64,
     max_timings: 8,

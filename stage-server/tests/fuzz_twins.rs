@@ -67,6 +67,7 @@ fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
                 sampling: Sampling::from(&stage_server::model::SamplingParams::default()),
                 stop_tokens: vec![2, 3],
                 logit_bias: vec![(5, -1.0)],
+                history: vec![11, 12, 13],
                 top_logprobs: 2,
                 trace: Some([1; 25]),
             },

@@ -747,6 +747,7 @@ fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
             sampling: Sampling::from(&SamplingParams::default()),
             stop_tokens: Vec::new(),
             logit_bias: Vec::new(),
+            history: Vec::new(),
             top_logprobs: 0,
             trace: None,
         },
@@ -872,4 +873,42 @@ fn one_topology_file_starts_every_stage_and_drives_the_chain() {
     let mut args = prompt.to_vec();
     args.extend(["--topology", file]);
     assert_eq!(tokens_of(&generate(&llama, &args)), tokens_of(&unsplit));
+}
+
+#[test]
+fn penalties_look_back_on_the_prompt_over_processes_as_they_do_unsplit() {
+    let llama = tiny("penalties-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let penalties = [
+        "--repeat-penalty",
+        "4",
+        "--presence-penalty",
+        "4",
+        "--frequency-penalty",
+        "2",
+    ];
+    // The tiny model goes on with token 194 after this prompt, which already holds it. Before any token is
+    // generated only the prompt can be what the penalties look back on, so a last stage that never saw the
+    // prompt would pick 194 again where the unsplit sampler turns away from it.
+    let prompt = "1,300,28,266,160,194";
+    let first = |extra: &[&str]| {
+        let mut args = vec!["--prompt-ids", prompt, "--max-tokens", "1"];
+        args.extend_from_slice(extra);
+        tokens_of(&generate(&llama, &args))
+    };
+    assert_ne!(
+        first(&penalties),
+        first(&[]),
+        "the penalties should change this prompt's first token, or the test shows nothing"
+    );
+    let mut args = vec!["--prompt-ids", prompt, "--max-tokens", "8"];
+    args.extend_from_slice(&penalties);
+    let unsplit = generate(&llama, &args);
+    let (_stages, next) = chain_of(&llama, 4, &[2], &[]);
+    let next = next.to_string();
+    args.extend(["--layers", "0..2", "--next", &next]);
+    assert_eq!(
+        tokens_of(&generate(&llama, &args)),
+        tokens_of(&unsplit),
+        "the last stage's penalties should see the prompt, as the unsplit sampler does"
+    );
 }

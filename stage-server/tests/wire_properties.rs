@@ -135,16 +135,18 @@ fn frame() -> impl Strategy<Value = Frame> {
             sampling(),
             vec(any::<u32>(), 0..=limits.max_stop_tokens as usize),
             vec((any::<u32>(), any_f32()), 0..40),
+            vec(any::<u32>(), 0..80),
             0..=limits.max_top_logprobs,
             proptest::option::of(any::<[u8; 25]>()),
         )
             .prop_map(
-                |(session, sampling, stop_tokens, logit_bias, top_logprobs, trace)| {
+                |(session, sampling, stop_tokens, logit_bias, history, top_logprobs, trace)| {
                     Frame::Configure {
                         session,
                         sampling,
                         stop_tokens,
                         logit_bias,
+                        history,
                         top_logprobs,
                         trace,
                     }
@@ -269,6 +271,7 @@ fn small_limits() -> WireLimits {
         max_width: 16,
         max_top_logprobs: 4,
         max_stop_tokens: 4,
+        max_history: 4,
         max_logit_bias: 4,
         max_message_bytes: 32,
         max_timings: 4,
@@ -408,6 +411,7 @@ fn a_count_over_its_limit_is_refused_with_the_field_named() {
                 sampling: Sampling::from(&stage_server::model::SamplingParams::default()),
                 stop_tokens: vec![1; 65],
                 logit_bias: Vec::new(),
+                history: Vec::new(),
                 top_logprobs: 0,
                 trace: None,
             },
@@ -420,6 +424,7 @@ fn a_count_over_its_limit_is_refused_with_the_field_named() {
                 sampling: Sampling::from(&stage_server::model::SamplingParams::default()),
                 stop_tokens: Vec::new(),
                 logit_bias: vec![(1, 0.5); 1025],
+                history: Vec::new(),
                 top_logprobs: 0,
                 trace: None,
             },
@@ -432,6 +437,7 @@ fn a_count_over_its_limit_is_refused_with_the_field_named() {
                 sampling: Sampling::from(&stage_server::model::SamplingParams::default()),
                 stop_tokens: Vec::new(),
                 logit_bias: Vec::new(),
+                history: Vec::new(),
                 top_logprobs: 21,
                 trace: None,
             },

@@ -59,6 +59,7 @@ fn examples() -> Vec<Frame> {
             },
             stop_tokens: vec![2, 49152],
             logit_bias: vec![(7, -1.5)],
+            history: vec![9, 10],
             top_logprobs: 3,
             trace: Some(std::array::from_fn(|index| index as u8)),
         },

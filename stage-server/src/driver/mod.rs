@@ -274,6 +274,8 @@ impl Chain {
             sampling: (&sampling).into(),
             stop_tokens: options.stop_tokens.clone(),
             logit_bias: Vec::new(),
+            // The penalties at the last stage look back on the prompt's tail, as they do unsplit.
+            history: prompt[prompt.len().saturating_sub(sampling.penalty_last_n)..].to_vec(),
             top_logprobs: self.options.top_logprobs,
             trace: None,
         })?;

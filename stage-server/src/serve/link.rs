@@ -461,6 +461,7 @@ impl Upstream {
                 session,
                 sampling,
                 logit_bias,
+                history,
                 top_logprobs,
                 ..
             } => {
@@ -472,7 +473,7 @@ impl Upstream {
                 Work::Open {
                     session: *session,
                     sampling: (*sampling).into(),
-                    history: Vec::new(),
+                    history: history.clone(),
                     logit_bias: logit_bias.clone(),
                     top_logprobs: *top_logprobs,
                 }

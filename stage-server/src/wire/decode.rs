@@ -612,6 +612,17 @@ fn parse_configure(reader: &mut Reader<'_>, limits: &WireLimits) -> Result<Frame
     for _ in 0..count {
         stop_tokens.push(reader.u32("stop tokens")?);
     }
+    let count = reader.u32("history count")?;
+    let count = reader.count(
+        u64::from(count),
+        u64::from(limits.max_history),
+        4,
+        "history tokens",
+    )?;
+    let mut history = Vec::with_capacity(count);
+    for _ in 0..count {
+        history.push(reader.u32("history tokens")?);
+    }
     let count = reader.u32("logit-bias count")?;
     let count = reader.count(
         u64::from(count),
@@ -632,6 +643,7 @@ fn parse_configure(reader: &mut Reader<'_>, limits: &WireLimits) -> Result<Frame
         sampling,
         stop_tokens,
         logit_bias,
+        history,
         top_logprobs,
         trace,
     })
@@ -762,6 +774,7 @@ mod tests {
             sampling: Sampling::from(&crate::model::SamplingParams::default()),
             stop_tokens: vec![7; 65],
             logit_bias: Vec::new(),
+            history: Vec::new(),
             top_logprobs: 0,
             trace: None,
         });

@@ -90,7 +90,8 @@ pub enum ErrorCode {
 ///  3     Configure    session u64, sampling (temperature f32, top_k u32, top_p f32, min_p f32, seed u64,
 ///                     repeat_penalty f32, presence_penalty f32, frequency_penalty f32, penalty_last_n u32),
 ///                     top_logprobs u8, trace [25]?, stop_count u32, stop_count x token u32,
-///                     bias_count u32, bias_count x (token u32, bias f32)
+///                     history_count u32, history_count x token u32, bias_count u32,
+///                     bias_count x (token u32, bias f32)
 ///  4     Prefill      session u64, position u32, last bool, activations
 ///  5     Decode       session u64, position u32, activations
 ///  6     Trim         session u64, length u32
@@ -127,6 +128,9 @@ pub enum Frame {
         stop_tokens: Vec<u32>,
         /// Added to the logits of these tokens before sampling.
         logit_bias: Vec<(u32, f32)>,
+        /// The tokens the penalties look back on before the first generated one: the prompt's last
+        /// `penalty_last_n` (the last stage never sees token ids otherwise).
+        history: Vec<u32>,
         /// How many top alternatives each `Token` carries.
         top_logprobs: u8,
         /// W3C trace context: trace-id (16 bytes), span-id (8), flags (1).
@@ -442,6 +446,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             sampling,
             stop_tokens,
             logit_bias,
+            history,
             top_logprobs,
             trace,
         } => {
@@ -462,6 +467,11 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             for token in stop_tokens {
                 writer.u32(*token);
             }
+            writer.count_u32(history.len(), "history tokens");
+            for token in history {
+                writer.u32(*token);
+            }
+            // The last list: once its count is read, the decoder knows where the frame ends.
             writer.count_u32(logit_bias.len(), "logit-bias entries");
             for (token, bias) in logit_bias {
                 writer.u32(*token);

@@ -95,6 +95,8 @@ pub struct WireLimits {
     pub max_top_logprobs: u8,
     /// Most stop tokens in a `Configure`.
     pub max_stop_tokens: u32,
+    /// Most tokens a `Configure` hands the penalties as history.
+    pub max_history: u32,
     /// Most logit-bias entries in a `Configure`.
     pub max_logit_bias: u32,
     /// Longest `Error` message in bytes.
@@ -111,6 +113,7 @@ impl Default for WireLimits {
             max_width: 65536,
             max_top_logprobs: 20,
             max_stop_tokens: 64,
+            max_history: 65536,
             max_logit_bias: 1024,
             max_message_bytes: 4096,
             max_timings: 256,
