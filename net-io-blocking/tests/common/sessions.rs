@@ -1,6 +1,10 @@
-//! Sessions the tests share beside the echo: one that closes gracefully with its input left unread.
+//! Sessions the tests share beside the echo: one that closes gracefully with its input left unread, and one
+//! that parks on request and answers each completion.
 
-use net_io_blocking::{Input, Session, SessionContext, Step};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use net_io_blocking::{Completer, Input, Session, SessionContext, Step};
 
 /// How much [`CloseWhenFull`] holds before it closes; a client that sends more makes the close linger.
 pub const READ_BEFORE_CLOSE: usize = 16 * 1024;
@@ -16,5 +20,40 @@ impl Session for CloseWhenFull {
             return Step::Close;
         }
         Step::Read
+    }
+}
+
+/// Echoes, except that a line `park` parks the session and hands its completer to the test.
+pub struct ParkOrEcho {
+    /// Where each parked session's completer goes.
+    pub completers: Arc<Mutex<Vec<Completer>>>,
+}
+
+impl Session for ParkOrEcho {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        if input.bytes() == b"park\n" {
+            input.consume_all();
+            let Some(completer) = context.completer() else {
+                return Step::Abort;
+            };
+            self.completers
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push(completer);
+            return Step::Park {
+                until: context.now() + Duration::from_secs(60),
+            };
+        }
+        let taken = context.output().push_partial(input.bytes());
+        input.consume(taken);
+        Step::Write
+    }
+
+    fn on_wake(&mut self, _token: u64, value: u64, context: &mut SessionContext<'_>) -> Step {
+        let line = format!("woke {value}\n");
+        if context.output().push(line.as_bytes()).is_err() {
+            return Step::Abort;
+        }
+        Step::Write
     }
 }
