@@ -359,13 +359,16 @@ fn write_report(rounds: usize, load_before: &str, tables: &str) -> Result<()> {
     Ok(())
 }
 
-/// Runs our CLI once; returns prompt tokens/s, decode tokens/s and the peak resident set in KiB.
-fn run_ours(
+/// `stage-server generate --model M --prompt-ids P --max-tokens N --threads T --json`, with the thread count
+/// already in the environment, so the CLI does not re-run itself to apply `--threads` and the measured process
+/// is the one doing the work.
+pub(crate) fn generate_command(
     binary: &Path,
     model: &Path,
     prompt: &[u64],
-    split: Option<&str>,
-) -> Result<(f64, f64, u64)> {
+    max_tokens: usize,
+    threads: &str,
+) -> Command {
     let ids: Vec<String> = prompt.iter().map(u64::to_string).collect();
     let mut command = Command::new(binary);
     command
@@ -376,17 +379,25 @@ fn run_ours(
         .arg(ids.join(","))
         .args([
             "--max-tokens",
-            &(DECODE_TOKENS + 1).to_string(),
+            &max_tokens.to_string(),
             "--threads",
-            THREADS,
+            threads,
             "--json",
         ])
-        // Already set, so the CLI does not re-run itself to apply --threads and the measured process is the
-        // one doing the work.
-        .env("CANDLE_NUM_THREADS", THREADS)
-        .env("RAYON_NUM_THREADS", THREADS)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+        .env("CANDLE_NUM_THREADS", threads)
+        .env("RAYON_NUM_THREADS", threads);
+    command
+}
+
+/// Runs our CLI once; returns prompt tokens/s, decode tokens/s and the peak resident set in KiB.
+fn run_ours(
+    binary: &Path,
+    model: &Path,
+    prompt: &[u64],
+    split: Option<&str>,
+) -> Result<(f64, f64, u64)> {
+    let mut command = generate_command(binary, model, prompt, DECODE_TOKENS + 1, THREADS);
+    command.stdout(Stdio::piped()).stderr(Stdio::piped());
     if let Some(split) = split {
         command.args(["--split", split]);
     }

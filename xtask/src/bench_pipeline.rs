@@ -22,7 +22,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 
-use crate::bench_model::{block_count, command_output, machine, prompt_ids, target_dir};
+use crate::bench_model::{
+    block_count, command_output, generate_command, machine, prompt_ids, target_dir,
+};
 use crate::figures::{load_average, median};
 use crate::models::{self, MODELS};
 use crate::{cargo, workspace_root};
@@ -162,23 +164,7 @@ fn run_layout(
     blocks: usize,
     layout: Layout,
 ) -> Result<(f64, f64)> {
-    let ids: Vec<String> = prompt.iter().map(u64::to_string).collect();
-    let mut command = Command::new(binary);
-    command
-        .arg("generate")
-        .arg("--model")
-        .arg(model)
-        .arg("--prompt-ids")
-        .arg(ids.join(","))
-        .args([
-            "--max-tokens",
-            &(DECODE_TOKENS + 1).to_string(),
-            "--threads",
-            THREADS,
-            "--json",
-        ])
-        .env("CANDLE_NUM_THREADS", THREADS)
-        .env("RAYON_NUM_THREADS", THREADS);
+    let mut command = generate_command(binary, model, prompt, DECODE_TOKENS + 1, THREADS);
     let mut stages = Vec::new();
     if let Layout::Processes { count, delay_ms } = layout {
         let boundaries: Vec<usize> = (1..count).map(|part| part * blocks / count).collect();
