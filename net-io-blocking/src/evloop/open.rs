@@ -39,12 +39,16 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         self.serving = Some((index, entry.generation));
         self.turn_clock.set(None);
         entry.shared.lane.store(info.lane.0, Ordering::Release);
-        entry.owner.occupy(info.id.get(), socket);
+        {
+            // The slot is occupied and listed by id under the one lock a killer's lookup takes: a kill that
+            // saw the occupant (through `connections`) finds the slot by id. (Listed after the lock, a kill
+            // landing between the two found no loop holding the id: it returned false and did nothing.)
+            let mut ids = self.core.loops[self.index].ids();
+            entry.owner.occupy(info.id.get(), socket);
+            ids.insert(info.id.get(), Arc::clone(&entry.shared));
+        }
         entry.receiver.bind(info.id);
         entry.output.reset(limits.output_budget);
-        self.core.loops[self.index]
-            .ids()
-            .insert(info.id.get(), Arc::clone(&entry.shared));
         let completer = entry.receiver.completer(info.id, entry.waker.clone());
         entry.conn = Some(Conn {
             info,
