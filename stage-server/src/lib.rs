@@ -5,10 +5,12 @@
 // The README example runs as a doctest, so the crate's front page cannot drift from its API.
 #![cfg_attr(doctest, doc = include_str!("../README.md"))]
 
+pub mod api;
 pub mod chat;
 pub mod driver;
 pub mod fuzzing;
 pub mod gguf_check;
+pub mod http;
 pub mod kernels;
 pub mod model;
 pub mod serve;
