@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod chat;
+pub mod client;
 pub mod driver;
 pub mod fuzzing;
 pub mod gguf_check;
