@@ -20,6 +20,7 @@ pub mod inherit;
 pub mod inotify;
 pub mod kill;
 pub mod pidfd;
+pub mod process;
 pub mod rlimit;
 pub mod shim;
 pub mod signal;
