@@ -1,4 +1,4 @@
-//! The `stage-server` command line: `generate` runs a model (optionally split into in-process stages), `inspect` describes a GGUF file.
+//! The `stage-server` command line: `run` (the pipeline with its API), `serve` (one stage), `generate`, `chat`, `inspect`.
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -11,6 +11,8 @@ use net_io_blocking::TrustedProxies;
 use net_io_sys::signal::SignalWatch;
 use stage_server::chat::{ChatMessage, ChatTemplate};
 use stage_server::driver::{Chain, ChainOptions};
+use stage_server::frontend::ApiConfig;
+use stage_server::launch::{LocalPipeline, PipelineOptions};
 use stage_server::model::{
     self, GenerateOptions, ModelFile, Pipeline, Sampler, SamplingParams, StageOptions,
 };
@@ -28,6 +30,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run a local pipeline: N stage processes on loopback and the OpenAI-compatible API on stage 0.
+    Run(RunArgs),
+    /// Chat with a running API in the terminal (streams the reply; /reset, /quit; Ctrl-C stops a reply).
+    Chat(ChatArgs),
     /// Generate text from a prompt, optionally split into in-process stages, or as stage 0 of a chain of
     /// stage processes (`--layers 0..K --next ADDR`).
     Generate(GenerateArgs),
@@ -38,6 +44,68 @@ enum Command {
         /// The GGUF file.
         file: PathBuf,
     },
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    /// Stage processes, this one (stage 0, with the API) included; the layers are split evenly.
+    #[arg(long, default_value_t = 3)]
+    stages: usize,
+    /// The GGUF model (default: SmolLM2, fetched into the model directory on first use).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Where the API listens.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    http: SocketAddr,
+    /// Generations at a time (each stage keeps a KV cache lane for each).
+    #[arg(long, default_value_t = 4)]
+    lanes: usize,
+    /// Requests that may wait for a lane (default: twice the lanes); more get 429.
+    #[arg(long)]
+    queue: Option<usize>,
+    /// Seconds a request may wait for a lane before it gets 429.
+    #[arg(long, default_value_t = 30.0)]
+    queue_timeout: f64,
+    /// Compute threads per stage process.
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Context tokens per lane (default: the model's).
+    #[arg(long)]
+    context_length: Option<usize>,
+    /// The model id the API serves (default: the file's stem).
+    #[arg(long)]
+    model_id: Option<String>,
+    /// A bearer key every /v1 route requires.
+    #[arg(long, conflicts_with = "api_key_file")]
+    api_key: Option<String>,
+    /// A file holding the bearer key (its first line).
+    #[arg(long)]
+    api_key_file: Option<PathBuf>,
+    /// How activations cross the stage links.
+    #[arg(long, value_parser = parse_codec, default_value = "f32")]
+    codec: CodecPolicy,
+    /// Seconds Ctrl-C lets running generations finish.
+    #[arg(long, default_value_t = 30)]
+    drain_timeout: u64,
+}
+
+#[derive(Debug, Args)]
+struct ChatArgs {
+    /// The API's address.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// The bearer key, if the API wants one.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// A system message that opens the conversation.
+    #[arg(long)]
+    system: Option<String>,
+    /// Tokens per reply at most.
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Sampling temperature.
+    #[arg(long)]
+    temperature: Option<f32>,
 }
 
 #[derive(Debug, Args)]
@@ -234,6 +302,8 @@ fn load_key(path: &Option<PathBuf>) -> anyhow::Result<Option<ClusterKey>> {
 fn main() {
     let cli = Cli::parse();
     let threads = match &cli.command {
+        Command::Run(args) => args.threads,
+        Command::Chat(_) => None,
         Command::Generate(args) => args.threads,
         Command::Serve(args) => args.threads,
         Command::Inspect { .. } => None,
@@ -244,6 +314,8 @@ fn main() {
         std::process::exit(code);
     }
     let result = match cli.command {
+        Command::Run(args) => run(args),
+        Command::Chat(args) => chat(args),
         Command::Generate(args) => generate(args),
         Command::Serve(args) => serve(args),
         Command::Inspect { file } => inspect(&file),
@@ -510,6 +582,133 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         report.graceful, report.killed
     );
     Ok(())
+}
+
+/// Runs the local pipeline until Ctrl-C (or SIGTERM), or until a stage process dies.
+fn run(args: RunArgs) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    let terminate = SignalWatch::install(libc::SIGTERM).context("watching SIGTERM")?;
+    let interrupt = SignalWatch::install(libc::SIGINT).context("watching SIGINT")?;
+    let path = match &args.model {
+        Some(path) => path.clone(),
+        None => model::find_model(model::SMOLLM2_FILE).map_err(anyhow::Error::msg)?,
+    };
+    let api_key = match (&args.api_key, &args.api_key_file) {
+        (Some(key), _) => Some(key.clone()),
+        (None, Some(file)) => Some(
+            std::fs::read_to_string(file)
+                .with_context(|| format!("reading the API key from {}", file.display()))?
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_owned(),
+        ),
+        (None, None) => None,
+    };
+    if api_key.as_deref() == Some("") {
+        bail!("the API key is empty");
+    }
+    if !(args.queue_timeout > 0.0 && args.queue_timeout.is_finite()) {
+        bail!(
+            "--queue-timeout must be a positive number of seconds, not {}",
+            args.queue_timeout
+        );
+    }
+    let mut api = ApiConfig::new(args.http);
+    api.lanes = args.lanes.max(1);
+    api.queue = args.queue;
+    api.queue_timeout = std::time::Duration::from_secs_f64(args.queue_timeout);
+    api.context_length = args.context_length;
+    api.model_id = args.model_id.clone();
+    api.api_key = api_key.clone();
+    let options = PipelineOptions {
+        model: path.clone(),
+        stages: args.stages,
+        api,
+        threads: args.threads,
+        codec: args.codec,
+        executable: std::env::current_exe().context("finding this program to run the stages")?,
+        load_timeout: std::time::Duration::from_secs(300),
+    };
+    eprintln!(
+        "stage-server: starting {} stages of {}",
+        args.stages,
+        path.display()
+    );
+    let mut pipeline = LocalPipeline::start(options)?;
+    let address = pipeline.api().local_addr();
+    let ready = pipeline
+        .api()
+        .wait_ready(std::time::Duration::from_secs(300));
+    if let Err(error) = ready {
+        let _ = pipeline.shutdown(std::time::Instant::now());
+        bail!("the pipeline did not become ready: {error}");
+    }
+    let ranges: Vec<String> = pipeline
+        .layers()
+        .iter()
+        .map(|range| format!("{}..{}", range.start, range.end))
+        .collect();
+    let auth = api_key.as_ref().map_or(String::new(), |_| {
+        " -H \"Authorization: Bearer $KEY\"".to_owned()
+    });
+    println!(
+        "stage-server: serving {} on http://{address}/v1 ({} stages: layers {}; {} lanes)",
+        pipeline.api().model_id(),
+        ranges.len(),
+        ranges.join(", "),
+        args.lanes.max(1)
+    );
+    println!(
+        "  curl http://{address}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'"
+    );
+    println!("  stage-server chat --url http://{address}");
+    println!("  Ctrl-C stops every stage.");
+    let _ = std::io::stdout().flush();
+    let mut failure = None;
+    loop {
+        let _ = net_io_sys::wait::wait_readable(
+            net_io_sys::signal::wake_descriptor()?,
+            Some(std::time::Duration::from_millis(250)),
+        );
+        let _ = net_io_sys::signal::drain_wake();
+        if terminate.take_count() + interrupt.take_count() > 0 {
+            eprintln!("stage-server: draining (at most {} s)", args.drain_timeout);
+            break;
+        }
+        if let Some(ended) = pipeline.ended_stage() {
+            eprintln!("stage-server: {ended}; stopping the others");
+            failure = Some(ended);
+            break;
+        }
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(args.drain_timeout);
+    let report = pipeline.shutdown(deadline);
+    eprintln!(
+        "stage-server: stopped ({} connections closed gracefully, {} cut at the deadline)",
+        report.graceful, report.killed
+    );
+    match failure {
+        Some(ended) => bail!("{ended}"),
+        None => Ok(()),
+    }
+}
+
+/// The terminal chat client.
+fn chat(args: ChatArgs) -> anyhow::Result<()> {
+    stage_server::client::run_chat(stage_server::client::ChatOptions {
+        url: args.url,
+        api_key: args.api_key,
+        system: args.system,
+        max_tokens: args.max_tokens,
+        temperature: args.temperature,
+    })
 }
 
 /// Tokens per second; 0 when nothing was timed.

@@ -12,6 +12,8 @@
 //! generation always ends with a `Stop` down the chain, so no lane is left taken.
 
 use std::net::SocketAddr;
+use std::ops::ControlFlow;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use net_io_blocking::{Limits, NetError, TcpConnection};
@@ -106,10 +108,39 @@ pub struct Predicted {
     pub top: Vec<(u32, f32)>,
 }
 
+/// Stage 0's layers and the lane of them one chain link uses: several links (one per API lane) share one
+/// loaded stage, each on its own lane of its KV cache.
+#[derive(Clone, Debug)]
+pub struct StageShare {
+    /// The layers from 0, loaded once.
+    pub stage: Arc<Mutex<Stage>>,
+    /// The lane of `stage` this link's generations use.
+    pub lane: usize,
+}
+
+impl StageShare {
+    fn lock(&self) -> MutexGuard<'_, Stage> {
+        // A panic inside a forward pass leaves the lane's cache suspect, not the others': each generation
+        // resets its own lane before it starts.
+        self.stage
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// What a generation asks of the last stage's sampler beyond its parameters.
+#[derive(Clone, Debug, Default)]
+pub struct SamplerExtras {
+    /// Added to the logits of these tokens before sampling.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Alternatives (top log-probabilities) each token comes with, up to 20.
+    pub top_logprobs: u8,
+}
+
 /// Stage 0 with a link to the rest of a running chain.
 #[derive(Debug)]
 pub struct Chain {
-    stage: Stage,
+    stage: StageShare,
     link: TcpConnection<'static>,
     address: SocketAddr,
     decoder: Decoder,
@@ -132,25 +163,27 @@ impl Chain {
         next: SocketAddr,
         options: ChainOptions,
     ) -> Result<Chain, DriverError> {
-        let block_count = file.config().block_count;
-        if layers_end == 0 || layers_end >= block_count {
-            return Err(DriverError::Layers(format!(
-                "stage 0 must keep some layers and leave some to the chain: 0..{layers_end} is not inside 0..{block_count}"
-            )));
-        }
-        let spec = StageSpec {
-            layers: 0..layers_end,
-            first: true,
-            last: false,
+        let stage = load_first_stage(file, layers_end, 1, None)?;
+        let share = StageShare {
+            stage: Arc::new(Mutex::new(stage)),
+            lane: 0,
         };
-        let stage = Stage::from_file(
-            file,
-            spec,
-            StageOptions {
-                lane_count: 1,
-                context_length: None,
-            },
-        )?;
+        Chain::connect_lane(file, share, next, options)
+    }
+
+    /// Opens a link to the first stage at `next` for lane `share.lane` of an already loaded stage 0 (see
+    /// [`load_first_stage`]); the chain must serve the layers after stage 0's.
+    pub fn connect_lane(
+        file: &ModelFile,
+        share: StageShare,
+        next: SocketAddr,
+        options: ChainOptions,
+    ) -> Result<Chain, DriverError> {
+        let block_count = file.config().block_count;
+        let (layers_end, width) = {
+            let stage = share.lock();
+            (stage.spec().layers.end, stage.width())
+        };
         let ours = Hello {
             version: PROTOCOL_VERSION,
             role: Role::StageLink,
@@ -159,7 +192,7 @@ impl Chain {
             layer_start: 0,
             layer_end: layers_end as u32,
             block_count: block_count as u32,
-            width: stage.width() as u32,
+            width: width as u32,
             vocab_size: file.config().vocab_size as u32,
             lanes: 1,
             codecs: CodecSet::all(),
@@ -181,7 +214,7 @@ impl Chain {
             error,
         })?;
         let mut chain = Chain {
-            stage,
+            stage: share,
             link,
             address: next,
             decoder: Decoder::new(WireLimits::default()),
@@ -238,11 +271,32 @@ impl Chain {
         options: &GenerateOptions,
         mut on_token: impl FnMut(&Predicted),
     ) -> Result<Generation, DriverError> {
+        let extras = SamplerExtras {
+            logit_bias: Vec::new(),
+            top_logprobs: self.options.top_logprobs,
+        };
+        self.generate_with(prompt, sampling, &extras, options, |predicted| {
+            on_token(predicted);
+            ControlFlow::Continue(())
+        })
+    }
+
+    /// [`Chain::generate`] with a logit bias and log-probabilities, where `on_token` may end the generation
+    /// early (a stop string matched, the client went away): `Break` stops it at once and frees the session's
+    /// lanes down the chain, and the generation so far is returned with `Finish::Stop`.
+    pub fn generate_with(
+        &mut self,
+        prompt: &[u32],
+        sampling: SamplingParams,
+        extras: &SamplerExtras,
+        options: &GenerateOptions,
+        mut on_token: impl FnMut(&Predicted) -> ControlFlow<()>,
+    ) -> Result<Generation, DriverError> {
         if prompt.is_empty() {
             return Err(ModelError::EmptyChunk.into());
         }
         let session = new_session_id();
-        let result = self.run(session, prompt, sampling, options, &mut on_token);
+        let result = self.run(session, prompt, sampling, extras, options, &mut on_token);
         // Always free the session's lanes down the chain, however the generation ended.
         let stopped = self.send(&Frame::Stop { session });
         let generation = result?;
@@ -255,8 +309,9 @@ impl Chain {
         session: u64,
         prompt: &[u32],
         sampling: SamplingParams,
+        extras: &SamplerExtras,
         options: &GenerateOptions,
-        on_token: &mut impl FnMut(&Predicted),
+        on_token: &mut impl FnMut(&Predicted) -> ControlFlow<()>,
     ) -> Result<Generation, DriverError> {
         let mut generation = Generation {
             tokens: Vec::new(),
@@ -268,15 +323,15 @@ impl Chain {
         if options.max_tokens == 0 {
             return Ok(generation);
         }
-        self.stage.reset(0)?;
+        self.stage.lock().reset(self.stage.lane)?;
         self.send(&Frame::Configure {
             session,
             sampling: (&sampling).into(),
             stop_tokens: options.stop_tokens.clone(),
-            logit_bias: Vec::new(),
+            logit_bias: extras.logit_bias.clone(),
             // The penalties at the last stage look back on the prompt's tail, as they do unsplit.
             history: prompt[prompt.len().saturating_sub(sampling.penalty_last_n)..].to_vec(),
-            top_logprobs: self.options.top_logprobs,
+            top_logprobs: extras.top_logprobs.min(20),
             trace: None,
         })?;
         let started = Instant::now();
@@ -310,7 +365,10 @@ impl Chain {
                 break;
             }
             generation.tokens.push(predicted.token);
-            on_token(&predicted);
+            if on_token(&predicted).is_break() {
+                generation.finish = Finish::Stop;
+                break;
+            }
             if generation.tokens.len() >= options.max_tokens {
                 break;
             }
@@ -329,10 +387,15 @@ impl Chain {
 
     /// Runs stage 0's layers over `input` at `position` and encodes the rows for the chain.
     fn rows(&mut self, position: usize, input: StageInput<'_>) -> Result<Activations, DriverError> {
-        match self.stage.forward(0, position, input, Logits::Last)? {
+        let (output, width) = {
+            let mut stage = self.stage.lock();
+            let output = stage.forward(self.stage.lane, position, input, Logits::Last)?;
+            (output, stage.width())
+        };
+        match output {
             StageOutput::Activations(values) => Ok(Activations::encode(
                 &values,
-                self.stage.width() as u32,
+                width as u32,
                 self.options.codec,
             )),
             StageOutput::Logits(_) => Err(DriverError::Protocol(
@@ -458,6 +521,35 @@ impl Chain {
             self.unread.extend_from_slice(&scratch[..count]);
         }
     }
+}
+
+/// Loads stage 0's layers `0..layers_end` of `file` with `lanes` lanes (each of `context_length` tokens, by
+/// default the model's), checking that they leave some layers to the chain.
+pub fn load_first_stage(
+    file: &ModelFile,
+    layers_end: usize,
+    lanes: usize,
+    context_length: Option<usize>,
+) -> Result<Stage, DriverError> {
+    let block_count = file.config().block_count;
+    if layers_end == 0 || layers_end >= block_count {
+        return Err(DriverError::Layers(format!(
+            "stage 0 must keep some layers and leave some to the chain: 0..{layers_end} is not inside 0..{block_count}"
+        )));
+    }
+    let spec = StageSpec {
+        layers: 0..layers_end,
+        first: true,
+        last: false,
+    };
+    Ok(Stage::from_file(
+        file,
+        spec,
+        StageOptions {
+            lane_count: lanes.max(1),
+            context_length,
+        },
+    )?)
 }
 
 /// A session id no other stage 0 uses at the same time: random, so that stage 0 processes on different hosts

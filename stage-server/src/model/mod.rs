@@ -24,7 +24,7 @@ pub use pipeline::{
     Finish, GenerateOptions, Generation, PREFILL_CHUNK, Pipeline, decode_activations,
     encode_activations,
 };
-pub use sampling::{Sampler, SamplingParams};
+pub use sampling::{Sampler, SamplingParams, log_probabilities};
 pub use stage::{
     Logits, SplitError, Stage, StageInput, StageOptions, StageOutput, StageSpec, TRIM_SLACK,
 };

@@ -18,7 +18,9 @@ use std::time::Instant;
 
 use net_io_blocking::Completer;
 
-use crate::model::{Logits, ModelError, Sampler, SamplingParams, Stage, StageInput, StageOutput};
+use crate::model::{
+    Logits, ModelError, Sampler, SamplingParams, Stage, StageInput, StageOutput, log_probabilities,
+};
 use crate::wire::ErrorCode;
 
 /// The completion token with which the compute thread wakes a link session.
@@ -338,42 +340,6 @@ impl Owner {
             },
         }
     }
-}
-
-/// The log-probability of `token` under `logits` and the `count` most likely tokens with theirs (computed in
-/// f64 from the raw logits, before sampling's penalties and cuts, as llama-server reports them).
-fn log_probabilities(logits: &[f32], token: u32, count: u8) -> (f32, Vec<(u32, f32)>) {
-    let maximum = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let total: f64 = logits
-        .iter()
-        .map(|&logit| f64::from(logit - maximum).exp())
-        .sum();
-    let log_total = total.ln();
-    let logprob = |logit: f32| (f64::from(logit - maximum) - log_total) as f32;
-    let chosen = logits
-        .get(token as usize)
-        .map_or(f32::NEG_INFINITY, |&logit| logprob(logit));
-    let mut top = Vec::new();
-    if count > 0 {
-        let mut order: Vec<u32> = (0..logits.len() as u32).collect();
-        let count = usize::from(count).min(order.len());
-        order.select_nth_unstable_by(count.saturating_sub(1), |&a, &b| {
-            logits[b as usize]
-                .total_cmp(&logits[a as usize])
-                .then(a.cmp(&b))
-        });
-        order.truncate(count);
-        order.sort_by(|&a, &b| {
-            logits[b as usize]
-                .total_cmp(&logits[a as usize])
-                .then(a.cmp(&b))
-        });
-        top = order
-            .into_iter()
-            .map(|id| (id, logprob(logits[id as usize])))
-            .collect();
-    }
-    (chosen, top)
 }
 
 fn unknown(session: u64) -> Outcome {

@@ -1,0 +1,456 @@
+//! Admission and the lanes: a bounded queue of generation jobs, one worker thread per lane, and the events a
+//! job streams back to the HTTP session that waits for it.
+//!
+//! ```text
+//!   HTTP session (loop thread) ──submit──▶ queue (≤ --queue) ──▶ lane worker (one per lane) ──▶ LaneRunner
+//!        ▲                                                              │
+//!        └──── Completer::post (only when the job's event list was empty) ◀── JobEvent::{Started, Delta, …}
+//! ```
+//!
+//! A generation never runs on a loop thread: the session submits a [`Job`] and listens; the worker pushes
+//! events onto the job and wakes the session through its completion ring. A job whose session went away is
+//! cancelled: a queued one leaves the queue at once, a running one stops at its next token (and its chain
+//! session is stopped down the pipeline), so its lane is free within one decode step.
+
+use std::collections::VecDeque;
+use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use net_io_blocking::Completer;
+
+use super::metrics::Metrics;
+use super::runner::LaneRunner;
+use crate::api::{ApiError, FinishReason, StopMatcher, TokenLogprob, TopLogprob, Usage};
+use crate::driver::{Predicted, SamplerExtras};
+use crate::model::{Finish, GenerateOptions, SamplingParams};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+
+/// The completion token that tells a session its job has new events.
+pub(crate) const EVENTS_TOKEN: u64 = 1;
+
+/// What a generation asks for, decided by the session from the request before it is queued.
+#[derive(Debug)]
+pub(crate) struct JobSpec {
+    /// The prompt's tokens (the chat template already applied).
+    pub prompt: Vec<u32>,
+    /// The sampler's parameters, the seed filled in.
+    pub sampling: SamplingParams,
+    /// The logit bias and alternatives.
+    pub extras: SamplerExtras,
+    /// Tokens to generate at most.
+    pub max_tokens: usize,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Whether to report log-probabilities.
+    pub logprobs: bool,
+}
+
+/// What a job tells its session.
+#[derive(Debug)]
+pub(crate) enum JobEvent {
+    /// A lane took the job: from here on the reply is a success (streaming may send its headers).
+    Started,
+    /// Text that can be shown (held back from any stop string), with the tokens it completes.
+    Delta {
+        /// The text.
+        text: String,
+        /// Log-probabilities of the tokens whose text is now complete, when asked for.
+        logprobs: Vec<TokenLogprob>,
+    },
+    /// The generation ended.
+    Finished {
+        /// Why.
+        finish: FinishReason,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// The generation failed; if it had started, text sent so far stands.
+    Failed(ApiError),
+}
+
+/// One generation, shared by its session and the lane that runs it.
+#[derive(Debug)]
+pub(crate) struct Job {
+    spec: Mutex<Option<JobSpec>>,
+    events: Mutex<Vec<JobEvent>>,
+    cancelled: AtomicBool,
+    completer: Completer,
+    enqueued: Instant,
+}
+
+impl Job {
+    /// A job for `spec` that wakes its session through `completer`.
+    pub(crate) fn new(spec: JobSpec, completer: Completer) -> Arc<Job> {
+        Arc::new(Job {
+            spec: Mutex::new(Some(spec)),
+            events: Mutex::new(Vec::new()),
+            cancelled: AtomicBool::new(false),
+            completer,
+            enqueued: Instant::now(),
+        })
+    }
+
+    /// Takes the events pushed since the last call.
+    pub(crate) fn take_events(&self) -> Vec<JobEvent> {
+        std::mem::take(&mut *lock(&self.events))
+    }
+
+    /// Marks the job cancelled: a lane that runs it stops at its next token.
+    pub(crate) fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Release);
+    }
+
+    fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Acquire)
+    }
+
+    /// Pushes `event` and wakes the session if nothing was waiting for it already (one wake drains all).
+    fn push(&self, event: JobEvent) {
+        let was_empty = {
+            let mut events = lock(&self.events);
+            let was_empty = events.is_empty();
+            events.push(event);
+            was_empty
+        };
+        if was_empty {
+            let _ = self.completer.post(EVENTS_TOKEN, 0);
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Makes a lane's runner, on the lane's own thread.
+pub(crate) type RunnerFactory = Box<dyn FnOnce() -> Result<LaneRunner, String> + Send>;
+
+/// What the lanes need to know of the model to turn tokens into text.
+#[derive(Debug)]
+pub(crate) struct TextModel {
+    /// The model's tokenizer.
+    pub tokenizer: Tokenizer,
+    /// Tokens that end a generation (EOS, end of turn).
+    pub stop_tokens: Vec<u32>,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    waiting: VecDeque<Arc<Job>>,
+    stopping: bool,
+}
+
+#[derive(Debug)]
+struct Shared {
+    queue: Mutex<Queue>,
+    ready: Condvar,
+    busy: AtomicUsize,
+    lanes: usize,
+    queue_limit: usize,
+    text: Arc<TextModel>,
+    metrics: Arc<Metrics>,
+}
+
+/// The lanes and their queue.
+#[derive(Debug)]
+pub(crate) struct Engine {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl Engine {
+    /// Starts one worker per factory, each making its runner on its own thread (a chain link's connection
+    /// stays on the thread that opened it); at most `queue_limit` jobs wait behind busy lanes. Returns once
+    /// every runner is made, or with the first failure.
+    pub(crate) fn start(
+        factories: Vec<RunnerFactory>,
+        queue_limit: usize,
+        text: Arc<TextModel>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Engine, String> {
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue::default()),
+            ready: Condvar::new(),
+            busy: AtomicUsize::new(0),
+            lanes: factories.len(),
+            queue_limit,
+            text,
+            metrics,
+        });
+        let (made, outcomes) = std::sync::mpsc::channel::<Result<(), String>>();
+        let mut engine = Engine {
+            shared,
+            workers: Vec::new(),
+        };
+        let count = factories.len();
+        for (index, factory) in factories.into_iter().enumerate() {
+            let worker_shared = Arc::clone(&engine.shared);
+            let made = made.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("lane-{index}"))
+                .spawn(move || match factory() {
+                    Ok(runner) => {
+                        let _ = made.send(Ok(()));
+                        work(&worker_shared, runner);
+                    }
+                    Err(error) => {
+                        let _ = made.send(Err(error));
+                    }
+                });
+            match spawned {
+                Ok(handle) => engine.workers.push(handle),
+                Err(error) => return Err(format!("lane {index}'s thread did not start: {error}")),
+            }
+        }
+        drop(made);
+        for _ in 0..count {
+            match outcomes.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => return Err(error),
+                Err(_) => return Err("a lane thread ended before it was ready".into()),
+            }
+        }
+        Ok(engine)
+    }
+
+    /// Queues `job`, or refuses it with 429 when every lane is busy and the queue is full (503 once stopping).
+    pub(crate) fn submit(&self, job: &Arc<Job>) -> Result<(), ApiError> {
+        let mut queue = lock(&self.shared.queue);
+        if queue.stopping {
+            return Err(ApiError::unavailable("the server is shutting down"));
+        }
+        let idle = self
+            .shared
+            .lanes
+            .saturating_sub(self.shared.busy.load(Ordering::Acquire));
+        if queue.waiting.len() >= self.shared.queue_limit + idle {
+            return Err(ApiError::overloaded(format!(
+                "all {} lanes are busy and {} requests are queued; retry shortly",
+                self.shared.lanes,
+                queue.waiting.len()
+            )));
+        }
+        queue.waiting.push_back(Arc::clone(job));
+        self.shared.metrics.set_queue_depth(queue.waiting.len());
+        drop(queue);
+        self.shared.ready.notify_one();
+        Ok(())
+    }
+
+    /// Takes `job` out of the queue if it is still there (its session went away, or waited too long).
+    pub(crate) fn withdraw(&self, job: &Arc<Job>) -> bool {
+        let mut queue = lock(&self.shared.queue);
+        let before = queue.waiting.len();
+        queue.waiting.retain(|waiting| !Arc::ptr_eq(waiting, job));
+        self.shared.metrics.set_queue_depth(queue.waiting.len());
+        queue.waiting.len() != before
+    }
+
+    /// The number of lanes.
+    pub(crate) fn lanes(&self) -> usize {
+        self.shared.lanes
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let waiting = {
+            let mut queue = lock(&self.shared.queue);
+            queue.stopping = true;
+            std::mem::take(&mut queue.waiting)
+        };
+        for job in waiting {
+            job.push(JobEvent::Failed(ApiError::unavailable(
+                "the server is shutting down",
+            )));
+        }
+        self.shared.ready.notify_all();
+        for worker in self.workers.drain(..) {
+            let _ = worker.join();
+        }
+    }
+}
+
+fn work(shared: &Shared, mut runner: LaneRunner) {
+    loop {
+        let job = {
+            let mut queue = lock(&shared.queue);
+            loop {
+                if queue.stopping {
+                    return;
+                }
+                if let Some(job) = queue.waiting.pop_front() {
+                    shared.metrics.set_queue_depth(queue.waiting.len());
+                    if job.is_cancelled() {
+                        continue;
+                    }
+                    shared.busy.fetch_add(1, Ordering::AcqRel);
+                    break job;
+                }
+                queue = shared
+                    .ready
+                    .wait(queue)
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+            }
+        };
+        shared
+            .metrics
+            .set_lanes_busy(shared.busy.load(Ordering::Acquire));
+        let spec = lock(&job.spec).take();
+        if let Some(spec) = spec {
+            shared
+                .metrics
+                .observe_queue_wait(job.enqueued.elapsed().as_secs_f64());
+            run(shared, &mut runner, &job, spec);
+        }
+        shared.busy.fetch_sub(1, Ordering::AcqRel);
+        shared
+            .metrics
+            .set_lanes_busy(shared.busy.load(Ordering::Acquire));
+    }
+}
+
+/// Runs one job on a lane, streaming its text through the stop matcher.
+fn run(shared: &Shared, runner: &mut LaneRunner, job: &Job, spec: JobSpec) {
+    job.push(JobEvent::Started);
+    let tokenizer = &shared.text.tokenizer;
+    let options = GenerateOptions {
+        max_tokens: spec.max_tokens,
+        stop_tokens: shared.text.stop_tokens.clone(),
+        keep_logits: false,
+    };
+    let mut decoder = StreamDecoder::new(tokenizer);
+    let mut matcher = StopMatcher::new(&spec.stop);
+    // Log-probabilities wait with their text: a token's entry goes out once none of its text is held back.
+    // Each waits with the offset its text starts at; a stop string drops those wholly inside it.
+    let mut held: Vec<(TokenLogprob, usize)> = Vec::new();
+    let (mut text_in, mut text_out) = (0usize, 0usize);
+    let mut stopped_by_string = false;
+    let mut generated = 0usize;
+    let started = Instant::now();
+    let mut last_token: Option<Instant> = None;
+    let metrics = &shared.metrics;
+    let result = runner.generate(
+        &spec.prompt,
+        spec.sampling.clone(),
+        &spec.extras,
+        &options,
+        |predicted: &Predicted| {
+            let now = Instant::now();
+            match last_token {
+                None => metrics.observe_first_token(now.duration_since(started).as_secs_f64()),
+                Some(previous) => {
+                    metrics.observe_inter_token(now.duration_since(previous).as_secs_f64())
+                }
+            }
+            last_token = Some(now);
+            generated += 1;
+            if job.is_cancelled() {
+                return ControlFlow::Break(());
+            }
+            let piece = decoder.push(predicted.token);
+            if spec.logprobs {
+                held.push((token_logprob(tokenizer, predicted), text_in));
+            }
+            text_in += piece.len();
+            let release = matcher.push(&piece);
+            text_out += release.text.len();
+            let logprobs = if release.stopped {
+                take_shown(&mut held, text_out)
+            } else if text_in == text_out {
+                take_shown(&mut held, usize::MAX)
+            } else {
+                Vec::new()
+            };
+            if !release.text.is_empty() || !logprobs.is_empty() {
+                job.push(JobEvent::Delta {
+                    text: release.text,
+                    logprobs,
+                });
+            }
+            if release.stopped {
+                stopped_by_string = true;
+                return ControlFlow::Break(());
+            }
+            ControlFlow::Continue(())
+        },
+    );
+    metrics.add_tokens(spec.prompt.len(), generated);
+    match result {
+        Ok(generation) => {
+            if !stopped_by_string {
+                let release = matcher.push(&decoder.finish());
+                let mut text = release.text;
+                if release.stopped {
+                    stopped_by_string = true;
+                } else {
+                    text.push_str(&matcher.finish());
+                }
+                text_out += text.len();
+                let logprobs = take_shown(&mut held, text_out);
+                if !text.is_empty() || !logprobs.is_empty() {
+                    job.push(JobEvent::Delta { text, logprobs });
+                }
+            }
+            let finish = if stopped_by_string || generation.finish == Finish::Stop {
+                FinishReason::Stop
+            } else {
+                FinishReason::Length
+            };
+            job.push(JobEvent::Finished {
+                finish,
+                usage: Usage {
+                    prompt_tokens: spec.prompt.len(),
+                    completion_tokens: generation.tokens.len(),
+                    cached_tokens: 0,
+                },
+            });
+        }
+        Err(message) => {
+            job.push(JobEvent::Failed(ApiError::server_error(format!(
+                "the generation failed: {message}"
+            ))));
+        }
+    }
+}
+
+/// The held entries whose text starts before `shown` bytes of output (the rest fell inside a stop string).
+fn take_shown(held: &mut Vec<(TokenLogprob, usize)>, shown: usize) -> Vec<TokenLogprob> {
+    held.drain(..)
+        .filter(|(_, start)| *start < shown)
+        .map(|(entry, _)| entry)
+        .collect()
+}
+
+/// A token's log-probability entry, with its alternatives, as the API reports them.
+fn token_logprob(tokenizer: &Tokenizer, predicted: &Predicted) -> TokenLogprob {
+    let entry = |token: u32, logprob: f32| {
+        let bytes = tokenizer.token_bytes(token).to_vec();
+        TopLogprob {
+            token: String::from_utf8_lossy(&bytes).into_owned(),
+            bytes,
+            logprob,
+        }
+    };
+    let chosen = entry(predicted.token, predicted.logprob);
+    TokenLogprob {
+        token: chosen.token,
+        bytes: chosen.bytes,
+        logprob: chosen.logprob,
+        top: predicted
+            .top
+            .iter()
+            .map(|&(token, logprob)| entry(token, logprob))
+            .collect(),
+    }
+}
+
+/// How long a job may wait in the queue before it is refused, if it is still there.
+pub(crate) fn queue_wait_left(job: &Job, timeout: Duration) -> Duration {
+    timeout.saturating_sub(job.enqueued.elapsed())
+}

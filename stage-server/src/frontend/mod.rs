@@ -1,0 +1,287 @@
+//! Stage 0's OpenAI-compatible API: an HTTP/1.1 listener on net-io-blocking's event loops in front of the
+//! lanes that run generations, over the whole model in this process or over a chain of stage processes.
+//!
+//! ```text
+//!   clients ──HTTP──▶ event loop: HttpSession (parse, route, admit) ──job──▶ lane workers ──▶ LaneRunner
+//!                          ▲                                                     │ (whole model, or
+//!                          └────────────── completion ring (events) ◀────────────┘  stage 0 + chain link)
+//! ```
+//!
+//! The listener starts before the model loads, so `/health` answers 503 ("Loading model") until every lane
+//! is ready (for a chain, until every lane's link to stage 1 passed its hello), then 200.
+
+mod engine;
+mod metrics;
+mod routes;
+mod runner;
+mod session;
+mod state;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use net_io_blocking::{DrainReport, Limits, NetError, Server, ServerBuilder, SessionDriver};
+
+use crate::chat::ChatTemplate;
+use crate::driver::{Chain, ChainOptions, StageShare, load_first_stage};
+use crate::model::{self, ModelError, ModelFile, Stage, StageOptions, StageSpec};
+use crate::tokenizer::Tokenizer;
+use engine::{Engine, RunnerFactory, TextModel};
+use metrics::Metrics;
+use runner::LaneRunner;
+pub use state::ApiConfig;
+use state::{ApiState, Ready};
+
+/// What the API's lanes generate with.
+#[derive(Clone, Debug)]
+pub enum Backend {
+    /// The whole model in this process.
+    Whole,
+    /// Layers `0..layers_end` here and the rest in a chain of stage processes whose first is at `next`.
+    Chain {
+        /// Where stage 0's layers end.
+        layers_end: usize,
+        /// The first downstream stage.
+        next: SocketAddr,
+        /// How the links are driven.
+        options: ChainOptions,
+    },
+}
+
+/// Why the API could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ApiStartError {
+    /// The model file could not be read.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The listener could not start (an address in use).
+    #[error("the API's listener did not start")]
+    Server(#[from] NetError),
+    /// The loading thread could not start.
+    #[error("the loading thread did not start")]
+    Thread(#[source] std::io::Error),
+}
+
+/// A running API.
+#[derive(Debug)]
+pub struct ApiServer {
+    server: Server,
+    state: Arc<ApiState>,
+    loader: Option<JoinHandle<()>>,
+}
+
+impl ApiServer {
+    /// Starts listening on `config.http` at once and loads `model` for `backend` in the background.
+    pub fn start(
+        model: &Path,
+        backend: Backend,
+        config: ApiConfig,
+    ) -> Result<ApiServer, ApiStartError> {
+        // Queue deadlines run as tasks (a second init changes nothing).
+        let _ = task_runtime::Runtime::init();
+        let fingerprint = model::fingerprint(model)?;
+        let model_id = config.model_id.clone().unwrap_or_else(|| {
+            model.file_stem().map_or_else(
+                || "model".to_owned(),
+                |stem| stem.to_string_lossy().into_owned(),
+            )
+        });
+        let state = Arc::new(ApiState {
+            fingerprint: format!(
+                "stage-server-{}-{}",
+                env!("CARGO_PKG_VERSION"),
+                fingerprint[..4]
+                    .iter()
+                    .map(|byte| format!("{byte:02x}"))
+                    .collect::<String>()
+            ),
+            model_id,
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |elapsed| elapsed.as_secs()),
+            metrics: Arc::new(Metrics::default()),
+            ready: OnceLock::new(),
+            load_error: Mutex::new(None),
+            config,
+        });
+        let server = ServerBuilder::new()
+            .listen(state.config.http)
+            .session_driver(SessionDriver::EventLoop { loops: 1 })
+            .limits(http_limits())
+            .sessions(session::factory(Arc::clone(&state)))
+            .allow_all()
+            .build()?;
+        let loader_state = Arc::clone(&state);
+        let path = model.to_path_buf();
+        let loader = std::thread::Builder::new()
+            .name("api-loader".into())
+            .spawn(move || match load(&path, backend, &loader_state) {
+                Ok(ready) => {
+                    let _ = loader_state.ready.set(ready);
+                }
+                Err(error) => {
+                    *loader_state
+                        .load_error
+                        .lock()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(error);
+                }
+            })
+            .map_err(ApiStartError::Thread)?;
+        Ok(ApiServer {
+            server,
+            state,
+            loader: Some(loader),
+        })
+    }
+
+    /// Where the API listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.server.local_addr()
+    }
+
+    /// The model id requests name.
+    pub fn model_id(&self) -> &str {
+        &self.state.model_id
+    }
+
+    /// Waits until the model is loaded (`Ok`), loading failed (the reason), or `timeout` passed.
+    pub fn wait_ready(&self, timeout: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.state.ready.get().is_some() {
+                return Ok(());
+            }
+            if let Some(error) = &*self
+                .state
+                .load_error
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+            {
+                return Err(error.clone());
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("the model did not load within {timeout:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Drains (idle connections close at once, running generations get until `deadline`) and stops.
+    pub fn shutdown(mut self, deadline: Instant) -> DrainReport {
+        let report = self.server.handle().drain(deadline);
+        let ApiServer {
+            server,
+            state,
+            loader,
+        } = &mut self;
+        let _ = (server, state);
+        if let Some(loader) = loader.take() {
+            let _ = loader.join();
+        }
+        report
+    }
+}
+
+/// Limits of the API's connections: keep-alive connections idle for up to a minute; while a generation
+/// runs, the read deadline bounds the gap between its events (a long prefill, a queue wait), so it is
+/// generous, and a request that is slow to arrive is cut by the session's own deadline instead.
+fn http_limits() -> Limits {
+    Limits::new()
+        .idle_timeout(Duration::from_secs(60))
+        .read_timeout(Duration::from_secs(600))
+        .park_timeout(Duration::from_secs(600))
+        .completion_queue(256)
+        .output_budget(16 << 20)
+        .min_rate(None)
+}
+
+/// Loads the tokenizer, the template and the lanes.
+fn load(path: &PathBuf, backend: Backend, state: &ApiState) -> Result<Ready, String> {
+    let file = ModelFile::open(path).map_err(|error| error.to_string())?;
+    let tokenizer = Tokenizer::from_gguf(file.content()).map_err(|error| error.to_string())?;
+    let template = match ChatTemplate::from_gguf(file.content()) {
+        Ok(template) => template,
+        Err(error) => {
+            tracing::warn!(
+                "the model's chat template cannot be used, so /v1/chat/completions is off: {error}"
+            );
+            None
+        }
+    };
+    let lanes = state.config.lanes.max(1);
+    let block_count = file.config().block_count;
+    let vocab_size = file.config().vocab_size;
+    let context = state.config.context_length;
+    let (runners, context_length) = match backend {
+        Backend::Whole => {
+            let stage = Stage::from_file(
+                &file,
+                StageSpec::whole(block_count),
+                StageOptions {
+                    lane_count: lanes,
+                    context_length: context,
+                },
+            )
+            .map_err(|error| error.to_string())?;
+            let context_length = stage.context_length();
+            let stage = Arc::new(Mutex::new(stage));
+            let runners = (0..lanes)
+                .map(|lane| {
+                    let stage = Arc::clone(&stage);
+                    Box::new(move || Ok(LaneRunner::Local { stage, lane })) as RunnerFactory
+                })
+                .collect();
+            (runners, context_length)
+        }
+        Backend::Chain {
+            layers_end,
+            next,
+            options,
+        } => {
+            let stage = load_first_stage(&file, layers_end, lanes, context)
+                .map_err(|error| error.to_string())?;
+            let context_length = stage.context_length();
+            let stage = Arc::new(Mutex::new(stage));
+            let file = Arc::new(file);
+            let runners = (0..lanes)
+                .map(|lane| {
+                    let share = StageShare {
+                        stage: Arc::clone(&stage),
+                        lane,
+                    };
+                    let (file, options) = (Arc::clone(&file), options.clone());
+                    Box::new(move || {
+                        Chain::connect_lane(&file, share, next, options)
+                            .map(|chain| LaneRunner::Chain(Box::new(chain)))
+                            .map_err(|error| {
+                                format!("lane {lane}'s link to stage 1 at {next}: {error}")
+                            })
+                    }) as RunnerFactory
+                })
+                .collect();
+            (runners, context_length)
+        }
+    };
+    let stop_tokens = tokenizer.end_of_generation_ids();
+    let text = Arc::new(TextModel {
+        tokenizer,
+        stop_tokens,
+    });
+    let engine = Engine::start(
+        runners,
+        state.config.queue_limit(),
+        Arc::clone(&text),
+        Arc::clone(&state.metrics),
+    )?;
+    Ok(Ready {
+        engine,
+        text,
+        template,
+        context_length,
+        vocab_size,
+    })
+}

@@ -1,0 +1,483 @@
+//! One HTTP/1.1 connection of the API, as a net-io-blocking session on an event loop: it parses requests,
+//! answers the quick routes at once, and for a generation submits a job and listens until its events wake it.
+//!
+//! ```text
+//!   Reading ──request──▶ quick route: response ──▶ Reading (keep-alive) or Closing
+//!      │
+//!      └─generation──▶ Generating (Step::Listen: a wake brings events, a FIN or close cancels the job)
+//!                           │ Started: headers (+ role chunk); Delta: chunks; Finished/Failed: the end
+//!                           └──────────────▶ Reading / Closing
+//! ```
+//!
+//! While a generation runs the session keeps reading (so a client that goes away is seen at once and its
+//! lane freed), but takes in at most [`INBOX_MAX`] bytes of whatever the client pipelines behind it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use net_io_blocking::{
+    CloseReason, ConnectionInfo, Input, Phase, Session, SessionContext, Step, TimeoutKind,
+};
+use task_runtime::{Compute, Runtime};
+
+use super::engine::{EVENTS_TOKEN, Job, JobEvent, queue_wait_left};
+use super::routes::{self, Routed};
+use super::state::ApiState;
+use crate::api::{
+    self, ApiError, FinishReason, Reply, TokenLogprob, Usage, chat_chunk_content,
+    chat_chunk_finish, chat_chunk_role, completion_chunk, usage_chunk,
+};
+use crate::http::{
+    CONTINUE_RESPONSE, Framing, HttpError, Parsed, Request, RequestParser, write_head,
+    write_last_chunk, write_response, write_sse_data,
+};
+
+/// The completion token of a queued job's deadline.
+const QUEUE_TIMEOUT_TOKEN: u64 = 2;
+/// Bytes of pipelined input a session takes in while a generation runs.
+const INBOX_MAX: usize = 64 << 10;
+/// How long a request may take to arrive once its first byte came (a slow client is cut, not waited on).
+const REQUEST_DEADLINE: Duration = Duration::from_secs(30);
+
+/// A generation in progress on this connection.
+#[derive(Debug)]
+struct Generating {
+    job: Arc<Job>,
+    route: &'static str,
+    chat: bool,
+    stream: bool,
+    include_usage: bool,
+    keep_alive: bool,
+    id: String,
+    created: u64,
+    started: bool,
+    text: String,
+    logprobs: Option<Vec<TokenLogprob>>,
+}
+
+#[derive(Debug)]
+enum State {
+    Reading,
+    Generating(Box<Generating>),
+    /// The last response is going out; then the connection closes.
+    Closing,
+}
+
+/// The API session of one connection.
+#[derive(Debug)]
+pub(crate) struct HttpSession {
+    state: Arc<ApiState>,
+    parser: RequestParser,
+    inbox: Vec<u8>,
+    phase: State,
+    receiving: bool,
+    /// Output built during a hook, queued on the connection when the hook ends (see [`HttpSession::queue`]).
+    scratch: Vec<u8>,
+}
+
+impl HttpSession {
+    pub(crate) fn new(state: Arc<ApiState>) -> HttpSession {
+        let parser = RequestParser::new(state.config.http_limits.clone());
+        HttpSession {
+            state,
+            parser,
+            inbox: Vec::new(),
+            phase: State::Reading,
+            receiving: false,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Queues what the hook wrote and passes its step on; output beyond the connection's budget (a reply no
+    /// client of this API makes the server write) resets the connection.
+    fn queue(&mut self, step: Step, context: &mut SessionContext<'_>) -> Step {
+        if !self.scratch.is_empty() {
+            if context.output().push(&self.scratch).is_err() {
+                self.cancel();
+                return Step::Abort;
+            }
+            self.scratch.clear();
+        }
+        step
+    }
+
+    /// Works through buffered input until it needs more, a generation starts, or a response must go out.
+    fn process(&mut self, context: &mut SessionContext<'_>) -> Step {
+        loop {
+            match self.phase {
+                State::Reading => {}
+                State::Generating(_) => return Step::Listen,
+                State::Closing => return Step::Write,
+            }
+            let parsed = self.parser.parse(&self.inbox);
+            match parsed {
+                Err(error) => return self.refuse_http(error, context),
+                Ok((consumed, parsed)) => {
+                    self.inbox.drain(..consumed.min(self.inbox.len()));
+                    match parsed {
+                        Parsed::NeedMore => {
+                            self.track_request_deadline(context);
+                            return Step::Read;
+                        }
+                        Parsed::Continue => {
+                            self.scratch.extend_from_slice(CONTINUE_RESPONSE);
+                            return Step::Write;
+                        }
+                        Parsed::Request(request) => {
+                            self.receiving = false;
+                            context.set_exchange_deadline(None);
+                            return self.handle(request, context);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A request that started arriving must be complete within [`REQUEST_DEADLINE`].
+    fn track_request_deadline(&mut self, context: &mut SessionContext<'_>) {
+        let in_progress = self.parser.in_progress() || !self.inbox.is_empty();
+        if in_progress && !self.receiving {
+            self.receiving = true;
+            context.set_exchange_deadline(Some(context.now() + REQUEST_DEADLINE));
+        }
+    }
+
+    /// Answers `request`: a quick response is written (and, kept alive, the next request read once it is
+    /// out), a generation is queued and listened for.
+    fn handle(&mut self, request: Request, context: &mut SessionContext<'_>) -> Step {
+        let keep_alive = request.keep_alive && !context.draining();
+        match routes::route(&self.state, &request) {
+            Routed::Respond {
+                route,
+                status,
+                content_type,
+                body,
+                retry_after,
+            } => {
+                self.state.metrics.count_request(route, status);
+                let mut headers = vec![("Content-Type", content_type)];
+                if retry_after {
+                    headers.push(("Retry-After", "1"));
+                }
+                write_response(&mut self.scratch, status, &headers, &body, keep_alive);
+                if !keep_alive {
+                    self.phase = State::Closing;
+                }
+                Step::Write
+            }
+            Routed::Generate {
+                route,
+                spec,
+                chat,
+                stream,
+                include_usage,
+                logprobs,
+            } => {
+                let Some(completer) = context.completer() else {
+                    let error =
+                        ApiError::server_error("this connection cannot be woken by the lanes");
+                    return self.respond_error(route, &error, false, context);
+                };
+                let Some(ready) = self.state.ready.get() else {
+                    let error = ApiError::unavailable("the model is still loading");
+                    return self.respond_error(route, &error, keep_alive, context);
+                };
+                let job = Job::new(*spec, completer.clone());
+                if let Err(error) = ready.engine.submit(&job) {
+                    return self.respond_error(route, &error, keep_alive, context);
+                }
+                // The queue deadline runs as a task: it wakes this session, which withdraws the job if no
+                // lane took it yet.
+                let wait = queue_wait_left(&job, self.state.config.queue_timeout);
+                let _ = Runtime::task(Compute::compute(move |()| {
+                    let _ = completer.post(QUEUE_TIMEOUT_TOKEN, 0);
+                }))
+                .after(wait)
+                .spawn();
+                // Busy while the generation runs, so a drain waits for it; reads go on (see the module doc).
+                context.set_phase(Phase::Sending);
+                self.phase = State::Generating(Box::new(Generating {
+                    job,
+                    route,
+                    chat,
+                    stream,
+                    include_usage,
+                    keep_alive,
+                    id: api::new_id(if chat { "chatcmpl-" } else { "cmpl-" }),
+                    created: unix_seconds(),
+                    started: false,
+                    text: String::new(),
+                    logprobs: logprobs.then(Vec::new),
+                }));
+                Step::Listen
+            }
+        }
+    }
+
+    /// An error response; the connection stays open when `keep_alive`.
+    fn respond_error(
+        &mut self,
+        route: &'static str,
+        error: &ApiError,
+        keep_alive: bool,
+        context: &mut SessionContext<'_>,
+    ) -> Step {
+        self.state.metrics.count_request(route, error.status);
+        let mut headers = vec![("Content-Type", "application/json")];
+        if error.status == 429 || error.status == 503 {
+            headers.push(("Retry-After", "1"));
+        }
+        let body = error.to_json();
+        write_response(
+            &mut self.scratch,
+            error.status,
+            &headers,
+            body.as_bytes(),
+            keep_alive,
+        );
+        if keep_alive {
+            context.set_phase(Phase::Idle);
+            self.phase = State::Reading;
+        } else {
+            self.phase = State::Closing;
+        }
+        Step::Write
+    }
+
+    /// A request the HTTP layer could not read: the answer, then the close (the stream cannot be resynced).
+    fn refuse_http(&mut self, error: HttpError, context: &mut SessionContext<'_>) -> Step {
+        let api_error = ApiError::from_status(error.status, error.message.clone());
+        self.inbox.clear();
+        self.respond_error("(unparsed)", &api_error, false, context)
+    }
+
+    /// Turns the job's events into output.
+    fn deliver(&mut self, context: &mut SessionContext<'_>) -> Step {
+        let State::Generating(generating) = &mut self.phase else {
+            return Step::Listen;
+        };
+        let model = self.state.model_id.as_str();
+        let fingerprint = self.state.fingerprint.as_str();
+        let events = generating.job.take_events();
+        let out = &mut self.scratch;
+        let mut ended: Option<bool> = None;
+        for event in events {
+            let reply = Reply {
+                id: &generating.id,
+                created: generating.created,
+                model,
+                fingerprint,
+            };
+            match event {
+                JobEvent::Started => {
+                    generating.started = true;
+                    if generating.stream {
+                        write_head(
+                            out,
+                            200,
+                            &[
+                                ("Content-Type", "text/event-stream"),
+                                ("Cache-Control", "no-cache"),
+                            ],
+                            Framing::Chunked,
+                            generating.keep_alive,
+                        );
+                        if generating.chat {
+                            write_sse_data(out, &chat_chunk_role(&reply));
+                        }
+                    }
+                }
+                JobEvent::Delta { text, logprobs } => {
+                    if generating.stream {
+                        let logprobs = generating.logprobs.as_ref().map(|_| logprobs.as_slice());
+                        let chunk = if generating.chat {
+                            chat_chunk_content(&reply, &text, logprobs)
+                        } else {
+                            completion_chunk(&reply, &text, logprobs, None)
+                        };
+                        write_sse_data(out, &chunk);
+                    } else {
+                        generating.text.push_str(&text);
+                        if let Some(all) = generating.logprobs.as_mut() {
+                            all.extend(logprobs);
+                        }
+                    }
+                }
+                JobEvent::Finished { finish, usage } => {
+                    finish_reply(generating, &reply, finish, &usage, out);
+                    self.state.metrics.count_request(generating.route, 200);
+                    ended = Some(generating.keep_alive);
+                    break;
+                }
+                JobEvent::Failed(error) => {
+                    if generating.stream && generating.started {
+                        // Headers went out: the error is the stream's last event (as llama-server sends it).
+                        write_sse_data(out, &error.to_json());
+                        write_sse_data(out, "[DONE]");
+                        write_last_chunk(out);
+                        self.state
+                            .metrics
+                            .count_request(generating.route, error.status);
+                        ended = Some(generating.keep_alive);
+                    } else {
+                        let route = generating.route;
+                        let keep_alive = generating.keep_alive;
+                        return self.respond_error(route, &error, keep_alive, context);
+                    }
+                    break;
+                }
+            }
+        }
+        match ended {
+            Some(keep_alive) => {
+                context.set_phase(Phase::Idle);
+                self.phase = if keep_alive {
+                    State::Reading
+                } else {
+                    State::Closing
+                };
+                Step::Write
+            }
+            None if out.is_empty() => Step::Listen,
+            None => Step::Write,
+        }
+    }
+
+    fn queue_deadline(&mut self, context: &mut SessionContext<'_>) -> Step {
+        let State::Generating(generating) = &self.phase else {
+            return Step::Listen;
+        };
+        if generating.started {
+            return Step::Listen;
+        }
+        let withdrawn = self
+            .state
+            .ready
+            .get()
+            .is_some_and(|ready| ready.engine.withdraw(&generating.job));
+        if !withdrawn {
+            // A lane took it meanwhile: its Started event is on the way.
+            return Step::Listen;
+        }
+        let route = generating.route;
+        let keep_alive = generating.keep_alive;
+        let error = ApiError::overloaded(format!(
+            "no lane came free within the queue timeout ({} s); retry shortly",
+            self.state.config.queue_timeout.as_secs_f64()
+        ));
+        self.respond_error(route, &error, keep_alive, context)
+    }
+
+    /// Cancels a running or queued job (the client went away).
+    fn cancel(&mut self) {
+        if let State::Generating(generating) = &self.phase {
+            generating.job.cancel();
+            if let Some(ready) = self.state.ready.get() {
+                ready.engine.withdraw(&generating.job);
+            }
+        }
+    }
+}
+
+/// The end of a successful reply: the whole response, or the stream's last chunks.
+fn finish_reply(
+    generating: &Generating,
+    reply: &Reply<'_>,
+    finish: FinishReason,
+    usage: &Usage,
+    out: &mut Vec<u8>,
+) {
+    if generating.stream {
+        let chunk = if generating.chat {
+            chat_chunk_finish(reply, finish)
+        } else {
+            completion_chunk(reply, "", None, Some(finish))
+        };
+        write_sse_data(out, &chunk);
+        if generating.include_usage {
+            write_sse_data(out, &usage_chunk(reply, generating.chat, usage));
+        }
+        write_sse_data(out, "[DONE]");
+        write_last_chunk(out);
+    } else {
+        let logprobs = generating.logprobs.as_deref();
+        let body = if generating.chat {
+            api::chat_completion(reply, &generating.text, finish, usage, logprobs)
+        } else {
+            api::completion(reply, &generating.text, finish, usage, logprobs)
+        };
+        write_response(
+            out,
+            200,
+            &[("Content-Type", "application/json")],
+            body.as_bytes(),
+            generating.keep_alive,
+        );
+    }
+}
+
+fn unix_seconds() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_secs())
+}
+
+impl Session for HttpSession {
+    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        let room = match self.phase {
+            State::Reading => usize::MAX,
+            _ => INBOX_MAX.saturating_sub(self.inbox.len()),
+        };
+        let bytes = input.bytes();
+        let taken = bytes.len().min(room);
+        self.inbox.extend_from_slice(&bytes[..taken]);
+        input.consume(taken);
+        let step = self.process(context);
+        self.queue(step, context)
+    }
+
+    fn on_writable(&mut self, context: &mut SessionContext<'_>) -> Step {
+        let step = match self.phase {
+            State::Closing => Step::Close,
+            State::Generating(_) => Step::Listen,
+            State::Reading => self.process(context),
+        };
+        self.queue(step, context)
+    }
+
+    fn on_wake(&mut self, token: u64, _value: u64, context: &mut SessionContext<'_>) -> Step {
+        let step = match token {
+            EVENTS_TOKEN => self.deliver(context),
+            QUEUE_TIMEOUT_TOKEN => self.queue_deadline(context),
+            _ => match self.phase {
+                State::Generating(_) => Step::Listen,
+                State::Reading => Step::Read,
+                State::Closing => Step::Write,
+            },
+        };
+        self.queue(step, context)
+    }
+
+    fn on_timeout(&mut self, _kind: TimeoutKind, _context: &mut SessionContext<'_>) -> Step {
+        self.cancel();
+        Step::Close
+    }
+
+    fn on_peer_closed(&mut self, _context: &mut SessionContext<'_>) -> Step {
+        // A client that half-closes is treated as gone (HTTP clients close both ways), so its lane is freed.
+        self.cancel();
+        Step::Close
+    }
+
+    fn on_close(&mut self, _info: &ConnectionInfo, _reason: CloseReason) {
+        self.cancel();
+    }
+}
+
+/// Makes the sessions of the API's listener.
+pub(crate) fn factory(
+    state: Arc<ApiState>,
+) -> impl Fn(&ConnectionInfo) -> Option<HttpSession> + Send + Sync + 'static {
+    move |_: &ConnectionInfo| Some(HttpSession::new(Arc::clone(&state)))
+}

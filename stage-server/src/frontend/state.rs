@@ -1,0 +1,96 @@
+//! What every API session shares: the configuration, the model's identity, the metrics, and (once loaded)
+//! the lanes with the tokenizer and chat template.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use super::engine::{Engine, TextModel};
+use super::metrics::Metrics;
+use crate::chat::ChatTemplate;
+use crate::http::HttpLimits;
+
+/// How stage 0's API serves.
+#[derive(Clone, Debug)]
+pub struct ApiConfig {
+    /// Where the API listens.
+    pub http: SocketAddr,
+    /// The model id `/v1/models` lists and requests must name (default: the file's stem).
+    pub model_id: Option<String>,
+    /// A bearer key every `/v1` route requires, if set.
+    pub api_key: Option<String>,
+    /// Generations at a time (each with its own lane of every stage's KV cache).
+    pub lanes: usize,
+    /// Requests that may wait for a lane (default: twice the lanes).
+    pub queue: Option<usize>,
+    /// How long a request may wait for a lane before it gets 429.
+    pub queue_timeout: Duration,
+    /// Context per lane (default: the model's).
+    pub context_length: Option<usize>,
+    /// Request size limits.
+    pub http_limits: HttpLimits,
+    /// How long a drain lets running generations finish.
+    pub drain_timeout: Duration,
+}
+
+impl ApiConfig {
+    /// The defaults on `http`: 4 lanes, a queue of 8, a 30 s queue timeout, the HTTP layer's limits.
+    pub fn new(http: SocketAddr) -> ApiConfig {
+        ApiConfig {
+            http,
+            model_id: None,
+            api_key: None,
+            lanes: 4,
+            queue: None,
+            queue_timeout: Duration::from_secs(30),
+            context_length: None,
+            http_limits: HttpLimits::default(),
+            drain_timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// The queue's length: `queue`, or twice the lanes.
+    pub fn queue_limit(&self) -> usize {
+        self.queue.unwrap_or(self.lanes.max(1) * 2)
+    }
+}
+
+/// The loaded half: lanes, tokenizer, template.
+#[derive(Debug)]
+pub(crate) struct Ready {
+    pub engine: Engine,
+    pub text: Arc<TextModel>,
+    pub template: Option<ChatTemplate>,
+    /// Tokens per lane: prompt and generation together.
+    pub context_length: usize,
+    pub vocab_size: usize,
+}
+
+/// Shared by every session of the API.
+#[derive(Debug)]
+pub(crate) struct ApiState {
+    pub config: ApiConfig,
+    pub model_id: String,
+    /// `system_fingerprint` of every reply: the server version and the model's fingerprint.
+    pub fingerprint: String,
+    /// When the model was loaded (the `created` of `/v1/models`).
+    pub created: u64,
+    pub metrics: Arc<Metrics>,
+    pub ready: OnceLock<Ready>,
+    /// Why loading failed, if it did (`/health` says so).
+    pub load_error: Mutex<Option<String>>,
+}
+
+impl ApiState {
+    /// Why the API cannot serve generations yet: loading, or failed to load.
+    pub(crate) fn not_ready_reason(&self) -> String {
+        match &*self
+            .load_error
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        {
+            Some(error) => format!("the model failed to load: {error}"),
+            None => "Loading model".to_owned(),
+        }
+    }
+}

@@ -1,0 +1,323 @@
+//! The one-command pipeline (`stage-server run`): stage processes on loopback, the API on stage 0 here.
+//!
+//! ```text
+//!   stage-server run --stages 3
+//!     ├─ child: serve --layers 20..30 --bind 127.0.0.1:0                 (started first: it needs no --next)
+//!     ├─ child: serve --layers 10..20 --bind 127.0.0.1:0 --next <last>
+//!     └─ this process: layers 0..10 + the HTTP API, one link per lane to the first child
+//! ```
+//!
+//! Each child prints its address once it serves; the children get SIGTERM if this process ends, however it
+//! ends. A child that dies is reported and the rest are shut down.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::driver::ChainOptions;
+use crate::frontend::{ApiConfig, ApiServer, Backend};
+use crate::model::ModelFile;
+use crate::wire::CodecPolicy;
+
+/// How `run` lays out its pipeline.
+#[derive(Clone, Debug)]
+pub struct PipelineOptions {
+    /// The GGUF model.
+    pub model: PathBuf,
+    /// Stage processes, this one included (1: the whole model here).
+    pub stages: usize,
+    /// The API's settings (its lanes are every stage's lanes).
+    pub api: ApiConfig,
+    /// Compute threads per stage process.
+    pub threads: Option<usize>,
+    /// How activations cross the links.
+    pub codec: CodecPolicy,
+    /// The program to run the stages with (this binary).
+    pub executable: PathBuf,
+    /// How long a stage may take to load.
+    pub load_timeout: Duration,
+}
+
+/// Splits `block_count` layers into `stages` consecutive ranges as evenly as possible (earlier ranges get
+/// the extra layers). `stages` must be between 1 and `block_count`.
+pub fn split_layers(block_count: usize, stages: usize) -> Result<Vec<Range<usize>>, String> {
+    if stages == 0 || stages > block_count {
+        return Err(format!(
+            "--stages {stages} does not fit a model of {block_count} layers: give 1 to {block_count}"
+        ));
+    }
+    let (base, extra) = (block_count / stages, block_count % stages);
+    let mut start = 0;
+    Ok((0..stages)
+        .map(|index| {
+            let length = base + usize::from(index < extra);
+            let range = start..start + length;
+            start += length;
+            range
+        })
+        .collect())
+}
+
+/// A stage process `run` started.
+#[derive(Debug)]
+struct StageChild {
+    index: usize,
+    layers: Range<usize>,
+    child: Child,
+}
+
+/// A running local pipeline.
+#[derive(Debug)]
+pub struct LocalPipeline {
+    api: ApiServer,
+    children: Vec<StageChild>,
+    layers: Vec<Range<usize>>,
+}
+
+impl LocalPipeline {
+    /// Starts the stage processes (the last first, each told where the next listens), then the API with
+    /// stage 0 here. Returns once the API listens; [`ApiServer::wait_ready`] says when it serves.
+    pub fn start(options: PipelineOptions) -> anyhow::Result<LocalPipeline> {
+        let file = ModelFile::open(&options.model)?;
+        let layers =
+            split_layers(file.config().block_count, options.stages).map_err(anyhow::Error::msg)?;
+        drop(file);
+        let mut children: Vec<StageChild> = Vec::new();
+        let mut next: Option<SocketAddr> = None;
+        for (index, range) in layers.iter().enumerate().skip(1).rev() {
+            match spawn_stage(&options, index, range, next) {
+                Ok((child, address)) => {
+                    children.push(child);
+                    next = Some(address);
+                }
+                Err(error) => {
+                    stop_children(&mut children, Duration::from_secs(5));
+                    return Err(error);
+                }
+            }
+        }
+        children.reverse();
+        let backend = match next {
+            None => Backend::Whole,
+            Some(next) => Backend::Chain {
+                layers_end: layers[0].end,
+                next,
+                options: ChainOptions {
+                    codec: options.codec,
+                    ..ChainOptions::default()
+                },
+            },
+        };
+        let api = match ApiServer::start(&options.model, backend, options.api.clone()) {
+            Ok(api) => api,
+            Err(error) => {
+                stop_children(&mut children, Duration::from_secs(5));
+                return Err(error.into());
+            }
+        };
+        Ok(LocalPipeline {
+            api,
+            children,
+            layers,
+        })
+    }
+
+    /// The API.
+    pub fn api(&self) -> &ApiServer {
+        &self.api
+    }
+
+    /// Each stage's layers, stage 0 first.
+    pub fn layers(&self) -> &[Range<usize>] {
+        &self.layers
+    }
+
+    /// A stage process that ended, with its status, if one did.
+    pub fn ended_stage(&mut self) -> Option<String> {
+        for stage in &mut self.children {
+            if let Ok(Some(status)) = stage.child.try_wait() {
+                return Some(format!(
+                    "stage {} (layers {}..{}, pid {}) ended: {}",
+                    stage.index,
+                    stage.layers.start,
+                    stage.layers.end,
+                    stage.child.id(),
+                    describe(status)
+                ));
+            }
+        }
+        None
+    }
+
+    /// Drains the API (running generations get until `deadline`), then stops the stage processes.
+    pub fn shutdown(mut self, deadline: Instant) -> net_io_blocking::DrainReport {
+        let report = self.api.shutdown(deadline);
+        stop_children(&mut self.children, Duration::from_secs(10));
+        report
+    }
+}
+
+fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exit code {code}"),
+        (None, Some(signal)) => format!("killed by signal {signal}"),
+        _ => status.to_string(),
+    }
+}
+
+/// SIGTERM to every child (they drain), then SIGKILL to any still running after `grace`.
+fn stop_children(children: &mut [StageChild], grace: Duration) {
+    for stage in children.iter() {
+        // The pid is our unreaped child, so it cannot have been reused.
+        if let Ok(process) = net_io_sys::pidfd::PidFd::open(stage.child.id()) {
+            let _ = process.send_signal(libc::SIGTERM);
+        }
+    }
+    let deadline = Instant::now() + grace;
+    for stage in children.iter_mut() {
+        loop {
+            match stage.child.try_wait() {
+                Ok(Some(_)) | Err(_) => break,
+                Ok(None) if Instant::now() >= deadline => {
+                    let _ = stage.child.kill();
+                    let _ = stage.child.wait();
+                    break;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+}
+
+/// Starts stage `index` serving `layers` and waits for the line with its address.
+fn spawn_stage(
+    options: &PipelineOptions,
+    index: usize,
+    layers: &Range<usize>,
+    next: Option<SocketAddr>,
+) -> anyhow::Result<(StageChild, SocketAddr)> {
+    let mut command = Command::new(&options.executable);
+    command
+        .arg("serve")
+        .arg("--model")
+        .arg(&options.model)
+        .arg("--layers")
+        .arg(format!("{}..{}", layers.start, layers.end))
+        .arg("--bind")
+        .arg("127.0.0.1:0")
+        .arg("--stage")
+        .arg(index.to_string())
+        .arg("--lanes")
+        .arg(options.api.lanes.max(1).to_string())
+        .arg("--codec")
+        .arg(options.codec.as_str());
+    if let Some(context) = options.api.context_length {
+        command.arg("--context-length").arg(context.to_string());
+    }
+    if let Some(next) = next {
+        command.arg("--next").arg(next.to_string());
+    }
+    if let Some(threads) = options.threads {
+        command.arg("--threads").arg(threads.to_string());
+    }
+    command.stdin(Stdio::null()).stdout(Stdio::piped());
+    net_io_sys::process::terminate_with_parent(&mut command);
+    let mut child = command.spawn().map_err(|error| {
+        anyhow::anyhow!(
+            "stage {index} ({}) did not start: {error}",
+            options.executable.display()
+        )
+    })?;
+    let stdout = child.stdout.take();
+    let (lines, received) = mpsc::channel();
+    if let Some(stdout) = stdout {
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                // Once the address is known the child's output goes on to ours.
+                if lines.send(line.clone()).is_err() {
+                    println!("{line}");
+                }
+            }
+        });
+    }
+    let deadline = Instant::now() + options.load_timeout;
+    let mut stage = StageChild {
+        index,
+        layers: layers.clone(),
+        child,
+    };
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match received.recv_timeout(left.min(Duration::from_millis(200))) {
+            Ok(line) => {
+                if let Some(address) = served_address(&line) {
+                    return Ok((stage, address));
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => {}
+        }
+        if let Ok(Some(status)) = stage.child.try_wait() {
+            anyhow::bail!(
+                "stage {index} (layers {}..{}) ended before it served: {} (its error is above)",
+                layers.start,
+                layers.end,
+                describe(status)
+            );
+        }
+        if Instant::now() >= deadline {
+            let _ = stage.child.kill();
+            let _ = stage.child.wait();
+            anyhow::bail!(
+                "stage {index} (layers {}..{}) did not serve within {:?}",
+                layers.start,
+                layers.end,
+                options.load_timeout
+            );
+        }
+    }
+}
+
+/// The address in a stage's "… serving layers A..B on ADDR (width W)" line.
+fn served_address(line: &str) -> Option<SocketAddr> {
+    let (_, rest) = line.split_once(" serving layers ")?;
+    let (_, rest) = rest.split_once(" on ")?;
+    rest.split_whitespace().next()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layers_split_evenly_with_the_extra_ones_first() {
+        assert_eq!(split_layers(30, 3).unwrap(), vec![0..10, 10..20, 20..30]);
+        assert_eq!(
+            split_layers(18, 4).unwrap(),
+            vec![0..5, 5..10, 10..14, 14..18]
+        );
+        assert_eq!(split_layers(5, 1).unwrap(), vec![0..5]);
+    }
+
+    #[test]
+    fn a_split_into_no_stages_or_more_stages_than_layers_is_refused_with_the_numbers() {
+        let error = split_layers(30, 31).unwrap_err();
+        assert!(error.contains("31") && error.contains("30"), "{error}");
+        assert!(split_layers(30, 0).is_err());
+    }
+
+    #[test]
+    fn the_address_is_read_from_a_stage_line() {
+        assert_eq!(
+            served_address("stage 2 serving layers 20..30 on 127.0.0.1:4567 (width 576)"),
+            Some("127.0.0.1:4567".parse().unwrap())
+        );
+        assert_eq!(served_address("loading"), None);
+    }
+}
