@@ -4,22 +4,15 @@ use anyhow::Result;
 
 use crate::{cargo, models};
 
-/// The pipeline the README promises when no arguments are given: SmolLM2 split into three in-process stages.
-const DEFAULT_GENERATE: &[&str] = &[
-    "generate",
-    "--chat",
-    "--prompt",
-    "What is the capital of France? Answer in one sentence.",
-    "--split",
-    "10,20",
-    "--max-tokens",
-    "48",
-];
+/// The pipeline the README promises when no arguments are given: SmolLM2 as three stage processes on
+/// loopback with the OpenAI-compatible API on stage 0 (`stage-server run` prints the URL and a curl line;
+/// Ctrl-C stops every stage).
+const DEFAULT_RUN: &[&str] = &["run", "--stages", "3"];
 
 /// Fetches the default model when it is missing, then runs `stage-server` in release mode.
 ///
-/// Arguments after `run` go to `stage-server` unchanged (for example `generate --model FILE --prompt TEXT`);
-/// with none, it runs [`DEFAULT_GENERATE`].
+/// Arguments after `run` go to `stage-server` unchanged (for example `run --stages 1 --model FILE`, or `generate --prompt TEXT`);
+/// with none, it runs [`DEFAULT_RUN`].
 pub fn run(arguments: &[String]) -> Result<()> {
     models::fetch(&["smollm2".to_owned()])?;
     let mut command = vec![
@@ -31,7 +24,7 @@ pub fn run(arguments: &[String]) -> Result<()> {
         "--",
     ];
     if arguments.is_empty() {
-        command.extend_from_slice(DEFAULT_GENERATE);
+        command.extend_from_slice(DEFAULT_RUN);
     } else {
         command.extend(arguments.iter().map(String::as_str));
     }
