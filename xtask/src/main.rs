@@ -6,6 +6,7 @@ use std::process::{Command, ExitCode};
 
 use anyhow::{Context, Result, bail};
 
+mod api_tests;
 mod bench_lifecycle;
 mod bench_model;
 mod bench_net;
@@ -25,6 +26,8 @@ tasks:
   run [ARGS]    fetch the default model, then run the stage pipeline (stage-server ARGS; by default a
                 chat prompt on SmolLM2 split into three in-process stages)
   ci            format check, clippy with -D warnings, then every test
+  api-tests     the OpenAI API conformance suite: pytest with the official openai client against
+                `stage-server run` (3 stages and 1; STAGE_SERVER_STAGES=3 for one), venv in target/api-venv
   bench net     echo, idle memory and churn: net-io-blocking beside std and tokio
   bench runtime spawn, join, sleep and memory: task-runtime beside tokio, rayon, std, crossbeam
   bench model   prompt and decode speed: stage-server beside llama.cpp
@@ -61,6 +64,7 @@ fn run() -> Result<()> {
     match task.as_str() {
         "run" => run::run(&arguments[1..]),
         "ci" => ci(),
+        "api-tests" => api_tests::run(),
         "bench" => match arguments.get(1).map(String::as_str) {
             Some("net") => bench_net::run(&arguments[2..]),
             Some("runtime") => bench_runtime::run(&arguments[2..]),
