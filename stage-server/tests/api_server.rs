@@ -1,0 +1,411 @@
+//! The API on real sockets over a tiny model: admission (429 when full, the queue timeout), cancellation when
+//! a client goes away, keep-alive and pipelining, limits, auth, and garbage that stalls nobody else.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use candle_core::quantized::GgmlDType;
+use stage_server::frontend::{ApiConfig, ApiServer, Backend};
+use stage_server::http::HttpLimits;
+use stage_server::model::testing::{TINY_EOS, TinyModel};
+
+/// A tiny llama with room for long generations, written once per test into its own directory.
+fn tiny_model(name: &str) -> PathBuf {
+    let directory =
+        std::env::temp_dir().join(format!("stage-server-api-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).unwrap();
+    let mut model = TinyModel::llama(GgmlDType::Q8_0);
+    model.context_length = 8192;
+    model.write_to_dir(&directory).unwrap()
+}
+
+fn start(name: &str, configure: impl FnOnce(&mut ApiConfig)) -> ApiServer {
+    let mut config = ApiConfig::new("127.0.0.1:0".parse().unwrap());
+    config.lanes = 1;
+    configure(&mut config);
+    let server = ApiServer::start(&tiny_model(name), Backend::Whole, config).unwrap();
+    server.wait_ready(Duration::from_secs(60)).unwrap();
+    server
+}
+
+/// One response, read whole.
+#[derive(Debug)]
+struct Response {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Response {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(key, _)| key.eq_ignore_ascii_case(name))
+            .map(|(_, value)| value.as_str())
+    }
+}
+
+fn connect(address: SocketAddr) -> BufReader<TcpStream> {
+    let stream = TcpStream::connect(address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    BufReader::new(stream)
+}
+
+fn post(path: &str, body: &str) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+fn get(path: &str) -> String {
+    format!("GET {path} HTTP/1.1\r\nHost: test\r\n\r\n")
+}
+
+/// Reads a status line and headers.
+fn read_head(reader: &mut BufReader<TcpStream>) -> (u16, Vec<(String, String)>) {
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {line:?}"));
+    let mut headers = Vec::new();
+    loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        let line = line.trim_end();
+        if line.is_empty() {
+            break;
+        }
+        let (name, value) = line.split_once(':').unwrap();
+        headers.push((name.trim().to_owned(), value.trim().to_owned()));
+    }
+    (status, headers)
+}
+
+/// Reads one chunk of a chunked body (`None` at its end).
+fn read_chunk(reader: &mut BufReader<TcpStream>) -> Option<String> {
+    let mut size = String::new();
+    reader.read_line(&mut size).unwrap();
+    let size = usize::from_str_radix(size.trim(), 16).unwrap();
+    let mut data = vec![0u8; size + 2];
+    reader.read_exact(&mut data).unwrap();
+    data.truncate(size);
+    (size > 0).then(|| String::from_utf8(data).unwrap())
+}
+
+fn read_response(reader: &mut BufReader<TcpStream>) -> Response {
+    let (status, headers) = read_head(reader);
+    let response = Response {
+        status,
+        headers,
+        body: String::new(),
+    };
+    let mut body = String::new();
+    if response
+        .header("transfer-encoding")
+        .is_some_and(|value| value.eq_ignore_ascii_case("chunked"))
+    {
+        while let Some(chunk) = read_chunk(reader) {
+            body.push_str(&chunk);
+        }
+    } else {
+        let length: usize = response
+            .header("content-length")
+            .map_or(0, |value| value.parse().unwrap());
+        let mut bytes = vec![0u8; length];
+        reader.read_exact(&mut bytes).unwrap();
+        body = String::from_utf8(bytes).unwrap();
+    }
+    Response { body, ..response }
+}
+
+fn exchange(address: SocketAddr, request: &str) -> Response {
+    let mut reader = connect(address);
+    reader.get_mut().write_all(request.as_bytes()).unwrap();
+    read_response(&mut reader)
+}
+
+/// A streaming completion that would run for thousands of tokens (the end-of-sequence token is biased away).
+fn long_stream() -> String {
+    post(
+        "/v1/completions",
+        &format!(
+            r#"{{"prompt":[1,300,301],"max_tokens":8000,"temperature":0,"stream":true,"logit_bias":{{"{TINY_EOS}":-100}}}}"#
+        ),
+    )
+}
+
+/// Starts a long stream and returns once its first token arrived (a lane is busy with it).
+fn occupy_lane(address: SocketAddr) -> BufReader<TcpStream> {
+    let mut reader = connect(address);
+    reader
+        .get_mut()
+        .write_all(long_stream().as_bytes())
+        .unwrap();
+    let (status, _) = read_head(&mut reader);
+    assert_eq!(status, 200);
+    let first = read_chunk(&mut reader).expect("a first event");
+    assert!(first.starts_with("data: "), "{first}");
+    reader
+}
+
+fn metric(address: SocketAddr, name: &str) -> f64 {
+    let response = exchange(address, &get("/metrics"));
+    response
+        .body
+        .lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{}", response.body))
+}
+
+fn eventually(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if condition() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    condition()
+}
+
+#[test]
+fn a_client_that_goes_away_mid_stream_frees_its_lane_and_stops_its_generation() {
+    let server = start("cancel", |_| {});
+    let address = server.local_addr();
+    let stream = occupy_lane(address);
+    assert_eq!(metric(address, "stage_server_lanes_busy"), 1.0);
+    drop(stream);
+    assert!(
+        eventually(Duration::from_secs(5), || metric(
+            address,
+            "stage_server_lanes_busy"
+        ) == 0.0),
+        "the lane stayed busy after its client went away"
+    );
+    let generated = metric(address, "stage_server_generated_tokens_total");
+    assert!(
+        generated < 8000.0,
+        "the generation ran to its end ({generated} tokens) instead of stopping"
+    );
+    // The lane serves the next request.
+    let response = exchange(
+        address,
+        &post(
+            "/v1/completions",
+            r#"{"prompt":[1,300],"max_tokens":3,"temperature":0}"#,
+        ),
+    );
+    assert_eq!(response.status, 200, "{}", response.body);
+}
+
+#[test]
+fn a_full_queue_is_refused_with_429_and_retry_after_and_the_queued_request_completes_later() {
+    let server = start("full", |config| config.queue = Some(1));
+    let address = server.local_addr();
+    let busy = occupy_lane(address);
+    // Queued behind the busy lane.
+    let mut queued = connect(address);
+    queued
+        .get_mut()
+        .write_all(
+            post(
+                "/v1/completions",
+                r#"{"prompt":[1,300],"max_tokens":2,"temperature":0}"#,
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+    assert!(eventually(Duration::from_secs(5), || metric(
+        address,
+        "stage_server_queue_depth"
+    ) == 1.0));
+    let refused = exchange(
+        address,
+        &post(
+            "/v1/completions",
+            r#"{"prompt":[1,300],"max_tokens":2,"temperature":0}"#,
+        ),
+    );
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    let envelope: serde_json::Value = serde_json::from_str(&refused.body).unwrap();
+    assert!(
+        envelope["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("busy")
+    );
+    drop(busy);
+    let response = read_response(&mut queued);
+    assert_eq!(response.status, 200, "{}", response.body);
+}
+
+#[test]
+fn a_request_that_waits_longer_than_the_queue_timeout_gets_429() {
+    let server = start("timeout", |config| {
+        config.queue_timeout = Duration::from_millis(300)
+    });
+    let address = server.local_addr();
+    let _busy = occupy_lane(address);
+    let started = Instant::now();
+    let response = exchange(
+        address,
+        &post(
+            "/v1/completions",
+            r#"{"prompt":[1,300],"max_tokens":2,"temperature":0}"#,
+        ),
+    );
+    let waited = started.elapsed();
+    assert_eq!(response.status, 429, "{}", response.body);
+    assert!(response.body.contains("queue timeout"), "{}", response.body);
+    assert!(
+        waited >= Duration::from_millis(300) && waited < Duration::from_secs(10),
+        "refused after {waited:?}"
+    );
+    assert_eq!(metric(address, "stage_server_queue_depth"), 0.0);
+}
+
+#[test]
+fn one_connection_serves_requests_kept_alive_and_pipelined_in_order() {
+    let server = start("keepalive", |_| {});
+    let address = server.local_addr();
+    let mut reader = connect(address);
+    let pipelined = format!(
+        "{}{}{}",
+        get("/v1/models"),
+        post(
+            "/v1/completions",
+            r#"{"prompt":[1,300],"max_tokens":2,"temperature":0}"#
+        ),
+        post("/tokenize", r#"{"content":"a"}"#)
+    );
+    reader.get_mut().write_all(pipelined.as_bytes()).unwrap();
+    let models = read_response(&mut reader);
+    assert_eq!(models.status, 200);
+    assert!(
+        models.body.contains("\"object\":\"list\""),
+        "{}",
+        models.body
+    );
+    let completion = read_response(&mut reader);
+    assert_eq!(completion.status, 200, "{}", completion.body);
+    assert!(
+        completion.body.contains("text_completion"),
+        "{}",
+        completion.body
+    );
+    let tokens = read_response(&mut reader);
+    assert_eq!(tokens.status, 200, "{}", tokens.body);
+    assert!(tokens.body.contains("\"tokens\""), "{}", tokens.body);
+}
+
+#[test]
+fn garbage_gets_400_and_a_close_while_other_connections_are_served() {
+    let server = start("garbage", |_| {});
+    let address = server.local_addr();
+    // A slow client holding a half-sent head does not hold anyone else up either.
+    let mut slow = connect(address);
+    slow.get_mut().write_all(b"POST /v1/compl").unwrap();
+    let mut reader = connect(address);
+    reader
+        .get_mut()
+        .write_all(b"\x16\x03\x01 this is not http\r\n\r\n")
+        .unwrap();
+    let response = read_response(&mut reader);
+    assert_eq!(response.status, 400, "{}", response.body);
+    assert!(response.body.contains("\"error\""), "{}", response.body);
+    let mut rest = Vec::new();
+    let _ = reader.read_to_end(&mut rest);
+    assert!(rest.is_empty(), "the connection stayed open after garbage");
+    let health = exchange(address, &get("/health"));
+    assert_eq!(health.status, 200, "{}", health.body);
+}
+
+#[test]
+fn a_body_over_the_limit_is_413_and_a_prompt_over_the_context_is_400_with_both_numbers() {
+    let server = start("limits", |config| {
+        config.http_limits = HttpLimits {
+            max_body_bytes: 1024,
+            ..HttpLimits::default()
+        };
+        config.context_length = Some(16);
+    });
+    let address = server.local_addr();
+    let big = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(4096));
+    let response = exchange(address, &post("/v1/completions", &big));
+    assert_eq!(response.status, 413, "{}", response.body);
+    let ids: Vec<String> = (0..20).map(|index| (300 + index).to_string()).collect();
+    let long = format!(r#"{{"prompt":[{}],"max_tokens":2}}"#, ids.join(","));
+    let response = exchange(address, &post("/v1/completions", &long));
+    assert_eq!(response.status, 400, "{}", response.body);
+    assert!(
+        response.body.contains("20") && response.body.contains("16"),
+        "{}",
+        response.body
+    );
+}
+
+#[test]
+fn v1_routes_need_the_api_key_when_one_is_set() {
+    let server = start("key", |config| config.api_key = Some("sesame".into()));
+    let address = server.local_addr();
+    let refused = exchange(address, &get("/v1/models"));
+    assert_eq!(refused.status, 401, "{}", refused.body);
+    let allowed = exchange(
+        address,
+        "GET /v1/models HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer sesame\r\n\r\n",
+    );
+    assert_eq!(allowed.status, 200, "{}", allowed.body);
+    // Health stays open to probes.
+    assert_eq!(exchange(address, &get("/health")).status, 200);
+}
+
+#[test]
+fn unknown_routes_are_404_and_wrong_methods_405_in_the_error_envelope() {
+    let server = start("routes", |_| {});
+    let address = server.local_addr();
+    let missing = exchange(address, &get("/v2/nothing"));
+    assert_eq!(missing.status, 404, "{}", missing.body);
+    let envelope: serde_json::Value = serde_json::from_str(&missing.body).unwrap();
+    assert!(envelope["error"]["message"].is_string());
+    let wrong = exchange(address, &get("/v1/chat/completions"));
+    assert_eq!(wrong.status, 405, "{}", wrong.body);
+}
+
+#[test]
+fn the_streamed_text_equals_the_whole_reply_for_the_same_greedy_request() {
+    let server = start("stream", |_| {});
+    let address = server.local_addr();
+    let body = r#"{"prompt":[1,300,301,302],"max_tokens":24,"temperature":0}"#;
+    let whole = exchange(address, &post("/v1/completions", body));
+    assert_eq!(whole.status, 200, "{}", whole.body);
+    let whole: serde_json::Value = serde_json::from_str(&whole.body).unwrap();
+    let streamed_body = body.replace('}', r#","stream":true}"#);
+    let streamed = exchange(address, &post("/v1/completions", &streamed_body));
+    assert_eq!(streamed.status, 200);
+    let mut text = String::new();
+    let mut done = false;
+    for event in streamed
+        .body
+        .split("\n\n")
+        .filter(|event| !event.is_empty())
+    {
+        let data = event.strip_prefix("data: ").expect("an SSE data event");
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let chunk: serde_json::Value = serde_json::from_str(data).unwrap();
+        text.push_str(chunk["choices"][0]["text"].as_str().unwrap_or_default());
+    }
+    assert!(done, "the stream did not end with [DONE]");
+    assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap());
+}
