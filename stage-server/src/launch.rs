@@ -40,6 +40,9 @@ pub struct PipelineOptions {
     pub executable: PathBuf,
     /// How long a stage may take to load.
     pub load_timeout: Duration,
+    /// Serve in front of a chain started elsewhere (other hosts) instead of starting one: stage 0 keeps
+    /// layers `0..end` and links to the first stage at the address. `stages` is then ignored.
+    pub external: Option<(usize, SocketAddr)>,
 }
 
 /// Splits `block_count` layers into `stages` consecutive ranges as evenly as possible (earlier ranges get
@@ -131,7 +134,7 @@ impl LocalPipeline {
         &self.api
     }
 
-    /// Each stage's layers, stage 0 first.
+    /// Each stage's layers, stage 0 first (in front of an external chain: stage 0's and the chain's).
     pub fn layers(&self) -> &[Range<usize>] {
         &self.layers
     }

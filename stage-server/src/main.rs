@@ -87,6 +87,13 @@ struct RunArgs {
     /// Seconds Ctrl-C lets running generations finish.
     #[arg(long, default_value_t = 30)]
     drain_timeout: u64,
+    /// Serve in front of a chain started elsewhere (`stage-server serve` on other hosts): the first stage's
+    /// address. Needs --layers 0..K, stage 0's share; no stage processes are started.
+    #[arg(long, requires = "layers")]
+    next: Option<SocketAddr>,
+    /// Stage 0's layers when serving in front of an external chain (--next).
+    #[arg(long, value_parser = parse_layers, requires = "next")]
+    layers: Option<Range<usize>>,
 }
 
 #[derive(Debug, Args)]
@@ -635,6 +642,19 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         codec: args.codec,
         executable: std::env::current_exe().context("finding this program to run the stages")?,
         load_timeout: std::time::Duration::from_secs(300),
+        external: match (&args.layers, args.next) {
+            (Some(layers), Some(next)) => {
+                if layers.start != 0 {
+                    bail!(
+                        "stage 0 runs the layers from 0 (with the embeddings): --layers must be 0..K, not {}..{}",
+                        layers.start,
+                        layers.end
+                    );
+                }
+                Some((layers.end, next))
+            }
+            _ => None,
+        },
     };
     eprintln!(
         "stage-server: starting {} stages of {}",
