@@ -656,11 +656,17 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             _ => None,
         },
     };
-    eprintln!(
-        "stage-server: starting {} stages of {}",
-        args.stages,
-        path.display()
-    );
+    match options.external {
+        Some((end, next)) => eprintln!(
+            "stage-server: stage 0 (layers 0..{end} of {}) in front of the chain at {next}",
+            path.display()
+        ),
+        None => eprintln!(
+            "stage-server: starting {} stages of {}",
+            args.stages,
+            path.display()
+        ),
+    }
     let mut pipeline = LocalPipeline::start(options)?;
     let address = pipeline.api().local_addr();
     let ready = pipeline
