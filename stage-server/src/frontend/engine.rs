@@ -28,20 +28,22 @@ use crate::driver::{Predicted, SamplerExtras};
 use crate::model::{Finish, GenerateOptions, SamplingParams};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
+use super::prompt::{PromptSource, TextModel};
+
 /// The completion token that tells a session its job has new events.
 pub(crate) const EVENTS_TOKEN: u64 = 1;
 
 /// What a generation asks for, decided by the session from the request before it is queued.
 #[derive(Debug)]
 pub(crate) struct JobSpec {
-    /// The prompt's tokens (the chat template already applied).
-    pub prompt: Vec<u32>,
+    /// The prompt, tokenized on the lane.
+    pub prompt: PromptSource,
     /// The sampler's parameters, the seed filled in.
     pub sampling: SamplingParams,
     /// The logit bias and alternatives.
     pub extras: SamplerExtras,
-    /// Tokens to generate at most.
-    pub max_tokens: usize,
+    /// Tokens to generate at most (`None`: what the context leaves).
+    pub max_tokens: Option<usize>,
     /// Stop strings.
     pub stop: Vec<String>,
     /// Whether to report log-probabilities.
@@ -129,15 +131,6 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Makes a lane's runner, on the lane's own thread.
 pub(crate) type RunnerFactory = Box<dyn FnOnce() -> Result<LaneRunner, String> + Send>;
-
-/// What the lanes need to know of the model to turn tokens into text.
-#[derive(Debug)]
-pub(crate) struct TextModel {
-    /// The model's tokenizer.
-    pub tokenizer: Tokenizer,
-    /// Tokens that end a generation (EOS, end of turn).
-    pub stop_tokens: Vec<u32>,
-}
 
 #[derive(Debug, Default)]
 struct Queue {
@@ -317,10 +310,14 @@ fn work(shared: &Shared, mut runner: LaneRunner) {
 
 /// Runs one job on a lane, streaming its text through the stop matcher.
 fn run(shared: &Shared, runner: &mut LaneRunner, job: &Job, spec: JobSpec) {
+    let (prompt, max_tokens) = match shared.text.prepare(&spec.prompt, spec.max_tokens) {
+        Ok(prepared) => prepared,
+        Err(error) => return job.push(JobEvent::Failed(error)),
+    };
     job.push(JobEvent::Started);
     let tokenizer = &shared.text.tokenizer;
     let options = GenerateOptions {
-        max_tokens: spec.max_tokens,
+        max_tokens,
         stop_tokens: shared.text.stop_tokens.clone(),
         keep_logits: false,
     };
@@ -336,7 +333,7 @@ fn run(shared: &Shared, runner: &mut LaneRunner, job: &Job, spec: JobSpec) {
     let mut last_token: Option<Instant> = None;
     let metrics = &shared.metrics;
     let result = runner.generate(
-        &spec.prompt,
+        &prompt,
         spec.sampling.clone(),
         &spec.extras,
         &options,
@@ -380,7 +377,7 @@ fn run(shared: &Shared, runner: &mut LaneRunner, job: &Job, spec: JobSpec) {
             ControlFlow::Continue(())
         },
     );
-    metrics.add_tokens(spec.prompt.len(), generated);
+    metrics.add_tokens(prompt.len(), generated);
     match result {
         Ok(generation) => {
             if !stopped_by_string {
@@ -405,7 +402,7 @@ fn run(shared: &Shared, runner: &mut LaneRunner, job: &Job, spec: JobSpec) {
             job.push(JobEvent::Finished {
                 finish,
                 usage: Usage {
-                    prompt_tokens: spec.prompt.len(),
+                    prompt_tokens: prompt.len(),
                     completion_tokens: generation.tokens.len(),
                     cached_tokens: 0,
                 },

@@ -12,6 +12,7 @@
 
 mod engine;
 mod metrics;
+mod prompt;
 mod routes;
 mod runner;
 mod session;
@@ -29,8 +30,9 @@ use crate::chat::ChatTemplate;
 use crate::driver::{Chain, ChainOptions, StageShare, load_first_stage};
 use crate::model::{self, ModelError, ModelFile, Stage, StageOptions, StageSpec};
 use crate::tokenizer::Tokenizer;
-use engine::{Engine, RunnerFactory, TextModel};
+use engine::{Engine, RunnerFactory};
 use metrics::Metrics;
+use prompt::TextModel;
 use runner::LaneRunner;
 pub use state::ApiConfig;
 use state::{ApiState, Ready};
@@ -269,7 +271,10 @@ fn load(path: &PathBuf, backend: Backend, state: &ApiState) -> Result<Ready, Str
     let stop_tokens = tokenizer.end_of_generation_ids();
     let text = Arc::new(TextModel {
         tokenizer,
+        template,
         stop_tokens,
+        context_length,
+        vocab_size,
     });
     let engine = Engine::start(
         runners,
@@ -277,11 +282,5 @@ fn load(path: &PathBuf, backend: Backend, state: &ApiState) -> Result<Ready, Str
         Arc::clone(&text),
         Arc::clone(&state.metrics),
     )?;
-    Ok(Ready {
-        engine,
-        text,
-        template,
-        context_length,
-        vocab_size,
-    })
+    Ok(Ready { engine, text })
 }

@@ -10,6 +10,7 @@ use crate::tokenizer::SpecialTokens;
 use crate::wire::fresh_nonce;
 
 use super::engine::JobSpec;
+use super::prompt::PromptSource;
 use super::state::{ApiState, Ready};
 
 /// What a request gets.
@@ -162,28 +163,12 @@ fn tokenize(ready: &Ready, body: &[u8]) -> Result<String, ApiError> {
 
 fn detokenize(ready: &Ready, body: &[u8]) -> Result<String, ApiError> {
     let tokens = decode_detokenize(body)?;
-    check_ids(ready, &tokens, "tokens")?;
+    ready.text.check_ids(&tokens, "tokens")?;
     let text = ready
         .text
         .tokenizer
         .decode_with(&tokens, SpecialTokens::Render);
     Ok(api::detokenize_response(&text))
-}
-
-fn check_ids(ready: &Ready, tokens: &[u32], param: &str) -> Result<(), ApiError> {
-    match tokens
-        .iter()
-        .position(|&token| token as usize >= ready.vocab_size)
-    {
-        Some(index) => Err(ApiError::invalid(
-            &format!("{param}[{index}]"),
-            format!(
-                "token id {} is not in the model's vocabulary of {} tokens",
-                tokens[index], ready.vocab_size
-            ),
-        )),
-        None => Ok(()),
-    }
 }
 
 /// Checks a decoded generation request against the model and turns it into a job spec.
@@ -198,42 +183,17 @@ fn generation(
     {
         return Err(ApiError::model_not_found(model));
     }
-    let tokenizer = &ready.text.tokenizer;
-    let (prompt, param, chat) = match &request.endpoint {
-        Endpoint::Chat(messages) => {
-            let Some(template) = &ready.template else {
-                return Err(ApiError::invalid(
-                    "messages",
-                    "the model has no chat template; use /v1/completions",
-                ));
-            };
-            let prompt = template
-                .prompt_ids(tokenizer, messages, true)
-                .map_err(|failure| {
-                    ApiError::invalid("messages", format!("the chat template failed: {failure}"))
-                })?;
-            (prompt, "messages", true)
-        }
-        Endpoint::Completion(Prompt::Text(text)) => {
-            let prompt = tokenizer
-                .encode(text, true, false)
-                .map_err(|failure| ApiError::invalid("prompt", failure.to_string()))?;
-            (prompt, "prompt", false)
-        }
-        Endpoint::Completion(Prompt::Tokens(tokens)) => {
-            check_ids(ready, tokens, "prompt")?;
-            (tokens.clone(), "prompt", false)
-        }
+    let (prompt, chat) = match request.endpoint {
+        Endpoint::Chat(messages) => (PromptSource::Chat(messages), true),
+        Endpoint::Completion(Prompt::Text(text)) => (PromptSource::Text(text), false),
+        Endpoint::Completion(Prompt::Tokens(tokens)) => (PromptSource::Tokens(tokens), false),
     };
-    if prompt.is_empty() {
-        return Err(ApiError::invalid(param, "the prompt has no tokens"));
+    if chat && ready.text.template.is_none() {
+        return Err(ApiError::invalid(
+            "messages",
+            "the model has no chat template; use /v1/completions",
+        ));
     }
-    let context = ready.context_length;
-    if prompt.len() >= context {
-        return Err(ApiError::context_exceeded(param, prompt.len(), context));
-    }
-    let room = context - prompt.len();
-    let max_tokens = request.max_tokens.unwrap_or(room).min(room);
     let mut sampling = request.sampling.clone();
     sampling.seed = request.seed.unwrap_or_else(random_seed);
     let spec = JobSpec {
@@ -247,7 +207,7 @@ fn generation(
                 0
             },
         },
-        max_tokens,
+        max_tokens: request.max_tokens,
         stop: request.stop.clone(),
         logprobs: request.logprobs,
     };

@@ -5,9 +5,9 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use super::engine::{Engine, TextModel};
+use super::engine::Engine;
 use super::metrics::Metrics;
-use crate::chat::ChatTemplate;
+use super::prompt::TextModel;
 use crate::http::HttpLimits;
 
 /// How stage 0's API serves.
@@ -60,10 +60,6 @@ impl ApiConfig {
 pub(crate) struct Ready {
     pub engine: Engine,
     pub text: Arc<TextModel>,
-    pub template: Option<ChatTemplate>,
-    /// Tokens per lane: prompt and generation together.
-    pub context_length: usize,
-    pub vocab_size: usize,
 }
 
 /// Shared by every session of the API.
