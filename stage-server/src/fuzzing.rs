@@ -9,7 +9,9 @@ use std::path::Path;
 
 use candle_core::quantized::gguf_file::Content;
 
+use crate::api::{decode_chat, decode_completion};
 use crate::gguf_check::validate_bytes;
+use crate::http::{HttpError, HttpLimits, Parsed, Request, RequestParser};
 use crate::model::testing::{tiny_bpe_tokenizer, tiny_sentencepiece_tokenizer};
 use crate::tokenizer::{SpecialTokens, StreamDecoder, Tokenizer};
 use crate::wire::{Decoder, Frame, WireError, WireLimits, encode_to_vec};
@@ -283,4 +285,159 @@ fn decode_wire_stream(
         }
     }
     (frames, None)
+}
+
+/// Small limits for the HTTP target, so that random bytes reach every limit often.
+pub const HTTP_FUZZ_LIMITS: HttpLimits = HttpLimits {
+    max_head_bytes: 1024,
+    max_headers: 8,
+    max_body_bytes: 2048,
+};
+
+/// Parses the bytes after the first as a connection's byte stream with a [`RequestParser`] under
+/// [`HTTP_FUZZ_LIMITS`], once whole and once in pieces whose sizes the first byte picks, and holds the parser
+/// to its promises: no panic; the same requests whatever the read boundaries, and the same error when both
+/// reads end in one; consumed never past the input; `NeedMore` only with (nearly) everything consumed; at
+/// most one `Continue` a request; errors 4xx or 5xx; requests within the limits, with lower-cased header names
+/// and a path that starts the target. Every request's body also goes through the API's chat and completion
+/// decoders, which must not panic either.
+///
+/// # Panics
+///
+/// When one of those promises breaks.
+pub fn http_request(bytes: &[u8]) {
+    let Some((&selector, input)) = bytes.split_first() else {
+        return;
+    };
+    // Sizes from 1 to 16 and from 1 to 61: small enough to cut every line, large enough to hold some whole.
+    let pieces = [
+        usize::from(selector & 0x0f) + 1,
+        usize::from(selector >> 4) * 4 + 1,
+    ];
+    let (whole, whole_error) = parse_http_stream(input, &[usize::MAX]);
+    let (split, split_error) = parse_http_stream(input, &pieces);
+    assert_eq!(
+        whole, split,
+        "reading in pieces of {pieces:?} changed the requests"
+    );
+    // Read boundaries may decide whether bytes after the last line feed already show an error (the head
+    // is parsed at line ends), but never which error.
+    if let (Some(whole_error), Some(split_error)) = (&whole_error, &split_error) {
+        assert_eq!(
+            whole_error, split_error,
+            "reading in pieces of {pieces:?} changed the error"
+        );
+    }
+    for request in &whole {
+        // The API decoders see whatever body a client sends; only a panic is a failure here.
+        let _ = decode_chat(&request.body);
+        let _ = decode_completion(&request.body);
+    }
+}
+
+/// Feeds `input` to a request parser as a session would, in pieces of the given sizes (cycled), dropping what
+/// each call consumed; returns the requests and the error that ended the stream, if any.
+fn parse_http_stream(input: &[u8], pieces: &[usize]) -> (Vec<Request>, Option<HttpError>) {
+    let limits = HTTP_FUZZ_LIMITS;
+    let mut parser = RequestParser::new(limits);
+    let mut requests = Vec::new();
+    let mut pending: Vec<u8> = Vec::new();
+    let mut continued = false;
+    let mut offset = 0;
+    for &size in pieces.iter().cycle() {
+        if offset == input.len() {
+            break;
+        }
+        let end = offset.saturating_add(size).min(input.len());
+        pending.extend_from_slice(&input[offset..end]);
+        offset = end;
+        loop {
+            let (consumed, parsed) = match parser.parse(&pending) {
+                Ok(outcome) => outcome,
+                Err(error) => {
+                    assert!(
+                        (400..600).contains(&error.status) && !error.message.is_empty(),
+                        "an error is not a 4xx or 5xx with a message: {error:?}"
+                    );
+                    return (requests, Some(error));
+                }
+            };
+            assert!(
+                consumed <= pending.len(),
+                "the parser consumed {consumed} of {} bytes",
+                pending.len()
+            );
+            pending.drain(..consumed);
+            match parsed {
+                Parsed::NeedMore => {
+                    assert!(
+                        pending.len() <= 1,
+                        "the parser asked for more with {} bytes unconsumed",
+                        pending.len()
+                    );
+                    break;
+                }
+                Parsed::Continue => {
+                    assert!(
+                        !continued,
+                        "the parser returned Continue twice for one request"
+                    );
+                    assert!(
+                        parser.in_progress(),
+                        "after Continue the request is not in progress"
+                    );
+                    continued = true;
+                }
+                Parsed::Request(request) => {
+                    check_http_request(&request, limits);
+                    assert!(
+                        !parser.in_progress(),
+                        "a returned request is still in progress"
+                    );
+                    continued = false;
+                    requests.push(request);
+                }
+            }
+        }
+    }
+    (requests, None)
+}
+
+/// Panics when `request` breaks what the parser promises of every request.
+fn check_http_request(request: &Request, limits: HttpLimits) {
+    assert!(
+        request.body.len() <= limits.max_body_bytes,
+        "a body of {} bytes passed the limit of {}",
+        request.body.len(),
+        limits.max_body_bytes
+    );
+    assert!(
+        request.headers.len() <= limits.max_headers,
+        "{} headers passed the limit of {}",
+        request.headers.len(),
+        limits.max_headers
+    );
+    assert!(
+        request.version <= 1,
+        "a request of HTTP/1.{}",
+        request.version
+    );
+    assert!(
+        request.target.starts_with(&request.path) && !request.path.contains('?'),
+        "the path {:?} is not the target {:?} before its query",
+        request.path,
+        request.target
+    );
+    assert!(!request.method.is_empty(), "a request without a method");
+    for (name, value) in &request.headers {
+        assert!(
+            !name.bytes().any(|byte| byte.is_ascii_uppercase()),
+            "the header name {name:?} is not lower-cased"
+        );
+        assert_eq!(
+            value.trim_matches([' ', '\t']),
+            value,
+            "the value of {name:?} is not trimmed"
+        );
+    }
 }

@@ -16,7 +16,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use stage_server::fuzzing::{TokenizerTargets, gguf_check, wire_decoder};
+use stage_server::fuzzing::{TokenizerTargets, gguf_check, http_request, wire_decoder};
 use stage_server::gguf_check::validate_bytes;
 use stage_server::wire::{
     Activations, CodecPolicy, CodecSet, ErrorCode, Frame, Hello, PROTOCOL_VERSION, Role, Sampling,
@@ -421,6 +421,173 @@ fn write_the_gguf_seed_corpus() {
     let directory = gguf_corpus_dir();
     std::fs::create_dir_all(&directory).expect("creating the corpus directory");
     for (name, bytes) in gguf_seeds() {
+        std::fs::write(directory.join(name), bytes).expect("writing a seed");
+    }
+}
+
+/// The committed seed corpus of the HTTP target.
+fn http_corpus_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/http_request")
+}
+
+/// Valid request streams for stage 0's API, each after the HTTP target's selector byte: a GET, a chat request
+/// by Content-Length, a completion request chunked with an extension and a trailer, one behind `Expect:
+/// 100-continue`, and three pipelined requests (HTTP/1.0 among them) with a blank line between two.
+fn http_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let chat = br#"{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":true,"max_tokens":8}"#;
+    let completion = br#"{"model":"m","prompt":"Once","max_tokens":4,"temperature":0.5}"#;
+    let with_length = |target: &str, body: &[u8]| {
+        let mut bytes = format!(
+            "POST {target} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        bytes.extend_from_slice(body);
+        bytes
+    };
+    let mut chunked =
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n"
+            .to_vec();
+    let (first, second) = completion.split_at(20);
+    chunked.extend_from_slice(format!("{:x};piece=1\r\n", first.len()).as_bytes());
+    chunked.extend_from_slice(first);
+    chunked.extend_from_slice(format!("\r\n{:X}\r\n", second.len()).as_bytes());
+    chunked.extend_from_slice(second);
+    chunked.extend_from_slice(b"\r\n0\r\nX-Trailer: done\r\n\r\n");
+    let mut continued = with_length("/v1/chat/completions", chat);
+    let at = continued
+        .windows(2)
+        .position(|pair| pair == b"\r\n")
+        .unwrap_or(0)
+        + 2;
+    continued.splice(at..at, b"Expect: 100-continue\r\n".iter().copied());
+    let mut pipelined = b"GET /v1/models?x=1 HTTP/1.1\r\nHost: localhost\r\n\r\n\r\n".to_vec();
+    pipelined.extend_from_slice(&with_length("/v1/completions", completion));
+    pipelined.extend_from_slice(b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n");
+    let with_selector = |selector: u8, stream: Vec<u8>| {
+        let mut bytes = vec![selector];
+        bytes.extend(stream);
+        bytes
+    };
+    vec![
+        (
+            "get",
+            with_selector(
+                0x00,
+                b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\r\n".to_vec(),
+            ),
+        ),
+        (
+            "chat",
+            with_selector(0x3f, with_length("/v1/chat/completions", chat)),
+        ),
+        ("completion-chunked", with_selector(0x52, chunked)),
+        ("continue", with_selector(0x17, continued)),
+        ("pipelined", with_selector(0xe4, pipelined)),
+    ]
+}
+
+/// Pieces of HTTP framing that an HTTP mutation splices into a stream, where a random byte would rarely reach.
+const HTTP_PIECES: [&str; 18] = [
+    "\r\n",
+    "\n",
+    "\r",
+    "\r\n\r\n",
+    " ",
+    ":",
+    ";",
+    "Content-Length: 5\r\n",
+    "Content-Length: 99999999999\r\n",
+    "Transfer-Encoding: chunked\r\n",
+    "Transfer-Encoding: gzip\r\n",
+    "Expect: 100-continue\r\n",
+    "Connection: close\r\n",
+    "0\r\n\r\n",
+    "fffffff\r\n",
+    "HTTP/2.0",
+    "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    "{\"messages\":[{\"role\":\"user\",\"content\":",
+];
+
+/// A stream for the HTTP target: a selector byte, one to three seed streams, then a byte mutation or a
+/// spliced framing piece (so a broken request may sit after good ones), or random bytes.
+fn http_input(seeds: &[(&str, Vec<u8>)], random: &mut StdRng) -> Vec<u8> {
+    let mut stream = vec![random.random::<u8>()];
+    if random.random_bool(0.1) {
+        let length = random.random_range(0..512);
+        stream.extend((0..length).map(|_| random.random::<u8>()));
+        return stream;
+    }
+    let mut requests = Vec::new();
+    for _ in 0..random.random_range(1..=3) {
+        let (_, seed) = &seeds[random.random_range(0..seeds.len())];
+        requests.extend_from_slice(&seed[1..]);
+    }
+    if random.random_bool(0.5) {
+        for _ in 0..random.random_range(1..=3) {
+            let at = random.random_range(0..=requests.len());
+            let piece = HTTP_PIECES[random.random_range(0..HTTP_PIECES.len())];
+            requests.splice(at..at, piece.bytes());
+        }
+    } else {
+        requests = mutate(&requests, random);
+    }
+    stream.extend(requests);
+    stream
+}
+
+#[test]
+fn the_http_request_target_holds_on_mutated_request_streams() {
+    let seeds = http_seeds();
+    for (_, bytes) in &seeds {
+        http_request(bytes);
+    }
+    let cases = run_for_budget(
+        0x6874_7470,
+        |random| http_input(&seeds, random),
+        http_request,
+    );
+    eprintln!("http_request twin: {cases} streams");
+}
+
+#[test]
+fn every_committed_http_seed_parses_to_whole_requests() {
+    use stage_server::http::{Parsed, RequestParser};
+    let mut seen = 0;
+    for entry in std::fs::read_dir(http_corpus_dir()).expect("the HTTP seed corpus is committed") {
+        let path = entry.expect("a corpus entry").path();
+        let bytes = std::fs::read(&path).expect("a corpus file is readable");
+        let mut parser = RequestParser::new(stage_server::fuzzing::HTTP_FUZZ_LIMITS);
+        let mut rest = &bytes[1..];
+        let mut requests = 0;
+        while !rest.is_empty() {
+            let outcome = parser.parse(rest);
+            let Ok((consumed, parsed)) = outcome else {
+                panic!("the seed {} is refused: {outcome:?}", path.display());
+            };
+            rest = &rest[consumed..];
+            match parsed {
+                Parsed::NeedMore => panic!("the seed {} ends inside a request", path.display()),
+                Parsed::Continue => {}
+                Parsed::Request(_) => requests += 1,
+            }
+        }
+        assert!(requests > 0, "the seed {} holds no request", path.display());
+        seen += 1;
+    }
+    assert!(
+        seen >= http_seeds().len(),
+        "the HTTP seed corpus holds {seen} files, fewer than the {} seeds",
+        http_seeds().len()
+    );
+}
+
+#[test]
+#[ignore = "writes the seed corpus of stage-server/fuzz; run by hand after changing http_seeds"]
+fn write_the_http_seed_corpus() {
+    let directory = http_corpus_dir();
+    std::fs::create_dir_all(&directory).expect("creating the corpus directory");
+    for (name, bytes) in http_seeds() {
         std::fs::write(directory.join(name), bytes).expect("writing a seed");
     }
 }
