@@ -43,6 +43,8 @@ pub struct PipelineOptions {
     /// Serve in front of a chain started elsewhere (other hosts) instead of starting one: stage 0 keeps
     /// layers `0..end` and links to the first stage at the address. `stages` is then ignored.
     pub external: Option<(usize, SocketAddr)>,
+    /// Arguments every stage process gets besides its own (telemetry: `--log-format`, `--otlp-endpoint`).
+    pub stage_args: Vec<std::ffi::OsString>,
 }
 
 /// Splits `block_count` layers into `stages` consecutive ranges as evenly as possible (earlier ranges get
@@ -228,6 +230,7 @@ fn spawn_stage(
     if let Some(threads) = options.threads {
         command.arg("--threads").arg(threads.to_string());
     }
+    command.args(&options.stage_args);
     command.stdin(Stdio::null()).stdout(Stdio::piped());
     net_io_sys::process::terminate_with_parent(&mut command);
     let mut child = command.spawn().map_err(|error| {

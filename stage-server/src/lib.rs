@@ -17,5 +17,6 @@ pub mod kernels;
 pub mod launch;
 pub mod model;
 pub mod serve;
+pub mod telemetry;
 pub mod tokenizer;
 pub mod wire;

@@ -17,6 +17,7 @@ use stage_server::model::{
     self, GenerateOptions, ModelFile, Pipeline, Sampler, SamplingParams, StageOptions,
 };
 use stage_server::serve::{LinkShape, StageConfig, StageProcess, Topology};
+use stage_server::telemetry::{self, LogFormat};
 use stage_server::tokenizer::StreamDecoder;
 use stage_server::wire::{ClusterKey, CodecPolicy};
 
@@ -94,6 +95,49 @@ struct RunArgs {
     /// Stage 0's layers when serving in front of an external chain (--next).
     #[arg(long, value_parser = parse_layers, requires = "next")]
     layers: Option<Range<usize>>,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
+}
+
+/// Logs and telemetry export, for `run` and `serve`.
+#[derive(Debug, Args)]
+struct TelemetryArgs {
+    /// How log lines on stderr look: text or json (RUST_LOG filters them; default info).
+    #[arg(long, value_parser = LogFormat::parse, default_value = "text")]
+    log_format: LogFormat,
+    /// Export traces and metrics over OTLP/HTTP (protobuf) to this collector, e.g. http://127.0.0.1:4318
+    /// (default: $OTEL_EXPORTER_OTLP_ENDPOINT; STAGE_SERVER_OTLP_FILTER picks the spans, default info).
+    #[arg(long)]
+    otlp_endpoint: Option<String>,
+}
+
+impl TelemetryArgs {
+    /// Installs the subscriber and, with a collector, the exporter.
+    fn init(&self, identity: telemetry::Identity) -> telemetry::Telemetry {
+        let endpoint = telemetry::otlp_endpoint(self.otlp_endpoint.as_deref());
+        telemetry::init(telemetry::TelemetryOptions {
+            log_format: self.log_format,
+            otlp: endpoint.map(telemetry::OtlpConfig::new),
+            identity,
+        })
+    }
+
+    /// The same flags for a stage process `run` starts.
+    fn stage_args(&self) -> Vec<std::ffi::OsString> {
+        let mut args = vec![
+            "--log-format".into(),
+            match self.log_format {
+                LogFormat::Text => "text",
+                LogFormat::Json => "json",
+            }
+            .into(),
+        ];
+        if let Some(endpoint) = telemetry::otlp_endpoint(self.otlp_endpoint.as_deref()) {
+            args.push("--otlp-endpoint".into());
+            args.push(endpoint.into());
+        }
+        args
+    }
 }
 
 #[derive(Debug, Args)]
@@ -249,6 +293,11 @@ struct ServeArgs {
     /// The link to the next stage's rate in Mbit/s (tests and benchmarks; default unlimited).
     #[arg(long)]
     link_rate: Option<f64>,
+    /// Serve this stage's metrics as Prometheus text on `GET /metrics` at this address.
+    #[arg(long)]
+    metrics: Option<SocketAddr>,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
 }
 
 /// A link shape from `--link-delay MS` and `--link-rate MBIT`.
@@ -524,12 +573,13 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         )
     };
     // Refusals and link failures are logged on stderr (RUST_LOG overrides the level).
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    let mut telemetry = args.telemetry.init(telemetry::Identity {
+        stage_index: args.stage,
+        layers: args.layers.clone(),
+        model_id: path
+            .file_stem()
+            .map(|stem| stem.to_string_lossy().into_owned()),
+    });
     // Installed before the stage starts, so a signal that comes while it loads is not lost.
     let terminate = SignalWatch::install(libc::SIGTERM).context("watching SIGTERM")?;
     let interrupt = SignalWatch::install(libc::SIGINT).context("watching SIGINT")?;
@@ -573,6 +623,16 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         stage.local_addr(),
         stage.hello().width
     );
+    let metrics = match args.metrics {
+        Some(address) => Some(
+            telemetry::MetricsListener::start(address)
+                .with_context(|| format!("starting the metrics listener on {address}"))?,
+        ),
+        None => None,
+    };
+    if let Some(metrics) = &metrics {
+        println!("{name} metrics on http://{}/metrics", metrics.local_addr());
+    }
     let _ = std::io::stdout().flush();
     loop {
         net_io_sys::wait::wait_readable(net_io_sys::signal::wake_descriptor()?, None)?;
@@ -588,17 +648,23 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         "{name}: stopped ({} links closed gracefully, {} cut at the deadline)",
         report.graceful, report.killed
     );
+    drop(metrics);
+    telemetry.shutdown();
     Ok(())
 }
 
 /// Runs the local pipeline until Ctrl-C (or SIGTERM), or until a stage process dies.
 fn run(args: RunArgs) -> anyhow::Result<()> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    let mut telemetry = args.telemetry.init(telemetry::Identity {
+        stage_index: Some(0),
+        layers: args.layers.clone(),
+        model_id: args.model_id.clone().or_else(|| {
+            args.model
+                .as_ref()
+                .and_then(|path| path.file_stem())
+                .map(|stem| stem.to_string_lossy().into_owned())
+        }),
+    });
     let terminate = SignalWatch::install(libc::SIGTERM).context("watching SIGTERM")?;
     let interrupt = SignalWatch::install(libc::SIGINT).context("watching SIGINT")?;
     let path = match &args.model {
@@ -655,6 +721,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             }
             _ => None,
         },
+        stage_args: args.telemetry.stage_args(),
     };
     match options.external {
         Some((end, next)) => eprintln!(
@@ -720,6 +787,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         "stage-server: stopped ({} connections closed gracefully, {} cut at the deadline)",
         report.graceful, report.killed
     );
+    telemetry.shutdown();
     match failure {
         Some(ended) => bail!("{ended}"),
         None => Ok(()),

@@ -5,6 +5,9 @@ use std::fmt::Write;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+use crate::telemetry::names;
+use crate::telemetry::registry::{self, Collect, Sample};
+
 /// Upper bounds (seconds) of the latency histograms' buckets: from a fast decode step to a long prefill.
 const BUCKETS: [f64; 14] = [
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -83,20 +86,25 @@ impl Metrics {
 
     /// Records the time from a lane taking a job to its first token.
     pub(crate) fn observe_first_token(&self, seconds: f64) {
-        observe(&self.first_token, seconds);
+        observe(
+            &self.first_token,
+            names::TIME_TO_FIRST_TOKEN_SECONDS,
+            seconds,
+        );
     }
 
     /// Records the gap between two tokens of one generation (one decode step through every stage).
     pub(crate) fn observe_inter_token(&self, seconds: f64) {
-        observe(&self.inter_token, seconds);
+        observe(&self.inter_token, names::INTER_TOKEN_SECONDS, seconds);
     }
 
     /// Records how long a job waited for a lane.
     pub(crate) fn observe_queue_wait(&self, seconds: f64) {
-        observe(&self.queue_wait, seconds);
+        observe(&self.queue_wait, names::QUEUE_WAIT_SECONDS, seconds);
     }
 
-    /// The Prometheus text exposition of every metric.
+    /// The Prometheus text exposition of every metric: the API's, then the process's (stage 0's compute and
+    /// link, the servers, telemetry).
     pub(crate) fn render(&self) -> String {
         let mut out = String::new();
         let _ = writeln!(
@@ -117,13 +125,13 @@ impl Metrics {
         }
         let counters = [
             (
-                "stage_server_prompt_tokens_total",
-                "Prompt tokens prefilled.",
+                names::PROMPT_TOKENS_TOTAL,
+                names::help(names::PROMPT_TOKENS_TOTAL),
                 self.prompt_tokens.load(Ordering::Relaxed),
             ),
             (
-                "stage_server_generated_tokens_total",
-                "Tokens generated.",
+                names::GENERATED_TOKENS_TOTAL,
+                names::help(names::GENERATED_TOKENS_TOTAL),
                 self.generated_tokens.load(Ordering::Relaxed),
             ),
         ];
@@ -134,13 +142,13 @@ impl Metrics {
         }
         let gauges = [
             (
-                "stage_server_queue_depth",
-                "Requests waiting for a lane.",
+                names::QUEUE_DEPTH,
+                names::help(names::QUEUE_DEPTH),
                 self.queue_depth.load(Ordering::Relaxed),
             ),
             (
-                "stage_server_lanes_busy",
-                "Lanes running a generation.",
+                names::LANES_BUSY,
+                names::help(names::LANES_BUSY),
                 self.lanes_busy.load(Ordering::Relaxed),
             ),
         ];
@@ -152,18 +160,18 @@ impl Metrics {
         let histograms = [
             (
                 &self.first_token,
-                "stage_server_time_to_first_token_seconds",
-                "From a lane taking a request to its first token (the prefill through every stage).",
+                names::TIME_TO_FIRST_TOKEN_SECONDS,
+                names::help(names::TIME_TO_FIRST_TOKEN_SECONDS),
             ),
             (
                 &self.inter_token,
-                "stage_server_inter_token_seconds",
-                "Between consecutive tokens of one generation (a decode step through every stage).",
+                names::INTER_TOKEN_SECONDS,
+                names::help(names::INTER_TOKEN_SECONDS),
             ),
             (
                 &self.queue_wait,
-                "stage_server_queue_wait_seconds",
-                "How long a request waited for a lane.",
+                names::QUEUE_WAIT_SECONDS,
+                names::help(names::QUEUE_WAIT_SECONDS),
             ),
         ];
         for (histogram, name, help) in histograms {
@@ -172,15 +180,58 @@ impl Metrics {
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
                 .render(&mut out, name, help);
         }
+        out.push_str(&registry::render_process());
         out
     }
 }
 
-fn observe(histogram: &Mutex<Histogram>, seconds: f64) {
+impl Collect for Metrics {
+    /// The counters and gauges, for the OTLP reader (histograms go to it as they are observed).
+    fn collect(&self, out: &mut Vec<Sample>) {
+        for ((route, status), count) in self
+            .requests
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .iter()
+        {
+            out.push(Sample::labelled(
+                names::REQUESTS_TOTAL,
+                vec![
+                    ("route", (*route).to_owned()),
+                    ("status", status.to_string()),
+                ],
+                *count as f64,
+            ));
+        }
+        for (name, value) in [
+            (
+                names::PROMPT_TOKENS_TOTAL,
+                self.prompt_tokens.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                names::GENERATED_TOKENS_TOTAL,
+                self.generated_tokens.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                names::QUEUE_DEPTH,
+                self.queue_depth.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                names::LANES_BUSY,
+                self.lanes_busy.load(Ordering::Relaxed) as f64,
+            ),
+        ] {
+            out.push(Sample::number(name, value));
+        }
+    }
+}
+
+fn observe(histogram: &Mutex<Histogram>, name: &'static str, seconds: f64) {
     histogram
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
         .observe(seconds);
+    crate::telemetry::record_histogram(name, seconds);
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ mod session;
 mod state;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -117,6 +117,9 @@ impl ApiServer {
             .sessions(session::factory(Arc::clone(&state)))
             .allow_all()
             .build()?;
+        crate::telemetry::registry::register_server("api", server.handle());
+        let collector: Arc<dyn crate::telemetry::registry::Collect> = state.metrics.clone();
+        crate::telemetry::registry::register_collector(&collector);
         let loader_state = Arc::clone(&state);
         let path = model.to_path_buf();
         let loader = std::thread::Builder::new()
@@ -202,7 +205,7 @@ fn http_limits() -> Limits {
 }
 
 /// Loads the tokenizer, the template and the lanes.
-fn load(path: &PathBuf, backend: Backend, state: &ApiState) -> Result<Ready, String> {
+fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String> {
     let file = ModelFile::open(path).map_err(|error| error.to_string())?;
     let tokenizer = Tokenizer::from_gguf(file.content()).map_err(|error| error.to_string())?;
     let template = match ChatTemplate::from_gguf(file.content()) {

@@ -201,6 +201,7 @@ impl StageProcess {
             None => builder.allow_all().build()?,
         };
         let _ = shared.handle.set(server.handle());
+        crate::telemetry::registry::register_server("links", server.handle());
         server.handle().open_door();
         Ok(StageProcess {
             server,
