@@ -77,7 +77,7 @@ pub(crate) struct HttpSession {
 
 impl HttpSession {
     pub(crate) fn new(state: Arc<ApiState>) -> HttpSession {
-        let parser = RequestParser::new(state.config.http_limits.clone());
+        let parser = RequestParser::new(state.config.http_limits);
         HttpSession {
             state,
             parser,
@@ -101,35 +101,32 @@ impl HttpSession {
         step
     }
 
-    /// Works through buffered input until it needs more, a generation starts, or a response must go out.
+    /// Reads the next request from buffered input and answers it, or asks for more input.
     fn process(&mut self, context: &mut SessionContext<'_>) -> Step {
-        loop {
-            match self.phase {
-                State::Reading => {}
-                State::Generating(_) => return Step::Listen,
-                State::Closing => return Step::Write,
+        match self.phase {
+            State::Reading => {}
+            State::Generating(_) => return Step::Listen,
+            State::Closing => return Step::Write,
+        }
+        let (consumed, parsed) = match self.parser.parse(&self.inbox) {
+            Ok(parsed) => parsed,
+            Err(error) => return self.refuse_http(error, context),
+        };
+        self.inbox.drain(..consumed.min(self.inbox.len()));
+        match parsed {
+            Parsed::NeedMore => {
+                self.track_request_deadline(context);
+                Step::Read
             }
-            let parsed = self.parser.parse(&self.inbox);
-            match parsed {
-                Err(error) => return self.refuse_http(error, context),
-                Ok((consumed, parsed)) => {
-                    self.inbox.drain(..consumed.min(self.inbox.len()));
-                    match parsed {
-                        Parsed::NeedMore => {
-                            self.track_request_deadline(context);
-                            return Step::Read;
-                        }
-                        Parsed::Continue => {
-                            self.scratch.extend_from_slice(CONTINUE_RESPONSE);
-                            return Step::Write;
-                        }
-                        Parsed::Request(request) => {
-                            self.receiving = false;
-                            context.set_exchange_deadline(None);
-                            return self.handle(request, context);
-                        }
-                    }
-                }
+            Parsed::Continue => {
+                self.scratch.extend_from_slice(CONTINUE_RESPONSE);
+                Step::Write
+            }
+            // Every answer is written before the next request is read (`on_writable` comes back here).
+            Parsed::Request(request) => {
+                self.receiving = false;
+                context.set_exchange_deadline(None);
+                self.handle(request, context)
             }
         }
     }
