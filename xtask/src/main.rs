@@ -24,9 +24,9 @@ const HELP: &str = "\
 usage: cargo xtask <task>
 
 tasks:
-  run [ARGS]    fetch the default model, then run the stage pipeline (stage-server ARGS; by default a
-                chat prompt on SmolLM2 split into three in-process stages)
-  ci            format check, clippy with -D warnings, then every test
+  run [ARGS]    fetch the default model, then run the stage pipeline (stage-server ARGS; by default
+                `run --stages 3`: SmolLM2 as three stage processes with the OpenAI API on stage 0)
+  ci            format check, clippy with -D warnings, every test, then the API conformance suite
   api-tests     the OpenAI API conformance suite: pytest with the official openai client against
                 `stage-server run` (3 stages and 1; STAGE_SERVER_STAGES=3 for one), venv in target/api-venv
   bench net     echo, idle memory and churn: net-io-blocking beside std and tokio
@@ -131,6 +131,9 @@ fn ci() -> Result<()> {
     ])?;
     cargo_with(&test_environment, &["test", "--workspace", "--all-targets"])?;
     cargo_with(&test_environment, &["test", "--workspace", "--doc"])?;
+    // The OpenAI API as its users meet it: the official Python client against real `stage-server run`
+    // processes (3 stages and 1) on SmolLM2, in a virtual environment kept under target/.
+    api_tests::run()?;
     let shim = [
         ("RUSTFLAGS", "--cfg net_io_shim"),
         ("CARGO_TARGET_DIR", "shim"),
