@@ -23,6 +23,7 @@ use crate::model::{
     SamplingParams, Stage, StageInput, StageOptions, StageOutput, StageSpec,
 };
 use crate::serve::LinkShape;
+use crate::telemetry::registry::{LinkSide, STAGE};
 use crate::wire::{
     Activations, ClusterKey, CodecPolicy, CodecSet, Decoder, ErrorCode, Frame, Hello,
     PROTOCOL_VERSION, Role, Side, WireError, WireLimits, check_adjacent, encode, fresh_nonce,
@@ -332,7 +333,8 @@ impl Chain {
             // The penalties at the last stage look back on the prompt's tail, as they do unsplit.
             history: prompt[prompt.len().saturating_sub(sampling.penalty_last_n)..].to_vec(),
             top_logprobs: extras.top_logprobs.min(20),
-            trace: None,
+            // The lane's generation span, when it is exported: every stage's spans join its trace.
+            trace: crate::telemetry::current_trace_context().map(|context| context.to_wire()),
         })?;
         let started = Instant::now();
         let chunks: Vec<&[u32]> = prompt.chunks(PREFILL_CHUNK).collect();
@@ -340,6 +342,13 @@ impl Chain {
         for (index, chunk) in chunks.iter().enumerate() {
             let position = index * PREFILL_CHUNK;
             let last = index + 1 == chunks.len();
+            let _chunk = tracing::debug_span!(
+                "stage.openai_prefill_chunk",
+                session_id = session,
+                position,
+                rows = chunk.len()
+            )
+            .entered();
             let rows = self.rows(position, StageInput::Tokens(chunk))?;
             self.send(&Frame::Prefill {
                 session,
@@ -350,6 +359,7 @@ impl Chain {
             if !last {
                 unacknowledged += 1;
                 while unacknowledged > self.options.credits {
+                    STAGE.credit_wait();
                     self.wait_for_ack(session)?;
                     unacknowledged -= 1;
                 }
@@ -372,7 +382,11 @@ impl Chain {
             if generation.tokens.len() >= options.max_tokens {
                 break;
             }
+            // Per token: debug, so off unless asked for.
+            let _step = tracing::debug_span!("stage.openai_decode", session_id = session, position)
+                .entered();
             let rows = self.rows(position, StageInput::Tokens(&[predicted.token]))?;
+            let sent = Instant::now();
             self.send(&Frame::Decode {
                 session,
                 position: position as u32,
@@ -380,6 +394,7 @@ impl Chain {
             })?;
             position += 1;
             predicted = self.wait_for_token(session, position, &mut unacknowledged)?;
+            STAGE.round_trip.observe(sent.elapsed().as_secs_f64());
         }
         generation.decode_time = decode_started.elapsed();
         Ok(generation)
@@ -387,9 +402,15 @@ impl Chain {
 
     /// Runs stage 0's layers over `input` at `position` and encodes the rows for the chain.
     fn rows(&mut self, position: usize, input: StageInput<'_>) -> Result<Activations, DriverError> {
+        let rows = match input {
+            StageInput::Tokens(tokens) => tokens.len(),
+            StageInput::Activations(_) => 1,
+        };
         let (output, width) = {
             let mut stage = self.stage.lock();
+            let started = Instant::now();
             let output = stage.forward(self.stage.lane, position, input, Logits::Last)?;
+            STAGE.step(rows, started.elapsed().as_secs_f64());
             (output, stage.width())
         };
         match output {
@@ -482,6 +503,7 @@ impl Chain {
             self.link_free = free;
             std::thread::sleep(release.saturating_duration_since(now));
         }
+        STAGE.sent(LinkSide::Downstream, bytes.len());
         self.link
             .write_all(&bytes)
             .map_err(|error| DriverError::Link {
@@ -518,6 +540,7 @@ impl Chain {
                     ),
                 });
             }
+            STAGE.received(LinkSide::Downstream, count);
             self.unread.extend_from_slice(&scratch[..count]);
         }
     }

@@ -81,6 +81,8 @@ pub(crate) struct Job {
     cancelled: AtomicBool,
     completer: Completer,
     enqueued: Instant,
+    /// The span current where the job was made (the HTTP request's): the generation's span goes under it.
+    span: tracing::Span,
 }
 
 impl Job {
@@ -92,6 +94,7 @@ impl Job {
             cancelled: AtomicBool::new(false),
             completer,
             enqueued: Instant::now(),
+            span: tracing::Span::current(),
         })
     }
 
@@ -189,7 +192,7 @@ impl Engine {
                 .spawn(move || match factory() {
                     Ok(runner) => {
                         let _ = made.send(Ok(()));
-                        work(&worker_shared, runner);
+                        work(&worker_shared, runner, index);
                     }
                     Err(error) => {
                         let _ = made.send(Err(error));
@@ -269,7 +272,7 @@ impl Drop for Engine {
     }
 }
 
-fn work(shared: &Shared, mut runner: LaneRunner) {
+fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
     loop {
         let job = {
             let mut queue = lock(&shared.queue);
@@ -299,7 +302,14 @@ fn work(shared: &Shared, mut runner: LaneRunner) {
             shared
                 .metrics
                 .observe_queue_wait(job.enqueued.elapsed().as_secs_f64());
-            run(shared, &mut runner, &job, spec);
+            let span = tracing::info_span!(
+                parent: &job.span,
+                "stage.openai_generation",
+                lane,
+                prompt_tokens = tracing::field::Empty,
+                output_tokens = tracing::field::Empty,
+            );
+            span.in_scope(|| run(shared, &mut runner, &job, spec));
         }
         shared.busy.fetch_sub(1, Ordering::AcqRel);
         shared
@@ -378,6 +388,9 @@ fn run(shared: &Shared, runner: &mut LaneRunner, job: &Job, spec: JobSpec) {
         },
     );
     metrics.add_tokens(prompt.len(), generated);
+    let span = tracing::Span::current();
+    span.record("prompt_tokens", prompt.len());
+    span.record("output_tokens", generated);
     match result {
         Ok(generation) => {
             if !stopped_by_string {

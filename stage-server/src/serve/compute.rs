@@ -131,6 +131,10 @@ impl Mailbox {
 struct Job {
     work: Work,
     mailbox: Arc<Mailbox>,
+    /// The session's span (disabled when nothing records it): the frame's span goes under it.
+    span: tracing::Span,
+    /// The stage's place in the chain, as the link learned it.
+    stage_index: u16,
 }
 
 /// The handle link sessions submit jobs through; the thread ends when every handle is dropped.
@@ -142,10 +146,23 @@ pub(crate) struct ComputeHandle {
 impl ComputeHandle {
     /// Hands `work` to the compute thread; false if it has stopped (the outcome then never comes).
     pub(crate) fn submit(&self, work: Work, mailbox: &Arc<Mailbox>) -> bool {
+        self.submit_in(work, mailbox, tracing::Span::none(), 0)
+    }
+
+    /// [`ComputeHandle::submit`] with the span of the session the work belongs to.
+    pub(crate) fn submit_in(
+        &self,
+        work: Work,
+        mailbox: &Arc<Mailbox>,
+        span: tracing::Span,
+        stage_index: u16,
+    ) -> bool {
         self.jobs
             .send(Job {
                 work,
                 mailbox: Arc::clone(mailbox),
+                span,
+                stage_index,
             })
             .is_ok()
     }
@@ -185,13 +202,29 @@ pub(crate) fn start(stage: Stage) -> std::io::Result<(ComputeHandle, JoinHandle<
 
 impl Owner {
     fn run(mut self, jobs: Receiver<Job>) {
-        while let Ok(Job { work, mailbox }) = jobs.recv() {
-            let outcome = self.work(mailbox.link, work);
+        while let Ok(Job {
+            work,
+            mailbox,
+            span,
+            stage_index,
+        }) = jobs.recv()
+        {
+            // Per frame, so at trace level: off unless asked for (RUST_LOG or STAGE_SERVER_OTLP_FILTER).
+            let frame = tracing::trace_span!(
+                parent: &span,
+                "stage.binary_llama_decode",
+                stage_index,
+                session_id = work.session(),
+                kind = work.kind(),
+                rows = tracing::field::Empty,
+                compute_micros = tracing::field::Empty,
+            );
+            let outcome = frame.in_scope(|| self.work(mailbox.link, work, &frame));
             mailbox.deliver(outcome);
         }
     }
 
-    fn work(&mut self, link: u64, work: Work) -> Outcome {
+    fn work(&mut self, link: u64, work: Work, frame: &tracing::Span) -> Outcome {
         match work {
             Work::Open {
                 session,
@@ -206,7 +239,7 @@ impl Owner {
                 rows,
                 sample,
                 decode,
-            } => self.chunk((link, session), position, &rows, sample, decode),
+            } => self.chunk((link, session), position, &rows, sample, decode, frame),
             Work::Trim { session, length } => match self.lanes.get(&(link, session)) {
                 None => unknown(session),
                 Some(lane) => match self.stage.trim(lane.index, length as usize) {
@@ -280,6 +313,7 @@ impl Owner {
         rows: &[f32],
         sample: bool,
         decode: bool,
+        frame: &tracing::Span,
     ) -> Outcome {
         let session = key.1;
         let Some(lane) = self.lanes.get_mut(&key) else {
@@ -294,6 +328,10 @@ impl Owner {
             .stage
             .forward(lane.index, position as usize, input, Logits::Last);
         let compute_micros = micros(started);
+        let row_count = rows.len() / width;
+        crate::telemetry::registry::STAGE.step(row_count, f64::from(compute_micros) / 1e6);
+        frame.record("rows", row_count);
+        frame.record("compute_micros", compute_micros);
         let output = match output {
             Ok(output) => output,
             Err(error @ ModelError::PositionMismatch { .. }) => {
@@ -338,6 +376,29 @@ impl Owner {
                 position: next_position,
                 compute_micros,
             },
+        }
+    }
+}
+
+impl Work {
+    /// The session the work is for.
+    fn session(&self) -> u64 {
+        match self {
+            Work::Open { session, .. }
+            | Work::Chunk { session, .. }
+            | Work::Trim { session, .. }
+            | Work::Stop { session } => *session,
+        }
+    }
+
+    /// The frame kind it came from, for spans.
+    fn kind(&self) -> &'static str {
+        match self {
+            Work::Open { .. } => "configure",
+            Work::Chunk { decode: true, .. } => "decode",
+            Work::Chunk { .. } => "prefill",
+            Work::Trim { .. } => "trim",
+            Work::Stop { .. } => "stop",
         }
     }
 }

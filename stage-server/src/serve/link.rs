@@ -15,7 +15,7 @@
 //! mirror each other; the upstream's hello is answered only once the whole rest of the chain answered, so a
 //! refusal anywhere reaches stage 0 before any activation moves.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
@@ -26,6 +26,8 @@ use net_io_blocking::{
 
 use super::compute::{COMPUTE_TOKEN, ComputeHandle, Mailbox, Outcome, Work};
 use super::shaping::{LinkShape, Shaper};
+use crate::telemetry::registry::{LinkSide, STAGE};
+use crate::telemetry::{self, TraceContext, names};
 use crate::wire::{
     Activations, ClusterKey, CodecPolicy, Decoder, ErrorCode, Frame, Hello, Role, Side,
     StageTiming, WireLimits, check_adjacent, encode, fresh_nonce, proof, verify,
@@ -148,6 +150,10 @@ pub(crate) struct Upstream {
     in_flight: usize,
     /// Frames read and not yet acted on (while `in_flight` is at its limit).
     queued: VecDeque<Frame>,
+    /// This stage's index on this link (the upstream's plus one), once its hello came.
+    stage_index: u16,
+    /// Each open session's span, Configure to Stop, in the trace stage 0 started.
+    spans: HashMap<u64, tracing::Span>,
 }
 
 /// A link this stage opened to the next one.
@@ -176,6 +182,8 @@ impl Link {
             sessions: HashSet::new(),
             in_flight: 0,
             queued: VecDeque::new(),
+            stage_index: 0,
+            spans: HashMap::new(),
         })
     }
 }
@@ -247,6 +255,7 @@ impl Upstream {
     fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
         // Every byte is taken (a frame cut by a read boundary waits in the decoder), so nothing is left in the
         // driver's buffer that no later read would bring back to this hook; whole frames wait in `queued`.
+        STAGE.received(LinkSide::Upstream, input.bytes().len());
         while !input.is_empty() && !matches!(self.state, UpstreamState::Closing) {
             match self.decoder.decode(input.bytes()) {
                 Ok((taken, frame)) => {
@@ -354,6 +363,12 @@ impl Upstream {
 
     fn on_hello(&mut self, theirs: Hello, context: &mut SessionContext<'_>) {
         let ours = self.our_hello(&theirs);
+        self.stage_index = ours.stage_index;
+        tracing::debug!(
+            stage_index = ours.stage_index,
+            peer = %context.info().peer,
+            "stage.binary_link_hello"
+        );
         if theirs.role != Role::StageLink {
             return self.refuse(
                 context,
@@ -463,6 +478,7 @@ impl Upstream {
                 logit_bias,
                 history,
                 top_logprobs,
+                trace,
                 ..
             } => {
                 if context.draining() {
@@ -470,6 +486,7 @@ impl Upstream {
                     return self.error(context, *session, ErrorCode::Draining, message);
                 }
                 self.sessions.insert(*session);
+                self.open_span(*session, trace.as_ref());
                 Work::Open {
                     session: *session,
                     sampling: (*sampling).into(),
@@ -527,15 +544,66 @@ impl Upstream {
                 return self.error(context, session, ErrorCode::Protocol, message);
             }
         };
-        // Control frames go down the chain as they came; rows go down once computed.
-        if matches!(
-            frame,
-            Frame::Configure { .. } | Frame::Trim { .. } | Frame::Stop { .. }
-        ) && let Some(pair) = &self.pair
-        {
-            pair.send_down(&frame);
+        // Control frames go down the chain as they came (a Configure names this stage's session span as
+        // the next stage's parent); rows go down once computed.
+        if let Some(pair) = &self.pair {
+            match frame {
+                Frame::Configure { .. } => pair.send_down(&self.with_own_trace(frame.clone())),
+                Frame::Trim { .. } | Frame::Stop { .. } => pair.send_down(&frame),
+                _ => {}
+            }
         }
-        self.submit(work, context);
+        self.submit(work, session, context);
+        if let Frame::Stop { session } = frame {
+            // Dropping the span ends it.
+            self.spans.remove(&session);
+        }
+    }
+
+    /// Opens `session`'s span, continuing stage 0's trace when the Configure carried one.
+    fn open_span(&mut self, session: u64, trace: Option<&[u8; 25]>) {
+        let span = tracing::info_span!(
+            "stage.binary_session",
+            stage_index = self.stage_index,
+            session_id = session,
+            layer_start = self.shared.hello.layer_start,
+            layer_end = self.shared.hello.layer_end,
+        );
+        if let Some(parent) = trace.and_then(TraceContext::from_wire) {
+            telemetry::continue_trace(&span, &parent);
+        }
+        debug_assert_eq!(names::SPAN_STAGE_SESSION, "stage.binary_session");
+        self.spans.insert(session, span);
+    }
+
+    /// `frame` (a Configure) with its trace context replaced by this stage's session span, if it records.
+    fn with_own_trace(&self, frame: Frame) -> Frame {
+        let Frame::Configure {
+            session,
+            sampling,
+            stop_tokens,
+            logit_bias,
+            history,
+            top_logprobs,
+            trace,
+        } = frame
+        else {
+            return frame;
+        };
+        let own = self
+            .spans
+            .get(&session)
+            .and_then(|span| span.in_scope(telemetry::current_trace_context))
+            .map(|context| context.to_wire());
+        Frame::Configure {
+            session,
+            sampling,
+            stop_tokens,
+            logit_bias,
+            history,
+            top_logprobs,
+            trace: own.or(trace),
+        }
     }
 
     fn rows(&self, rows: &Activations) -> Result<Vec<f32>, String> {
@@ -551,11 +619,20 @@ impl Upstream {
         Ok(rows.decode())
     }
 
-    fn submit(&mut self, work: Work, context: &mut SessionContext<'_>) {
+    fn submit(&mut self, work: Work, session: u64, context: &mut SessionContext<'_>) {
         let Some(mailbox) = &self.mailbox else {
             return self.refuse(context, 0, ErrorCode::Internal, "no mailbox".into());
         };
-        if self.shared.compute.submit(work, mailbox) {
+        let span = self
+            .spans
+            .get(&session)
+            .cloned()
+            .unwrap_or_else(tracing::Span::none);
+        if self
+            .shared
+            .compute
+            .submit_in(work, mailbox, span, self.stage_index)
+        {
             self.in_flight += 1;
         } else {
             self.refuse(
@@ -673,6 +750,7 @@ impl Upstream {
             )
         };
         for bytes in frames {
+            STAGE.sent(LinkSide::Upstream, bytes.len());
             if context.output().push(&bytes).is_err() {
                 return self.refuse(
                     context,
@@ -704,6 +782,7 @@ impl Upstream {
     fn write(&mut self, context: &mut SessionContext<'_>, frame: &Frame) {
         let mut bytes = Vec::new();
         encode(frame, &mut bytes);
+        STAGE.sent(LinkSide::Upstream, bytes.len());
         if context.output().push(&bytes).is_err() {
             self.state = UpstreamState::Closing;
         }
@@ -741,6 +820,7 @@ impl Upstream {
     }
 
     fn on_close(&mut self) {
+        self.spans.clear();
         // The lanes of this link's sessions are freed at once, whatever ended the link.
         if let Some(mailbox) = &self.mailbox {
             for session in self.sessions.drain() {
@@ -768,6 +848,7 @@ impl Downstream {
     }
 
     fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
+        STAGE.received(LinkSide::Downstream, input.bytes().len());
         while !input.is_empty() {
             match self.decoder.decode(input.bytes()) {
                 Ok((taken, frame)) => {
@@ -893,6 +974,7 @@ impl Downstream {
             }
         };
         for bytes in frames {
+            STAGE.sent(LinkSide::Downstream, bytes.len());
             if context.output().push(&bytes).is_err() {
                 self.fail("the link to the next stage has too much queued output".into());
                 return;
