@@ -53,6 +53,8 @@ struct Generating {
     started: bool,
     text: String,
     logprobs: Option<Vec<TokenLogprob>>,
+    /// The request's span, held (not read) so that it ends when the generation's reply does.
+    _span: tracing::Span,
 }
 
 #[derive(Debug)]
@@ -143,6 +145,17 @@ impl HttpSession {
     /// Answers `request`: a quick response is written (and, kept alive, the next request read once it is
     /// out), a generation is queued and listened for.
     fn handle(&mut self, request: Request, context: &mut SessionContext<'_>) -> Step {
+        let span = request_span(&request);
+        span.in_scope(|| self.handle_in(request, context, &span))
+    }
+
+    /// [`HttpSession::handle`] inside the request's span.
+    fn handle_in(
+        &mut self,
+        request: Request,
+        context: &mut SessionContext<'_>,
+        span: &tracing::Span,
+    ) -> Step {
         let keep_alive = request.keep_alive && !context.draining();
         match routes::route(&self.state, &request) {
             Routed::Respond {
@@ -152,6 +165,8 @@ impl HttpSession {
                 body,
                 retry_after,
             } => {
+                span.record("route", route);
+                span.record("status", status);
                 self.state.metrics.count_request(route, status);
                 let mut headers = vec![("Content-Type", content_type)];
                 if retry_after {
@@ -180,6 +195,8 @@ impl HttpSession {
                     let error = ApiError::unavailable("the model is still loading");
                     return self.respond_error(route, &error, keep_alive, context);
                 };
+                span.record("route", route);
+                // The job takes the current span (this request's) as its generation's parent.
                 let job = Job::new(*spec, completer.clone());
                 if let Err(error) = ready.engine.submit(&job) {
                     return self.respond_error(route, &error, keep_alive, context);
@@ -206,7 +223,9 @@ impl HttpSession {
                     started: false,
                     text: String::new(),
                     logprobs: logprobs.then(Vec::new),
+                    _span: span.clone(),
                 }));
+                span.record("status", 200);
                 Step::Listen
             }
         }
@@ -220,6 +239,7 @@ impl HttpSession {
         keep_alive: bool,
         context: &mut SessionContext<'_>,
     ) -> Step {
+        tracing::Span::current().record("status", error.status);
         self.state.metrics.count_request(route, error.status);
         let mut headers = vec![("Content-Type", "application/json")];
         if error.status == 429 || error.status == 503 {
@@ -477,4 +497,27 @@ pub(crate) fn factory(
     state: Arc<ApiState>,
 ) -> impl Fn(&ConnectionInfo) -> Option<HttpSession> + Send + Sync + 'static {
     move |_: &ConnectionInfo| Some(HttpSession::new(Arc::clone(&state)))
+}
+
+/// The span of one request: `request_id` from `x-request-id` (or a fresh one), continuing the trace of a
+/// `traceparent` header. Lifecycle, so info: one per request, never per token.
+fn request_span(request: &Request) -> tracing::Span {
+    let request_id = request
+        .header("x-request-id")
+        .map(|id| id.chars().take(128).collect::<String>())
+        .unwrap_or_else(|| api::new_id("req-"));
+    let span = tracing::info_span!(
+        "stage.openai_http_request",
+        request_id = %request_id,
+        method = %request.method,
+        route = tracing::field::Empty,
+        status = tracing::field::Empty,
+    );
+    if let Some(parent) = request
+        .header("traceparent")
+        .and_then(crate::telemetry::TraceContext::parse_traceparent)
+    {
+        crate::telemetry::continue_trace(&span, &parent);
+    }
+    span
 }
