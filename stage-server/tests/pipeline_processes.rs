@@ -1,5 +1,6 @@
 //! A model split across stage processes on 127.0.0.1: the same tokens as the unsplit model, refusals in words on
-//! both sides, a dead stage reported at once, a drain on SIGTERM, and garbage on a stage port kept to its link.
+//! both sides, a dead stage reported at once (also by the API, which reconnects when it is back), a drain on
+//! SIGTERM, and garbage on a stage port kept to its link.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -911,4 +912,89 @@ fn penalties_look_back_on_the_prompt_over_processes_as_they_do_unsplit() {
         tokens_of(&unsplit),
         "the last stage's penalties should see the prompt, as the unsplit sampler does"
     );
+}
+
+/// One HTTP/1.1 request with `Connection: close`: the status and the body.
+fn http(address: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut stream = TcpStream::connect(address).expect("the API listens");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response);
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, body)| body.to_owned());
+    (status, body)
+}
+
+#[test]
+fn the_api_reports_a_dead_chain_at_once_and_serves_again_when_its_stage_is_back() {
+    use stage_server::frontend::{ApiConfig, ApiServer, Backend};
+    let llama = tiny("api-chain", &TinyModel::llama(GgmlDType::Q4_1));
+    let mut last = StageChild::start(&llama, "2..4", None, &[]);
+    let last_address = last.address;
+    let mut config = ApiConfig::new("127.0.0.1:0".parse().unwrap());
+    config.lanes = 2;
+    let backend = Backend::Chain {
+        layers_end: 2,
+        next: last_address,
+        options: ChainOptions::default(),
+    };
+    let api = ApiServer::start(&llama, backend, config).unwrap();
+    api.wait_ready(START_TIMEOUT).unwrap();
+    let address = api.local_addr();
+    let request = r#"{"prompt":[1,300,301],"max_tokens":4,"temperature":0}"#;
+    let (status, body) = http(address, "POST", "/v1/completions", request);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(http(address, "GET", "/health", "").0, 200);
+    last.kill();
+    // The lane whose link broke answers 503 in words at once, and the probe makes /health say so.
+    let started = Instant::now();
+    let (status, body) = http(address, "POST", "/v1/completions", request);
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("stage 1"),
+        "the error should name the stage: {body}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "a dead chain took {:?} to answer",
+        started.elapsed()
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while http(address, "GET", "/health", "").0 != 503 {
+        assert!(
+            Instant::now() < deadline,
+            "/health never said the chain is down"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (status, body) = http(address, "POST", "/v1/completions", request);
+    assert_eq!(status, 503, "while the chain is down: {body}");
+    // The stage comes back on its address: the probe sees it and both lanes reconnect on their own.
+    let _restarted = StageChild::start_on(&llama, "2..4", &last_address.to_string(), None, &[]);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while http(address, "GET", "/health", "").0 != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "/health never saw the chain come back"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for _ in 0..3 {
+        let (status, body) = http(address, "POST", "/v1/completions", request);
+        assert_eq!(status, 200, "after the restart: {body}");
+    }
+    let _ = api.shutdown(Instant::now() + Duration::from_secs(5));
 }

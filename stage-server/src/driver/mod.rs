@@ -142,14 +142,20 @@ pub struct SamplerExtras {
 #[derive(Debug)]
 pub struct Chain {
     stage: StageShare,
+    wire: Wire,
+    /// The first downstream stage's hello.
+    next: Hello,
+}
+
+/// Stage 0's end of one link to stage 1: frames out (shaped when asked), frames in.
+#[derive(Debug)]
+struct Wire {
     link: TcpConnection<'static>,
     address: SocketAddr,
     decoder: Decoder,
     /// Bytes read from the link and not yet decoded.
     unread: Vec<u8>,
     unread_start: usize,
-    /// The first downstream stage's hello.
-    next: Hello,
     options: ChainOptions,
     /// When the shaped link is free again.
     link_free: Instant,
@@ -180,81 +186,28 @@ impl Chain {
         next: SocketAddr,
         options: ChainOptions,
     ) -> Result<Chain, DriverError> {
-        let block_count = file.config().block_count;
         let (layers_end, width) = {
             let stage = share.lock();
             (stage.spec().layers.end, stage.width())
         };
-        let ours = Hello {
-            version: PROTOCOL_VERSION,
-            role: Role::StageLink,
-            fingerprint: model::fingerprint(file.path())?,
-            stage_index: 0,
-            layer_start: 0,
-            layer_end: layers_end as u32,
-            block_count: block_count as u32,
-            width: width as u32,
-            vocab_size: file.config().vocab_size as u32,
-            lanes: 1,
-            codecs: CodecSet::all(),
-            nonce: if options.cluster_key.is_some() {
-                fresh_nonce()
-            } else {
-                [0; 16]
-            },
-            proof: None,
-        };
-        let limits = Limits::new()
-            .handshake_timeout(options.connect_timeout)
-            .idle_timeout(options.reply_timeout)
-            .read_timeout(options.reply_timeout)
-            .write_timeout(options.reply_timeout)
-            .min_rate(None);
-        let link = net_io_blocking::connect(next, &limits).map_err(|error| DriverError::Link {
-            address: next,
-            error,
-        })?;
-        let mut chain = Chain {
+        let ours = first_stage_hello(file, layers_end, width)?;
+        Chain::connect_with(share, &ours, next, options)
+    }
+
+    /// [`Chain::connect_lane`] with stage 0's hello already made (see [`first_stage_hello`]), as a server
+    /// that opens many links does.
+    pub fn connect_with(
+        share: StageShare,
+        ours: &Hello,
+        next: SocketAddr,
+        options: ChainOptions,
+    ) -> Result<Chain, DriverError> {
+        let (wire, theirs) = Wire::open(ours, next, options)?;
+        Ok(Chain {
             stage: share,
-            link,
-            address: next,
-            decoder: Decoder::new(WireLimits::default()),
-            unread: Vec::new(),
-            unread_start: 0,
-            next: ours.clone(),
-            options,
-            link_free: Instant::now(),
-        };
-        chain.send(&Frame::Hello(ours.clone()))?;
-        let theirs = match chain.receive()? {
-            Frame::Hello(theirs) => theirs,
-            Frame::Error { code, message, .. } => return Err(DriverError::Stage { code, message }),
-            other => {
-                return Err(DriverError::Protocol(format!(
-                    "stage 1 answered the hello with a {} frame",
-                    other.kind_name()
-                )));
-            }
-        };
-        check_adjacent(&ours, &theirs).map_err(|mismatch| DriverError::Stage {
-            code: mismatch.code(),
-            message: mismatch.to_string(),
-        })?;
-        if let Some(key) = chain.options.cluster_key.clone() {
-            let proven = theirs.proof.is_some_and(|proof| {
-                verify(&key, Side::Accepting, &ours.nonce, &theirs.nonce, &proof)
-            });
-            if !proven {
-                return Err(DriverError::Stage {
-                    code: ErrorCode::Auth,
-                    message: "stage 1 did not prove the cluster key; give every stage the same --cluster-key file".into(),
-                });
-            }
-            let answer = proof(&key, Side::Connecting, &ours.nonce, &theirs.nonce);
-            chain.send(&Frame::Proof { proof: answer })?;
-        }
-        chain.next = theirs;
-        Ok(chain)
+            wire,
+            next: theirs,
+        })
     }
 
     /// The first downstream stage's hello.
@@ -274,7 +227,7 @@ impl Chain {
     ) -> Result<Generation, DriverError> {
         let extras = SamplerExtras {
             logit_bias: Vec::new(),
-            top_logprobs: self.options.top_logprobs,
+            top_logprobs: self.wire.options.top_logprobs,
         };
         self.generate_with(prompt, sampling, &extras, options, |predicted| {
             on_token(predicted);
@@ -358,7 +311,7 @@ impl Chain {
             })?;
             if !last {
                 unacknowledged += 1;
-                while unacknowledged > self.options.credits {
+                while unacknowledged > self.wire.options.credits {
                     STAGE.credit_wait();
                     self.wait_for_ack(session)?;
                     unacknowledged -= 1;
@@ -417,7 +370,7 @@ impl Chain {
             StageOutput::Activations(values) => Ok(Activations::encode(
                 &values,
                 width as u32,
-                self.options.codec,
+                self.wire.options.codec,
             )),
             StageOutput::Logits(_) => Err(DriverError::Protocol(
                 "stage 0 produced logits; it must not hold the model's last layer".into(),
@@ -492,6 +445,77 @@ impl Chain {
     }
 
     fn send(&mut self, frame: &Frame) -> Result<(), DriverError> {
+        self.wire.send(frame)
+    }
+
+    fn receive(&mut self) -> Result<Frame, DriverError> {
+        self.wire.receive()
+    }
+}
+
+impl Wire {
+    /// Connects to `next`, exchanges hellos (and the cluster key's proofs) and checks that the chain there
+    /// continues `ours`; returns the link with the first stage's hello.
+    fn open(
+        ours: &Hello,
+        next: SocketAddr,
+        options: ChainOptions,
+    ) -> Result<(Wire, Hello), DriverError> {
+        let mut ours = ours.clone();
+        if options.cluster_key.is_some() {
+            ours.nonce = fresh_nonce();
+        }
+        let limits = Limits::new()
+            .handshake_timeout(options.connect_timeout)
+            .idle_timeout(options.reply_timeout)
+            .read_timeout(options.reply_timeout)
+            .write_timeout(options.reply_timeout)
+            .min_rate(None);
+        let link = net_io_blocking::connect(next, &limits).map_err(|error| DriverError::Link {
+            address: next,
+            error,
+        })?;
+        let mut wire = Wire {
+            link,
+            address: next,
+            decoder: Decoder::new(WireLimits::default()),
+            unread: Vec::new(),
+            unread_start: 0,
+            options,
+            link_free: Instant::now(),
+        };
+        wire.send(&Frame::Hello(ours.clone()))?;
+        let theirs = match wire.receive()? {
+            Frame::Hello(theirs) => theirs,
+            Frame::Error { code, message, .. } => return Err(DriverError::Stage { code, message }),
+            other => {
+                return Err(DriverError::Protocol(format!(
+                    "stage 1 answered the hello with a {} frame",
+                    other.kind_name()
+                )));
+            }
+        };
+        check_adjacent(&ours, &theirs).map_err(|mismatch| DriverError::Stage {
+            code: mismatch.code(),
+            message: mismatch.to_string(),
+        })?;
+        if let Some(key) = wire.options.cluster_key.clone() {
+            let proven = theirs.proof.is_some_and(|proof| {
+                verify(&key, Side::Accepting, &ours.nonce, &theirs.nonce, &proof)
+            });
+            if !proven {
+                return Err(DriverError::Stage {
+                    code: ErrorCode::Auth,
+                    message: "stage 1 did not prove the cluster key; give every stage the same --cluster-key file".into(),
+                });
+            }
+            let answer = proof(&key, Side::Connecting, &ours.nonce, &theirs.nonce);
+            wire.send(&Frame::Proof { proof: answer })?;
+        }
+        Ok((wire, theirs))
+    }
+
+    fn send(&mut self, frame: &Frame) -> Result<(), DriverError> {
         let mut bytes = Vec::new();
         encode(frame, &mut bytes);
         if self.options.shape.is_shaped() {
@@ -544,6 +568,35 @@ impl Chain {
             self.unread.extend_from_slice(&scratch[..count]);
         }
     }
+}
+
+/// Stage 0's hello for a chain after its layers `0..layers_end` of `file` (rows of `width` values).
+pub fn first_stage_hello(
+    file: &ModelFile,
+    layers_end: usize,
+    width: usize,
+) -> Result<Hello, DriverError> {
+    Ok(Hello {
+        version: PROTOCOL_VERSION,
+        role: Role::StageLink,
+        fingerprint: model::fingerprint(file.path())?,
+        stage_index: 0,
+        layer_start: 0,
+        layer_end: layers_end as u32,
+        block_count: file.config().block_count as u32,
+        width: width as u32,
+        vocab_size: file.config().vocab_size as u32,
+        lanes: 1,
+        codecs: CodecSet::all(),
+        nonce: [0; 16],
+        proof: None,
+    })
+}
+
+/// Checks that the chain at `next` is up and continues `ours`: a link is opened, its hellos exchanged (the
+/// first stage answers only once every stage after it did) and closed again. Returns the first stage's hello.
+pub fn probe(ours: &Hello, next: SocketAddr, options: ChainOptions) -> Result<Hello, DriverError> {
+    Wire::open(ours, next, options).map(|(_, theirs)| theirs)
 }
 
 /// Loads stage 0's layers `0..layers_end` of `file` with `lanes` lanes (each of `context_length` tokens, by

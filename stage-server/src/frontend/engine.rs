@@ -421,9 +421,13 @@ fn run(shared: &Shared, runner: &mut LaneRunner, job: &Job, spec: JobSpec) {
                 },
             });
         }
-        Err(message) => {
+        Err(failure) if failure.unavailable => {
+            job.push(JobEvent::Failed(ApiError::unavailable(failure.message)));
+        }
+        Err(failure) => {
             job.push(JobEvent::Failed(ApiError::server_error(format!(
-                "the generation failed: {message}"
+                "the generation failed: {}",
+                failure.message
             ))));
         }
     }

@@ -11,6 +11,7 @@
 //! is ready (for a chain, until every lane's link to stage 1 passed its hello), then 200.
 
 mod engine;
+mod health;
 mod metrics;
 mod prompt;
 mod routes;
@@ -27,13 +28,14 @@ use std::time::{Duration, Instant};
 use net_io_blocking::{DrainReport, Limits, NetError, Server, ServerBuilder, SessionDriver};
 
 use crate::chat::ChatTemplate;
-use crate::driver::{Chain, ChainOptions, StageShare, load_first_stage};
+use crate::driver::{ChainOptions, StageShare, first_stage_hello, load_first_stage};
 use crate::model::{self, ModelError, ModelFile, Stage, StageOptions, StageSpec};
 use crate::tokenizer::Tokenizer;
 use engine::{Engine, RunnerFactory};
+use health::ChainHealth;
 use metrics::Metrics;
 use prompt::TextModel;
-use runner::LaneRunner;
+use runner::{ChainLane, LaneRunner};
 pub use state::ApiConfig;
 use state::{ApiState, Ready};
 
@@ -108,6 +110,8 @@ impl ApiServer {
             metrics: Arc::new(Metrics::default()),
             ready: OnceLock::new(),
             load_error: Mutex::new(None),
+            chain: Arc::new(ChainHealth::default()),
+            probe: Mutex::new(None),
             config,
         });
         let server = ServerBuilder::new()
@@ -183,9 +187,17 @@ impl ApiServer {
             state,
             loader,
         } = &mut self;
-        let _ = (server, state);
+        let _ = server;
         if let Some(loader) = loader.take() {
             let _ = loader.join();
+        }
+        if let Some(probe) = state
+            .probe
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take()
+        {
+            probe.cancel();
         }
         report
     }
@@ -250,24 +262,33 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
             let stage = load_first_stage(&file, layers_end, lanes, context)
                 .map_err(|error| error.to_string())?;
             let context_length = stage.context_length();
+            let width = stage.width();
             let stage = Arc::new(Mutex::new(stage));
-            let file = Arc::new(file);
+            let ours =
+                first_stage_hello(&file, layers_end, width).map_err(|error| error.to_string())?;
+            let health = Arc::clone(&state.chain);
             let runners = (0..lanes)
                 .map(|lane| {
                     let share = StageShare {
                         stage: Arc::clone(&stage),
                         lane,
                     };
-                    let (file, options) = (Arc::clone(&file), options.clone());
+                    let (ours, options, health) =
+                        (ours.clone(), options.clone(), Arc::clone(&health));
                     Box::new(move || {
-                        Chain::connect_lane(&file, share, next, options)
-                            .map(|chain| LaneRunner::Chain(Box::new(chain)))
+                        ChainLane::connect(share, ours, next, options, health)
+                            .map(|lane| LaneRunner::Chain(Box::new(lane)))
                             .map_err(|error| {
                                 format!("lane {lane}'s link to stage 1 at {next}: {error}")
                             })
                     }) as RunnerFactory
                 })
                 .collect();
+            let probe = health::start_probe(Arc::clone(&state.chain), ours, next, options);
+            *state
+                .probe
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(probe);
             (runners, context_length)
         }
     };

@@ -98,9 +98,20 @@ pub(crate) fn route(state: &ApiState, request: &Request) -> Routed {
         }
     }
     if route == HEALTH {
-        return match state.ready.get() {
-            Some(_) => json(route, 200, r#"{"status":"ok"}"#.to_owned()),
-            None => json(
+        let down = state.chain.down_reason();
+        return match (state.ready.get(), down) {
+            (Some(_), None) => json(route, 200, r#"{"status":"ok"}"#.to_owned()),
+            (Some(_), Some(reason)) => json(
+                route,
+                503,
+                serde_json::json!({"error": {
+                    "code": 503,
+                    "message": format!("the chain is down: {reason}"),
+                    "type": "unavailable_error",
+                }})
+                .to_string(),
+            ),
+            (None, _) => json(
                 route,
                 503,
                 serde_json::json!({"error": {

@@ -4,11 +4,15 @@ use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::driver::{Chain, Predicted, SamplerExtras};
+use std::net::SocketAddr;
+
+use super::health::ChainHealth;
+use crate::driver::{Chain, ChainOptions, DriverError, Predicted, SamplerExtras, StageShare};
 use crate::model::{
     Finish, GenerateOptions, Generation, Logits, ModelError, PREFILL_CHUNK, Sampler,
     SamplingParams, Stage, StageInput, StageOutput, log_probabilities,
 };
+use crate::wire::{ErrorCode, Hello};
 
 /// What a lane generates with.
 #[derive(Debug)]
@@ -21,7 +25,110 @@ pub(crate) enum LaneRunner {
         lane: usize,
     },
     /// Stage 0's layers here (the chain link holds its share), the rest down the chain.
-    Chain(Box<Chain>),
+    Chain(Box<ChainLane>),
+}
+
+/// Why a lane could not generate.
+#[derive(Debug)]
+pub(crate) struct RunError {
+    /// The chain is down or refused (503 with `Retry-After`), rather than the generation failing (500).
+    pub unavailable: bool,
+    /// What happened, in words.
+    pub message: String,
+}
+
+/// A lane's link down the chain, opened again for the next request after it broke.
+#[derive(Debug)]
+pub(crate) struct ChainLane {
+    link: Option<Chain>,
+    share: StageShare,
+    ours: Hello,
+    next: SocketAddr,
+    options: ChainOptions,
+    health: Arc<ChainHealth>,
+}
+
+impl ChainLane {
+    /// A lane on `share` that links to the chain at `next`, opening its first link now.
+    pub(crate) fn connect(
+        share: StageShare,
+        ours: Hello,
+        next: SocketAddr,
+        options: ChainOptions,
+        health: Arc<ChainHealth>,
+    ) -> Result<ChainLane, DriverError> {
+        let link = Chain::connect_with(share.clone(), &ours, next, options.clone())?;
+        Ok(ChainLane {
+            link: Some(link),
+            share,
+            ours,
+            next,
+            options,
+            health,
+        })
+    }
+
+    fn generate(
+        &mut self,
+        prompt: &[u32],
+        sampling: SamplingParams,
+        extras: &SamplerExtras,
+        options: &GenerateOptions,
+        on_token: impl FnMut(&Predicted) -> ControlFlow<()>,
+    ) -> Result<Generation, RunError> {
+        let link = match self.link.take() {
+            Some(link) => link,
+            None => {
+                if let Some(reason) = self.health.down_reason() {
+                    return Err(RunError {
+                        unavailable: true,
+                        message: format!("the chain is down ({reason}); retry shortly"),
+                    });
+                }
+                Chain::connect_with(
+                    self.share.clone(),
+                    &self.ours,
+                    self.next,
+                    self.options.clone(),
+                )
+                .map_err(|error| {
+                    let message = format!("stage 1 at {}: {error}", self.next);
+                    self.health.mark_down(message.clone());
+                    RunError {
+                        unavailable: true,
+                        message: format!("the chain is down ({message}); retry shortly"),
+                    }
+                })?
+            }
+        };
+        let mut link = link;
+        match link.generate_with(prompt, sampling, extras, options, on_token) {
+            Ok(generation) => {
+                self.link = Some(link);
+                Ok(generation)
+            }
+            // The link is dropped whatever failed: the next request opens a fresh one, so a stage that
+            // restarted meanwhile is found, and no half-read frame is ever taken for an answer.
+            Err(error) => {
+                let unavailable = matches!(error, DriverError::Link { .. })
+                    || matches!(
+                        &error,
+                        DriverError::Stage {
+                            code: ErrorCode::StageDown,
+                            ..
+                        }
+                    );
+                if unavailable {
+                    self.health
+                        .mark_down(format!("stage 1 at {}: {error}", self.next));
+                }
+                Err(RunError {
+                    unavailable,
+                    message: error.to_string(),
+                })
+            }
+        }
+    }
 }
 
 impl LaneRunner {
@@ -33,15 +140,16 @@ impl LaneRunner {
         extras: &SamplerExtras,
         options: &GenerateOptions,
         on_token: impl FnMut(&Predicted) -> ControlFlow<()>,
-    ) -> Result<Generation, String> {
+    ) -> Result<Generation, RunError> {
         match self {
-            LaneRunner::Local { stage, lane } => {
-                generate_local(stage, *lane, prompt, sampling, extras, options, on_token)
-                    .map_err(|error| error.to_string())
-            }
-            LaneRunner::Chain(chain) => chain
-                .generate_with(prompt, sampling, extras, options, on_token)
-                .map_err(|error| error.to_string()),
+            LaneRunner::Local { stage, lane } => generate_local(
+                stage, *lane, prompt, sampling, extras, options, on_token,
+            )
+            .map_err(|error| RunError {
+                unavailable: false,
+                message: error.to_string(),
+            }),
+            LaneRunner::Chain(lane) => lane.generate(prompt, sampling, extras, options, on_token),
         }
     }
 }

@@ -5,7 +5,10 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use task_runtime::TaskHandle;
+
 use super::engine::Engine;
+use super::health::ChainHealth;
 use super::metrics::Metrics;
 use super::prompt::TextModel;
 use crate::http::HttpLimits;
@@ -75,6 +78,10 @@ pub(crate) struct ApiState {
     pub ready: OnceLock<Ready>,
     /// Why loading failed, if it did (`/health` says so).
     pub load_error: Mutex<Option<String>>,
+    /// Whether the chain behind stage 0 answers (always up for a whole model).
+    pub chain: Arc<ChainHealth>,
+    /// The chain's repeating probe, cancelled at shutdown.
+    pub probe: Mutex<Option<TaskHandle<()>>>,
 }
 
 impl ApiState {

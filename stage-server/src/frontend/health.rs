@@ -1,0 +1,80 @@
+//! Whether the chain behind stage 0 answers: a task-runtime task probes it every [`PROBE_GAP`] (a hello
+//! through every stage), `/health` reports it, and lanes whose link broke reconnect only once it is back.
+//!
+//! A lane's link that fails is dropped; the lane opens a new one for its next request, so a stage process
+//! that restarted is picked up without restarting stage 0. While the probe says the chain is down, requests
+//! fail at once with 503 (and a `Retry-After`) instead of each waiting out a connect timeout.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use task_runtime::{Compute, Runtime, TaskHandle};
+
+use crate::driver::{self, ChainOptions};
+use crate::wire::Hello;
+
+/// The gap between two probes of the chain.
+pub(crate) const PROBE_GAP: Duration = Duration::from_secs(2);
+/// How long one probe may take to connect and hear every stage's hello.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The chain's last known state.
+#[derive(Debug, Default)]
+pub(crate) struct ChainHealth {
+    /// `None` while the chain answers; the reason it did not, otherwise.
+    down: Mutex<Option<String>>,
+}
+
+impl ChainHealth {
+    /// Why the chain is down, if the last probe or link failure said so.
+    pub(crate) fn down_reason(&self) -> Option<String> {
+        self.down
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+
+    /// Records that the chain answered.
+    pub(crate) fn mark_up(&self) {
+        let mut down = self
+            .down
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(reason) = down.take() {
+            tracing::info!("the chain is back (it was down: {reason})");
+        }
+    }
+
+    /// Records that the chain did not answer, and why.
+    pub(crate) fn mark_down(&self, reason: String) {
+        let mut down = self
+            .down
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if down.is_none() {
+            tracing::warn!("the chain is down: {reason}");
+        }
+        *down = Some(reason);
+    }
+}
+
+/// Starts the repeating probe of the chain at `next` (cancel the handle to stop it).
+pub(crate) fn start_probe(
+    health: Arc<ChainHealth>,
+    ours: Hello,
+    next: SocketAddr,
+    mut options: ChainOptions,
+) -> TaskHandle<()> {
+    options.connect_timeout = PROBE_TIMEOUT;
+    options.reply_timeout = PROBE_TIMEOUT;
+    Runtime::task(Compute::compute(move |()| {
+        match driver::probe(&ours, next, options.clone()) {
+            Ok(_) => health.mark_up(),
+            Err(error) => health.mark_down(format!("stage 1 at {next}: {error}")),
+        }
+    }))
+    .repeat()
+    .every(PROBE_GAP)
+    .spawn()
+}
