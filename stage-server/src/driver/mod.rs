@@ -13,10 +13,13 @@
 
 use std::net::SocketAddr;
 use std::ops::ControlFlow;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use net_io_blocking::{Limits, NetError, TcpConnection};
+
+mod turns;
+pub use turns::{Turn, Turns};
 
 use crate::model::{
     self, Finish, GenerateOptions, Generation, Logits, ModelError, ModelFile, PREFILL_CHUNK,
@@ -114,18 +117,16 @@ pub struct Predicted {
 #[derive(Clone, Debug)]
 pub struct StageShare {
     /// The layers from 0, loaded once.
-    pub stage: Arc<Mutex<Stage>>,
+    pub stage: Arc<Turns<Stage>>,
     /// The lane of `stage` this link's generations use.
     pub lane: usize,
 }
 
 impl StageShare {
-    fn lock(&self) -> MutexGuard<'_, Stage> {
-        // A panic inside a forward pass leaves the lane's cache suspect, not the others': each generation
-        // resets its own lane before it starts.
-        self.stage
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    fn lock(&self) -> Turn<'_, Stage> {
+        // Lanes take turns at the stage (see `Turns`); a panic inside a forward pass leaves only its own
+        // lane suspect, and each generation resets its lane before it starts.
+        self.stage.lock()
     }
 }
 
@@ -172,7 +173,7 @@ impl Chain {
     ) -> Result<Chain, DriverError> {
         let stage = load_first_stage(file, layers_end, 1, None)?;
         let share = StageShare {
-            stage: Arc::new(Mutex::new(stage)),
+            stage: Arc::new(Turns::new(stage)),
             lane: 0,
         };
         Chain::connect_lane(file, share, next, options)

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use net_io_blocking::{DrainReport, Limits, NetError, Server, ServerBuilder, SessionDriver};
 
 use crate::chat::ChatTemplate;
-use crate::driver::{ChainOptions, StageShare, first_stage_hello, load_first_stage};
+use crate::driver::{ChainOptions, StageShare, Turns, first_stage_hello, load_first_stage};
 use crate::model::{self, ModelError, ModelFile, Stage, StageOptions, StageSpec};
 use crate::tokenizer::Tokenizer;
 use engine::{Engine, RunnerFactory};
@@ -245,7 +245,7 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
             )
             .map_err(|error| error.to_string())?;
             let context_length = stage.context_length();
-            let stage = Arc::new(Mutex::new(stage));
+            let stage = Arc::new(Turns::new(stage));
             let runners = (0..lanes)
                 .map(|lane| {
                     let stage = Arc::clone(&stage);
@@ -263,7 +263,7 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
                 .map_err(|error| error.to_string())?;
             let context_length = stage.context_length();
             let width = stage.width();
-            let stage = Arc::new(Mutex::new(stage));
+            let stage = Arc::new(Turns::new(stage));
             let ours =
                 first_stage_hello(&file, layers_end, width).map_err(|error| error.to_string())?;
             let health = Arc::clone(&state.chain);

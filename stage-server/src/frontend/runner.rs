@@ -1,13 +1,15 @@
 //! One lane's generator: the whole model in this process, or stage 0's layers with a link down a chain.
 
 use std::ops::ControlFlow;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use std::net::SocketAddr;
 
 use super::health::ChainHealth;
-use crate::driver::{Chain, ChainOptions, DriverError, Predicted, SamplerExtras, StageShare};
+use crate::driver::{
+    Chain, ChainOptions, DriverError, Predicted, SamplerExtras, StageShare, Turns,
+};
 use crate::model::{
     Finish, GenerateOptions, Generation, Logits, ModelError, PREFILL_CHUNK, Sampler,
     SamplingParams, Stage, StageInput, StageOutput, log_probabilities,
@@ -20,7 +22,7 @@ pub(crate) enum LaneRunner {
     /// Every layer here: lane `lane` of a stage shared by all the lanes.
     Local {
         /// The whole model, loaded once.
-        stage: Arc<Mutex<Stage>>,
+        stage: Arc<Turns<Stage>>,
         /// This runner's lane of its KV cache.
         lane: usize,
     },
@@ -154,18 +156,11 @@ impl LaneRunner {
     }
 }
 
-fn lock(stage: &Mutex<Stage>) -> MutexGuard<'_, Stage> {
-    // A panicked pass leaves only its own lane suspect, and every generation resets its lane first.
-    stage
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 /// The whole model on one lane, as `Pipeline::generate` runs it, with the chain's last stage's extras
 /// (logit bias, log-probabilities) so the two backends answer alike. The stage is locked per forward pass
 /// only, so the lanes take turns at every step.
 fn generate_local(
-    stage: &Mutex<Stage>,
+    stage: &Turns<Stage>,
     lane: usize,
     prompt: &[u32],
     sampling: SamplingParams,
@@ -183,7 +178,7 @@ fn generate_local(
     if prompt.is_empty() {
         return Err(ModelError::EmptyChunk);
     }
-    lock(stage).reset(lane)?;
+    stage.lock().reset(lane)?;
     if options.max_tokens == 0 {
         return Ok(generation);
     }
@@ -192,7 +187,10 @@ fn generate_local(
         sampler.accept(token);
     }
     let forward = |position: usize, tokens: &[u32]| -> Result<Vec<f32>, ModelError> {
-        match lock(stage).forward(lane, position, StageInput::Tokens(tokens), Logits::Last)? {
+        match stage
+            .lock()
+            .forward(lane, position, StageInput::Tokens(tokens), Logits::Last)?
+        {
             StageOutput::Logits(row) => Ok(row),
             StageOutput::Activations(_) => Err(ModelError::Compute(
                 "the local stage returned activations; it must hold every layer".into(),
