@@ -29,17 +29,28 @@ pub struct OtlpConfig {
     pub queue: QueueConfig,
     /// How often metrics are pushed.
     pub metrics_interval: Duration,
+    /// Which spans are exported (`RUST_LOG` syntax); `None`: `STAGE_SERVER_OTLP_FILTER`, else `info`.
+    pub span_filter: Option<String>,
 }
 
 impl OtlpConfig {
-    /// Defaults for `endpoint`: 2 s export timeout, a 2048-span queue in batches of 512 every second, metrics
-    /// every 5 s.
+    /// Defaults for `endpoint`: 2 s export timeout, a queue of 2048 spans (or `STAGE_SERVER_OTLP_QUEUE`) in
+    /// batches of 512 every second, metrics every 5 s.
     pub fn new(endpoint: impl Into<String>) -> OtlpConfig {
+        let mut queue = QueueConfig::default();
+        if let Some(capacity) = std::env::var(super::OTLP_QUEUE_ENV)
+            .ok()
+            .and_then(|text| text.trim().parse::<usize>().ok())
+        {
+            queue.capacity = capacity.max(1);
+            queue.max_batch = queue.max_batch.min(queue.capacity);
+        }
         OtlpConfig {
             endpoint: endpoint.into(),
             timeout: Duration::from_secs(2),
-            queue: QueueConfig::default(),
+            queue,
             metrics_interval: Duration::from_secs(5),
+            span_filter: None,
         }
     }
 

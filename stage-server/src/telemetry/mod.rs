@@ -45,8 +45,11 @@ pub const OTLP_ENDPOINT_ENV: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
 /// The environment variable with the filter of the spans that are exported (`RUST_LOG` syntax; default
 /// `info`: requests, generations and stage sessions; `stage_server=trace` adds every frame).
 pub const OTLP_FILTER_ENV: &str = "STAGE_SERVER_OTLP_FILTER";
-/// How long a shutdown waits for the last export at most.
-pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_millis(1500);
+/// The environment variable with the span queue's capacity (default 2048): a full queue drops and counts.
+pub const OTLP_QUEUE_ENV: &str = "STAGE_SERVER_OTLP_QUEUE";
+/// How long a shutdown waits for the last export at most: `run` stops its stage processes (in parallel) and
+/// then itself, so a black-hole collector costs an exit twice this.
+pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_millis(750);
 
 /// How logs are written on stderr.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -126,8 +129,10 @@ pub fn init(options: TelemetryOptions) -> Telemetry {
     if let Some(config) = &options.otlp {
         match export::start(config, resource(&options.identity)) {
             Ok(started) => {
-                let otlp_filter = std::env::var(OTLP_FILTER_ENV)
-                    .ok()
+                let otlp_filter = config
+                    .span_filter
+                    .clone()
+                    .or_else(|| std::env::var(OTLP_FILTER_ENV).ok())
                     .and_then(|text| EnvFilter::try_new(text).ok())
                     .unwrap_or_else(|| EnvFilter::new("info"));
                 let tracer = started.tracer.tracer("stage-server");

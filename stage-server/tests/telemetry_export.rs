@@ -1,0 +1,429 @@
+//! OTLP export over real sockets: a loopback OTLP/HTTP receiver in the test decodes what a 3-process
+//! `stage-server run` exports for one request (one trace, spans from every stage, the metrics), and a
+//! black-hole collector that accepts and never answers costs the serving nothing and the exit under 2 s.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use candle_core::quantized::GgmlDType;
+use opentelemetry_proto::tonic::collector::metrics::v1::ExportMetricsServiceRequest;
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use prost::Message;
+use stage_server::model::testing::TinyModel;
+
+const BINARY: &str = env!("CARGO_BIN_EXE_stage-server");
+/// Generous: three processes load a model on a loaded 2-core machine.
+const READY_TIMEOUT: Duration = Duration::from_secs(90);
+/// The trace the request continues (a W3C traceparent header).
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+
+/// One span as the receiver got it.
+#[derive(Clone, Debug)]
+struct ReceivedSpan {
+    name: String,
+    trace_id: String,
+    span_id: String,
+    parent_id: String,
+    stage_index: Option<i64>,
+    duration: Duration,
+}
+
+/// What the receiver decoded.
+#[derive(Debug, Default)]
+struct Received {
+    spans: Vec<ReceivedSpan>,
+    /// Metric names with the stage index of the process that sent them.
+    metrics: Vec<(String, Option<i64>)>,
+    requests: usize,
+}
+
+/// A loopback OTLP/HTTP receiver: every connection is one request, answered 200 (or, as a black hole,
+/// accepted and never answered).
+struct Receiver {
+    address: SocketAddr,
+    received: Arc<Mutex<Received>>,
+}
+
+impl Receiver {
+    fn start(black_hole: bool) -> Receiver {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        let received = Arc::new(Mutex::new(Received::default()));
+        let shared = Arc::clone(&received);
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { continue };
+                if black_hole {
+                    // Accepted, never read or answered; kept open so the client waits.
+                    held.push(stream);
+                    continue;
+                }
+                let shared = Arc::clone(&shared);
+                std::thread::spawn(move || serve_one(stream, &shared));
+            }
+        });
+        Receiver { address, received }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.address)
+    }
+}
+
+fn serve_one(stream: TcpStream, received: &Mutex<Received>) {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    if reader.read_line(&mut line).is_err() {
+        return;
+    }
+    let path = line.split_whitespace().nth(1).unwrap_or("").to_owned();
+    let mut length = 0usize;
+    loop {
+        let mut header = String::new();
+        if reader.read_line(&mut header).is_err() || header.trim().is_empty() {
+            break;
+        }
+        if let Some((name, value)) = header.split_once(':')
+            && name.trim().eq_ignore_ascii_case("content-length")
+        {
+            length = value.trim().parse().unwrap_or(0);
+        }
+    }
+    let mut body = vec![0u8; length];
+    if reader.read_exact(&mut body).is_err() {
+        return;
+    }
+    {
+        let mut received = received.lock().unwrap();
+        received.requests += 1;
+        if path == "/v1/traces" {
+            let request = ExportTraceServiceRequest::decode(body.as_slice())
+                .expect("the span export decodes as OTLP protobuf");
+            for resource in request.resource_spans {
+                let stage_index = stage_index_of(resource.resource.as_ref());
+                for scope in resource.scope_spans {
+                    for span in scope.spans {
+                        received.spans.push(ReceivedSpan {
+                            name: span.name,
+                            trace_id: hex(&span.trace_id),
+                            span_id: hex(&span.span_id),
+                            parent_id: hex(&span.parent_span_id),
+                            stage_index,
+                            duration: Duration::from_nanos(
+                                span.end_time_unix_nano
+                                    .saturating_sub(span.start_time_unix_nano),
+                            ),
+                        });
+                    }
+                }
+            }
+        } else if path == "/v1/metrics" {
+            let request = ExportMetricsServiceRequest::decode(body.as_slice())
+                .expect("the metric export decodes as OTLP protobuf");
+            for resource in request.resource_metrics {
+                let stage_index = stage_index_of(resource.resource.as_ref());
+                for scope in resource.scope_metrics {
+                    for metric in scope.metrics {
+                        received.metrics.push((metric.name, stage_index));
+                    }
+                }
+            }
+        }
+    }
+    let mut stream = reader.into_inner();
+    let _ = stream.write_all(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\nContent-Length: 0\r\n\r\n",
+    );
+}
+
+fn stage_index_of(
+    resource: Option<&opentelemetry_proto::tonic::resource::v1::Resource>,
+) -> Option<i64> {
+    resource?.attributes.iter().find_map(|attribute| {
+        (attribute.key == "stage.index")
+            .then(|| match attribute.value.as_ref()?.value.as_ref()? {
+                Value::IntValue(value) => Some(*value),
+                _ => None,
+            })
+            .flatten()
+    })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+fn tiny_model(name: &str) -> PathBuf {
+    let directory =
+        std::env::temp_dir().join(format!("stage-server-otlp-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).unwrap();
+    TinyModel::llama(GgmlDType::Q8_0)
+        .write_to_dir(&directory)
+        .unwrap()
+}
+
+/// `stage-server run` over three processes, SIGKILLed when dropped.
+struct Run {
+    child: Option<Child>,
+    api: SocketAddr,
+}
+
+impl Run {
+    fn start(model: &PathBuf, endpoint: &str, span_filter: &str, queue: usize) -> Run {
+        let mut child = Command::new(BINARY)
+            .args(["run", "--stages", "3", "--lanes", "1", "--threads", "1"])
+            .arg("--model")
+            .arg(model)
+            .args(["--http", "127.0.0.1:0", "--drain-timeout", "5"])
+            .args(["--otlp-endpoint", endpoint])
+            .env("STAGE_SERVER_OTLP_FILTER", span_filter)
+            .env("STAGE_SERVER_OTLP_QUEUE", queue.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawning stage-server run");
+        let stdout = child.stdout.take().unwrap();
+        let (lines, ready) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let _ = lines.send(line);
+            }
+        });
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let api = loop {
+            let line = ready
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                .expect("stage-server run did not say it serves in time");
+            if let Some(rest) = line.split_once(" on http://").map(|(_, rest)| rest)
+                && let Some(address) = rest.split('/').next()
+                && let Ok(address) = address.parse()
+            {
+                break address;
+            }
+        };
+        Run {
+            child: Some(child),
+            api,
+        }
+    }
+
+    /// SIGTERM, then the time the whole pipeline took to exit.
+    fn stop(mut self) -> Duration {
+        let mut child = self.child.take().unwrap();
+        let started = Instant::now();
+        // The child is ours and unreaped, so its pid is not reused.
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let status = child.wait().unwrap();
+        assert!(status.success(), "stage-server run exited with {status}");
+        started.elapsed()
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A completion of `max_tokens` with a traceparent header; the body.
+fn complete(api: SocketAddr, max_tokens: usize) -> (u16, String) {
+    let body = format!(r#"{{"prompt":[1,300,301],"max_tokens":{max_tokens},"temperature":0}}"#);
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\ntraceparent: 00-{TRACE_ID}-00f067aa0ba902b7-01\r\nx-request-id: otlp-test-1\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = TcpStream::connect(api).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response);
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|status| status.parse().ok())
+        .unwrap_or(0);
+    (status, response)
+}
+
+fn get(api: SocketAddr, path: &str) -> String {
+    let mut stream = TcpStream::connect(api).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response);
+    response
+}
+
+/// The value of an unlabelled sample in Prometheus text.
+fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|line| {
+        line.strip_prefix(name)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
+#[test]
+fn one_request_through_three_processes_is_one_trace_with_spans_from_every_stage() {
+    let receiver = Receiver::start(false);
+    let model = tiny_model("trace");
+    let run = Run::start(&model, &receiver.url(), "stage_server=trace", 2048);
+    let (status, body) = complete(run.api, 8);
+    assert_eq!(status, 200, "the completion failed: {body}");
+    // Metrics go every 5 s (and once more at the exit): wait for stage 0's first push after the request.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < deadline {
+        let pushed = receiver
+            .received
+            .lock()
+            .unwrap()
+            .metrics
+            .iter()
+            .any(|(name, stage)| {
+                name == "stage_server_generated_tokens_total" && *stage == Some(0)
+            });
+        if pushed {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let exit = run.stop();
+    let received = receiver.received.lock().unwrap();
+    let trace: Vec<&ReceivedSpan> = received
+        .spans
+        .iter()
+        .filter(|span| span.trace_id == TRACE_ID)
+        .collect();
+    let mut picture = String::new();
+    for span in &trace {
+        picture.push_str(&format!(
+            "  stage {:?} {:<32} {:>9.3} ms  span {} parent {}\n",
+            span.stage_index,
+            span.name,
+            span.duration.as_secs_f64() * 1e3,
+            span.span_id,
+            span.parent_id
+        ));
+    }
+    eprintln!(
+        "the trace as the receiver got it ({} spans, exit in {exit:?}):\n{picture}",
+        trace.len()
+    );
+    for stage in 0..3 {
+        assert!(
+            trace.iter().any(|span| span.stage_index == Some(stage)),
+            "no span of the trace came from stage {stage}:\n{picture}"
+        );
+    }
+    let named = |name: &str| trace.iter().filter(|span| span.name == name).count();
+    assert_eq!(named("stage.openai_http_request"), 1, "{picture}");
+    assert_eq!(named("stage.openai_generation"), 1, "{picture}");
+    assert_eq!(
+        named("stage.binary_session"),
+        2,
+        "one session span per later stage:\n{picture}"
+    );
+    assert!(
+        named("stage.binary_llama_decode") >= 2 * 8,
+        "a frame span per step and stage:\n{picture}"
+    );
+    // Parents: the request continues the header's span, the generation is the request's child, stage 1's
+    // session the generation's, stage 2's session stage 1's.
+    let find = |name: &str, stage: i64| {
+        trace
+            .iter()
+            .find(|span| span.name == name && span.stage_index == Some(stage))
+            .unwrap_or_else(|| panic!("no {name} on stage {stage}:\n{picture}"))
+    };
+    let request = find("stage.openai_http_request", 0);
+    assert_eq!(request.parent_id, "00f067aa0ba902b7", "{picture}");
+    let generation = find("stage.openai_generation", 0);
+    assert_eq!(generation.parent_id, request.span_id, "{picture}");
+    let first = find("stage.binary_session", 1);
+    assert_eq!(first.parent_id, generation.span_id, "{picture}");
+    let second = find("stage.binary_session", 2);
+    assert_eq!(second.parent_id, first.span_id, "{picture}");
+    // Metrics: the API's from stage 0, the compute time from every stage.
+    for (name, stage) in [
+        ("stage_server_generated_tokens_total", 0),
+        ("stage_server_stage_compute_seconds", 0),
+        ("stage_server_stage_compute_seconds", 1),
+        ("stage_server_stage_compute_seconds", 2),
+        ("stage_server_link_bytes_sent_total", 1),
+        ("stage_server_net_connections_accepted_total", 2),
+    ] {
+        assert!(
+            received
+                .metrics
+                .iter()
+                .any(|(metric, index)| metric == name && *index == Some(stage)),
+            "stage {stage} exported no {name}; got {:?}",
+            received.metrics
+        );
+    }
+    assert!(
+        exit < Duration::from_secs(10),
+        "the pipeline took {exit:?} to stop"
+    );
+}
+
+#[test]
+fn a_black_hole_collector_costs_the_serving_nothing_and_the_exit_stays_under_two_seconds() {
+    let black_hole = Receiver::start(true);
+    let model = tiny_model("black-hole");
+    // Every frame is a span, so the queue fills while the exports wait for answers that never come.
+    let run = Run::start(&model, &black_hole.url(), "stage_server=trace", 64);
+    let started = Instant::now();
+    for _ in 0..12 {
+        let (status, body) = complete(run.api, 200);
+        assert_eq!(
+            status, 200,
+            "a completion failed behind a black-hole collector: {body}"
+        );
+    }
+    let serving = started.elapsed();
+    let metrics = get(run.api, "/metrics");
+    let dropped = sample(&metrics, "stage_server_telemetry_spans_dropped_total").unwrap_or(0.0);
+    let errors = sample(&metrics, "stage_server_telemetry_export_errors_total").unwrap_or(0.0);
+    assert!(
+        dropped > 0.0,
+        "no span was dropped though the collector never answered (errors {errors}):\n{metrics}"
+    );
+    // Generous (a loaded 2-core machine): 12 x 200 tokens of the tiny model take well under this.
+    assert!(
+        serving < Duration::from_secs(60),
+        "serving took {serving:?}"
+    );
+    // The stage processes cut their last export at 750 ms (in parallel), then stage 0 does.
+    let exit = run.stop();
+    assert!(
+        exit < Duration::from_secs(2) + Duration::from_millis(500),
+        "the exit took {exit:?}"
+    );
+    assert!(black_hole.received.lock().unwrap().requests == 0);
+}
