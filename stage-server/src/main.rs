@@ -364,9 +364,23 @@ fn main() {
         Command::Serve(args) => args.threads,
         Command::Inspect { .. } => None,
     };
-    if let Some(threads) = threads
-        && let Some(code) = reexec_with_threads(threads)
+    let mut environment: Vec<(&str, String)> = Vec::new();
+    if let Some(threads) = threads {
+        let wanted = threads.max(1).to_string();
+        environment.push(("CANDLE_NUM_THREADS", wanted.clone()));
+        environment.push(("RAYON_NUM_THREADS", wanted));
+    }
+    // Stage processes on one host take turns at the cores (a decode step goes through them one after
+    // another), so a stage whose pass ended must not spin on the cores the next stage needs: candle's
+    // barrier pool spins 25,000 times before it parks, which halved a 3-stage decode on 2 cores. Set here
+    // for `run`'s own process and inherited by its stages, unless the caller chose a limit.
+    if let Command::Run(args) = &cli.command
+        && (args.stages > 1 || args.next.is_some())
+        && std::env::var_os(SPIN_LIMIT_VARIABLE).is_none()
     {
+        environment.push((SPIN_LIMIT_VARIABLE, LOCAL_STAGES_SPIN_LIMIT.to_string()));
+    }
+    if let Some(code) = reexec_with(&environment) {
         std::process::exit(code);
     }
     let result = match cli.command {
@@ -382,23 +396,35 @@ fn main() {
     }
 }
 
-/// candle sizes its thread pool from the environment when it first computes, and changing the
-/// environment of a running process is unsafe, so `--threads` replaces this process with the binary run
-/// again with it set (exec, not a child: signals sent to this process then reach the real one). Returns
-/// only when that failed (the exit code to use), or `None` when the environment already matches.
-fn reexec_with_threads(threads: usize) -> Option<i32> {
+/// The variable candle's barrier pool reads its spin count from.
+const SPIN_LIMIT_VARIABLE: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
+/// The spin count `run` gives stages that share a host (measured: 42 -> 80 tok/s for SmolLM2 in 3 stages on
+/// 2 cores; `docs/PERFORMANCE.md`).
+const LOCAL_STAGES_SPIN_LIMIT: u32 = 2000;
+
+/// candle sizes its thread pools from the environment when it first computes, and changing the
+/// environment of a running process is unsafe, so `--threads` (and the spin limit of `run`'s stages)
+/// replace this process with the binary run again with it set (exec, not a child: signals sent to this
+/// process then reach the real one). Returns only when that failed (the exit code to use), or `None` when
+/// the environment already matches.
+fn reexec_with(environment: &[(&str, String)]) -> Option<i32> {
     use std::os::unix::process::CommandExt;
-    let wanted = threads.max(1).to_string();
-    if std::env::var("CANDLE_NUM_THREADS").ok().as_deref() == Some(wanted.as_str()) {
+    let matches = environment
+        .iter()
+        .all(|(name, value)| std::env::var(name).ok().as_deref() == Some(value.as_str()));
+    if matches {
         return None;
     }
     let executable = std::env::current_exe().ok()?;
     let error = std::process::Command::new(executable)
         .args(std::env::args_os().skip(1))
-        .env("CANDLE_NUM_THREADS", &wanted)
-        .env("RAYON_NUM_THREADS", &wanted)
+        .envs(
+            environment
+                .iter()
+                .map(|(name, value)| (*name, value.as_str())),
+        )
         .exec();
-    eprintln!("stage-server: could not run itself again with --threads {wanted}: {error}");
+    eprintln!("stage-server: could not run itself again with its compute environment: {error}");
     Some(1)
 }
 
