@@ -672,6 +672,64 @@ fn sigterm_during_a_generation_lets_it_finish_and_the_stage_exits_zero() {
 }
 
 #[test]
+fn a_generation_still_running_at_the_drain_deadline_is_stopped_with_an_error_frame_and_the_stage_exits_zero()
+ {
+    let mut model = TinyModel::llama(GgmlDType::Q4_1);
+    model.context_length = 8192;
+    let llama = tiny("drain-deadline-llama", &model);
+    let file = ModelFile::open(&llama).unwrap();
+    let last = StageChild::start(&llama, "3..4", None, &[]);
+    let middle = StageChild::start(
+        &llama,
+        "1..3",
+        Some(last.address),
+        &["--drain-timeout", "1"],
+    );
+    let mut chain = Chain::connect(&file, 1, middle.address, ChainOptions::default()).unwrap();
+    // Far more tokens than a debug build decodes in the one second the drain allows.
+    let options = GenerateOptions {
+        max_tokens: 8000,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    let pid = middle.child.as_ref().unwrap().id();
+    let mut signalled: Option<Instant> = None;
+    let result = chain.generate(&[1, 300, 301], SamplingParams::default(), &options, |_| {
+        if signalled.is_none() {
+            let sent = Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status();
+            assert!(
+                sent.is_ok_and(|status| status.success()),
+                "kill -TERM failed"
+            );
+            signalled = Some(Instant::now());
+        }
+    });
+    let stopped_after = signalled.expect("a token came before the signal").elapsed();
+    match result {
+        Err(DriverError::Stage {
+            code: ErrorCode::Draining,
+            message,
+        }) => assert!(
+            message.contains("drain deadline"),
+            "the error should say why: {message}"
+        ),
+        other => panic!("expected the stage's draining error frame, got {other:?}"),
+    }
+    assert!(
+        stopped_after < Duration::from_secs(5),
+        "the generation was stopped {stopped_after:?} after SIGTERM with a 1 s drain timeout"
+    );
+    drop(chain);
+    let status = middle.signal_and_wait(0);
+    assert!(
+        status.success(),
+        "the drained stage should exit 0, got {status}"
+    );
+}
+
+#[test]
 fn a_slow_link_changes_no_token_and_every_hop_costs_its_delay() {
     let llama = tiny("shaped-llama", &TinyModel::llama(GgmlDType::Q4_1));
     let file = ModelFile::open(&llama).unwrap();

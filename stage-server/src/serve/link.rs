@@ -35,6 +35,9 @@ use crate::wire::{
 
 /// The completion token with which one link of a pair wakes the other.
 const RELAY_TOKEN: u64 = 2;
+/// The completion token that tells an upstream link the stage's drain deadline passed: its sessions get an
+/// `Error` frame (`draining`) and the link closes gracefully, instead of being reset by the deadline's kill.
+pub(crate) const DRAIN_DEADLINE_TOKEN: u64 = 4;
 /// Compute jobs one upstream link may have in flight before it stops taking frames off its socket (the
 /// stage before it then sees TCP back-pressure).
 const JOBS_IN_FLIGHT_MAX: usize = 8;
@@ -53,6 +56,8 @@ pub(crate) struct StageShared {
     pub(crate) compute: ComputeHandle,
     /// The server's handle, for opening downstream links; set right after the server is built.
     pub(crate) handle: OnceLock<ServerHandle>,
+    /// How to wake each open upstream link, by connection id (to stop its sessions at the drain deadline).
+    pub(crate) upstreams: Mutex<HashMap<u64, Completer>>,
     pub(crate) next: Option<std::net::SocketAddr>,
     pub(crate) limits: WireLimits,
     pub(crate) codec: CodecPolicy,
@@ -152,8 +157,11 @@ pub(crate) struct Upstream {
     queued: VecDeque<Frame>,
     /// This stage's index on this link (the upstream's plus one), once its hello came.
     stage_index: u16,
-    /// Each open session's span, Configure to Stop, in the trace stage 0 started.
+    /// Each open session's span, Configure to Stop, in the trace stage 0 started. Never entered (so it ends
+    /// when its last handle closes: after the Stop frame's compute, whose span holds it as parent).
     spans: HashMap<u64, tracing::Span>,
+    /// The connection's id, once open (its key in `StageShared::upstreams`).
+    id: Option<u64>,
 }
 
 /// A link this stage opened to the next one.
@@ -184,6 +192,7 @@ impl Link {
             queued: VecDeque::new(),
             stage_index: 0,
             spans: HashMap::new(),
+            id: None,
         })
     }
 }
@@ -235,7 +244,10 @@ impl Upstream {
         let Some(completer) = context.completer() else {
             return Step::Abort;
         };
-        self.mailbox = Some(Mailbox::new(completer, context.info().id.get()));
+        let id = context.info().id.get();
+        self.mailbox = Some(Mailbox::new(completer.clone(), id));
+        self.id = Some(id);
+        lock_upstreams(&self.shared).insert(id, completer);
         if context.info().lane == super::gate::REFUSED_LANE {
             let peer = context.info().peer;
             self.refuse(
@@ -564,10 +576,12 @@ impl Upstream {
     fn open_span(&mut self, session: u64, trace: Option<&[u8; 25]>) {
         let span = tracing::info_span!(
             "stage.binary_session",
-            stage_index = self.stage_index,
+            // Counts as i64: tracing-opentelemetry exports unsigned fields as strings (the random session
+            // id stays one: it does not fit an i64).
+            stage_index = i64::from(self.stage_index),
             session_id = session,
-            layer_start = self.shared.hello.layer_start,
-            layer_end = self.shared.hello.layer_end,
+            layer_start = i64::from(self.shared.hello.layer_start),
+            layer_end = i64::from(self.shared.hello.layer_end),
         );
         if let Some(parent) = trace.and_then(TraceContext::from_wire) {
             telemetry::continue_trace(&span, &parent);
@@ -593,7 +607,8 @@ impl Upstream {
         let own = self
             .spans
             .get(&session)
-            .and_then(|span| span.in_scope(telemetry::current_trace_context))
+            // Read without entering: an entered span would end at that exit (see `telemetry`'s doc).
+            .and_then(telemetry::trace_context_of)
             .map(|context| context.to_wire());
         Frame::Configure {
             session,
@@ -645,6 +660,9 @@ impl Upstream {
     }
 
     fn on_wake(&mut self, token: u64, context: &mut SessionContext<'_>) -> Step {
+        if token == DRAIN_DEADLINE_TOKEN {
+            return self.stop_at_drain_deadline(context);
+        }
         if token == COMPUTE_TOKEN || token == RELAY_TOKEN {
             self.take_outcomes(context);
             self.take_relayed(context);
@@ -819,7 +837,30 @@ impl Upstream {
         self.state = UpstreamState::Closing;
     }
 
+    /// The drain deadline passed with sessions still open on this link: each gets an `Error` frame in words,
+    /// and the link closes once they are flushed (`on_close` then frees their lanes, here and downstream).
+    fn stop_at_drain_deadline(&mut self, context: &mut SessionContext<'_>) -> Step {
+        let mut sessions: Vec<u64> = self.sessions.iter().copied().collect();
+        sessions.sort_unstable();
+        for session in sessions {
+            self.error(
+                context,
+                session,
+                ErrorCode::Draining,
+                format!(
+                    "stage {} is shutting down and its drain deadline passed; the generation was stopped",
+                    self.stage_index
+                ),
+            );
+        }
+        self.state = UpstreamState::Closing;
+        Step::Write
+    }
+
     fn on_close(&mut self) {
+        if let Some(id) = self.id.take() {
+            lock_upstreams(&self.shared).remove(&id);
+        }
         self.spans.clear();
         // The lanes of this link's sessions are freed at once, whatever ended the link.
         if let Some(mailbox) = &self.mailbox {
@@ -834,6 +875,13 @@ impl Upstream {
             Pair::wake(state.downstream.as_ref());
         }
     }
+}
+
+fn lock_upstreams(shared: &StageShared) -> MutexGuard<'_, HashMap<u64, Completer>> {
+    shared
+        .upstreams
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Downstream {

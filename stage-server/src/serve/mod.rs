@@ -109,6 +109,7 @@ pub struct StageProcess {
     server: Server,
     hello: Hello,
     compute: Option<JoinHandle<()>>,
+    shared: Arc<StageShared>,
 }
 
 impl StageProcess {
@@ -176,6 +177,7 @@ impl StageProcess {
             key: config.cluster_key.clone(),
             compute,
             handle: OnceLock::new(),
+            upstreams: std::sync::Mutex::new(std::collections::HashMap::new()),
             next: config.next,
             limits: WireLimits::default(),
             codec: config.codec,
@@ -207,6 +209,7 @@ impl StageProcess {
             server,
             hello,
             compute: Some(compute_thread),
+            shared,
         })
     }
 
@@ -226,17 +229,46 @@ impl StageProcess {
     }
 
     /// Drains (idle links close at once, links with a generation in flight get until `deadline`) and stops.
+    /// At the deadline every session still open gets an `Error` frame (`draining`) and its link closes
+    /// gracefully; a link still open [`DRAIN_ERROR_GRACE`] later is reset. Such links count as graceful in
+    /// the report.
     pub fn shutdown(self, deadline: Instant) -> DrainReport {
         let StageProcess {
-            server, compute, ..
+            server,
+            compute,
+            shared,
+            ..
         } = self;
-        let report = server.handle().drain(deadline);
-        let _ = server.shutdown(Instant::now());
+        let handle = server.handle();
+        let drainer = std::thread::spawn(move || handle.drain(deadline + DRAIN_ERROR_GRACE));
+        while !drainer.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if !drainer.is_finished() {
+            let upstreams: Vec<_> = shared
+                .upstreams
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .values()
+                .cloned()
+                .collect();
+            for completer in upstreams {
+                let _ = completer.post(link::DRAIN_DEADLINE_TOKEN, 0);
+            }
+        }
+        let drained = drainer.join();
+        let stopped = server.shutdown(Instant::now());
+        // The drain thread cannot panic short of a bug in the driver; its report is then the stop's.
+        let report = drained.unwrap_or(stopped);
         // The compute thread ends once the last link, and with it the last compute handle, is gone.
+        drop(shared);
         drop(compute);
         report
     }
 }
+
+/// How long links get, after the drain deadline, to flush the `Error` frames that stop their sessions.
+pub const DRAIN_ERROR_GRACE: Duration = Duration::from_secs(1);
 
 /// Limits for stage links: frames up to a prefill chunk of activations, links that idle between generations
 /// for long, and a read deadline generous enough for the slowest stage of a chain to answer.
