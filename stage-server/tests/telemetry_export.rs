@@ -30,7 +30,28 @@ struct ReceivedSpan {
     span_id: String,
     parent_id: String,
     stage_index: Option<i64>,
+    /// Unix nanoseconds (every process of the test shares the host's clock).
+    start: u64,
+    end: u64,
     duration: Duration,
+}
+
+impl ReceivedSpan {
+    /// Whether `inner` started no earlier and ended no later than this span.
+    fn contains(&self, inner: &ReceivedSpan) -> bool {
+        self.start <= inner.start && inner.end <= self.end
+    }
+
+    /// The span's times relative to `origin`, in milliseconds, for messages.
+    fn times(&self, origin: u64) -> String {
+        let ms = |at: u64| (at as f64 - origin as f64) / 1e6;
+        format!(
+            "{} [{:.3} ms, {:.3} ms]",
+            self.name,
+            ms(self.start),
+            ms(self.end)
+        )
+    }
 }
 
 /// What the receiver decoded.
@@ -118,6 +139,8 @@ fn serve_one(stream: TcpStream, received: &Mutex<Received>) {
                             span_id: hex(&span.span_id),
                             parent_id: hex(&span.parent_span_id),
                             stage_index,
+                            start: span.start_time_unix_nano,
+                            end: span.end_time_unix_nano,
                             duration: Duration::from_nanos(
                                 span.end_time_unix_nano
                                     .saturating_sub(span.start_time_unix_nano),
@@ -368,6 +391,37 @@ fn one_request_through_three_processes_is_one_trace_with_spans_from_every_stage(
     assert_eq!(first.parent_id, generation.span_id, "{picture}");
     let second = find("stage.binary_session", 2);
     assert_eq!(second.parent_id, first.span_id, "{picture}");
+    // Lifetimes: a held span lasts as long as its work (tracing-opentelemetry ends an entered span at its
+    // last exit, so a span entered once and then held ended early; see `telemetry`'s doc).
+    let origin = request.start;
+    assert!(
+        request.contains(generation),
+        "the request span does not cover its generation: {} vs {}\n{picture}",
+        request.times(origin),
+        generation.times(origin)
+    );
+    for session in [first, second] {
+        let frames: Vec<&&ReceivedSpan> = trace
+            .iter()
+            .filter(|span| span.parent_id == session.span_id)
+            .filter(|span| span.name == "stage.binary_llama_decode")
+            .collect();
+        assert!(
+            frames.len() >= 8,
+            "stage {:?}'s session has {} frame spans under it:\n{picture}",
+            session.stage_index,
+            frames.len()
+        );
+        for frame in frames {
+            assert!(
+                session.contains(frame),
+                "stage {:?}'s session span ended before (or started after) one of its frames: {} vs {}\n{picture}",
+                session.stage_index,
+                session.times(origin),
+                frame.times(origin)
+            );
+        }
+    }
     // Metrics: the API's from stage 0, the compute time from every stage.
     for (name, stage) in [
         ("stage_server_generated_tokens_total", 0),

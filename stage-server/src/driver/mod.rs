@@ -299,8 +299,8 @@ impl Chain {
             let _chunk = tracing::debug_span!(
                 "stage.openai_prefill_chunk",
                 session_id = session,
-                position,
-                rows = chunk.len()
+                position = position as i64,
+                rows = chunk.len() as i64
             )
             .entered();
             let rows = self.rows(position, StageInput::Tokens(chunk))?;
@@ -337,8 +337,12 @@ impl Chain {
                 break;
             }
             // Per token: debug, so off unless asked for.
-            let _step = tracing::debug_span!("stage.openai_decode", session_id = session, position)
-                .entered();
+            let _step = tracing::debug_span!(
+                "stage.openai_decode",
+                session_id = session,
+                position = position as i64
+            )
+            .entered();
             let rows = self.rows(position, StageInput::Tokens(&[predicted.token]))?;
             let sent = Instant::now();
             self.send(&Frame::Decode {

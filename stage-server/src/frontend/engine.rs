@@ -81,20 +81,21 @@ pub(crate) struct Job {
     cancelled: AtomicBool,
     completer: Completer,
     enqueued: Instant,
-    /// The span current where the job was made (the HTTP request's): the generation's span goes under it.
+    /// The HTTP request's span: the generation's span goes under it (and keeps it open until it ends).
     span: tracing::Span,
 }
 
 impl Job {
-    /// A job for `spec` that wakes its session through `completer`.
-    pub(crate) fn new(spec: JobSpec, completer: Completer) -> Arc<Job> {
+    /// A job for `spec` that wakes its session through `completer`; its generation's span goes under
+    /// `span`.
+    pub(crate) fn new(spec: JobSpec, completer: Completer, span: tracing::Span) -> Arc<Job> {
         Arc::new(Job {
             spec: Mutex::new(Some(spec)),
             events: Mutex::new(Vec::new()),
             cancelled: AtomicBool::new(false),
             completer,
             enqueued: Instant::now(),
-            span: tracing::Span::current(),
+            span,
         })
     }
 
@@ -302,10 +303,11 @@ fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
             shared
                 .metrics
                 .observe_queue_wait(job.enqueued.elapsed().as_secs_f64());
+            // Counts as i64: tracing-opentelemetry exports unsigned fields as strings.
             let span = tracing::info_span!(
                 parent: &job.span,
                 "stage.openai_generation",
-                lane,
+                lane = lane as i64,
                 prompt_tokens = tracing::field::Empty,
                 output_tokens = tracing::field::Empty,
             );
@@ -389,8 +391,8 @@ fn run(shared: &Shared, runner: &mut LaneRunner, job: &Job, spec: JobSpec) {
     );
     metrics.add_tokens(prompt.len(), generated);
     let span = tracing::Span::current();
-    span.record("prompt_tokens", prompt.len());
-    span.record("output_tokens", generated);
+    span.record("prompt_tokens", prompt.len() as i64);
+    span.record("output_tokens", generated as i64);
     match result {
         Ok(generation) => {
             if !stopped_by_string {

@@ -53,8 +53,11 @@ struct Generating {
     started: bool,
     text: String,
     logprobs: Option<Vec<TokenLogprob>>,
-    /// The request's span, held (not read) so that it ends when the generation's reply does.
-    _span: tracing::Span,
+    /// The request's id, echoed in the reply's `x-request-id` header.
+    request_id: String,
+    /// The request's span, held and never entered, so that it ends when the reply does (and not before
+    /// the generation under it: a child keeps its parent open).
+    span: tracing::Span,
 }
 
 #[derive(Debug)]
@@ -144,18 +147,11 @@ impl HttpSession {
 
     /// Answers `request`: a quick response is written (and, kept alive, the next request read once it is
     /// out), a generation is queued and listened for.
+    ///
+    /// The request's span is not entered here: a generation holds it until its reply ends, and
+    /// tracing-opentelemetry would end an entered span at this hook's return (see `telemetry`'s doc).
     fn handle(&mut self, request: Request, context: &mut SessionContext<'_>) -> Step {
-        let span = request_span(&request);
-        span.in_scope(|| self.handle_in(request, context, &span))
-    }
-
-    /// [`HttpSession::handle`] inside the request's span.
-    fn handle_in(
-        &mut self,
-        request: Request,
-        context: &mut SessionContext<'_>,
-        span: &tracing::Span,
-    ) -> Step {
+        let (request_id, span) = request_span(&request);
         let keep_alive = request.keep_alive && !context.draining();
         match routes::route(&self.state, &request) {
             Routed::Respond {
@@ -168,7 +164,10 @@ impl HttpSession {
                 span.record("route", route);
                 span.record("status", status);
                 self.state.metrics.count_request(route, status);
-                let mut headers = vec![("Content-Type", content_type)];
+                let mut headers = vec![
+                    ("Content-Type", content_type),
+                    ("x-request-id", request_id.as_str()),
+                ];
                 if retry_after {
                     headers.push(("Retry-After", "1"));
                 }
@@ -189,17 +188,31 @@ impl HttpSession {
                 let Some(completer) = context.completer() else {
                     let error =
                         ApiError::server_error("this connection cannot be woken by the lanes");
-                    return self.respond_error(route, &error, false, context);
+                    return self.respond_error(route, &error, false, &request_id, &span, context);
                 };
                 let Some(ready) = self.state.ready.get() else {
                     let error = ApiError::unavailable("the model is still loading");
-                    return self.respond_error(route, &error, keep_alive, context);
+                    return self.respond_error(
+                        route,
+                        &error,
+                        keep_alive,
+                        &request_id,
+                        &span,
+                        context,
+                    );
                 };
                 span.record("route", route);
-                // The job takes the current span (this request's) as its generation's parent.
-                let job = Job::new(*spec, completer.clone());
+                // The job holds this request's span as its generation's parent.
+                let job = Job::new(*spec, completer.clone(), span.clone());
                 if let Err(error) = ready.engine.submit(&job) {
-                    return self.respond_error(route, &error, keep_alive, context);
+                    return self.respond_error(
+                        route,
+                        &error,
+                        keep_alive,
+                        &request_id,
+                        &span,
+                        context,
+                    );
                 }
                 // The queue deadline runs as a task: it wakes this session, which withdraws the job if no
                 // lane took it yet.
@@ -223,25 +236,31 @@ impl HttpSession {
                     started: false,
                     text: String::new(),
                     logprobs: logprobs.then(Vec::new),
-                    _span: span.clone(),
+                    request_id,
+                    span,
                 }));
-                span.record("status", 200);
                 Step::Listen
             }
         }
     }
 
-    /// An error response; the connection stays open when `keep_alive`.
+    /// An error response for request `request_id` (its status recorded on `span`); the connection stays
+    /// open when `keep_alive`.
     fn respond_error(
         &mut self,
         route: &'static str,
         error: &ApiError,
         keep_alive: bool,
+        request_id: &str,
+        span: &tracing::Span,
         context: &mut SessionContext<'_>,
     ) -> Step {
-        tracing::Span::current().record("status", error.status);
+        span.record("status", error.status);
         self.state.metrics.count_request(route, error.status);
-        let mut headers = vec![("Content-Type", "application/json")];
+        let mut headers = vec![
+            ("Content-Type", "application/json"),
+            ("x-request-id", request_id),
+        ];
         if error.status == 429 || error.status == 503 {
             headers.push(("Retry-After", "1"));
         }
@@ -266,7 +285,16 @@ impl HttpSession {
     fn refuse_http(&mut self, error: HttpError, context: &mut SessionContext<'_>) -> Step {
         let api_error = ApiError::from_status(error.status, error.message.clone());
         self.inbox.clear();
-        self.respond_error("(unparsed)", &api_error, false, context)
+        // No header could be read, so the id is a fresh one; no span (nothing was routed).
+        let request_id = api::new_id("req-");
+        self.respond_error(
+            "(unparsed)",
+            &api_error,
+            false,
+            &request_id,
+            &tracing::Span::none(),
+            context,
+        )
     }
 
     /// Turns the job's events into output.
@@ -296,6 +324,7 @@ impl HttpSession {
                             &[
                                 ("Content-Type", "text/event-stream"),
                                 ("Cache-Control", "no-cache"),
+                                ("x-request-id", generating.request_id.as_str()),
                             ],
                             Framing::Chunked,
                             generating.keep_alive,
@@ -323,6 +352,7 @@ impl HttpSession {
                 }
                 JobEvent::Finished { finish, usage } => {
                     finish_reply(generating, &reply, finish, &usage, out);
+                    generating.span.record("status", 200);
                     self.state.metrics.count_request(generating.route, 200);
                     ended = Some(generating.keep_alive);
                     break;
@@ -333,6 +363,7 @@ impl HttpSession {
                         write_sse_data(out, &error.to_json());
                         write_sse_data(out, "[DONE]");
                         write_last_chunk(out);
+                        generating.span.record("status", error.status);
                         self.state
                             .metrics
                             .count_request(generating.route, error.status);
@@ -340,7 +371,16 @@ impl HttpSession {
                     } else {
                         let route = generating.route;
                         let keep_alive = generating.keep_alive;
-                        return self.respond_error(route, &error, keep_alive, context);
+                        let (request_id, span) =
+                            (generating.request_id.clone(), generating.span.clone());
+                        return self.respond_error(
+                            route,
+                            &error,
+                            keep_alive,
+                            &request_id,
+                            &span,
+                            context,
+                        );
                     }
                     break;
                 }
@@ -379,11 +419,12 @@ impl HttpSession {
         }
         let route = generating.route;
         let keep_alive = generating.keep_alive;
+        let (request_id, span) = (generating.request_id.clone(), generating.span.clone());
         let error = ApiError::overloaded(format!(
             "no lane came free within the queue timeout ({} s); retry shortly",
             self.state.config.queue_timeout.as_secs_f64()
         ));
-        self.respond_error(route, &error, keep_alive, context)
+        self.respond_error(route, &error, keep_alive, &request_id, &span, context)
     }
 
     /// Cancels a running or queued job (the client went away).
@@ -427,7 +468,10 @@ fn finish_reply(
         write_response(
             out,
             200,
-            &[("Content-Type", "application/json")],
+            &[
+                ("Content-Type", "application/json"),
+                ("x-request-id", generating.request_id.as_str()),
+            ],
             body.as_bytes(),
             generating.keep_alive,
         );
@@ -499,12 +543,13 @@ pub(crate) fn factory(
     move |_: &ConnectionInfo| Some(HttpSession::new(Arc::clone(&state)))
 }
 
-/// The span of one request: `request_id` from `x-request-id` (or a fresh one), continuing the trace of a
-/// `traceparent` header. Lifecycle, so info: one per request, never per token.
-fn request_span(request: &Request) -> tracing::Span {
+/// The id and the span of one request: `request_id` from `x-request-id` (or a fresh one), continuing the
+/// trace of a `traceparent` header. Lifecycle, so info: one per request, never per token.
+fn request_span(request: &Request) -> (String, tracing::Span) {
     let request_id = request
         .header("x-request-id")
-        .map(|id| id.chars().take(128).collect::<String>())
+        .map(request_id_from_header)
+        .filter(|id| !id.is_empty())
         .unwrap_or_else(|| api::new_id("req-"));
     let span = tracing::info_span!(
         "stage.openai_http_request",
@@ -519,5 +564,15 @@ fn request_span(request: &Request) -> tracing::Span {
     {
         crate::telemetry::continue_trace(&span, &parent);
     }
-    span
+    (request_id, span)
+}
+
+/// A client's `x-request-id`, made safe to echo in a header and to log: printable ASCII only (no space,
+/// no control), at most 128 characters.
+fn request_id_from_header(value: &str) -> String {
+    value
+        .chars()
+        .filter(char::is_ascii_graphic)
+        .take(128)
+        .collect()
 }

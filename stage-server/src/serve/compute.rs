@@ -210,10 +210,11 @@ impl Owner {
         }) = jobs.recv()
         {
             // Per frame, so at trace level: off unless asked for (RUST_LOG or STAGE_SERVER_OTLP_FILTER).
+            // Counts as i64: tracing-opentelemetry exports unsigned fields as strings.
             let frame = tracing::trace_span!(
                 parent: &span,
                 "stage.binary_llama_decode",
-                stage_index,
+                stage_index = i64::from(stage_index),
                 session_id = work.session(),
                 kind = work.kind(),
                 rows = tracing::field::Empty,
@@ -330,8 +331,8 @@ impl Owner {
         let compute_micros = micros(started);
         let row_count = rows.len() / width;
         crate::telemetry::registry::STAGE.step(row_count, f64::from(compute_micros) / 1e6);
-        frame.record("rows", row_count);
-        frame.record("compute_micros", compute_micros);
+        frame.record("rows", row_count as i64);
+        frame.record("compute_micros", i64::from(compute_micros));
         let output = match output {
             Ok(output) => output,
             Err(error @ ModelError::PositionMismatch { .. }) => {

@@ -14,6 +14,14 @@
 //! runtime, and nothing on a serving path waits for an export: spans are queued under a short lock or
 //! dropped, metrics are atomics read by the reader's own thread. Trace context crosses processes in the
 //! `Configure` frame's `trace` field ([`TraceContext`]).
+//!
+//! Held spans are never entered. `tracing-opentelemetry` (0.32) stamps a span's end time at its *last
+//! exit* and uses its close only when it was never entered; a span that is entered in one hook and held
+//! across later ones (the HTTP request across the whole generation, a stage's session across its frames)
+//! would end at the first hook's return. So such a span is a parent by `parent: &span`, its fields are
+//! recorded on the handle, its context is read with [`trace_context_of`], and it ends when its last handle
+//! (its holder's, its children's) closes. Only spans whose work is one scope (a generation on its lane, a
+//! frame on the compute thread) are entered.
 
 mod client;
 mod context;
@@ -206,9 +214,15 @@ impl Drop for Telemetry {
 
 /// The trace context of the current span, to carry to the next stage; `None` when nothing is exported.
 pub fn current_trace_context() -> Option<TraceContext> {
-    let context = tracing::Span::current().context();
-    let span = context.span();
-    TraceContext::from_span_context(span.span_context())
+    trace_context_of(&tracing::Span::current())
+}
+
+/// The trace context of `span`, read without entering it (see [the module doc](self) on held spans);
+/// `None` when nothing is exported.
+pub fn trace_context_of(span: &tracing::Span) -> Option<TraceContext> {
+    let context = span.context();
+    let otel = context.span();
+    TraceContext::from_span_context(otel.span_context())
 }
 
 /// Makes `span` a child of the remote span `parent` (from a `traceparent` header or a `Configure` frame).
