@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx2
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import API_KEY, AUTH_MODEL_ID, LANES, QUEUE
 
@@ -135,6 +136,65 @@ def test_metrics_are_served_as_text(server):
     assert response.status_code == 200, response.text
     assert response.headers.get("content-type", "").startswith("text/plain"), response.headers
     assert response.text.strip(), "the metrics page is not empty"
+
+
+def test_metrics_parse_as_prometheus_text_with_the_request_counter_and_the_histograms(server, client):
+    # A completion first, so the counter has a sample for its route and the latency histograms have data.
+    chat(client, server, max_tokens=3)
+    response = httpx2.get(f"{server.base_url}/metrics", timeout=10.0)
+    assert response.status_code == 200, response.text
+    try:
+        families = {family.name: family for family in text_string_to_metric_families(response.text)}
+    except ValueError as error:
+        pytest.fail(f"/metrics is not Prometheus text ({error}):\n{response.text}")
+    # The parser names a counter's family without its `_total` suffix (its samples keep it).
+    requests = families.get("stage_server_requests") or families.get("stage_server_requests_total")
+    assert requests is not None and requests.type == "counter", sorted(families)
+    chat_samples = [
+        sample
+        for sample in requests.samples
+        if sample.name == "stage_server_requests_total"
+        and sample.labels.get("route") == "/v1/chat/completions"
+        and sample.labels.get("status") == "200"
+    ]
+    assert chat_samples and chat_samples[0].value >= 1, f"no count of the chat request: {requests.samples}"
+    for name in (
+        "stage_server_time_to_first_token_seconds",
+        "stage_server_inter_token_seconds",
+        "stage_server_queue_wait_seconds",
+    ):
+        family = families.get(name)
+        assert family is not None and family.type == "histogram", f"{name} missing: {sorted(families)}"
+        suffixes = {sample.name[len(name):] for sample in family.samples}
+        assert {"_bucket", "_sum", "_count"} <= suffixes, f"{name} samples: {family.samples}"
+        infinite = [sample for sample in family.samples if sample.labels.get("le") == "+Inf"]
+        count = [sample for sample in family.samples if sample.name == f"{name}_count"]
+        assert infinite and count and infinite[0].value == count[0].value >= 1, family.samples
+
+
+def test_every_response_echoes_x_request_id(server):
+    sent = {"x-request-id": "conformance-echo-1", **server.headers()}
+    for method, path, body in (
+        ("GET", "/health", None),
+        ("GET", "/metrics", None),
+        ("GET", "/v1/models", None),
+        ("GET", "/no/such/route", None),
+        ("POST", "/v1/completions", {"model": server.model_id, "prompt": "Hi", "max_tokens": 2}),
+        ("POST", "/v1/completions", {"model": server.model_id, "prompt": "Hi", "max_tokens": "two"}),
+    ):
+        response = httpx2.request(method, f"{server.base_url}{path}", json=body, headers=sent, timeout=30.0)
+        assert response.headers.get("x-request-id") == "conformance-echo-1", (
+            f"{method} {path} answered {response.status_code} without the request's id: {response.headers}"
+        )
+    streamed = {"model": server.model_id, "prompt": "Hi", "max_tokens": 2, "stream": True}
+    url = f"{server.base_url}/v1/completions"
+    with httpx2.stream("POST", url, json=streamed, headers=sent, timeout=30.0) as response:
+        assert response.headers.get("x-request-id") == "conformance-echo-1", response.headers
+        response.read()
+    # Without one the server makes one up, different each time.
+    first = httpx2.get(f"{server.base_url}/health", timeout=10.0).headers.get("x-request-id")
+    second = httpx2.get(f"{server.base_url}/health", timeout=10.0).headers.get("x-request-id")
+    assert first and second and first != second, (first, second)
 
 
 # ---------------------------------------------------------------- chat and completions
