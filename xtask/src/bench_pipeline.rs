@@ -11,6 +11,13 @@
 //! time a hop adds to a decode step is `(1 / split rate - 1 / unsplit rate) / hops`, the step time beyond the
 //! unsplit compute divided over the hops (medians of each). The stage processes start fresh for each round
 //! (their model load is not timed) and are stopped after it.
+//!
+//! Then the telemetry rows ([`telemetry`]): `stage-server run --stages 3` with telemetry off, exporting to a
+//! live loopback OTLP/HTTP receiver, and exporting to a black hole, side by side in the same run.
+//! `--only-telemetry` runs just those (and keeps the layout tables already in the report); `--model NAME`
+//! picks one model; `--otlp-filter FILTER` sets the exported spans' filter (default `info`).
+
+mod telemetry;
 
 use std::fmt::Write as _;
 use std::fs;
@@ -97,8 +104,14 @@ impl Drop for Served {
     }
 }
 
+/// The heading the telemetry section of the report starts with (`--only-telemetry` replaces from there).
+const TELEMETRY_HEADING: &str = "## Telemetry overhead";
+
 pub fn run(arguments: &[String]) -> Result<()> {
     let mut rounds = 3;
+    let mut only_telemetry = false;
+    let mut only_model: Option<String> = None;
+    let mut span_filter: Option<String> = None;
     let mut iterator = arguments.iter();
     while let Some(argument) = iterator.next() {
         match argument.as_str() {
@@ -109,14 +122,38 @@ pub fn run(arguments: &[String]) -> Result<()> {
                     .filter(|&value: &usize| value > 0)
                     .context("--rounds needs a positive count")?;
             }
+            "--only-telemetry" => only_telemetry = true,
+            "--model" => {
+                let name = iterator.next().context("--model needs a model name")?;
+                ensure!(
+                    MODELS.iter().any(|model| model.short_name == name),
+                    "unknown model `{name}`; --model takes one of: {}",
+                    MODELS.map(|model| model.short_name).join(", ")
+                );
+                only_model = Some(name.clone());
+            }
+            "--otlp-filter" => {
+                span_filter = Some(
+                    iterator
+                        .next()
+                        .context("--otlp-filter needs a filter such as stage_server=trace")?
+                        .clone(),
+                );
+            }
             other => bail!(
-                "unknown argument `{other}` to `cargo xtask bench pipeline` (takes --rounds N)"
+                "unknown argument `{other}` to `cargo xtask bench pipeline` (takes --rounds N, --only-telemetry, \
+                 --model smollm2|gemma3, --otlp-filter FILTER)"
             ),
         }
     }
     let model_dir = models::model_dir()?;
     let present: Vec<_> = MODELS
         .iter()
+        .filter(|model| {
+            only_model
+                .as_deref()
+                .is_none_or(|name| model.short_name == name)
+        })
         .filter(|model| model_dir.join(model.file_name).exists())
         .collect();
     ensure!(
@@ -129,6 +166,13 @@ pub fn run(arguments: &[String]) -> Result<()> {
     ensure!(binary.exists(), "cargo built no {}", binary.display());
     let load_before = load_average();
     let mut tables = String::new();
+    let mut telemetry_tables = String::new();
+    let run = Run {
+        rounds,
+        only_telemetry,
+        span_filter: span_filter.clone(),
+        model: only_model.clone(),
+    };
     for model in present {
         let path = model_dir.join(model.file_name);
         // The fixture stream, repeated to a 512-token prompt (one prefill chunk).
@@ -137,23 +181,77 @@ pub fn run(arguments: &[String]) -> Result<()> {
             .cycle()
             .take(PROMPT_TOKENS)
             .collect();
-        let blocks = block_count(&path)?;
-        let mut samples: Vec<Samples> = LAYOUTS.iter().map(|_| Samples::default()).collect();
-        for round in 0..rounds {
-            eprintln!("xtask: {} round {}/{rounds}", model.short_name, round + 1);
-            for (index, layout) in LAYOUTS.iter().enumerate() {
-                let (prefill, decode) = run_layout(&binary, &path, &prompt, blocks, *layout)?;
-                samples[index].prefill.push(prefill);
-                samples[index].decode.push(decode);
-            }
+        if !only_telemetry {
+            let table = layout_rows(&binary, &path, model.short_name, &prompt, rounds)?;
+            println!("{table}");
+            tables.push_str(&table);
+            tables.push('\n');
+            write_report(&run, &load_before, &tables, &telemetry_tables)?;
         }
-        let table = render_table(model.file_name, prompt.len(), &samples);
+        eprintln!("xtask: {} telemetry rows", model.short_name);
+        let measured = telemetry::measure(
+            &binary,
+            &path,
+            rounds,
+            span_filter.as_deref(),
+            &target_dir().join("bench-pipeline"),
+        )?;
+        let table = telemetry::render(model.file_name, &measured);
         println!("{table}");
-        tables.push_str(&table);
-        tables.push('\n');
-        write_report(rounds, &load_before, &tables)?;
+        telemetry_tables.push_str(&table);
+        telemetry_tables.push('\n');
+        write_report(&run, &load_before, &tables, &telemetry_tables)?;
     }
     Ok(())
+}
+
+/// What the report says about the command.
+struct Run {
+    rounds: usize,
+    only_telemetry: bool,
+    span_filter: Option<String>,
+    model: Option<String>,
+}
+
+impl Run {
+    fn command(&self) -> String {
+        let mut command = format!("cargo xtask bench pipeline --rounds {}", self.rounds);
+        if self.only_telemetry {
+            command.push_str(" --only-telemetry");
+        }
+        if let Some(model) = &self.model {
+            let _ = write!(command, " --model {model}");
+        }
+        if let Some(filter) = &self.span_filter {
+            let _ = write!(command, " --otlp-filter {filter}");
+        }
+        command
+    }
+}
+
+/// The layout rows of one model: every layout once per round.
+fn layout_rows(
+    binary: &Path,
+    path: &Path,
+    short_name: &str,
+    prompt: &[u64],
+    rounds: usize,
+) -> Result<String> {
+    let model_file = path
+        .file_name()
+        .map(|name| name.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let blocks = block_count(path)?;
+    let mut samples: Vec<Samples> = LAYOUTS.iter().map(|_| Samples::default()).collect();
+    for round in 0..rounds {
+        eprintln!("xtask: {short_name} round {}/{rounds}", round + 1);
+        for (index, layout) in LAYOUTS.iter().enumerate() {
+            let (prefill, decode) = run_layout(binary, path, prompt, blocks, *layout)?;
+            samples[index].prefill.push(prefill);
+            samples[index].decode.push(decode);
+        }
+    }
+    Ok(render_table(&model_file, prompt.len(), &samples))
 }
 
 /// Runs one generation in `layout`; returns prefill and decode tokens/s.
@@ -323,37 +421,80 @@ fn ratio(numerator: f64, denominator: f64) -> f64 {
     }
 }
 
-fn write_report(rounds: usize, load_before: &str, tables: &str) -> Result<()> {
-    let mut report = String::new();
-    let _ = write!(
-        report,
-        "# Pipeline speed: a model split across stage processes\n\n\
-         Command: `cargo xtask bench pipeline --rounds {rounds}`.\n\n\
-         Machine: {}; kernel {}; commit {}; {}; 1/5/15-minute load average {load_before} before and {} at the \
-         latest write.\n\n\
-         ## Method\n\n\
-         - Every process uses {THREADS} compute threads; all of them share the machine's cores, and only one \
-         stage computes at a time for one generation.\n\
-         - Each round runs every layout once, in the order of the table; figures are medians over {rounds} rounds.\n\
-         - Unsplit: `stage-server generate --prompt-ids <P ids> --max-tokens {} --threads {THREADS} --json`. \
-         Split: the same command as stage 0 with `--layers 0..K --next ADDR`, and `stage-server serve` processes \
-         for the other layer ranges, split evenly by the file's `<architecture>.block_count`; f32 activations; \
-         tokens relayed back up the chain.\n\
-         - The delayed layout adds {LINK_DELAY_MS} ms one way to stage 0's and stage 1's downstream links \
-         (`--link-delay`, applied in the process), so a decode step crosses two delayed hops.\n\
-         - Added per hop: `(1/split decode - 1/unsplit decode) / hops`, from the medians.\n\
-         - Not in this run: llama.cpp's RPC backend (`ggml-rpc-server`) on the same split, which needs a build of \
-         llama.cpp from source.\n\n\
-         ## Results\n\n{tables}",
-        machine(),
-        command_output("uname", &["-r"]),
-        command_output("git", &["rev-parse", "--short", "HEAD"]),
-        command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
-        load_average(),
-        DECODE_TOKENS + 1,
-    );
+/// Writes `docs/performance/pipeline.md`: the layout tables (kept from the file as it was when this run has
+/// none, as with `--only-telemetry`) and then the telemetry section.
+fn write_report(run: &Run, load_before: &str, tables: &str, telemetry_tables: &str) -> Result<()> {
     let destination = workspace_root().join("docs/performance/pipeline.md");
-    fs::write(&destination, report)
+    let mut report = String::new();
+    if tables.is_empty() {
+        let existing = fs::read_to_string(&destination).unwrap_or_default();
+        let kept = existing
+            .split_once(TELEMETRY_HEADING)
+            .map_or(existing.as_str(), |(before, _)| before);
+        report.push_str(kept.trim_end());
+        report.push_str("\n\n");
+    } else {
+        let _ = write!(
+            report,
+            "# Pipeline speed: a model split across stage processes\n\n\
+             Command: `{}`.\n\n\
+             Machine: {}; kernel {}; commit {}; {}; 1/5/15-minute load average {load_before} before and {} at the \
+             latest write.\n\n\
+             ## Method\n\n\
+             - Every process uses {THREADS} compute threads; all of them share the machine's cores, and only one \
+             stage computes at a time for one generation.\n\
+             - Each round runs every layout once, in the order of the table; figures are medians over {} rounds.\n\
+             - Unsplit: `stage-server generate --prompt-ids <P ids> --max-tokens {} --threads {THREADS} --json`. \
+             Split: the same command as stage 0 with `--layers 0..K --next ADDR`, and `stage-server serve` processes \
+             for the other layer ranges, split evenly by the file's `<architecture>.block_count`; f32 activations; \
+             tokens relayed back up the chain.\n\
+             - The delayed layout adds {LINK_DELAY_MS} ms one way to stage 0's and stage 1's downstream links \
+             (`--link-delay`, applied in the process), so a decode step crosses two delayed hops.\n\
+             - Added per hop: `(1/split decode - 1/unsplit decode) / hops`, from the medians.\n\
+             - Not in this run: llama.cpp's RPC backend (`ggml-rpc-server`) on the same split, which needs a build of \
+             llama.cpp from source.\n\n\
+             ## Results\n\n{tables}",
+            run.command(),
+            machine(),
+            command_output("uname", &["-r"]),
+            command_output("git", &["rev-parse", "--short", "HEAD"]),
+            command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
+            load_average(),
+            run.rounds,
+            DECODE_TOKENS + 1,
+        );
+    }
+    if !telemetry_tables.is_empty() {
+        let _ = write!(
+            report,
+            "{TELEMETRY_HEADING}\n\n\
+             Command: `{}`. Machine: {}; kernel {}; commit {}; {}; 1/5/15-minute load average {load_before} before \
+             and {} at the latest write.\n\n\
+             - Three `stage-server run --stages 3 --lanes 1 --threads {THREADS}` pipelines of the same model run side \
+             by side: telemetry off; `--otlp-endpoint` to a loopback OTLP/HTTP receiver in xtask that reads every \
+             request and answers 200; `--otlp-endpoint` to a black hole that accepts connections and never reads \
+             or answers. Every process of an \"on\" pipeline exports (spans and metrics every 5 s).\n\
+             - Each round streams one chat completion of {} tokens (temperature 0, the same prompt for the three) \
+             on each pipeline in turn, the order rotated every round; one untimed warm-up request each first. \
+             Closed loop, one request at a time; the idle pipelines wait meanwhile.\n\
+             - Decode tok/s is the client's: completion tokens after the first over the time from the first content \
+             delta to the last. CPU ms per token: the user and system CPU time of the `run` process and its stage \
+             processes (from `/proc`) while the request ran, over its completion tokens; on a shared machine it \
+             moves much less than wall time. Figures are medians over {} rounds; \"vs off\" compares the \
+             medians, \"paired vs off\" is the median over rounds of each round's rate over that round's \
+             \"off\" rate (measured seconds apart, so slow drifts of the machine's load cancel).\n\n\
+             {telemetry_tables}",
+            run.command(),
+            machine(),
+            command_output("uname", &["-r"]),
+            command_output("git", &["rev-parse", "--short", "HEAD"]),
+            command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
+            load_average(),
+            telemetry::TOKENS,
+            run.rounds,
+        );
+    }
+    fs::write(&destination, report.trim_end().to_owned() + "\n")
         .with_context(|| format!("could not write {}", destination.display()))?;
     eprintln!("xtask: wrote {}", destination.display());
     Ok(())

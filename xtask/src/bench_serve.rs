@@ -12,7 +12,7 @@
 //!
 //! A server that does not start is reported as such and the others still run.
 
-mod client;
+pub(crate) mod client;
 
 use std::fmt::Write as _;
 use std::fs::{self, File};

@@ -32,8 +32,9 @@ tasks:
   bench net     echo, idle memory and churn: net-io-blocking beside std and tokio
   bench runtime spawn, join, sleep and memory: task-runtime beside tokio, rayon, std, crossbeam
   bench model   prompt and decode speed: stage-server beside llama.cpp
-  bench pipeline
-                decode and prefill of a model split across stage processes, beside it unsplit
+  bench pipeline [--rounds N] [--model smollm2|gemma3] [--only-telemetry] [--otlp-filter FILTER]
+                decode and prefill of a model split across stage processes, beside it unsplit; decode
+                with telemetry off, exporting to a live receiver, and exporting to a black hole
   bench lifecycle
                 kill, close_door, drain and idle CPU of every net-io-blocking driver against net-io's targets
   bench serve [--model smollm2|gemma3] [--concurrency 1,4,8] [--requests-per-worker N] [--tokens N]

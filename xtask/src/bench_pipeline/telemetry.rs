@@ -1,0 +1,555 @@
+//! The telemetry rows of `cargo xtask bench pipeline`: decode tok/s of `stage-server run --stages 3` with
+//! telemetry off, exporting to a live loopback OTLP/HTTP sink, and exporting to a black hole, in one run.
+//!
+//! ```text
+//!   xtask ──stream──▶ run (off)        ──▶ stages 1, 2
+//!     │   (one request at a time,       ──▶ stages 1, 2 ──OTLP/HTTP──▶ Sink (reads, answers 200)
+//!     │    modes rotated per round)
+//!     └─────────────▶ run (black hole) ──▶ stages 1, 2 ──OTLP/HTTP──▶ Sink (accepts, never reads)
+//! ```
+//!
+//! The three pipelines run side by side for the whole measurement (each idle while another is timed), so
+//! the rows share the machine's state; each round times one streamed completion on each, in an order that
+//! rotates every round. Decode tok/s is the client's view: completion tokens after the first over the time
+//! from the first content delta to the last. Beside it, the CPU time (user and system) the pipeline's
+//! processes spent per completion token while the request ran: on a shared machine wall-clock rates move with
+//! whatever else runs, while the CPU a token costs moves much less, and it is what telemetry would add.
+
+use std::fmt::Write as _;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::bench_serve::client::{self, Load};
+use crate::figures::median;
+
+/// Completion tokens per timed request.
+pub(crate) const TOKENS: usize = 128;
+/// Compute threads of every process (as the other rows).
+const THREADS: &str = "2";
+/// How long a pipeline may take to load and pass its first health check.
+const READY_TIMEOUT: Duration = Duration::from_secs(180);
+/// The worker number of the untimed warm-up request (no timed request uses it, so prompts differ).
+const WARM_UP_WORKER: usize = 1000;
+
+/// How a pipeline exports.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Mode {
+    Off,
+    Live,
+    BlackHole,
+}
+
+pub(crate) const MODES: [Mode; 3] = [Mode::Off, Mode::Live, Mode::BlackHole];
+
+impl Mode {
+    fn label(self) -> &'static str {
+        match self {
+            Mode::Off => "telemetry off",
+            Mode::Live => "on, live loopback receiver (answers 200)",
+            Mode::BlackHole => "on, black-hole endpoint (accepts, never answers)",
+        }
+    }
+
+    fn slug(self) -> &'static str {
+        match self {
+            Mode::Off => "off",
+            Mode::Live => "live",
+            Mode::BlackHole => "black-hole",
+        }
+    }
+}
+
+/// What a sink does with a connection.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Answer {
+    /// Reads the request and answers `200 OK` with an empty body.
+    Ok,
+    /// Accepts and holds the connection, never reading or answering.
+    Never,
+}
+
+/// A tiny OTLP/HTTP collector on loopback: it counts what arrives and does not decode it.
+struct Sink {
+    address: SocketAddr,
+    /// Connections accepted.
+    connections: Arc<AtomicU64>,
+    /// Requests read and answered (a black hole answers none).
+    answered: Arc<AtomicU64>,
+    /// Body bytes read.
+    bytes: Arc<AtomicU64>,
+}
+
+impl Sink {
+    fn start(answer: Answer) -> Result<Sink> {
+        let listener =
+            TcpListener::bind("127.0.0.1:0").context("could not bind the OTLP sink's port")?;
+        let address = listener.local_addr()?;
+        let sink = Sink {
+            address,
+            connections: Arc::default(),
+            answered: Arc::default(),
+            bytes: Arc::default(),
+        };
+        let (connections, answered, bytes) = (
+            Arc::clone(&sink.connections),
+            Arc::clone(&sink.answered),
+            Arc::clone(&sink.bytes),
+        );
+        thread::Builder::new()
+            .name(format!("otlp-sink-{answer:?}"))
+            .spawn(move || {
+                // A black hole keeps its connections open (never read) until the benchmark ends.
+                let mut held = Vec::new();
+                for stream in listener.incoming() {
+                    let Ok(stream) = stream else { continue };
+                    connections.fetch_add(1, Ordering::Relaxed);
+                    match answer {
+                        Answer::Never => held.push(stream),
+                        Answer::Ok => {
+                            let (answered, bytes) = (Arc::clone(&answered), Arc::clone(&bytes));
+                            thread::spawn(move || answer_requests(stream, &answered, &bytes));
+                        }
+                    }
+                }
+            })
+            .context("could not start the OTLP sink's thread")?;
+        Ok(sink)
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.address)
+    }
+}
+
+/// The live sink's answer to every request.
+const OK_ANSWER: &[u8] =
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\nContent-Length: 0\r\n\r\n";
+
+/// Reads requests off `stream` (Content-Length bodies) and answers each `200 OK`, until the client closes.
+fn answer_requests(stream: TcpStream, answered: &AtomicU64, bytes: &AtomicU64) {
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+    let Ok(writer) = stream.try_clone() else {
+        return;
+    };
+    let mut writer = writer;
+    let mut reader = BufReader::new(stream);
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            return;
+        }
+        let mut length = 0usize;
+        loop {
+            let mut header = String::new();
+            if reader.read_line(&mut header).unwrap_or(0) == 0 {
+                return;
+            }
+            if header.trim().is_empty() {
+                break;
+            }
+            if let Some((name, value)) = header.split_once(':')
+                && name.trim().eq_ignore_ascii_case("content-length")
+            {
+                length = value.trim().parse().unwrap_or(0);
+            }
+        }
+        let mut body = vec![0u8; length];
+        if reader.read_exact(&mut body).is_err() {
+            return;
+        }
+        bytes.fetch_add(length as u64, Ordering::Relaxed);
+        answered.fetch_add(1, Ordering::Relaxed);
+        if writer.write_all(OK_ANSWER).is_err() {
+            return;
+        }
+    }
+}
+
+/// A `stage-server run --stages 3` child, interrupted (then killed) when dropped.
+struct Pipeline {
+    child: Child,
+    address: SocketAddr,
+    log: PathBuf,
+}
+
+impl Pipeline {
+    fn start(
+        binary: &Path,
+        model: &Path,
+        endpoint: Option<&str>,
+        span_filter: Option<&str>,
+        log: PathBuf,
+    ) -> Result<Pipeline> {
+        let address = TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+        let output =
+            File::create(&log).with_context(|| format!("could not create {}", log.display()))?;
+        let mut command = Command::new(binary);
+        command
+            .arg("run")
+            .args(["--stages", "3", "--lanes", "1", "--threads", THREADS])
+            .arg("--model")
+            .arg(model)
+            .args(["--http", &address.to_string()])
+            .env("CANDLE_NUM_THREADS", THREADS)
+            .env("RAYON_NUM_THREADS", THREADS)
+            // Off means off: no collector from the environment either.
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .stdin(Stdio::null())
+            .stdout(output.try_clone()?)
+            .stderr(output);
+        if let Some(endpoint) = endpoint {
+            command.args(["--otlp-endpoint", endpoint]);
+            if let Some(filter) = span_filter {
+                command.env("STAGE_SERVER_OTLP_FILTER", filter);
+            }
+        }
+        let child = command
+            .spawn()
+            .with_context(|| format!("could not start {}", binary.display()))?;
+        let mut pipeline = Pipeline {
+            child,
+            address,
+            log,
+        };
+        pipeline.wait_ready()?;
+        Ok(pipeline)
+    }
+
+    fn wait_ready(&mut self) -> Result<()> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait()? {
+                bail!(
+                    "stage-server run exited with {status} before it was ready; see {}",
+                    self.log.display()
+                );
+            }
+            if matches!(client::health(self.address), Ok(200)) {
+                return Ok(());
+            }
+            thread::sleep(Duration::from_millis(200));
+        }
+        bail!(
+            "stage-server run was not ready within {} s; see {}",
+            READY_TIMEOUT.as_secs(),
+            self.log.display()
+        )
+    }
+}
+
+impl Drop for Pipeline {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-INT", &self.child.id().to_string()])
+            .stderr(Stdio::null())
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The decode rates of one mode over the rounds.
+#[derive(Debug, Default)]
+pub(crate) struct Rates {
+    pub(crate) decode: Vec<f64>,
+    pub(crate) tokens: Vec<f64>,
+    /// CPU milliseconds of the pipeline's processes per completion token.
+    pub(crate) cpu_per_token_ms: Vec<f64>,
+}
+
+/// What one telemetry measurement found.
+#[derive(Debug)]
+pub(crate) struct Measured {
+    pub(crate) rates: Vec<Rates>,
+    /// The live sink's answered requests and body bytes.
+    pub(crate) live_requests: u64,
+    pub(crate) live_bytes: u64,
+    /// Connections the black hole accepted (and never answered).
+    pub(crate) black_hole_connections: u64,
+    /// The span filter of the "on" pipelines (`None`: the default, `info`).
+    pub(crate) span_filter: Option<String>,
+}
+
+/// Starts the three pipelines of `model`, warms each up, and times `rounds` requests on each.
+pub(crate) fn measure(
+    binary: &Path,
+    model: &Path,
+    rounds: usize,
+    span_filter: Option<&str>,
+    log_dir: &Path,
+) -> Result<Measured> {
+    let live = Sink::start(Answer::Ok)?;
+    let black_hole = Sink::start(Answer::Never)?;
+    std::fs::create_dir_all(log_dir)?;
+    let mut pipelines = Vec::new();
+    for mode in MODES {
+        let endpoint = match mode {
+            Mode::Off => None,
+            Mode::Live => Some(live.url()),
+            Mode::BlackHole => Some(black_hole.url()),
+        };
+        let log = log_dir.join(format!("telemetry-{}.log", mode.slug()));
+        eprintln!("xtask: starting stage-server run ({})", mode.label());
+        pipelines.push(Pipeline::start(
+            binary,
+            model,
+            endpoint.as_deref(),
+            span_filter,
+            log,
+        )?);
+    }
+    let loads: Vec<Load> = pipelines
+        .iter()
+        .map(|pipeline| {
+            Ok(Load {
+                address: pipeline.address,
+                model: client::served_model(pipeline.address)?,
+                concurrency: 1,
+                requests_per_worker: 1,
+                max_tokens: TOKENS,
+            })
+        })
+        .collect::<Result<_>>()?;
+    for load in &loads {
+        client::stream_completion(load, WARM_UP_WORKER, 0).context("a warm-up request failed")?;
+    }
+    let mut rates: Vec<Rates> = MODES.iter().map(|_| Rates::default()).collect();
+    for round in 0..rounds {
+        for step in 0..MODES.len() {
+            // Rotated so that no mode always runs first (or right after another's metric push).
+            let index = (round + step) % MODES.len();
+            // The same prompt for every mode in a round, a different one each round.
+            let pid = pipelines[index].child.id();
+            let cpu_before = tree_cpu_seconds(pid);
+            let record = client::stream_completion(&loads[index], round, 0)
+                .with_context(|| format!("a timed request failed ({})", MODES[index].label()))?;
+            let cpu = tree_cpu_seconds(pid) - cpu_before;
+            rates[index]
+                .cpu_per_token_ms
+                .push(cpu * 1e3 / record.tokens.max(1) as f64);
+            let elapsed: f64 = record.gaps.iter().map(Duration::as_secs_f64).sum();
+            let decode = if elapsed > 0.0 && record.tokens > 1 {
+                (record.tokens - 1) as f64 / elapsed
+            } else {
+                0.0
+            };
+            rates[index].decode.push(decode);
+            rates[index].tokens.push(record.tokens as f64);
+        }
+        let line: Vec<String> = MODES
+            .iter()
+            .zip(&rates)
+            .map(|(mode, rates)| {
+                format!(
+                    "{} {:.1}",
+                    mode.slug(),
+                    rates.decode.last().copied().unwrap_or(0.0)
+                )
+            })
+            .collect();
+        eprintln!(
+            "xtask: telemetry round {}/{rounds}: decode tok/s {}",
+            round + 1,
+            line.join(", ")
+        );
+    }
+    drop(pipelines);
+    Ok(Measured {
+        rates,
+        live_requests: live.answered.load(Ordering::Relaxed),
+        live_bytes: live.bytes.load(Ordering::Relaxed),
+        black_hole_connections: black_hole.connections.load(Ordering::Relaxed),
+        span_filter: span_filter.map(str::to_owned),
+    })
+}
+
+/// User and system CPU seconds of process `root` and its descendants (`run` and its stage processes), from
+/// `/proc/<pid>/stat` in clock ticks of 1/100 s (Linux's `USER_HZ` on every architecture we run on); 0 where
+/// `/proc` cannot be read. Threads count in their process's figure.
+fn tree_cpu_seconds(root: u32) -> f64 {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0.0;
+    };
+    let processes: Vec<(u32, u32, u64)> = entries
+        .flatten()
+        .filter_map(|entry| {
+            let pid = entry.file_name().to_str()?.parse::<u32>().ok()?;
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            let (ppid, used) = parse_stat(&stat)?;
+            Some((pid, ppid, used))
+        })
+        .collect();
+    let mut tree = vec![root];
+    let mut ticks = 0u64;
+    while let Some(parent) = tree.pop() {
+        for &(pid, ppid, used) in &processes {
+            if pid == parent {
+                ticks += used;
+            }
+            if ppid == parent {
+                tree.push(pid);
+            }
+        }
+    }
+    ticks as f64 / 100.0
+}
+
+/// The parent pid and `utime + stime` of a `/proc/<pid>/stat` line (the command name, in parentheses, may
+/// hold spaces, so fields are counted from its closing parenthesis).
+fn parse_stat(stat: &str) -> Option<(u32, u64)> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // After the name: state (3), ppid (4), ... utime (14), stime (15), counting from 1 as proc(5) does.
+    let ppid = fields.get(1)?.parse().ok()?;
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some((ppid, utime + stime))
+}
+
+/// The telemetry section of the report: a table per model, then how to read it.
+pub(crate) fn render(model: &str, measured: &Measured) -> String {
+    let off = median(&measured.rates[0].decode);
+    let mut table = format!(
+        "### {model}: telemetry\n\n| Telemetry | decode tok/s (median) | vs off | paired vs off | range over rounds | CPU ms per token (median) | vs off | tokens per request |\n|---|---|---|---|---|---|---|---|\n"
+    );
+    let off_cpu = median(&measured.rates[0].cpu_per_token_ms);
+    for (mode, rates) in MODES.iter().zip(&measured.rates) {
+        let decode = median(&rates.decode);
+        let low = rates.decode.iter().copied().fold(f64::INFINITY, f64::min);
+        let high = rates.decode.iter().copied().fold(0.0, f64::max);
+        let versus = if off > 0.0 {
+            format!("{:+.1}%", (decode / off - 1.0) * 100.0)
+        } else {
+            "".to_owned()
+        };
+        // Each round's rate over the same round's "off" rate (measured seconds apart), then the median.
+        let paired: Vec<f64> = rates
+            .decode
+            .iter()
+            .zip(&measured.rates[0].decode)
+            .filter(|(_, off)| **off > 0.0)
+            .map(|(on, off)| on / off)
+            .collect();
+        let paired = if paired.is_empty() {
+            "".to_owned()
+        } else {
+            format!("{:+.1}%", (median(&paired) - 1.0) * 100.0)
+        };
+        let cpu = median(&rates.cpu_per_token_ms);
+        let cpu_versus = if off_cpu > 0.0 {
+            format!("{:+.1}%", (cpu / off_cpu - 1.0) * 100.0)
+        } else {
+            "".to_owned()
+        };
+        let _ = writeln!(
+            table,
+            "| {} | {decode:.1} | {versus} | {paired} | {low:.1} to {high:.1} | {cpu:.2} | {cpu_versus} | {:.0} |",
+            mode.label(),
+            median(&rates.tokens),
+        );
+    }
+    let _ = write!(
+        table,
+        "\nExported spans: {}. The live receiver answered {} OTLP requests ({} bytes of protobuf); the black hole \
+         accepted {} connections and answered none.\n",
+        match &measured.span_filter {
+            None => "the default filter (`info`: request, generation and stage sessions; no per-token spans)"
+                .to_owned(),
+            Some(filter) => format!("`STAGE_SERVER_OTLP_FILTER={filter}`"),
+        },
+        measured.live_requests,
+        measured.live_bytes,
+        measured.black_hole_connections,
+    );
+    table
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_live_sink_answers_every_request_on_a_kept_alive_connection() {
+        let sink = Sink::start(Answer::Ok).unwrap();
+        let mut stream = TcpStream::connect(sink.address).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        for _ in 0..2 {
+            stream
+                .write_all(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+                .unwrap();
+            let mut answer = vec![0u8; OK_ANSWER.len()];
+            stream.read_exact(&mut answer).unwrap();
+            assert!(
+                answer.starts_with(b"HTTP/1.1 200 OK\r\n"),
+                "the sink answered {:?}",
+                String::from_utf8_lossy(&answer)
+            );
+        }
+        assert_eq!(sink.answered.load(Ordering::Relaxed), 2);
+        assert_eq!(sink.bytes.load(Ordering::Relaxed), 6);
+    }
+
+    #[test]
+    fn the_table_gives_each_mode_against_off() {
+        let measured = Measured {
+            rates: vec![
+                Rates {
+                    decode: vec![100.0, 102.0, 98.0],
+                    tokens: vec![128.0; 3],
+                    cpu_per_token_ms: vec![10.0],
+                },
+                Rates {
+                    decode: vec![99.0],
+                    tokens: vec![128.0],
+                    cpu_per_token_ms: vec![10.5],
+                },
+                Rates {
+                    decode: vec![95.0],
+                    tokens: vec![128.0],
+                    cpu_per_token_ms: vec![10.0],
+                },
+            ],
+            live_requests: 4,
+            live_bytes: 1000,
+            black_hole_connections: 2,
+            span_filter: None,
+        };
+        let table = render("m.gguf", &measured);
+        assert!(
+            table.contains(
+                "| telemetry off | 100.0 | +0.0% | +0.0% | 98.0 to 102.0 | 10.00 | +0.0% | 128 |"
+            ),
+            "{table}"
+        );
+        // 99 / 100 (the first round's off), however the off medians go.
+        assert!(table.contains("| -1.0% | -1.0% |"), "{table}");
+        assert!(table.contains("| 10.50 | +5.0% |"), "{table}");
+        assert!(table.contains("| -5.0% | -5.0% |"), "{table}");
+    }
+
+    #[test]
+    fn a_stat_line_gives_the_parent_and_the_cpu_ticks_even_with_spaces_in_the_name() {
+        let line =
+            "27991 (stage server) R 27988 27988 25951 0 -1 4194304 126 0 0 0 7 3 0 0 20 0 1 0";
+        assert_eq!(parse_stat(line), Some((27988, 10)));
+        assert_eq!(parse_stat("garbage"), None);
+    }
+}
