@@ -1,11 +1,13 @@
 //! OTLP export over real sockets: a loopback OTLP/HTTP receiver in the test decodes what a 3-process
 //! `stage-server run` exports for one request (one trace, spans from every stage, the metrics), and a
-//! black-hole collector that accepts and never answers costs the serving nothing and the exit under 2 s.
+//! black-hole collector that accepts and never answers, or a receiver that stops answering mid-run, costs
+//! the serving nothing and the exit under 2 s.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -64,10 +66,11 @@ struct Received {
 }
 
 /// A loopback OTLP/HTTP receiver: every connection is one request, answered 200 (or, as a black hole,
-/// accepted and never answered).
+/// accepted and never answered; [`Receiver::stop_answering`] turns a live one into a black hole).
 struct Receiver {
     address: SocketAddr,
     received: Arc<Mutex<Received>>,
+    answering: Arc<AtomicBool>,
 }
 
 impl Receiver {
@@ -75,12 +78,14 @@ impl Receiver {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let address = listener.local_addr().unwrap();
         let received = Arc::new(Mutex::new(Received::default()));
+        let answering = Arc::new(AtomicBool::new(!black_hole));
         let shared = Arc::clone(&received);
+        let answers = Arc::clone(&answering);
         std::thread::spawn(move || {
             let mut held = Vec::new();
             for stream in listener.incoming() {
                 let Ok(stream) = stream else { continue };
-                if black_hole {
+                if !answers.load(Ordering::Acquire) {
                     // Accepted, never read or answered; kept open so the client waits.
                     held.push(stream);
                     continue;
@@ -89,7 +94,16 @@ impl Receiver {
                 std::thread::spawn(move || serve_one(stream, &shared));
             }
         });
-        Receiver { address, received }
+        Receiver {
+            address,
+            received,
+            answering,
+        }
+    }
+
+    /// From now on connections are accepted and never answered.
+    fn stop_answering(&self) {
+        self.answering.store(false, Ordering::Release);
     }
 
     fn url(&self) -> String {
@@ -480,4 +494,58 @@ fn a_black_hole_collector_costs_the_serving_nothing_and_the_exit_stays_under_two
         "the exit took {exit:?}"
     );
     assert!(black_hole.received.lock().unwrap().requests == 0);
+}
+
+#[test]
+fn a_receiver_that_stops_answering_mid_run_costs_the_serving_nothing_and_the_exit_stays_under_two_seconds()
+ {
+    let receiver = Receiver::start(false);
+    let model = tiny_model("stops-answering");
+    let run = Run::start(&model, &receiver.url(), "stage_server=trace", 64);
+    let (status, body) = complete(run.api, 8);
+    assert_eq!(status, 200, "the completion failed: {body}");
+    // The first request's spans reach the receiver (the queue sends a batch within its 1 s delay).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while receiver.received.lock().unwrap().spans.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "no span arrived while the receiver answered"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    receiver.stop_answering();
+    let answered = receiver.received.lock().unwrap().requests;
+    let started = Instant::now();
+    for _ in 0..12 {
+        let (status, body) = complete(run.api, 200);
+        assert_eq!(
+            status, 200,
+            "a completion failed after the collector stopped answering: {body}"
+        );
+    }
+    let serving = started.elapsed();
+    let metrics = get(run.api, "/metrics");
+    let dropped = sample(&metrics, "stage_server_telemetry_spans_dropped_total").unwrap_or(0.0);
+    assert!(
+        dropped > 0.0,
+        "no span was dropped after the collector stopped answering:\n{metrics}"
+    );
+    // Generous (a loaded 2-core machine): 12 x 200 tokens of the tiny model take well under this.
+    assert!(
+        serving < Duration::from_secs(60),
+        "serving took {serving:?}"
+    );
+    let exit = run.stop();
+    assert!(
+        exit < Duration::from_secs(2) + Duration::from_millis(500),
+        "the exit took {exit:?}"
+    );
+    // Only exports already on their way in when it stopped (one per process and signal at most) were
+    // answered after it.
+    let after = receiver.received.lock().unwrap().requests;
+    assert!(
+        after <= answered + 6,
+        "the receiver answered {} exports after it stopped answering",
+        after - answered
+    );
 }
