@@ -268,13 +268,7 @@ impl Chain {
         options: &GenerateOptions,
         on_token: &mut impl FnMut(&Predicted) -> ControlFlow<()>,
     ) -> Result<Generation, DriverError> {
-        let mut generation = Generation {
-            tokens: Vec::new(),
-            logits: Vec::new(),
-            prompt_time: Duration::ZERO,
-            decode_time: Duration::ZERO,
-            finish: Finish::Length,
-        };
+        let mut generation = Generation::empty();
         if options.max_tokens == 0 {
             return Ok(generation);
         }

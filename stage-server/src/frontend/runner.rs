@@ -2,7 +2,7 @@
 
 use std::ops::ControlFlow;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use std::net::SocketAddr;
 
@@ -168,13 +168,7 @@ fn generate_local(
     options: &GenerateOptions,
     mut on_token: impl FnMut(&Predicted) -> ControlFlow<()>,
 ) -> Result<Generation, ModelError> {
-    let mut generation = Generation {
-        tokens: Vec::new(),
-        logits: Vec::new(),
-        prompt_time: Duration::ZERO,
-        decode_time: Duration::ZERO,
-        finish: Finish::Length,
-    };
+    let mut generation = Generation::empty();
     if prompt.is_empty() {
         return Err(ModelError::EmptyChunk);
     }

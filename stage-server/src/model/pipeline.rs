@@ -34,6 +34,19 @@ pub struct Generation {
     pub finish: Finish,
 }
 
+impl Generation {
+    /// Nothing generated yet (and, if nothing more is, ended by the token budget).
+    pub fn empty() -> Generation {
+        Generation {
+            tokens: Vec::new(),
+            logits: Vec::new(),
+            prompt_time: Duration::ZERO,
+            decode_time: Duration::ZERO,
+            finish: Finish::Length,
+        }
+    }
+}
+
 /// Why a generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Finish {
@@ -159,13 +172,7 @@ impl Pipeline {
         for &token in prompt {
             sampler.accept(token);
         }
-        let mut generation = Generation {
-            tokens: Vec::new(),
-            logits: Vec::new(),
-            prompt_time: Duration::ZERO,
-            decode_time: Duration::ZERO,
-            finish: Finish::Length,
-        };
+        let mut generation = Generation::empty();
         if options.max_tokens == 0 {
             return Ok(generation);
         }
