@@ -254,6 +254,13 @@ fn layout_rows(
     Ok(render_table(&model_file, prompt.len(), &samples))
 }
 
+/// The variable candle's barrier pool reads its spin count from.
+const SPIN_LIMIT_VARIABLE: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
+/// The spin count `stage-server run` gives stages that share a host (candle's default, 25,000, let a stage
+/// that had finished its pass spin on the cores the next stage needed); the split layouts here use it too,
+/// the unsplit one keeps candle's default, as `run --stages 1` does.
+const SHARED_HOST_SPIN_LIMIT: &str = "2000";
+
 /// Runs one generation in `layout`; returns prefill and decode tokens/s.
 fn run_layout(
     binary: &Path,
@@ -277,6 +284,7 @@ fn run_layout(
             stages.push(served);
         }
         let first = next.context("a chain has a first stage")?;
+        command.env(SPIN_LIMIT_VARIABLE, SHARED_HOST_SPIN_LIMIT);
         command.args([
             "--layers",
             &format!("0..{}", boundaries[0]),
@@ -336,6 +344,7 @@ fn serve(
         ])
         .env("CANDLE_NUM_THREADS", THREADS)
         .env("RAYON_NUM_THREADS", THREADS)
+        .env(SPIN_LIMIT_VARIABLE, SHARED_HOST_SPIN_LIMIT)
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
     if let Some(next) = next {
