@@ -106,7 +106,7 @@ pub enum DriverError {
 pub struct Predicted {
     /// The token id.
     pub token: u32,
-    /// Its log-probability under the raw logits.
+    /// Its log-probability under the raw logits (NaN where it was not asked for and not computed).
     pub logprob: f32,
     /// The most likely tokens with theirs, most likely first.
     pub top: Vec<(u32, f32)>,
@@ -137,6 +137,10 @@ pub struct SamplerExtras {
     pub logit_bias: Vec<(u32, f32)>,
     /// Alternatives (top log-probabilities) each token comes with, up to 20.
     pub top_logprobs: u8,
+    /// Whether the caller reads each token's log-probability. Where the sampling runs here (a whole model in
+    /// one process) it costs a softmax over the vocabulary per token, so it is skipped when not asked; a
+    /// chain's last stage always sends it.
+    pub logprobs: bool,
 }
 
 /// Stage 0 with a link to the rest of a running chain.
@@ -229,6 +233,7 @@ impl Chain {
         let extras = SamplerExtras {
             logit_bias: Vec::new(),
             top_logprobs: self.wire.options.top_logprobs,
+            logprobs: true,
         };
         self.generate_with(prompt, sampling, &extras, options, |predicted| {
             on_token(predicted);

@@ -217,6 +217,7 @@ fn generation(
             } else {
                 0
             },
+            logprobs: request.logprobs,
         },
         max_tokens: request.max_tokens,
         stop: request.stop.clone(),

@@ -211,7 +211,11 @@ fn generate_local(
             break;
         }
         sampler.accept(token);
-        let (logprob, top) = log_probabilities(&row, token, extras.top_logprobs.min(20));
+        let (logprob, top) = if extras.logprobs || extras.top_logprobs > 0 {
+            log_probabilities(&row, token, extras.top_logprobs.min(20))
+        } else {
+            (f32::NAN, Vec::new())
+        };
         generation.tokens.push(token);
         if on_token(&Predicted {
             token,
