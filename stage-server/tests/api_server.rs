@@ -409,3 +409,31 @@ fn the_streamed_text_equals_the_whole_reply_for_the_same_greedy_request() {
     assert!(done, "the stream did not end with [DONE]");
     assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap());
 }
+
+#[test]
+fn a_queue_deadline_belongs_to_its_own_request_not_to_a_later_one_on_the_same_connection() {
+    let server = start("stale-deadline", |config| {
+        config.queue_timeout = Duration::from_secs(1)
+    });
+    let address = server.local_addr();
+    let mut reader = connect(address);
+    let quick = post(
+        "/v1/completions",
+        r#"{"prompt":[1,300],"max_tokens":2,"temperature":0}"#,
+    );
+    // The first request's deadline would fall 1 s from now; it is served at once.
+    reader.get_mut().write_all(quick.as_bytes()).unwrap();
+    assert_eq!(read_response(&mut reader).status, 200);
+    std::thread::sleep(Duration::from_millis(700));
+    let _busy = occupy_lane(address);
+    // The second request, on the same connection, waits behind the busy lane: its own full second.
+    let started = Instant::now();
+    reader.get_mut().write_all(quick.as_bytes()).unwrap();
+    let response = read_response(&mut reader);
+    let waited = started.elapsed();
+    assert_eq!(response.status, 429, "{}", response.body);
+    assert!(
+        waited >= Duration::from_secs(1),
+        "refused after {waited:?}: an earlier request's queue deadline cut this one short"
+    );
+}

@@ -104,6 +104,11 @@ impl Job {
         std::mem::take(&mut *lock(&self.events))
     }
 
+    /// Ends a job no lane took (see [`Engine::withdraw`]) with `error`, delivered to its session as an event.
+    pub(crate) fn fail(&self, error: ApiError) {
+        self.push(JobEvent::Failed(error));
+    }
+
     /// Marks the job cancelled: a lane that runs it stops at its next token.
     pub(crate) fn cancel(&self) {
         self.cancelled.store(true, Ordering::Release);

@@ -32,8 +32,6 @@ use crate::http::{
     write_last_chunk, write_response, write_sse_data,
 };
 
-/// The completion token of a queued job's deadline.
-const QUEUE_TIMEOUT_TOKEN: u64 = 2;
 /// Bytes of pipelined input a session takes in while a generation runs.
 const INBOX_MAX: usize = 64 << 10;
 /// How long a request may take to arrive once its first byte came (a slow client is cut, not waited on).
@@ -203,7 +201,7 @@ impl HttpSession {
                 };
                 span.record("route", route);
                 // The job holds this request's span as its generation's parent.
-                let job = Job::new(*spec, completer.clone(), span.clone());
+                let job = Job::new(*spec, completer, span.clone());
                 if let Err(error) = ready.engine.submit(&job) {
                     return self.respond_error(
                         route,
@@ -214,11 +212,22 @@ impl HttpSession {
                         context,
                     );
                 }
-                // The queue deadline runs as a task: it wakes this session, which withdraws the job if no
-                // lane took it yet.
+                // The queue deadline runs as a task: if no lane took the job by then, it takes the job out
+                // of the queue and fails it, which reaches this session as the job's own event (so a
+                // deadline can never touch a later job of the same connection).
                 let wait = queue_wait_left(&job, self.state.config.queue_timeout);
+                let (state, waiting) = (Arc::clone(&self.state), Arc::clone(&job));
                 let _ = Runtime::task(Compute::compute(move |()| {
-                    let _ = completer.post(QUEUE_TIMEOUT_TOKEN, 0);
+                    let withdrawn = state
+                        .ready
+                        .get()
+                        .is_some_and(|ready| ready.engine.withdraw(&waiting));
+                    if withdrawn {
+                        waiting.fail(ApiError::overloaded(format!(
+                            "no lane came free within the queue timeout ({} s); retry shortly",
+                            state.config.queue_timeout.as_secs_f64()
+                        )));
+                    }
                 }))
                 .after(wait)
                 .spawn();
@@ -401,32 +410,6 @@ impl HttpSession {
         }
     }
 
-    fn queue_deadline(&mut self, context: &mut SessionContext<'_>) -> Step {
-        let State::Generating(generating) = &self.phase else {
-            return Step::Listen;
-        };
-        if generating.started {
-            return Step::Listen;
-        }
-        let withdrawn = self
-            .state
-            .ready
-            .get()
-            .is_some_and(|ready| ready.engine.withdraw(&generating.job));
-        if !withdrawn {
-            // A lane took it meanwhile: its Started event is on the way.
-            return Step::Listen;
-        }
-        let route = generating.route;
-        let keep_alive = generating.keep_alive;
-        let (request_id, span) = (generating.request_id.clone(), generating.span.clone());
-        let error = ApiError::overloaded(format!(
-            "no lane came free within the queue timeout ({} s); retry shortly",
-            self.state.config.queue_timeout.as_secs_f64()
-        ));
-        self.respond_error(route, &error, keep_alive, &request_id, &span, context)
-    }
-
     /// Cancels a running or queued job (the client went away).
     fn cancel(&mut self) {
         if let State::Generating(generating) = &self.phase {
@@ -510,7 +493,6 @@ impl Session for HttpSession {
     fn on_wake(&mut self, token: u64, _value: u64, context: &mut SessionContext<'_>) -> Step {
         let step = match token {
             EVENTS_TOKEN => self.deliver(context),
-            QUEUE_TIMEOUT_TOKEN => self.queue_deadline(context),
             _ => match self.phase {
                 State::Generating(_) => Step::Listen,
                 State::Reading => Step::Read,
