@@ -216,8 +216,13 @@ impl HttpSession {
                 // of the queue and fails it, which reaches this session as the job's own event (so a
                 // deadline can never touch a later job of the same connection).
                 let wait = queue_wait_left(&job, self.state.config.queue_timeout);
-                let (state, waiting) = (Arc::clone(&self.state), Arc::clone(&job));
+                // Weak: a job that ended meanwhile is dropped at once (and with it the request's span, which
+                // ends when its last handle goes), not kept until its deadline would have passed.
+                let (state, waiting) = (Arc::clone(&self.state), Arc::downgrade(&job));
                 let _ = Runtime::task(Compute::compute(move |()| {
+                    let Some(waiting) = waiting.upgrade() else {
+                        return;
+                    };
                     let withdrawn = state
                         .ready
                         .get()
