@@ -26,7 +26,8 @@ pub use pipeline::{
 };
 pub use sampling::{Sampler, SamplingParams, log_probabilities};
 pub use stage::{
-    Logits, SplitError, Stage, StageInput, StageOptions, StageOutput, StageSpec, TRIM_SLACK,
+    BatchEntry, Logits, SplitError, Stage, StageInput, StageOptions, StageOutput, StageSpec,
+    TRIM_SLACK,
 };
 
 /// The file name of the SmolLM2 test model in the model directory.

@@ -106,6 +106,32 @@ pub enum StageInput<'a> {
     Activations(&'a [f32]),
 }
 
+/// One lane's chunk in a batch ([`Stage::forward_batch`]).
+#[derive(Clone, Copy, Debug)]
+pub struct BatchEntry<'a> {
+    /// The lane whose cache the chunk extends; a lane appears at most once per batch.
+    pub lane: usize,
+    /// The chunk's first absolute position, which must equal the lane's length.
+    pub position: usize,
+    /// Its rows.
+    pub input: StageInput<'a>,
+    /// Which logit rows it wants back (last stage).
+    pub logits: Logits,
+}
+
+/// An admitted entry's place in the batch's rows.
+#[derive(Clone, Copy, Debug)]
+struct Segment {
+    /// Its index among the entries.
+    entry: usize,
+    lane: usize,
+    position: usize,
+    rows: usize,
+    /// Its first row among the batch's rows.
+    offset: usize,
+    logits: Logits,
+}
+
 /// Which rows of logits the last stage returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {
@@ -368,6 +394,7 @@ impl Stage {
     ///
     /// Cost: the weights are read once per chunk, so long chunks amortise them; attention needs
     /// `heads x rows x (position + rows)` f32 scores at once, so callers bound `rows` (a few hundred).
+    /// It is [`Stage::forward_batch`] of one entry.
     pub fn forward(
         &mut self,
         lane: usize,
@@ -375,31 +402,114 @@ impl Stage {
         input: StageInput<'_>,
         logits: Logits,
     ) -> Result<StageOutput, ModelError> {
-        // candle-nn's norms, softmax and RoPE and candle's f32 matmuls split their work with rayon. Called from
-        // outside a rayon worker, each of them hands a job to the pool and sleeps until it is done: two context
-        // switches per op, a few hundred per decoded token. Running the whole chunk on a worker of candle's pool
-        // makes those calls run in place (idle workers still steal halves of large ops), for one hand-off per chunk.
-        candle_core::utils::with_threadpool(|| self.forward_in_pool(lane, position, input, logits))
+        let entry = BatchEntry {
+            lane,
+            position,
+            input,
+            logits,
+        };
+        self.forward_batch(std::slice::from_ref(&entry))
+            .pop()
+            .unwrap_or(Err(ModelError::EmptyChunk))
     }
 
-    /// [`Stage::forward`] on a thread of candle's rayon pool.
-    fn forward_in_pool(
+    /// Runs one chunk for each entry, all in one pass: the rows of every entry go through each block
+    /// together, so the weights are read once for the batch, while each entry's attention sees only its own
+    /// lane's cache at its own positions. Returns one result per entry, in order.
+    ///
+    /// Every entry's result is bit-identical to running it alone with [`Stage::forward`] (every op outside
+    /// attention works on each row by itself, and attention on each lane by itself), so batching changes
+    /// speed, never tokens. An entry that is wrong on its own (lane out of range or named twice, position not
+    /// the lane's length, wrong input, context full, a non-finite value) fails alone; the others run. Should
+    /// the pass itself fail, every entry in it fails and no lane advances.
+    pub fn forward_batch(
         &mut self,
-        lane: usize,
-        position: usize,
-        input: StageInput<'_>,
-        logits: Logits,
-    ) -> Result<StageOutput, ModelError> {
+        entries: &[BatchEntry<'_>],
+    ) -> Vec<Result<StageOutput, ModelError>> {
+        // candle-nn's norms, softmax and RoPE and candle's f32 matmuls split their work with rayon. Called from
+        // outside a rayon worker, each of them hands a job to the pool and sleeps until it is done: two context
+        // switches per op, a few hundred per decoded token. Running the whole batch on a worker of candle's pool
+        // makes those calls run in place (idle workers still steal halves of large ops), for one hand-off per batch.
+        candle_core::utils::with_threadpool(|| self.forward_batch_in_pool(entries))
+    }
+
+    /// [`Stage::forward_batch`] on a thread of candle's rayon pool.
+    fn forward_batch_in_pool(
+        &mut self,
+        entries: &[BatchEntry<'_>],
+    ) -> Vec<Result<StageOutput, ModelError>> {
+        let mut results: Vec<Option<Result<StageOutput, ModelError>>> =
+            entries.iter().map(|_| None).collect();
+        let mut segments: Vec<Segment> = Vec::with_capacity(entries.len());
+        let mut rows_in: Vec<Tensor> = Vec::with_capacity(entries.len());
+        let mut offset = 0;
+        for (index, entry) in entries.iter().enumerate() {
+            let repeated = segments.iter().any(|segment| segment.lane == entry.lane);
+            match self.admit(entry, repeated) {
+                Ok(hidden) => {
+                    let rows = match hidden.dim(0) {
+                        Ok(rows) => rows,
+                        Err(error) => {
+                            results[index] = Some(Err(error.into()));
+                            continue;
+                        }
+                    };
+                    segments.push(Segment {
+                        entry: index,
+                        lane: entry.lane,
+                        position: entry.position,
+                        rows,
+                        offset,
+                        logits: entry.logits,
+                    });
+                    rows_in.push(hidden);
+                    offset += rows;
+                }
+                Err(error) => results[index] = Some(Err(error)),
+            }
+        }
+        if !segments.is_empty() {
+            match self.run_segments(&segments, &rows_in) {
+                Ok(outputs) => {
+                    for (segment, output) in segments.iter().zip(outputs) {
+                        if output.is_ok() {
+                            self.lanes[segment.lane].length = segment.position + segment.rows;
+                        }
+                        results[segment.entry] = Some(output);
+                    }
+                }
+                Err(error) => {
+                    let message = error.to_string();
+                    for segment in &segments {
+                        results[segment.entry] = Some(Err(ModelError::Compute(message.clone())));
+                    }
+                }
+            }
+        }
+        results
+            .into_iter()
+            .map(|result| result.unwrap_or(Err(ModelError::EmptyChunk)))
+            .collect()
+    }
+
+    /// Checks one entry on its own and returns its input rows as `[rows, width]`.
+    fn admit(&self, entry: &BatchEntry<'_>, repeated: bool) -> Result<Tensor, ModelError> {
+        let lane = entry.lane;
         let length = self.lane(lane)?.length;
-        if position != length {
+        if repeated {
+            return Err(ModelError::Compute(format!(
+                "lane {lane} appears twice in one batch; its chunks must run one after the other"
+            )));
+        }
+        if entry.position != length {
             return Err(ModelError::PositionMismatch {
                 lane,
                 length,
-                position,
+                position: entry.position,
             });
         }
         let width = self.width();
-        let hidden = match (&self.embedding, input) {
+        let hidden = match (&self.embedding, entry.input) {
             (Some(embedding), StageInput::Tokens(tokens)) => embedding.lookup(tokens)?,
             (None, StageInput::Activations(values)) => {
                 if values.is_empty() {
@@ -433,66 +543,133 @@ impl Stage {
             }
         };
         let rows = hidden.dim(0)?;
-        if position + rows > self.context_length {
+        if entry.position + rows > self.context_length {
             return Err(ModelError::ContextOverflow {
                 lane,
-                position,
+                position: entry.position,
                 tokens: rows,
                 context_length: self.context_length,
             });
         }
-        let rope = RopeTables::new(&self.config, &self.blocks, position, rows)?;
-        let lane_state = &mut self.lanes[lane];
-        let mut hidden = hidden;
-        for (block, cache) in self.blocks.iter().zip(lane_state.caches.iter_mut()) {
-            hidden = block.forward(&self.config, &hidden, position, &rope, cache)?;
-        }
-        lane_state.length = position + rows;
-        if self.head.is_some() && matches!(logits, Logits::Last) && rows > 1 {
-            // Only the last row is returned below; a bad value in another row must still be an error, because
-            // the quantised products downstream would read it as 0 and turn it into plausible text.
-            let all_finite = hidden
-                .flatten_all()?
-                .to_vec1::<f32>()?
-                .iter()
-                .all(|value| value.is_finite());
-            if !all_finite {
-                self.lanes[lane].length = position;
-                return Err(ModelError::NonFinite {
-                    start: self.spec.layers.start,
-                    end: self.spec.layers.end,
-                    lane,
-                });
-            }
-        }
-        let output = match &self.head {
-            Some(head) => {
-                let rows_wanted = match logits {
-                    Logits::Last => hidden.narrow(0, rows - 1, 1)?,
-                    Logits::All => hidden,
-                };
-                let normed = rms_norm(&rows_wanted, &head.norm, self.config.rms_epsilon)?;
-                let mut values = head.output.forward(&normed)?;
-                if let Some(cap) = self.config.final_logit_softcap {
-                    values = ((values / cap as f64)?.tanh()? * cap as f64)?;
+        Ok(hidden)
+    }
+
+    /// Runs the admitted segments through every block and the head; one result per segment. An `Err` of
+    /// the whole is a failed pass; an `Err` inside is one segment's non-finite output. Lane lengths are
+    /// left to the caller.
+    fn run_segments(
+        &mut self,
+        segments: &[Segment],
+        rows_in: &[Tensor],
+    ) -> Result<Vec<Result<StageOutput, ModelError>>, ModelError> {
+        let ropes = segments
+            .iter()
+            .map(|segment| {
+                RopeTables::new(&self.config, &self.blocks, segment.position, segment.rows)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut hidden = if rows_in.len() == 1 {
+            rows_in[0].clone()
+        } else {
+            Tensor::cat(rows_in, 0)?
+        };
+        // Each segment's lane's caches, taken out for the pass (the lanes are distinct) and put back after.
+        let mut caches: Vec<Vec<LayerCache>> = segments
+            .iter()
+            .map(|segment| std::mem::take(&mut self.lanes[segment.lane].caches))
+            .collect();
+        let mut outcome = Ok(());
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let mut layer_caches: Vec<&mut LayerCache> =
+                caches.iter_mut().map(|lane| &mut lane[layer]).collect();
+            match block.forward(&self.config, &hidden, segments, &ropes, &mut layer_caches) {
+                Ok(next) => hidden = next,
+                Err(error) => {
+                    outcome = Err(error);
+                    break;
                 }
-                StageOutput::Logits(values.flatten_all()?.to_vec1::<f32>()?)
             }
-            None => StageOutput::Activations(hidden.flatten_all()?.to_vec1::<f32>()?),
-        };
-        let values = match &output {
-            StageOutput::Logits(values) | StageOutput::Activations(values) => values,
-        };
-        if values.iter().any(|value| !value.is_finite()) {
-            // The cache now holds poisoned keys and values; the session is unusable.
-            self.lanes[lane].length = position;
-            return Err(ModelError::NonFinite {
-                start: self.spec.layers.start,
-                end: self.spec.layers.end,
-                lane,
-            });
         }
-        Ok(output)
+        for (segment, lane_caches) in segments.iter().zip(caches) {
+            self.lanes[segment.lane].caches = lane_caches;
+        }
+        outcome?;
+        let (start, end) = (self.spec.layers.start, self.spec.layers.end);
+        let non_finite = |segment: &Segment| ModelError::NonFinite {
+            start,
+            end,
+            lane: segment.lane,
+        };
+        let Some(head) = &self.head else {
+            let values = hidden.flatten_all()?.to_vec1::<f32>()?;
+            let width = self.width();
+            return Ok(segments
+                .iter()
+                .map(|segment| {
+                    let rows = &values[segment.offset * width..][..segment.rows * width];
+                    if rows.iter().all(|value| value.is_finite()) {
+                        Ok(StageOutput::Activations(rows.to_vec()))
+                    } else {
+                        // The cache now holds poisoned keys and values; the session is unusable.
+                        Err(non_finite(segment))
+                    }
+                })
+                .collect());
+        };
+        // Only the rows each segment asks for go through the head; a bad value in a row not returned must still
+        // be an error, because the quantised products downstream would read it as 0 and turn it into plausible
+        // text.
+        let mut hidden_finite = vec![true; segments.len()];
+        if segments
+            .iter()
+            .any(|segment| segment.logits == Logits::Last && segment.rows > 1)
+        {
+            let values = hidden.flatten_all()?.to_vec1::<f32>()?;
+            let width = self.width();
+            for (finite, segment) in hidden_finite.iter_mut().zip(segments) {
+                *finite = values[segment.offset * width..][..segment.rows * width]
+                    .iter()
+                    .all(|value| value.is_finite());
+            }
+        }
+        let mut wanted = Vec::with_capacity(segments.len());
+        let mut wanted_rows = Vec::with_capacity(segments.len());
+        for segment in segments {
+            let (from, count) = match segment.logits {
+                Logits::Last => (segment.offset + segment.rows - 1, 1),
+                Logits::All => (segment.offset, segment.rows),
+            };
+            wanted.push(hidden.narrow(0, from, count)?);
+            wanted_rows.push(count);
+        }
+        let rows_wanted = if wanted.len() == 1 {
+            wanted.pop().unwrap_or(hidden)
+        } else {
+            Tensor::cat(&wanted, 0)?
+        };
+        let normed = rms_norm(&rows_wanted, &head.norm, self.config.rms_epsilon)?;
+        let mut values = head.output.forward(&normed)?;
+        if let Some(cap) = self.config.final_logit_softcap {
+            values = ((values / cap as f64)?.tanh()? * cap as f64)?;
+        }
+        let values = values.flatten_all()?.to_vec1::<f32>()?;
+        let total: usize = wanted_rows.iter().sum();
+        let vocab = values.len() / total.max(1);
+        let mut from = 0;
+        Ok(segments
+            .iter()
+            .zip(wanted_rows)
+            .zip(hidden_finite)
+            .map(|((segment, count), finite)| {
+                let rows = &values[from * vocab..][..count * vocab];
+                from += count;
+                if finite && rows.iter().all(|value| value.is_finite()) {
+                    Ok(StageOutput::Logits(rows.to_vec()))
+                } else {
+                    Err(non_finite(segment))
+                }
+            })
+            .collect())
     }
 
     /// Cuts lane `lane` back to its first `length` positions, so the next chunk starts at `length`.
@@ -616,14 +793,16 @@ impl Block {
         })
     }
 
-    /// Runs the block over `hidden` (`[rows, width]`) whose first row is at absolute `position`.
+    /// Runs the block over `hidden` (`[rows, width]`: the rows of every segment, in order). Each segment's rows
+    /// are rotated at its own positions and attend over its own lane's cache of this block (`caches[i]` for
+    /// `segments[i]`); every other op works on each row alone.
     fn forward(
         &self,
         config: &ModelConfig,
         hidden: &Tensor,
-        position: usize,
-        rope: &RopeTables,
-        cache: &mut LayerCache,
+        segments: &[Segment],
+        ropes: &[RopeTables],
+        caches: &mut [&mut LayerCache],
     ) -> Result<Tensor, ModelError> {
         let epsilon = config.rms_epsilon;
         let rows = hidden.dim(0)?;
@@ -642,26 +821,11 @@ impl Block {
         if let Some(norm) = &self.key_norm {
             key = rms_norm(&key, norm, epsilon)?;
         }
-        // [rows, heads, width] -> [1, heads, rows, width] for the RoPE kernels.
-        let query = query.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
-        let key = key.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
-        let value = value.transpose(0, 1)?.contiguous()?;
-        let (cos, sin) = rope.tables(self.attention.rope_base);
         // Llama rotates adjacent pairs, gemma (NeoX style) the two halves of each head.
         let pairing = match config.architecture {
             Architecture::Llama => RopePairing::Adjacent,
             Architecture::Gemma3 => RopePairing::Halves,
         };
-        let query = apply_rope(&query, cos, sin, pairing)?;
-        let key = apply_rope(&key, cos, sin, pairing)?;
-        // Keys and values are rounded to f16 in the cache, as llama.cpp's default f16 KV cache stores them;
-        // queries, scores and attention weights stay f32, as in its flash-attention kernel for prompt batches
-        // (the evaluation the agreement fixtures come from). Rounding queries and weights to f16 as well (its
-        // non-flash matmul path) moved gemma-3's logits by a few tenths against that reference.
-        let key = key.flatten_all()?.to_vec1::<f32>()?;
-        let value = value.flatten_all()?.to_vec1::<f32>()?;
-        cache.append(&key, &value, position, rows)?;
-        let query = query.flatten_all()?.to_vec1::<f32>()?;
         let scale = match config.architecture {
             Architecture::Gemma3 => AttentionScale {
                 query: config.attention_scale,
@@ -673,7 +837,37 @@ impl Block {
             },
         };
         let mut attended = vec![0f32; rows * heads * head_width];
-        attend(&query, heads, rows, position, cache, scale, &mut attended);
+        for ((segment, rope), cache) in segments.iter().zip(ropes).zip(caches.iter_mut()) {
+            // The segment's [rows, heads, width] -> [1, heads, rows, width] for the RoPE kernels.
+            let part = |values: &Tensor| -> Result<Tensor, ModelError> {
+                Ok(values
+                    .narrow(0, segment.offset, segment.rows)?
+                    .transpose(0, 1)?
+                    .contiguous()?)
+            };
+            let (cos, sin) = rope.tables(self.attention.rope_base);
+            let segment_query = apply_rope(&part(&query)?.unsqueeze(0)?, cos, sin, pairing)?;
+            let segment_key = apply_rope(&part(&key)?.unsqueeze(0)?, cos, sin, pairing)?;
+            // Keys and values are rounded to f16 in the cache, as llama.cpp's default f16 KV cache stores them;
+            // queries, scores and attention weights stay f32, as in its flash-attention kernel for prompt
+            // batches (the evaluation the agreement fixtures come from). Rounding queries and weights to f16 as
+            // well (its non-flash matmul path) moved gemma-3's logits by a few tenths against that reference.
+            let segment_key = segment_key.flatten_all()?.to_vec1::<f32>()?;
+            let segment_value = part(&value)?.flatten_all()?.to_vec1::<f32>()?;
+            cache.append(&segment_key, &segment_value, segment.position, segment.rows)?;
+            let segment_query = segment_query.flatten_all()?.to_vec1::<f32>()?;
+            let stride = heads * head_width;
+            let output = &mut attended[segment.offset * stride..][..segment.rows * stride];
+            attend(
+                &segment_query,
+                heads,
+                segment.rows,
+                segment.position,
+                cache,
+                scale,
+                output,
+            );
+        }
         let attended = Tensor::from_vec(attended, (rows, heads * head_width), &Device::Cpu)?;
         let mut attention_out = self.output.forward(&attended)?;
         if let Some(norm) = &self.post_attention_norm {
