@@ -67,6 +67,10 @@ struct RunArgs {
     /// Seconds a request may wait for a lane before it gets 429.
     #[arg(long, default_value_t = 30.0)]
     queue_timeout: f64,
+    /// Rows of one forward pass of the whole model at most (--stages 1): every running stream's next token,
+    /// then chunks of newly admitted prompts in what is left.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    batch_tokens: u64,
     /// Compute threads per stage process.
     #[arg(long)]
     threads: Option<usize>,
@@ -723,6 +727,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     api.lanes = args.lanes.max(1);
     api.queue = args.queue;
     api.queue_timeout = std::time::Duration::from_secs_f64(args.queue_timeout);
+    api.batch_tokens = args.batch_tokens as usize;
     api.context_length = args.context_length;
     api.model_id = args.model_id.clone();
     api.api_key = api_key.clone();

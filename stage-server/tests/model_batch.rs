@@ -69,7 +69,7 @@ fn schedule(lanes: usize, steps: usize, vocab: u32, seed: usize) -> Vec<Vec<Chun
     let mut lengths = vec![0usize; lanes];
     let mut batches = Vec::new();
     let mut first = Vec::new();
-    for lane in 0..lanes {
+    for (lane, length) in lengths.iter_mut().enumerate() {
         let rows = 1 + (lane * 5 + seed) % 11;
         first.push(Chunk {
             lane,
@@ -81,7 +81,7 @@ fn schedule(lanes: usize, steps: usize, vocab: u32, seed: usize) -> Vec<Vec<Chun
                 Logits::Last
             },
         });
-        lengths[lane] = rows;
+        *length = rows;
     }
     batches.push(first);
     for step in 0..steps {

@@ -424,7 +424,7 @@ fn run(shared: &Shared, runner: &mut LaneRunner, job: &Job, spec: JobSpec) {
                 usage: Usage {
                     prompt_tokens: prompt.len(),
                     completion_tokens: generation.tokens.len(),
-                    cached_tokens: 0,
+                    cached_tokens: generation.cached_tokens,
                 },
             });
         }

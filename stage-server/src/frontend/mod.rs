@@ -10,6 +10,7 @@
 //! The listener starts before the model loads, so `/health` answers 503 ("Loading model") until every lane
 //! is ready (for a chain, until every lane's link to stage 1 passed its hello), then 200.
 
+mod batcher;
 mod engine;
 mod health;
 mod metrics;
@@ -31,6 +32,7 @@ use crate::chat::ChatTemplate;
 use crate::driver::{ChainOptions, StageShare, Turns, first_stage_hello, load_first_stage};
 use crate::model::{self, ModelError, ModelFile, Stage, StageOptions, StageSpec};
 use crate::tokenizer::Tokenizer;
+use batcher::Batcher;
 use engine::{Engine, RunnerFactory};
 use health::ChainHealth;
 use metrics::Metrics;
@@ -245,11 +247,11 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
             )
             .map_err(|error| error.to_string())?;
             let context_length = stage.context_length();
-            let stage = Arc::new(Turns::new(stage));
+            let batcher = Batcher::start(stage, state.config.batch_tokens)?;
             let runners = (0..lanes)
-                .map(|lane| {
-                    let stage = Arc::clone(&stage);
-                    Box::new(move || Ok(LaneRunner::Local { stage, lane })) as RunnerFactory
+                .map(|_| {
+                    let batcher = Arc::clone(&batcher);
+                    Box::new(move || Ok(LaneRunner::Local(batcher))) as RunnerFactory
                 })
                 .collect();
             (runners, context_length)

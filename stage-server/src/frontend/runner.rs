@@ -6,26 +6,20 @@ use std::time::Instant;
 
 use std::net::SocketAddr;
 
+use super::batcher::Batcher;
 use super::health::ChainHealth;
-use crate::driver::{
-    Chain, ChainOptions, DriverError, Predicted, SamplerExtras, StageShare, Turns,
-};
+use crate::driver::{Chain, ChainOptions, DriverError, Predicted, SamplerExtras, StageShare};
 use crate::model::{
-    Finish, GenerateOptions, Generation, Logits, ModelError, PREFILL_CHUNK, Sampler,
-    SamplingParams, Stage, StageInput, StageOutput, log_probabilities,
+    Finish, GenerateOptions, Generation, ModelError, Sampler, SamplingParams, log_probabilities,
 };
 use crate::wire::{ErrorCode, Hello};
 
 /// What a lane generates with.
 #[derive(Debug)]
 pub(crate) enum LaneRunner {
-    /// Every layer here: lane `lane` of a stage shared by all the lanes.
-    Local {
-        /// The whole model, loaded once.
-        stage: Arc<Turns<Stage>>,
-        /// This runner's lane of its KV cache.
-        lane: usize,
-    },
+    /// Every layer here: the whole model, loaded once, its lanes leased per generation and their forward
+    /// passes batched together.
+    Local(Arc<Batcher>),
     /// Stage 0's layers here (the chain link holds its share), the rest down the chain.
     Chain(Box<ChainLane>),
 }
@@ -144,8 +138,8 @@ impl LaneRunner {
         on_token: impl FnMut(&Predicted) -> ControlFlow<()>,
     ) -> Result<Generation, RunError> {
         match self {
-            LaneRunner::Local { stage, lane } => generate_local(
-                stage, *lane, prompt, sampling, extras, options, on_token,
+            LaneRunner::Local(batcher) => generate_local(
+                batcher, prompt, sampling, extras, options, on_token,
             )
             .map_err(|error| RunError {
                 unavailable: false,
@@ -156,12 +150,11 @@ impl LaneRunner {
     }
 }
 
-/// The whole model on one lane, as `Pipeline::generate` runs it, with the chain's last stage's extras
-/// (logit bias, log-probabilities) so the two backends answer alike. The stage is locked per forward pass
-/// only, so the lanes take turns at every step.
+/// The whole model on a leased lane, as `Pipeline::generate` runs it, with the chain's last stage's extras
+/// (logit bias, log-probabilities) so the two backends answer alike. The lane starts from the longest prefix
+/// of the prompt it already holds; every forward pass runs in a batch with the other lanes' next steps.
 fn generate_local(
-    stage: &Turns<Stage>,
-    lane: usize,
+    batcher: &Batcher,
     prompt: &[u32],
     sampling: SamplingParams,
     extras: &SamplerExtras,
@@ -172,7 +165,8 @@ fn generate_local(
     if prompt.is_empty() {
         return Err(ModelError::EmptyChunk);
     }
-    stage.lock().reset(lane)?;
+    let mut lease = batcher.lease(prompt)?;
+    generation.cached_tokens = lease.cached();
     if options.max_tokens == 0 {
         return Ok(generation);
     }
@@ -180,25 +174,10 @@ fn generate_local(
     for &token in prompt {
         sampler.accept(token);
     }
-    let forward = |position: usize, tokens: &[u32]| -> Result<Vec<f32>, ModelError> {
-        match stage
-            .lock()
-            .forward(lane, position, StageInput::Tokens(tokens), Logits::Last)?
-        {
-            StageOutput::Logits(row) => Ok(row),
-            StageOutput::Activations(_) => Err(ModelError::Compute(
-                "the local stage returned activations; it must hold every layer".into(),
-            )),
-        }
-    };
     let started = Instant::now();
-    let mut row = Vec::new();
-    for (index, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
-        row = forward(index * PREFILL_CHUNK, chunk)?;
-    }
+    let mut row = lease.forward(&prompt[lease.cached()..])?;
     generation.prompt_time = started.elapsed();
     let decode_started = Instant::now();
-    let mut position = prompt.len();
     loop {
         for &(token, bias) in &extras.logit_bias {
             if let Some(logit) = row.get_mut(token as usize) {
@@ -230,8 +209,7 @@ fn generate_local(
         if generation.tokens.len() >= options.max_tokens {
             break;
         }
-        row = forward(position, &[token])?;
-        position += 1;
+        row = lease.forward(&[token])?;
     }
     generation.decode_time = decode_started.elapsed();
     Ok(generation)

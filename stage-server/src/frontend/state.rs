@@ -34,10 +34,14 @@ pub struct ApiConfig {
     pub http_limits: HttpLimits,
     /// How long a drain lets running generations finish.
     pub drain_timeout: Duration,
+    /// Rows one forward pass of the whole model runs at most: every running stream's next token, then
+    /// prompt chunks of newly admitted requests in what is left (a longer prompt spans several passes).
+    pub batch_tokens: usize,
 }
 
 impl ApiConfig {
-    /// The defaults on `http`: 4 lanes, a queue of 8, a 30 s queue timeout, the HTTP layer's limits.
+    /// The defaults on `http`: 4 lanes, a queue of 8, a 30 s queue timeout, the HTTP layer's limits, 512
+    /// rows per forward pass.
     pub fn new(http: SocketAddr) -> ApiConfig {
         ApiConfig {
             http,
@@ -49,6 +53,7 @@ impl ApiConfig {
             context_length: None,
             http_limits: HttpLimits::default(),
             drain_timeout: Duration::from_secs(30),
+            batch_tokens: super::batcher::DEFAULT_BATCH_TOKENS,
         }
     }
 

@@ -32,6 +32,9 @@ pub struct Generation {
     pub decode_time: Duration,
     /// Why generation ended.
     pub finish: Finish,
+    /// Leading prompt tokens whose keys and values were already in the lane's cache (a reused prefix), so
+    /// they were not prefilled again.
+    pub cached_tokens: usize,
 }
 
 impl Generation {
@@ -43,6 +46,7 @@ impl Generation {
             prompt_time: Duration::ZERO,
             decode_time: Duration::ZERO,
             finish: Finish::Length,
+            cached_tokens: 0,
         }
     }
 }

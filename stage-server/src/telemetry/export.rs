@@ -160,7 +160,7 @@ fn register_instruments(provider: &SdkMeterProvider) {
                 let histogram = meter
                     .f64_histogram(name)
                     .with_description(help)
-                    .with_unit("s")
+                    .with_unit(if name.ends_with("_seconds") { "s" } else { "1" })
                     .build();
                 histograms.push((name, histogram));
             }

@@ -38,6 +38,8 @@ pub const STAGE_COMPUTE_SECONDS: &str = "stage_server_stage_compute_seconds";
 pub const STAGE_ROWS_TOTAL: &str = "stage_server_stage_rows_total";
 /// Steps computed (prefill chunks and decode steps).
 pub const STAGE_STEPS_TOTAL: &str = "stage_server_stage_steps_total";
+/// Histogram: entries (lanes) per forward pass, the batch size.
+pub const BATCH_ENTRIES: &str = "stage_server_batch_entries";
 /// Bytes written on stage links, by link (`upstream` toward stage 0, `downstream` away from it).
 pub const LINK_BYTES_SENT_TOTAL: &str = "stage_server_link_bytes_sent_total";
 /// Bytes read from stage links, by link.
@@ -121,6 +123,11 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
         STAGE_STEPS_TOTAL,
         Kind::Counter,
         "Steps this stage computed.",
+    ),
+    (
+        BATCH_ENTRIES,
+        Kind::Histogram,
+        "Entries (lanes) per forward pass of this stage: how many requests one pass served.",
     ),
     (
         LINK_BYTES_SENT_TOTAL,

@@ -22,6 +22,12 @@ pub const STEP_BUCKETS: [f64; 16] = [
     2.5, 5.0,
 ];
 
+/// Bucket bounds of the batch-size histogram (entries per forward pass).
+pub const BATCH_BUCKETS: [f64; 10] = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0];
+
+/// The most buckets a histogram here has.
+const MAX_BUCKETS: usize = 16;
+
 /// A value of one sample.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Value {
@@ -77,41 +83,50 @@ pub trait Collect: Send + Sync + std::fmt::Debug {
     fn collect(&self, out: &mut Vec<Sample>);
 }
 
-/// A histogram of atomics over [`STEP_BUCKETS`]: observing is a few relaxed adds, no lock.
+/// A histogram of atomics (over [`STEP_BUCKETS`] unless made with other bounds): observing is a few relaxed
+/// adds, no lock.
 #[derive(Debug)]
 pub struct AtomicHistogram {
     name: &'static str,
-    counts: [AtomicU64; STEP_BUCKETS.len()],
+    bounds: &'static [f64],
+    counts: [AtomicU64; MAX_BUCKETS],
     count: AtomicU64,
+    /// The sum of the observations, in billionths (nanoseconds for seconds).
     sum_nanos: AtomicU64,
 }
 
 impl AtomicHistogram {
     const fn new(name: &'static str) -> AtomicHistogram {
+        AtomicHistogram::with_bounds(name, &STEP_BUCKETS)
+    }
+
+    /// A histogram over `bounds` (at most 16, ascending).
+    const fn with_bounds(name: &'static str, bounds: &'static [f64]) -> AtomicHistogram {
+        assert!(bounds.len() <= MAX_BUCKETS);
         AtomicHistogram {
             name,
-            counts: [const { AtomicU64::new(0) }; STEP_BUCKETS.len()],
+            bounds,
+            counts: [const { AtomicU64::new(0) }; MAX_BUCKETS],
             count: AtomicU64::new(0),
             sum_nanos: AtomicU64::new(0),
         }
     }
 
-    /// Records one observation of `seconds`.
-    pub fn observe(&self, seconds: f64) {
+    /// Records one observation of `value` (seconds, or a count for a count histogram).
+    pub fn observe(&self, value: f64) {
         // Only the first bucket at or above it: the rendering sums them up.
-        if let Some(index) = STEP_BUCKETS.iter().position(|bound| seconds <= *bound) {
+        if let Some(index) = self.bounds.iter().position(|bound| value <= *bound) {
             self.counts[index].fetch_add(1, Ordering::Relaxed);
         }
         self.count.fetch_add(1, Ordering::Relaxed);
         self.sum_nanos
-            .fetch_add((seconds * 1e9) as u64, Ordering::Relaxed);
-        super::export::record_histogram(self.name, seconds);
+            .fetch_add((value * 1e9) as u64, Ordering::Relaxed);
+        super::export::record_histogram(self.name, value);
     }
 
     fn sample(&self) -> Sample {
         let mut running = 0;
-        let cumulative = self
-            .counts
+        let cumulative = self.counts[..self.bounds.len()]
             .iter()
             .map(|count| {
                 running += count.load(Ordering::Relaxed);
@@ -122,7 +137,7 @@ impl AtomicHistogram {
             name: self.name,
             labels: Vec::new(),
             value: Value::Histogram {
-                bounds: &STEP_BUCKETS,
+                bounds: self.bounds,
                 cumulative,
                 count: self.count.load(Ordering::Relaxed),
                 sum: self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9,
@@ -147,6 +162,8 @@ pub struct StageMetrics {
     pub compute: AtomicHistogram,
     /// Stage 0: a step's round trip down the chain.
     pub round_trip: AtomicHistogram,
+    /// Entries (lanes) per forward pass.
+    pub batch: AtomicHistogram,
     rows: AtomicU64,
     steps: AtomicU64,
     credit_waits: AtomicU64,
@@ -182,6 +199,7 @@ impl StageMetrics {
 pub static STAGE: StageMetrics = StageMetrics {
     compute: AtomicHistogram::new(names::STAGE_COMPUTE_SECONDS),
     round_trip: AtomicHistogram::new(names::LINK_ROUND_TRIP_SECONDS),
+    batch: AtomicHistogram::with_bounds(names::BATCH_ENTRIES, &BATCH_BUCKETS),
     rows: AtomicU64::new(0),
     steps: AtomicU64::new(0),
     credit_waits: AtomicU64::new(0),
@@ -247,6 +265,7 @@ pub fn process_samples() -> Vec<Sample> {
         }
     }
     out.push(stage.round_trip.sample());
+    out.push(stage.batch.sample());
     out.push(Sample::number(
         names::CREDIT_WAITS_TOTAL,
         stage.credit_waits.load(Ordering::Relaxed) as f64,
