@@ -437,3 +437,156 @@ fn a_queue_deadline_belongs_to_its_own_request_not_to_a_later_one_on_the_same_co
         "refused after {waited:?}: an earlier request's queue deadline cut this one short"
     );
 }
+
+/// A greedy completion of `prompt` with every token's log-probability, as (text, logprobs as written, usage).
+fn greedy(
+    address: SocketAddr,
+    prompt: &[u32],
+    max_tokens: usize,
+) -> (String, String, serde_json::Value) {
+    let body = serde_json::json!({
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 2,
+        "logit_bias": {TINY_EOS.to_string(): -100},
+    })
+    .to_string();
+    let response = exchange(address, &post("/v1/completions", &body));
+    assert_eq!(response.status, 200, "{}", response.body);
+    let value: serde_json::Value = serde_json::from_str(&response.body).unwrap();
+    let choice = &value["choices"][0];
+    (
+        choice["text"].as_str().unwrap().to_owned(),
+        // The numbers as the server wrote them: equal text means equal f32 values.
+        choice["logprobs"].to_string(),
+        value["usage"].clone(),
+    )
+}
+
+/// Prompts of mixed lengths that share nothing but the first token.
+fn mixed_prompts() -> Vec<Vec<u32>> {
+    (0..4u32)
+        .map(|index| {
+            (0..3 + 7 * index)
+                .map(|offset| 40 + index * 50 + offset)
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn concurrent_generations_batched_together_each_equal_the_same_request_alone() {
+    let server = start("batched", |config| config.lanes = 4);
+    let address = server.local_addr();
+    let prompts = mixed_prompts();
+    let alone: Vec<_> = prompts
+        .iter()
+        .map(|prompt| greedy(address, prompt, 40))
+        .collect();
+    let steps_before = metric(address, "stage_server_stage_steps_total");
+    let together: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|prompt| scope.spawn(move || greedy(address, prompt, 40)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| handle.join().unwrap())
+            .collect()
+    });
+    for (index, ((text, logprobs, _), (alone_text, alone_logprobs, _))) in
+        together.iter().zip(&alone).enumerate()
+    {
+        assert_eq!(
+            text, alone_text,
+            "request {index}'s text changed when batched"
+        );
+        assert_eq!(
+            logprobs, alone_logprobs,
+            "request {index}'s log-probabilities changed when batched"
+        );
+    }
+    // The four ran in shared passes: fewer steps than the 4 x (1 prefill + 39 decodes) they would take one
+    // at a time.
+    let steps = metric(address, "stage_server_stage_steps_total") - steps_before;
+    assert!(
+        steps < 4.0 * 40.0,
+        "{steps} forward passes for four concurrent requests: they were not batched"
+    );
+}
+
+#[test]
+fn cancelling_one_stream_mid_batch_leaves_the_others_tokens_unchanged() {
+    let server = start("batched-cancel", |config| config.lanes = 3);
+    let address = server.local_addr();
+    let prompts = &mixed_prompts()[..2];
+    let alone: Vec<_> = prompts
+        .iter()
+        .map(|prompt| greedy(address, prompt, 60))
+        .collect();
+    let together: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|prompt| scope.spawn(move || greedy(address, prompt, 60)))
+            .collect();
+        // A third stream that joins the batch and goes away after a few tokens.
+        let mut doomed = occupy_lane(address);
+        for _ in 0..3 {
+            read_chunk(&mut doomed).expect("an event of the doomed stream");
+        }
+        drop(doomed);
+        handles
+            .into_iter()
+            .map(|handle| handle.join().unwrap())
+            .collect()
+    });
+    for (index, (together, alone)) in together.iter().zip(&alone).enumerate() {
+        assert_eq!(together.0, alone.0, "request {index}'s text changed");
+        assert_eq!(
+            together.1, alone.1,
+            "request {index}'s log-probabilities changed"
+        );
+    }
+}
+
+#[test]
+fn a_prompt_that_shares_a_cached_prefix_reuses_it_and_answers_as_a_cold_run_does() {
+    let shared: Vec<u32> = (0..40).map(|offset| 60 + offset).collect();
+    let first: Vec<u32> = shared.iter().copied().chain([200, 201]).collect();
+    let second: Vec<u32> = shared.iter().copied().chain([210, 211, 212]).collect();
+    let warm = start("prefix-warm", |_| {});
+    let address = warm.local_addr();
+    let (_, _, usage) = greedy(address, &first, 8);
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 0,
+        "{usage}"
+    );
+    let (text, logprobs, usage) = greedy(address, &second, 8);
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"],
+        shared.len(),
+        "the shared prefix was not reused: {usage}"
+    );
+    assert_eq!(usage["prompt_tokens"], second.len());
+    // The same prompt again reuses all but its last token.
+    let (again_text, again_logprobs, usage) = greedy(address, &second, 8);
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"],
+        second.len() - 1,
+        "{usage}"
+    );
+    let cold = start("prefix-cold", |_| {});
+    let (cold_text, cold_logprobs, usage) = greedy(cold.local_addr(), &second, 8);
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
+    for (what, reused_text, reused_logprobs) in [
+        ("a reused prefix", &text, &logprobs),
+        ("a reused whole prompt", &again_text, &again_logprobs),
+    ] {
+        assert_eq!(reused_text, &cold_text, "{what} changed the text");
+        assert_eq!(
+            reused_logprobs, &cold_logprobs,
+            "{what} changed the log-probabilities"
+        );
+    }
+}

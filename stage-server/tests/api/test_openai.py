@@ -551,3 +551,45 @@ def test_a_dropped_stream_frees_its_lane(server, client):
     elapsed = time.monotonic() - started
     assert all(reply.choices[0].finish_reason in ("stop", "length") for reply in replies)
     assert elapsed < 30, f"{LANES + QUEUE} four-token replies after the hang-ups took {elapsed:.1f} s"
+
+
+# ---------------------------------------------------------------- batching and prefix reuse
+
+
+def test_concurrent_replies_equal_the_same_requests_one_at_a_time(server, client):
+    wait_until_idle(server, client)
+    conversations = [
+        [{"role": "user", "content": "Name three rivers of Europe."}],
+        [{"role": "user", "content": "Write one sentence about the sea, then one about the mountains."}],
+    ]
+
+    def reply(messages):
+        answer = chat(client, server, messages=messages, max_tokens=24, logprobs=True)
+        return answer.choices[0].message.content, [entry.logprob for entry in answer.choices[0].logprobs.content]
+
+    alone = [reply(messages) for messages in conversations]
+    with ThreadPoolExecutor(max_workers=LANES) as pool:
+        together = list(pool.map(reply, conversations))
+    for index, (batched, single) in enumerate(zip(together, alone)):
+        assert batched == single, f"conversation {index} answered differently when it ran beside another"
+
+
+def test_a_conversation_prefix_already_computed_is_reported_as_cached_tokens(server, client):
+    wait_until_idle(server, client)
+    system = {
+        "role": "system",
+        "content": "You are a patient tutor. " + " ".join(f"Rule {number}: answer in plain words." for number in range(20)),
+    }
+    first = chat(client, server, messages=[system, {"role": "user", "content": "What is a prime number?"}], max_tokens=4)
+    second = chat(client, server, messages=[system, {"role": "user", "content": "What is an even number?"}], max_tokens=4)
+    details = second.usage.prompt_tokens_details
+    cached = details.cached_tokens if details is not None else None
+    if server.stages == 1:
+        # The whole model reuses the lane that holds the system prompt: every token up to the user's turn.
+        assert cached is not None and cached > first.usage.prompt_tokens // 2, (
+            f"the shared system prompt was not reused: cached_tokens {cached} of {second.usage.prompt_tokens}"
+        )
+        assert cached < second.usage.prompt_tokens
+    else:
+        # A chain prefills every prompt in full (prefix reuse across stages is not built), and says so.
+        assert cached == 0, f"a chain reported {cached} cached tokens"
