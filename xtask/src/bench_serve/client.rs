@@ -10,6 +10,8 @@
 //!
 //! The decoders are sans-IO (bytes in, decisions out), so the unit tests feed them recorded responses split at
 //! every byte. Each worker owns its socket and its records; the threads share nothing until they are joined.
+//! [`stream_request`] sends any chat-completion body and calls back at the first content delta, for the shaped
+//! scenarios that time one request against the progress of others.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -63,6 +65,11 @@ pub(crate) struct RequestRecord {
     /// Completion tokens: the usage chunk's `completion_tokens` when the server sent one, else the number of
     /// content deltas.
     pub(crate) tokens: u64,
+    /// The usage chunk's `prompt_tokens`: the prompt as the server tokenized it, chat template included.
+    pub(crate) prompt_tokens: Option<u64>,
+    /// The usage chunk's `prompt_tokens_details.cached_tokens`: prompt tokens the server says it did not
+    /// compute again. `None` when the server does not report it.
+    pub(crate) cached_tokens: Option<u64>,
 }
 
 /// What one load level measured.
@@ -148,14 +155,23 @@ pub(crate) struct EventDecoder {
     data: Option<String>,
 }
 
+/// The token counts of a usage object; a count the server left out is `None`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Usage {
+    /// `completion_tokens`.
+    pub(crate) completion_tokens: Option<u64>,
+    /// `prompt_tokens`.
+    pub(crate) prompt_tokens: Option<u64>,
+    /// `prompt_tokens_details.cached_tokens`.
+    pub(crate) cached_tokens: Option<u64>,
+}
+
 /// What one server-sent event means to the benchmark.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Event {
-    /// A completion chunk: whether its delta carried content, and the usage figure if it had one.
-    Chunk {
-        content: bool,
-        completion_tokens: Option<u64>,
-    },
+    /// A completion chunk: whether its delta carried content, and its usage object if it had one (OpenAI
+    /// sends `"usage": null` on the other chunks of a stream with `include_usage`; that is no usage).
+    Chunk { content: bool, usage: Option<Usage> },
     /// `data: [DONE]`, the end of the stream.
     Done,
     /// `data: {"error": ...}`: the server gave up after streaming began.
@@ -424,10 +440,15 @@ pub(crate) fn classify(data: &str) -> Result<Event> {
                 .is_some_and(|text| !text.is_empty())
         })
     });
-    Ok(Event::Chunk {
-        content,
-        completion_tokens: value["usage"]["completion_tokens"].as_u64(),
-    })
+    let usage = value
+        .get("usage")
+        .filter(|usage| usage.is_object())
+        .map(|usage| Usage {
+            completion_tokens: usage["completion_tokens"].as_u64(),
+            prompt_tokens: usage["prompt_tokens"].as_u64(),
+            cached_tokens: usage["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        });
+    Ok(Event::Chunk { content, usage })
 }
 
 /// The `p`-th percentile of `values` by the nearest-rank rule: the smallest value with at least `p` percent
@@ -473,15 +494,26 @@ pub(crate) fn run_level(load: &Load) -> LevelOutcome {
 
 /// Sends request `index` of `worker` and times its stream to `[DONE]`.
 pub(crate) fn stream_completion(load: &Load, worker: usize, index: usize) -> Result<RequestRecord> {
-    let body = load.body(worker, index);
+    stream_request(load.address, &load.body(worker, index), || {})
+}
+
+/// Posts `body`, a streaming chat-completion request in JSON, to `/v1/chat/completions` on `address` and
+/// times its stream to `[DONE]`. `on_first_token` runs once, on this thread, as soon as the read carrying the
+/// first content delta has been classified, so another thread can act the moment this stream is decoding; it
+/// does not run when the stream fails before any content.
+pub(crate) fn stream_request(
+    address: SocketAddr,
+    body: &str,
+    on_first_token: impl FnOnce(),
+) -> Result<RequestRecord> {
     let request = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n\
          Accept: text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        load.address,
         body.len()
     );
+    let mut on_first_token = Some(on_first_token);
     let started = Instant::now();
-    let mut stream = connect(load.address)?;
+    let mut stream = connect(address)?;
     stream
         .write_all(request.as_bytes())
         .context("could not send the request")?;
@@ -490,7 +522,7 @@ pub(crate) fn stream_completion(load: &Load, worker: usize, index: usize) -> Res
     let mut body_bytes = Vec::new();
     let mut buffer = vec![0_u8; 16 * 1024];
     let mut content_deltas = 0_u64;
-    let mut usage_tokens = None;
+    let mut usage = Usage::default();
     let mut first_token = None;
     let mut last_token_at = None;
     let mut gaps = Vec::new();
@@ -525,10 +557,16 @@ pub(crate) fn stream_completion(load: &Load, worker: usize, index: usize) -> Res
                 Event::Error(message) => bail!("the server sent an error event: {message}"),
                 Event::Chunk {
                     content,
-                    completion_tokens,
+                    usage: reported,
                 } => {
-                    if completion_tokens.is_some() {
-                        usage_tokens = completion_tokens;
+                    if let Some(reported) = reported {
+                        usage = Usage {
+                            completion_tokens: reported
+                                .completion_tokens
+                                .or(usage.completion_tokens),
+                            prompt_tokens: reported.prompt_tokens.or(usage.prompt_tokens),
+                            cached_tokens: reported.cached_tokens.or(usage.cached_tokens),
+                        };
                     }
                     if content {
                         content_deltas += 1;
@@ -542,6 +580,11 @@ pub(crate) fn stream_completion(load: &Load, worker: usize, index: usize) -> Res
             }
         }
         body_bytes.clear();
+        if first_token.is_some()
+            && let Some(callback) = on_first_token.take()
+        {
+            callback();
+        }
         if done || progress == Progress::Complete {
             break;
         }
@@ -559,7 +602,9 @@ pub(crate) fn stream_completion(load: &Load, worker: usize, index: usize) -> Res
     Ok(RequestRecord {
         first_token,
         gaps,
-        tokens: usage_tokens.unwrap_or(content_deltas),
+        tokens: usage.completion_tokens.unwrap_or(content_deltas),
+        prompt_tokens: usage.prompt_tokens,
+        cached_tokens: usage.cached_tokens,
     })
 }
 
@@ -732,23 +777,27 @@ mod tests {
         let expected = vec![
             Event::Chunk {
                 content: false,
-                completion_tokens: None,
+                usage: None,
             },
             Event::Chunk {
                 content: true,
-                completion_tokens: None,
+                usage: None,
             },
             Event::Chunk {
                 content: true,
-                completion_tokens: None,
+                usage: None,
             },
             Event::Chunk {
                 content: false,
-                completion_tokens: None,
+                usage: None,
             },
             Event::Chunk {
                 content: false,
-                completion_tokens: Some(2),
+                usage: Some(Usage {
+                    completion_tokens: Some(2),
+                    prompt_tokens: Some(9),
+                    cached_tokens: None,
+                }),
             },
             Event::Done,
         ];
@@ -817,6 +866,49 @@ mod tests {
     }
 
     #[test]
+    fn a_usage_chunk_gives_its_prompt_and_cached_tokens_and_a_null_usage_is_none() {
+        let usage = classify(
+            "{\"choices\":[],\"usage\":{\"completion_tokens\":16,\"prompt_tokens\":1043,\
+             \"total_tokens\":1059,\"prompt_tokens_details\":{\"cached_tokens\":1024}}}",
+        )
+        .expect("a usage chunk classifies");
+        assert_eq!(
+            usage,
+            Event::Chunk {
+                content: false,
+                usage: Some(Usage {
+                    completion_tokens: Some(16),
+                    prompt_tokens: Some(1043),
+                    cached_tokens: Some(1024),
+                }),
+            },
+            "the usage chunk's three counts should be read out"
+        );
+        let without_details = classify("{\"choices\":[],\"usage\":{\"prompt_tokens\":9}}").unwrap();
+        assert_eq!(
+            without_details,
+            Event::Chunk {
+                content: false,
+                usage: Some(Usage {
+                    prompt_tokens: Some(9),
+                    ..Usage::default()
+                }),
+            },
+            "a server without prompt_tokens_details reports no cached tokens, not zero"
+        );
+        let null =
+            classify("{\"choices\":[{\"delta\":{\"content\":\"Hi\"}}],\"usage\":null}").unwrap();
+        assert_eq!(
+            null,
+            Event::Chunk {
+                content: true,
+                usage: None,
+            },
+            "a null usage on a content chunk is no usage"
+        );
+    }
+
+    #[test]
     fn percentiles_follow_the_nearest_rank_rule() {
         let values: Vec<f64> = (1..=100).rev().map(f64::from).collect();
         assert_eq!(percentile(&values, 50.0), 50.0, "p50 of 1..=100");
@@ -848,6 +940,7 @@ mod tests {
                 .map(|&gap| Duration::from_millis(gap))
                 .collect(),
             tokens,
+            ..RequestRecord::default()
         };
         let outcome = LevelOutcome {
             records: vec![record(100, &[10, 20], 3), record(300, &[30], 2)],
