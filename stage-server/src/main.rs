@@ -67,8 +67,8 @@ struct RunArgs {
     /// Seconds a request may wait for a lane before it gets 429.
     #[arg(long, default_value_t = 30.0)]
     queue_timeout: f64,
-    /// Rows of one forward pass of the whole model at most (--stages 1): every running stream's next token,
-    /// then chunks of newly admitted prompts in what is left.
+    /// Rows of one forward pass of stage 0 at most (the whole model with --stages 1): every running stream's
+    /// next token, then chunks of newly admitted prompts in what is left.
     #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=65_536))]
     batch_tokens: u64,
     /// Compute threads per stage process.

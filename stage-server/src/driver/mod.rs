@@ -18,12 +18,10 @@ use std::time::{Duration, Instant};
 
 use net_io_blocking::{Limits, NetError, TcpConnection};
 
-mod turns;
-pub use turns::{Turn, Turns};
-
 use crate::model::{
-    self, Finish, GenerateOptions, Generation, Logits, ModelError, ModelFile, PREFILL_CHUNK,
-    SamplingParams, Stage, StageInput, StageOptions, StageOutput, StageSpec,
+    self, DEFAULT_BATCH_TOKENS, Finish, GenerateOptions, Generation, Logits, ModelError, ModelFile,
+    PREFILL_CHUNK, SamplingParams, SharedStage, Stage, StageInput, StageOptions, StageOutput,
+    StageSpec,
 };
 use crate::serve::LinkShape;
 use crate::telemetry::registry::{LinkSide, STAGE};
@@ -113,20 +111,28 @@ pub struct Predicted {
 }
 
 /// Stage 0's layers and the lane of them one chain link uses: several links (one per API lane) share one
-/// loaded stage, each on its own lane of its KV cache.
+/// loaded stage, each on its own lane of its KV cache, and their forward passes run batched together.
 #[derive(Clone, Debug)]
 pub struct StageShare {
-    /// The layers from 0, loaded once.
-    pub stage: Arc<Turns<Stage>>,
+    /// The layers from 0, loaded once, behind their batching compute thread.
+    pub stage: Arc<SharedStage>,
     /// The lane of `stage` this link's generations use.
     pub lane: usize,
 }
 
-impl StageShare {
-    fn lock(&self) -> Turn<'_, Stage> {
-        // Lanes take turns at the stage (see `Turns`); a panic inside a forward pass leaves only its own
-        // lane suspect, and each generation resets its lane before it starts.
-        self.stage.lock()
+/// Keeps a lane active at its shared stage for one generation (see [`SharedStage::activate`]).
+struct Active<'a>(&'a StageShare);
+
+impl<'a> Active<'a> {
+    fn new(share: &'a StageShare) -> Active<'a> {
+        share.stage.activate(share.lane, true);
+        Active(share)
+    }
+}
+
+impl Drop for Active<'_> {
+    fn drop(&mut self) {
+        self.0.stage.activate(self.0.lane, false);
     }
 }
 
@@ -176,8 +182,13 @@ impl Chain {
         options: ChainOptions,
     ) -> Result<Chain, DriverError> {
         let stage = load_first_stage(file, layers_end, 1, None)?;
+        let stage = SharedStage::start(stage, DEFAULT_BATCH_TOKENS).map_err(|error| {
+            DriverError::Model(ModelError::Compute(format!(
+                "stage 0's compute thread did not start: {error}"
+            )))
+        })?;
         let share = StageShare {
-            stage: Arc::new(Turns::new(stage)),
+            stage: Arc::new(stage),
             lane: 0,
         };
         Chain::connect_lane(file, share, next, options)
@@ -191,10 +202,9 @@ impl Chain {
         next: SocketAddr,
         options: ChainOptions,
     ) -> Result<Chain, DriverError> {
-        let (layers_end, width) = {
-            let stage = share.lock();
-            (stage.spec().layers.end, stage.width())
-        };
+        let (layers_end, width) = share
+            .stage
+            .with_stage(|stage| (stage.spec().layers.end, stage.width()));
         let ours = first_stage_hello(file, layers_end, width)?;
         Chain::connect_with(share, &ours, next, options)
     }
@@ -277,7 +287,10 @@ impl Chain {
         if options.max_tokens == 0 {
             return Ok(generation);
         }
-        self.stage.lock().reset(self.stage.lane)?;
+        let lane = self.stage.lane;
+        self.stage.stage.with_stage(|stage| stage.reset(lane))?;
+        let share = self.stage.clone();
+        let _active = Active::new(&share);
         self.send(&Frame::Configure {
             session,
             sampling: (&sampling).into(),
@@ -363,13 +376,13 @@ impl Chain {
             StageInput::Tokens(tokens) => tokens.len(),
             StageInput::Activations(_) => 1,
         };
-        let (output, width) = {
-            let mut stage = self.stage.lock();
-            let started = Instant::now();
-            let output = stage.forward(self.stage.lane, position, input, Logits::Last)?;
-            STAGE.step(rows, started.elapsed().as_secs_f64());
-            (output, stage.width())
-        };
+        // The shared stage's compute thread counts the step (and its batch) in the stage metrics.
+        let _ = rows;
+        let output = self
+            .stage
+            .stage
+            .forward(self.stage.lane, position, input, Logits::Last)?;
+        let width = self.stage.stage.width();
         match output {
             StageOutput::Activations(values) => Ok(Activations::encode(
                 &values,

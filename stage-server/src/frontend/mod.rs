@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use net_io_blocking::{DrainReport, Limits, NetError, Server, ServerBuilder, SessionDriver};
 
 use crate::chat::ChatTemplate;
-use crate::driver::{ChainOptions, StageShare, Turns, first_stage_hello, load_first_stage};
+use crate::driver::{ChainOptions, StageShare, first_stage_hello, load_first_stage};
 use crate::model::{self, ModelError, ModelFile, Stage, StageOptions, StageSpec};
 use crate::tokenizer::Tokenizer;
 use batcher::Batcher;
@@ -265,7 +265,10 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
                 .map_err(|error| error.to_string())?;
             let context_length = stage.context_length();
             let width = stage.width();
-            let stage = Arc::new(Turns::new(stage));
+            let stage = Arc::new(
+                model::SharedStage::start(stage, state.config.batch_tokens)
+                    .map_err(|error| format!("stage 0's compute thread did not start: {error}"))?,
+            );
             let ours =
                 first_stage_hello(&file, layers_end, width).map_err(|error| error.to_string())?;
             let health = Arc::clone(&state.chain);

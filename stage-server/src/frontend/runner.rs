@@ -154,7 +154,7 @@ impl LaneRunner {
 /// (logit bias, log-probabilities) so the two backends answer alike. The lane starts from the longest prefix
 /// of the prompt it already holds; every forward pass runs in a batch with the other lanes' next steps.
 fn generate_local(
-    batcher: &Batcher,
+    batcher: &Arc<Batcher>,
     prompt: &[u32],
     sampling: SamplingParams,
     extras: &SamplerExtras,

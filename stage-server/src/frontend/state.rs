@@ -53,7 +53,7 @@ impl ApiConfig {
             context_length: None,
             http_limits: HttpLimits::default(),
             drain_timeout: Duration::from_secs(30),
-            batch_tokens: super::batcher::DEFAULT_BATCH_TOKENS,
+            batch_tokens: crate::model::DEFAULT_BATCH_TOKENS,
         }
     }
 

@@ -11,6 +11,7 @@ mod file;
 mod fingerprint;
 mod pipeline;
 mod sampling;
+mod shared;
 mod stage;
 pub mod testing;
 
@@ -25,6 +26,7 @@ pub use pipeline::{
     encode_activations,
 };
 pub use sampling::{Sampler, SamplingParams, log_probabilities};
+pub use shared::{DEFAULT_BATCH_TOKENS, GATHER_WAIT, SharedStage};
 pub use stage::{
     BatchEntry, Logits, SplitError, Stage, StageInput, StageOptions, StageOutput, StageSpec,
     TRIM_SLACK,

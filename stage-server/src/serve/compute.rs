@@ -19,7 +19,8 @@ use std::time::Instant;
 use net_io_blocking::Completer;
 
 use crate::model::{
-    Logits, ModelError, Sampler, SamplingParams, Stage, StageInput, StageOutput, log_probabilities,
+    BatchEntry, GATHER_WAIT, Logits, ModelError, Sampler, SamplingParams, Stage, StageInput,
+    StageOutput, log_probabilities,
 };
 use crate::wire::ErrorCode;
 
@@ -202,30 +203,126 @@ pub(crate) fn start(stage: Stage) -> std::io::Result<(ComputeHandle, JoinHandle<
 
 impl Owner {
     fn run(mut self, jobs: Receiver<Job>) {
-        while let Ok(Job {
+        let mut waiting: VecDeque<Job> = VecDeque::new();
+        // The sessions of the last batch: their next chunks are likely on their way.
+        let mut expected: Vec<(u64, u64)> = Vec::new();
+        loop {
+            if waiting.is_empty() {
+                match jobs.recv() {
+                    Ok(job) => waiting.push_back(job),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(job) = jobs.try_recv() {
+                waiting.push_back(job);
+            }
+            if matches!(
+                waiting.front().map(|job| &job.work),
+                Some(Work::Chunk { .. })
+            ) {
+                gather(&jobs, &mut waiting, &expected);
+            }
+            let batch = take_batch(&mut waiting);
+            if batch.len() == 1 && !matches!(batch[0].work, Work::Chunk { .. }) {
+                for job in batch {
+                    self.single(job);
+                }
+                continue;
+            }
+            expected = batch.iter().map(Job::key).collect();
+            self.chunks(batch);
+        }
+    }
+
+    /// Runs one job that is not a chunk (open, trim, stop) and delivers its outcome.
+    fn single(&mut self, job: Job) {
+        let Job {
             work,
             mailbox,
             span,
             stage_index,
-        }) = jobs.recv()
-        {
-            // Per frame, so at trace level: off unless asked for (RUST_LOG or STAGE_SERVER_OTLP_FILTER).
-            // Counts as i64: tracing-opentelemetry exports unsigned fields as strings.
-            let frame = tracing::trace_span!(
-                parent: &span,
-                "stage.binary_llama_decode",
-                stage_index = i64::from(stage_index),
-                session_id = work.session(),
-                kind = work.kind(),
-                rows = tracing::field::Empty,
-                compute_micros = tracing::field::Empty,
-            );
-            let outcome = frame.in_scope(|| self.work(mailbox.link, work, &frame));
-            mailbox.deliver(outcome);
+        } = job;
+        let frame = frame_span(&span, stage_index, &work);
+        let outcome = frame.in_scope(|| self.work(mailbox.link, work));
+        mailbox.deliver(outcome);
+    }
+
+    /// Runs chunks of distinct sessions as one batch and delivers each outcome, in the order they came.
+    fn chunks(&mut self, batch: Vec<Job>) {
+        let frames: Vec<tracing::Span> = batch
+            .iter()
+            .map(|job| frame_span(&job.span, job.stage_index, &job.work))
+            .collect();
+        let width = self.stage.width().max(1);
+        // Each job's lane, if its session is open here.
+        let lanes: Vec<Option<usize>> = batch
+            .iter()
+            .map(|job| self.lanes.get(&job.key()).map(|lane| lane.index))
+            .collect();
+        let mut entries = Vec::with_capacity(batch.len());
+        for (job, lane) in batch.iter().zip(&lanes) {
+            if let (Work::Chunk { position, rows, .. }, Some(lane)) = (&job.work, lane) {
+                entries.push(BatchEntry {
+                    lane: *lane,
+                    position: *position as usize,
+                    input: StageInput::Activations(rows),
+                    logits: Logits::Last,
+                });
+            }
+        }
+        let started = Instant::now();
+        let mut outputs = self.stage.forward_batch(&entries).into_iter();
+        let compute_micros = micros(started);
+        let row_count: usize = entries
+            .iter()
+            .map(|entry| match entry.input {
+                StageInput::Activations(values) => values.len() / width,
+                StageInput::Tokens(tokens) => tokens.len(),
+            })
+            .sum();
+        if !entries.is_empty() {
+            let stage_metrics = &crate::telemetry::registry::STAGE;
+            stage_metrics.step(row_count, f64::from(compute_micros) / 1e6);
+            stage_metrics.batch.observe(entries.len() as f64);
+        }
+        drop(entries);
+        for ((job, lane), frame) in batch.into_iter().zip(lanes).zip(frames) {
+            let key = job.key();
+            let Work::Chunk {
+                session,
+                position,
+                rows,
+                sample,
+                decode,
+            } = job.work
+            else {
+                continue;
+            };
+            let outcome = match lane {
+                None => unknown(session),
+                Some(_) => {
+                    let rows_here = rows.len() / width;
+                    frame.record("rows", rows_here as i64);
+                    frame.record("compute_micros", i64::from(compute_micros));
+                    let output = outputs.next().unwrap_or(Err(ModelError::EmptyChunk));
+                    frame.in_scope(|| {
+                        self.settle(
+                            key,
+                            position,
+                            rows_here,
+                            output,
+                            sample,
+                            decode,
+                            compute_micros,
+                        )
+                    })
+                }
+            };
+            job.mailbox.deliver(outcome);
         }
     }
 
-    fn work(&mut self, link: u64, work: Work, frame: &tracing::Span) -> Outcome {
+    fn work(&mut self, link: u64, work: Work) -> Outcome {
         match work {
             Work::Open {
                 session,
@@ -234,13 +331,12 @@ impl Owner {
                 logit_bias,
                 top_logprobs,
             } => self.open((link, session), sampling, history, logit_bias, top_logprobs),
-            Work::Chunk {
+            // Chunks run in batches (`Owner::chunks`); `take_batch` never hands one here.
+            Work::Chunk { session, .. } => Outcome::Failed {
                 session,
-                position,
-                rows,
-                sample,
-                decode,
-            } => self.chunk((link, session), position, &rows, sample, decode, frame),
+                code: ErrorCode::Internal,
+                message: "a chunk reached the single-job path of the compute thread".into(),
+            },
             Work::Trim { session, length } => match self.lanes.get(&(link, session)) {
                 None => unknown(session),
                 Some(lane) => match self.stage.trim(lane.index, length as usize) {
@@ -307,32 +403,25 @@ impl Owner {
         Outcome::Opened
     }
 
-    fn chunk(
+    /// What a computed chunk of `rows` rows at `position` gives: rows for the next stage, or at the last stage
+    /// a sampled token (when `sample`) or an acknowledgement.
+    #[allow(clippy::too_many_arguments)]
+    fn settle(
         &mut self,
         key: (u64, u64),
         position: u32,
-        rows: &[f32],
+        rows: usize,
+        output: Result<StageOutput, ModelError>,
         sample: bool,
         decode: bool,
-        frame: &tracing::Span,
+        compute_micros: u32,
     ) -> Outcome {
         let session = key.1;
         let Some(lane) = self.lanes.get_mut(&key) else {
             return unknown(session);
         };
-        let width = self.stage.width().max(1);
         // The token a chunk predicts goes to the position after its last row.
-        let next_position = position.saturating_add((rows.len() / width) as u32);
-        let started = Instant::now();
-        let input = StageInput::Activations(rows);
-        let output = self
-            .stage
-            .forward(lane.index, position as usize, input, Logits::Last);
-        let compute_micros = micros(started);
-        let row_count = rows.len() / width;
-        crate::telemetry::registry::STAGE.step(row_count, f64::from(compute_micros) / 1e6);
-        frame.record("rows", row_count as i64);
-        frame.record("compute_micros", i64::from(compute_micros));
+        let next_position = position.saturating_add(rows as u32);
         let output = match output {
             Ok(output) => output,
             Err(error @ ModelError::PositionMismatch { .. }) => {
@@ -378,6 +467,69 @@ impl Owner {
                 compute_micros,
             },
         }
+    }
+}
+
+/// A frame's span: per frame, so at trace level (off unless asked for, by RUST_LOG or
+/// STAGE_SERVER_OTLP_FILTER). Counts as i64: tracing-opentelemetry exports unsigned fields as strings.
+fn frame_span(session: &tracing::Span, stage_index: u16, work: &Work) -> tracing::Span {
+    tracing::trace_span!(
+        parent: session,
+        "stage.binary_llama_decode",
+        stage_index = i64::from(stage_index),
+        session_id = work.session(),
+        kind = work.kind(),
+        rows = tracing::field::Empty,
+        compute_micros = tracing::field::Empty,
+    )
+}
+
+/// Takes the jobs of the next step off the front of `waiting`: the leading chunks of distinct sessions (a
+/// second chunk of a session waits for its first), or the one job at the front that is not a chunk.
+fn take_batch(waiting: &mut VecDeque<Job>) -> Vec<Job> {
+    let mut batch: Vec<Job> = Vec::new();
+    while let Some(job) = waiting.front() {
+        let is_chunk = matches!(job.work, Work::Chunk { .. });
+        if !is_chunk {
+            if batch.is_empty() {
+                batch.extend(waiting.pop_front());
+            }
+            break;
+        }
+        let key = job.key();
+        if batch.iter().any(|taken| taken.key() == key) {
+            break;
+        }
+        batch.extend(waiting.pop_front());
+    }
+    batch
+}
+
+/// Waits up to [`GATHER_WAIT`] for a job of every session of the last batch that has none waiting yet, so
+/// sessions decoding together keep running in one batch rather than drifting into turns.
+fn gather(jobs: &Receiver<Job>, waiting: &mut VecDeque<Job>, expected: &[(u64, u64)]) {
+    let missing = |waiting: &VecDeque<Job>| {
+        expected
+            .iter()
+            .any(|key| !waiting.iter().any(|job| job.key() == *key))
+    };
+    let deadline = Instant::now() + GATHER_WAIT;
+    while missing(waiting) {
+        let now = Instant::now();
+        if now >= deadline {
+            break;
+        }
+        match jobs.recv_timeout(deadline - now) {
+            Ok(job) => waiting.push_back(job),
+            Err(_) => break,
+        }
+    }
+}
+
+impl Job {
+    /// The (link, session) the job is for.
+    fn key(&self) -> (u64, u64) {
+        (self.mailbox.link, self.work.session())
     }
 }
 

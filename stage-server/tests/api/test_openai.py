@@ -568,10 +568,25 @@ def test_concurrent_replies_equal_the_same_requests_one_at_a_time(server, client
         return answer.choices[0].message.content, [entry.logprob for entry in answer.choices[0].logprobs.content]
 
     alone = [reply(messages) for messages in conversations]
+    shared_before = shared_passes(server)
     with ThreadPoolExecutor(max_workers=LANES) as pool:
         together = list(pool.map(reply, conversations))
     for index, (batched, single) in enumerate(zip(together, alone)):
         assert batched == single, f"conversation {index} answered differently when it ran beside another"
+    if server.stages == 1:
+        # The whole model ran some of their steps as one forward pass. (On a chain the lanes' steps need not
+        # line up at stage 0: each waits for its token from the last stage, and the stages batch what queues.)
+        assert shared_passes(server) > shared_before, "no forward pass served both conversations at once"
+
+
+def shared_passes(server):
+    """Stage 0's forward passes that served more than one lane, from its batch-size histogram."""
+    text = httpx2.get(f"{server.base_url}/metrics", timeout=10.0).text
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    family = families.get("stage_server_batch_entries")
+    assert family is not None, "/metrics has no stage_server_batch_entries histogram"
+    values = {(sample.name, sample.labels.get("le")): sample.value for sample in family.samples}
+    return values[("stage_server_batch_entries_count", None)] - values[("stage_server_batch_entries_bucket", "1")]
 
 
 def test_a_conversation_prefix_already_computed_is_reported_as_cached_tokens(server, client):
