@@ -182,11 +182,12 @@ impl Chain {
         options: ChainOptions,
     ) -> Result<Chain, DriverError> {
         let stage = load_first_stage(file, layers_end, 1, None)?;
-        let stage = SharedStage::start(stage, DEFAULT_BATCH_TOKENS).map_err(|error| {
-            DriverError::Model(ModelError::Compute(format!(
-                "stage 0's compute thread did not start: {error}"
-            )))
-        })?;
+        let stage =
+            SharedStage::start(stage, DEFAULT_BATCH_TOKENS, Duration::ZERO).map_err(|error| {
+                DriverError::Model(ModelError::Compute(format!(
+                    "stage 0's compute thread did not start: {error}"
+                )))
+            })?;
         let share = StageShare {
             stage: Arc::new(stage),
             lane: 0,

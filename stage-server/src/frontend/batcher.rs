@@ -9,7 +9,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::model::{Logits, ModelError, SharedStage, Stage, StageInput, StageOutput};
+use crate::model::{GATHER_WAIT, Logits, ModelError, SharedStage, Stage, StageInput, StageOutput};
 
 /// The whole model's lanes, leased per generation.
 #[derive(Debug)]
@@ -47,7 +47,7 @@ impl Batcher {
     /// `batch_tokens` rows.
     pub(crate) fn start(stage: Stage, batch_tokens: usize) -> Result<Arc<Batcher>, String> {
         let lane_count = stage.lane_count();
-        let stage = SharedStage::start(stage, batch_tokens)
+        let stage = SharedStage::start(stage, batch_tokens, GATHER_WAIT)
             .map_err(|error| format!("the compute thread did not start: {error}"))?;
         Ok(Arc::new(Batcher {
             stage,

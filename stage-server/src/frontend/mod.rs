@@ -266,7 +266,8 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
             let context_length = stage.context_length();
             let width = stage.width();
             let stage = Arc::new(
-                model::SharedStage::start(stage, state.config.batch_tokens)
+                // No gather: a lane's next chunk waits for its token's round trip down the chain.
+                model::SharedStage::start(stage, state.config.batch_tokens, Duration::ZERO)
                     .map_err(|error| format!("stage 0's compute thread did not start: {error}"))?,
             );
             let ours =

@@ -11,9 +11,9 @@
 //! A caller keeps its own loop (sampling, the chain link, events) and only hands its forward passes here, so
 //! lanes join and leave batches independently, and every lane's result is bit-identical to running it alone
 //! (see [`Stage::forward_batch`]). A lane in a generation is *active* ([`SharedStage::activate`]): after a step
-//! the compute thread waits briefly for every active lane to hand in its next chunk, so streams decode
-//! together instead of in turns; one that is slow to come back (a descheduled thread, a slow link) is left for
-//! the next step after [`GATHER_WAIT`]. A chunk longer than the budget runs over several steps, its output rows
+//! the compute thread can wait briefly for every active lane to hand in its next chunk, so streams decode
+//! together instead of in turns; one that is slow to come back (a descheduled thread) is left for the next
+//! step after the gather time ([`GATHER_WAIT`] for a whole model). A chunk longer than the budget runs over several steps, its output rows
 //! joined.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -22,8 +22,9 @@ use std::time::{Duration, Instant};
 
 use super::{BatchEntry, Logits, ModelError, Stage, StageInput, StageOutput};
 
-/// How long a step waits for an active lane that has not handed in its next chunk yet. Callers come back within
-/// tens of microseconds when they only sample a row; this bounds the wait for one that does more.
+/// How long a step of a whole model waits for an active lane that has not handed in its next chunk yet. Callers
+/// come back within tens of microseconds when they only sample a row; this bounds the wait for one that does
+/// more.
 pub const GATHER_WAIT: Duration = Duration::from_millis(2);
 
 /// The default row budget of one pass.
@@ -49,6 +50,8 @@ struct Shared {
     /// Callers wait here for their results.
     done: Condvar,
     batch_tokens: usize,
+    /// How long a step waits for active lanes to hand in their next chunk (zero: not at all).
+    gather: Duration,
     /// Whether the stage holds the model's head (its output is logits, not activation rows).
     last: bool,
     width: usize,
@@ -102,8 +105,15 @@ struct Planned {
 
 impl SharedStage {
     /// Starts the compute thread for `stage`; a pass runs at most `batch_tokens` rows (every pending one-row
-    /// chunk runs whatever the budget).
-    pub fn start(stage: Stage, batch_tokens: usize) -> std::io::Result<SharedStage> {
+    /// chunk runs whatever the budget), and a step waits up to `gather` for active lanes that have not handed
+    /// in their next chunk yet. A gather pays where lanes come back within it (a whole model: they only
+    /// sample); where a lane's next chunk waits for a round trip down a chain, `Duration::ZERO` lets the
+    /// steps batch only what has queued up meanwhile.
+    pub fn start(
+        stage: Stage,
+        batch_tokens: usize,
+        gather: Duration,
+    ) -> std::io::Result<SharedStage> {
         let lane_count = stage.lane_count();
         let (width, context_length, last) =
             (stage.width(), stage.context_length(), stage.spec().last);
@@ -116,6 +126,7 @@ impl SharedStage {
             work: Condvar::new(),
             done: Condvar::new(),
             batch_tokens: batch_tokens.max(1),
+            gather,
             last,
             width,
         });
@@ -290,8 +301,8 @@ fn compute(shared: &Shared) {
             .lanes
             .iter()
             .any(|lane| lane.active && lane.pending.is_none());
-        if thinking {
-            let until = *gather_until.get_or_insert_with(|| Instant::now() + GATHER_WAIT);
+        if thinking && !shared.gather.is_zero() {
+            let until = *gather_until.get_or_insert_with(|| Instant::now() + shared.gather);
             let now = Instant::now();
             if now < until {
                 state = shared

@@ -19,8 +19,8 @@ use std::time::Instant;
 use net_io_blocking::Completer;
 
 use crate::model::{
-    BatchEntry, GATHER_WAIT, Logits, ModelError, Sampler, SamplingParams, Stage, StageInput,
-    StageOutput, log_probabilities,
+    BatchEntry, Logits, ModelError, Sampler, SamplingParams, Stage, StageInput, StageOutput,
+    log_probabilities,
 };
 use crate::wire::ErrorCode;
 
@@ -203,9 +203,9 @@ pub(crate) fn start(stage: Stage) -> std::io::Result<(ComputeHandle, JoinHandle<
 
 impl Owner {
     fn run(mut self, jobs: Receiver<Job>) {
+        // Chunks that queued up while a batch ran form the next batch; there is no waiting for more, because
+        // sessions of a chain are seldom in step (each waits for its own token's round trip).
         let mut waiting: VecDeque<Job> = VecDeque::new();
-        // The sessions of the last batch: their next chunks are likely on their way.
-        let mut expected: Vec<(u64, u64)> = Vec::new();
         loop {
             if waiting.is_empty() {
                 match jobs.recv() {
@@ -216,12 +216,6 @@ impl Owner {
             while let Ok(job) = jobs.try_recv() {
                 waiting.push_back(job);
             }
-            if matches!(
-                waiting.front().map(|job| &job.work),
-                Some(Work::Chunk { .. })
-            ) {
-                gather(&jobs, &mut waiting, &expected);
-            }
             let batch = take_batch(&mut waiting);
             if batch.len() == 1 && !matches!(batch[0].work, Work::Chunk { .. }) {
                 for job in batch {
@@ -229,7 +223,6 @@ impl Owner {
                 }
                 continue;
             }
-            expected = batch.iter().map(Job::key).collect();
             self.chunks(batch);
         }
     }
@@ -503,27 +496,6 @@ fn take_batch(waiting: &mut VecDeque<Job>) -> Vec<Job> {
         batch.extend(waiting.pop_front());
     }
     batch
-}
-
-/// Waits up to [`GATHER_WAIT`] for a job of every session of the last batch that has none waiting yet, so
-/// sessions decoding together keep running in one batch rather than drifting into turns.
-fn gather(jobs: &Receiver<Job>, waiting: &mut VecDeque<Job>, expected: &[(u64, u64)]) {
-    let missing = |waiting: &VecDeque<Job>| {
-        expected
-            .iter()
-            .any(|key| !waiting.iter().any(|job| job.key() == *key))
-    };
-    let deadline = Instant::now() + GATHER_WAIT;
-    while missing(waiting) {
-        let now = Instant::now();
-        if now >= deadline {
-            break;
-        }
-        match jobs.recv_timeout(deadline - now) {
-            Ok(job) => waiting.push_back(job),
-            Err(_) => break,
-        }
-    }
 }
 
 impl Job {
