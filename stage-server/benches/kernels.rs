@@ -21,8 +21,11 @@ use rand::{Rng, SeedableRng};
 use stage_server::kernels::{QuantizedMatrix, SimdLevel, Threads, WeightFormat};
 
 /// (format, out_features, in_features, input rows, what it is).
-const CASES: [(WeightFormat, usize, usize, usize, &str); 16] = [
+const CASES: [(WeightFormat, usize, usize, usize, &str); 19] = [
     (WeightFormat::Q4_1, 1536, 576, 1, "smollm2-ffn-up"),
+    (WeightFormat::Q4_1, 1536, 576, 2, "smollm2-ffn-up-batch-2"),
+    (WeightFormat::Q4_1, 1536, 576, 4, "smollm2-ffn-up-batch-4"),
+    (WeightFormat::Q4_1, 1536, 576, 8, "smollm2-ffn-up-batch-8"),
     (WeightFormat::Q4_1, 576, 1536, 1, "smollm2-ffn-down"),
     (WeightFormat::Q4_1, 576, 576, 1, "smollm2-attn-q"),
     (WeightFormat::Q5_0, 2048, 640, 1, "gemma-ffn-up"),
