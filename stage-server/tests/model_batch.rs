@@ -2,12 +2,13 @@
 //! every weight type on the tiny models, on both real models and through a split, and a bad entry fails alone.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use candle_core::quantized::GgmlDType;
 use stage_server::model::testing::{TinyModel, real_model};
 use stage_server::model::{
-    BatchEntry, GEMMA3_FILE, Logits, ModelError, ModelFile, SMOLLM2_FILE, Stage, StageInput,
-    StageOptions, StageOutput, StageSpec,
+    BatchEntry, GATHER_WAIT, GEMMA3_FILE, Logits, ModelError, ModelFile, SMOLLM2_FILE, SharedStage,
+    Stage, StageInput, StageOptions, StageOutput, StageSpec,
 };
 
 fn scratch_model(model: &TinyModel) -> (PathBuf, PathBuf) {
@@ -472,4 +473,72 @@ fn smollm2_batches_of_one_to_eight_lanes_equal_each_lane_alone() {
 #[test]
 fn gemma3_batches_of_one_to_eight_lanes_equal_each_lane_alone() {
     check_real(GEMMA3_FILE);
+}
+
+/// Forward passes counted in the process's batch-size histogram: (all, those of one entry).
+fn passes() -> (u64, u64) {
+    use stage_server::telemetry::registry::{Value, process_samples};
+    let sample = process_samples()
+        .into_iter()
+        .find(|sample| sample.name == "stage_server_batch_entries")
+        .expect("the batch-size histogram");
+    match sample.value {
+        Value::Histogram {
+            cumulative, count, ..
+        } => (count, cumulative[0]),
+        Value::Number(_) => panic!("the batch-size histogram is a number"),
+    }
+}
+
+#[test]
+fn a_generation_announced_before_its_prompt_is_ready_joins_the_pass_an_earlier_one_waits_in() {
+    // The only test here that runs a SharedStage, so the process-wide histogram counts only its passes. The
+    // gather time is long so that nothing here depends on how fast a thread is scheduled: a pass waits for an
+    // announced arrival (up to the gather time) and never for a lane nobody announced.
+    let model = TinyModel::llama(GgmlDType::Q4_1);
+    let (dir, path) = scratch_model(&model);
+    let gather = Duration::from_secs(30);
+    let shared = SharedStage::start(load(&path, whole_spec(&path), 2), 512, gather)
+        .expect("start the compute thread");
+    let prompts: [Vec<u32>; 2] = [vec![5, 6, 7], vec![8, 9, 10, 11]];
+    let prefill = |lane: usize| {
+        shared.activate(lane, true);
+        shared
+            .forward(lane, 0, StageInput::Tokens(&prompts[lane]), Logits::Last)
+            .expect("prefill");
+        shared.activate(lane, false);
+    };
+    let before = passes();
+    let arrival = shared.expect_arrival();
+    std::thread::scope(|scope| {
+        scope.spawn(|| prefill(0));
+        // Lane 0's chunk waits for the announced generation, however long its prompt takes.
+        std::thread::sleep(Duration::from_millis(50));
+        shared.activate(1, true);
+        drop(arrival);
+        prefill(1);
+    });
+    let after = passes();
+    assert_eq!(
+        (after.0 - before.0, after.1 - before.1),
+        (1, 0),
+        "an announced generation: one pass of both prompts"
+    );
+    for lane in 0..2 {
+        shared.with_stage(|stage| stage.reset(lane)).expect("reset");
+    }
+    let started = std::time::Instant::now();
+    prefill(0);
+    prefill(1);
+    let done = passes();
+    assert_eq!(
+        (done.0 - after.0, done.1 - after.1),
+        (2, 2),
+        "unannounced generations run alone"
+    );
+    assert!(
+        started.elapsed() < gather,
+        "a pass waited for a generation nobody announced"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

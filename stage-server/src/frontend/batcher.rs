@@ -9,7 +9,9 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::model::{GATHER_WAIT, Logits, ModelError, SharedStage, Stage, StageInput, StageOutput};
+use crate::model::{
+    Arrival, GATHER_WAIT, Logits, ModelError, SharedStage, Stage, StageInput, StageOutput,
+};
 
 /// The whole model's lanes, leased per generation.
 #[derive(Debug)]
@@ -58,10 +60,20 @@ impl Batcher {
         }))
     }
 
+    /// Announces a generation that is about to lease a lane, so the next step waits for it (a prompt being
+    /// tokenized takes well under the gather time); pass it to [`Batcher::lease`].
+    pub(crate) fn expect_arrival(&self) -> Arrival {
+        self.stage.expect_arrival()
+    }
+
     /// Leases the free lane that holds the longest prefix of `prompt` it can reuse (at most all but the
     /// prompt's last token, which must run to give logits), cut back to that prefix; with none to reuse, the
     /// least recently used free lane, emptied.
-    pub(crate) fn lease(self: &Arc<Self>, prompt: &[u32]) -> Result<Lease, ModelError> {
+    pub(crate) fn lease(
+        self: &Arc<Self>,
+        prompt: &[u32],
+        arrival: Option<Arrival>,
+    ) -> Result<Lease, ModelError> {
         let mut lanes = lock(&self.lanes);
         lanes.clock += 1;
         let clock = lanes.clock;
@@ -105,6 +117,8 @@ impl Batcher {
         record.history.truncate(cached);
         drop(lanes);
         self.stage.activate(lane, true);
+        // Active now: the step waits for the lane itself.
+        drop(arrival);
         Ok(Lease {
             batcher: Arc::clone(self),
             lane,
@@ -207,7 +221,7 @@ mod tests {
         let batcher = Batcher::start(stage, 4).expect("start");
         let first = [1u32, 40, 41, 42, 43, 44, 45];
         {
-            let mut lease = batcher.lease(&first).expect("lease");
+            let mut lease = batcher.lease(&first, None).expect("lease");
             assert_eq!(lease.cached(), 0);
             // Seven tokens over a budget of four: two steps.
             lease.forward(&first).expect("prefill");
@@ -215,7 +229,7 @@ mod tests {
         }
         assert!(batcher.lane_lengths().contains(&8));
         let second = [1u32, 40, 41, 42, 43, 99, 100];
-        let mut lease = batcher.lease(&second).expect("lease");
+        let mut lease = batcher.lease(&second, None).expect("lease");
         assert_eq!(lease.cached(), 5, "the shared five tokens are reused");
         let reused = lease.forward(&second[5..]).expect("the rest of the prompt");
         let cold = match reference
@@ -229,7 +243,7 @@ mod tests {
         assert_eq!(bits(&reused), bits(&cold));
         // The same prompt again reuses all but its last token.
         drop(lease);
-        let lease = batcher.lease(&second).expect("lease");
+        let lease = batcher.lease(&second, None).expect("lease");
         assert_eq!(lease.cached(), second.len() - 1);
         drop(lease);
         let _ = std::fs::remove_dir_all(&dir);

@@ -327,6 +327,8 @@ fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
 
 /// Runs one job on a lane, streaming its text through the stop matcher.
 fn run(shared: &Shared, runner: &mut LaneRunner, job: &Job, spec: JobSpec) {
+    // Said before the prompt is tokenized, so requests that arrive together prefill in one pass.
+    let arrival = runner.expect_arrival();
     let (prompt, max_tokens) = match shared.text.prepare(&spec.prompt, spec.max_tokens) {
         Ok(prepared) => prepared,
         Err(error) => return job.push(JobEvent::Failed(error)),
@@ -354,6 +356,7 @@ fn run(shared: &Shared, runner: &mut LaneRunner, job: &Job, spec: JobSpec) {
         spec.sampling.clone(),
         &spec.extras,
         &options,
+        arrival,
         |predicted: &Predicted| {
             let now = Instant::now();
             match last_token {

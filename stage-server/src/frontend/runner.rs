@@ -10,7 +10,8 @@ use super::batcher::Batcher;
 use super::health::ChainHealth;
 use crate::driver::{Chain, ChainOptions, DriverError, Predicted, SamplerExtras, StageShare};
 use crate::model::{
-    Finish, GenerateOptions, Generation, ModelError, Sampler, SamplingParams, log_probabilities,
+    Arrival, Finish, GenerateOptions, Generation, ModelError, Sampler, SamplingParams,
+    log_probabilities,
 };
 use crate::wire::{ErrorCode, Hello};
 
@@ -128,6 +129,15 @@ impl ChainLane {
 }
 
 impl LaneRunner {
+    /// Announces a generation this runner is about to start (its prompt is being prepared), where batching
+    /// wants to know: the whole model's next step waits for it. Pass it to [`LaneRunner::generate`].
+    pub(crate) fn expect_arrival(&self) -> Option<Arrival> {
+        match self {
+            LaneRunner::Local(batcher) => Some(batcher.expect_arrival()),
+            LaneRunner::Chain(_) => None,
+        }
+    }
+
     /// Generates from `prompt`; `on_token` sees each token and may end the generation with `Break`.
     pub(crate) fn generate(
         &mut self,
@@ -135,11 +145,12 @@ impl LaneRunner {
         sampling: SamplingParams,
         extras: &SamplerExtras,
         options: &GenerateOptions,
+        arrival: Option<Arrival>,
         on_token: impl FnMut(&Predicted) -> ControlFlow<()>,
     ) -> Result<Generation, RunError> {
         match self {
             LaneRunner::Local(batcher) => generate_local(
-                batcher, prompt, sampling, extras, options, on_token,
+                batcher, prompt, sampling, extras, options, arrival, on_token,
             )
             .map_err(|error| RunError {
                 unavailable: false,
@@ -159,13 +170,14 @@ fn generate_local(
     sampling: SamplingParams,
     extras: &SamplerExtras,
     options: &GenerateOptions,
+    arrival: Option<Arrival>,
     mut on_token: impl FnMut(&Predicted) -> ControlFlow<()>,
 ) -> Result<Generation, ModelError> {
     let mut generation = Generation::empty();
     if prompt.is_empty() {
         return Err(ModelError::EmptyChunk);
     }
-    let mut lease = batcher.lease(prompt)?;
+    let mut lease = batcher.lease(prompt, arrival)?;
     generation.cached_tokens = lease.cached();
     if options.max_tokens == 0 {
         return Ok(generation);

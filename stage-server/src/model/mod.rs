@@ -4,12 +4,14 @@
 //! the output norm and head if it is last. It keeps `lane_count` independent KV caches and runs chunks of
 //! token ids (first stage) or f32 activation rows (later stages) at absolute positions. The last stage
 //! returns logits; a [`Sampler`] turns them into tokens. [`Pipeline`] chains stages in one process.
+//! [`ExactModel`] is the slow f64 forward the tests measure engines against.
 
 mod config;
 mod error;
 mod file;
 mod fingerprint;
 mod pipeline;
+pub mod reference;
 mod sampling;
 mod shared;
 mod stage;
@@ -25,8 +27,9 @@ pub use pipeline::{
     Finish, GenerateOptions, Generation, PREFILL_CHUNK, Pipeline, decode_activations,
     encode_activations,
 };
+pub use reference::{ExactLogits, ExactModel};
 pub use sampling::{Sampler, SamplingParams, log_probabilities};
-pub use shared::{DEFAULT_BATCH_TOKENS, GATHER_WAIT, SharedStage};
+pub use shared::{Arrival, DEFAULT_BATCH_TOKENS, GATHER_WAIT, SharedStage};
 pub use stage::{
     BatchEntry, Logits, SplitError, Stage, StageInput, StageOptions, StageOutput, StageSpec,
     TRIM_SLACK,

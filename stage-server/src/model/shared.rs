@@ -60,6 +60,8 @@ struct Shared {
 #[derive(Debug, Default)]
 struct State {
     lanes: Vec<LaneState>,
+    /// Generations about to take a lane (see [`SharedStage::expect_arrival`]).
+    arriving: usize,
     stopping: bool,
     /// Orders chunks first come, first served.
     clock: u64,
@@ -166,6 +168,14 @@ impl SharedStage {
         f(&mut lock(&self.shared.stage))
     }
 
+    /// Announces a generation that will activate a lane shortly (see [`Arrival`]).
+    pub fn expect_arrival(&self) -> Arrival {
+        lock(&self.shared.state).arriving += 1;
+        Arrival {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+
     /// Marks `lane` as in a generation (`true`) or not: the compute thread waits a little for active lanes to
     /// hand in their next chunk before it starts a step.
     pub fn activate(&self, lane: usize, active: bool) {
@@ -243,6 +253,22 @@ impl SharedStage {
     }
 }
 
+/// A generation on its way to a lane (its prompt being tokenized): while it lives, a step waits for it as for
+/// an active lane, so requests that start together prefill in one pass. Drop it once the lane is active.
+#[derive(Debug)]
+pub struct Arrival {
+    shared: Arc<Shared>,
+}
+
+impl Drop for Arrival {
+    fn drop(&mut self) {
+        let mut state = lock(&self.shared.state);
+        state.arriving = state.arriving.saturating_sub(1);
+        drop(state);
+        self.shared.work.notify_one();
+    }
+}
+
 impl Drop for SharedStage {
     fn drop(&mut self) {
         lock(&self.shared.state).stopping = true;
@@ -297,10 +323,11 @@ fn compute(shared: &Shared) {
             continue;
         }
         // Active lanes still taking or using their last result: give them a moment to join this step.
-        let thinking = state
-            .lanes
-            .iter()
-            .any(|lane| lane.active && lane.pending.is_none());
+        let thinking = state.arriving > 0
+            || state
+                .lanes
+                .iter()
+                .any(|lane| lane.active && lane.pending.is_none());
         if thinking && !shared.gather.is_zero() {
             let until = *gather_until.get_or_insert_with(|| Instant::now() + shared.gather);
             let now = Instant::now();
