@@ -7,8 +7,8 @@ use std::time::Duration;
 use candle_core::quantized::GgmlDType;
 use stage_server::model::testing::{TinyModel, real_model};
 use stage_server::model::{
-    BatchEntry, GATHER_WAIT, GEMMA3_FILE, Logits, ModelError, ModelFile, SMOLLM2_FILE, SharedStage,
-    Stage, StageInput, StageOptions, StageOutput, StageSpec,
+    BatchEntry, GEMMA3_FILE, Logits, ModelError, ModelFile, SMOLLM2_FILE, SharedStage, Stage,
+    StageInput, StageOptions, StageOutput, StageSpec,
 };
 
 fn scratch_model(model: &TinyModel) -> (PathBuf, PathBuf) {
