@@ -158,10 +158,19 @@ impl LocalPipeline {
         None
     }
 
-    /// Drains the API (running generations get until `deadline`), then stops the stage processes.
-    pub fn shutdown(mut self, deadline: Instant) -> net_io_blocking::DrainReport {
+    /// Drains the API (running generations get until `deadline`), then stops the stage processes, running
+    /// `alongside` while they stop. `run` flushes stage 0's telemetry there, so its last export (up to
+    /// [`SHUTDOWN_TIMEOUT`](crate::telemetry::SHUTDOWN_TIMEOUT) behind a collector that does not answer)
+    /// overlaps the stage processes' own instead of adding to it.
+    pub fn shutdown(
+        mut self,
+        deadline: Instant,
+        alongside: impl FnOnce(),
+    ) -> net_io_blocking::DrainReport {
         let report = self.api.shutdown(deadline);
-        stop_children(&mut self.children, Duration::from_secs(10));
+        signal_children(&self.children);
+        alongside();
+        wait_children(&mut self.children, Duration::from_secs(10));
         report
     }
 }
@@ -177,12 +186,22 @@ fn describe(status: ExitStatus) -> String {
 
 /// SIGTERM to every child (they drain), then SIGKILL to any still running after `grace`.
 fn stop_children(children: &mut [StageChild], grace: Duration) {
-    for stage in children.iter() {
+    signal_children(children);
+    wait_children(children, grace);
+}
+
+/// SIGTERM to every child: they drain and flush their telemetry at the same time.
+fn signal_children(children: &[StageChild]) {
+    for stage in children {
         // The pid is our unreaped child, so it cannot have been reused.
         if let Ok(process) = net_io_sys::pidfd::PidFd::open(stage.child.id()) {
             let _ = process.send_signal(libc::SIGTERM);
         }
     }
+}
+
+/// Waits for every child to exit, SIGKILLing any still running `grace` from now.
+fn wait_children(children: &mut [StageChild], grace: Duration) {
     let deadline = Instant::now() + grace;
     for stage in children.iter_mut() {
         loop {

@@ -487,11 +487,12 @@ fn a_black_hole_collector_costs_the_serving_nothing_and_the_exit_stays_under_two
         serving < Duration::from_secs(60),
         "serving took {serving:?}"
     );
-    // The stage processes cut their last export at 750 ms (in parallel), then stage 0 does.
+    // Every process cuts its last export at 750 ms, stage 0 while the stage processes do (the bound).
     let exit = run.stop();
+    eprintln!("the exit behind a black hole took {exit:?}");
     assert!(
-        exit < Duration::from_secs(2) + Duration::from_millis(500),
-        "the exit took {exit:?}"
+        exit < Duration::from_secs(2),
+        "the exit behind a black-hole collector took {exit:?}, over 2 s"
     );
     assert!(black_hole.received.lock().unwrap().requests == 0);
 }
@@ -535,10 +536,12 @@ fn a_receiver_that_stops_answering_mid_run_costs_the_serving_nothing_and_the_exi
         serving < Duration::from_secs(60),
         "serving took {serving:?}"
     );
+    // As behind a black hole: every process cuts its last export at 750 ms, all at once (the bound).
     let exit = run.stop();
+    eprintln!("the exit after the receiver stopped answering took {exit:?}");
     assert!(
-        exit < Duration::from_secs(2) + Duration::from_millis(500),
-        "the exit took {exit:?}"
+        exit < Duration::from_secs(2),
+        "the exit after the receiver stopped answering took {exit:?}, over 2 s"
     );
     // Only exports already on their way in when it stopped (one per process and signal at most) were
     // answered after it.

@@ -55,8 +55,8 @@ pub const OTLP_ENDPOINT_ENV: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
 pub const OTLP_FILTER_ENV: &str = "STAGE_SERVER_OTLP_FILTER";
 /// The environment variable with the span queue's capacity (default 2048): a full queue drops and counts.
 pub const OTLP_QUEUE_ENV: &str = "STAGE_SERVER_OTLP_QUEUE";
-/// How long a shutdown waits for the last export at most: `run` stops its stage processes (in parallel) and
-/// then itself, so a black-hole collector costs an exit twice this.
+/// How long a shutdown waits for the last export at most: `run` flushes its own while its stage processes
+/// flush theirs (all at once), so a black-hole collector costs an exit about this once.
 pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_millis(750);
 
 /// How logs are written on stderr.
