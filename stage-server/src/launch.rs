@@ -7,8 +7,9 @@
 //!     └─ this process: layers 0..10 + the HTTP API, one link per lane to the first child
 //! ```
 //!
-//! Each child prints its address once it serves; the children get SIGTERM if this process ends, however it
-//! ends. A child that dies is reported and the rest are shut down.
+//! Each child prints its address once it serves (and, with `--stage-metrics`, its metrics listener's); the
+//! children get SIGTERM if this process ends, however it ends. A child that dies is reported and the rest are
+//! shut down.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -45,6 +46,9 @@ pub struct PipelineOptions {
     pub external: Option<(usize, SocketAddr)>,
     /// Arguments every stage process gets besides its own (telemetry: `--log-format`, `--otlp-endpoint`).
     pub stage_args: Vec<std::ffi::OsString>,
+    /// Where the stage processes serve `/metrics`: stage 1 at this address, each later stage at the next
+    /// port; port 0 gives every stage a free port of its own. `None`: no metrics listener on them.
+    pub stage_metrics: Option<SocketAddr>,
 }
 
 /// Splits `block_count` layers into `stages` consecutive ranges as evenly as possible (earlier ranges get
@@ -67,12 +71,34 @@ pub fn split_layers(block_count: usize, stages: usize) -> Result<Vec<Range<usize
         .collect())
 }
 
+/// Where stage process `index` (1 or later) serves its metrics when the stage processes start from `base`:
+/// consecutive ports from `base`'s (stage 1 on it), or any free port when `base`'s is 0.
+pub fn stage_metrics_address(base: SocketAddr, index: usize) -> Result<SocketAddr, String> {
+    if base.port() == 0 {
+        return Ok(base);
+    }
+    let port = index
+        .checked_sub(1)
+        .and_then(|offset| u16::try_from(offset).ok())
+        .and_then(|offset| base.port().checked_add(offset))
+        .ok_or_else(|| {
+            format!(
+                "--stage-metrics {base}: stage {index} would need a port above 65535; start from a lower port or give port 0"
+            )
+        })?;
+    let mut address = base;
+    address.set_port(port);
+    Ok(address)
+}
+
 /// A stage process `run` started.
 #[derive(Debug)]
 struct StageChild {
     index: usize,
     layers: Range<usize>,
     child: Child,
+    /// Where it serves `/metrics`, if it does.
+    metrics: Option<SocketAddr>,
 }
 
 /// A running local pipeline.
@@ -139,6 +165,14 @@ impl LocalPipeline {
     /// Each stage's layers, stage 0 first (in front of an external chain: stage 0's and the chain's).
     pub fn layers(&self) -> &[Range<usize>] {
         &self.layers
+    }
+
+    /// Each stage process's index and the address of its `/metrics` (with `--stage-metrics`), stage 1 first.
+    pub fn stage_metrics(&self) -> Vec<(usize, SocketAddr)> {
+        self.children
+            .iter()
+            .filter_map(|stage| Some((stage.index, stage.metrics?)))
+            .collect()
     }
 
     /// A stage process that ended, with its status, if one did.
@@ -249,6 +283,14 @@ fn spawn_stage(
     if let Some(threads) = options.threads {
         command.arg("--threads").arg(threads.to_string());
     }
+    let metrics_wanted = options
+        .stage_metrics
+        .map(|base| stage_metrics_address(base, index))
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    if let Some(address) = metrics_wanted {
+        command.arg("--metrics").arg(address.to_string());
+    }
     command.args(&options.stage_args);
     command.stdin(Stdio::null()).stdout(Stdio::piped());
     net_io_sys::process::terminate_with_parent(&mut command);
@@ -276,12 +318,22 @@ fn spawn_stage(
         index,
         layers: layers.clone(),
         child,
+        metrics: None,
     };
+    let mut served = None;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match received.recv_timeout(left.min(Duration::from_millis(200))) {
             Ok(line) => {
                 if let Some(address) = served_address(&line) {
+                    served = Some(address);
+                } else if let Some(address) = metrics_address(&line) {
+                    stage.metrics = Some(address);
+                }
+                // The stage prints its metrics line right after the one it serves on.
+                if let Some(address) = served
+                    && (metrics_wanted.is_none() || stage.metrics.is_some())
+                {
                     return Ok((stage, address));
                 }
             }
@@ -316,6 +368,12 @@ fn served_address(line: &str) -> Option<SocketAddr> {
     rest.split_whitespace().next()?.parse().ok()
 }
 
+/// The address in a stage's "… metrics on http://ADDR/metrics" line.
+fn metrics_address(line: &str) -> Option<SocketAddr> {
+    let (_, rest) = line.split_once(" metrics on http://")?;
+    rest.strip_suffix("/metrics")?.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -344,5 +402,30 @@ mod tests {
             Some("127.0.0.1:4567".parse().unwrap())
         );
         assert_eq!(served_address("loading"), None);
+        assert_eq!(
+            metrics_address("stage 2 metrics on http://127.0.0.1:9101/metrics"),
+            Some("127.0.0.1:9101".parse().unwrap())
+        );
+        assert_eq!(
+            metrics_address("stage 2 serving layers 20..30 on 127.0.0.1:4567 (width 576)"),
+            None
+        );
+    }
+
+    #[test]
+    fn stage_metrics_take_consecutive_ports_from_stage_one_or_any_port_from_zero() {
+        let base: SocketAddr = "127.0.0.1:9100".parse().unwrap();
+        let ports: Vec<u16> = (1..4)
+            .map(|index| stage_metrics_address(base, index).unwrap().port())
+            .collect();
+        assert_eq!(ports, vec![9100, 9101, 9102]);
+        let any: SocketAddr = "0.0.0.0:0".parse().unwrap();
+        assert_eq!(stage_metrics_address(any, 3).unwrap(), any);
+        let high: SocketAddr = "127.0.0.1:65535".parse().unwrap();
+        let error = stage_metrics_address(high, 2).unwrap_err();
+        assert!(
+            error.contains("65535") && error.contains("port 0"),
+            "{error}"
+        );
     }
 }

@@ -99,6 +99,11 @@ struct RunArgs {
     /// Stage 0's layers when serving in front of an external chain (--next).
     #[arg(long, value_parser = parse_layers, requires = "next")]
     layers: Option<Range<usize>>,
+    /// Give each stage process a metrics listener (`GET /metrics`, Prometheus text): stage 1 at this address,
+    /// each later stage at the next port (127.0.0.1:9100 gives 9100, 9101, …); port 0 gives each any free
+    /// port. The ready output names every one. Stage 0's metrics are on the API's /metrics.
+    #[arg(long, conflicts_with = "next")]
+    stage_metrics: Option<SocketAddr>,
     #[command(flatten)]
     telemetry: TelemetryArgs,
 }
@@ -753,6 +758,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             _ => None,
         },
         stage_args: args.telemetry.stage_args(),
+        stage_metrics: args.stage_metrics,
     };
     match options.external {
         Some((end, next)) => eprintln!(
@@ -792,6 +798,13 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     println!(
         "  curl http://{address}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'"
     );
+    let stage_metrics = pipeline.stage_metrics();
+    if !stage_metrics.is_empty() {
+        println!("  stage 0 metrics: http://{address}/metrics");
+    }
+    for (index, metrics) in stage_metrics {
+        println!("  stage {index} metrics: http://{metrics}/metrics");
+    }
     println!("  stage-server chat --url http://{address}");
     println!("  Ctrl-C stops every stage.");
     let _ = std::io::stdout().flush();

@@ -212,18 +212,32 @@ fn tiny_model(name: &str) -> PathBuf {
 struct Run {
     child: Option<Child>,
     api: SocketAddr,
+    /// Its stdout after the line it serves on.
+    lines: std::sync::mpsc::Receiver<String>,
 }
 
 impl Run {
+    /// A run exporting to `endpoint` the spans `span_filter` picks, through a queue of `queue` spans.
     fn start(model: &PathBuf, endpoint: &str, span_filter: &str, queue: usize) -> Run {
+        let queue = queue.to_string();
+        Run::start_with(
+            model,
+            &["--otlp-endpoint", endpoint],
+            &[
+                ("STAGE_SERVER_OTLP_FILTER", span_filter),
+                ("STAGE_SERVER_OTLP_QUEUE", &queue),
+            ],
+        )
+    }
+
+    fn start_with(model: &PathBuf, arguments: &[&str], environment: &[(&str, &str)]) -> Run {
         let mut child = Command::new(BINARY)
             .args(["run", "--stages", "3", "--lanes", "1", "--threads", "1"])
             .arg("--model")
             .arg(model)
             .args(["--http", "127.0.0.1:0", "--drain-timeout", "5"])
-            .args(["--otlp-endpoint", endpoint])
-            .env("STAGE_SERVER_OTLP_FILTER", span_filter)
-            .env("STAGE_SERVER_OTLP_QUEUE", queue.to_string())
+            .args(arguments)
+            .envs(environment.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -251,6 +265,33 @@ impl Run {
         Run {
             child: Some(child),
             api,
+            lines: ready,
+        }
+    }
+
+    /// The metrics addresses the ready output names, by stage index (it ends with the Ctrl-C line).
+    fn metrics_addresses(&self) -> Vec<(i64, SocketAddr)> {
+        let mut addresses = Vec::new();
+        loop {
+            let line = self
+                .lines
+                .recv_timeout(Duration::from_secs(10))
+                .expect("stage-server run's ready output ended early");
+            if line.contains("Ctrl-C") {
+                return addresses;
+            }
+            let Some((stage, address)) = line.trim().split_once(" metrics: http://") else {
+                continue;
+            };
+            let index = stage
+                .strip_prefix("stage ")
+                .and_then(|index| index.parse().ok())
+                .unwrap_or_else(|| panic!("no stage index in the metrics line {line:?}"));
+            let address = address
+                .strip_suffix("/metrics")
+                .and_then(|address| address.parse().ok())
+                .unwrap_or_else(|| panic!("no address in the metrics line {line:?}"));
+            addresses.push((index, address));
         }
     }
 
@@ -458,6 +499,79 @@ fn one_request_through_three_processes_is_one_trace_with_spans_from_every_stage(
         exit < Duration::from_secs(10),
         "the pipeline took {exit:?} to stop"
     );
+}
+
+#[test]
+fn run_gives_every_stage_process_its_own_metrics_port_and_each_counts_its_own_steps() {
+    let model = tiny_model("stage-metrics");
+    let run = Run::start_with(&model, &["--stage-metrics", "127.0.0.1:0"], &[]);
+    let addresses = run.metrics_addresses();
+    let stages: Vec<i64> = addresses.iter().map(|(index, _)| *index).collect();
+    assert_eq!(
+        stages,
+        vec![0, 1, 2],
+        "the ready output should name a metrics address for every stage: {addresses:?}"
+    );
+    assert_eq!(addresses[0].1, run.api, "stage 0's metrics are the API's");
+    assert!(
+        addresses[1].1 != addresses[2].1,
+        "the stage processes share a metrics address: {addresses:?}"
+    );
+    let (status, body) = complete(run.api, 8);
+    assert_eq!(status, 200, "the completion failed: {body}");
+    let pages: Vec<String> = addresses
+        .iter()
+        .map(|(_, address)| get(*address, "/metrics"))
+        .collect();
+    for (page, (stage, address)) in pages.iter().zip(&addresses) {
+        assert!(
+            page.starts_with("HTTP/1.1 200"),
+            "stage {stage}'s /metrics at {address} did not answer 200:\n{page}"
+        );
+    }
+    let value = |stage: usize, name: &str| {
+        sample(&pages[stage], name)
+            .unwrap_or_else(|| panic!("stage {stage}'s /metrics has no {name}:\n{}", pages[stage]))
+    };
+    // Each stage process computed every step of the request in its own process: its compute histogram
+    // counts them, and both count the same steps.
+    let steps: Vec<f64> = (1..3)
+        .map(|stage| value(stage, "stage_server_stage_compute_seconds_count"))
+        .collect();
+    assert!(
+        steps[0] >= 1.0 && steps[0] == steps[1],
+        "stages 1 and 2 should each have computed the request's steps once: {steps:?}"
+    );
+    for stage in 1..3 {
+        assert_eq!(
+            value(stage, "stage_server_stage_steps_total"),
+            steps[stage - 1],
+            "stage {stage}'s step counter and compute histogram disagree"
+        );
+        assert!(
+            sample(&pages[stage], "stage_server_requests_total").is_none()
+                && !pages[stage].contains("stage_server_requests_total{"),
+            "stage {stage}'s /metrics has the API's request counter, which only stage 0 serves:\n{}",
+            pages[stage]
+        );
+    }
+    // Only stage 1 has a link to a later stage: each page is its own process's.
+    let downstream = "stage_server_link_bytes_sent_total{link=\"downstream\"}";
+    assert!(
+        value(1, downstream) > 0.0,
+        "stage 1 sent nothing to stage 2"
+    );
+    assert_eq!(
+        value(2, downstream),
+        0.0,
+        "the last stage's /metrics counts bytes sent down a link it does not have"
+    );
+    assert!(
+        pages[0].contains("stage_server_requests_total{"),
+        "stage 0's /metrics has no request counter:\n{}",
+        pages[0]
+    );
+    let _ = run.stop();
 }
 
 #[test]
