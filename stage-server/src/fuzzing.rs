@@ -10,8 +10,8 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::Content;
 
 use crate::api::{decode_chat, decode_completion};
-use crate::gguf_check::validate_bytes;
 use crate::http::{HttpError, HttpLimits, Parsed, Request, RequestParser};
+use crate::model::gguf_check::validate_bytes;
 use crate::model::testing::{tiny_bpe_tokenizer, tiny_sentencepiece_tokenizer};
 use crate::tokenizer::{SpecialTokens, StreamDecoder, Tokenizer};
 use crate::wire::{Decoder, Frame, WireError, WireLimits, encode_to_vec};

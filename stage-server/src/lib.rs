@@ -6,12 +6,10 @@
 #![cfg_attr(doctest, doc = include_str!("../README.md"))]
 
 pub mod api;
-pub mod chat;
 pub mod client;
 pub mod driver;
 pub mod frontend;
 pub mod fuzzing;
-pub mod gguf_check;
 pub mod http;
 pub mod kernels;
 pub mod launch;

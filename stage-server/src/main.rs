@@ -9,7 +9,6 @@ use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use net_io_blocking::TrustedProxies;
 use net_io_sys::signal::SignalWatch;
-use stage_server::chat::{ChatMessage, ChatTemplate};
 use stage_server::driver::{Chain, ChainOptions};
 use stage_server::frontend::ApiConfig;
 use stage_server::launch::{LocalPipeline, PipelineOptions};
@@ -19,6 +18,7 @@ use stage_server::model::{
 use stage_server::serve::{LinkShape, StageConfig, StageProcess, Topology};
 use stage_server::telemetry::{self, LogFormat};
 use stage_server::tokenizer::StreamDecoder;
+use stage_server::tokenizer::chat::{ChatMessage, ChatTemplate};
 use stage_server::wire::{ClusterKey, CodecPolicy};
 
 /// Runs layer ranges of GGUF language models.

@@ -3,10 +3,10 @@
 use std::io::Cursor;
 
 use candle_core::quantized::gguf_file::{self, Content, Value};
-use stage_server::chat::{ChatError, ChatMessage, ChatTemplate, TemplateSource};
 use stage_server::model::SMOLLM2_FILE;
 use stage_server::model::testing::real_model;
 use stage_server::tokenizer::Tokenizer;
+use stage_server::tokenizer::chat::{ChatError, ChatMessage, ChatTemplate, TemplateSource};
 
 /// `tokenizer.chat_template` of SmolLM2-135M-Instruct (Apache-2.0), as stored in its GGUF file.
 const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::GgmlDType;
 use candle_core::quantized::gguf_file::{self, Value};
 use proptest::prelude::*;
-use stage_server::gguf_check::{GgufError, Summary, validate};
+use stage_server::model::gguf_check::{GgufError, Summary, validate};
 use stage_server::model::testing::{TinyModel, real_model};
 use stage_server::model::{
     GEMMA3_FILE, Logits, ModelError, ModelFile, Pipeline, SMOLLM2_FILE, Stage, StageInput,

@@ -17,7 +17,7 @@ use candle_core::{Device, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use stage_server::fuzzing::{TokenizerTargets, gguf_check, http_request, wire_decoder};
-use stage_server::gguf_check::validate_bytes;
+use stage_server::model::gguf_check::validate_bytes;
 use stage_server::wire::{
     Activations, CodecPolicy, CodecSet, ErrorCode, Frame, Hello, PROTOCOL_VERSION, Role, Sampling,
     StageTiming, encode_to_vec,

@@ -91,7 +91,7 @@ fn the_fingerprint_is_the_sha256_of_the_bytes_before_the_tensor_data() {
     let dir = scratch_dir("definition");
     let path = written(&dir, "model.gguf", &TinyModel::gemma3(GgmlDType::Q4_1));
     let bytes = std::fs::read(&path).unwrap();
-    let summary = stage_server::gguf_check::validate(&path).unwrap();
+    let summary = stage_server::model::gguf_check::validate(&path).unwrap();
     let header = &bytes[..summary.tensor_data_offset as usize];
     let expected: [u8; 32] = Sha256::digest(header).into();
     assert_eq!(
@@ -112,7 +112,7 @@ fn a_changed_weight_keeps_the_fingerprint_and_a_changed_token_changes_it() {
     let path = written(&dir, "model.gguf", &TinyModel::llama(GgmlDType::Q8_0));
     let digest = fingerprint(&path).unwrap();
     let bytes = std::fs::read(&path).unwrap();
-    let offset = stage_server::gguf_check::validate(&path)
+    let offset = stage_server::model::gguf_check::validate(&path)
         .unwrap()
         .tensor_data_offset as usize;
 

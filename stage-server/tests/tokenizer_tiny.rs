@@ -402,7 +402,7 @@ proptest! {
 fn tokenizers_and_templates_can_be_shared_between_threads() {
     fn shareable<T: Send + Sync>() {}
     shareable::<Tokenizer>();
-    shareable::<stage_server::chat::ChatTemplate>();
+    shareable::<stage_server::tokenizer::chat::ChatTemplate>();
     let tokenizer = std::sync::Arc::new(bpe());
     let handles: Vec<_> = (0..2)
         .map(|_| {

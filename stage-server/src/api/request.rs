@@ -8,8 +8,8 @@ use serde_json::{Map, Value};
 
 use super::error::ApiError;
 use super::fields::{Fields, describe, integer_in, wrong_type};
-use crate::chat::ChatMessage;
 use crate::model::SamplingParams;
+use crate::tokenizer::chat::ChatMessage;
 use crate::wire::WireLimits;
 
 /// The temperature when a request gives none: llama-server's default (OpenAI's is 1).

@@ -8,7 +8,7 @@ use std::fmt;
 
 use serde_json::{Value, json};
 
-use crate::chat::ChatMessage;
+use crate::tokenizer::chat::ChatMessage;
 
 /// The messages so far and the system prompt that starts every request.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

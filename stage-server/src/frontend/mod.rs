@@ -28,10 +28,10 @@ use std::time::{Duration, Instant};
 
 use net_io_blocking::{DrainReport, Limits, NetError, Server, ServerBuilder, SessionDriver};
 
-use crate::chat::ChatTemplate;
 use crate::driver::{ChainOptions, StageShare, first_stage_hello, load_first_stage};
 use crate::model::{self, ModelError, ModelFile, Stage, StageOptions, StageSpec};
 use crate::tokenizer::Tokenizer;
+use crate::tokenizer::chat::ChatTemplate;
 use batcher::Batcher;
 use engine::{Engine, RunnerFactory};
 use health::ChainHealth;

@@ -2,8 +2,8 @@
 //! and the room the context leaves. Done on a lane's thread, so a large prompt never stalls an event loop.
 
 use crate::api::ApiError;
-use crate::chat::{ChatMessage, ChatTemplate};
 use crate::tokenizer::Tokenizer;
+use crate::tokenizer::chat::{ChatMessage, ChatTemplate};
 
 /// What the lanes need to know of the model to turn requests into tokens and tokens into text.
 #[derive(Debug)]

@@ -28,7 +28,7 @@ pub enum ModelError {
     },
     /// The GGUF pre-check found the file malformed; its text names the offset, the key or tensor and the limit.
     #[error(transparent)]
-    Gguf(crate::gguf_check::GgufError),
+    Gguf(crate::model::gguf_check::GgufError),
     /// A tensor uses a ggml type this server cannot compute with.
     #[error(
         "{path} uses a tensor type this server cannot compute ({detail}); supported are F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: re-quantize the model"

@@ -34,7 +34,7 @@ impl ModelFile {
     /// Opens `path`, reads the GGUF header and metadata and checks that every tensor lies inside the
     /// file (so a truncated download is reported here, naming the first tensor it cuts).
     pub fn open(path: &Path) -> Result<Self, ModelError> {
-        crate::gguf_check::validate(path)?;
+        crate::model::gguf_check::validate(path)?;
         let file = File::open(path).map_err(|source| ModelError::Io {
             path: path.to_path_buf(),
             source,

@@ -16,10 +16,10 @@ use super::ModelError;
 /// only in their tensor data (a fine-tune saved with identical metadata, or a corrupted download) share a
 /// fingerprint; the GGUF pre-check and each stage's own load still catch a truncated file.
 ///
-/// The file is checked with [`crate::gguf_check::validate`] first, so a malformed header is reported as
+/// The file is checked with [`crate::model::gguf_check::validate`] first, so a malformed header is reported as
 /// such instead of being hashed.
 pub fn fingerprint(path: &Path) -> Result<[u8; 32], ModelError> {
-    let summary = crate::gguf_check::validate(path)?;
+    let summary = crate::model::gguf_check::validate(path)?;
     let io_error = |source| ModelError::Io {
         path: path.to_path_buf(),
         source,

@@ -10,6 +10,7 @@ mod config;
 mod error;
 mod file;
 mod fingerprint;
+pub mod gguf_check;
 mod pipeline;
 pub mod reference;
 mod sampling;

@@ -14,6 +14,7 @@
 //! UTF-8 character so a stream never shows half a character.
 
 mod bpe;
+pub mod chat;
 mod hash;
 mod pretokenize;
 mod spm;

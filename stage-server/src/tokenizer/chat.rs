@@ -72,7 +72,7 @@ pub enum TemplateSource {
 /// A compiled chat template with the model's BOS and EOS texts.
 ///
 /// ```
-/// use stage_server::chat::{ChatMessage, ChatTemplate};
+/// use stage_server::tokenizer::chat::{ChatMessage, ChatTemplate};
 ///
 /// let template = ChatTemplate::from_source(
 ///     "{{ bos_token }}{% for message in messages %}[{{ message.role }}] {{ message.content | trim }}\n{% endfor %}",
@@ -81,7 +81,7 @@ pub enum TemplateSource {
 /// )?;
 /// let conversation = [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", " Hi ")];
 /// assert_eq!(template.render(&conversation, false)?, "<s>[system] Be brief.\n[user] Hi\n");
-/// # Ok::<(), stage_server::chat::ChatError>(())
+/// # Ok::<(), stage_server::tokenizer::chat::ChatError>(())
 /// ```
 #[derive(Debug)]
 pub struct ChatTemplate {
