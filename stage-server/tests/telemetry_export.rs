@@ -36,6 +36,8 @@ struct ReceivedSpan {
     start: u64,
     end: u64,
     duration: Duration,
+    /// Its integer and text attributes, as text, by key.
+    fields: Vec<(String, String)>,
 }
 
 impl ReceivedSpan {
@@ -54,6 +56,85 @@ impl ReceivedSpan {
             ms(self.end)
         )
     }
+
+    /// An integer attribute.
+    fn int(&self, key: &str) -> Option<i64> {
+        self.field(key)?.parse().ok()
+    }
+
+    fn field(&self, key: &str) -> Option<&str> {
+        self.fields
+            .iter()
+            .find(|(known, _)| known == key)
+            .map(|(_, value)| value.as_str())
+    }
+}
+
+/// The attributes worth a look in the trace picture, in this order.
+const PICTURE_FIELDS: &[&str] = &[
+    "kind",
+    "position",
+    "rows",
+    "compute_micros",
+    "queue_wait_micros",
+    "write_micros",
+    "lane",
+    "prompt_tokens",
+    "output_tokens",
+    "request_id",
+    "status",
+];
+
+/// The trace as a tree (children under their parents, in start order): process, name, start from `origin`
+/// and duration in ms, and the attributes of [`PICTURE_FIELDS`].
+fn trace_picture(trace: &[&ReceivedSpan], origin: u64) -> String {
+    fn draw(
+        trace: &[&ReceivedSpan],
+        span: &ReceivedSpan,
+        depth: usize,
+        origin: u64,
+        out: &mut String,
+    ) {
+        let stage = span
+            .stage_index
+            .map_or_else(|| "?".to_owned(), |index| index.to_string());
+        let fields: Vec<String> = PICTURE_FIELDS
+            .iter()
+            .filter_map(|key| Some(format!("{key}={}", span.field(key)?)))
+            .collect();
+        out.push_str(&format!(
+            "  stage {stage}  {:<w$}{:<w2$} +{:>8.3} ms {:>8.3} ms  {}\n",
+            "",
+            span.name,
+            (span.start as f64 - origin as f64) / 1e6,
+            span.duration.as_secs_f64() * 1e3,
+            fields.join(" "),
+            w = 2 * depth,
+            w2 = 36 - 2 * depth.min(10),
+        ));
+        let mut children: Vec<&&ReceivedSpan> = trace
+            .iter()
+            .filter(|child| child.parent_id == span.span_id)
+            .collect();
+        children.sort_by_key(|child| child.start);
+        for child in children {
+            draw(trace, child, depth + 1, origin, out);
+        }
+    }
+    let mut out = String::new();
+    let mut roots: Vec<&&ReceivedSpan> = trace
+        .iter()
+        .filter(|span| !trace.iter().any(|parent| parent.span_id == span.parent_id))
+        .collect();
+    roots.sort_by_key(|span| span.start);
+    for root in roots {
+        out.push_str(&format!(
+            "  (parent {}, outside the trace's spans)\n",
+            root.parent_id
+        ));
+        draw(trace, root, 0, origin, &mut out);
+    }
+    out
 }
 
 /// What the receiver decoded.
@@ -159,6 +240,18 @@ fn serve_one(stream: TcpStream, received: &Mutex<Received>) {
                                 span.end_time_unix_nano
                                     .saturating_sub(span.start_time_unix_nano),
                             ),
+                            fields: span
+                                .attributes
+                                .iter()
+                                .filter_map(|attribute| {
+                                    let value = match attribute.value.as_ref()?.value.as_ref()? {
+                                        Value::IntValue(value) => value.to_string(),
+                                        Value::StringValue(value) => value.clone(),
+                                        _ => return None,
+                                    };
+                                    Some((attribute.key.clone(), value))
+                                })
+                                .collect(),
                         });
                     }
                 }
@@ -397,17 +490,8 @@ fn one_request_through_three_processes_is_one_trace_with_spans_from_every_stage(
         .iter()
         .filter(|span| span.trace_id == TRACE_ID)
         .collect();
-    let mut picture = String::new();
-    for span in &trace {
-        picture.push_str(&format!(
-            "  stage {:?} {:<32} {:>9.3} ms  span {} parent {}\n",
-            span.stage_index,
-            span.name,
-            span.duration.as_secs_f64() * 1e3,
-            span.span_id,
-            span.parent_id
-        ));
-    }
+    let origin = trace.iter().map(|span| span.start).min().unwrap_or(0);
+    let picture = trace_picture(&trace, origin);
     eprintln!(
         "the trace as the receiver got it ({} spans, exit in {exit:?}):\n{picture}",
         trace.len()
@@ -475,6 +559,21 @@ fn one_request_through_three_processes_is_one_trace_with_spans_from_every_stage(
                 session.times(origin),
                 frame.times(origin)
             );
+            // The link's times cross the process too: how long the frame waited for the compute thread and,
+            // for a computed chunk, how long its answer took to be written to the next link.
+            let kind = frame.field("kind").unwrap_or_default();
+            assert!(
+                frame.int("queue_wait_micros").is_some(),
+                "stage {:?}'s {kind} frame has no queue_wait_micros:\n{picture}",
+                session.stage_index
+            );
+            if kind == "prefill" || kind == "decode" {
+                assert!(
+                    frame.int("write_micros").is_some(),
+                    "stage {:?}'s {kind} frame has no write_micros:\n{picture}",
+                    session.stage_index
+                );
+            }
         }
     }
     // Metrics: the API's from stage 0, the compute time from every stage.

@@ -16,7 +16,7 @@ use opentelemetry_sdk::trace::{SdkTracerProvider, SpanData, SpanExporter};
 use stage_server::driver::ChainOptions;
 use stage_server::frontend::{ApiConfig, ApiServer, Backend};
 use stage_server::model::testing::TinyModel;
-use stage_server::serve::{StageConfig, StageProcess};
+use stage_server::serve::{LinkShape, StageConfig, StageProcess};
 use stage_server::telemetry::names;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -27,6 +27,8 @@ const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const REMOTE_PARENT: &str = "00f067aa0ba902b7";
 /// Generous: three stages load a model on a loaded 2-core machine.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// The one-way delay on stage 1's link to stage 2: a floor under stage 1's frames' link write times.
+const LINK_DELAY: Duration = Duration::from_millis(5);
 
 /// Keeps every span it is given.
 #[derive(Clone, Debug, Default)]
@@ -179,6 +181,10 @@ fn one_generation_through_three_in_process_stages_has_named_spans_with_ids_paren
     let last = StageProcess::start(StageConfig::new(model.clone(), 3..4, any)).unwrap();
     let mut middle = StageConfig::new(model.clone(), 1..3, any);
     middle.next = Some(last.local_addr());
+    middle.shape = LinkShape {
+        delay: LINK_DELAY,
+        rate_bits_per_second: None,
+    };
     let middle = StageProcess::start(middle).unwrap();
     let mut config = ApiConfig::new(any);
     config.lanes = 1;
@@ -338,6 +344,35 @@ fn one_generation_through_three_in_process_stages_has_named_spans_with_ids_paren
             if frame.text("kind").is_some_and(|kind| kind == "decode") {
                 assert_eq!(frame.int("rows"), Some(1), "{picture}");
                 assert!(frame.int("compute_micros").is_some(), "{picture}");
+            }
+            // Every frame waited (if only a moment) for the compute thread; a computed chunk's answer (rows
+            // down to stage 2, a token or an acknowledgement up from it) was written, and the frame span says
+            // how long that took; configure and stop answer nothing, so they have no write time.
+            let kind = frame.text("kind").unwrap_or_default();
+            assert!(
+                frame.int("queue_wait_micros").is_some_and(|wait| wait >= 0),
+                "stage {stage}'s {kind} frame has no queue wait:\n{picture}"
+            );
+            let write = frame.int("write_micros");
+            if kind == "prefill" || kind == "decode" {
+                assert!(
+                    write.is_some_and(|write| write >= 0),
+                    "stage {stage}'s {kind} frame has no link write time:\n{picture}"
+                );
+                // Stage 1's rows reach its socket only after the link's delay: the write time covers the
+                // hand-over to the link and the wait for it, not just the encoding.
+                if stage == 1 {
+                    let floor = LINK_DELAY.as_micros() as i64;
+                    assert!(
+                        write.is_some_and(|write| write >= floor),
+                        "stage 1's {kind} frame was written in {write:?} us, under the link's {floor} us delay:\n{picture}"
+                    );
+                }
+            } else {
+                assert_eq!(
+                    write, None,
+                    "stage {stage}'s {kind} frame wrote nothing, yet has a write time:\n{picture}"
+                );
             }
             assert!(
                 session.contains(frame),

@@ -92,10 +92,19 @@ pub(crate) enum Outcome {
     Settled,
 }
 
+/// An outcome and the span of the frame it answers: the link keeps the span open until the answer is written
+/// and records `write_micros` on it, timed from `delivered`.
+#[derive(Debug)]
+pub(crate) struct Delivery {
+    pub(crate) outcome: Outcome,
+    pub(crate) frame: tracing::Span,
+    pub(crate) delivered: Instant,
+}
+
 /// Outcomes waiting for one link session, and the completer that wakes it.
 #[derive(Debug)]
 pub(crate) struct Mailbox {
-    outcomes: Mutex<VecDeque<Outcome>>,
+    outcomes: Mutex<VecDeque<Delivery>>,
     completer: Completer,
     /// The link's connection id: sessions are this link's own, so another link cannot reach them.
     link: u64,
@@ -111,17 +120,21 @@ impl Mailbox {
     }
 
     /// Every outcome so far, oldest first.
-    pub(crate) fn take(&self) -> VecDeque<Outcome> {
+    pub(crate) fn take(&self) -> VecDeque<Delivery> {
         std::mem::take(&mut *self.lock())
     }
 
-    fn deliver(&self, outcome: Outcome) {
-        self.lock().push_back(outcome);
+    fn deliver(&self, outcome: Outcome, frame: tracing::Span) {
+        self.lock().push_back(Delivery {
+            outcome,
+            frame,
+            delivered: Instant::now(),
+        });
         // A full ring means a wake is already pending, and that wake drains this mailbox too.
         let _ = self.completer.post(COMPUTE_TOKEN, 0);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Outcome>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Delivery>> {
         self.outcomes
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -136,6 +149,8 @@ struct Job {
     span: tracing::Span,
     /// The stage's place in the chain, as the link learned it.
     stage_index: u16,
+    /// When the link handed it over: the frame span's `queue_wait_micros` runs from here to its compute.
+    submitted: Instant,
 }
 
 /// The handle link sessions submit jobs through; the thread ends when every handle is dropped.
@@ -164,6 +179,7 @@ impl ComputeHandle {
                 mailbox: Arc::clone(mailbox),
                 span,
                 stage_index,
+                submitted: Instant::now(),
             })
             .is_ok()
     }
@@ -234,17 +250,18 @@ impl Owner {
             mailbox,
             span,
             stage_index,
+            submitted,
         } = job;
-        let frame = frame_span(&span, stage_index, &work);
+        let frame = frame_span(&span, stage_index, &work, submitted);
         let outcome = frame.in_scope(|| self.work(mailbox.link, work));
-        mailbox.deliver(outcome);
+        mailbox.deliver(outcome, frame);
     }
 
     /// Runs chunks of distinct sessions as one batch and delivers each outcome, in the order they came.
     fn chunks(&mut self, batch: Vec<Job>) {
         let frames: Vec<tracing::Span> = batch
             .iter()
-            .map(|job| frame_span(&job.span, job.stage_index, &job.work))
+            .map(|job| frame_span(&job.span, job.stage_index, &job.work, job.submitted))
             .collect();
         let width = self.stage.width().max(1);
         // Each job's lane, if its session is open here.
@@ -311,7 +328,7 @@ impl Owner {
                     })
                 }
             };
-            job.mailbox.deliver(outcome);
+            job.mailbox.deliver(outcome, frame);
         }
     }
 
@@ -463,9 +480,16 @@ impl Owner {
     }
 }
 
-/// A frame's span: per frame, so at trace level (off unless asked for, by RUST_LOG or
-/// STAGE_SERVER_OTLP_FILTER). Counts as i64: tracing-opentelemetry exports unsigned fields as strings.
-fn frame_span(session: &tracing::Span, stage_index: u16, work: &Work) -> tracing::Span {
+/// A frame's span, made as its compute starts: per frame, so at trace level (off unless asked for, by RUST_LOG
+/// or STAGE_SERVER_OTLP_FILTER). `queue_wait_micros` is the time since the link handed the frame over;
+/// `write_micros` is recorded by the link once the answer is written. Counts as i64: tracing-opentelemetry
+/// exports unsigned fields as strings.
+fn frame_span(
+    session: &tracing::Span,
+    stage_index: u16,
+    work: &Work,
+    submitted: Instant,
+) -> tracing::Span {
     tracing::trace_span!(
         parent: session,
         "stage.binary_llama_decode",
@@ -474,6 +498,8 @@ fn frame_span(session: &tracing::Span, stage_index: u16, work: &Work) -> tracing
         kind = work.kind(),
         rows = tracing::field::Empty,
         compute_micros = tracing::field::Empty,
+        queue_wait_micros = i64::from(micros(submitted)),
+        write_micros = tracing::field::Empty,
     )
 }
 

@@ -14,17 +14,23 @@
 //! downstream link per upstream link, opened once the upstream hello checked out, so the lanes of the chain
 //! mirror each other; the upstream's hello is answered only once the whole rest of the chain answered, so a
 //! refusal anywhere reaches stage 0 before any activation moves.
+//!
+//! A computed frame's span rides with its answer ([`Writing`]): to the upstream's output for a token, an
+//! acknowledgement or an error, through the pair (and any shaping) to the downstream's output for rows. The
+//! session that queued the bytes records `write_micros` once the driver has flushed them to the socket
+//! (`on_writable`), so the field is the time from the end of the frame's compute to its answer being on the
+//! link, including the hand-over between the two sessions and any wait for the socket.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use net_io_blocking::{
     CloseReason, Completer, ConnectOptions, ConnectionInfo, Input, Phase, ServerHandle, Session,
     SessionContext, Step,
 };
 
-use super::compute::{COMPUTE_TOKEN, ComputeHandle, Mailbox, Outcome, Work};
+use super::compute::{COMPUTE_TOKEN, ComputeHandle, Delivery, Mailbox, Outcome, Work};
 use super::shaping::{LinkShape, Shaper};
 use crate::telemetry::registry::{LinkSide, STAGE};
 use crate::telemetry::{self, TraceContext, names};
@@ -75,10 +81,45 @@ pub(crate) enum Link {
     Downstream(Downstream),
 }
 
+/// A computed frame's span, held until its answer has been written to a socket, to record `write_micros` on
+/// (the span ends when this is dropped, written or not).
+#[derive(Debug)]
+struct Writing {
+    frame: tracing::Span,
+    /// When the compute thread delivered the frame's outcome.
+    delivered: Instant,
+}
+
+impl Writing {
+    /// `frame` to time from `delivered`, unless nothing records it (frame spans are at trace level).
+    fn of(frame: tracing::Span, delivered: Instant) -> Option<Writing> {
+        (!frame.is_disabled()).then_some(Writing { frame, delivered })
+    }
+
+    /// The answer is on the socket: records the time since its delivery.
+    fn written(self, now: Instant) {
+        let micros = now.saturating_duration_since(self.delivered).as_micros();
+        self.frame
+            .record("write_micros", i64::try_from(micros).unwrap_or(i64::MAX));
+    }
+}
+
+/// Records `write_micros` on every frame whose answer the flush that just ended wrote.
+fn flushed(writing: &mut Vec<Writing>) {
+    if writing.is_empty() {
+        return;
+    }
+    let now = Instant::now();
+    for frame in writing.drain(..) {
+        frame.written(now);
+    }
+}
+
 /// Frames and news each link of a pair hands the other.
 #[derive(Debug, Default)]
 struct PairState {
-    to_downstream: VecDeque<Vec<u8>>,
+    /// Encoded frames, each with the span of the frame whose rows it carries, if it is one.
+    to_downstream: VecDeque<(Vec<u8>, Option<Writing>)>,
     to_upstream: VecDeque<Vec<u8>>,
     upstream: Option<Completer>,
     downstream: Option<Completer>,
@@ -111,11 +152,12 @@ impl Pair {
         }
     }
 
-    fn send_down(&self, frame: &Frame) {
+    /// Queues `frame` for the next stage; `writing`: the span of the computed frame whose rows it carries.
+    fn send_down(&self, frame: &Frame, writing: Option<Writing>) {
         let mut state = self.lock();
         let mut bytes = Vec::new();
         encode(frame, &mut bytes);
-        state.to_downstream.push_back(bytes);
+        state.to_downstream.push_back((bytes, writing));
         Self::wake(state.downstream.as_ref());
     }
 
@@ -160,6 +202,8 @@ pub(crate) struct Upstream {
     /// Each open session's span, Configure to Stop, in the trace stage 0 started. Never entered (so it ends
     /// when its last handle closes: after the Stop frame's compute, whose span holds it as parent).
     spans: HashMap<u64, tracing::Span>,
+    /// Frames whose answers are in this link's output, until the flush writes them.
+    writing: Vec<Writing>,
     /// The connection's id, once open (its key in `StageShared::upstreams`).
     id: Option<u64>,
 }
@@ -176,6 +220,10 @@ pub(crate) struct Downstream {
     serving: bool,
     /// Holds frames back when the link is shaped (`--link-delay`, `--link-rate`).
     shaper: Option<Shaper>,
+    /// The spans of the frames the shaper holds, in its order (it hands frames over first in, first out).
+    shaped: VecDeque<Option<Writing>>,
+    /// Frames whose rows are in this link's output, until the flush writes them.
+    writing: Vec<Writing>,
 }
 
 impl Link {
@@ -192,6 +240,7 @@ impl Link {
             queued: VecDeque::new(),
             stage_index: 0,
             spans: HashMap::new(),
+            writing: Vec::new(),
             id: None,
         })
     }
@@ -215,8 +264,18 @@ impl Session for Link {
 
     fn on_writable(&mut self, _context: &mut SessionContext<'_>) -> Step {
         match self {
-            Link::Upstream(link) if matches!(link.state, UpstreamState::Closing) => Step::Close,
-            _ => Step::Listen,
+            Link::Upstream(link) => {
+                flushed(&mut link.writing);
+                if matches!(link.state, UpstreamState::Closing) {
+                    Step::Close
+                } else {
+                    Step::Listen
+                }
+            }
+            Link::Downstream(link) => {
+                flushed(&mut link.writing);
+                Step::Listen
+            }
         }
     }
 
@@ -438,6 +497,8 @@ impl Upstream {
                 .shape
                 .is_shaped()
                 .then(|| Shaper::new(self.shared.shape)),
+            shaped: VecDeque::new(),
+            writing: Vec::new(),
         };
         let options = ConnectOptions::new().connect_timeout(self.shared.connect_timeout);
         if let Err(error) = handle.connect(next, Link::Downstream(downstream), options) {
@@ -560,8 +621,10 @@ impl Upstream {
         // the next stage's parent); rows go down once computed.
         if let Some(pair) = &self.pair {
             match frame {
-                Frame::Configure { .. } => pair.send_down(&self.with_own_trace(frame.clone())),
-                Frame::Trim { .. } | Frame::Stop { .. } => pair.send_down(&frame),
+                Frame::Configure { .. } => {
+                    pair.send_down(&self.with_own_trace(frame.clone()), None)
+                }
+                Frame::Trim { .. } | Frame::Stop { .. } => pair.send_down(&frame, None),
                 _ => {}
             }
         }
@@ -681,8 +744,15 @@ impl Upstream {
             return;
         };
         let stage_index = self.shared.hello.stage_index;
-        for outcome in mailbox.take() {
+        for Delivery {
+            outcome,
+            frame: span,
+            delivered,
+        } in mailbox.take()
+        {
             self.in_flight = self.in_flight.saturating_sub(1);
+            // Dropped (ending the frame's span) unless an answer goes out for it.
+            let writing = Writing::of(span, delivered);
             match outcome {
                 Outcome::Opened | Outcome::Settled => {}
                 Outcome::Rows {
@@ -711,7 +781,7 @@ impl Upstream {
                             rows,
                         }
                     };
-                    pair.send_down(&frame);
+                    pair.send_down(&frame, writing);
                 }
                 Outcome::Token {
                     session,
@@ -720,37 +790,46 @@ impl Upstream {
                     logprob,
                     top,
                     ..
-                } => self.write(
-                    context,
-                    &Frame::Token {
-                        session,
-                        position,
-                        token,
-                        logprob,
-                        top,
-                    },
-                ),
+                } => {
+                    self.write(
+                        context,
+                        &Frame::Token {
+                            session,
+                            position,
+                            token,
+                            logprob,
+                            top,
+                        },
+                    );
+                    self.writing.extend(writing);
+                }
                 Outcome::Done {
                     session,
                     position,
                     compute_micros,
-                } => self.write(
-                    context,
-                    &Frame::Ack {
-                        session,
-                        position,
-                        timings: vec![StageTiming {
-                            stage_index,
-                            compute_micros,
-                            wait_micros: 0,
-                        }],
-                    },
-                ),
+                } => {
+                    self.write(
+                        context,
+                        &Frame::Ack {
+                            session,
+                            position,
+                            timings: vec![StageTiming {
+                                stage_index,
+                                compute_micros,
+                                wait_micros: 0,
+                            }],
+                        },
+                    );
+                    self.writing.extend(writing);
+                }
                 Outcome::Failed {
                     session,
                     code,
                     message,
-                } => self.error(context, session, code, message),
+                } => {
+                    self.error(context, session, code, message);
+                    self.writing.extend(writing);
+                }
             }
         }
     }
@@ -1007,26 +1086,30 @@ impl Downstream {
 
     fn take_queued(&mut self, context: &mut SessionContext<'_>) {
         let frames = std::mem::take(&mut self.pair.lock().to_downstream);
-        let frames: Vec<Vec<u8>> = match self.shaper.as_mut() {
+        let frames: Vec<(Vec<u8>, Option<Writing>)> = match self.shaper.as_mut() {
             None => frames.into(),
             Some(shaper) => {
-                let now = std::time::Instant::now();
-                for bytes in frames {
+                let now = Instant::now();
+                for (bytes, writing) in frames {
                     shaper.hold(now, bytes);
+                    self.shaped.push_back(writing);
                 }
                 let due = shaper.due(now);
                 if let Some(completer) = context.completer() {
                     shaper.arm(now, &completer);
                 }
-                due
+                due.into_iter()
+                    .map(|bytes| (bytes, self.shaped.pop_front().flatten()))
+                    .collect()
             }
         };
-        for bytes in frames {
+        for (bytes, writing) in frames {
             STAGE.sent(LinkSide::Downstream, bytes.len());
             if context.output().push(&bytes).is_err() {
                 self.fail("the link to the next stage has too much queued output".into());
                 return;
             }
+            self.writing.extend(writing);
         }
     }
 

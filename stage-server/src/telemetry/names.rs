@@ -224,7 +224,9 @@ pub const SPAN_DECODE_STEP: &str = "stage.openai_decode";
 /// Span: one session on a stage process, Configure to Stop (`stage_index`, `session_id`).
 pub const SPAN_STAGE_SESSION: &str = "stage.binary_session";
 /// Span: one frame's compute on a stage process (`stage_index`, `session_id`, `kind`, `rows`,
-/// `compute_micros`).
+/// `compute_micros`; `queue_wait_micros` from the link handing the frame to the compute thread to its
+/// compute; `write_micros` from the end of its compute to its answer, the rows for the next stage or the
+/// token, acknowledgement or error for the one before, being written to the link's socket).
 pub const SPAN_STAGE_FRAME: &str = "stage.binary_llama_decode";
 
 /// The help text of metric `name`.
