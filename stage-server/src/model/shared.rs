@@ -342,6 +342,16 @@ fn compute(shared: &Shared) {
         }
         gather_until = None;
         let plan = plan_step(&state, shared.batch_tokens, width);
+        if plan.is_empty() {
+            // Cannot happen (a pending chunk has rows and the budget at least one), but a loop that found
+            // nothing to run must sleep rather than spin.
+            state = shared
+                .work
+                .wait_timeout(state, GATHER_WAIT)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+            continue;
+        }
         drop(state);
         let started = Instant::now();
         let results = {
@@ -446,4 +456,109 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn waiting(rows: usize, order: u64) -> LaneState {
+        LaneState {
+            active: true,
+            pending: Some(Pending {
+                position: 10,
+                input: OwnedInput::Tokens(vec![7; rows]),
+                logits: Logits::Last,
+                done: 0,
+                output: Vec::new(),
+                order,
+            }),
+            result: None,
+        }
+    }
+
+    fn taken(plan: &[Planned]) -> Vec<(usize, usize, bool)> {
+        plan.iter()
+            .map(|planned| (planned.lane, planned.input.rows(1), planned.ends))
+            .collect()
+    }
+
+    #[test]
+    fn one_row_chunks_run_first_and_longer_ones_share_what_is_left_of_the_budget_in_order() {
+        let state = State {
+            lanes: vec![
+                waiting(300, 1),
+                waiting(1, 5),
+                waiting(400, 2),
+                waiting(1, 9),
+            ],
+            ..State::default()
+        };
+        assert_eq!(
+            taken(&plan_step(&state, 512, 1)),
+            [(1, 1, true), (3, 1, true), (0, 300, true), (2, 210, false)]
+        );
+        // A budget smaller than the streams still runs every stream's token, and nothing else.
+        assert_eq!(
+            taken(&plan_step(&state, 1, 1)),
+            [(1, 1, true), (3, 1, true)]
+        );
+    }
+
+    #[test]
+    fn a_chunk_over_several_steps_resumes_where_it_stopped() {
+        let mut lane = waiting(700, 1);
+        if let Some(pending) = lane.pending.as_mut() {
+            pending.done = 512;
+        }
+        let state = State {
+            lanes: vec![lane],
+            ..State::default()
+        };
+        let plan = plan_step(&state, 512, 1);
+        assert_eq!(taken(&plan), [(0, 188, true)]);
+        assert_eq!(plan[0].position, 10 + 512);
+    }
+
+    #[test]
+    fn a_chunk_longer_than_the_budget_gives_the_rows_of_one_pass() {
+        use crate::model::testing::TinyModel;
+        use crate::model::{StageOptions, StageSpec};
+        use candle_core::quantized::GgmlDType;
+        let model = TinyModel::llama(GgmlDType::Q4_1);
+        let dir = std::env::temp_dir().join(format!("stage-server-shared-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("scratch directory");
+        let path = model.write_to_dir(&dir).expect("write the tiny model");
+        let first = StageSpec::split(model.block_count, &[2]).expect("split")[0].clone();
+        let load = || {
+            Stage::load(
+                &path,
+                first.clone(),
+                StageOptions {
+                    lane_count: 1,
+                    context_length: None,
+                },
+            )
+            .expect("load")
+        };
+        let prompt: Vec<u32> = (0..11).map(|index| 40 + index).collect();
+        let whole = load()
+            .forward(0, 0, StageInput::Tokens(&prompt), Logits::Last)
+            .expect("one pass");
+        // A budget of 4 rows: the 11 rows run in three steps, their activation rows joined in order.
+        let shared = SharedStage::start(load(), 4, Duration::ZERO).expect("start");
+        let stepped = shared
+            .forward(0, 0, StageInput::Tokens(&prompt), Logits::Last)
+            .expect("three steps");
+        let bits = |output: &StageOutput| match output {
+            StageOutput::Activations(values) | StageOutput::Logits(values) => values
+                .iter()
+                .map(|value| value.to_bits())
+                .collect::<Vec<_>>(),
+        };
+        assert!(matches!(stepped, StageOutput::Activations(_)));
+        assert_eq!(bits(&stepped), bits(&whole));
+        drop(shared);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
