@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use crate::driver::ChainOptions;
 use crate::frontend::{ApiConfig, ApiServer, Backend};
 use crate::model::ModelFile;
+use crate::telemetry::names;
 use crate::wire::CodecPolicy;
 
 /// How `run` lays out its pipeline.
@@ -175,10 +176,19 @@ impl LocalPipeline {
             .collect()
     }
 
-    /// A stage process that ended, with its status, if one did.
+    /// A stage process that ended, with its status, if one did (an error event each time it is found).
     pub fn ended_stage(&mut self) -> Option<String> {
         for stage in &mut self.children {
             if let Ok(Some(status)) = stage.child.try_wait() {
+                tracing::error!(
+                    stage_index = stage.index,
+                    layer_start = stage.layers.start,
+                    layer_end = stage.layers.end,
+                    pid = stage.child.id(),
+                    status = describe(status),
+                    "{}",
+                    names::EVENT_PIPELINE_STAGE_EXITED
+                );
                 return Some(format!(
                     "stage {} (layers {}..{}, pid {}) ended: {}",
                     stage.index,
@@ -300,6 +310,14 @@ fn spawn_stage(
             options.executable.display()
         )
     })?;
+    tracing::debug!(
+        stage_index = index,
+        layer_start = layers.start,
+        layer_end = layers.end,
+        pid = child.id(),
+        "{}",
+        names::EVENT_PIPELINE_STAGE_SPAWNED
+    );
     let stdout = child.stdout.take();
     let (lines, received) = mpsc::channel();
     if let Some(stdout) = stdout {
@@ -334,6 +352,16 @@ fn spawn_stage(
                 if let Some(address) = served
                     && (metrics_wanted.is_none() || stage.metrics.is_some())
                 {
+                    tracing::info!(
+                        stage_index = index,
+                        layer_start = layers.start,
+                        layer_end = layers.end,
+                        pid = stage.child.id(),
+                        address = %address,
+                        metrics_address = stage.metrics.map(tracing::field::display),
+                        "{}",
+                        names::EVENT_PIPELINE_STAGE_READY
+                    );
                     return Ok((stage, address));
                 }
             }

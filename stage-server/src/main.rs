@@ -16,7 +16,7 @@ use stage_server::model::{
     self, GenerateOptions, ModelFile, Pipeline, Sampler, SamplingParams, StageOptions,
 };
 use stage_server::serve::{LinkShape, StageConfig, StageProcess, Topology};
-use stage_server::telemetry::{self, LogFormat};
+use stage_server::telemetry::{self, LogFormat, names};
 use stage_server::tokenizer::StreamDecoder;
 use stage_server::tokenizer::chat::{ChatMessage, ChatTemplate};
 use stage_server::wire::{ClusterKey, CodecPolicy};
@@ -640,6 +640,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.allow_from = allow_from;
     config.codec = args.codec;
     config.shape = link_shape(args.link_delay, args.link_rate)?;
+    config.stage_index = args.stage;
     let stage = StageProcess::start(config).with_context(|| {
         format!(
             "starting the stage for layers {}..{} of {}",
@@ -669,21 +670,32 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         println!("{name} metrics on http://{}/metrics", metrics.local_addr());
     }
     let _ = std::io::stdout().flush();
-    loop {
+    let reason = loop {
         net_io_sys::wait::wait_readable(net_io_sys::signal::wake_descriptor()?, None)?;
         let _ = net_io_sys::signal::drain_wake();
-        if terminate.take_count() + interrupt.take_count() > 0 {
-            break;
+        if terminate.take_count() > 0 {
+            break "SIGTERM";
         }
-    }
+        if interrupt.take_count() > 0 {
+            break "SIGINT";
+        }
+    };
     eprintln!("{name}: draining (at most {} s)", args.drain_timeout);
-    let report = stage
-        .shutdown(std::time::Instant::now() + std::time::Duration::from_secs(args.drain_timeout));
+    let report = stage.shutdown_because(
+        std::time::Instant::now() + std::time::Duration::from_secs(args.drain_timeout),
+        reason,
+    );
     eprintln!(
         "{name}: stopped ({} links closed gracefully, {} cut at the deadline)",
         report.graceful, report.killed
     );
     drop(metrics);
+    tracing::info!(
+        stage_index = args.stage,
+        reason,
+        "{}",
+        names::EVENT_STAGE_EXIT
+    );
     telemetry.shutdown();
     Ok(())
 }
@@ -809,26 +821,43 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     println!("  Ctrl-C stops every stage.");
     let _ = std::io::stdout().flush();
     let mut failure = None;
+    let reason;
     loop {
         let _ = net_io_sys::wait::wait_readable(
             net_io_sys::signal::wake_descriptor()?,
             Some(std::time::Duration::from_millis(250)),
         );
         let _ = net_io_sys::signal::drain_wake();
-        if terminate.take_count() + interrupt.take_count() > 0 {
+        let signals = (terminate.take_count(), interrupt.take_count());
+        if signals.0 + signals.1 > 0 {
             eprintln!("stage-server: draining (at most {} s)", args.drain_timeout);
+            reason = if signals.0 > 0 { "SIGTERM" } else { "SIGINT" };
             break;
         }
         if let Some(ended) = pipeline.ended_stage() {
             eprintln!("stage-server: {ended}; stopping the others");
             failure = Some(ended);
+            reason = "a stage process ended";
             break;
         }
     }
+    tracing::info!(
+        reason,
+        drain_timeout_millis = args.drain_timeout.saturating_mul(1000),
+        "{}",
+        names::EVENT_PIPELINE_DRAIN
+    );
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(args.drain_timeout);
     // Stage 0's last export goes while the stage processes make theirs, so a collector that does not answer
     // costs the exit one export deadline rather than two in a row.
     let report = pipeline.shutdown(deadline, || telemetry.shutdown());
+    tracing::info!(
+        connections_graceful = report.graceful,
+        connections_killed = report.killed,
+        elapsed_millis = u64::try_from(report.elapsed.as_millis()).unwrap_or(u64::MAX),
+        "{}",
+        names::EVENT_PIPELINE_DRAINED
+    );
     eprintln!(
         "stage-server: stopped ({} connections closed gracefully, {} cut at the deadline)",
         report.graceful, report.killed

@@ -12,6 +12,7 @@ use std::time::Duration;
 use task_runtime::{Compute, Runtime, TaskHandle};
 
 use crate::driver::{self, ChainOptions};
+use crate::telemetry::names;
 use crate::wire::Hello;
 
 /// The gap between two probes of the chain.
@@ -42,7 +43,7 @@ impl ChainHealth {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(reason) = down.take() {
-            tracing::info!("the chain is back (it was down: {reason})");
+            tracing::info!(reason, "{}", names::EVENT_CHAIN_UP);
         }
     }
 
@@ -53,7 +54,7 @@ impl ChainHealth {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         if down.is_none() {
-            tracing::warn!("the chain is down: {reason}");
+            tracing::warn!(reason, "{}", names::EVENT_CHAIN_DOWN);
         }
         *down = Some(reason);
     }

@@ -30,6 +30,7 @@ use net_io_blocking::{DrainReport, Limits, NetError, Server, ServerBuilder, Sess
 
 use crate::driver::{ChainOptions, StageShare, first_stage_hello, load_first_stage};
 use crate::model::{self, ModelError, ModelFile, Stage, StageOptions, StageSpec};
+use crate::telemetry::names;
 use crate::tokenizer::Tokenizer;
 use crate::tokenizer::chat::ChatTemplate;
 use batcher::Batcher;
@@ -128,13 +129,29 @@ impl ApiServer {
         crate::telemetry::registry::register_collector(&collector);
         let loader_state = Arc::clone(&state);
         let path = model.to_path_buf();
+        let address = server.local_addr();
         let loader = std::thread::Builder::new()
             .name("api-loader".into())
             .spawn(move || match load(&path, backend, &loader_state) {
                 Ok(ready) => {
+                    tracing::info!(
+                        address = %address,
+                        model_id = loader_state.model_id,
+                        lanes = loader_state.config.lanes.max(1),
+                        context_length = ready.text.context_length,
+                        "{}",
+                        names::EVENT_API_READY
+                    );
                     let _ = loader_state.ready.set(ready);
                 }
                 Err(error) => {
+                    tracing::error!(
+                        address = %address,
+                        model_id = loader_state.model_id,
+                        reason = error,
+                        "{}",
+                        names::EVENT_API_LOAD_FAILED
+                    );
                     *loader_state
                         .load_error
                         .lock()

@@ -13,6 +13,7 @@ use crate::model::{
     Arrival, Finish, GenerateOptions, Generation, ModelError, Sampler, SamplingParams,
     log_probabilities,
 };
+use crate::telemetry::names;
 use crate::wire::{ErrorCode, Hello};
 
 /// What a lane generates with.
@@ -82,6 +83,12 @@ impl ChainLane {
                         message: format!("the chain is down ({reason}); retry shortly"),
                     });
                 }
+                tracing::debug!(
+                    lane = self.share.lane,
+                    peer = %self.next,
+                    "{}",
+                    names::EVENT_DOWNSTREAM_RECONNECT
+                );
                 Chain::connect_with(
                     self.share.clone(),
                     &self.ours,

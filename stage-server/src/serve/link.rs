@@ -22,6 +22,7 @@
 //! link, including the hand-over between the two sessions and any wait for the socket.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -70,6 +71,12 @@ pub(crate) struct StageShared {
     pub(crate) connect_timeout: Duration,
     /// Shaping of the downstream links (tests and benchmarks).
     pub(crate) shape: LinkShape,
+    /// The stage's index as the operator gave it, for lifecycle events.
+    pub(crate) stage_index: Option<u16>,
+    /// Sessions configured and not yet stopped, over every upstream link (a drain reports them).
+    pub(crate) open_sessions: AtomicUsize,
+    /// Sessions stopped by the drain deadline (an `Error` frame, `draining`) rather than by their Stop.
+    pub(crate) stopped_sessions: AtomicUsize,
 }
 
 /// The one session type of a stage's server: links it accepted and links it opened.
@@ -224,6 +231,8 @@ pub(crate) struct Downstream {
     shaped: VecDeque<Option<Writing>>,
     /// Frames whose rows are in this link's output, until the flush writes them.
     writing: Vec<Writing>,
+    /// Why the link failed, when this stage ended it (the close's reason says less).
+    failure: Option<String>,
 }
 
 impl Link {
@@ -290,10 +299,10 @@ impl Session for Link {
         Step::Close
     }
 
-    fn on_close(&mut self, _info: &ConnectionInfo, reason: CloseReason) {
+    fn on_close(&mut self, info: &ConnectionInfo, reason: CloseReason) {
         match self {
-            Link::Upstream(link) => link.on_close(),
-            Link::Downstream(link) => link.on_close(reason),
+            Link::Upstream(link) => link.on_close(info, reason),
+            Link::Downstream(link) => link.on_close(info, reason),
         }
     }
 }
@@ -307,6 +316,12 @@ impl Upstream {
         self.mailbox = Some(Mailbox::new(completer.clone(), id));
         self.id = Some(id);
         lock_upstreams(&self.shared).insert(id, completer);
+        tracing::debug!(
+            connection_id = id,
+            peer = %context.info().peer,
+            "{}",
+            names::EVENT_UPSTREAM_ACCEPTED
+        );
         if context.info().lane == super::gate::REFUSED_LANE {
             let peer = context.info().peer;
             self.refuse(
@@ -499,6 +514,7 @@ impl Upstream {
                 .then(|| Shaper::new(self.shared.shape)),
             shaped: VecDeque::new(),
             writing: Vec::new(),
+            failure: None,
         };
         let options = ConnectOptions::new().connect_timeout(self.shared.connect_timeout);
         if let Err(error) = handle.connect(next, Link::Downstream(downstream), options) {
@@ -558,7 +574,9 @@ impl Upstream {
                     let message = "this stage is draining (it is shutting down); start the generation on another chain".to_owned();
                     return self.error(context, *session, ErrorCode::Draining, message);
                 }
-                self.sessions.insert(*session);
+                if self.sessions.insert(*session) {
+                    self.shared.open_sessions.fetch_add(1, Ordering::Relaxed);
+                }
                 self.open_span(*session, trace.as_ref());
                 Work::Open {
                     session: *session,
@@ -606,7 +624,9 @@ impl Upstream {
                 length: *length,
             },
             Frame::Stop { session } => {
-                self.sessions.remove(session);
+                if self.sessions.remove(session) {
+                    self.shared.open_sessions.fetch_sub(1, Ordering::Relaxed);
+                }
                 Work::Stop { session: *session }
             }
             other => {
@@ -921,6 +941,9 @@ impl Upstream {
     fn stop_at_drain_deadline(&mut self, context: &mut SessionContext<'_>) -> Step {
         let mut sessions: Vec<u64> = self.sessions.iter().copied().collect();
         sessions.sort_unstable();
+        self.shared
+            .stopped_sessions
+            .fetch_add(sessions.len(), Ordering::Relaxed);
         for session in sessions {
             self.error(
                 context,
@@ -936,11 +959,23 @@ impl Upstream {
         Step::Write
     }
 
-    fn on_close(&mut self) {
+    fn on_close(&mut self, info: &ConnectionInfo, reason: CloseReason) {
         if let Some(id) = self.id.take() {
             lock_upstreams(&self.shared).remove(&id);
         }
         self.spans.clear();
+        tracing::debug!(
+            stage_index = self.stage_index,
+            connection_id = info.id.get(),
+            peer = %info.peer,
+            reason = %reason,
+            sessions_stopped = self.sessions.len(),
+            "{}",
+            names::EVENT_UPSTREAM_CLOSED
+        );
+        self.shared
+            .open_sessions
+            .fetch_sub(self.sessions.len(), Ordering::Relaxed);
         // The lanes of this link's sessions are freed at once, whatever ended the link.
         if let Some(mailbox) = &self.mailbox {
             for session in self.sessions.drain() {
@@ -1035,6 +1070,12 @@ impl Downstream {
                         let _ = context.output().push(&bytes);
                     }
                     self.serving = true;
+                    tracing::debug!(
+                        stage_index = self.ours.stage_index,
+                        peer = self.shared.next.map(tracing::field::display),
+                        "{}",
+                        names::EVENT_DOWNSTREAM_UP
+                    );
                     let mut state = self.pair.lock();
                     state.downstream_answer = Some(Ok(theirs));
                     Pair::wake(state.upstream.as_ref());
@@ -1115,6 +1156,7 @@ impl Downstream {
 
     /// The handshake failed: the upstream link answers its own upstream with `message`.
     fn fail(&mut self, message: String) {
+        self.failure.get_or_insert_with(|| message.clone());
         let mut state = self.pair.lock();
         if state.downstream_answer.is_none() && !self.serving {
             state.downstream_answer = Some(Err(message));
@@ -1124,12 +1166,30 @@ impl Downstream {
         Pair::wake(state.upstream.as_ref());
     }
 
-    fn on_close(&mut self, reason: CloseReason) {
+    fn on_close(&mut self, info: &ConnectionInfo, reason: CloseReason) {
         let mut state = self.pair.lock();
         state.downstream = None;
+        let why = self
+            .failure
+            .take()
+            .unwrap_or_else(|| format!("closed ({reason})"));
         if state.upstream_closed {
+            tracing::debug!(
+                stage_index = self.ours.stage_index,
+                peer = %info.peer,
+                reason = why,
+                "{}",
+                names::EVENT_DOWNSTREAM_DOWN
+            );
             return;
         }
+        tracing::warn!(
+            stage_index = self.ours.stage_index,
+            peer = %info.peer,
+            reason = why,
+            "{}",
+            names::EVENT_DOWNSTREAM_DOWN
+        );
         let stage = self.ours.stage_index + 1;
         let message = format!("the link to stage {stage} closed ({reason})");
         if !self.serving && state.downstream_answer.is_none() {

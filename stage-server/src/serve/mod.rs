@@ -23,6 +23,7 @@ mod topology;
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -33,6 +34,7 @@ use net_io_blocking::{
 };
 
 use crate::model::{self, ModelError, ModelFile, Stage, StageOptions, StageSpec};
+use crate::telemetry::names;
 use crate::wire::{ClusterKey, CodecPolicy, CodecSet, Hello, PROTOCOL_VERSION, Role, WireLimits};
 use link::{Link, StageShared};
 pub use shaping::LinkShape;
@@ -63,6 +65,9 @@ pub struct StageConfig {
     pub connect_timeout: Duration,
     /// Delay and rate on the link to the next stage, applied in the process (for tests and benchmarks).
     pub shape: LinkShape,
+    /// This stage's place in the chain as the operator gave it (`--stage`), for its lifecycle events; links
+    /// learn theirs from the stage before.
+    pub stage_index: Option<u16>,
 }
 
 impl StageConfig {
@@ -81,6 +86,7 @@ impl StageConfig {
             codec: CodecPolicy::F32,
             connect_timeout: Duration::from_secs(5),
             shape: LinkShape::default(),
+            stage_index: None,
         }
     }
 }
@@ -116,9 +122,22 @@ impl StageProcess {
     /// Loads the stage's layers (only those), starts its compute thread and its server. Returns once the
     /// stage accepts links.
     pub fn start(config: StageConfig) -> Result<StageProcess, ServeError> {
+        let layers = config.layers.clone();
+        let model_id = config
+            .model
+            .file_stem()
+            .map(|stem| stem.to_string_lossy().into_owned());
+        tracing::info!(
+            stage_index = config.stage_index,
+            layer_start = layers.start,
+            layer_end = layers.end,
+            model_id,
+            lanes = config.lanes.max(1),
+            "{}",
+            names::EVENT_STAGE_LOADING
+        );
         let file = ModelFile::open(&config.model)?;
         let block_count = file.config().block_count;
-        let layers = config.layers.clone();
         if layers.start == 0 {
             return Err(ServeError::Layers(format!(
                 "layers {}..{} start at 0, which is stage 0's (it holds the embeddings and drives the chain); run it with `stage-server generate --layers 0..{} --next ADDR`",
@@ -183,6 +202,9 @@ impl StageProcess {
             codec: config.codec,
             connect_timeout: config.connect_timeout,
             shape: config.shape,
+            stage_index: config.stage_index,
+            open_sessions: std::sync::atomic::AtomicUsize::new(0),
+            stopped_sessions: std::sync::atomic::AtomicUsize::new(0),
         });
         if config.shape.is_shaped() {
             // The shaper's timers run on the task runtime (a second init changes nothing).
@@ -205,6 +227,18 @@ impl StageProcess {
         let _ = shared.handle.set(server.handle());
         crate::telemetry::registry::register_server("links", server.handle());
         server.handle().open_door();
+        tracing::info!(
+            stage_index = config.stage_index,
+            layer_start = layers.start,
+            layer_end = layers.end,
+            address = %server.local_addr(),
+            width = hello.width,
+            model_id,
+            lanes = hello.lanes,
+            next = config.next.map(tracing::field::display),
+            "{}",
+            names::EVENT_STAGE_READY
+        );
         Ok(StageProcess {
             server,
             hello,
@@ -233,12 +267,30 @@ impl StageProcess {
     /// gracefully; a link still open [`DRAIN_ERROR_GRACE`] later is reset. Such links count as graceful in
     /// the report.
     pub fn shutdown(self, deadline: Instant) -> DrainReport {
+        self.shutdown_because(deadline, "shutdown")
+    }
+
+    /// [`shutdown`](Self::shutdown), with `reason` (a signal's name, say) in its drain events.
+    pub fn shutdown_because(self, deadline: Instant, reason: &str) -> DrainReport {
         let StageProcess {
             server,
             compute,
             shared,
             ..
         } = self;
+        let address = server.local_addr();
+        let sessions_open = shared.open_sessions.load(Ordering::Relaxed);
+        tracing::info!(
+            stage_index = shared.stage_index,
+            address = %address,
+            reason,
+            drain_timeout_millis =
+                u64::try_from(deadline.saturating_duration_since(Instant::now()).as_millis())
+                    .unwrap_or(u64::MAX),
+            sessions_open,
+            "{}",
+            names::EVENT_STAGE_DRAIN
+        );
         let handle = server.handle();
         let drainer = std::thread::spawn(move || handle.drain(deadline + DRAIN_ERROR_GRACE));
         while !drainer.is_finished() && Instant::now() < deadline {
@@ -260,6 +312,18 @@ impl StageProcess {
         let stopped = server.shutdown(Instant::now());
         // The drain thread cannot panic short of a bug in the driver; its report is then the stop's.
         let report = drained.unwrap_or(stopped);
+        let sessions_stopped = shared.stopped_sessions.load(Ordering::Relaxed);
+        tracing::info!(
+            stage_index = shared.stage_index,
+            address = %address,
+            sessions_finished = sessions_open.saturating_sub(sessions_stopped),
+            sessions_stopped,
+            links_graceful = report.graceful,
+            links_killed = report.killed,
+            elapsed_millis = u64::try_from(report.elapsed.as_millis()).unwrap_or(u64::MAX),
+            "{}",
+            names::EVENT_STAGE_DRAINED
+        );
         // The compute thread ends once the last link, and with it the last compute handle, is gone.
         drop(shared);
         drop(compute);

@@ -229,6 +229,62 @@ pub const SPAN_STAGE_SESSION: &str = "stage.binary_session";
 /// token, acknowledgement or error for the one before, being written to the link's socket).
 pub const SPAN_STAGE_FRAME: &str = "stage.binary_llama_decode";
 
+// Lifecycle events: the moments a process or a link changes state, each an event whose message is its name
+// (so a JSON log line's `fields.message` says which), with the ids that identify it as fields. Process
+// moments (start, ready, drain, exit) are at info, link moments at debug (a broken link or chain at warn),
+// per-frame work stays at trace. Names follow skippy's `stage.binary_*` (stage processes) and
+// `stage.openai_*` (stage 0) vocabulary (`../shared/reference/stage-protocol.md` section 11).
+
+/// Event (info): a stage process opens its model (`stage_index` when given, `layer_start`, `layer_end`,
+/// `model_id`, `lanes`).
+pub const EVENT_STAGE_LOADING: &str = "stage.binary_server_loading";
+/// Event (info): a stage process serves (`stage_index`, `layer_start`, `layer_end`, `address`, `width`,
+/// `model_id`, `lanes`, `next` unless it is last): the moment of its `… serving layers A..B on ADDR` line.
+pub const EVENT_STAGE_READY: &str = "stage.binary_server_start";
+/// Event (debug): a stage accepted a link from the stage before it (`connection_id`, `peer`).
+pub const EVENT_UPSTREAM_ACCEPTED: &str = "stage.binary_upstream_accepted";
+/// Event (debug): a link from the stage before closed (`stage_index`, `connection_id`, `peer`, `reason`,
+/// `sessions_stopped`: its sessions still open, whose lanes the close frees).
+pub const EVENT_UPSTREAM_CLOSED: &str = "stage.binary_upstream_closed";
+/// Event (debug): the link to the next stage passed its hello (`stage_index`, `peer`).
+pub const EVENT_DOWNSTREAM_UP: &str = "stage.binary_downstream_up";
+/// Event (warn while the link before it is still open, debug when it closes with it): the link to the next
+/// stage closed or failed its hello (`stage_index`, `peer`, `reason`). A stage process does not retry: the
+/// next link from the stage before opens a new one.
+pub const EVENT_DOWNSTREAM_DOWN: &str = "stage.binary_downstream_down";
+/// Event (info): a stage process drains (`stage_index`, `address`, `reason`, `drain_timeout_millis`,
+/// `sessions_open`).
+pub const EVENT_STAGE_DRAIN: &str = "stage.binary_server_drain";
+/// Event (info): a stage process's drain ended (`stage_index`, `address`, `sessions_finished`,
+/// `sessions_stopped` at the deadline, `links_graceful`, `links_killed`, `elapsed_millis`).
+pub const EVENT_STAGE_DRAINED: &str = "stage.binary_server_drained";
+/// Event (info): a stage process exits (`stage_index`, `reason`).
+pub const EVENT_STAGE_EXIT: &str = "stage.binary_server_stop";
+/// Event (debug): `run` started a stage process (`stage_index`, `layer_start`, `layer_end`, `pid`).
+pub const EVENT_PIPELINE_STAGE_SPAWNED: &str = "stage.pipeline_stage_spawned";
+/// Event (info): a stage process `run` started serves (`stage_index`, `layer_start`, `layer_end`, `pid`,
+/// `address`, `metrics_address` when it has one).
+pub const EVENT_PIPELINE_STAGE_READY: &str = "stage.pipeline_stage_ready";
+/// Event (error): a stage process `run` started ended on its own (`stage_index`, `layer_start`,
+/// `layer_end`, `pid`, `status`).
+pub const EVENT_PIPELINE_STAGE_EXITED: &str = "stage.pipeline_stage_exited";
+/// Event (info): stage 0's API serves: every lane is ready (`address`, `model_id`, `lanes`,
+/// `context_length`).
+pub const EVENT_API_READY: &str = "stage.openai_pool_ready";
+/// Event (error): stage 0's model or lanes did not load (`address`, `model_id`, `reason`).
+pub const EVENT_API_LOAD_FAILED: &str = "stage.openai_load_error";
+/// Event (debug): a stage 0 lane whose link broke opens a new one (`lane`, `peer`).
+pub const EVENT_DOWNSTREAM_RECONNECT: &str = "stage.openai_downstream_connect";
+/// Event (warn): the chain behind stage 0 stopped answering (`reason`): a probe or a lane's link failed.
+pub const EVENT_CHAIN_DOWN: &str = "stage.openai_chain_down";
+/// Event (info): the chain behind stage 0 answers again (`reason`: why it was down).
+pub const EVENT_CHAIN_UP: &str = "stage.openai_chain_up";
+/// Event (info): `run` drains (`reason`, `drain_timeout_millis`).
+pub const EVENT_PIPELINE_DRAIN: &str = "stage.pipeline_drain";
+/// Event (info): `run`'s drain ended and its stage processes stopped (`connections_graceful`,
+/// `connections_killed`, `elapsed_millis`).
+pub const EVENT_PIPELINE_DRAINED: &str = "stage.pipeline_drained";
+
 /// The help text of metric `name`.
 pub fn help(name: &str) -> &'static str {
     METRICS
