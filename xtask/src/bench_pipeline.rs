@@ -1,42 +1,49 @@
 //! `cargo xtask bench pipeline`: stage-server decode and prefill speed with the model split across stage
-//! processes on loopback, beside the same model unsplit in one process, in the same run.
+//! processes on loopback, beside the same model unsplit and beside llama.cpp's own RPC backend, in one run.
 //!
 //! For each real model in the cache, every round runs, back to back:
 //! - unsplit: `stage-server generate --prompt-ids <P ids> --max-tokens 65 --threads 2 --json`;
 //! - 2 processes: stage 0 (`generate --layers 0..half --next`) and one `serve` for the rest;
 //! - 3 processes: stage 0 and two `serve`s at a third and two thirds of the layers;
-//! - 3 processes with `--link-delay 5` on both hops (stage 0's and stage 1's downstream links).
+//! - 3 processes with `--link-delay 5` on both hops (stage 0's and stage 1's downstream links);
+//! - llama.cpp whole (`llama-server`) and llama.cpp with every layer on two `ggml-rpc-server` processes on
+//!   loopback, the same prompt and lengths, timed by llama-server's own `timings` ([`llama`]);
+//! - a 2,048-token prompt (four prefill chunks) unsplit and through 3 processes with `--reply-credits` 0, 1
+//!   and 2, prefill only.
 //!
-//! Decode tok/s covers the 64 steps after the first token; prefill tok/s the whole prompt as one chunk. The
-//! time a hop adds to a decode step is `(1 / split rate - 1 / unsplit rate) / hops`, the step time beyond the
-//! unsplit compute divided over the hops (medians of each). The stage processes start fresh for each round
-//! (their model load is not timed) and are stopped after it.
+//! Decode tok/s covers the steps after the first token; prefill tok/s the whole prompt. The time a hop adds
+//! to a decode step is `(1 / split rate - 1 / unsplit rate) / hops`, the step time beyond the unsplit compute
+//! divided over the hops (medians of each). Every process starts fresh for its generation (its model load is
+//! not timed) and is stopped after it.
 //!
 //! Then the telemetry rows ([`telemetry`]): `stage-server run --stages 3` with telemetry off, exporting to a
 //! live loopback OTLP/HTTP receiver, and exporting to a black hole, side by side in the same run.
 //! `--only-telemetry` runs just those (and keeps the layout tables already in the report); `--model NAME`
 //! picks one model; `--otlp-filter FILTER` sets the exported spans' filter (default `info`).
 
+mod llama;
+mod report;
 mod telemetry;
 
+use std::ffi::OsStr;
 use std::fmt::Write as _;
-use std::fs;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 
-use crate::bench_model::{
-    block_count, command_output, generate_command, machine, prompt_ids, target_dir,
-};
-use crate::figures::{load_average, median};
+use crate::bench_model::{block_count, generate_command, prompt_ids, target_dir};
+use crate::figures::load_average;
 use crate::models::{self, MODELS};
-use crate::{cargo, workspace_root};
+use crate::{cargo, llama_ref};
 
-/// Prompt length: one prefill chunk.
+use llama::PEERS;
+use report::{render_model, write_report};
+
+/// Prompt length of the layout rows: one prefill chunk.
 const PROMPT_TOKENS: usize = 512;
 /// Decode steps timed.
 const DECODE_TOKENS: usize = 64;
@@ -44,6 +51,15 @@ const DECODE_TOKENS: usize = 64;
 const THREADS: &str = "2";
 /// The one-way delay of the WAN-like runs, in milliseconds.
 const LINK_DELAY_MS: f64 = 5.0;
+/// stage-server's prefill chunk (`stage_server::model::PREFILL_CHUNK`; xtask does not link stage-server).
+const CHUNK_TOKENS: usize = 512;
+/// Prompt length of the credit rows: four chunks, so up to three non-final chunks can wait for credits.
+const LONG_PROMPT_TOKENS: usize = 4 * CHUNK_TOKENS;
+/// Tokens the credit rows generate: one, so they time the prefill (up to the first token) and little else.
+const LONG_MAX_TOKENS: usize = 1;
+/// The activation codec every split stage is given: the f32 the rows have always measured, named so a
+/// change of stage-server's default does not change what the rows mean.
+const CODEC: &str = "f32";
 
 /// One way of running the model.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -87,11 +103,117 @@ const LAYOUTS: [Layout; 4] = [
     },
 ];
 
-/// The rates of one layout over the rounds.
-#[derive(Default)]
+/// A row of the 2,048-token prefill table.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum LongRow {
+    Unsplit,
+    /// 3 processes on loopback, stage 0 with `--reply-credits N`.
+    Credits(usize),
+}
+
+impl LongRow {
+    fn label(self) -> String {
+        match self {
+            LongRow::Unsplit => Layout::Unsplit.label(),
+            LongRow::Credits(credits) => format!("{}, reply credits {credits}", LONG_SPLIT.label()),
+        }
+    }
+
+    fn layout(self) -> Layout {
+        match self {
+            LongRow::Unsplit => Layout::Unsplit,
+            LongRow::Credits(_) => LONG_SPLIT,
+        }
+    }
+
+    fn credits(self) -> Option<usize> {
+        match self {
+            LongRow::Unsplit => None,
+            LongRow::Credits(credits) => Some(credits),
+        }
+    }
+}
+
+/// The split the credit rows run through.
+const LONG_SPLIT: Layout = Layout::Processes {
+    count: 3,
+    delay_ms: 0.0,
+};
+
+const LONG_ROWS: [LongRow; 4] = [
+    LongRow::Unsplit,
+    LongRow::Credits(0),
+    LongRow::Credits(1),
+    LongRow::Credits(2),
+];
+
+/// What one timed generation asks for.
+#[derive(Clone, Copy, Debug)]
+struct Request<'a> {
+    prompt: &'a [u64],
+    /// Tokens to generate, the first one (from the prompt's last chunk) included.
+    max_tokens: usize,
+    /// Stage 0's `--reply-credits`; `None` leaves stage-server's default.
+    credits: Option<usize>,
+}
+
+/// What one timed generation measured.
+#[derive(Debug, Default)]
+struct Timed {
+    /// Prompt tokens per second, up to the first token.
+    prefill: f64,
+    /// Decode steps after the first token per second.
+    decode: f64,
+    /// Prompt tokens the run reports it evaluated.
+    prompt_tokens: usize,
+    /// Decode steps the decode rate covers.
+    decode_steps: usize,
+    /// The commands (and, for llama.cpp, the request) as they ran, for the report.
+    commands: Vec<String>,
+    /// Lines of a server's log worth quoting (where llama.cpp put the weights).
+    notes: Vec<String>,
+}
+
+/// The rates of one row over the rounds.
+#[derive(Debug, Default)]
 struct Samples {
     prefill: Vec<f64>,
     decode: Vec<f64>,
+    prompt_tokens: Vec<usize>,
+    decode_steps: Vec<usize>,
+    /// The first round's commands.
+    commands: Vec<String>,
+    /// The first round's notes.
+    notes: Vec<String>,
+    /// Why the row stopped being measured, if it did.
+    failure: Option<String>,
+}
+
+impl Samples {
+    fn push(&mut self, timed: Timed) {
+        self.prefill.push(timed.prefill);
+        self.decode.push(timed.decode);
+        self.prompt_tokens.push(timed.prompt_tokens);
+        self.decode_steps.push(timed.decode_steps);
+        if self.commands.is_empty() {
+            self.commands = timed.commands;
+            self.notes = timed.notes;
+        }
+    }
+}
+
+/// Everything one model's rows measured.
+#[derive(Debug)]
+struct ModelRows {
+    model_file: String,
+    blocks: usize,
+    layouts: Vec<Samples>,
+    peers: Vec<Samples>,
+    long: Vec<Samples>,
+    /// Wall time of the layout rows, the llama.cpp rows and the credit rows, starts and loads included.
+    layout_time: Duration,
+    peer_time: Duration,
+    long_time: Duration,
 }
 
 /// A `stage-server serve` child, killed when dropped.
@@ -104,10 +226,8 @@ impl Drop for Served {
     }
 }
 
-/// The heading the telemetry section of the report starts with (`--only-telemetry` replaces from there).
-const TELEMETRY_HEADING: &str = "## Telemetry overhead";
-
 pub fn run(arguments: &[String]) -> Result<()> {
+    let started = Instant::now();
     let mut rounds = 3;
     let mut only_telemetry = false;
     let mut only_model: Option<String> = None;
@@ -164,6 +284,20 @@ pub fn run(arguments: &[String]) -> Result<()> {
     cargo(&["build", "--release", "-p", "stage-server"])?;
     let binary = target_dir().join("release/stage-server");
     ensure!(binary.exists(), "cargo built no {}", binary.display());
+    // The llama.cpp rows are a peer, not the subject: if its binaries cannot be had, our rows still run and
+    // the report says why the peer's are missing.
+    let peer_binaries: Result<PathBuf, String> = if only_telemetry {
+        Err("not run (--only-telemetry)".to_owned())
+    } else {
+        llama_ref::ensure_server_built()
+            .and_then(|server| {
+                server
+                    .parent()
+                    .map(Path::to_path_buf)
+                    .context("llama-server's path has no folder")
+            })
+            .map_err(|error| format!("{error:#}"))
+    };
     let load_before = load_average();
     let mut tables = String::new();
     let mut telemetry_tables = String::new();
@@ -172,30 +306,46 @@ pub fn run(arguments: &[String]) -> Result<()> {
         only_telemetry,
         span_filter: span_filter.clone(),
         model: only_model.clone(),
+        started,
+        llama_version: peer_binaries.as_deref().ok().map(llama::version),
     };
+    let log_dir = target_dir().join("bench-pipeline");
     for model in present {
         let path = model_dir.join(model.file_name);
-        // The fixture stream, repeated to a 512-token prompt (one prefill chunk).
-        let prompt: Vec<u64> = prompt_ids(model.short_name)?
-            .into_iter()
+        let stream = prompt_ids(model.short_name)?;
+        // The fixture stream, repeated to a 512-token prompt (one prefill chunk) and to 2,048 (four).
+        let prompt: Vec<u64> = stream.iter().copied().cycle().take(PROMPT_TOKENS).collect();
+        let long_prompt: Vec<u64> = stream
+            .iter()
+            .copied()
             .cycle()
-            .take(PROMPT_TOKENS)
+            .take(LONG_PROMPT_TOKENS)
             .collect();
         if !only_telemetry {
-            let table = layout_rows(&binary, &path, model.short_name, &prompt, rounds)?;
+            let inputs = ModelInputs {
+                binary: &binary,
+                path: &path,
+                prompt: &prompt,
+                long_prompt: &long_prompt,
+                peer_binaries: peer_binaries.as_deref().map_err(String::as_str),
+                log_dir: &log_dir,
+            };
+            let rows = model_rows(&inputs, model.short_name, rounds)?;
+            let table = render_model(&rows);
             println!("{table}");
             tables.push_str(&table);
             tables.push('\n');
             write_report(&run, &load_before, &tables, &telemetry_tables)?;
         }
         eprintln!("xtask: {} telemetry rows", model.short_name);
-        let measured = telemetry::measure(
-            &binary,
-            &path,
-            rounds,
-            span_filter.as_deref(),
-            &target_dir().join("bench-pipeline"),
-        )?;
+        let telemetry_started = Instant::now();
+        let measured =
+            telemetry::measure(&binary, &path, rounds, span_filter.as_deref(), &log_dir)?;
+        eprintln!(
+            "xtask: {} telemetry rows took {:.0} s",
+            model.short_name,
+            telemetry_started.elapsed().as_secs_f64()
+        );
         let table = telemetry::render(model.file_name, &measured);
         println!("{table}");
         telemetry_tables.push_str(&table);
@@ -205,12 +355,15 @@ pub fn run(arguments: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// What the report says about the command.
+/// What the report says about the command and the run.
 struct Run {
     rounds: usize,
     only_telemetry: bool,
     span_filter: Option<String>,
     model: Option<String>,
+    started: Instant,
+    /// `llama-server --version`'s line, when its binaries were there.
+    llama_version: Option<String>,
 }
 
 impl Run {
@@ -229,29 +382,107 @@ impl Run {
     }
 }
 
-/// The layout rows of one model: every layout once per round.
-fn layout_rows(
-    binary: &Path,
-    path: &Path,
-    short_name: &str,
-    prompt: &[u64],
-    rounds: usize,
-) -> Result<String> {
-    let model_file = path
+/// What every row of one model runs with.
+struct ModelInputs<'a> {
+    binary: &'a Path,
+    path: &'a Path,
+    prompt: &'a [u64],
+    long_prompt: &'a [u64],
+    /// llama.cpp's `bin` folder, or why there is none.
+    peer_binaries: Result<&'a Path, &'a str>,
+    log_dir: &'a Path,
+}
+
+/// Every row of one model, once per round, in the order of the report's tables.
+fn model_rows(inputs: &ModelInputs<'_>, short_name: &str, rounds: usize) -> Result<ModelRows> {
+    let model_file = inputs
+        .path
         .file_name()
         .map(|name| name.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let blocks = block_count(path)?;
-    let mut samples: Vec<Samples> = LAYOUTS.iter().map(|_| Samples::default()).collect();
-    for round in 0..rounds {
-        eprintln!("xtask: {short_name} round {}/{rounds}", round + 1);
-        for (index, layout) in LAYOUTS.iter().enumerate() {
-            let (prefill, decode) = run_layout(binary, path, prompt, blocks, *layout)?;
-            samples[index].prefill.push(prefill);
-            samples[index].decode.push(decode);
+    let blocks = block_count(inputs.path)?;
+    let mut rows = ModelRows {
+        model_file,
+        blocks,
+        layouts: LAYOUTS.iter().map(|_| Samples::default()).collect(),
+        peers: PEERS.iter().map(|_| Samples::default()).collect(),
+        long: LONG_ROWS.iter().map(|_| Samples::default()).collect(),
+        layout_time: Duration::ZERO,
+        peer_time: Duration::ZERO,
+        long_time: Duration::ZERO,
+    };
+    if let Err(reason) = inputs.peer_binaries {
+        for samples in &mut rows.peers {
+            samples.failure = Some(format!("llama.cpp's binaries are not there: {reason}"));
         }
     }
-    Ok(render_table(&model_file, prompt.len(), &samples))
+    let request = Request {
+        prompt: inputs.prompt,
+        max_tokens: DECODE_TOKENS + 1,
+        credits: None,
+    };
+    for round in 0..rounds {
+        eprintln!("xtask: {short_name} round {}/{rounds}", round + 1);
+        let layouts_started = Instant::now();
+        for (index, layout) in LAYOUTS.iter().enumerate() {
+            let timed = run_layout(inputs.binary, inputs.path, blocks, *layout, request)?;
+            rows.layouts[index].push(timed);
+        }
+        rows.layout_time += layouts_started.elapsed();
+        let peers_started = Instant::now();
+        if let Ok(binary_dir) = inputs.peer_binaries {
+            let peer_inputs = llama::Inputs {
+                binary_dir,
+                model: inputs.path,
+                prompt: inputs.prompt,
+                max_tokens: DECODE_TOKENS + 1,
+                threads: THREADS,
+                blocks,
+                log_dir: inputs.log_dir,
+            };
+            for (index, peer) in PEERS.iter().enumerate() {
+                let samples = &mut rows.peers[index];
+                if samples.failure.is_some() {
+                    continue;
+                }
+                match llama::run(&peer_inputs, *peer) {
+                    Ok(timed) => samples.push(timed),
+                    Err(error) => {
+                        // One failure ends the row, so its rounds stay paired with ours by index.
+                        eprintln!("xtask: {} failed: {error:#}", peer.label());
+                        samples.failure = Some(format!("round {}: {error:#}", round + 1));
+                    }
+                }
+            }
+        }
+        rows.peer_time += peers_started.elapsed();
+        let long_started = Instant::now();
+        for (index, row) in LONG_ROWS.iter().enumerate() {
+            let long_request = Request {
+                prompt: inputs.long_prompt,
+                max_tokens: LONG_MAX_TOKENS,
+                credits: row.credits(),
+            };
+            let timed = run_layout(
+                inputs.binary,
+                inputs.path,
+                blocks,
+                row.layout(),
+                long_request,
+            )?;
+            rows.long[index].push(timed);
+        }
+        rows.long_time += long_started.elapsed();
+        eprintln!(
+            "xtask: {short_name} round {}/{rounds} so far: our layouts {:.0} s, llama.cpp {:.0} s, \
+             {LONG_PROMPT_TOKENS}-token rows {:.0} s",
+            round + 1,
+            rows.layout_time.as_secs_f64(),
+            rows.peer_time.as_secs_f64(),
+            rows.long_time.as_secs_f64()
+        );
+    }
+    Ok(rows)
 }
 
 /// The variable candle's barrier pool reads its spin count from.
@@ -261,25 +492,32 @@ const SPIN_LIMIT_VARIABLE: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
 /// the unsplit one keeps candle's default, as `run --stages 1` does.
 const SHARED_HOST_SPIN_LIMIT: &str = "2000";
 
-/// Runs one generation in `layout`; returns prefill and decode tokens/s.
+/// The layers where a split into `count` processes cuts the model's `blocks`.
+fn boundaries(blocks: usize, count: usize) -> Vec<usize> {
+    (1..count).map(|part| part * blocks / count).collect()
+}
+
+/// Runs one generation in `layout`; returns what it measured.
 fn run_layout(
     binary: &Path,
     model: &Path,
-    prompt: &[u64],
     blocks: usize,
     layout: Layout,
-) -> Result<(f64, f64)> {
-    let mut command = generate_command(binary, model, prompt, DECODE_TOKENS + 1, THREADS);
+    request: Request<'_>,
+) -> Result<Timed> {
+    let mut command = generate_command(binary, model, request.prompt, request.max_tokens, THREADS);
     let mut stages = Vec::new();
+    let mut commands = Vec::new();
     if let Layout::Processes { count, delay_ms } = layout {
-        let boundaries: Vec<usize> = (1..count).map(|part| part * blocks / count).collect();
+        let boundaries = boundaries(blocks, count);
         let mut edges = boundaries.clone();
         edges.push(blocks);
         let mut next: Option<SocketAddr> = None;
         for window in edges.windows(2).rev() {
             let is_last = next.is_none();
             let delay = if is_last { 0.0 } else { delay_ms };
-            let served = serve(binary, model, window[0]..window[1], next, delay)?;
+            let (served, shown_serve) = serve(binary, model, window[0]..window[1], next, delay)?;
+            commands.push(shown_serve);
             next = Some(served.1);
             stages.push(served);
         }
@@ -292,8 +530,14 @@ fn run_layout(
             &first.to_string(),
             "--link-delay",
             &delay_ms.to_string(),
+            "--codec",
+            CODEC,
         ]);
+        if let Some(credits) = request.credits {
+            command.args(["--reply-credits", &credits.to_string()]);
+        }
     }
+    commands.push(shown(&command));
     let output = command
         .output()
         .with_context(|| format!("could not run {}", binary.display()))?;
@@ -309,24 +553,30 @@ fn run_layout(
     let text = String::from_utf8_lossy(&output.stdout);
     let reply: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or_default())
         .with_context(|| format!("stage-server printed unexpected output: {text}"))?;
-    Ok((
-        reply["prompt_tokens_per_second"]
+    let count = |key: &str| reply[key].as_array().map_or(0, Vec::len);
+    Ok(Timed {
+        prefill: reply["prompt_tokens_per_second"]
             .as_f64()
             .context("no prompt_tokens_per_second")?,
-        reply["decode_tokens_per_second"]
+        decode: reply["decode_tokens_per_second"]
             .as_f64()
             .context("no decode_tokens_per_second")?,
-    ))
+        prompt_tokens: count("prompt_tokens"),
+        // stage-server's decode rate counts the tokens after the first.
+        decode_steps: count("tokens").saturating_sub(1),
+        commands,
+        notes: Vec::new(),
+    })
 }
 
-/// Starts `stage-server serve` for `layers` and waits for its ready line.
+/// Starts `stage-server serve` for `layers` and waits for its ready line; returns it with its command line.
 fn serve(
     binary: &Path,
     model: &Path,
     layers: std::ops::Range<usize>,
     next: Option<SocketAddr>,
     delay_ms: f64,
-) -> Result<Served> {
+) -> Result<(Served, String)> {
     let mut command = Command::new(binary);
     command
         .arg("serve")
@@ -341,6 +591,8 @@ fn serve(
             THREADS,
             "--link-delay",
             &delay_ms.to_string(),
+            "--codec",
+            CODEC,
         ])
         .env("CANDLE_NUM_THREADS", THREADS)
         .env("RAYON_NUM_THREADS", THREADS)
@@ -350,6 +602,7 @@ fn serve(
     if let Some(next) = next {
         command.args(["--next", &next.to_string()]);
     }
+    let shown_command = shown(&command);
     let mut child = command
         .spawn()
         .context("could not start stage-server serve")?;
@@ -365,7 +618,7 @@ fn serve(
         .unwrap_or_default();
     let address = ready_address(&line);
     match address {
-        Some(address) => Ok(Served(child, address)),
+        Some(address) => Ok((Served(child, address), shown_command)),
         None => {
             let _ = child.kill();
             bail!("stage-server serve for layers {layers:?} printed no ready line: {line:?}")
@@ -381,132 +634,39 @@ fn ready_address(line: &str) -> Option<SocketAddr> {
         .and_then(|address| address.parse().ok())
 }
 
-fn render_table(model: &str, prompt_tokens: usize, samples: &[Samples]) -> String {
-    let unsplit_decode = median(&samples[0].decode);
-    let unsplit_prefill = median(&samples[0].prefill);
-    let mut table = format!(
-        "### {model}\n\n| Layout | prefill tok/s ({prompt_tokens} tokens) | decode tok/s | decode vs unsplit | \
-         prefill vs unsplit | added per hop per decode step |\n|---|---|---|---|---|---|\n"
-    );
-    for (layout, samples) in LAYOUTS.iter().zip(samples) {
-        let prefill = median(&samples.prefill);
-        let decode = median(&samples.decode);
-        let per_hop = if layout.hops() > 0 && decode > 0.0 && unsplit_decode > 0.0 {
-            let added = (1.0 / decode - 1.0 / unsplit_decode) / layout.hops() as f64;
-            format!("{:.0} µs", added * 1e6)
-        } else {
-            "".to_owned()
-        };
-        let _ = writeln!(
-            table,
-            "| {} | {prefill:.1} | {decode:.1} | {:.3}x | {:.3}x | {per_hop} |",
-            layout.label(),
-            ratio(decode, unsplit_decode),
-            ratio(prefill, unsplit_prefill),
-        );
-    }
-    let ranges: Vec<String> = LAYOUTS
-        .iter()
-        .zip(samples)
-        .map(|(layout, samples)| {
-            let low = samples.decode.iter().copied().fold(f64::INFINITY, f64::min);
-            let high = samples.decode.iter().copied().fold(0.0, f64::max);
-            format!("{}: {low:.1} to {high:.1}", layout.label())
+/// A command as the report shows it: the variables it sets, the program's file name and its arguments, with
+/// the model reduced to its file name and a list of prompt ids to its length (`<512 ids>`).
+fn shown(command: &Command) -> String {
+    let file_name = |text: &OsStr| {
+        Path::new(text)
+            .file_name()
+            .unwrap_or(text)
+            .to_string_lossy()
+            .into_owned()
+    };
+    let mut parts: Vec<String> = command
+        .get_envs()
+        .filter_map(|(name, value)| {
+            Some(format!(
+                "{}={}",
+                name.to_string_lossy(),
+                value?.to_string_lossy()
+            ))
         })
         .collect();
-    let _ = write!(
-        table,
-        "\nDecode range over rounds: {}.\n",
-        ranges.join("; ")
-    );
-    table
-}
-
-fn ratio(numerator: f64, denominator: f64) -> f64 {
-    if denominator > 0.0 {
-        numerator / denominator
-    } else {
-        0.0
+    parts.push(file_name(command.get_program()));
+    let mut previous = String::new();
+    for argument in command.get_args() {
+        let text = argument.to_string_lossy().into_owned();
+        let part = match previous.as_str() {
+            "--model" | "-m" => file_name(argument),
+            "--prompt-ids" => format!("<{} ids>", text.split(',').count()),
+            _ => text.clone(),
+        };
+        parts.push(part);
+        previous = text;
     }
-}
-
-/// Writes `docs/performance/pipeline.md`: the layout tables (kept from the file as it was when this run has
-/// none, as with `--only-telemetry`) and then the telemetry section.
-fn write_report(run: &Run, load_before: &str, tables: &str, telemetry_tables: &str) -> Result<()> {
-    let destination = workspace_root().join("docs/performance/pipeline.md");
-    let mut report = String::new();
-    if tables.is_empty() {
-        let existing = fs::read_to_string(&destination).unwrap_or_default();
-        let kept = existing
-            .split_once(TELEMETRY_HEADING)
-            .map_or(existing.as_str(), |(before, _)| before);
-        report.push_str(kept.trim_end());
-        report.push_str("\n\n");
-    } else {
-        let _ = write!(
-            report,
-            "# Pipeline speed: a model split across stage processes\n\n\
-             Command: `{}`.\n\n\
-             Machine: {}; kernel {}; commit {}; {}; 1/5/15-minute load average {load_before} before and {} at the \
-             latest write.\n\n\
-             ## Method\n\n\
-             - Every process uses {THREADS} compute threads; all of them share the machine's cores, and only one \
-             stage computes at a time for one generation.\n\
-             - Each round runs every layout once, in the order of the table; figures are medians over {} rounds.\n\
-             - Unsplit: `stage-server generate --prompt-ids <P ids> --max-tokens {} --threads {THREADS} --json`. \
-             Split: the same command as stage 0 with `--layers 0..K --next ADDR`, and `stage-server serve` processes \
-             for the other layer ranges, split evenly by the file's `<architecture>.block_count`; f32 activations; \
-             tokens relayed back up the chain.\n\
-             - The delayed layout adds {LINK_DELAY_MS} ms one way to stage 0's and stage 1's downstream links \
-             (`--link-delay`, applied in the process), so a decode step crosses two delayed hops.\n\
-             - Added per hop: `(1/split decode - 1/unsplit decode) / hops`, from the medians.\n\
-             - Not in this run: llama.cpp's RPC backend (`ggml-rpc-server`) on the same split, which needs a build of \
-             llama.cpp from source.\n\n\
-             ## Results\n\n{tables}",
-            run.command(),
-            machine(),
-            command_output("uname", &["-r"]),
-            command_output("git", &["rev-parse", "--short", "HEAD"]),
-            command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
-            load_average(),
-            run.rounds,
-            DECODE_TOKENS + 1,
-        );
-    }
-    if !telemetry_tables.is_empty() {
-        let _ = write!(
-            report,
-            "{TELEMETRY_HEADING}\n\n\
-             Command: `{}`. Machine: {}; kernel {}; commit {}; {}; 1/5/15-minute load average {load_before} before \
-             and {} at the latest write.\n\n\
-             - Three `stage-server run --stages 3 --lanes 1 --threads {THREADS}` pipelines of the same model run side \
-             by side: telemetry off; `--otlp-endpoint` to a loopback OTLP/HTTP receiver in xtask that reads every \
-             request and answers 200; `--otlp-endpoint` to a black hole that accepts connections and never reads \
-             or answers. Every process of an \"on\" pipeline exports (spans and metrics every 5 s).\n\
-             - Each round streams one chat completion of {} tokens (temperature 0, the same prompt for the three) \
-             on each pipeline in turn, the order rotated every round; one untimed warm-up request each first. \
-             Closed loop, one request at a time; the idle pipelines wait meanwhile.\n\
-             - Decode tok/s is the client's: completion tokens after the first over the time from the first content \
-             delta to the last. CPU ms per token: the user and system CPU time of the `run` process and its stage \
-             processes (from `/proc`) while the request ran, over its completion tokens; on a shared machine it \
-             moves much less than wall time. Figures are medians over {} rounds; \"vs off\" compares the \
-             medians, \"paired vs off\" is the median over rounds of each round's rate over that round's \
-             \"off\" rate (measured seconds apart, so slow drifts of the machine's load cancel).\n\n\
-             {telemetry_tables}",
-            run.command(),
-            machine(),
-            command_output("uname", &["-r"]),
-            command_output("git", &["rev-parse", "--short", "HEAD"]),
-            command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
-            load_average(),
-            telemetry::TOKENS,
-            run.rounds,
-        );
-    }
-    fs::write(&destination, report.trim_end().to_owned() + "\n")
-        .with_context(|| format!("could not write {}", destination.display()))?;
-    eprintln!("xtask: wrote {}", destination.display());
-    Ok(())
+    parts.join(" ")
 }
 
 #[cfg(test)]
@@ -523,34 +683,15 @@ mod tests {
     }
 
     #[test]
-    fn the_table_reports_ratios_and_the_time_each_hop_adds() {
-        let samples = vec![
-            Samples {
-                prefill: vec![100.0],
-                decode: vec![100.0],
-            },
-            Samples {
-                prefill: vec![90.0],
-                decode: vec![80.0],
-            },
-            Samples {
-                prefill: vec![80.0],
-                decode: vec![50.0],
-            },
-            Samples {
-                prefill: vec![50.0],
-                decode: vec![40.0],
-            },
-        ];
-        let table = render_table("m.gguf", 128, &samples);
-        // 1/80 - 1/100 = 2.5 ms over one hop; 1/50 - 1/100 = 10 ms over two hops.
-        assert!(
-            table.contains("| 2 processes on loopback | 90.0 | 80.0 | 0.800x | 0.900x | 2500 µs |"),
-            "{table}"
-        );
-        assert!(
-            table.contains("| 3 processes on loopback | 80.0 | 50.0 | 0.500x | 0.800x | 5000 µs |"),
-            "{table}"
+    fn a_shown_command_names_the_model_file_and_counts_the_prompt_ids() {
+        let mut command = Command::new("/work/target/release/stage-server");
+        command
+            .args(["generate", "--model", "/cache/models/m.gguf"])
+            .args(["--prompt-ids", "1,2,3", "--json"])
+            .env("RAYON_NUM_THREADS", "2");
+        assert_eq!(
+            shown(&command),
+            "RAYON_NUM_THREADS=2 stage-server generate --model m.gguf --prompt-ids <3 ids> --json"
         );
     }
 }
