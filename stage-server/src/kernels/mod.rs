@@ -28,6 +28,7 @@
 mod activation;
 mod format;
 mod scalar;
+pub mod vector;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

@@ -18,6 +18,7 @@ use candle_core::{D, DType, Device, Tensor};
 use super::config::LayerAttention;
 use super::{Architecture, ModelConfig, ModelError, ModelFile};
 use crate::kernels::Linear;
+use crate::kernels::vector::{dots, weighted_sum};
 
 /// Which part of the model a stage runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -1201,22 +1202,18 @@ fn attend(
         if scale.query != 1.0 {
             scaled.iter_mut().for_each(|value| *value *= scale.query);
         }
-        let mut weights: Vec<f32> = keys
-            .chunks_exact(width)
-            .map(|key| dot(&scaled, key) * scale.score)
-            .collect();
+        let mut weights = vec![0f32; keys.len() / width];
+        dots(&scaled, keys, &mut weights);
+        if scale.score != 1.0 {
+            weights.iter_mut().for_each(|weight| *weight *= scale.score);
+        }
         let maximum = weights.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0f32;
         for weight in &mut weights {
             *weight = (*weight - maximum).exp();
             sum += *weight;
         }
-        out.fill(0.0);
-        for (&weight, value) in weights.iter().zip(values.chunks_exact(width)) {
-            for (accumulated, &v) in out.iter_mut().zip(value) {
-                *accumulated += weight * v;
-            }
-        }
+        weighted_sum(out, &weights, values);
         let inverse = 1.0 / sum;
         out.iter_mut().for_each(|value| *value *= inverse);
     };
@@ -1237,32 +1234,6 @@ fn attend(
 
 /// Below this many multiply-adds attention runs on the calling thread (a decode step of a small model).
 const PARALLEL_ATTENTION_WORK: usize = 1 << 20;
-
-/// The dot product of two equal-length rows in a fixed order: eight running lanes (which the compiler keeps in
-/// one vector register), summed pairwise at the end, then any tail.
-fn dot(left: &[f32], right: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let left_chunks = left.chunks_exact(8);
-    let right_chunks = right.chunks_exact(8);
-    let tail: f32 = left_chunks
-        .remainder()
-        .iter()
-        .zip(right_chunks.remainder())
-        .map(|(a, b)| a * b)
-        .sum();
-    for (a, b) in left_chunks.zip(right_chunks) {
-        for lane in 0..8 {
-            lanes[lane] += a[lane] * b[lane];
-        }
-    }
-    let quads = [
-        lanes[0] + lanes[4],
-        lanes[1] + lanes[5],
-        lanes[2] + lanes[6],
-        lanes[3] + lanes[7],
-    ];
-    (quads[0] + quads[2]) + (quads[1] + quads[3]) + tail
-}
 
 /// The RMS norm of each last-dimension row of `values`, times `weight`, computed as ggml does: squares summed in
 /// f64, the scale `1 / sqrt(mean + epsilon)` in f32, then `x * scale * weight`.
