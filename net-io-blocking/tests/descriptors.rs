@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use net_io_blocking::Server;
 
 use common::echo::{EchoDriver, plain_echo_server};
-use common::{client, eventually, open_descriptors, reset};
+use common::{client, descriptor_links, eventually, open_descriptors, reset};
 
 /// One connection: send an 8-byte index, read the echo, close with RST (`SO_LINGER` 0, so no TIME_WAIT).
 fn round_trip_and_reset(address: SocketAddr, index: u64) {
@@ -63,6 +63,7 @@ fn connections_leave_no_descriptor_behind(connections: u64) {
         "the four warm-up connections did not close"
     );
     let steady = open_descriptors();
+    let steady_links = descriptor_links();
 
     for index in 0..connections {
         let address = match index % 4 {
@@ -87,8 +88,23 @@ fn connections_leave_no_descriptor_behind(connections: u64) {
     );
     assert!(
         eventually(Duration::from_secs(5), || open_descriptors() == steady),
-        "the process holds {} descriptors after {connections} closed connections, {steady} before them",
-        open_descriptors()
+        "the process holds {} descriptors after {connections} closed connections, {steady} before them; \
+         opened since: {:?}; closed since: {:?}",
+        open_descriptors(),
+        {
+            let now = descriptor_links();
+            now.into_iter()
+                .filter(|(number, link)| steady_links.get(number) != Some(link))
+                .collect::<Vec<_>>()
+        },
+        {
+            let now = descriptor_links();
+            steady_links
+                .iter()
+                .filter(|(number, link)| now.get(number) != Some(link))
+                .map(|(number, link)| (*number, link.clone()))
+                .collect::<Vec<_>>()
+        }
     );
     let refused = handler.stats().refused
         + sessions.stats().refused

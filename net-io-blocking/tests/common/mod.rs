@@ -221,6 +221,20 @@ pub fn open_descriptors() -> u64 {
         .count() as u64
 }
 
+/// What each open descriptor of this process is (`/proc/self/fd/N`'s link), by number: a failed descriptor
+/// count names what stayed open (a socket, an anonymous inode such as a timerfd, a file).
+pub fn descriptor_links() -> std::collections::BTreeMap<u64, String> {
+    std::fs::read_dir("/proc/self/fd")
+        .expect("could not list /proc/self/fd")
+        .filter_map(|entry| {
+            let entry = entry.ok()?;
+            let number = entry.file_name().to_str()?.parse().ok()?;
+            let link = std::fs::read_link(entry.path()).ok()?;
+            Some((number, link.display().to_string()))
+        })
+        .collect()
+}
+
 /// The builder most tests start from: this binary's session driver (see [`session_driver`]), a listener on
 /// 127.0.0.1, `workers` workers, `limits` without the minimum rate (a loaded machine must not trip it), and
 /// every event to `recorder`. Later calls on the builder override any of these.
