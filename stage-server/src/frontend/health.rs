@@ -6,6 +6,7 @@
 //! fail at once with 503 (and a `Retry-After`) instead of each waiting out a connect timeout.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,6 +26,9 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 pub(crate) struct ChainHealth {
     /// `None` while the chain answers; the reason it did not, otherwise.
     down: Mutex<Option<String>>,
+    /// How many times the chain went down: a lane's link opened before the latest outage leads to a stage
+    /// process that has since died (and maybe restarted), so the lane opens a new one before using it.
+    outages: AtomicU64,
 }
 
 impl ChainHealth {
@@ -55,8 +59,14 @@ impl ChainHealth {
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         if down.is_none() {
             tracing::warn!(reason, "{}", names::EVENT_CHAIN_DOWN);
+            self.outages.fetch_add(1, Ordering::AcqRel);
         }
         *down = Some(reason);
+    }
+
+    /// How many times the chain has gone down so far.
+    pub(crate) fn outages(&self) -> u64 {
+        self.outages.load(Ordering::Acquire)
     }
 }
 

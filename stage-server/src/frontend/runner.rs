@@ -39,6 +39,8 @@ pub(crate) struct RunError {
 #[derive(Debug)]
 pub(crate) struct ChainLane {
     link: Option<Chain>,
+    /// The chain's outage count when `link` was opened (see [`ChainHealth::outages`]).
+    link_outages: u64,
     share: StageShare,
     ours: Hello,
     next: SocketAddr,
@@ -55,9 +57,11 @@ impl ChainLane {
         options: ChainOptions,
         health: Arc<ChainHealth>,
     ) -> Result<ChainLane, DriverError> {
+        let link_outages = health.outages();
         let link = Chain::connect_with(share.clone(), &ours, next, options.clone())?;
         Ok(ChainLane {
             link: Some(link),
+            link_outages,
             share,
             ours,
             next,
@@ -74,6 +78,11 @@ impl ChainLane {
         options: &GenerateOptions,
         on_token: impl FnMut(&Predicted) -> ControlFlow<()>,
     ) -> Result<Generation, RunError> {
+        if self.link.is_some() && self.link_outages != self.health.outages() {
+            // The chain went down since this link opened: the stage it leads to died, even if one is back on
+            // its address now; writing into the old link would fail this request.
+            self.link = None;
+        }
         let link = match self.link.take() {
             Some(link) => link,
             None => {
