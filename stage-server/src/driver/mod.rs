@@ -373,12 +373,7 @@ impl Chain {
 
     /// Runs stage 0's layers over `input` at `position` and encodes the rows for the chain.
     fn rows(&mut self, position: usize, input: StageInput<'_>) -> Result<Activations, DriverError> {
-        let rows = match input {
-            StageInput::Tokens(tokens) => tokens.len(),
-            StageInput::Activations(_) => 1,
-        };
         // The shared stage's compute thread counts the step (and its batch) in the stage metrics.
-        let _ = rows;
         let output = self
             .stage
             .stage
