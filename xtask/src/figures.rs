@@ -96,6 +96,40 @@ impl Spread {
     }
 }
 
+/// A 95% interval for the median of `values` by the bootstrap: the median of 4,000 resamples (with replacement,
+/// from a fixed seed so a report can be re-derived), and the 2.5th and 97.5th percentiles of those medians.
+///
+/// This says how far a median of noisy rounds can be trusted: a telemetry row "within 2% of off" is shown only
+/// when this interval of its paired ratios lies inside 0.98 to 1.02. NaN for both ends when there are no
+/// finite values.
+pub(crate) fn median_interval(values: &[f64]) -> (f64, f64) {
+    let finite: Vec<f64> = values.iter().copied().filter(|value| value.is_finite()).collect();
+    if finite.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    const RESAMPLES: usize = 4_000;
+    // xorshift64*: a fixed, dependency-free stream; the quality needed here is only "not patterned".
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = move || {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        state.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    };
+    let mut sample = vec![0.0; finite.len()];
+    let mut medians: Vec<f64> = (0..RESAMPLES)
+        .map(|_| {
+            for slot in sample.iter_mut() {
+                *slot = finite[(next() % finite.len() as u64) as usize];
+            }
+            median(&sample)
+        })
+        .collect();
+    medians.sort_by(f64::total_cmp);
+    let at = |fraction: f64| medians[((RESAMPLES - 1) as f64 * fraction).round() as usize];
+    (at(0.025), at(0.975))
+}
+
 /// The 1, 5 and 15 minute load averages from `/proc/loadavg`, or "unknown".
 pub(crate) fn load_average() -> String {
     fs::read_to_string("/proc/loadavg")
@@ -110,7 +144,32 @@ pub(crate) fn load_average() -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{PairedRatios, Spread, median};
+    use super::{PairedRatios, Spread, median, median_interval};
+
+    #[test]
+    fn the_median_interval_holds_the_median_and_narrows_with_more_rounds() {
+        let few: Vec<f64> = (0..10).map(|index| 1.0 + 0.01 * f64::from(index % 5) - 0.02).collect();
+        let many: Vec<f64> = (0..200).map(|index| 1.0 + 0.01 * f64::from(index % 5) - 0.02).collect();
+        let (few_low, few_high) = median_interval(&few);
+        let (many_low, many_high) = median_interval(&many);
+        assert!(
+            few_low <= median(&few) && median(&few) <= few_high,
+            "the interval {few_low}..{few_high} should hold the median {}",
+            median(&few)
+        );
+        assert!(
+            many_high - many_low <= few_high - few_low,
+            "200 rounds ({many_low}..{many_high}) should not be looser than 10 ({few_low}..{few_high})"
+        );
+        assert!(
+            few_low >= 0.98 && few_high <= 1.02,
+            "resampled medians stay inside the samples: {few_low}..{few_high}"
+        );
+        let constant = median_interval(&[3.0; 7]);
+        assert_eq!(constant, (3.0, 3.0), "identical rounds leave no doubt");
+        let none = median_interval(&[f64::NAN]);
+        assert!(none.0.is_nan() && none.1.is_nan(), "no finite rounds give no interval");
+    }
 
     #[test]
     fn the_median_takes_the_middle_or_the_mean_of_the_middle_two() {

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 use crate::bench_serve::client::{self, Load};
-use crate::figures::median;
+use crate::figures::{median, median_interval};
 
 /// Completion tokens per timed request.
 pub(crate) const TOKENS: usize = 128;
@@ -426,7 +426,7 @@ fn parse_stat(stat: &str) -> Option<(u32, u64)> {
 pub(crate) fn render(model: &str, measured: &Measured) -> String {
     let off = median(&measured.rates[0].decode);
     let mut table = format!(
-        "### {model}: telemetry\n\n| Telemetry | decode tok/s (median) | vs off | paired vs off | range over rounds | CPU ms per token (median) | vs off | tokens per request |\n|---|---|---|---|---|---|---|---|\n"
+        "### {model}: telemetry\n\n| Telemetry | decode tok/s (median) | vs off | paired vs off | paired 95% interval | range over rounds | CPU ms per token (median) | vs off | paired CPU vs off | paired CPU 95% interval | tokens per request |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
     );
     let off_cpu = median(&measured.rates[0].cpu_per_token_ms);
     for (mode, rates) in MODES.iter().zip(&measured.rates) {
@@ -438,28 +438,20 @@ pub(crate) fn render(model: &str, measured: &Measured) -> String {
         } else {
             "".to_owned()
         };
-        // Each round's rate over the same round's "off" rate (measured seconds apart), then the median.
-        let paired: Vec<f64> = rates
-            .decode
-            .iter()
-            .zip(&measured.rates[0].decode)
-            .filter(|(_, off)| **off > 0.0)
-            .map(|(on, off)| on / off)
-            .collect();
-        let paired = if paired.is_empty() {
-            "".to_owned()
-        } else {
-            format!("{:+.1}%", (median(&paired) - 1.0) * 100.0)
-        };
+        // Each round's figure over the same round's "off" figure (measured seconds apart), then the median and
+        // its bootstrap interval: the interval, not the median alone, says whether a 2% difference is resolved.
+        let (paired, paired_interval) = paired_columns(&rates.decode, &measured.rates[0].decode);
         let cpu = median(&rates.cpu_per_token_ms);
         let cpu_versus = if off_cpu > 0.0 {
             format!("{:+.1}%", (cpu / off_cpu - 1.0) * 100.0)
         } else {
             "".to_owned()
         };
+        let (cpu_paired, cpu_interval) =
+            paired_columns(&rates.cpu_per_token_ms, &measured.rates[0].cpu_per_token_ms);
         let _ = writeln!(
             table,
-            "| {} | {decode:.1} | {versus} | {paired} | {low:.1} to {high:.1} | {cpu:.2} | {cpu_versus} | {:.0} |",
+            "| {} | {decode:.1} | {versus} | {paired} | {paired_interval} | {low:.1} to {high:.1} | {cpu:.2} | {cpu_versus} | {cpu_paired} | {cpu_interval} | {:.0} |",
             mode.label(),
             median(&rates.tokens),
         );
@@ -478,6 +470,23 @@ pub(crate) fn render(model: &str, measured: &Measured) -> String {
         measured.black_hole_connections,
     );
     table
+}
+
+/// The median of `on[i] / off[i]` as a signed percentage and its 95% bootstrap interval, or empty cells when no
+/// round pairs.
+fn paired_columns(on: &[f64], off: &[f64]) -> (String, String) {
+    let ratios: Vec<f64> = on
+        .iter()
+        .zip(off)
+        .filter(|(_, off)| **off > 0.0)
+        .map(|(on, off)| on / off)
+        .collect();
+    if ratios.is_empty() {
+        return (String::new(), String::new());
+    }
+    let percent = |ratio: f64| format!("{:+.1}%", (ratio - 1.0) * 100.0);
+    let (low, high) = median_interval(&ratios);
+    (percent(median(&ratios)), format!("{} to {}", percent(low), percent(high)))
 }
 
 #[cfg(test)]
@@ -535,14 +544,14 @@ mod tests {
         let table = render("m.gguf", &measured);
         assert!(
             table.contains(
-                "| telemetry off | 100.0 | +0.0% | +0.0% | 98.0 to 102.0 | 10.00 | +0.0% | 128 |"
+                "| telemetry off | 100.0 | +0.0% | +0.0% | +0.0% to +0.0% | 98.0 to 102.0 | 10.00 | +0.0% | +0.0% | +0.0% to +0.0% | 128 |"
             ),
             "{table}"
         );
         // 99 / 100 (the first round's off), however the off medians go.
-        assert!(table.contains("| -1.0% | -1.0% |"), "{table}");
-        assert!(table.contains("| 10.50 | +5.0% |"), "{table}");
-        assert!(table.contains("| -5.0% | -5.0% |"), "{table}");
+        assert!(table.contains("| -1.0% | -1.0% | -1.0% to -1.0% |"), "{table}");
+        assert!(table.contains("| 10.50 | +5.0% | +5.0% | +5.0% to +5.0% |"), "{table}");
+        assert!(table.contains("| -5.0% | -5.0% | -5.0% to -5.0% |"), "{table}");
     }
 
     #[test]
