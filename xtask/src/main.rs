@@ -173,6 +173,21 @@ fn ci() -> Result<()> {
             &["test", "--release", "-p", package, "--lib", models],
         )?;
     }
+    // stage-server's compute pool swaps its primitives for loom's through a feature, not `--cfg loom`:
+    // under that flag every dependency would rebuild (candle among them), and some react to it. In the dev
+    // profile the dependencies are the ones the test run above built.
+    cargo_with(
+        &[("LOOM_MAX_PREEMPTIONS", preemptions.as_str())],
+        &[
+            "test",
+            "-p",
+            "stage-server",
+            "--features",
+            "loom-models",
+            "--lib",
+            "kernels::pool::loom_models",
+        ],
+    )?;
     Ok(())
 }
 

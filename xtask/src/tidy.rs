@@ -10,7 +10,7 @@ mod tests {
         ("net-io-sys/src/", "the one crate for OS calls"),
         (
             "stage-server/src/kernels/",
-            "SIMD intrinsics behind runtime feature detection",
+            "SIMD intrinsics behind runtime feature detection, and the compute pool's borrowed jobs (loom-modelled)",
         ),
         (
             "stage-server/benches/kernels.rs",

@@ -27,6 +27,7 @@
 
 mod activation;
 mod format;
+pub mod pool;
 mod scalar;
 pub mod vector;
 #[cfg(target_arch = "x86_64")]
@@ -42,6 +43,7 @@ use candle_core::{D, DType, Device, Module, Storage, Tensor};
 
 pub use activation::QuantizedActivations;
 pub use format::{BLOCK, WeightFormat};
+pub use pool::ComputePool;
 
 /// Output rows handed to one kernel call together: a tile of four weight rows shares each activation load.
 pub const QUAD: usize = 4;
@@ -92,9 +94,9 @@ impl SimdLevel {
 /// How many threads a product may use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Threads {
-    /// candle's own persistent worker pool (`candle_core::utils::barrier_pool`), the one its matmuls use. Its size
-    /// is fixed at first use from `CANDLE_NUM_THREADS`, else `RAYON_NUM_THREADS`, else the physical core count.
-    /// Sharing it keeps two sets of spinning workers from fighting over the cores.
+    /// The process's [`ComputePool`]: its size is fixed at first use from `CANDLE_NUM_THREADS`, else
+    /// `RAYON_NUM_THREADS`, else the cores this process may use. Inside a [`ComputePool::pass`] its workers
+    /// spin between products; outside one they park after each.
     Pool,
     /// Exactly this many threads, spawned for the call (for tests and comparisons; slower to start).
     Exactly(NonZeroUsize),
@@ -529,7 +531,7 @@ fn run_kernel(
 /// Calls `work` on disjoint ranges covering `0..items`, on the threads `threads` names.
 fn run_items(threads: Threads, items: usize, work: impl Fn(Range<usize>) + Sync) {
     match threads {
-        Threads::Pool => candle_core::utils::barrier_pool().execute_chunked(items, work),
+        Threads::Pool => ComputePool::global().run(items, &work),
         Threads::Exactly(count) => {
             let count = count.get().min(items.max(1));
             let chunk = items.div_ceil(count * 8).max(1);

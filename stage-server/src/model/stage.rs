@@ -427,14 +427,15 @@ impl Stage {
         &mut self,
         entries: &[BatchEntry<'_>],
     ) -> Vec<Result<StageOutput, ModelError>> {
-        // candle-nn's norms, softmax and RoPE and candle's f32 matmuls split their work with rayon. Called from
-        // outside a rayon worker, each of them hands a job to the pool and sleeps until it is done: two context
-        // switches per op, a few hundred per decoded token. Running the whole batch on a worker of candle's pool
-        // makes those calls run in place (idle workers still steal halves of large ops), for one hand-off per batch.
-        candle_core::utils::with_threadpool(|| self.forward_batch_in_pool(entries))
+        // The products and attention split their rows over our compute pool, on the calling thread and the
+        // pool's workers; inside one pass the workers spin between ops (each op reaches them at once) and park
+        // as soon as the pass ends, so an idle stage leaves the cores to whatever runs next (on one host, the
+        // next stage of the pipeline). Nothing in the pass uses rayon, so it runs on the caller's thread with no
+        // hand-off.
+        crate::kernels::ComputePool::global().pass(|| self.forward_batch_in_pool(entries))
     }
 
-    /// [`Stage::forward_batch`] on a thread of candle's rayon pool.
+    /// [`Stage::forward_batch`] inside a pass of the compute pool.
     fn forward_batch_in_pool(
         &mut self,
         entries: &[BatchEntry<'_>],
@@ -1144,7 +1145,7 @@ fn apply_rope(
     let (_, _, rows, width) = values.dims4()?;
     let half = width / 2;
     let mut data = values.flatten_all()?.to_vec1::<f32>()?;
-    for (index, head_row) in data.chunks_exact_mut(width).enumerate() {
+    let rotate = |index: usize, head_row: &mut [f32]| {
         let row = index % rows;
         let (cos, sin) = (&cos[row * half..][..half], &sin[row * half..][..half]);
         for pair in 0..half {
@@ -1161,6 +1162,13 @@ fn apply_rope(
             head_row[first] = (f64::from(x0) * c - f64::from(x1 * sin[pair])) as f32;
             head_row[second] = (f64::from(x0) * s + f64::from(x1 * cos[pair])) as f32;
         }
+    };
+    if data.len() >= PARALLEL_ROW_WORK && width > 0 {
+        crate::kernels::ComputePool::global().for_each_chunk_mut(&mut data, width, rotate);
+    } else {
+        data.chunks_exact_mut(width.max(1))
+            .enumerate()
+            .for_each(|(index, head_row)| rotate(index, head_row));
     }
     Ok(Tensor::from_vec(data, values.shape(), &Device::Cpu)?)
 }
@@ -1219,11 +1227,7 @@ fn attend(
     };
     let work = rows * heads * (position + rows - cache.first_visible(position)) * width;
     if work >= PARALLEL_ATTENTION_WORK {
-        use rayon::prelude::*;
-        output
-            .par_chunks_mut(width)
-            .enumerate()
-            .for_each(|(index, out)| run(index, out));
+        crate::kernels::ComputePool::global().for_each_chunk_mut(output, width, run);
     } else {
         output
             .chunks_mut(width)
@@ -1235,6 +1239,10 @@ fn attend(
 /// Below this many multiply-adds attention runs on the calling thread (a decode step of a small model).
 const PARALLEL_ATTENTION_WORK: usize = 1 << 20;
 
+/// Below this many values a row-wise op (norm, RoPE) runs on the calling thread: a few rows of a decode
+/// step cost less than handing them to the pool.
+const PARALLEL_ROW_WORK: usize = 64 * 1024;
+
 /// The RMS norm of each last-dimension row of `values`, times `weight`, computed as ggml does: squares summed in
 /// f64, the scale `1 / sqrt(mean + epsilon)` in f32, then `x * scale * weight`.
 ///
@@ -1245,15 +1253,23 @@ const PARALLEL_ATTENTION_WORK: usize = 1 << 20;
 fn rms_norm(values: &Tensor, weight: &Tensor, epsilon: f32) -> Result<Tensor, ModelError> {
     let width = weight.dim(0)?;
     let weight = weight.to_vec1::<f32>()?;
-    let input = values.flatten_all()?.to_vec1::<f32>()?;
-    let mut output = Vec::with_capacity(input.len());
-    for row in input.chunks_exact(width) {
+    let mut data = values.flatten_all()?.to_vec1::<f32>()?;
+    // Each row on its own, in place: the same operations in the same order whichever thread takes it.
+    let normalise = |row: &mut [f32]| {
         let sum: f64 = row.iter().map(|&x| f64::from(x * x)).sum();
         let mean = (sum / width as f64) as f32;
         let scale = 1.0 / (mean + epsilon).sqrt();
-        output.extend(row.iter().zip(&weight).map(|(&x, &w)| x * scale * w));
+        row.iter_mut()
+            .zip(&weight)
+            .for_each(|(x, &w)| *x = *x * scale * w);
+    };
+    if data.len() >= PARALLEL_ROW_WORK && width > 0 {
+        crate::kernels::ComputePool::global()
+            .for_each_chunk_mut(&mut data, width, |_, row| normalise(row));
+    } else {
+        data.chunks_exact_mut(width.max(1)).for_each(normalise);
     }
-    Ok(Tensor::from_vec(output, values.shape(), &Device::Cpu)?)
+    Ok(Tensor::from_vec(data, values.shape(), &Device::Cpu)?)
 }
 
 /// GELU (tanh form) as llama.cpp's CPU backend computes it: 0 at or below -10, the identity at or above 10, and
