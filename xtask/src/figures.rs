@@ -103,7 +103,11 @@ impl Spread {
 /// when this interval of its paired ratios lies inside 0.98 to 1.02. NaN for both ends when there are no
 /// finite values.
 pub(crate) fn median_interval(values: &[f64]) -> (f64, f64) {
-    let finite: Vec<f64> = values.iter().copied().filter(|value| value.is_finite()).collect();
+    let finite: Vec<f64> = values
+        .iter()
+        .copied()
+        .filter(|value| value.is_finite())
+        .collect();
     if finite.is_empty() {
         return (f64::NAN, f64::NAN);
     }
@@ -148,8 +152,12 @@ mod tests {
 
     #[test]
     fn the_median_interval_holds_the_median_and_narrows_with_more_rounds() {
-        let few: Vec<f64> = (0..10).map(|index| 1.0 + 0.01 * f64::from(index % 5) - 0.02).collect();
-        let many: Vec<f64> = (0..200).map(|index| 1.0 + 0.01 * f64::from(index % 5) - 0.02).collect();
+        let few: Vec<f64> = (0..10)
+            .map(|index| 1.0 + 0.01 * f64::from(index % 5) - 0.02)
+            .collect();
+        let many: Vec<f64> = (0..200)
+            .map(|index| 1.0 + 0.01 * f64::from(index % 5) - 0.02)
+            .collect();
         let (few_low, few_high) = median_interval(&few);
         let (many_low, many_high) = median_interval(&many);
         assert!(
@@ -168,7 +176,10 @@ mod tests {
         let constant = median_interval(&[3.0; 7]);
         assert_eq!(constant, (3.0, 3.0), "identical rounds leave no doubt");
         let none = median_interval(&[f64::NAN]);
-        assert!(none.0.is_nan() && none.1.is_nan(), "no finite rounds give no interval");
+        assert!(
+            none.0.is_nan() && none.1.is_nan(),
+            "no finite rounds give no interval"
+        );
     }
 
     #[test]

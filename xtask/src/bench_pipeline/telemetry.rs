@@ -486,7 +486,10 @@ fn paired_columns(on: &[f64], off: &[f64]) -> (String, String) {
     }
     let percent = |ratio: f64| format!("{:+.1}%", (ratio - 1.0) * 100.0);
     let (low, high) = median_interval(&ratios);
-    (percent(median(&ratios)), format!("{} to {}", percent(low), percent(high)))
+    (
+        percent(median(&ratios)),
+        format!("{} to {}", percent(low), percent(high)),
+    )
 }
 
 #[cfg(test)]
@@ -549,9 +552,18 @@ mod tests {
             "{table}"
         );
         // 99 / 100 (the first round's off), however the off medians go.
-        assert!(table.contains("| -1.0% | -1.0% | -1.0% to -1.0% |"), "{table}");
-        assert!(table.contains("| 10.50 | +5.0% | +5.0% | +5.0% to +5.0% |"), "{table}");
-        assert!(table.contains("| -5.0% | -5.0% | -5.0% to -5.0% |"), "{table}");
+        assert!(
+            table.contains("| -1.0% | -1.0% | -1.0% to -1.0% |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| 10.50 | +5.0% | +5.0% | +5.0% to +5.0% |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| -5.0% | -5.0% | -5.0% to -5.0% |"),
+            "{table}"
+        );
     }
 
     #[test]
