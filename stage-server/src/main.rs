@@ -380,15 +380,13 @@ fn main() {
         environment.push(("CANDLE_NUM_THREADS", wanted.clone()));
         environment.push(("RAYON_NUM_THREADS", wanted));
     }
-    // Stage processes on one host take turns at the cores (a decode step goes through them one after
-    // another), so a stage whose pass ended must not spin on the cores the next stage needs: candle's
-    // barrier pool spins 25,000 times before it parks, which halved a 3-stage decode on 2 cores. Set here
-    // for `run`'s own process and inherited by its stages, unless the caller chose a limit.
-    if let Command::Run(args) = &cli.command
-        && (args.stages > 1 || args.next.is_some())
-        && std::env::var_os(SPIN_LIMIT_VARIABLE).is_none()
-    {
-        environment.push((SPIN_LIMIT_VARIABLE, LOCAL_STAGES_SPIN_LIMIT.to_string()));
+    // Our compute pool spins between the ops of a pass and parks when it ends; candle's barrier pool, which
+    // still runs the products our kernels do not cover (K-quants) and candle's large element-wise ops, spins
+    // 25,000 times after each before it parks, on the cores our pool's next op (or, on one host, the next
+    // stage process) needs: gemma-3 decoded 48 to 52 tok/s so against 61 to 65 with 2,000. Set for every
+    // command (and inherited by `run`'s stages), unless the caller chose a limit.
+    if std::env::var_os(SPIN_LIMIT_VARIABLE).is_none() {
+        environment.push((SPIN_LIMIT_VARIABLE, CANDLE_SPIN_LIMIT.to_string()));
     }
     if let Some(code) = reexec_with(&environment) {
         std::process::exit(code);
@@ -424,9 +422,9 @@ fn run_threads(args: &RunArgs) -> Option<usize> {
 
 /// The variable candle's barrier pool reads its spin count from.
 const SPIN_LIMIT_VARIABLE: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
-/// The spin count `run` gives stages that share a host (measured: 42 -> 80 tok/s for SmolLM2 in 3 stages on
-/// 2 cores; `docs/PERFORMANCE.md`).
-const LOCAL_STAGES_SPIN_LIMIT: u32 = 2000;
+/// The spin count of candle's barrier pool in our processes (before our own pool, it also let 3 stages of
+/// SmolLM2 on 2 cores decode 80 tok/s instead of 42; `docs/PERFORMANCE.md`).
+const CANDLE_SPIN_LIMIT: u32 = 2000;
 
 /// candle sizes its thread pools from the environment when it first computes, and changing the
 /// environment of a running process is unsafe, so `--threads` (and the spin limit of `run`'s stages)

@@ -485,13 +485,6 @@ fn model_rows(inputs: &ModelInputs<'_>, short_name: &str, rounds: usize) -> Resu
     Ok(rows)
 }
 
-/// The variable candle's barrier pool reads its spin count from.
-const SPIN_LIMIT_VARIABLE: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
-/// The spin count `stage-server run` gives stages that share a host (candle's default, 25,000, let a stage
-/// that had finished its pass spin on the cores the next stage needed); the split layouts here use it too,
-/// the unsplit one keeps candle's default, as `run --stages 1` does.
-const SHARED_HOST_SPIN_LIMIT: &str = "2000";
-
 /// The layers where a split into `count` processes cuts the model's `blocks`.
 fn boundaries(blocks: usize, count: usize) -> Vec<usize> {
     (1..count).map(|part| part * blocks / count).collect()
@@ -522,7 +515,6 @@ fn run_layout(
             stages.push(served);
         }
         let first = next.context("a chain has a first stage")?;
-        command.env(SPIN_LIMIT_VARIABLE, SHARED_HOST_SPIN_LIMIT);
         command.args([
             "--layers",
             &format!("0..{}", boundaries[0]),
@@ -596,7 +588,6 @@ fn serve(
         ])
         .env("CANDLE_NUM_THREADS", THREADS)
         .env("RAYON_NUM_THREADS", THREADS)
-        .env(SPIN_LIMIT_VARIABLE, SHARED_HOST_SPIN_LIMIT)
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
     if let Some(next) = next {

@@ -421,7 +421,8 @@ impl Linear {
             let Backend::Candle(inner) = &self.inner else {
                 unreachable!("two variants")
             };
-            return candle_forward(inner, input);
+            // candle splits this product over its own pool; ours parks meanwhile instead of spinning.
+            return ComputePool::global().aside(|| candle_forward(inner, input));
         };
         let mut dims = input.dims().to_vec();
         let Some(last) = dims.last_mut() else {
