@@ -1,5 +1,6 @@
 //! The telemetry rows of `cargo xtask bench pipeline`: decode tok/s of `stage-server run --stages 3` with
-//! telemetry off, exporting to a live loopback OTLP/HTTP sink, and exporting to a black hole, in one run.
+//! telemetry off, exporting to a live loopback OTLP/HTTP sink, exporting to a black hole, and off again on a
+//! second pipeline (the control: what two identical pipelines differ by in the same run), in one run.
 //!
 //! ```text
 //!   xtask ──stream──▶ run (off)        ──▶ stages 1, 2
@@ -46,9 +47,12 @@ pub(crate) enum Mode {
     Off,
     Live,
     BlackHole,
+    /// A second pipeline with telemetry off: how far two identical pipelines differ in this run, the floor
+    /// under which an "on" row's difference from "off" means nothing.
+    OffControl,
 }
 
-pub(crate) const MODES: [Mode; 3] = [Mode::Off, Mode::Live, Mode::BlackHole];
+pub(crate) const MODES: [Mode; 4] = [Mode::Off, Mode::Live, Mode::BlackHole, Mode::OffControl];
 
 impl Mode {
     fn label(self) -> &'static str {
@@ -56,6 +60,7 @@ impl Mode {
             Mode::Off => "telemetry off",
             Mode::Live => "on, live loopback receiver (answers 200)",
             Mode::BlackHole => "on, black-hole endpoint (accepts, never answers)",
+            Mode::OffControl => "off again, a second pipeline (control)",
         }
     }
 
@@ -64,6 +69,7 @@ impl Mode {
             Mode::Off => "off",
             Mode::Live => "live",
             Mode::BlackHole => "black-hole",
+            Mode::OffControl => "off-control",
         }
     }
 }
@@ -300,7 +306,7 @@ pub(crate) fn measure(
     let mut pipelines = Vec::new();
     for mode in MODES {
         let endpoint = match mode {
-            Mode::Off => None,
+            Mode::Off | Mode::OffControl => None,
             Mode::Live => Some(live.url()),
             Mode::BlackHole => Some(black_hole.url()),
         };
