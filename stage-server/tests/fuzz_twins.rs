@@ -69,6 +69,7 @@ fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
                 logit_bias: vec![(5, -1.0)],
                 history: vec![11, 12, 13],
                 top_logprobs: 2,
+                logprob: true,
                 trace: Some([1; 25]),
             },
         ),

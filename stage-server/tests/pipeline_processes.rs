@@ -808,6 +808,7 @@ fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
             logit_bias: Vec::new(),
             history: Vec::new(),
             top_logprobs: 0,
+            logprob: false,
             trace: None,
         },
         &mut bytes,

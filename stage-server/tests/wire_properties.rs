@@ -137,10 +137,20 @@ fn frame() -> impl Strategy<Value = Frame> {
             vec((any::<u32>(), any_f32()), 0..40),
             vec(any::<u32>(), 0..80),
             0..=limits.max_top_logprobs,
+            any::<bool>(),
             proptest::option::of(any::<[u8; 25]>()),
         )
             .prop_map(
-                |(session, sampling, stop_tokens, logit_bias, history, top_logprobs, trace)| {
+                |(
+                    session,
+                    sampling,
+                    stop_tokens,
+                    logit_bias,
+                    history,
+                    top_logprobs,
+                    logprob,
+                    trace,
+                )| {
                     Frame::Configure {
                         session,
                         sampling,
@@ -148,6 +158,7 @@ fn frame() -> impl Strategy<Value = Frame> {
                         logit_bias,
                         history,
                         top_logprobs,
+                        logprob,
                         trace,
                     }
                 }
@@ -413,6 +424,7 @@ fn a_count_over_its_limit_is_refused_with_the_field_named() {
                 logit_bias: Vec::new(),
                 history: Vec::new(),
                 top_logprobs: 0,
+                logprob: false,
                 trace: None,
             },
             "stop tokens",
@@ -426,6 +438,7 @@ fn a_count_over_its_limit_is_refused_with_the_field_named() {
                 logit_bias: vec![(1, 0.5); 1025],
                 history: Vec::new(),
                 top_logprobs: 0,
+                logprob: false,
                 trace: None,
             },
             "logit-bias entries",
@@ -439,6 +452,7 @@ fn a_count_over_its_limit_is_refused_with_the_field_named() {
                 logit_bias: Vec::new(),
                 history: Vec::new(),
                 top_logprobs: 21,
+                logprob: false,
                 trace: None,
             },
             "top log-probabilities",

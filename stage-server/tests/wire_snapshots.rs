@@ -61,6 +61,7 @@ fn examples() -> Vec<Frame> {
             logit_bias: vec![(7, -1.5)],
             history: vec![9, 10],
             top_logprobs: 3,
+            logprob: true,
             trace: Some(std::array::from_fn(|index| index as u8)),
         },
         Frame::Prefill {
@@ -196,7 +197,10 @@ fn every_decode_error_names_its_field_and_limit() {
             }),
         ),
         ("bad magic", with(&hello, 5, b"SRDY")),
-        ("version", with(&hello, 9, &2u16.to_le_bytes())),
+        (
+            "version",
+            with(&hello, 9, &(PROTOCOL_VERSION + 1).to_le_bytes()),
+        ),
         ("bad role", with(&hello, 11, &[9])),
         (
             "bad codec set",
@@ -207,6 +211,20 @@ fn every_decode_error_names_its_field_and_limit() {
             with(&hello, 5 + 4 + 2 + 1 + 32 + 2 + 20 + 2 + 1 + 16, &[2]),
         ),
         ("bad codec", with(&decode, 5 + 8 + 4 + 8, &[0])),
+        ("bad log-probability flag", {
+            let configure = encode_to_vec(&Frame::Configure {
+                session: 1,
+                sampling: Sampling::from(&stage_server::model::SamplingParams::default()),
+                stop_tokens: Vec::new(),
+                logit_bias: Vec::new(),
+                history: Vec::new(),
+                top_logprobs: 0,
+                logprob: false,
+                trace: None,
+            });
+            // After the header, the session and the 40 bytes of sampling settings, the alternatives count.
+            with(&configure, 5 + 8 + 40 + 1, &[2])
+        }),
         ("bad error code", {
             let bytes = encode_to_vec(&Frame::Error {
                 session: 0,

@@ -46,6 +46,10 @@ pub struct ChainOptions {
     pub reply_timeout: Duration,
     /// Alternatives (top log-probabilities) each token comes with, up to 20.
     pub top_logprobs: u8,
+    /// Whether [`Chain::generate`]'s tokens come with their log-probability (NaN otherwise). It costs the
+    /// last stage a softmax over the vocabulary per token (gemma-3's has 262,144 entries), so it is off
+    /// unless asked; alternatives (`top_logprobs`) bring it along.
+    pub logprobs: bool,
     /// Delay and rate on the link to stage 1 (tests and benchmarks): stage 0 holds each frame back until
     /// such a link would have delivered it.
     pub shape: LinkShape,
@@ -60,6 +64,7 @@ impl Default for ChainOptions {
             connect_timeout: Duration::from_secs(5),
             reply_timeout: Duration::from_secs(60),
             top_logprobs: 0,
+            logprobs: false,
             shape: LinkShape::default(),
         }
     }
@@ -143,9 +148,9 @@ pub struct SamplerExtras {
     pub logit_bias: Vec<(u32, f32)>,
     /// Alternatives (top log-probabilities) each token comes with, up to 20.
     pub top_logprobs: u8,
-    /// Whether the caller reads each token's log-probability. Where the sampling runs here (a whole model in
-    /// one process) it costs a softmax over the vocabulary per token, so it is skipped when not asked; a
-    /// chain's last stage always sends it.
+    /// Whether the caller reads each token's log-probability. It costs a softmax over the vocabulary per
+    /// token wherever the sampling runs (here for a whole model in one process, at a chain's last stage
+    /// otherwise, told so in the `Configure` frame), so it is skipped when not asked.
     pub logprobs: bool,
 }
 
@@ -244,7 +249,7 @@ impl Chain {
         let extras = SamplerExtras {
             logit_bias: Vec::new(),
             top_logprobs: self.wire.options.top_logprobs,
-            logprobs: true,
+            logprobs: self.wire.options.logprobs,
         };
         self.generate_with(prompt, sampling, &extras, options, |predicted| {
             on_token(predicted);
@@ -300,6 +305,7 @@ impl Chain {
             // The penalties at the last stage look back on the prompt's tail, as they do unsplit.
             history: prompt[prompt.len().saturating_sub(sampling.penalty_last_n)..].to_vec(),
             top_logprobs: extras.top_logprobs.min(20),
+            logprob: extras.logprobs,
             // The lane's generation span, when it is exported: every stage's spans join its trace.
             trace: crate::telemetry::current_trace_context().map(|context| context.to_wire()),
         })?;

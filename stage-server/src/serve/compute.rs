@@ -37,6 +37,8 @@ pub(crate) enum Work {
         history: Vec<u32>,
         logit_bias: Vec<(u32, f32)>,
         top_logprobs: u8,
+        /// Whether each token's log-probability is wanted (see `Frame::Configure`).
+        logprob: bool,
     },
     /// Runs rows at `position` of `session`'s lane. `sample`: the chunk ends a prompt or is a decode step,
     /// so the last stage picks a token from its last row.
@@ -191,6 +193,9 @@ struct Lane {
     sampler: Option<Sampler>,
     logit_bias: Vec<(u32, f32)>,
     top_logprobs: u8,
+    /// Whether each token's log-probability is wanted: without it (and no alternatives) the softmax over the
+    /// vocabulary is skipped.
+    logprob: bool,
 }
 
 /// The compute thread's state.
@@ -340,7 +345,14 @@ impl Owner {
                 history,
                 logit_bias,
                 top_logprobs,
-            } => self.open((link, session), sampling, history, logit_bias, top_logprobs),
+                logprob,
+            } => self.open(
+                (link, session),
+                sampling,
+                history,
+                logit_bias,
+                (top_logprobs, logprob),
+            ),
             // Chunks run in batches (`Owner::chunks`); `take_batch` never hands one here.
             Work::Chunk { session, .. } => Outcome::Failed {
                 session,
@@ -370,7 +382,7 @@ impl Owner {
         sampling: SamplingParams,
         history: Vec<u32>,
         logit_bias: Vec<(u32, f32)>,
-        top_logprobs: u8,
+        (top_logprobs, logprob): (u8, bool),
     ) -> Outcome {
         let session = key.1;
         if self.lanes.contains_key(&key) {
@@ -408,6 +420,7 @@ impl Owner {
                 sampler,
                 logit_bias,
                 top_logprobs,
+                logprob,
             },
         );
         Outcome::Opened
@@ -462,7 +475,11 @@ impl Owner {
                 };
                 let token = sampler.sample(&logits);
                 sampler.accept(token);
-                let (logprob, top) = log_probabilities(&logits, token, lane.top_logprobs);
+                let (logprob, top) = if lane.logprob || lane.top_logprobs > 0 {
+                    log_probabilities(&logits, token, lane.top_logprobs)
+                } else {
+                    (f32::NAN, Vec::new())
+                };
                 Outcome::Token {
                     session,
                     position: next_position,

@@ -567,6 +567,7 @@ impl Upstream {
                 logit_bias,
                 history,
                 top_logprobs,
+                logprob,
                 trace,
                 ..
             } => {
@@ -584,6 +585,7 @@ impl Upstream {
                     history: history.clone(),
                     logit_bias: logit_bias.clone(),
                     top_logprobs: *top_logprobs,
+                    logprob: *logprob,
                 }
             }
             Frame::Prefill {
@@ -682,6 +684,7 @@ impl Upstream {
             logit_bias,
             history,
             top_logprobs,
+            logprob,
             trace,
         } = frame
         else {
@@ -700,6 +703,7 @@ impl Upstream {
             logit_bias,
             history,
             top_logprobs,
+            logprob,
             trace: own.or(trace),
         }
     }

@@ -600,6 +600,7 @@ fn parse_configure(reader: &mut Reader<'_>, limits: &WireLimits) -> Result<Frame
             limit: limits.max_top_logprobs.into(),
         }));
     }
+    let logprob = reader.bool("log-probability flag")?;
     let trace = reader.optional("trace flag", "trace context")?;
     let count = reader.u32("stop tokens count")?;
     let count = reader.count(
@@ -645,6 +646,7 @@ fn parse_configure(reader: &mut Reader<'_>, limits: &WireLimits) -> Result<Frame
         logit_bias,
         history,
         top_logprobs,
+        logprob,
         trace,
     })
 }
@@ -776,10 +778,11 @@ mod tests {
             logit_bias: Vec::new(),
             history: Vec::new(),
             top_logprobs: 0,
+            logprob: false,
             trace: None,
         });
-        // Cut the frame right after the stop-token count: 4 + 1 + 8 + 44 + 1 + 1 + 4 bytes.
-        bytes.truncate(63);
+        // Cut the frame right after the stop-token count: 4 + 1 + 8 + 44 + 1 + 1 + 1 + 4 bytes.
+        bytes.truncate(64);
         // After a frame fed in pieces (which marks its limits as seen), so the mark must not carry over.
         let mut stream = encode_to_vec(&prefill());
         stream.extend_from_slice(&bytes);

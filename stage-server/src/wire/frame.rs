@@ -89,7 +89,7 @@ pub enum ErrorCode {
 ///  2     Proof        proof [32]
 ///  3     Configure    session u64, sampling (temperature f32, top_k u32, top_p f32, min_p f32, seed u64,
 ///                     repeat_penalty f32, presence_penalty f32, frequency_penalty f32, penalty_last_n u32),
-///                     top_logprobs u8, trace [25]?, stop_count u32, stop_count x token u32,
+///                     top_logprobs u8, logprob bool, trace [25]?, stop_count u32, stop_count x token u32,
 ///                     history_count u32, history_count x token u32, bias_count u32,
 ///                     bias_count x (token u32, bias f32)
 ///  4     Prefill      session u64, position u32, last bool, activations
@@ -133,6 +133,10 @@ pub enum Frame {
         history: Vec<u32>,
         /// How many top alternatives each `Token` carries.
         top_logprobs: u8,
+        /// Whether each `Token` carries the chosen token's log-probability. When false (and `top_logprobs` is
+        /// 0) it carries NaN and the last stage skips the softmax over the whole vocabulary, which on a
+        /// 262,144-token vocabulary costs milliseconds a token.
+        logprob: bool,
         /// W3C trace context: trace-id (16 bytes), span-id (8), flags (1).
         trace: Option<[u8; 25]>,
     },
@@ -448,6 +452,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             logit_bias,
             history,
             top_logprobs,
+            logprob,
             trace,
         } => {
             writer.u64(*session);
@@ -462,6 +467,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             writer.u32(sampling.penalty_last_n);
             // Every field with a limit comes before the lists' bulk, so the decoder sees them all early.
             writer.u8(*top_logprobs);
+            writer.u8(u8::from(*logprob));
             writer.optional(trace.as_ref());
             writer.count_u32(stop_tokens.len(), "stop tokens");
             for token in stop_tokens {

@@ -76,7 +76,9 @@ pub const MAGIC: [u8; 4] = *b"SSTG";
 ///
 /// Bump it with any change to a frame's layout or meaning: the peer refuses another version instead of
 /// misreading it.
-pub const PROTOCOL_VERSION: u16 = 1;
+///
+/// Version 2: `Configure` carries whether the token's log-probability is wanted.
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Bounds the decoder checks before it allocates anything for a field.
 ///
