@@ -411,6 +411,32 @@ mod tests {
         ComputePool::new(NonZeroUsize::new(threads).unwrap())
     }
 
+    /// Runs one job over `items` and returns how many items its calls saw.
+    fn items_run(pool: &ComputePool, items: usize) -> usize {
+        let count = AtomicUsize::new(0);
+        pool.run(items, &|range: Range<usize>| {
+            count.fetch_add(range.len(), Ordering::Relaxed);
+        });
+        count.load(Ordering::Relaxed)
+    }
+
+    /// Whether every worker is parked within 5 s.
+    fn all_parked(pool: &ComputePool) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !pool
+            .shared
+            .parked
+            .iter()
+            .all(|parked| parked.load(Ordering::SeqCst))
+        {
+            if Instant::now() > deadline {
+                return false;
+            }
+            thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
     #[test]
     fn every_item_is_run_exactly_once_for_any_thread_count() {
         for threads in 1..=4 {
@@ -462,52 +488,20 @@ mod tests {
             });
         }
         assert_eq!(sum.load(Ordering::Relaxed), 100 * 4950);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !pool
-            .shared
-            .parked
-            .iter()
-            .all(|parked| parked.load(Ordering::SeqCst))
-        {
-            assert!(
-                Instant::now() < deadline,
-                "the workers should park with no pass running"
-            );
-            thread::sleep(Duration::from_millis(1));
-        }
+        assert!(
+            all_parked(&pool),
+            "the workers should park with no pass running"
+        );
     }
 
     #[test]
     fn aside_a_pass_the_workers_park_and_come_back_after() {
         let pool = pool(2);
-        let all_parked = |pool: &ComputePool| {
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while !pool
-                .shared
-                .parked
-                .iter()
-                .all(|parked| parked.load(Ordering::SeqCst))
-            {
-                if Instant::now() > deadline {
-                    return false;
-                }
-                thread::sleep(Duration::from_millis(1));
-            }
-            true
-        };
         pool.pass(|| {
             pool.aside(|| {
                 assert!(all_parked(&pool), "aside a pass the workers should park");
             });
-            let count = AtomicUsize::new(0);
-            pool.run(64, &|range: Range<usize>| {
-                count.fetch_add(range.len(), Ordering::Relaxed);
-            });
-            assert_eq!(
-                count.load(Ordering::Relaxed),
-                64,
-                "jobs run after the aside"
-            );
+            assert_eq!(items_run(&pool, 64), 64, "jobs run after the aside");
             assert_eq!(
                 pool.shared.passes.load(Ordering::SeqCst),
                 1,
@@ -552,15 +546,7 @@ mod tests {
             })
         }));
         assert!(outcome.is_err(), "the panic should reach the caller");
-        let count = AtomicUsize::new(0);
-        pool.run(64, &|range: Range<usize>| {
-            count.fetch_add(range.len(), Ordering::Relaxed);
-        });
-        assert_eq!(
-            count.load(Ordering::Relaxed),
-            64,
-            "the next job runs in full"
-        );
+        assert_eq!(items_run(&pool, 64), 64, "the next job runs in full");
     }
 
     #[test]
