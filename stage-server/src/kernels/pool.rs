@@ -23,8 +23,8 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use sync::{
-    Arc, AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, JoinHandle, Mutex, Ordering, Thread,
-    spin_loop, thread,
+    Arc, AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, JoinHandle, Ordering, Thread, spin_loop,
+    thread,
 };
 
 /// The synchronisation the pool uses: std's, or loom's under the `loom-models` feature (whose model
@@ -33,15 +33,15 @@ use sync::{
 #[cfg(not(feature = "loom-models"))]
 mod sync {
     pub(super) use std::hint::spin_loop;
+    pub(super) use std::sync::Arc;
     pub(super) use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
-    pub(super) use std::sync::{Arc, Mutex};
     pub(super) use std::thread::{self, JoinHandle, Thread};
 }
 #[cfg(feature = "loom-models")]
 mod sync {
     pub(super) use loom::hint::spin_loop;
+    pub(super) use loom::sync::Arc;
     pub(super) use loom::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
-    pub(super) use loom::sync::{Arc, Mutex};
     pub(super) use loom::thread::{self, JoinHandle, Thread};
 }
 
@@ -57,14 +57,21 @@ const SPIN_INSIDE_PASS: Duration = Duration::ZERO;
 /// rare enough that the shared cursor costs nothing measurable.
 const CHUNKS_PER_THREAD: usize = 8;
 
+/// Rounds the caller spins waiting for the workers inside a job before it also yields its core: a worker
+/// descheduled by the kernel (likely where stage processes share cores) should get that core back soon.
+const CALLER_SPINS_BEFORE_YIELD: u32 = 1_000;
+
 #[cfg(not(feature = "loom-models"))]
 thread_local! {
     /// Whether this thread is one of a pool's workers (a job that starts a job runs it in place).
     static IN_WORKER: Cell<bool> = const { Cell::new(false) };
+    /// Passes this thread is running (so that `aside` gives up only a pass of its own).
+    static PASSES_HERE: Cell<usize> = const { Cell::new(0) };
 }
 #[cfg(feature = "loom-models")]
 loom::thread_local! {
     static IN_WORKER: Cell<bool> = Cell::new(false);
+    static PASSES_HERE: Cell<usize> = Cell::new(0);
 }
 
 /// A pool of compute threads; [`ComputePool::global`] is the one the kernels use.
@@ -72,8 +79,9 @@ loom::thread_local! {
 pub struct ComputePool {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
-    /// One job at a time: a second caller runs its job on its own thread instead of waiting.
-    dispatch: Mutex<()>,
+    /// Set while a caller's job holds the pool: a second caller runs its job on its own thread instead of
+    /// waiting. A flag, not a mutex: a panicking job must not leave it poisoned (and the pool serial).
+    dispatching: AtomicBool,
 }
 
 /// One job as the workers see it: lives on the caller's stack for the job's duration.
@@ -99,7 +107,8 @@ struct Shared {
     /// The caller publishes job `g` by storing its pointer in `job`, then `state = g | OPEN` (release). A
     /// worker joins with a compare-exchange (acquire) that adds one to the count only while the word is open,
     /// and leaves with a subtraction (release). The caller, its own chunks done, clears `OPEN` and waits
-    /// until the count is zero (acquire). Every step is a read-modify-write or a load of this one word, so
+    /// until the count is zero (acquire). Every step but the publish (made when nobody can join) is a
+    /// read-modify-write or a load of this one word, so
     /// they fall in its single modification order: a join that succeeded came before the close and is
     /// counted until its leave, and one that came after fails. No worker touches a job once its caller
     /// returned, with no reliance on sequential consistency across two variables.
@@ -159,7 +168,7 @@ impl ComputePool {
         ComputePool {
             shared,
             workers: handles,
-            dispatch: Mutex::new(()),
+            dispatching: AtomicBool::new(false),
         }
     }
 
@@ -181,10 +190,12 @@ impl ComputePool {
         struct Ending<'pool>(&'pool Shared);
         impl Drop for Ending<'_> {
             fn drop(&mut self) {
+                PASSES_HERE.with(|passes| passes.set(passes.get() - 1));
                 self.0.passes.fetch_sub(1, Ordering::SeqCst);
             }
         }
         self.shared.passes.fetch_add(1, Ordering::SeqCst);
+        PASSES_HERE.with(|passes| passes.set(passes.get() + 1));
         let _ending = Ending(&self.shared);
         self.shared.unpark_all();
         body()
@@ -193,28 +204,29 @@ impl ComputePool {
     /// Runs `body`, which computes on threads of its own (candle's products for the formats our kernels do
     /// not cover), with this pool's workers parked instead of spinning beside it: inside a pass they would
     /// hold the cores `body`'s threads need (gemma-3's K-quant products ran at 0.65x with them spinning).
+    /// It gives up only the calling thread's own pass: while another thread's pass runs, the workers spin
+    /// for that one.
     pub fn aside<R>(&self, body: impl FnOnce() -> R) -> R {
         struct Back<'pool>(&'pool Shared);
         impl Drop for Back<'_> {
             fn drop(&mut self) {
+                PASSES_HERE.with(|passes| passes.set(passes.get() + 1));
                 self.0.passes.fetch_add(1, Ordering::SeqCst);
                 self.0.unpark_all();
             }
         }
-        // Only a pass makes the workers spin; outside one they park after each job anyway.
-        let in_pass = self
-            .shared
-            .passes
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |passes| {
-                passes.checked_sub(1)
-            })
-            .is_ok();
-        let _back = in_pass.then(|| Back(&self.shared));
+        // Only a pass makes the workers spin; outside one of ours there is nothing to give up.
+        if PASSES_HERE.with(Cell::get) == 0 {
+            return body();
+        }
+        PASSES_HERE.with(|passes| passes.set(passes.get() - 1));
+        self.shared.passes.fetch_sub(1, Ordering::SeqCst);
+        let _back = Back(&self.shared);
         body()
     }
 
-    /// Calls `work` on disjoint ranges that together cover `0..items`, on every thread of the pool, and
-    /// returns when all are done. Runs on the calling thread alone when the pool has no workers, when called
+    /// Calls `work` on disjoint ranges that together cover `0..items`, shared between the caller and the
+    /// workers that join in time, and returns when all are done. Runs on the calling thread alone when the pool has no workers, when called
     /// from inside a job, or while another caller's job holds the pool.
     pub fn run(&self, items: usize, work: &(dyn Fn(Range<usize>) + Sync)) {
         if items == 0 {
@@ -223,9 +235,20 @@ impl ComputePool {
         if self.workers.is_empty() || IN_WORKER.with(Cell::get) {
             return work(0..items);
         }
-        let Ok(_dispatch) = self.dispatch.try_lock() else {
+        if self
+            .dispatching
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
             return work(0..items);
-        };
+        }
+        struct Dispatched<'pool>(&'pool AtomicBool);
+        impl Drop for Dispatched<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let _dispatched = Dispatched(&self.dispatching);
         let job = Job {
             work,
             items,
@@ -236,8 +259,8 @@ impl ComputePool {
             lifetime: loom::cell::UnsafeCell::new(()),
         };
         let shared = &*self.shared;
-        // The previous job is closed with nobody inside (its caller waited), and only the holder of
-        // `dispatch` writes the word otherwise, so a plain store cannot lose a join.
+        // The previous job is closed with nobody inside (its caller waited), and no worker can join a closed
+        // word, so nothing else writes it now and a plain store loses nothing.
         let generation = (shared.state.load(Ordering::Acquire) >> GENERATION_SHIFT) + 1;
         shared
             .job
@@ -252,8 +275,14 @@ impl ComputePool {
         impl Drop for Closing<'_> {
             fn drop(&mut self) {
                 self.0.state.fetch_and(!OPEN, Ordering::AcqRel);
+                let mut spins = 0u32;
                 while self.0.state.load(Ordering::Acquire) & INSIDE != 0 {
-                    spin_loop();
+                    spins += 1;
+                    if spins < CALLER_SPINS_BEFORE_YIELD {
+                        spin_loop();
+                    } else {
+                        thread::yield_now();
+                    }
                 }
             }
         }
@@ -267,8 +296,8 @@ impl ComputePool {
         }
     }
 
-    /// Calls `work(index, chunk)` for each `chunk_length`-long chunk of `data` (the last may be shorter), on
-    /// every thread of the pool, as [`ComputePool::run`] does.
+    /// Calls `work(index, chunk)` for each `chunk_length`-long chunk of `data` (the last may be shorter; a
+    /// length of 0 counts as 1), shared between the threads as [`ComputePool::run`] does.
     pub fn for_each_chunk_mut<T: Send>(
         &self,
         data: &mut [T],
@@ -356,10 +385,18 @@ fn work_loop(shared: &Shared, index: usize) {
             let job = unsafe { &*(shared.job.load(Ordering::Relaxed) as *const Job<'_>) };
             #[cfg(feature = "loom-models")]
             job.lifetime.with(|_| ());
+            // The leave happens in a guard, so that the caller is released even should this thread die on
+            // the way out (a panic payload whose own drop panics).
+            struct Leave<'pool>(&'pool Shared);
+            impl Drop for Leave<'_> {
+                fn drop(&mut self) {
+                    self.0.state.fetch_sub(1, Ordering::Release);
+                }
+            }
+            let _leave = Leave(shared);
             if catch_unwind(AssertUnwindSafe(|| job.claim_all())).is_err() {
                 job.panicked.store(true, Ordering::SeqCst);
             }
-            shared.state.fetch_sub(1, Ordering::Release);
             continue;
         }
         let in_pass = shared.passes.load(Ordering::SeqCst) > 0;
@@ -514,12 +551,25 @@ mod tests {
             0,
             "an aside outside a pass leaves the count alone"
         );
+        // Another thread's pass is not this thread's to give up.
+        pool.pass(|| {
+            thread::scope(|scope| {
+                scope.spawn(|| {
+                    pool.aside(|| {
+                        assert_eq!(
+                            pool.shared.passes.load(Ordering::SeqCst),
+                            1,
+                            "an aside on a thread without a pass leaves another thread's pass running"
+                        );
+                    });
+                });
+            });
+        });
     }
 
-    #[test]
-    fn the_workers_share_the_work() {
-        let pool = pool(2);
-        let threads = Mutex::new(std::collections::HashSet::new());
+    /// How many threads took chunks of 50 slow jobs in one pass.
+    fn threads_taking_part(pool: &ComputePool) -> usize {
+        let threads = std::sync::Mutex::new(std::collections::HashSet::new());
         pool.pass(|| {
             for _ in 0..50 {
                 pool.run(64, &|_range: Range<usize>| {
@@ -528,8 +578,14 @@ mod tests {
                 });
             }
         });
+        threads.into_inner().unwrap().len()
+    }
+
+    #[test]
+    fn the_workers_share_the_work() {
+        let pool = pool(2);
         assert_eq!(
-            threads.lock().unwrap().len(),
+            threads_taking_part(&pool),
             2,
             "the caller and the worker should both have taken chunks"
         );
@@ -547,6 +603,11 @@ mod tests {
         }));
         assert!(outcome.is_err(), "the panic should reach the caller");
         assert_eq!(items_run(&pool, 64), 64, "the next job runs in full");
+        assert_eq!(
+            threads_taking_part(&pool),
+            2,
+            "after a panic the jobs should still be shared, not run by the caller alone"
+        );
     }
 
     #[test]
