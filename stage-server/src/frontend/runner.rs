@@ -11,7 +11,7 @@ use super::health::ChainHealth;
 use crate::driver::{Chain, ChainOptions, DriverError, Predicted, SamplerExtras, StageShare};
 use crate::model::{
     Arrival, Finish, GenerateOptions, Generation, ModelError, Sampler, SamplingParams,
-    log_probabilities,
+    wanted_log_probabilities,
 };
 use crate::telemetry::names;
 use crate::wire::{ErrorCode, Hello};
@@ -218,11 +218,8 @@ fn generate_local(
             break;
         }
         sampler.accept(token);
-        let (logprob, top) = if extras.logprobs || extras.top_logprobs > 0 {
-            log_probabilities(&row, token, extras.top_logprobs.min(20))
-        } else {
-            (f32::NAN, Vec::new())
-        };
+        let (logprob, top) =
+            wanted_log_probabilities(&row, token, extras.logprobs, extras.top_logprobs.min(20));
         generation.tokens.push(token);
         if on_token(&Predicted {
             token,

@@ -29,7 +29,7 @@ pub use pipeline::{
     encode_activations,
 };
 pub use reference::{ExactLogits, ExactModel};
-pub use sampling::{Sampler, SamplingParams, log_probabilities};
+pub use sampling::{Sampler, SamplingParams, log_probabilities, wanted_log_probabilities};
 pub use shared::{Arrival, DEFAULT_BATCH_TOKENS, GATHER_WAIT, SharedStage};
 pub use stage::{
     BatchEntry, Logits, SplitError, Stage, StageInput, StageOptions, StageOutput, StageSpec,

@@ -20,7 +20,7 @@ use net_io_blocking::Completer;
 
 use crate::model::{
     BatchEntry, Logits, ModelError, Sampler, SamplingParams, Stage, StageInput, StageOutput,
-    log_probabilities,
+    wanted_log_probabilities,
 };
 use crate::wire::ErrorCode;
 
@@ -351,7 +351,8 @@ impl Owner {
                 sampling,
                 history,
                 logit_bias,
-                (top_logprobs, logprob),
+                top_logprobs,
+                logprob,
             ),
             // Chunks run in batches (`Owner::chunks`); `take_batch` never hands one here.
             Work::Chunk { session, .. } => Outcome::Failed {
@@ -382,7 +383,8 @@ impl Owner {
         sampling: SamplingParams,
         history: Vec<u32>,
         logit_bias: Vec<(u32, f32)>,
-        (top_logprobs, logprob): (u8, bool),
+        top_logprobs: u8,
+        logprob: bool,
     ) -> Outcome {
         let session = key.1;
         if self.lanes.contains_key(&key) {
@@ -475,11 +477,8 @@ impl Owner {
                 };
                 let token = sampler.sample(&logits);
                 sampler.accept(token);
-                let (logprob, top) = if lane.logprob || lane.top_logprobs > 0 {
-                    log_probabilities(&logits, token, lane.top_logprobs)
-                } else {
-                    (f32::NAN, Vec::new())
-                };
+                let (logprob, top) =
+                    wanted_log_probabilities(&logits, token, lane.logprob, lane.top_logprobs);
                 Outcome::Token {
                     session,
                     position: next_position,
@@ -589,30 +588,4 @@ fn failed(session: u64, code: ErrorCode, error: &ModelError) -> Outcome {
 
 fn micros(started: Instant) -> u32 {
     u32::try_from(started.elapsed().as_micros()).unwrap_or(u32::MAX)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn log_probabilities_name_the_likeliest_tokens_first_and_sum_to_one() {
-        let logits = [1.0, 3.0, 2.0, 3.0];
-        let (chosen, top) = log_probabilities(&logits, 2, 3);
-        let ids: Vec<u32> = top.iter().map(|(id, _)| *id).collect();
-        assert_eq!(ids, vec![1, 3, 2], "ties keep the lower id first");
-        let total: f64 = logits.iter().map(|&logit| f64::from(logit).exp()).sum();
-        let expected = (2.0f64 - total.ln()) as f32;
-        assert!(
-            (chosen - expected).abs() < 1e-6,
-            "{chosen} against {expected}"
-        );
-        let mass: f32 = (0..4)
-            .map(|token| log_probabilities(&logits, token, 0).0.exp())
-            .sum();
-        assert!(
-            (mass - 1.0).abs() < 1e-5,
-            "probabilities should sum to 1, got {mass}"
-        );
-    }
 }

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 use crate::bench_serve::client::{self, Load};
-use crate::figures::{median, median_interval};
+use crate::figures::{PairedRatios, median, median_interval};
 
 /// Completion tokens per timed request.
 pub(crate) const TOKENS: usize = 128;
@@ -481,19 +481,15 @@ pub(crate) fn render(model: &str, measured: &Measured) -> String {
 /// The median of `on[i] / off[i]` as a signed percentage and its 95% bootstrap interval, or empty cells when no
 /// round pairs.
 fn paired_columns(on: &[f64], off: &[f64]) -> (String, String) {
-    let ratios: Vec<f64> = on
-        .iter()
-        .zip(off)
-        .filter(|(_, off)| **off > 0.0)
-        .map(|(on, off)| on / off)
-        .collect();
-    if ratios.is_empty() {
+    let paired = PairedRatios::new(on, off);
+    if paired.median.is_nan() {
         return (String::new(), String::new());
     }
     let percent = |ratio: f64| format!("{:+.1}%", (ratio - 1.0) * 100.0);
-    let (low, high) = median_interval(&ratios);
+    // `median_interval` leaves out the rounds without a usable "off" figure, as the median does.
+    let (low, high) = median_interval(&paired.per_round);
     (
-        percent(median(&ratios)),
+        percent(paired.median),
         format!("{} to {}", percent(low), percent(high)),
     )
 }
