@@ -17,7 +17,8 @@
 //! not timed) and is stopped after it.
 //!
 //! Then the telemetry rows ([`telemetry`]): `stage-server run --stages 3` with telemetry off, exporting to a
-//! live loopback OTLP/HTTP receiver, and exporting to a black hole, side by side in the same run.
+//! live loopback OTLP/HTTP receiver, exporting to a black hole, and off again, in blocks of fresh pipelines
+//! (`--rounds N` is the number of blocks for these rows).
 //! `--only-telemetry` runs just those (and keeps the layout tables already in the report); `--model NAME`
 //! picks one model; `--otlp-filter FILTER` sets the exported spans' filter (default `info`).
 

@@ -35,8 +35,8 @@ tasks:
   bench pipeline [--rounds N] [--model smollm2|gemma3] [--only-telemetry] [--otlp-filter FILTER]
                 decode and prefill of a model split across stage processes, beside it unsplit and
                 beside llama.cpp whole and on two ggml-rpc-server processes; 2,048-token prefill with
-                reply credits 0, 1 and 2; decode with telemetry off, exporting to a live receiver, and
-                exporting to a black hole
+                reply credits 0, 1 and 2; decode with telemetry off, exporting to a live receiver,
+                exporting to a black hole, and off again (N blocks of fresh pipelines)
   bench lifecycle
                 kill, close_door, drain and idle CPU of every net-io-blocking driver against net-io's targets
   bench serve [--model smollm2|gemma3] [--concurrency 1,2,4,8] [--requests-per-worker N] [--tokens N]

@@ -405,19 +405,24 @@ pub(super) fn write_report(
             "{TELEMETRY_HEADING}\n\n\
              Command: `{}`. Machine: {}; kernel {}; commit {}; {}; 1/5/15-minute load average {load_before} before \
              and {} at the latest write.\n\n\
-             - Three `stage-server run --stages 3 --lanes 1 --threads {THREADS}` pipelines of the same model run side \
-             by side: telemetry off; `--otlp-endpoint` to a loopback OTLP/HTTP receiver in xtask that reads every \
+             - Four kinds of `stage-server run --stages 3 --lanes 1 --threads {THREADS}` pipeline of the same \
+             model: telemetry off; `--otlp-endpoint` to a loopback OTLP/HTTP receiver in xtask that reads every \
              request and answers 200; `--otlp-endpoint` to a black hole that accepts connections and never reads \
-             or answers. Every process of an \"on\" pipeline exports (spans and metrics every 5 s).\n\
-             - Each round streams one chat completion of {} tokens (temperature 0, the same prompt for the three) \
-             on each pipeline in turn, the order rotated every round; one untimed warm-up request each first. \
-             Closed loop, one request at a time; the idle pipelines wait meanwhile.\n\
+             or answers; off again (the control). Every process of an \"on\" pipeline exports (spans and metrics \
+             every 5 s).\n\
+             - The run is {} blocks. In each block every kind in turn, in an order rotated every block, starts a \
+             fresh pipeline, which runs alone: one untimed warm-up request, then {} timed streamed chat \
+             completions of {} tokens (temperature 0, the same prompts for every kind in a block), then it is \
+             stopped. Closed loop, one request at a time. Fresh starts make a start's luck (where its buffers and \
+             threads land) noise between blocks rather than a bias of one row, and charge an exporter's \
+             background work to its own row.\n\
              - Decode tok/s is the client's: completion tokens after the first over the time from the first content \
              delta to the last. CPU ms per token: the user and system CPU time of the `run` process and its stage \
              processes (from `/proc`) while the request ran, over its completion tokens; on a shared machine it \
-             moves much less than wall time. Figures are medians over {} rounds; \"vs off\" compares the \
-             medians, \"paired vs off\" is the median over rounds of each round's rate over that round's \
-             \"off\" rate (measured seconds apart, so slow drifts of the machine's load cancel).\n\n\
+             moves much less than wall time. \"vs off\" compares the medians over every timed request; \"paired \
+             vs off\" is the median over blocks of each block's median over that block's \"off\" median, with \
+             its 95% bootstrap interval. The control row's interval is what two starts of the same pipeline \
+             differ by.\n\n\
              {telemetry_tables}",
             run.command(),
             machine(),
@@ -425,8 +430,9 @@ pub(super) fn write_report(
             command_output("git", &["rev-parse", "--short", "HEAD"]),
             command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
             load_average(),
-            telemetry::TOKENS,
             run.rounds,
+            telemetry::REQUESTS_PER_BLOCK,
+            telemetry::TOKENS,
         );
     }
     fs::write(&destination, report.trim_end().to_owned() + "\n")

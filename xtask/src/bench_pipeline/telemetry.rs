@@ -1,20 +1,25 @@
 //! The telemetry rows of `cargo xtask bench pipeline`: decode tok/s of `stage-server run --stages 3` with
-//! telemetry off, exporting to a live loopback OTLP/HTTP sink, exporting to a black hole, and off again on a
-//! second pipeline (the control: what two identical pipelines differ by in the same run), in one run.
+//! telemetry off, exporting to a live loopback OTLP/HTTP sink, exporting to a black hole, and off again (the
+//! control: what two starts of the same pipeline differ by), in one run.
 //!
 //! ```text
-//!   xtask ──stream──▶ run (off)        ──▶ stages 1, 2
-//!     │   (one request at a time,       ──▶ stages 1, 2 ──OTLP/HTTP──▶ Sink (reads, answers 200)
-//!     │    modes rotated per round)
-//!     └─────────────▶ run (black hole) ──▶ stages 1, 2 ──OTLP/HTTP──▶ Sink (accepts, never reads)
+//!   block b:  start ─▶ warm up ─▶ time R requests ─▶ stop      one pipeline alive at a time,
+//!             mode (b + 0) % 4, then (b + 1) % 4, ...          the order rotated every block
+//!
+//!   xtask ──stream──▶ run (mode) ──▶ stages 1, 2 ──OTLP/HTTP──▶ Sink (live: reads, answers 200;
+//!                                                                     black hole: accepts, never reads)
 //! ```
 //!
-//! The three pipelines run side by side for the whole measurement (each idle while another is timed), so
-//! the rows share the machine's state; each round times one streamed completion on each, in an order that
-//! rotates every round. Decode tok/s is the client's view: completion tokens after the first over the time
-//! from the first content delta to the last. Beside it, the CPU time (user and system) the pipeline's
-//! processes spent per completion token while the request ran: on a shared machine wall-clock rates move with
-//! whatever else runs, while the CPU a token costs moves much less, and it is what telemetry would add.
+//! Why blocks of fresh processes, one at a time: with the four pipelines side by side for the whole run,
+//! two identical "off" pipelines differed by 4.7% (session 9), more than the 2% to be shown. Each start of a
+//! process lands its buffers and threads somewhere new, and an idle "on" pipeline's periodic export ran while
+//! another was timed. Here every mode gets a fresh start in every block and runs alone, so a start's luck
+//! becomes noise between blocks (which the interval over blocks shows) instead of a bias of one row, and an
+//! exporter's background work is charged to its own row. Decode tok/s is the client's view: completion tokens
+//! after the first over the time from the first content delta to the last. Beside it, the CPU time (user and
+//! system) the pipeline's processes spent per completion token while the request ran: on a shared machine
+//! wall-clock rates move with whatever else runs, while the CPU a token costs moves much less, and it is what
+//! telemetry would add.
 
 use std::fmt::Write as _;
 use std::fs::File;
@@ -40,6 +45,8 @@ const THREADS: &str = "2";
 const READY_TIMEOUT: Duration = Duration::from_secs(180);
 /// The worker number of the untimed warm-up request (no timed request uses it, so prompts differ).
 const WARM_UP_WORKER: usize = 1000;
+/// Timed requests per pipeline start.
+pub(crate) const REQUESTS_PER_BLOCK: usize = 5;
 
 /// How a pipeline exports.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -273,10 +280,15 @@ impl Drop for Pipeline {
 /// The decode rates of one mode over the rounds.
 #[derive(Debug, Default)]
 pub(crate) struct Rates {
+    /// Decode tok/s of every timed request.
     pub(crate) decode: Vec<f64>,
     pub(crate) tokens: Vec<f64>,
-    /// CPU milliseconds of the pipeline's processes per completion token.
+    /// CPU milliseconds of the pipeline's processes per completion token, every timed request.
     pub(crate) cpu_per_token_ms: Vec<f64>,
+    /// The median decode tok/s of each block (one pipeline start), in block order: what pairs across modes.
+    pub(crate) block_decode: Vec<f64>,
+    /// The median CPU milliseconds per token of each block.
+    pub(crate) block_cpu_per_token_ms: Vec<f64>,
 }
 
 /// What one telemetry measurement found.
@@ -292,71 +304,64 @@ pub(crate) struct Measured {
     pub(crate) span_filter: Option<String>,
 }
 
-/// Starts the three pipelines of `model`, warms each up, and times `rounds` requests on each.
+/// Runs `blocks` blocks: in each, every mode in turn (rotated) starts a fresh pipeline of `model`, warms it up,
+/// times [`REQUESTS_PER_BLOCK`] requests and stops it.
 pub(crate) fn measure(
     binary: &Path,
     model: &Path,
-    rounds: usize,
+    blocks: usize,
     span_filter: Option<&str>,
     log_dir: &Path,
 ) -> Result<Measured> {
     let live = Sink::start(Answer::Ok)?;
     let black_hole = Sink::start(Answer::Never)?;
     std::fs::create_dir_all(log_dir)?;
-    let mut pipelines = Vec::new();
-    for mode in MODES {
-        let endpoint = match mode {
-            Mode::Off | Mode::OffControl => None,
-            Mode::Live => Some(live.url()),
-            Mode::BlackHole => Some(black_hole.url()),
-        };
-        let log = log_dir.join(format!("telemetry-{}.log", mode.slug()));
-        eprintln!("xtask: starting stage-server run ({})", mode.label());
-        pipelines.push(Pipeline::start(
-            binary,
-            model,
-            endpoint.as_deref(),
-            span_filter,
-            log,
-        )?);
-    }
-    let loads: Vec<Load> = pipelines
-        .iter()
-        .map(|pipeline| {
-            Ok(Load {
+    let mut rates: Vec<Rates> = MODES.iter().map(|_| Rates::default()).collect();
+    for block in 0..blocks {
+        for step in 0..MODES.len() {
+            // Rotated so that no mode always starts first (or right after another's shutdown).
+            let index = (block + step) % MODES.len();
+            let mode = MODES[index];
+            let endpoint = match mode {
+                Mode::Off | Mode::OffControl => None,
+                Mode::Live => Some(live.url()),
+                Mode::BlackHole => Some(black_hole.url()),
+            };
+            let log = log_dir.join(format!("telemetry-{}.log", mode.slug()));
+            let pipeline = Pipeline::start(binary, model, endpoint.as_deref(), span_filter, log)?;
+            let load = Load {
                 address: pipeline.address,
                 model: client::served_model(pipeline.address)?,
                 concurrency: 1,
                 requests_per_worker: 1,
                 max_tokens: TOKENS,
-            })
-        })
-        .collect::<Result<_>>()?;
-    for load in &loads {
-        client::stream_completion(load, WARM_UP_WORKER, 0).context("a warm-up request failed")?;
-    }
-    let mut rates: Vec<Rates> = MODES.iter().map(|_| Rates::default()).collect();
-    for round in 0..rounds {
-        for step in 0..MODES.len() {
-            // Rotated so that no mode always runs first (or right after another's metric push).
-            let index = (round + step) % MODES.len();
-            // The same prompt for every mode in a round, a different one each round.
-            let pid = pipelines[index].child.id();
-            let cpu_before = tree_cpu_seconds(pid);
-            let record = client::stream_completion(&loads[index], round, 0)
-                .with_context(|| format!("a timed request failed ({})", MODES[index].label()))?;
-            let cpu = tree_cpu_seconds(pid) - cpu_before;
-            rates[index]
-                .cpu_per_token_ms
-                .push(cpu * 1e3 / record.tokens.max(1) as f64);
-            let elapsed: f64 = record.gaps.iter().map(Duration::as_secs_f64).sum();
-            let decode = if elapsed > 0.0 && record.tokens > 1 {
-                (record.tokens - 1) as f64 / elapsed
-            } else {
-                0.0
             };
-            rates[index].decode.push(decode);
-            rates[index].tokens.push(record.tokens as f64);
+            client::stream_completion(&load, WARM_UP_WORKER, 0)
+                .with_context(|| format!("a warm-up request failed ({})", mode.label()))?;
+            let pid = pipeline.child.id();
+            let mut decode_rates = Vec::with_capacity(REQUESTS_PER_BLOCK);
+            let mut cpu_rates = Vec::with_capacity(REQUESTS_PER_BLOCK);
+            for request in 0..REQUESTS_PER_BLOCK {
+                // The same prompts for every mode in a block, different ones in each block.
+                let prompt = block * REQUESTS_PER_BLOCK + request;
+                let cpu_before = tree_cpu_seconds(pid);
+                let record = client::stream_completion(&load, prompt, 0)
+                    .with_context(|| format!("a timed request failed ({})", mode.label()))?;
+                let cpu = tree_cpu_seconds(pid) - cpu_before;
+                cpu_rates.push(cpu * 1e3 / record.tokens.max(1) as f64);
+                let elapsed: f64 = record.gaps.iter().map(Duration::as_secs_f64).sum();
+                decode_rates.push(if elapsed > 0.0 && record.tokens > 1 {
+                    (record.tokens - 1) as f64 / elapsed
+                } else {
+                    0.0
+                });
+                rates[index].tokens.push(record.tokens as f64);
+            }
+            drop(pipeline);
+            rates[index].block_decode.push(median(&decode_rates));
+            rates[index].block_cpu_per_token_ms.push(median(&cpu_rates));
+            rates[index].decode.extend(decode_rates);
+            rates[index].cpu_per_token_ms.extend(cpu_rates);
         }
         let line: Vec<String> = MODES
             .iter()
@@ -365,17 +370,16 @@ pub(crate) fn measure(
                 format!(
                     "{} {:.1}",
                     mode.slug(),
-                    rates.decode.last().copied().unwrap_or(0.0)
+                    rates.block_decode.last().copied().unwrap_or(0.0)
                 )
             })
             .collect();
         eprintln!(
-            "xtask: telemetry round {}/{rounds}: decode tok/s {}",
-            round + 1,
+            "xtask: telemetry block {}/{blocks}: median decode tok/s {}",
+            block + 1,
             line.join(", ")
         );
     }
-    drop(pipelines);
     Ok(Measured {
         rates,
         live_requests: live.answered.load(Ordering::Relaxed),
@@ -444,17 +448,21 @@ pub(crate) fn render(model: &str, measured: &Measured) -> String {
         } else {
             "".to_owned()
         };
-        // Each round's figure over the same round's "off" figure (measured seconds apart), then the median and
-        // its bootstrap interval: the interval, not the median alone, says whether a 2% difference is resolved.
-        let (paired, paired_interval) = paired_columns(&rates.decode, &measured.rates[0].decode);
+        // Each block's median over the same block's "off" median (pipelines started a minute apart at most),
+        // then the median over blocks and its bootstrap interval: the interval, not the median alone, says
+        // whether a 2% difference is resolved.
+        let (paired, paired_interval) =
+            paired_columns(&rates.block_decode, &measured.rates[0].block_decode);
         let cpu = median(&rates.cpu_per_token_ms);
         let cpu_versus = if off_cpu > 0.0 {
             format!("{:+.1}%", (cpu / off_cpu - 1.0) * 100.0)
         } else {
             "".to_owned()
         };
-        let (cpu_paired, cpu_interval) =
-            paired_columns(&rates.cpu_per_token_ms, &measured.rates[0].cpu_per_token_ms);
+        let (cpu_paired, cpu_interval) = paired_columns(
+            &rates.block_cpu_per_token_ms,
+            &measured.rates[0].block_cpu_per_token_ms,
+        );
         let _ = writeln!(
             table,
             "| {} | {decode:.1} | {versus} | {paired} | {paired_interval} | {low:.1} to {high:.1} | {cpu:.2} | {cpu_versus} | {cpu_paired} | {cpu_interval} | {:.0} |",
@@ -478,15 +486,15 @@ pub(crate) fn render(model: &str, measured: &Measured) -> String {
     table
 }
 
-/// The median of `on[i] / off[i]` as a signed percentage and its 95% bootstrap interval, or empty cells when no
-/// round pairs.
+/// The median of `on[i] / off[i]` (block by block) as a signed percentage and its 95% bootstrap interval, or
+/// empty cells when no block pairs.
 fn paired_columns(on: &[f64], off: &[f64]) -> (String, String) {
     let paired = PairedRatios::new(on, off);
     if paired.median.is_nan() {
         return (String::new(), String::new());
     }
     let percent = |ratio: f64| format!("{:+.1}%", (ratio - 1.0) * 100.0);
-    // `median_interval` leaves out the rounds without a usable "off" figure, as the median does.
+    // `median_interval` leaves out the blocks without a usable "off" figure, as the median does.
     let (low, high) = median_interval(&paired.per_round);
     (
         percent(paired.median),
@@ -529,16 +537,22 @@ mod tests {
                     decode: vec![100.0, 102.0, 98.0],
                     tokens: vec![128.0; 3],
                     cpu_per_token_ms: vec![10.0],
+                    block_decode: vec![100.0, 50.0],
+                    block_cpu_per_token_ms: vec![10.0, 20.0],
                 },
                 Rates {
                     decode: vec![99.0],
                     tokens: vec![128.0],
                     cpu_per_token_ms: vec![10.5],
+                    block_decode: vec![99.0, 49.5],
+                    block_cpu_per_token_ms: vec![10.5, 21.0],
                 },
                 Rates {
                     decode: vec![95.0],
                     tokens: vec![128.0],
                     cpu_per_token_ms: vec![10.0],
+                    block_decode: vec![95.0, 47.5],
+                    block_cpu_per_token_ms: vec![10.0, 20.0],
                 },
             ],
             live_requests: 4,
@@ -553,7 +567,7 @@ mod tests {
             ),
             "{table}"
         );
-        // 99 / 100 (the first round's off), however the off medians go.
+        // Paired block by block (99 / 100 and 49.5 / 50), however far the blocks' levels differ.
         assert!(
             table.contains("| -1.0% | -1.0% | -1.0% to -1.0% |"),
             "{table}"
