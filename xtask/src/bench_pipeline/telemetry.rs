@@ -203,8 +203,12 @@ impl Pipeline {
         log: PathBuf,
     ) -> Result<Pipeline> {
         let address = TcpListener::bind("127.0.0.1:0")?.local_addr()?;
-        let output =
-            File::create(&log).with_context(|| format!("could not create {}", log.display()))?;
+        // Appended to: every block starts a pipeline of each mode, and an earlier block's log is as telling.
+        let output = File::options()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .with_context(|| format!("could not open {}", log.display()))?;
         let mut command = Command::new(binary);
         command
             .arg("run")
@@ -277,7 +281,7 @@ impl Drop for Pipeline {
     }
 }
 
-/// The decode rates of one mode over the rounds.
+/// The decode rates of one mode over the blocks.
 #[derive(Debug, Default)]
 pub(crate) struct Rates {
     /// Decode tok/s of every timed request.
@@ -316,6 +320,12 @@ pub(crate) fn measure(
     let live = Sink::start(Answer::Ok)?;
     let black_hole = Sink::start(Answer::Never)?;
     std::fs::create_dir_all(log_dir)?;
+    let log_of = |mode: Mode| log_dir.join(format!("telemetry-{}.log", mode.slug()));
+    for mode in MODES {
+        // Each run's logs start empty; the blocks of this run append to them.
+        File::create(log_of(mode))
+            .with_context(|| format!("could not create {}", log_of(mode).display()))?;
+    }
     let mut rates: Vec<Rates> = MODES.iter().map(|_| Rates::default()).collect();
     for block in 0..blocks {
         for step in 0..MODES.len() {
@@ -327,8 +337,13 @@ pub(crate) fn measure(
                 Mode::Live => Some(live.url()),
                 Mode::BlackHole => Some(black_hole.url()),
             };
-            let log = log_dir.join(format!("telemetry-{}.log", mode.slug()));
-            let pipeline = Pipeline::start(binary, model, endpoint.as_deref(), span_filter, log)?;
+            let pipeline = Pipeline::start(
+                binary,
+                model,
+                endpoint.as_deref(),
+                span_filter,
+                log_of(mode),
+            )?;
             let load = Load {
                 address: pipeline.address,
                 model: client::served_model(pipeline.address)?,
@@ -436,7 +451,7 @@ fn parse_stat(stat: &str) -> Option<(u32, u64)> {
 pub(crate) fn render(model: &str, measured: &Measured) -> String {
     let off = median(&measured.rates[0].decode);
     let mut table = format!(
-        "### {model}: telemetry\n\n| Telemetry | decode tok/s (median) | vs off | paired vs off | paired 95% interval | range over rounds | CPU ms per token (median) | vs off | paired CPU vs off | paired CPU 95% interval | tokens per request |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "### {model}: telemetry\n\n| Telemetry | decode tok/s (median) | vs off | paired vs off | paired 95% interval | range over requests | CPU ms per token (median) | vs off | paired CPU vs off | paired CPU 95% interval | tokens per request |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
     );
     let off_cpu = median(&measured.rates[0].cpu_per_token_ms);
     for (mode, rates) in MODES.iter().zip(&measured.rates) {
