@@ -71,6 +71,12 @@ struct RunArgs {
     /// next token, then chunks of newly admitted prompts in what is left.
     #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=65_536))]
     batch_tokens: u64,
+    /// While streams decode, the most a pass that also runs rows of a newly admitted prompt may take, as a
+    /// multiple of a pass of the streams alone (the prompt rows are cut to fit, by the costs measured so far;
+    /// the rest of the prompt follows in the next passes); 0 turns the bound off (prompt rows up to
+    /// --batch-tokens, however long the streams wait).
+    #[arg(long, default_value_t = stage_server::model::DEFAULT_DECODE_STRETCH, value_parser = parse_stretch)]
+    decode_stretch: f64,
     /// Compute threads per stage process (default: this host's cores shared among the stage processes, at
     /// least one each; all of them for --stages 1).
     #[arg(long)]
@@ -356,6 +362,20 @@ fn parse_codec(text: &str) -> Result<CodecPolicy, String> {
         other => Err(format!(
             "`{other}` is not an activation codec; use f32, f16, bf16 or auto-lossless"
         )),
+    }
+}
+
+/// A decode stretch: 0 (off) or a number of at least 1.
+fn parse_stretch(text: &str) -> Result<f64, String> {
+    let stretch: f64 = text.trim().parse().map_err(|_| {
+        format!("`{text}` is not a number; give a multiple such as 2 or 1.5, or 0 for no bound")
+    })?;
+    if stretch == 0.0 || (stretch.is_finite() && stretch >= 1.0) {
+        Ok(stretch)
+    } else {
+        Err(format!(
+            "a decode stretch of {text} cannot hold: a pass with prompt rows takes at least as long as one without; give 1 or more, or 0 for no bound"
+        ))
     }
 }
 
@@ -760,6 +780,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     api.queue = args.queue;
     api.queue_timeout = std::time::Duration::from_secs_f64(args.queue_timeout);
     api.batch_tokens = args.batch_tokens as usize;
+    api.decode_stretch = (args.decode_stretch > 0.0).then_some(args.decode_stretch);
     api.context_length = args.context_length;
     api.model_id = args.model_id.clone();
     api.api_key = api_key.clone();

@@ -126,3 +126,31 @@ fn a_split_outside_the_model_is_a_clear_error() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_decode_stretch_below_one_is_refused_before_anything_loads() {
+    for (value, expected) in [
+        ("0.5", "a decode stretch of 0.5 cannot hold"),
+        ("fast", "`fast` is not a number"),
+    ] {
+        let output = Command::new(env!("CARGO_BIN_EXE_stage-server"))
+            .args([
+                "run",
+                "--model",
+                "/nonexistent/model.gguf",
+                "--decode-stretch",
+                value,
+            ])
+            .output()
+            .expect("running stage-server");
+        assert!(
+            !output.status.success(),
+            "--decode-stretch {value} was accepted"
+        );
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains(expected) && stderr.contains("--decode-stretch"),
+            "the error should name the flag and say why: {stderr}"
+        );
+    }
+}

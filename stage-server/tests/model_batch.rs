@@ -8,7 +8,7 @@ use candle_core::quantized::GgmlDType;
 use stage_server::model::testing::{TinyModel, real_model};
 use stage_server::model::{
     BatchEntry, GEMMA3_FILE, Logits, ModelError, ModelFile, SMOLLM2_FILE, SharedStage, Stage,
-    StageInput, StageOptions, StageOutput, StageSpec,
+    StageInput, StageOptions, StageOutput, StageSpec, StepPolicy,
 };
 
 fn scratch_model(model: &TinyModel) -> (PathBuf, PathBuf) {
@@ -498,8 +498,11 @@ fn a_generation_announced_before_its_prompt_is_ready_joins_the_pass_an_earlier_o
     let model = TinyModel::llama(GgmlDType::Q4_1);
     let (dir, path) = scratch_model(&model);
     let gather = Duration::from_secs(30);
-    let shared = SharedStage::start(load(&path, whole_spec(&path), 2), 512, gather)
-        .expect("start the compute thread");
+    let shared = SharedStage::start(
+        load(&path, whole_spec(&path), 2),
+        StepPolicy::new(512, gather),
+    )
+    .expect("start the compute thread");
     let prompts: [Vec<u32>; 2] = [vec![5, 6, 7], vec![8, 9, 10, 11]];
     let prefill = |lane: usize| {
         shared.activate(lane, true);
@@ -539,6 +542,52 @@ fn a_generation_announced_before_its_prompt_is_ready_joins_the_pass_an_earlier_o
     assert!(
         started.elapsed() < gather,
         "a pass waited for a generation nobody announced"
+    );
+    // A request queued while lane 1 is free: lane 0's pass waits for it to take the lane and hand in its
+    // prompt, as a server's lane worker does (it announces the arrival before the queue says it is empty).
+    for lane in 0..2 {
+        shared.with_stage(|stage| stage.reset(lane)).expect("reset");
+    }
+    let backlog = shared.backlog();
+    backlog.set(1);
+    let queued = passes();
+    std::thread::scope(|scope| {
+        scope.spawn(|| prefill(0));
+        std::thread::sleep(Duration::from_millis(50));
+        let arrival = shared.expect_arrival();
+        backlog.set(0);
+        std::thread::sleep(Duration::from_millis(20));
+        shared.activate(1, true);
+        drop(arrival);
+        prefill(1);
+    });
+    let taken = passes();
+    assert_eq!(
+        (taken.0 - queued.0, taken.1 - queued.1),
+        (1, 0),
+        "a queued request and a free lane: one pass of both prompts"
+    );
+    // The queued request leaves the queue without taking the lane (its client went away): the waiting pass
+    // runs at once, alone.
+    for lane in 0..2 {
+        shared.with_stage(|stage| stage.reset(lane)).expect("reset");
+    }
+    backlog.set(1);
+    let started = std::time::Instant::now();
+    std::thread::scope(|scope| {
+        scope.spawn(|| prefill(0));
+        std::thread::sleep(Duration::from_millis(50));
+        backlog.set(0);
+    });
+    let left = passes();
+    assert_eq!(
+        (left.0 - taken.0, left.1 - taken.1),
+        (1, 1),
+        "the request that left: lane 0 ran alone"
+    );
+    assert!(
+        started.elapsed() < gather,
+        "a pass went on waiting for a request that left the queue"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

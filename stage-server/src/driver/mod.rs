@@ -21,7 +21,7 @@ use net_io_blocking::{Limits, NetError, TcpConnection};
 use crate::model::{
     self, DEFAULT_BATCH_TOKENS, Finish, GenerateOptions, Generation, Logits, ModelError, ModelFile,
     PREFILL_CHUNK, SamplingParams, SharedStage, Stage, StageInput, StageOptions, StageOutput,
-    StageSpec,
+    StageSpec, StepPolicy,
 };
 use crate::serve::LinkShape;
 use crate::telemetry::registry::{LinkSide, STAGE};
@@ -188,11 +188,12 @@ impl Chain {
     ) -> Result<Chain, DriverError> {
         let stage = load_first_stage(file, layers_end, 1, None)?;
         let stage =
-            SharedStage::start(stage, DEFAULT_BATCH_TOKENS, Duration::ZERO).map_err(|error| {
-                DriverError::Model(ModelError::Compute(format!(
-                    "stage 0's compute thread did not start: {error}"
-                )))
-            })?;
+            SharedStage::start(stage, StepPolicy::new(DEFAULT_BATCH_TOKENS, Duration::ZERO))
+                .map_err(|error| {
+                    DriverError::Model(ModelError::Compute(format!(
+                        "stage 0's compute thread did not start: {error}"
+                    )))
+                })?;
         let share = StageShare {
             stage: Arc::new(stage),
             lane: 0,
@@ -310,11 +311,18 @@ impl Chain {
             trace: crate::telemetry::current_trace_context().map(|context| context.to_wire()),
         })?;
         let started = Instant::now();
-        let chunks: Vec<&[u32]> = prompt.chunks(PREFILL_CHUNK).collect();
         let mut unacknowledged = 0usize;
-        for (index, chunk) in chunks.iter().enumerate() {
-            let position = index * PREFILL_CHUNK;
-            let last = index + 1 == chunks.len();
+        let mut position = 0usize;
+        while position < prompt.len() {
+            // Beside other lanes' streams, a chunk no longer than a pass can take without stretching their
+            // steps past the bound (at every stage, since each batches what queues up); alone, the largest.
+            let size = share
+                .stage
+                .prompt_share(share.lane)
+                .unwrap_or(PREFILL_CHUNK)
+                .clamp(1, PREFILL_CHUNK);
+            let chunk = &prompt[position..(position + size).min(prompt.len())];
+            let last = position + chunk.len() == prompt.len();
             let _chunk = tracing::debug_span!(
                 "stage.openai_prefill_chunk",
                 session_id = session,
@@ -337,8 +345,8 @@ impl Chain {
                     unacknowledged -= 1;
                 }
             }
+            position += chunk.len();
         }
-        let mut position = prompt.len();
         let mut predicted = self.wait_for_token(session, position, &mut unacknowledged)?;
         generation.prompt_time = started.elapsed();
         let decode_started = Instant::now();

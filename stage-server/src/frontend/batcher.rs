@@ -10,7 +10,8 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::model::{
-    Arrival, GATHER_WAIT, Logits, ModelError, SharedStage, Stage, StageInput, StageOutput,
+    Arrival, Backlog, GATHER_WAIT, Logits, ModelError, SharedStage, Stage, StageInput, StageOutput,
+    StepPolicy,
 };
 
 /// The whole model's lanes, leased per generation.
@@ -46,10 +47,18 @@ pub(crate) struct Lease {
 
 impl Batcher {
     /// Starts the compute thread for `stage`, whose every lane this batcher leases; a pass runs at most
-    /// `batch_tokens` rows.
-    pub(crate) fn start(stage: Stage, batch_tokens: usize) -> Result<Arc<Batcher>, String> {
+    /// `batch_tokens` rows, and prompt rows stretch a decode pass at most `decode_stretch` times.
+    pub(crate) fn start(
+        stage: Stage,
+        batch_tokens: usize,
+        decode_stretch: Option<f64>,
+    ) -> Result<Arc<Batcher>, String> {
         let lane_count = stage.lane_count();
-        let stage = SharedStage::start(stage, batch_tokens, GATHER_WAIT)
+        let policy = StepPolicy {
+            decode_stretch,
+            ..StepPolicy::new(batch_tokens, GATHER_WAIT)
+        };
+        let stage = SharedStage::start(stage, policy)
             .map_err(|error| format!("the compute thread did not start: {error}"))?;
         Ok(Arc::new(Batcher {
             stage,
@@ -64,6 +73,11 @@ impl Batcher {
     /// tokenized takes well under the gather time); pass it to [`Batcher::lease`].
     pub(crate) fn expect_arrival(&self) -> Arrival {
         self.stage.expect_arrival()
+    }
+
+    /// Where the server's queue says how many requests wait for a lane (see [`Backlog`]).
+    pub(crate) fn backlog(&self) -> Backlog {
+        self.stage.backlog()
     }
 
     /// Leases the free lane that holds the longest prefix of `prompt` it can reuse (at most all but the
@@ -218,7 +232,7 @@ mod tests {
     fn a_lease_reuses_the_longest_prefix_a_free_lane_holds_and_gives_the_same_logits() {
         let (dir, stage) = tiny_stage(2);
         let (_, mut reference) = tiny_stage(1);
-        let batcher = Batcher::start(stage, 4).expect("start");
+        let batcher = Batcher::start(stage, 4, None).expect("start");
         let first = [1u32, 40, 41, 42, 43, 44, 45];
         {
             let mut lease = batcher.lease(&first, None).expect("lease");

@@ -25,7 +25,7 @@ use super::metrics::Metrics;
 use super::runner::LaneRunner;
 use crate::api::{ApiError, FinishReason, StopMatcher, TokenLogprob, TopLogprob, Usage};
 use crate::driver::{Predicted, SamplerExtras};
-use crate::model::{Finish, GenerateOptions, SamplingParams};
+use crate::model::{Arrival, Backlog, Finish, GenerateOptions, SamplingParams};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 use super::prompt::{PromptSource, TextModel};
@@ -156,6 +156,18 @@ struct Shared {
     queue_limit: usize,
     text: Arc<TextModel>,
     metrics: Arc<Metrics>,
+    /// Told the queue's length whenever it changes, where the lanes' compute wants to know.
+    backlog: Option<Backlog>,
+}
+
+impl Shared {
+    /// Reports the queue's new length (called with the queue locked, so reports arrive in order).
+    fn queue_changed(&self, waiting: usize) {
+        self.metrics.set_queue_depth(waiting);
+        if let Some(backlog) = &self.backlog {
+            backlog.set(waiting);
+        }
+    }
 }
 
 /// The lanes and their queue.
@@ -168,12 +180,13 @@ pub(crate) struct Engine {
 impl Engine {
     /// Starts one worker per factory, each making its runner on its own thread (a chain link's connection
     /// stays on the thread that opened it); at most `queue_limit` jobs wait behind busy lanes. Returns once
-    /// every runner is made, or with the first failure.
+    /// every runner is made, or with the first failure. `backlog`, where given, hears the queue's length.
     pub(crate) fn start(
         factories: Vec<RunnerFactory>,
         queue_limit: usize,
         text: Arc<TextModel>,
         metrics: Arc<Metrics>,
+        backlog: Option<Backlog>,
     ) -> Result<Engine, String> {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue::default()),
@@ -183,6 +196,7 @@ impl Engine {
             queue_limit,
             text,
             metrics,
+            backlog,
         });
         let (made, outcomes) = std::sync::mpsc::channel::<Result<(), String>>();
         let mut engine = Engine {
@@ -238,7 +252,7 @@ impl Engine {
             )));
         }
         queue.waiting.push_back(Arc::clone(job));
-        self.shared.metrics.set_queue_depth(queue.waiting.len());
+        self.shared.queue_changed(queue.waiting.len());
         drop(queue);
         self.shared.ready.notify_one();
         Ok(())
@@ -249,7 +263,7 @@ impl Engine {
         let mut queue = lock(&self.shared.queue);
         let before = queue.waiting.len();
         queue.waiting.retain(|waiting| !Arc::ptr_eq(waiting, job));
-        self.shared.metrics.set_queue_depth(queue.waiting.len());
+        self.shared.queue_changed(queue.waiting.len());
         queue.waiting.len() != before
     }
 
@@ -264,7 +278,9 @@ impl Drop for Engine {
         let waiting = {
             let mut queue = lock(&self.shared.queue);
             queue.stopping = true;
-            std::mem::take(&mut queue.waiting)
+            let waiting = std::mem::take(&mut queue.waiting);
+            self.shared.queue_changed(0);
+            waiting
         };
         for job in waiting {
             job.push(JobEvent::Failed(ApiError::unavailable(
@@ -280,19 +296,23 @@ impl Drop for Engine {
 
 fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
     loop {
-        let job = {
+        let (job, arrival) = {
             let mut queue = lock(&shared.queue);
             loop {
                 if queue.stopping {
                     return;
                 }
                 if let Some(job) = queue.waiting.pop_front() {
-                    shared.metrics.set_queue_depth(queue.waiting.len());
                     if job.is_cancelled() {
+                        shared.queue_changed(queue.waiting.len());
                         continue;
                     }
+                    // Announced before the queue says it is shorter, so a pass that waits for this request
+                    // to take a free lane never sees it neither queued nor arriving.
+                    let arrival = runner.expect_arrival();
+                    shared.queue_changed(queue.waiting.len());
                     shared.busy.fetch_add(1, Ordering::AcqRel);
-                    break job;
+                    break (job, arrival);
                 }
                 queue = shared
                     .ready
@@ -316,7 +336,7 @@ fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
                 prompt_tokens = tracing::field::Empty,
                 output_tokens = tracing::field::Empty,
             );
-            span.in_scope(|| run(shared, &mut runner, &job, spec));
+            span.in_scope(|| run(shared, &mut runner, &job, spec, arrival));
         }
         shared.busy.fetch_sub(1, Ordering::AcqRel);
         shared
@@ -326,9 +346,15 @@ fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
 }
 
 /// Runs one job on a lane, streaming its text through the stop matcher.
-fn run(shared: &Shared, runner: &mut LaneRunner, job: &Job, spec: JobSpec) {
-    // Said before the prompt is tokenized, so requests that arrive together prefill in one pass.
-    let arrival = runner.expect_arrival();
+/// `arrival` was announced when the job left the queue, before its prompt is tokenized, so requests that
+/// arrive together prefill in one pass.
+fn run(
+    shared: &Shared,
+    runner: &mut LaneRunner,
+    job: &Job,
+    spec: JobSpec,
+    arrival: Option<Arrival>,
+) {
     let (prompt, max_tokens) = match shared.text.prepare(&spec.prompt, spec.max_tokens) {
         Ok(prepared) => prepared,
         Err(error) => return job.push(JobEvent::Failed(error)),

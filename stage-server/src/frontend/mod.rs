@@ -252,6 +252,9 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
     let block_count = file.config().block_count;
     let vocab_size = file.config().vocab_size;
     let context = state.config.context_length;
+    // The whole model's compute thread hears of queued requests, so requests that free lanes can take together
+    // are admitted in one pass (a chain's stage 0 does not gather).
+    let mut backlog = None;
     let (runners, context_length) = match backend {
         Backend::Whole => {
             let stage = Stage::from_file(
@@ -264,7 +267,12 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
             )
             .map_err(|error| error.to_string())?;
             let context_length = stage.context_length();
-            let batcher = Batcher::start(stage, state.config.batch_tokens)?;
+            let batcher = Batcher::start(
+                stage,
+                state.config.batch_tokens,
+                state.config.decode_stretch,
+            )?;
+            backlog = Some(batcher.backlog());
             let runners = (0..lanes)
                 .map(|_| {
                     let batcher = Arc::clone(&batcher);
@@ -284,8 +292,14 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
             let width = stage.width();
             let stage = Arc::new(
                 // No gather: a lane's next chunk waits for its token's round trip down the chain.
-                model::SharedStage::start(stage, state.config.batch_tokens, Duration::ZERO)
-                    .map_err(|error| format!("stage 0's compute thread did not start: {error}"))?,
+                model::SharedStage::start(
+                    stage,
+                    model::StepPolicy {
+                        decode_stretch: state.config.decode_stretch,
+                        ..model::StepPolicy::new(state.config.batch_tokens, Duration::ZERO)
+                    },
+                )
+                .map_err(|error| format!("stage 0's compute thread did not start: {error}"))?,
             );
             let ours =
                 first_stage_hello(&file, layers_end, width).map_err(|error| error.to_string())?;
@@ -328,6 +342,7 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
         state.config.queue_limit(),
         Arc::clone(&text),
         Arc::clone(&state.metrics),
+        backlog,
     )?;
     Ok(Ready { engine, text })
 }

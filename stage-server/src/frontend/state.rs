@@ -37,11 +37,15 @@ pub struct ApiConfig {
     /// Rows one forward pass of the whole model runs at most: every running stream's next token, then
     /// prompt chunks of newly admitted requests in what is left (a longer prompt spans several passes).
     pub batch_tokens: usize,
+    /// While streams decode, the most a pass that also runs prompt rows may take, as a multiple of a
+    /// decode-only pass (`None`: prompt rows up to `batch_tokens` whatever the streams wait); see
+    /// [`crate::model::StepPolicy::decode_stretch`].
+    pub decode_stretch: Option<f64>,
 }
 
 impl ApiConfig {
     /// The defaults on `http`: 4 lanes, a queue of 8, a 30 s queue timeout, the HTTP layer's limits, 512
-    /// rows per forward pass.
+    /// rows per forward pass, a decode pass stretched at most twice by prompt rows.
     pub fn new(http: SocketAddr) -> ApiConfig {
         ApiConfig {
             http,
@@ -54,6 +58,7 @@ impl ApiConfig {
             http_limits: HttpLimits::default(),
             drain_timeout: Duration::from_secs(30),
             batch_tokens: crate::model::DEFAULT_BATCH_TOKENS,
+            decode_stretch: Some(crate::model::DEFAULT_DECODE_STRETCH),
         }
     }
 

@@ -30,7 +30,10 @@ pub use pipeline::{
 };
 pub use reference::{ExactLogits, ExactModel};
 pub use sampling::{Sampler, SamplingParams, log_probabilities, wanted_log_probabilities};
-pub use shared::{Arrival, DEFAULT_BATCH_TOKENS, GATHER_WAIT, SharedStage};
+pub use shared::{
+    ARRIVAL_WAIT, Arrival, Backlog, DEFAULT_BATCH_TOKENS, DEFAULT_DECODE_STRETCH, GATHER_WAIT,
+    SharedStage, StepPolicy,
+};
 pub use stage::{
     BatchEntry, Logits, SplitError, Stage, StageInput, StageOptions, StageOutput, StageSpec,
     TRIM_SLACK,

@@ -15,6 +15,16 @@
 //! together instead of in turns; one that is slow to come back (a descheduled thread) is left for the next
 //! step after the gather time ([`GATHER_WAIT`] for a whole model). A chunk longer than the budget runs over several steps, its output rows
 //! joined.
+//!
+//! Two rules keep running streams' inter-token latency bounded while prompts are admitted:
+//! - *admit together*: while a server's queue holds requests for free lanes ([`Backlog`]) or a generation is on
+//!   its way to a lane ([`Arrival`]), a step with no stream to decode waits up to [`ARRIVAL_WAIT`] for them, so
+//!   prompts that can start together prefill in one pass instead of each stalling the streams the one before
+//!   it started;
+//! - *a prompt's share of a decode step*: while streams decode, a step also runs prompt rows only as many as
+//!   keep it within [`StepPolicy::decode_stretch`] times a decode-only step, by the costs measured on the
+//!   steps so far; a long prompt runs over several steps beside the streams instead of freezing them for its
+//!   whole prefill.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -27,8 +37,41 @@ use super::{BatchEntry, Logits, ModelError, Stage, StageInput, StageOutput};
 /// more.
 pub const GATHER_WAIT: Duration = Duration::from_millis(2);
 
+/// How long a step with no stream to decode waits for a generation arriving at a lane (a prompt being
+/// tokenized, a queued request taking a free lane): longer than [`GATHER_WAIT`], because a prompt that misses
+/// the pass stalls every stream for its own prefill a step later.
+pub const ARRIVAL_WAIT: Duration = Duration::from_millis(10);
+
 /// The default row budget of one pass.
 pub const DEFAULT_BATCH_TOKENS: usize = 512;
+
+/// The default bound on a decode step that also runs prompt rows: twice a decode-only step.
+pub const DEFAULT_DECODE_STRETCH: f64 = 2.0;
+
+/// How a [`SharedStage`] forms its steps.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepPolicy {
+    /// Rows of one pass at most; every pending one-row chunk (a stream's next token) runs whatever the budget.
+    pub batch_tokens: usize,
+    /// How long a step waits for active lanes that have not handed in their next chunk yet (zero: not at all,
+    /// nor for arrivals).
+    pub gather: Duration,
+    /// While streams decode, the most a step that also runs prompt rows may take, as a multiple of a
+    /// decode-only step: the prompt rows are cut to fit (at least one a step). `None`: prompt rows up to
+    /// `batch_tokens` whatever the streams wait.
+    pub decode_stretch: Option<f64>,
+}
+
+impl StepPolicy {
+    /// `batch_tokens` and `gather`, with the default decode stretch.
+    pub fn new(batch_tokens: usize, gather: Duration) -> StepPolicy {
+        StepPolicy {
+            batch_tokens,
+            gather,
+            decode_stretch: Some(DEFAULT_DECODE_STRETCH),
+        }
+    }
+}
 
 /// A [`Stage`] behind a batching compute thread.
 #[derive(Debug)]
@@ -49,9 +92,7 @@ struct Shared {
     work: Condvar,
     /// Callers wait here for their results.
     done: Condvar,
-    batch_tokens: usize,
-    /// How long a step waits for active lanes to hand in their next chunk (zero: not at all).
-    gather: Duration,
+    policy: StepPolicy,
     /// Whether the stage holds the model's head (its output is logits, not activation rows).
     last: bool,
     width: usize,
@@ -62,6 +103,10 @@ struct State {
     lanes: Vec<LaneState>,
     /// Generations about to take a lane (see [`SharedStage::expect_arrival`]).
     arriving: usize,
+    /// Requests waiting in a server's queue for a lane (see [`Backlog`]).
+    backlog: usize,
+    /// The prompt rows a step with decode rows takes now (see [`SharedStage::prompt_share`]).
+    prompt_cap: Option<usize>,
     stopping: bool,
     /// Orders chunks first come, first served.
     clock: u64,
@@ -103,19 +148,15 @@ struct Planned {
     logits: Logits,
     /// Whether these rows end the chunk.
     ends: bool,
+    /// Whether this is a one-row chunk (a stream's next token), which runs whatever the budget.
+    decode: bool,
 }
 
 impl SharedStage {
-    /// Starts the compute thread for `stage`; a pass runs at most `batch_tokens` rows (every pending one-row
-    /// chunk runs whatever the budget), and a step waits up to `gather` for active lanes that have not handed
-    /// in their next chunk yet. A gather pays where lanes come back within it (a whole model: they only
-    /// sample); where a lane's next chunk waits for a round trip down a chain, `Duration::ZERO` lets the
-    /// steps batch only what has queued up meanwhile.
-    pub fn start(
-        stage: Stage,
-        batch_tokens: usize,
-        gather: Duration,
-    ) -> std::io::Result<SharedStage> {
+    /// Starts the compute thread for `stage`, forming steps by `policy`. A gather pays where lanes come back
+    /// within it (a whole model: they only sample); where a lane's next chunk waits for a round trip down a
+    /// chain, `Duration::ZERO` lets the steps batch only what has queued up meanwhile.
+    pub fn start(stage: Stage, policy: StepPolicy) -> std::io::Result<SharedStage> {
         let lane_count = stage.lane_count();
         let (width, context_length, last) =
             (stage.width(), stage.context_length(), stage.spec().last);
@@ -127,8 +168,13 @@ impl SharedStage {
             }),
             work: Condvar::new(),
             done: Condvar::new(),
-            batch_tokens: batch_tokens.max(1),
-            gather,
+            policy: StepPolicy {
+                batch_tokens: policy.batch_tokens.max(1),
+                decode_stretch: policy
+                    .decode_stretch
+                    .filter(|stretch| stretch.is_finite() && *stretch >= 1.0),
+                ..policy
+            },
             last,
             width,
         });
@@ -174,6 +220,27 @@ impl SharedStage {
         Arrival {
             shared: Arc::clone(&self.shared),
         }
+    }
+
+    /// A handle through which a server tells the compute thread how many requests wait for a lane.
+    pub fn backlog(&self) -> Backlog {
+        Backlog {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+
+    /// How many prompt rows `lane` should hand in at a time now so that, beside the streams of the other active
+    /// lanes, a pass stays within the decode stretch (by the costs measured so far); `None` when no other
+    /// lane is active, nothing is measured yet, or the policy sets no stretch. A chain's stage 0 sizes its
+    /// prefill frames by it, so every stage downstream, which batches what queues up, keeps the bound too.
+    pub fn prompt_share(&self, lane: usize) -> Option<usize> {
+        let state = lock(&self.shared.state);
+        let others = state
+            .lanes
+            .iter()
+            .enumerate()
+            .any(|(index, entry)| index != lane && entry.active);
+        state.prompt_cap.filter(|_| others)
     }
 
     /// Marks `lane` as in a generation (`true`) or not: the compute thread waits a little for active lanes to
@@ -260,6 +327,28 @@ pub struct Arrival {
     shared: Arc<Shared>,
 }
 
+/// How many requests wait in a server's queue for a lane: while some do and a lane is free, a step with no stream
+/// to decode waits for the free lane to be taken (up to [`ARRIVAL_WAIT`]), as for an [`Arrival`]. Every lane
+/// of the stage must have a worker that takes the next queued request when its generation ends.
+#[derive(Clone, Debug)]
+pub struct Backlog {
+    shared: Arc<Shared>,
+}
+
+impl Backlog {
+    /// Records that `waiting` requests wait for a lane now.
+    pub fn set(&self, waiting: usize) {
+        let mut state = lock(&self.shared.state);
+        let emptied = state.backlog > 0 && waiting == 0;
+        state.backlog = waiting;
+        drop(state);
+        if emptied {
+            // A step may be waiting for a request that is no longer coming.
+            self.shared.work.notify_one();
+        }
+    }
+}
+
 impl Drop for Arrival {
     fn drop(&mut self) {
         let mut state = lock(&self.shared.state);
@@ -308,28 +397,26 @@ impl OwnedInput {
 /// The compute thread: waits for chunks, gathers a step, runs it, hands the results back.
 fn compute(shared: &Shared) {
     let width = shared.width;
+    let policy = shared.policy;
+    let mut costs = StepCosts::default();
     let mut state = lock(&shared.state);
-    let mut gather_until: Option<Instant> = None;
+    let mut gather_started: Option<Instant> = None;
     loop {
         if state.stopping {
             break;
         }
         if !state.lanes.iter().any(|lane| lane.pending.is_some()) {
-            gather_until = None;
+            gather_started = None;
             state = shared
                 .work
                 .wait(state)
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             continue;
         }
-        // Active lanes still taking or using their last result: give them a moment to join this step.
-        let thinking = state.arriving > 0
-            || state
-                .lanes
-                .iter()
-                .any(|lane| lane.active && lane.pending.is_none());
-        if thinking && !shared.gather.is_zero() {
-            let until = *gather_until.get_or_insert_with(|| Instant::now() + shared.gather);
+        if !policy.gather.is_zero()
+            && let Some(wait) = gather_wait(&state, width, policy.gather)
+        {
+            let until = *gather_started.get_or_insert_with(Instant::now) + wait;
             let now = Instant::now();
             if now < until {
                 state = shared
@@ -340,8 +427,11 @@ fn compute(shared: &Shared) {
                 continue;
             }
         }
-        gather_until = None;
-        let plan = plan_step(&state, shared.batch_tokens, width);
+        gather_started = None;
+        let prompt_cap = policy
+            .decode_stretch
+            .and_then(|stretch| costs.prompt_rows_within(stretch));
+        let plan = plan_step(&state, policy.batch_tokens, width, prompt_cap);
         if plan.is_empty() {
             // Cannot happen (a pending chunk has rows and the budget at least one), but a loop that found
             // nothing to run must sleep rather than spin.
@@ -367,11 +457,18 @@ fn compute(shared: &Shared) {
                 .collect();
             stage.forward_batch(&entries)
         };
+        let seconds = started.elapsed().as_secs_f64();
         let rows: usize = plan.iter().map(|planned| planned.input.rows(width)).sum();
+        let decode_rows = plan.iter().filter(|planned| planned.decode).count();
+        costs.observe(decode_rows, rows - decode_rows, seconds);
+        let prompt_cap = policy
+            .decode_stretch
+            .and_then(|stretch| costs.prompt_rows_within(stretch));
         let stage_metrics = &crate::telemetry::registry::STAGE;
-        stage_metrics.step(rows, started.elapsed().as_secs_f64());
+        stage_metrics.step(rows, seconds);
         stage_metrics.batch.observe(plan.len() as f64);
         state = lock(&shared.state);
+        state.prompt_cap = prompt_cap;
         for (planned, result) in plan.into_iter().zip(results) {
             let lane = &mut state.lanes[planned.lane];
             let Some(pending) = lane
@@ -415,9 +512,96 @@ fn compute(shared: &Shared) {
     shared.done.notify_all();
 }
 
+/// How long the step about to run may wait for more chunks, counted from the first time it could have run;
+/// `None` when nothing it would wait for is on its way. Active lanes still taking or using their last result
+/// get `gather`; a generation arriving at a lane (an [`Arrival`], or a queued request and a free lane to take)
+/// gets [`ARRIVAL_WAIT`] when no stream waits to decode in the step, so prompts that can start together
+/// prefill together.
+fn gather_wait(state: &State, width: usize, gather: Duration) -> Option<Duration> {
+    let arriving =
+        state.arriving > 0 || (state.backlog > 0 && state.lanes.iter().any(|lane| !lane.active));
+    let lagging = state
+        .lanes
+        .iter()
+        .any(|lane| lane.active && lane.pending.is_none());
+    let decoding = state.lanes.iter().any(|lane| {
+        lane.pending
+            .as_ref()
+            .is_some_and(|pending| pending.input.rows(width) - pending.done == 1)
+    });
+    match (arriving, lagging) {
+        (true, _) if !decoding => Some(ARRIVAL_WAIT.max(gather)),
+        (false, false) => None,
+        _ => Some(gather),
+    }
+}
+
+/// What the steps so far cost, to size a prompt's share of a decode step: moving averages of a decode-only
+/// step and of a prompt row run beside decode rows (or, before any such step, of one in a prompt-only step).
+#[derive(Debug, Default)]
+struct StepCosts {
+    /// Seconds of a step of decode rows only.
+    decode_step: Option<f64>,
+    /// Seconds a prompt row added to a step with decode rows.
+    prompt_row_mixed: Option<f64>,
+    /// Seconds of a prompt row in a step without decode rows.
+    prompt_row_alone: Option<f64>,
+}
+
+impl StepCosts {
+    /// Weight of the newest step in each average: a few steps follow a change of load (a stream leaving, the
+    /// host getting busy) without one descheduled step swinging the share.
+    const WEIGHT: f64 = 0.25;
+
+    fn observe(&mut self, decode_rows: usize, prompt_rows: usize, seconds: f64) {
+        let average = |slot: &mut Option<f64>, value: f64| {
+            *slot = Some(match *slot {
+                Some(before) => before + Self::WEIGHT * (value - before),
+                None => value,
+            });
+        };
+        match (decode_rows, prompt_rows) {
+            (0, 0) => {}
+            (_, 0) => average(&mut self.decode_step, seconds),
+            (0, prompt) => average(&mut self.prompt_row_alone, seconds / prompt as f64),
+            (_, prompt) => {
+                if let Some(decode) = self.decode_step {
+                    // Measured against the decode-only average: a step that cost less than that gives a prompt
+                    // row a small positive cost, never zero or less, so the share stays finite.
+                    let added = (seconds - decode).max(seconds * 0.01);
+                    average(&mut self.prompt_row_mixed, added / prompt as f64);
+                }
+            }
+        }
+    }
+
+    /// The prompt rows a step with decode rows may add to stay within `stretch` times a decode-only step (at
+    /// least one, so a prompt always moves on); `None` before a decode-only step has been measured.
+    fn prompt_rows_within(&self, stretch: f64) -> Option<usize> {
+        let decode = self.decode_step?;
+        let row = self
+            .prompt_row_mixed
+            .or(self.prompt_row_alone)
+            .unwrap_or(decode)
+            .max(f64::MIN_POSITIVE);
+        let rows = ((stretch - 1.0) * decode / row).floor();
+        Some(if rows.is_finite() && rows >= 1.0 {
+            rows.min(usize::MAX as f64) as usize
+        } else {
+            1
+        })
+    }
+}
+
 /// Chooses a step: every one-row chunk (a running stream's next token) first, then the other chunks first
-/// come, first served, each cut to what is left of the budget.
-fn plan_step(state: &State, budget: usize, width: usize) -> Vec<Planned> {
+/// come, first served, each cut to what is left of the budget, and, when the step decodes a stream, to
+/// `prompt_cap` rows in all.
+fn plan_step(
+    state: &State,
+    budget: usize,
+    width: usize,
+    prompt_cap: Option<usize>,
+) -> Vec<Planned> {
     let mut waiting: Vec<(usize, &Pending)> = state
         .lanes
         .iter()
@@ -426,7 +610,15 @@ fn plan_step(state: &State, budget: usize, width: usize) -> Vec<Planned> {
         .collect();
     let remaining = |pending: &Pending| pending.input.rows(width) - pending.done;
     waiting.sort_by_key(|(_, pending)| (remaining(pending) > 1, pending.order));
+    let decodes = waiting
+        .iter()
+        .filter(|(_, pending)| remaining(pending) == 1)
+        .count();
     let mut left = budget;
+    let mut prompt_left = match prompt_cap {
+        Some(cap) if decodes > 0 => cap.max(1),
+        _ => usize::MAX,
+    };
     let mut plan = Vec::with_capacity(waiting.len());
     for (lane, pending) in waiting {
         let remaining = remaining(pending);
@@ -434,12 +626,15 @@ fn plan_step(state: &State, budget: usize, width: usize) -> Vec<Planned> {
         let take = if remaining == 1 {
             1
         } else {
-            remaining.min(left)
+            remaining.min(left).min(prompt_left)
         };
         if take == 0 {
             continue;
         }
         left = left.saturating_sub(take);
+        if remaining > 1 {
+            prompt_left -= take;
+        }
         plan.push(Planned {
             lane,
             order: pending.order,
@@ -447,6 +642,7 @@ fn plan_step(state: &State, budget: usize, width: usize) -> Vec<Planned> {
             input: pending.input.copy(pending.done..pending.done + take, width),
             logits: pending.logits,
             ends: take == remaining,
+            decode: remaining == 1,
         });
     }
     plan
@@ -495,14 +691,130 @@ mod tests {
             ..State::default()
         };
         assert_eq!(
-            taken(&plan_step(&state, 512, 1)),
+            taken(&plan_step(&state, 512, 1, None)),
             [(1, 1, true), (3, 1, true), (0, 300, true), (2, 210, false)]
         );
         // A budget smaller than the streams still runs every stream's token, and nothing else.
         assert_eq!(
-            taken(&plan_step(&state, 1, 1)),
+            taken(&plan_step(&state, 1, 1, None)),
             [(1, 1, true), (3, 1, true)]
         );
+    }
+
+    #[test]
+    fn while_streams_decode_prompt_rows_are_cut_to_the_cap_and_alone_they_take_the_budget() {
+        let state = State {
+            lanes: vec![
+                waiting(300, 1),
+                waiting(1, 5),
+                waiting(400, 2),
+                waiting(1, 9),
+            ],
+            ..State::default()
+        };
+        // Two streams decode: the prompts share 20 rows, the oldest first.
+        assert_eq!(
+            taken(&plan_step(&state, 512, 1, Some(20))),
+            [(1, 1, true), (3, 1, true), (0, 20, false)]
+        );
+        // A cap larger than a prompt lets the next one have the rest.
+        let state = State {
+            lanes: vec![waiting(5, 1), waiting(1, 5), waiting(400, 2)],
+            ..State::default()
+        };
+        assert_eq!(
+            taken(&plan_step(&state, 512, 1, Some(8))),
+            [(1, 1, true), (0, 5, true), (2, 3, false)]
+        );
+        // A cap of zero still moves a prompt on by a row.
+        assert_eq!(
+            taken(&plan_step(&state, 512, 1, Some(0))),
+            [(1, 1, true), (0, 1, false)]
+        );
+        // With no stream to decode the cap does not apply: the budget does.
+        let state = State {
+            lanes: vec![waiting(300, 1), waiting(400, 2)],
+            ..State::default()
+        };
+        assert_eq!(
+            taken(&plan_step(&state, 512, 1, Some(20))),
+            [(0, 300, true), (1, 212, false)]
+        );
+    }
+
+    #[test]
+    fn the_prompt_share_follows_the_measured_costs() {
+        let mut costs = StepCosts::default();
+        assert_eq!(costs.prompt_rows_within(2.0), None, "nothing measured yet");
+        // Binary fractions of a second, so the divisions are exact.
+        let decode = 1.0 / 16.0;
+        costs.observe(3, 0, decode);
+        // No prompt row measured: one is taken to cost a whole decode step, so twice a step allows one row.
+        assert_eq!(costs.prompt_rows_within(2.0), Some(1));
+        costs.observe(0, 128, 128.0 / 256.0);
+        // A prompt row alone costs 1/256 s: a decode step of 1/16 s may take 1/16 s more, 16 rows.
+        assert_eq!(costs.prompt_rows_within(2.0), Some(16));
+        assert_eq!(costs.prompt_rows_within(3.0), Some(32));
+        // A prompt row beside decode rows cost 1/128 s: that figure wins over the prompt-only one.
+        costs.observe(3, 8, decode + 8.0 / 128.0);
+        assert_eq!(costs.prompt_rows_within(2.0), Some(8));
+        // A stretch of one leaves no room, and a prompt still gets its row.
+        assert_eq!(costs.prompt_rows_within(1.0), Some(1));
+        // A step cheaper than the decode average does not make prompt rows free.
+        costs.observe(3, 8, decode / 2.0);
+        assert!(
+            costs
+                .prompt_rows_within(2.0)
+                .is_some_and(|rows| (8..100).contains(&rows))
+        );
+        // A slower host: decode steps twice as long allow twice the rows at the same row cost.
+        let mut slow = StepCosts::default();
+        slow.observe(3, 0, 2.0 * decode);
+        slow.observe(3, 8, 2.0 * decode + 8.0 / 128.0);
+        assert_eq!(slow.prompt_rows_within(2.0), Some(16));
+    }
+
+    #[test]
+    fn a_step_waits_longer_for_arrivals_only_when_no_stream_decodes() {
+        let gather = Duration::from_millis(2);
+        let free = LaneState::default();
+        let decoding = waiting(1, 1);
+        let prompt = waiting(50, 2);
+        let lanes = |lanes: Vec<LaneState>| State {
+            lanes,
+            ..State::default()
+        };
+        let copy = |lane: &LaneState| match &lane.pending {
+            Some(pending) => waiting(pending.input.rows(1), pending.order),
+            None => LaneState::default(),
+        };
+        // Nothing on its way: no wait.
+        assert_eq!(
+            gather_wait(&lanes(vec![copy(&prompt), copy(&free)]), 1, gather),
+            None
+        );
+        // A queued request and a free lane: wait for it, longer when only prompts would run.
+        let mut state = lanes(vec![copy(&prompt), copy(&free)]);
+        state.backlog = 2;
+        assert_eq!(gather_wait(&state, 1, gather), Some(ARRIVAL_WAIT));
+        let mut state = lanes(vec![copy(&decoding), copy(&free)]);
+        state.backlog = 2;
+        assert_eq!(gather_wait(&state, 1, gather), Some(gather));
+        // A queue but every lane taken: no request can arrive.
+        let mut state = lanes(vec![copy(&prompt), copy(&decoding)]);
+        state.backlog = 2;
+        assert_eq!(gather_wait(&state, 1, gather), None);
+        // An announced arrival counts whether or not a lane is free.
+        let mut state = lanes(vec![copy(&prompt), copy(&decoding)]);
+        state.arriving = 1;
+        assert_eq!(gather_wait(&state, 1, gather), Some(gather));
+        // An active lane that has not handed in its chunk yet: the short gather.
+        let idle_active = LaneState {
+            active: true,
+            ..LaneState::default()
+        };
+        let state = lanes(vec![copy(&prompt), idle_active]);
+        assert_eq!(gather_wait(&state, 1, gather), Some(gather));
     }
 
     #[test]
@@ -515,7 +827,7 @@ mod tests {
             lanes: vec![lane],
             ..State::default()
         };
-        let plan = plan_step(&state, 512, 1);
+        let plan = plan_step(&state, 512, 1, Some(3));
         assert_eq!(taken(&plan), [(0, 188, true)]);
         assert_eq!(plan[0].position, 10 + 512);
     }
@@ -546,7 +858,7 @@ mod tests {
             .forward(0, 0, StageInput::Tokens(&prompt), Logits::Last)
             .expect("one pass");
         // A budget of 4 rows: the 11 rows run in three steps, their activation rows joined in order.
-        let shared = SharedStage::start(load(), 4, Duration::ZERO).expect("start");
+        let shared = SharedStage::start(load(), StepPolicy::new(4, Duration::ZERO)).expect("start");
         let stepped = shared
             .forward(0, 0, StageInput::Tokens(&prompt), Logits::Last)
             .expect("three steps");
