@@ -84,6 +84,10 @@ struct Options {
     max_tokens: usize,
     skip: Skip,
     scenarios: Scenarios,
+    /// Our layouts to run: stage processes per pipeline (1: the whole model).
+    stages: Vec<usize>,
+    /// `--decode-stretch` for our servers, as given (`None`: their default).
+    decode_stretch: Option<String>,
 }
 
 /// One concurrency's figures for one server.
@@ -139,6 +143,8 @@ impl Options {
             max_tokens: 128,
             skip: Skip::Nothing,
             scenarios: Scenarios::Run,
+            stages: vec![1, 3],
+            decode_stretch: None,
         };
         let mut iterator = arguments.iter();
         while let Some(argument) = iterator.next() {
@@ -175,10 +181,32 @@ impl Options {
                 "--skip-llama" => options.skip = Skip::Llama,
                 "--skip-ours" => options.skip = Skip::Ours,
                 "--skip-scenarios" => options.scenarios = Scenarios::Skip,
+                "--stages" => {
+                    options.stages = value("a list such as 1,3")?
+                        .split(',')
+                        .map(|count| count.trim().parse().ok().filter(|&count: &usize| count > 0))
+                        .collect::<Option<_>>()
+                        .context("--stages takes positive stage counts separated by commas")?;
+                }
+                "--decode-stretch" => {
+                    let text = value("a multiple such as 2, or 0 for no bound")?;
+                    let stretch: f64 = text
+                        .parse()
+                        .ok()
+                        .filter(|stretch: &f64| {
+                            *stretch == 0.0 || (stretch.is_finite() && *stretch >= 1.0)
+                        })
+                        .with_context(|| {
+                            format!(
+                                "--decode-stretch takes 0 or a number of at least 1, not `{text}`"
+                            )
+                        })?;
+                    options.decode_stretch = Some(stretch.to_string());
+                }
                 other => bail!(
                     "unknown argument `{other}` to `cargo xtask bench serve` (takes --model smollm2|gemma3, \
-                     --concurrency 1,2,4,8, --requests-per-worker N, --tokens N, --skip-llama, --skip-ours, \
-                     --skip-scenarios)"
+                     --concurrency 1,2,4,8, --requests-per-worker N, --tokens N, --stages 1,3, \
+                     --decode-stretch X, --skip-llama, --skip-ours, --skip-scenarios)"
                 ),
             }
         }
@@ -197,9 +225,20 @@ impl Options {
             Scenarios::Run => "",
             Scenarios::Skip => " --skip-scenarios",
         };
+        let stages: Vec<String> = self.stages.iter().map(usize::to_string).collect();
+        let stages = if stages == ["1", "3"] {
+            String::new()
+        } else {
+            format!(" --stages {}", stages.join(","))
+        };
+        let stretch = self
+            .decode_stretch
+            .as_ref()
+            .map(|stretch| format!(" --decode-stretch {stretch}"))
+            .unwrap_or_default();
         format!(
             "cargo xtask bench serve --model {} --concurrency {} --requests-per-worker {} --tokens \
-             {}{skip}{scenarios}",
+             {}{stages}{stretch}{skip}{scenarios}",
             self.model,
             levels.join(","),
             self.requests_per_worker,
@@ -280,7 +319,7 @@ pub fn run(arguments: &[String]) -> Result<()> {
         let binary = target_dir().join("release/stage-server");
         ensure!(binary.exists(), "cargo built no {}", binary.display());
         ours = Some(binary);
-        servers.extend([Server::Ours { stages: 1 }, Server::Ours { stages: 3 }]);
+        servers.extend(options.stages.iter().map(|&stages| Server::Ours { stages }));
     }
     let mut llama = None;
     if options.skip != Skip::Llama {
@@ -333,7 +372,13 @@ fn measure(
     options: &Options,
     log_dir: &Path,
 ) -> Result<(Vec<Level>, Option<ScenarioFigures>)> {
-    let mut running = start(server, binary, model, log_dir)?;
+    let mut running = start(
+        server,
+        binary,
+        model,
+        log_dir,
+        options.decode_stretch.as_deref(),
+    )?;
     running.wait_ready(server)?;
     let mut load = Load {
         address: running.address,
@@ -381,8 +426,15 @@ fn one_minute_load() -> String {
         .to_owned()
 }
 
-/// Spawns `server` on a free loopback port with its output in `<log_dir>/<slug>.log`.
-fn start(server: Server, binary: &Path, model: &Path, log_dir: &Path) -> Result<Running> {
+/// Spawns `server` on a free loopback port with its output in `<log_dir>/<slug>.log`; ours get
+/// `--decode-stretch decode_stretch` where given.
+fn start(
+    server: Server,
+    binary: &Path,
+    model: &Path,
+    log_dir: &Path,
+    decode_stretch: Option<&str>,
+) -> Result<Running> {
     let address = free_address()?;
     let log = log_dir.join(format!("{}.log", server.slug()));
     let output =
@@ -404,6 +456,9 @@ fn start(server: Server, binary: &Path, model: &Path, log_dir: &Path) -> Result<
                 ])
                 .env("CANDLE_NUM_THREADS", THREADS)
                 .env("RAYON_NUM_THREADS", THREADS);
+            if let Some(stretch) = decode_stretch {
+                command.args(["--decode-stretch", stretch]);
+            }
         }
         Server::Llama => {
             command
@@ -651,7 +706,8 @@ mod tests {
     #[test]
     fn the_options_parse_and_print_back_as_the_same_command() {
         let options = Options::parse(&arguments(
-            "--model gemma3 --concurrency 1,4 --requests-per-worker 2 --tokens 64 --skip-ours --skip-scenarios",
+            "--model gemma3 --concurrency 1,4 --requests-per-worker 2 --tokens 64 --stages 1 \
+             --decode-stretch 3 --skip-ours --skip-scenarios",
         ))
         .expect("valid options parse");
         assert_eq!(options.model, "gemma3");
@@ -661,7 +717,12 @@ mod tests {
         assert_eq!(
             options.command(),
             "cargo xtask bench serve --model gemma3 --concurrency 1,4 --requests-per-worker 2 --tokens 64 \
-             --skip-ours --skip-scenarios"
+             --stages 1 --decode-stretch 3 --skip-ours --skip-scenarios"
+        );
+        assert_eq!(options.stages, vec![1]);
+        assert!(
+            Options::parse(&arguments("--decode-stretch 0.5")).is_err(),
+            "a stretch below one must be refused"
         );
         let defaults = Options::parse(&[]).expect("no arguments parse");
         assert_eq!(

@@ -115,6 +115,8 @@ struct State {
 #[derive(Debug, Default)]
 struct LaneState {
     active: bool,
+    /// Whether the lane's last chunk was a single row: a stream decoding, rather than a prompt.
+    decoding: bool,
     pending: Option<Pending>,
     result: Option<Result<StageOutput, ModelError>>,
 }
@@ -231,7 +233,8 @@ impl SharedStage {
 
     /// How many prompt rows `lane` should hand in at a time now so that, beside the streams of the other active
     /// lanes, a pass stays within the decode stretch (by the costs measured so far); `None` when no other
-    /// lane is active, nothing is measured yet, or the policy sets no stretch. A chain's stage 0 sizes its
+    /// active lane is decoding (prompts beside prompts run as large as they come), nothing is measured yet,
+    /// or the policy sets no stretch. A chain's stage 0 sizes its
     /// prefill frames by it, so every stage downstream, which batches what queues up, keeps the bound too.
     pub fn prompt_share(&self, lane: usize) -> Option<usize> {
         let state = lock(&self.shared.state);
@@ -239,7 +242,7 @@ impl SharedStage {
             .lanes
             .iter()
             .enumerate()
-            .any(|(index, entry)| index != lane && entry.active);
+            .any(|(index, entry)| index != lane && entry.active && entry.decoding);
         state.prompt_cap.filter(|_| others)
     }
 
@@ -249,6 +252,7 @@ impl SharedStage {
         let mut state = lock(&self.shared.state);
         if let Some(entry) = state.lanes.get_mut(lane) {
             entry.active = active;
+            entry.decoding = false;
         }
         drop(state);
         if !active {
@@ -295,6 +299,7 @@ impl SharedStage {
         state.clock += 1;
         let order = state.clock;
         state.lanes[lane].result = None;
+        state.lanes[lane].decoding = input.rows(self.width) == 1;
         state.lanes[lane].pending = Some(Pending {
             position,
             input,
@@ -661,6 +666,7 @@ mod tests {
     fn waiting(rows: usize, order: u64) -> LaneState {
         LaneState {
             active: true,
+            decoding: rows == 1,
             pending: Some(Pending {
                 position: 10,
                 input: OwnedInput::Tokens(vec![7; rows]),
@@ -830,6 +836,57 @@ mod tests {
         let plan = plan_step(&state, 512, 1, Some(3));
         assert_eq!(taken(&plan), [(0, 188, true)]);
         assert_eq!(plan[0].position, 10 + 512);
+    }
+
+    #[test]
+    fn a_prompt_share_is_offered_only_beside_another_lanes_decoding_stream() {
+        use crate::model::testing::TinyModel;
+        use crate::model::{StageOptions, StageSpec};
+        use candle_core::quantized::GgmlDType;
+        let model = TinyModel::llama(GgmlDType::Q4_1);
+        let dir =
+            std::env::temp_dir().join(format!("stage-server-shared-share-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("scratch directory");
+        let path = model.write_to_dir(&dir).expect("write the tiny model");
+        let stage = Stage::load(
+            &path,
+            StageSpec::whole(model.block_count),
+            StageOptions {
+                lane_count: 2,
+                context_length: None,
+            },
+        )
+        .expect("load");
+        let shared =
+            SharedStage::start(stage, StepPolicy::new(512, Duration::ZERO)).expect("start");
+        shared.activate(0, true);
+        shared.activate(1, true);
+        let run = |lane: usize, position: usize, tokens: &[u32]| {
+            shared
+                .forward(lane, position, StageInput::Tokens(tokens), Logits::Last)
+                .expect("forward");
+        };
+        run(1, 0, &[5, 6, 7]);
+        assert_eq!(shared.prompt_share(0), None, "lane 1 prefills: no share");
+        run(1, 3, &[8]);
+        let share = shared.prompt_share(0);
+        assert!(
+            share.is_some_and(|rows| rows >= 1),
+            "lane 1 decodes and a decode step is measured: lane 0 gets a share, got {share:?}"
+        );
+        assert_eq!(
+            shared.prompt_share(1),
+            None,
+            "a lane's own stream does not count"
+        );
+        run(1, 4, &[9, 10]);
+        assert_eq!(shared.prompt_share(0), None, "lane 1 is back to a prompt");
+        run(1, 6, &[11]);
+        assert!(shared.prompt_share(0).is_some());
+        shared.activate(1, false);
+        assert_eq!(shared.prompt_share(0), None, "lane 1 left its generation");
+        drop(shared);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
