@@ -105,8 +105,8 @@ struct State {
     arriving: usize,
     /// Requests waiting in a server's queue for a lane (see [`Backlog`]).
     backlog: usize,
-    /// The prompt rows a step with decode rows takes now (see [`SharedStage::prompt_share`]).
-    prompt_cap: Option<usize>,
+    /// What the steps so far cost, to size a prompt's share of a decode step.
+    costs: StepCosts,
     stopping: bool,
     /// Orders chunks first come, first served.
     clock: u64,
@@ -238,12 +238,16 @@ impl SharedStage {
     /// prefill frames by it, so every stage downstream, which batches what queues up, keeps the bound too.
     pub fn prompt_share(&self, lane: usize) -> Option<usize> {
         let state = lock(&self.shared.state);
-        let others = state
+        let streams = state
             .lanes
             .iter()
             .enumerate()
-            .any(|(index, entry)| index != lane && entry.active && entry.decoding);
-        state.prompt_cap.filter(|_| others)
+            .filter(|(index, entry)| *index != lane && entry.active && entry.decoding)
+            .count();
+        let stretch = self.shared.policy.decode_stretch?;
+        (streams > 0)
+            .then(|| state.costs.prompt_rows_within(stretch, streams))
+            .flatten()
     }
 
     /// Marks `lane` as in a generation (`true`) or not: the compute thread waits a little for active lanes to
@@ -403,7 +407,6 @@ impl OwnedInput {
 fn compute(shared: &Shared) {
     let width = shared.width;
     let policy = shared.policy;
-    let mut costs = StepCosts::default();
     let mut state = lock(&shared.state);
     let mut gather_started: Option<Instant> = None;
     loop {
@@ -433,10 +436,11 @@ fn compute(shared: &Shared) {
             }
         }
         gather_started = None;
-        let prompt_cap = policy
-            .decode_stretch
-            .and_then(|stretch| costs.prompt_rows_within(stretch));
-        let plan = plan_step(&state, policy.batch_tokens, width, prompt_cap);
+        let plan = plan_step(&state, policy.batch_tokens, width, |streams| {
+            policy
+                .decode_stretch
+                .and_then(|stretch| state.costs.prompt_rows_within(stretch, streams))
+        });
         if plan.is_empty() {
             // Cannot happen (a pending chunk has rows and the budget at least one), but a loop that found
             // nothing to run must sleep rather than spin.
@@ -465,15 +469,13 @@ fn compute(shared: &Shared) {
         let seconds = started.elapsed().as_secs_f64();
         let rows: usize = plan.iter().map(|planned| planned.input.rows(width)).sum();
         let decode_rows = plan.iter().filter(|planned| planned.decode).count();
-        costs.observe(decode_rows, rows - decode_rows, seconds);
-        let prompt_cap = policy
-            .decode_stretch
-            .and_then(|stretch| costs.prompt_rows_within(stretch));
         let stage_metrics = &crate::telemetry::registry::STAGE;
         stage_metrics.step(rows, seconds);
         stage_metrics.batch.observe(plan.len() as f64);
         state = lock(&shared.state);
-        state.prompt_cap = prompt_cap;
+        state
+            .costs
+            .observe(decode_rows, rows - decode_rows, seconds);
         for (planned, result) in plan.into_iter().zip(results) {
             let lane = &mut state.lanes[planned.lane];
             let Some(pending) = lane
@@ -541,12 +543,14 @@ fn gather_wait(state: &State, width: usize, gather: Duration) -> Option<Duration
     }
 }
 
-/// What the steps so far cost, to size a prompt's share of a decode step: moving averages of a decode-only
-/// step and of a prompt row run beside decode rows (or, before any such step, of one in a prompt-only step).
+/// What the steps so far cost, to size a prompt's share of a decode step: moving averages of a decode row in a
+/// decode-only step and of what a prompt row adds to a step with decode rows (or, before any such step, of a
+/// prompt row in a prompt-only step). A decode-only step is taken to cost its rows times the row average, so a
+/// figure measured with one stream sizes a step with three.
 #[derive(Debug, Default)]
 struct StepCosts {
-    /// Seconds of a step of decode rows only.
-    decode_step: Option<f64>,
+    /// Seconds per row of a step of decode rows only.
+    decode_row: Option<f64>,
     /// Seconds a prompt row added to a step with decode rows.
     prompt_row_mixed: Option<f64>,
     /// Seconds of a prompt row in a step without decode rows.
@@ -554,8 +558,8 @@ struct StepCosts {
 }
 
 impl StepCosts {
-    /// Weight of the newest step in each average: a few steps follow a change of load (a stream leaving, the
-    /// host getting busy) without one descheduled step swinging the share.
+    /// Weight of the newest step in each average: a few steps follow a change of load (the host getting busy)
+    /// without one descheduled step swinging the share.
     const WEIGHT: f64 = 0.25;
 
     fn observe(&mut self, decode_rows: usize, prompt_rows: usize, seconds: f64) {
@@ -567,23 +571,23 @@ impl StepCosts {
         };
         match (decode_rows, prompt_rows) {
             (0, 0) => {}
-            (_, 0) => average(&mut self.decode_step, seconds),
+            (decode, 0) => average(&mut self.decode_row, seconds / decode as f64),
             (0, prompt) => average(&mut self.prompt_row_alone, seconds / prompt as f64),
-            (_, prompt) => {
-                if let Some(decode) = self.decode_step {
+            (decode, prompt) => {
+                if let Some(row) = self.decode_row {
                     // Measured against the decode-only average: a step that cost less than that gives a prompt
                     // row a small positive cost, never zero or less, so the share stays finite.
-                    let added = (seconds - decode).max(seconds * 0.01);
+                    let added = (seconds - row * decode as f64).max(seconds * 0.01);
                     average(&mut self.prompt_row_mixed, added / prompt as f64);
                 }
             }
         }
     }
 
-    /// The prompt rows a step with decode rows may add to stay within `stretch` times a decode-only step (at
-    /// least one, so a prompt always moves on); `None` before a decode-only step has been measured.
-    fn prompt_rows_within(&self, stretch: f64) -> Option<usize> {
-        let decode = self.decode_step?;
+    /// The prompt rows a step with `streams` decode rows may add to stay within `stretch` times a decode-only
+    /// step (at least one, so a prompt always moves on); `None` before a decode-only step has been measured.
+    fn prompt_rows_within(&self, stretch: f64, streams: usize) -> Option<usize> {
+        let decode = self.decode_row? * streams.max(1) as f64;
         let row = self
             .prompt_row_mixed
             .or(self.prompt_row_alone)
@@ -599,13 +603,13 @@ impl StepCosts {
 }
 
 /// Chooses a step: every one-row chunk (a running stream's next token) first, then the other chunks first
-/// come, first served, each cut to what is left of the budget, and, when the step decodes a stream, to
-/// `prompt_cap` rows in all.
+/// come, first served, each cut to what is left of the budget, and, when the step decodes streams, to
+/// `prompt_cap(streams)` rows in all.
 fn plan_step(
     state: &State,
     budget: usize,
     width: usize,
-    prompt_cap: Option<usize>,
+    prompt_cap: impl Fn(usize) -> Option<usize>,
 ) -> Vec<Planned> {
     let mut waiting: Vec<(usize, &Pending)> = state
         .lanes
@@ -620,9 +624,9 @@ fn plan_step(
         .filter(|(_, pending)| remaining(pending) == 1)
         .count();
     let mut left = budget;
-    let mut prompt_left = match prompt_cap {
-        Some(cap) if decodes > 0 => cap.max(1),
-        _ => usize::MAX,
+    let mut prompt_left = match (decodes > 0).then(|| prompt_cap(decodes)).flatten() {
+        Some(cap) => cap.max(1),
+        None => usize::MAX,
     };
     let mut plan = Vec::with_capacity(waiting.len());
     for (lane, pending) in waiting {
@@ -697,12 +701,12 @@ mod tests {
             ..State::default()
         };
         assert_eq!(
-            taken(&plan_step(&state, 512, 1, None)),
+            taken(&plan_step(&state, 512, 1, |_| None)),
             [(1, 1, true), (3, 1, true), (0, 300, true), (2, 210, false)]
         );
         // A budget smaller than the streams still runs every stream's token, and nothing else.
         assert_eq!(
-            taken(&plan_step(&state, 1, 1, None)),
+            taken(&plan_step(&state, 1, 1, |_| None)),
             [(1, 1, true), (3, 1, true)]
         );
     }
@@ -720,7 +724,7 @@ mod tests {
         };
         // Two streams decode: the prompts share 20 rows, the oldest first.
         assert_eq!(
-            taken(&plan_step(&state, 512, 1, Some(20))),
+            taken(&plan_step(&state, 512, 1, |_| Some(20))),
             [(1, 1, true), (3, 1, true), (0, 20, false)]
         );
         // A cap larger than a prompt lets the next one have the rest.
@@ -729,12 +733,12 @@ mod tests {
             ..State::default()
         };
         assert_eq!(
-            taken(&plan_step(&state, 512, 1, Some(8))),
+            taken(&plan_step(&state, 512, 1, |_| Some(8))),
             [(1, 1, true), (0, 5, true), (2, 3, false)]
         );
         // A cap of zero still moves a prompt on by a row.
         assert_eq!(
-            taken(&plan_step(&state, 512, 1, Some(0))),
+            taken(&plan_step(&state, 512, 1, |_| Some(0))),
             [(1, 1, true), (0, 1, false)]
         );
         // With no stream to decode the cap does not apply: the budget does.
@@ -743,7 +747,7 @@ mod tests {
             ..State::default()
         };
         assert_eq!(
-            taken(&plan_step(&state, 512, 1, Some(20))),
+            taken(&plan_step(&state, 512, 1, |_| Some(20))),
             [(0, 300, true), (1, 212, false)]
         );
     }
@@ -751,33 +755,39 @@ mod tests {
     #[test]
     fn the_prompt_share_follows_the_measured_costs() {
         let mut costs = StepCosts::default();
-        assert_eq!(costs.prompt_rows_within(2.0), None, "nothing measured yet");
-        // Binary fractions of a second, so the divisions are exact.
-        let decode = 1.0 / 16.0;
-        costs.observe(3, 0, decode);
+        assert_eq!(
+            costs.prompt_rows_within(2.0, 3),
+            None,
+            "nothing measured yet"
+        );
+        // Binary fractions of a second, so the divisions are exact: a decode row costs 1/64 s.
+        let row = 1.0 / 64.0;
+        costs.observe(4, 0, 4.0 * row);
         // No prompt row measured: one is taken to cost a whole decode step, so twice a step allows one row.
-        assert_eq!(costs.prompt_rows_within(2.0), Some(1));
+        assert_eq!(costs.prompt_rows_within(2.0, 4), Some(1));
         costs.observe(0, 128, 128.0 / 256.0);
-        // A prompt row alone costs 1/256 s: a decode step of 1/16 s may take 1/16 s more, 16 rows.
-        assert_eq!(costs.prompt_rows_within(2.0), Some(16));
-        assert_eq!(costs.prompt_rows_within(3.0), Some(32));
+        // A prompt row alone costs 1/256 s: a step of 4 streams (1/16 s) may take 1/16 s more, 16 rows.
+        assert_eq!(costs.prompt_rows_within(2.0, 4), Some(16));
+        assert_eq!(costs.prompt_rows_within(3.0, 4), Some(32));
+        // Fewer streams, a shorter step, fewer rows: the decode figure is per row.
+        assert_eq!(costs.prompt_rows_within(2.0, 1), Some(4));
         // A prompt row beside decode rows cost 1/128 s: that figure wins over the prompt-only one.
-        costs.observe(3, 8, decode + 8.0 / 128.0);
-        assert_eq!(costs.prompt_rows_within(2.0), Some(8));
+        costs.observe(4, 8, 4.0 * row + 8.0 / 128.0);
+        assert_eq!(costs.prompt_rows_within(2.0, 4), Some(8));
         // A stretch of one leaves no room, and a prompt still gets its row.
-        assert_eq!(costs.prompt_rows_within(1.0), Some(1));
+        assert_eq!(costs.prompt_rows_within(1.0, 4), Some(1));
         // A step cheaper than the decode average does not make prompt rows free.
-        costs.observe(3, 8, decode / 2.0);
+        costs.observe(4, 8, row);
         assert!(
             costs
-                .prompt_rows_within(2.0)
+                .prompt_rows_within(2.0, 4)
                 .is_some_and(|rows| (8..100).contains(&rows))
         );
-        // A slower host: decode steps twice as long allow twice the rows at the same row cost.
+        // A slower host: decode rows twice as dear allow twice the prompt rows at the same row cost.
         let mut slow = StepCosts::default();
-        slow.observe(3, 0, 2.0 * decode);
-        slow.observe(3, 8, 2.0 * decode + 8.0 / 128.0);
-        assert_eq!(slow.prompt_rows_within(2.0), Some(16));
+        slow.observe(2, 0, 4.0 * row);
+        slow.observe(4, 8, 8.0 * row + 8.0 / 128.0);
+        assert_eq!(slow.prompt_rows_within(2.0, 4), Some(16));
     }
 
     #[test]
@@ -833,7 +843,7 @@ mod tests {
             lanes: vec![lane],
             ..State::default()
         };
-        let plan = plan_step(&state, 512, 1, Some(3));
+        let plan = plan_step(&state, 512, 1, |_| Some(3));
         assert_eq!(taken(&plan), [(0, 188, true)]);
         assert_eq!(plan[0].position, 10 + 512);
     }
