@@ -73,9 +73,10 @@ struct RunArgs {
     batch_tokens: u64,
     /// While streams decode, the most a pass that also runs rows of a newly admitted prompt may take, as a
     /// multiple of a pass of the streams alone (the prompt rows are cut to fit, by the costs measured so far;
-    /// the rest of the prompt follows in the next passes); 0 turns the bound off (prompt rows up to
-    /// --batch-tokens, however long the streams wait).
-    #[arg(long, default_value_t = stage_server::model::DEFAULT_DECODE_STRETCH, value_parser = parse_stretch)]
+    /// the rest of the prompt follows in the next passes). 2 keeps every stream's token gap within about twice
+    /// its usual, at the price of the admitted request's time to first token; 0 (the default): no bound,
+    /// prompt rows up to --batch-tokens however long the streams wait.
+    #[arg(long, default_value_t = 0.0, value_parser = parse_stretch)]
     decode_stretch: f64,
     /// Compute threads per stage process (default: this host's cores shared among the stage processes, at
     /// least one each; all of them for --stages 1).

@@ -45,7 +45,7 @@ pub struct ApiConfig {
 
 impl ApiConfig {
     /// The defaults on `http`: 4 lanes, a queue of 8, a 30 s queue timeout, the HTTP layer's limits, 512
-    /// rows per forward pass, a decode pass stretched at most twice by prompt rows.
+    /// rows per forward pass, no bound on how far prompt rows stretch a decode pass.
     pub fn new(http: SocketAddr) -> ApiConfig {
         ApiConfig {
             http,
@@ -58,7 +58,7 @@ impl ApiConfig {
             http_limits: HttpLimits::default(),
             drain_timeout: Duration::from_secs(30),
             batch_tokens: crate::model::DEFAULT_BATCH_TOKENS,
-            decode_stretch: Some(crate::model::DEFAULT_DECODE_STRETCH),
+            decode_stretch: None,
         }
     }
 

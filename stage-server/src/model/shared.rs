@@ -21,10 +21,10 @@
 //!   its way to a lane ([`Arrival`]), a step with no stream to decode waits up to [`ARRIVAL_WAIT`] for them, so
 //!   prompts that can start together prefill in one pass instead of each stalling the streams the one before
 //!   it started;
-//! - *a prompt's share of a decode step*: while streams decode, a step also runs prompt rows only as many as
-//!   keep it within [`StepPolicy::decode_stretch`] times a decode-only step, by the costs measured on the
-//!   steps so far; a long prompt runs over several steps beside the streams instead of freezing them for its
-//!   whole prefill.
+//! - *a prompt's share of a decode step* (when [`StepPolicy::decode_stretch`] is set): while streams decode, a
+//!   step also runs prompt rows only as many as keep it within that many times a decode-only step, by the costs
+//!   measured on the steps so far; a long prompt runs over several steps beside the streams instead of freezing
+//!   them for its whole prefill.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -45,9 +45,6 @@ pub const ARRIVAL_WAIT: Duration = Duration::from_millis(10);
 /// The default row budget of one pass.
 pub const DEFAULT_BATCH_TOKENS: usize = 512;
 
-/// The default bound on a decode step that also runs prompt rows: twice a decode-only step.
-pub const DEFAULT_DECODE_STRETCH: f64 = 2.0;
-
 /// How a [`SharedStage`] forms its steps.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepPolicy {
@@ -63,12 +60,14 @@ pub struct StepPolicy {
 }
 
 impl StepPolicy {
-    /// `batch_tokens` and `gather`, with the default decode stretch.
+    /// `batch_tokens` and `gather`, with no decode stretch: on a CPU a prompt row costs about as much as a
+    /// decode row, so bounding the streams' steps slows the admitted prompt by as much as it spares them (see
+    /// `docs/PERFORMANCE.md`); the bound is for callers who want it.
     pub fn new(batch_tokens: usize, gather: Duration) -> StepPolicy {
         StepPolicy {
             batch_tokens,
             gather,
-            decode_stretch: Some(DEFAULT_DECODE_STRETCH),
+            decode_stretch: None,
         }
     }
 }
@@ -867,8 +866,11 @@ mod tests {
             },
         )
         .expect("load");
-        let shared =
-            SharedStage::start(stage, StepPolicy::new(512, Duration::ZERO)).expect("start");
+        let policy = StepPolicy {
+            decode_stretch: Some(2.0),
+            ..StepPolicy::new(512, Duration::ZERO)
+        };
+        let shared = SharedStage::start(stage, policy).expect("start");
         shared.activate(0, true);
         shared.activate(1, true);
         let run = |lane: usize, position: usize, tokens: &[u32]| {
