@@ -205,27 +205,10 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 mod tests {
     use super::*;
     use crate::model::testing::TinyModel;
-    use crate::model::{StageOptions, StageSpec};
     use candle_core::quantized::GgmlDType;
 
     fn tiny_stage(lanes: usize) -> (std::path::PathBuf, Stage) {
-        let model = TinyModel::llama(GgmlDType::Q4_1);
-        let dir = std::env::temp_dir().join(format!(
-            "stage-server-batcher-{}-{lanes}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&dir).expect("scratch directory");
-        let path = model.write_to_dir(&dir).expect("write the tiny model");
-        let stage = Stage::load(
-            &path,
-            StageSpec::whole(model.block_count),
-            StageOptions {
-                lane_count: lanes,
-                context_length: None,
-            },
-        )
-        .expect("load");
-        (dir, stage)
+        TinyModel::llama(GgmlDType::Q4_1).scratch_stage(&format!("batcher-{lanes}"), lanes)
     }
 
     #[test]

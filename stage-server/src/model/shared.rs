@@ -522,7 +522,8 @@ fn compute(shared: &Shared) {
 /// `None` when nothing it would wait for is on its way. Active lanes still taking or using their last result
 /// get `gather`; a generation arriving at a lane (an [`Arrival`], or a queued request and a free lane to take)
 /// gets [`ARRIVAL_WAIT`] when no stream waits to decode in the step, so prompts that can start together
-/// prefill together.
+/// prefill together. The caller does not ask with a zero gather (a chain's stage 0, whose lanes drift apart
+/// on their round trips anyway).
 fn gather_wait(state: &State, width: usize, gather: Duration) -> Option<Duration> {
     let arriving =
         state.arriving > 0 || (state.backlog > 0 && state.lanes.iter().any(|lane| !lane.active));
@@ -688,9 +689,9 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn one_row_chunks_run_first_and_longer_ones_share_what_is_left_of_the_budget_in_order() {
-        let state = State {
+    /// Lanes 1 and 3 decode (one row each); lanes 0 and 2 wait with prompts of 300 and 400 rows, 0 the older.
+    fn two_streams_and_two_prompts() -> State {
+        State {
             lanes: vec![
                 waiting(300, 1),
                 waiting(1, 5),
@@ -698,7 +699,12 @@ mod tests {
                 waiting(1, 9),
             ],
             ..State::default()
-        };
+        }
+    }
+
+    #[test]
+    fn one_row_chunks_run_first_and_longer_ones_share_what_is_left_of_the_budget_in_order() {
+        let state = two_streams_and_two_prompts();
         assert_eq!(
             taken(&plan_step(&state, 512, 1, |_| None)),
             [(1, 1, true), (3, 1, true), (0, 300, true), (2, 210, false)]
@@ -712,15 +718,7 @@ mod tests {
 
     #[test]
     fn while_streams_decode_prompt_rows_are_cut_to_the_cap_and_alone_they_take_the_budget() {
-        let state = State {
-            lanes: vec![
-                waiting(300, 1),
-                waiting(1, 5),
-                waiting(400, 2),
-                waiting(1, 9),
-            ],
-            ..State::default()
-        };
+        let state = two_streams_and_two_prompts();
         // Two streams decode: the prompts share 20 rows, the oldest first.
         assert_eq!(
             taken(&plan_step(&state, 512, 1, |_| Some(20))),
@@ -824,11 +822,11 @@ mod tests {
         state.arriving = 1;
         assert_eq!(gather_wait(&state, 1, gather), Some(gather));
         // An active lane that has not handed in its chunk yet: the short gather.
-        let idle_active = LaneState {
+        let idle_active = || LaneState {
             active: true,
             ..LaneState::default()
         };
-        let state = lanes(vec![copy(&prompt), idle_active]);
+        let state = lanes(vec![copy(&prompt), idle_active()]);
         assert_eq!(gather_wait(&state, 1, gather), Some(gather));
     }
 
@@ -850,22 +848,8 @@ mod tests {
     #[test]
     fn a_prompt_share_is_offered_only_beside_another_lanes_decoding_stream() {
         use crate::model::testing::TinyModel;
-        use crate::model::{StageOptions, StageSpec};
         use candle_core::quantized::GgmlDType;
-        let model = TinyModel::llama(GgmlDType::Q4_1);
-        let dir =
-            std::env::temp_dir().join(format!("stage-server-shared-share-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("scratch directory");
-        let path = model.write_to_dir(&dir).expect("write the tiny model");
-        let stage = Stage::load(
-            &path,
-            StageSpec::whole(model.block_count),
-            StageOptions {
-                lane_count: 2,
-                context_length: None,
-            },
-        )
-        .expect("load");
+        let (dir, stage) = TinyModel::llama(GgmlDType::Q4_1).scratch_stage("shared-share", 2);
         let policy = StepPolicy {
             decode_stretch: Some(2.0),
             ..StepPolicy::new(512, Duration::ZERO)

@@ -131,6 +131,24 @@ impl TinyModel {
         Ok(path)
     }
 
+    /// Writes the model into a fresh scratch directory named after `name` (and this process) and loads all its
+    /// layers with `lanes` lanes; returns the directory, for the caller to remove, and the stage.
+    pub fn scratch_stage(&self, name: &str, lanes: usize) -> (PathBuf, super::Stage) {
+        let dir = std::env::temp_dir().join(format!("stage-server-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("scratch directory");
+        let path = self.write_to_dir(&dir).expect("write the tiny model");
+        let stage = super::Stage::load(
+            &path,
+            super::StageSpec::whole(self.block_count),
+            super::StageOptions {
+                lane_count: lanes,
+                context_length: None,
+            },
+        )
+        .expect("load the tiny model");
+        (dir, stage)
+    }
+
     /// Writes the model to `path`.
     pub fn write(&self, path: &Path) -> Result<(), ModelError> {
         let vocabulary = Self::vocabulary();
