@@ -349,6 +349,8 @@ impl Chain {
         }
         let mut predicted = self.wait_for_token(session, position, &mut unacknowledged)?;
         generation.prompt_time = started.elapsed();
+        // From here the lane is a stream: other lanes' prompts are cut to spare it (with a decode stretch).
+        share.stage.mark_decoding(share.lane);
         let decode_started = Instant::now();
         loop {
             if options.stop_tokens.contains(&predicted.token) {

@@ -114,7 +114,8 @@ struct State {
 #[derive(Debug, Default)]
 struct LaneState {
     active: bool,
-    /// Whether the lane's last chunk was a single row: a stream decoding, rather than a prompt.
+    /// Whether the lane's generation is past its prompt (see [`SharedStage::mark_decoding`]): a stream, rather
+    /// than a prompt cut into rows.
     decoding: bool,
     pending: Option<Pending>,
     result: Option<Result<StageOutput, ModelError>>,
@@ -249,6 +250,15 @@ impl SharedStage {
             .flatten()
     }
 
+    /// Marks `lane`'s generation as past its prompt: its chunks from now on are a stream's tokens, which
+    /// [`SharedStage::prompt_share`] protects. Said by the caller because a row count cannot tell: a prompt cut
+    /// to one row a frame looks like a stream. Cleared when the lane leaves its generation.
+    pub fn mark_decoding(&self, lane: usize) {
+        if let Some(entry) = lock(&self.shared.state).lanes.get_mut(lane) {
+            entry.decoding = true;
+        }
+    }
+
     /// Marks `lane` as in a generation (`true`) or not: the compute thread waits a little for active lanes to
     /// hand in their next chunk before it starts a step.
     pub fn activate(&self, lane: usize, active: bool) {
@@ -302,7 +312,6 @@ impl SharedStage {
         state.clock += 1;
         let order = state.clock;
         state.lanes[lane].result = None;
-        state.lanes[lane].decoding = input.rows(self.width) == 1;
         state.lanes[lane].pending = Some(Pending {
             position,
             input,
@@ -864,7 +873,15 @@ mod tests {
         };
         run(1, 0, &[5, 6, 7]);
         assert_eq!(shared.prompt_share(0), None, "lane 1 prefills: no share");
+        // A prompt handed in a row at a time is still a prompt, not a stream to protect.
         run(1, 3, &[8]);
+        assert_eq!(
+            shared.prompt_share(0),
+            None,
+            "a one-row prompt chunk is not a stream"
+        );
+        shared.mark_decoding(1);
+        run(1, 4, &[9]);
         let share = shared.prompt_share(0);
         assert!(
             share.is_some_and(|rows| rows >= 1),
@@ -875,12 +892,14 @@ mod tests {
             None,
             "a lane's own stream does not count"
         );
-        run(1, 4, &[9, 10]);
-        assert_eq!(shared.prompt_share(0), None, "lane 1 is back to a prompt");
-        run(1, 6, &[11]);
-        assert!(shared.prompt_share(0).is_some());
         shared.activate(1, false);
         assert_eq!(shared.prompt_share(0), None, "lane 1 left its generation");
+        shared.activate(1, true);
+        assert_eq!(
+            shared.prompt_share(0),
+            None,
+            "a new generation on lane 1 starts with its prompt"
+        );
         drop(shared);
         let _ = std::fs::remove_dir_all(&dir);
     }
