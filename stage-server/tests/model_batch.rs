@@ -511,6 +511,11 @@ fn a_generation_announced_before_its_prompt_is_ready_joins_the_pass_an_earlier_o
             .expect("prefill");
         shared.activate(lane, false);
     };
+    let reset_lanes = || {
+        for lane in 0..2 {
+            shared.with_stage(|stage| stage.reset(lane)).expect("reset");
+        }
+    };
     let before = passes();
     let arrival = shared.expect_arrival();
     std::thread::scope(|scope| {
@@ -527,9 +532,7 @@ fn a_generation_announced_before_its_prompt_is_ready_joins_the_pass_an_earlier_o
         (1, 0),
         "an announced generation: one pass of both prompts"
     );
-    for lane in 0..2 {
-        shared.with_stage(|stage| stage.reset(lane)).expect("reset");
-    }
+    reset_lanes();
     let started = std::time::Instant::now();
     prefill(0);
     prefill(1);
@@ -545,9 +548,7 @@ fn a_generation_announced_before_its_prompt_is_ready_joins_the_pass_an_earlier_o
     );
     // A request queued while lane 1 is free: lane 0's pass waits for it to take the lane and hand in its
     // prompt, as a server's lane worker does (it announces the arrival before the queue says it is empty).
-    for lane in 0..2 {
-        shared.with_stage(|stage| stage.reset(lane)).expect("reset");
-    }
+    reset_lanes();
     let backlog = shared.backlog();
     backlog.set(1);
     let queued = passes();
@@ -569,9 +570,7 @@ fn a_generation_announced_before_its_prompt_is_ready_joins_the_pass_an_earlier_o
     );
     // The queued request leaves the queue without taking the lane (its client went away): the waiting pass
     // runs at once, alone.
-    for lane in 0..2 {
-        shared.with_stage(|stage| stage.reset(lane)).expect("reset");
-    }
+    reset_lanes();
     backlog.set(1);
     let started = std::time::Instant::now();
     std::thread::scope(|scope| {

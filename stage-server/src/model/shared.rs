@@ -55,7 +55,8 @@ pub struct StepPolicy {
     pub gather: Duration,
     /// While streams decode, the most a step that also runs prompt rows may take, as a multiple of a
     /// decode-only step: the prompt rows are cut to fit (at least one a step). `None`: prompt rows up to
-    /// `batch_tokens` whatever the streams wait.
+    /// `batch_tokens` whatever the streams wait. A value below 1 or not finite cannot hold and counts as `None`
+    /// ([`SharedStage::start`] drops it; the command line refuses it with an error).
     pub decode_stretch: Option<f64>,
 }
 
@@ -116,7 +117,7 @@ struct LaneState {
     active: bool,
     /// Whether the lane's generation is past its prompt (see [`SharedStage::mark_decoding`]): a stream, rather
     /// than a prompt cut into rows.
-    decoding: bool,
+    past_prompt: bool,
     pending: Option<Pending>,
     result: Option<Result<StageOutput, ModelError>>,
 }
@@ -242,7 +243,7 @@ impl SharedStage {
             .lanes
             .iter()
             .enumerate()
-            .filter(|(index, entry)| *index != lane && entry.active && entry.decoding)
+            .filter(|(index, entry)| *index != lane && entry.active && entry.past_prompt)
             .count();
         let stretch = self.shared.policy.decode_stretch?;
         (streams > 0)
@@ -255,7 +256,7 @@ impl SharedStage {
     /// to one row a frame looks like a stream. Cleared when the lane leaves its generation.
     pub fn mark_decoding(&self, lane: usize) {
         if let Some(entry) = lock(&self.shared.state).lanes.get_mut(lane) {
-            entry.decoding = true;
+            entry.past_prompt = true;
         }
     }
 
@@ -265,7 +266,7 @@ impl SharedStage {
         let mut state = lock(&self.shared.state);
         if let Some(entry) = state.lanes.get_mut(lane) {
             entry.active = active;
-            entry.decoding = false;
+            entry.past_prompt = false;
         }
         drop(state);
         if !active {
@@ -679,7 +680,7 @@ mod tests {
     fn waiting(rows: usize, order: u64) -> LaneState {
         LaneState {
             active: true,
-            decoding: rows == 1,
+            past_prompt: rows == 1,
             pending: Some(Pending {
                 position: 10,
                 input: OwnedInput::Tokens(vec![7; rows]),
