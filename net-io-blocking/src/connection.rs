@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use net_io_core::{
     CloseReason, ConnectionId, ConnectionInfo, Direction, LimitKind, Limits, ListenerId, NetError,
-    Output, ResolvedLimits, Step, TimeoutKind, Verdict,
+    Output, ResolvedLimits, Step, TimeoutKind, Verdict, phase_wait,
 };
 use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::{KillSlot, SlotOwner};
@@ -229,31 +229,27 @@ impl<'a> TcpConnection<'a> {
             return Ok(0);
         }
         let idle = !self.receiving;
-        if idle && self.is_draining() {
-            let reason = self
+        if idle
+            && let Some(reason) = self
                 .core
-                .map_or(CloseReason::Drained, |core| core.idle_close_reason());
+                .and_then(|core| core.close_when_idle(self.info.lane))
+        {
             return Err(self.fail(reason));
         }
-        if idle && self.core.is_some_and(|core| core.is_shed(self.info.lane)) {
-            return Err(self.fail(CloseReason::Shed));
-        }
         let now = self.link().now();
-        let (timeout, kind) = if idle {
-            (self.idle_timeout, TimeoutKind::Idle)
-        } else {
-            (self.limits.read_timeout, TimeoutKind::Read)
-        };
-        let mut deadline = crate::clock::deadline_after(now, timeout);
-        let mut deadline_kind = kind;
-        if let Some(exchange) = self.exchange_deadline
-            && exchange < deadline
-        {
-            deadline = exchange;
-            deadline_kind = TimeoutKind::Exchange;
-        }
+        let (deadline, deadline_kind) = phase_wait(
+            idle,
+            now,
+            self.idle_timeout,
+            self.limits.read_timeout,
+            self.exchange_deadline,
+        );
         if idle {
             self.link().owner().set_idle(true);
+            self.link().input_idle();
+        } else {
+            // The request waits for more input: its rate is judged from here, counting what it brought.
+            self.link().awaiting_input(now);
         }
         let received = self.link().receive(buffer, Some(deadline), now);
         if idle {
@@ -263,7 +259,6 @@ impl<'a> TcpConnection<'a> {
             Received::Data(count) => {
                 if idle {
                     self.receiving = true;
-                    self.link().start_busy(Direction::In);
                 }
                 Ok(count)
             }
@@ -310,10 +305,9 @@ impl<'a> TcpConnection<'a> {
         let write_timeout = self.limits.write_timeout;
         let exchange = self.exchange_deadline;
         let now = self.link().now();
-        self.link().stop_busy(Direction::In);
-        self.link().start_busy_at(Direction::Out, now);
+        // A reply ends the request: its input is no longer judged, and the send judges its own output.
+        self.link().input_idle();
         let sent = self.link().send_all(bytes, write_timeout, exchange, now);
-        self.link().stop_busy(Direction::Out);
         self.receiving = false;
         let exchange_passed = exchange.is_some_and(|exchange| self.link().now() >= exchange);
         match sent {

@@ -60,7 +60,8 @@
 //!   idle blocking connection holds a worker); once a request has started, the read timeout; while output is
 //!   pending, the write timeout; a session may add an exchange deadline and park with a park deadline; a
 //!   PROXY header must arrive within the handshake timeout. The minimum transfer rate judges a direction only
-//!   while it is busy.
+//!   while it waits on the peer (a request that arrives in one read or a reply that leaves in one send is
+//!   never judged), counting what it moved before; the same rule on every driver (`net_io_core::TransferRates`).
 //! - **Two system calls per keep-alive round trip**: a blocking `recv` under `SO_RCVTIMEO` (re-armed only
 //!   when the wanted timeout moves by more than a tick) and a `send` with `MSG_DONTWAIT`; `poll` runs only
 //!   when the send buffer is full. A warmed-up worker serves round trips without allocating. An event loop
@@ -150,7 +151,7 @@
 
 // The house, from the bottom up: a module uses only modules before it on these lines (xtask's tidy test
 // checks every `crate::` path against them; rustfmt sorts the declarations below, so the order lives here).
-// layers: backoff caps clock codes handover rate systemd outbound listener link loop_shared shared
+// layers: backoff caps clock codes handover systemd outbound listener link loop_shared shared
 // layers: handle handshake handler_io connection coroutines runtime sessions evloop server builder
 mod backoff;
 mod builder;
@@ -168,7 +169,6 @@ mod link;
 mod listener;
 mod loop_shared;
 mod outbound;
-mod rate;
 mod runtime;
 mod server;
 mod sessions;

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use net_io_core::{CloseReason, Direction, MinRateRule, Output, Verdict};
+use net_io_core::{CloseReason, LingerRead, Lingered, MinRateRule, Output, TransferRates, Verdict};
 use net_io_sys::eventfd::EventFd;
 use net_io_sys::kill::SlotOwner;
 use net_io_sys::socket::{self, Linger};
@@ -27,7 +27,6 @@ use net_io_sys::wait::{self, Interest, Readiness};
 
 use crate::clock::SharedClock;
 use crate::codes::reason_for_code;
-use crate::rate::RateWindow;
 
 /// The code an owner passes to its own `begin_close`; any other code that comes back is a killer's.
 pub(crate) const OWNER_CODE: u16 = u16::MAX;
@@ -90,8 +89,8 @@ pub(crate) struct Link {
     tick: Duration,
     armed: Option<Duration>,
     max_wait: Option<Duration>,
-    rate_in: Option<RateWindow>,
-    rate_out: Option<RateWindow>,
+    /// When the minimum-rate rule judges each direction (the policy the event loop follows too).
+    rates: TransferRates,
     pub(crate) bytes_in: u64,
     pub(crate) bytes_out: u64,
     pub(crate) eof_seen: bool,
@@ -117,8 +116,7 @@ impl Link {
             armed: None,
             // An injected clock may jump at any moment, so waits are cut to a tick to notice it.
             max_wait: manual_clock.then_some(tick),
-            rate_in: min_rate.map(RateWindow::new),
-            rate_out: min_rate.map(RateWindow::new),
+            rates: TransferRates::new(min_rate),
             bytes_in: 0,
             bytes_out: 0,
             eof_seen: false,
@@ -134,8 +132,7 @@ impl Link {
         inherited_timeout: Option<Duration>,
     ) {
         self.armed = inherited_timeout;
-        self.rate_in = min_rate.map(RateWindow::new);
-        self.rate_out = min_rate.map(RateWindow::new);
+        self.rates.reset(min_rate);
         self.bytes_in = 0;
         self.bytes_out = 0;
         self.eof_seen = false;
@@ -159,37 +156,14 @@ impl Link {
             .ok_or_else(|| io::Error::from(io::ErrorKind::NotConnected))
     }
 
-    fn rate_mut(&mut self, direction: Direction) -> Option<&mut RateWindow> {
-        match direction {
-            Direction::In => self.rate_in.as_mut(),
-            Direction::Out => self.rate_out.as_mut(),
-        }
+    /// The exchange in progress waits for more input from `now`: the input rate is judged from here.
+    pub(crate) fn awaiting_input(&mut self, now: Instant) {
+        self.rates.awaiting_input(now);
     }
 
-    /// Marks the start of a busy stretch in one direction at `now`; the rate rule counts only busy time.
-    pub(crate) fn start_busy_at(&mut self, direction: Direction, now: Instant) {
-        if let Some(rate) = self.rate_mut(direction) {
-            rate.start(now);
-        }
-    }
-
-    /// Marks the start of a busy stretch now, reading the clock only when a rate rule has to know.
-    pub(crate) fn start_busy(&mut self, direction: Direction) {
-        let clock = &self.clock;
-        if let Some(rate) = match direction {
-            Direction::In => self.rate_in.as_mut(),
-            Direction::Out => self.rate_out.as_mut(),
-        } && !rate.is_busy()
-        {
-            rate.start(clock.now());
-        }
-    }
-
-    /// Marks the end of a busy stretch in one direction.
-    pub(crate) fn stop_busy(&mut self, direction: Direction) {
-        if let Some(rate) = self.rate_mut(direction) {
-            rate.stop();
-        }
+    /// The connection is between exchanges: its input rate is not judged.
+    pub(crate) fn input_idle(&mut self) {
+        self.rates.input_idle();
     }
 
     /// Receives into `buffer`, waiting at most until `deadline`; `now` is the caller's fresh clock reading.
@@ -209,13 +183,10 @@ impl Link {
             if deadline.is_some_and(|deadline| now >= deadline) {
                 return Received::Deadline;
             }
-            let mut wake_at = deadline;
-            if let Some(rate) = self.rate_in.as_mut() {
-                if rate.is_too_slow(now) {
-                    return Received::Slow;
-                }
-                wake_at = earliest(wake_at, rate.next_check(now));
-            }
+            let wake_at = match self.rates.judge_input(now) {
+                Ok(check) => earliest(deadline, check),
+                Err(_) => return Received::Slow,
+            };
             let wanted = self.cap_wait(wake_at.map(|at| at.saturating_duration_since(now)));
             if let Err(error) = self.arm(wanted) {
                 return Received::Failed(error);
@@ -234,12 +205,10 @@ impl Link {
                 }
                 Ok(count) => {
                     self.bytes_in += count as u64;
-                    // An idle direction counts nothing, so it needs no time stamp either.
+                    // Input not judged yet counts nothing now, so it needs no time stamp either.
                     let clock = &self.clock;
-                    if let Some(rate) = self.rate_in.as_mut()
-                        && rate.is_busy()
-                    {
-                        rate.record(count as u64, clock.now());
+                    if self.rates.received(count, || clock.now()).is_err() {
+                        return Received::Slow;
                     }
                     return Received::Data(count);
                 }
@@ -261,6 +230,19 @@ impl Link {
     /// Sends all of `bytes`, failing when the peer takes nothing for `progress_timeout` or `hard_deadline`
     /// (an exchange deadline) passes; `now` is the caller's fresh clock reading.
     pub(crate) fn send_all(
+        &mut self,
+        bytes: &[u8],
+        progress_timeout: Duration,
+        hard_deadline: Option<Instant>,
+        now: Instant,
+    ) -> Sent {
+        let sent = self.send_all_judged(bytes, progress_timeout, hard_deadline, now);
+        // However the send ended, the output is not judged until a later one waits.
+        self.rates.output_done();
+        sent
+    }
+
+    fn send_all_judged(
         &mut self,
         bytes: &[u8],
         progress_timeout: Duration,
@@ -310,6 +292,19 @@ impl Link {
     /// `check` is called once per write call before its first system call, not again after `EAGAIN`.
     /// `now` is the caller's fresh clock reading.
     pub(crate) fn flush(
+        &mut self,
+        output: &mut Output,
+        progress_timeout: Duration,
+        hard_deadline: Option<Instant>,
+        check: &mut dyn FnMut(usize, bool) -> Verdict,
+        now: Instant,
+    ) -> Sent {
+        let sent = self.flush_judged(output, progress_timeout, hard_deadline, check, now);
+        self.rates.output_done();
+        sent
+    }
+
+    fn flush_judged(
         &mut self,
         output: &mut Output,
         progress_timeout: Duration,
@@ -518,17 +513,12 @@ impl Link {
         let Ok(socket) = self.socket() else {
             return;
         };
-        match socket::recv_nonblocking(socket, &mut scratch) {
-            Ok(0) => return,
-            Ok(count) if count >= max_bytes => return,
-            Ok(_) => {}
-            // Nothing waiting: a close now sends FIN with an empty receive queue.
-            Err(_) => return,
-        }
-        let end = crate::clock::deadline_after(Instant::now(), timeout);
-        let mut discarded = 0usize;
-        while discarded < max_bytes && self.linger.load(Ordering::Acquire) == id {
-            let left = end.saturating_duration_since(Instant::now());
+        let first = socket::recv_nonblocking(socket, &mut scratch);
+        let Some(mut linger) = LingerRead::start(&first, Instant::now(), timeout, max_bytes) else {
+            return;
+        };
+        while self.linger.load(Ordering::Acquire) == id {
+            let left = linger.end().saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
             }
@@ -546,15 +536,9 @@ impl Link {
             let Ok(socket) = self.socket() else {
                 break;
             };
-            match socket::recv_nonblocking(socket, &mut scratch) {
-                Ok(0) => break,
-                Ok(count) => discarded += count,
-                Err(error)
-                    if matches!(
-                        error.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-                    ) => {}
-                Err(_) => break,
+            let received = socket::recv_nonblocking(socket, &mut scratch);
+            if linger.received(&received) == Lingered::Done {
+                break;
             }
         }
     }
@@ -571,13 +555,11 @@ impl Link {
             if deadline.is_some_and(|deadline| now >= deadline) {
                 return Some(Sent::Deadline);
             }
-            let mut wake_at = deadline;
-            if let Some(rate) = self.rate_out.as_mut() {
-                if rate.is_too_slow(now) {
-                    return Some(Sent::Slow);
-                }
-                wake_at = earliest(wake_at, rate.next_check(now));
-            }
+            // The first wait starts judging the output rate (counting what this send moved before it).
+            let wake_at = match self.rates.awaiting_output(now) {
+                Ok(check) => earliest(deadline, check),
+                Err(_) => return Some(Sent::Slow),
+            };
             let timeout = self.cap_wait(wake_at.map(|at| at.saturating_duration_since(now)));
             let socket = match self.socket() {
                 Ok(socket) => socket,
@@ -608,11 +590,8 @@ impl Link {
     fn account_sent(&mut self, count: usize, pace: &mut Pace) {
         self.bytes_out += count as u64;
         pace.progressed();
-        if let Some(rate) = self.rate_out.as_mut()
-            && rate.is_busy()
-        {
-            rate.record(count as u64, pace.stamp(&self.clock));
-        }
+        let clock = &self.clock;
+        self.rates.sent(count, || pace.stamp(clock));
     }
 
     fn send_failure(&self, error: io::Error) -> Sent {

@@ -8,9 +8,9 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use net_io_core::{
-    BufferPool, CloseReason, Completer, ConnectionInfo, Direction, Event, HalfClose,
-    HookEnvironment, LimitKind, NetError, Output, ReadBuffer, Session, SessionContext,
-    SessionFactory, SessionMachine, SizeClass, Step, TimeoutKind, WorkerBuffers,
+    BufferPool, CloseReason, ConnectionInfo, Direction, Event, HalfClose, HookEnvironment,
+    LimitKind, NetError, Output, ReadBuffer, Session, SessionContext, SessionFactory,
+    SessionMachine, SizeClass, Step, TimeoutKind, WorkerBuffers,
 };
 
 use crate::codes::reason_for_code;
@@ -205,7 +205,7 @@ struct Driver<'r, 'a, S> {
     _session: PhantomData<S>,
 }
 
-impl<S: Session> Driver<'_, '_, S> {
+impl<'a, S: Session> Driver<'_, 'a, S> {
     fn drive(mut self, session: &mut S) -> CloseReason {
         let Some(mut step) = self.hook(session, |session, context| session.on_open(context)) else {
             return self.panicked();
@@ -292,44 +292,54 @@ impl<S: Session> Driver<'_, '_, S> {
         session: &mut S,
         call: impl FnOnce(&mut S, &mut SessionContext<'_>) -> T,
     ) -> Option<T> {
-        let core = self.run.core;
-        let environment = HookEnvironment {
-            draining: core.draining.load(Ordering::Acquire),
-            pressure: core.pressure(),
-            completer: Some(self.run.completer),
-        };
+        let environment = self.environment();
         self.machine.hook(
             session,
             self.run.info,
             self.output,
-            core.now(),
+            self.run.core.now(),
             environment,
             call,
         )
     }
 
-    fn on_data(&mut self, session: &mut S, input_changed: &mut bool) -> Option<Step> {
+    /// What a hook's context tells the session about the server now.
+    fn environment(&self) -> HookEnvironment<'a> {
         let core = self.run.core;
-        let now = core.now();
-        let draining = core.draining.load(Ordering::Acquire);
-        let completer: &Completer = self.run.completer;
-        let read: &ReadBuffer = self.read;
-        let mut input = read.input();
-        let before = input.len();
-        let write_shut = self.machine.is_write_shut();
-        let mut context =
-            SessionContext::new(self.run.info, self.output, self.machine.requests(), now)
-                .with_draining(draining)
-                .with_completer(completer)
-                .with_write_shut(write_shut);
-        let step = catch_unwind(AssertUnwindSafe(|| {
-            session.on_data(&mut input, &mut context)
-        }));
-        let consumed = input.consumed().min(before);
-        self.machine.apply_requests();
-        self.read.consume(consumed);
-        *input_changed = consumed > 0 && self.read.unread_len() > 0;
-        step.ok()
+        HookEnvironment {
+            draining: core.draining.load(Ordering::Acquire),
+            pressure: core.pressure(),
+            completer: Some(self.run.completer),
+        }
+    }
+
+    fn on_data(&mut self, session: &mut S, input_changed: &mut bool) -> Option<Step> {
+        let environment = self.environment();
+        let (step, more) = self.machine.data_hook(
+            session,
+            self.read,
+            self.run.info,
+            self.output,
+            self.run.core.now(),
+            environment,
+        )?;
+        *input_changed = more;
+        Some(step)
+    }
+
+    /// Asks the session's `on_timeout` about a deadline of `kind` that passed.
+    fn timeout(&mut self, session: &mut S, kind: TimeoutKind) -> Result<Step, CloseReason> {
+        let environment = self.environment();
+        self.machine
+            .timeout_hook(
+                session,
+                kind,
+                self.run.info,
+                self.output,
+                self.run.core.now(),
+                environment,
+            )
+            .ok_or_else(|| self.panicked())
     }
 
     /// Receives more input under the deadline of the phase; returns the session's next step.
@@ -360,11 +370,8 @@ impl<S: Session> Driver<'_, '_, S> {
         let idle = self
             .machine
             .is_idle(self.read.unread_len(), self.output.is_empty());
-        if idle && core.draining.load(Ordering::Acquire) {
-            return Err(core.idle_close_reason());
-        }
-        if idle && core.is_shed(self.run.info.lane) {
-            return Err(CloseReason::Shed);
+        if idle && let Some(reason) = core.close_when_idle(self.run.info.lane) {
+            return Err(reason);
         }
         let now = core.now();
         let (deadline, deadline_kind) =
@@ -373,9 +380,9 @@ impl<S: Session> Driver<'_, '_, S> {
         let link = &mut *self.run.link;
         if idle {
             link.owner().set_idle(true);
-            link.stop_busy(Direction::In);
+            link.input_idle();
         } else {
-            link.start_busy_at(Direction::In, now);
+            link.awaiting_input(now);
         }
         let mut woken = None;
         let received = if listening {
@@ -414,9 +421,7 @@ impl<S: Session> Driver<'_, '_, S> {
         match received {
             Received::Data(count) => {
                 self.read.commit(count);
-                if self.machine.input_arrived() {
-                    self.run.link.start_busy(Direction::In);
-                }
+                self.machine.input_arrived();
                 self.on_data(session, input_changed)
                     .ok_or_else(|| self.panicked())
             }
@@ -425,17 +430,8 @@ impl<S: Session> Driver<'_, '_, S> {
                 self.hook(session, |session, context| session.on_peer_closed(context))
                     .ok_or_else(|| self.panicked())
             }
-            Received::Deadline => {
-                self.machine.deadline_passed(deadline_kind);
-                let step = self
-                    .hook(session, |session, context| {
-                        session.on_timeout(deadline_kind, context)
-                    })
-                    .ok_or_else(|| self.panicked())?;
-                // Carrying on, the deadline starts again from now.
-                self.machine.timeout_answered(step);
-                Ok(step)
-            }
+            // Carrying on, the deadline starts again from now.
+            Received::Deadline => self.timeout(session, deadline_kind),
             Received::Slow => Err(CloseReason::SlowPeer {
                 direction: Direction::In,
             }),
@@ -479,50 +475,28 @@ impl<S: Session> Driver<'_, '_, S> {
         }
         let core = self.run.core;
         let link = &mut *self.run.link;
-        let now = core.now();
-        link.start_busy_at(Direction::Out, now);
         let started = self.output.response_started();
         let sent = link.flush(
             self.output,
             self.run.limits.write_timeout,
             self.machine.exchange_deadline(),
             &mut *self.run.check,
-            now,
+            core.now(),
         );
-        link.stop_busy(Direction::Out);
-        let exchange_passed = self
-            .machine
-            .exchange_deadline()
-            .is_some_and(|exchange| core.now() >= exchange);
         match sent {
             Sent::Done => {
                 if self.machine.output_flushed(self.read.unread_len()) {
-                    self.run.link.stop_busy(Direction::In);
+                    self.run.link.input_idle();
                 }
                 // A half close waiting for this flush sends its FIN before `on_writable` runs.
                 self.half_close()?;
                 Ok(Flushed::Done)
             }
             Sent::Deadline => {
-                let kind = if exchange_passed {
-                    TimeoutKind::Exchange
-                } else {
-                    TimeoutKind::Write
-                };
-                let reason = kind.close_reason();
+                let kind = self.machine.flush_deadline_kind(core.now());
                 // A spent exchange deadline is cleared; a new one the session sets in `on_timeout` stands.
-                self.machine.deadline_passed(kind);
-                let step = self
-                    .hook(session, |session, context| {
-                        session.on_timeout(kind, context)
-                    })
-                    .ok_or_else(|| self.panicked())?;
-                self.machine.timeout_answered(step);
-                match step {
-                    // Unsent output stays queued, so even `Close` ends abortively with the deadline's reason.
-                    Step::Close | Step::Abort => Err(reason),
-                    next => Ok(Flushed::TimedOut(next)),
-                }
+                let step = self.timeout(session, kind)?;
+                SessionMachine::flush_timeout_answer(kind, step).map(Flushed::TimedOut)
             }
             Sent::Slow => Err(CloseReason::SlowPeer {
                 direction: Direction::Out,
@@ -550,11 +524,8 @@ impl<S: Session> Driver<'_, '_, S> {
     /// Waits for a completion, a kill or the park deadline.
     fn park(&mut self, session: &mut S, until: Instant) -> Result<Step, CloseReason> {
         let core = self.run.core;
-        let until = until.min(crate::clock::deadline_after(
-            core.now(),
-            self.run.limits.park_timeout,
-        ));
-        self.run.link.stop_busy(Direction::In);
+        let until = SessionMachine::park_deadline(core.now(), until, self.run.limits.park_timeout);
+        self.run.link.input_idle();
         loop {
             if let Some(completion) = self.run.receiver.pop() {
                 return self
@@ -567,14 +538,7 @@ impl<S: Session> Driver<'_, '_, S> {
                 return Err(reason_for_code(code));
             }
             if core.now() >= until {
-                self.machine.deadline_passed(TimeoutKind::Park);
-                let step = self
-                    .hook(session, |session, context| {
-                        session.on_timeout(TimeoutKind::Park, context)
-                    })
-                    .ok_or_else(|| self.panicked())?;
-                self.machine.timeout_answered(step);
-                return Ok(step);
+                return self.timeout(session, TimeoutKind::Park);
             }
             if let Err(error) = self.run.link.park(until) {
                 return Err(CloseReason::from_io(&error));

@@ -252,6 +252,16 @@ impl Core {
         u16::from(lane.0) >= self.shed_lane.load(Ordering::Acquire)
     }
 
+    /// The close an idle connection in `lane` takes instead of waiting for its next request: the drain's
+    /// (see [`Core::idle_close_reason`]) or a shed's. `None`: it waits. Every driver asks this before an idle
+    /// wait, so a drain or a shed reaches each the same way.
+    pub(crate) fn close_when_idle(&self, lane: net_io_core::Lane) -> Option<CloseReason> {
+        if self.draining.load(Ordering::Acquire) {
+            return Some(self.idle_close_reason());
+        }
+        self.is_shed(lane).then_some(CloseReason::Shed)
+    }
+
     /// The share of busy workers for `SessionContext::pressure` (with event loops, the share of the
     /// connection cap in use), 1.0 while shedding.
     pub(crate) fn pressure(&self) -> f32 {

@@ -65,6 +65,7 @@ pub mod id;
 pub mod info;
 pub mod input;
 pub mod limits;
+pub mod linger;
 mod loom;
 pub mod machine;
 pub mod output;
@@ -72,6 +73,7 @@ pub mod proxy;
 pub mod rate;
 pub mod session;
 pub mod stats;
+pub mod transfer;
 
 pub use addr::{Cidr, CidrError, PrefixKey, PrefixPolicy, TrustedProxies, normalize};
 pub use buffer::{BudgetExhausted, Buffer, BufferPool, SizeClass, WorkerBuffers};
@@ -92,7 +94,8 @@ pub use id::{ConnectionId, IdAllocator, IdBlock, ListenerId, WorkerId};
 pub use info::{ConnectionInfo, Origin};
 pub use input::{Input, ReadBuffer};
 pub use limits::{ConfigError, Limits, MinRateRule, ResolvedLimits};
-pub use machine::{HalfClose, HookEnvironment, SessionMachine, WriteShut};
+pub use linger::{LingerRead, Lingered};
+pub use machine::{HalfClose, HookEnvironment, SessionMachine, WriteShut, phase_wait};
 pub use output::{Output, OutputFull};
 pub use proxy::{
     ProxyCommand, ProxyError, ProxyHeader, ProxyMode, ProxyParser, ProxyStatus, ProxyTransport,
@@ -101,3 +104,4 @@ pub use proxy::{
 pub use rate::{MinRate, RateVerdict};
 pub use session::{Phase, Session, SessionContext, SessionFactory, SessionRequests, Step};
 pub use stats::{Counters, ServerCounters, Stats, WorkerCounters};
+pub use transfer::TransferRates;

@@ -18,10 +18,15 @@
 //!   on_timeout's step ─ timeout_answered() ─▶ carrying on (Read, Write, Park) clears the pending reason
 //!   Close / Abort ─────── close_reason(step) ▶ the pending reason, else SessionClosed / SessionError
 //!   any step but Abort ─ half_close_due() ──▶ SendFin once the queue is empty; Refuse bytes after it
+//!   input in the buffer ─── data_hook(…) ──▶ on_data over the unread input; consumed, more to give
+//!   a deadline passed ─── timeout_hook(…) ──▶ deadline_passed, on_timeout, timeout_answered in one
+//!   a flush timed out ─ flush_deadline_kind ▶ exchange or write; flush_timeout_answer: Close is abortive
+//!   a park starts ──────── park_deadline() ─▶ the session's time, never past the park timeout
 //! ```
 //!
-//! What stays in the drivers, because it is IO: reading and writing, the minimum-rate windows, the read
-//! buffer's growth, the park wait itself, the linger of a graceful close and the kill slot.
+//! When a slow peer is judged lives beside it in [`TransferRates`](crate::transfer::TransferRates), and the
+//! linger of a graceful close in [`LingerRead`](crate::linger::LingerRead). What stays in the drivers,
+//! because it is IO: reading and writing, the read buffer's growth, the waits themselves and the kill slot.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::{Duration, Instant};
@@ -30,6 +35,7 @@ use crate::clock::deadline_after;
 use crate::close::{CloseReason, TimeoutKind};
 use crate::completion::Completer;
 use crate::info::ConnectionInfo;
+use crate::input::ReadBuffer;
 use crate::output::Output;
 use crate::session::{Phase, Session, SessionContext, SessionRequests, Step};
 
@@ -160,6 +166,87 @@ impl SessionMachine {
         result
     }
 
+    /// Calls `on_data` over the unread input of `read` under `catch_unwind`, consumes what the session took
+    /// and applies its requests. `Some((step, more))`: `more` is true when the session consumed some input
+    /// and left some (the driver calls `on_data` again before reading). `None`: the hook panicked.
+    pub fn data_hook<S: Session>(
+        &mut self,
+        session: &mut S,
+        read: &mut ReadBuffer,
+        info: &ConnectionInfo,
+        output: &mut Output,
+        now: Instant,
+        environment: HookEnvironment<'_>,
+    ) -> Option<(Step, bool)> {
+        let mut input = read.input();
+        let before = input.len();
+        let write_shut = self.is_write_shut();
+        let mut context = SessionContext::new(info, output, &mut self.requests, now)
+            .with_draining(environment.draining)
+            .with_pressure(environment.pressure)
+            .with_write_shut(write_shut);
+        if let Some(completer) = environment.completer {
+            context = context.with_completer(completer);
+        }
+        let step = catch_unwind(AssertUnwindSafe(|| {
+            session.on_data(&mut input, &mut context)
+        }));
+        let consumed = input.consumed().min(before);
+        self.apply_requests();
+        read.consume(consumed);
+        let more = consumed > 0 && read.unread_len() > 0;
+        step.ok().map(|step| (step, more))
+    }
+
+    /// A deadline of `kind` passed: fixes its reason, asks the session's `on_timeout` what to do, and forgets
+    /// the reason again if the session carries on. `None`: the hook panicked.
+    pub fn timeout_hook<S: Session>(
+        &mut self,
+        session: &mut S,
+        kind: TimeoutKind,
+        info: &ConnectionInfo,
+        output: &mut Output,
+        now: Instant,
+        environment: HookEnvironment<'_>,
+    ) -> Option<Step> {
+        self.deadline_passed(kind);
+        let step = self.hook(
+            session,
+            info,
+            output,
+            now,
+            environment,
+            |session, context| session.on_timeout(kind, context),
+        )?;
+        self.timeout_answered(step);
+        Some(step)
+    }
+
+    /// Which deadline ended a flush that timed out at `now`: the exchange deadline if it has passed, the
+    /// write timeout otherwise.
+    pub fn flush_deadline_kind(&self, now: Instant) -> TimeoutKind {
+        match self.exchange {
+            Some(exchange) if now >= exchange => TimeoutKind::Exchange,
+            _ => TimeoutKind::Write,
+        }
+    }
+
+    /// What a flush that hit the deadline of `kind` does after the session answered `step`: unsent output
+    /// stays queued, so `Close` ends abortively with the deadline's own reason, as `Abort` does; any other
+    /// step carries on.
+    pub fn flush_timeout_answer(kind: TimeoutKind, step: Step) -> Result<Step, CloseReason> {
+        match step {
+            Step::Close | Step::Abort => Err(kind.close_reason()),
+            next => Ok(next),
+        }
+    }
+
+    /// When a park starting at `now` that the session asked to last `until` ends: never later than the
+    /// server's park timeout.
+    pub fn park_deadline(now: Instant, until: Instant, park_timeout: Duration) -> Instant {
+        until.min(deadline_after(now, park_timeout))
+    }
+
     /// Whether the connection is between exchanges: the idle timeout applies, and a drain or a shed may
     /// close it now. `unread` is the input the session left unconsumed.
     pub fn is_idle(&self, unread: usize, output_empty: bool) -> bool {
@@ -175,16 +262,13 @@ impl SessionMachine {
         idle_timeout: Duration,
         read_timeout: Duration,
     ) -> (Instant, TimeoutKind) {
-        let (timeout, kind) = if self.phase == Phase::Idle {
-            (self.idle_timeout.unwrap_or(idle_timeout), TimeoutKind::Idle)
-        } else {
-            (read_timeout, TimeoutKind::Read)
-        };
-        let deadline = deadline_after(now, timeout);
-        match self.exchange {
-            Some(exchange) if exchange < deadline => (exchange, TimeoutKind::Exchange),
-            _ => (deadline, kind),
-        }
+        phase_wait(
+            self.phase == Phase::Idle,
+            now,
+            self.idle_timeout.unwrap_or(idle_timeout),
+            read_timeout,
+            self.exchange,
+        )
     }
 
     /// Input arrived: an automatic phase moves from idle to receiving. True if it moved (the driver then
@@ -261,6 +345,29 @@ impl SessionMachine {
     /// The FIN of the half close went out.
     pub fn fin_sent(&mut self) {
         self.write_shut = WriteShut::Sent;
+    }
+}
+
+/// The deadline a wait for input starting `now` runs under, and which one it is: `idle_timeout` between
+/// exchanges, `read_timeout` within one, or the `exchange` deadline when that comes first. What
+/// [`SessionMachine::read_wait`] answers, for a driver that keeps its phase itself (a blocking handler's
+/// connection, which has no session).
+pub fn phase_wait(
+    idle: bool,
+    now: Instant,
+    idle_timeout: Duration,
+    read_timeout: Duration,
+    exchange: Option<Instant>,
+) -> (Instant, TimeoutKind) {
+    let (timeout, kind) = if idle {
+        (idle_timeout, TimeoutKind::Idle)
+    } else {
+        (read_timeout, TimeoutKind::Read)
+    };
+    let deadline = deadline_after(now, timeout);
+    match exchange {
+        Some(exchange) if exchange < deadline => (exchange, TimeoutKind::Exchange),
+        _ => (deadline, kind),
     }
 }
 
@@ -551,5 +658,193 @@ mod tests {
             |_, context| (context.draining(), context.pressure(), context.now()),
         );
         assert_eq!(seen, Some((true, 0.5, now)));
+    }
+
+    /// A session that takes whole lines and answers each deadline with a step picked by the test.
+    struct Lines {
+        on_timeout: Step,
+        timeouts: Vec<TimeoutKind>,
+    }
+
+    impl Session for Lines {
+        fn on_data(
+            &mut self,
+            input: &mut crate::input::Input<'_>,
+            context: &mut SessionContext<'_>,
+        ) -> Step {
+            let Some(end) = input.bytes().iter().position(|&byte| byte == b'\n') else {
+                return Step::Read;
+            };
+            if end == 0 {
+                panic!("an empty line is a session bug");
+            }
+            context.set_phase(Phase::Sending);
+            input.consume(end + 1);
+            Step::Write
+        }
+
+        fn on_timeout(&mut self, kind: TimeoutKind, _context: &mut SessionContext<'_>) -> Step {
+            self.timeouts.push(kind);
+            self.on_timeout
+        }
+    }
+
+    fn lines(on_timeout: Step) -> Lines {
+        Lines {
+            on_timeout,
+            timeouts: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_data_hook_consumes_what_the_session_took_and_says_whether_input_is_left() {
+        let pool = crate::buffer::BufferPool::new(1 << 20, false);
+        let mut worker = pool.worker();
+        let mut read = ReadBuffer::new(
+            worker
+                .acquire(crate::buffer::SizeClass::Small)
+                .expect("a small buffer"),
+        );
+        read.extend_from_slice(b"one\ntwo\nthr");
+        let (info, now) = (info(), Instant::now());
+        let mut output = Output::new(1024);
+        let mut machine = SessionMachine::new();
+        let mut session = lines(Step::Close);
+        let environment = HookEnvironment::default();
+        let answer = machine.data_hook(
+            &mut session,
+            &mut read,
+            &info,
+            &mut output,
+            now,
+            environment,
+        );
+        assert_eq!(answer, Some((Step::Write, true)), "a line taken, more left");
+        assert_eq!(read.input().bytes(), b"two\nthr");
+        assert_eq!(
+            machine.phase(),
+            Phase::Sending,
+            "the session's phase applies"
+        );
+        let answer = machine.data_hook(
+            &mut session,
+            &mut read,
+            &info,
+            &mut output,
+            now,
+            environment,
+        );
+        assert_eq!(answer, Some((Step::Write, true)));
+        let answer = machine.data_hook(
+            &mut session,
+            &mut read,
+            &info,
+            &mut output,
+            now,
+            environment,
+        );
+        assert_eq!(
+            answer,
+            Some((Step::Read, false)),
+            "a partial line is left unconsumed: nothing more to give until more arrives"
+        );
+        assert_eq!(read.input().bytes(), b"thr");
+        read.consume(3);
+        read.extend_from_slice(b"\n");
+        let answer = machine.data_hook(
+            &mut session,
+            &mut read,
+            &info,
+            &mut output,
+            now,
+            environment,
+        );
+        assert_eq!(answer, None, "a panicking on_data comes back as None");
+    }
+
+    #[test]
+    fn the_timeout_hook_keeps_the_reason_of_a_closing_answer_and_forgets_it_when_carrying_on() {
+        let (info, now) = (info(), Instant::now());
+        let mut output = Output::new(64);
+        let environment = HookEnvironment::default();
+        for kind in [
+            TimeoutKind::Idle,
+            TimeoutKind::Read,
+            TimeoutKind::Write,
+            TimeoutKind::Exchange,
+            TimeoutKind::Park,
+        ] {
+            let mut machine = SessionMachine::new();
+            let mut session = lines(Step::Close);
+            let step =
+                machine.timeout_hook(&mut session, kind, &info, &mut output, now, environment);
+            assert_eq!(step, Some(Step::Close));
+            assert_eq!(
+                session.timeouts,
+                vec![kind],
+                "on_timeout heard of the deadline"
+            );
+            assert_eq!(
+                machine.close_reason(Step::Close),
+                kind.close_reason(),
+                "closing at the {} deadline keeps its reason",
+                kind.as_str()
+            );
+            let mut session = lines(Step::Read);
+            let mut machine = SessionMachine::new();
+            machine.timeout_hook(&mut session, kind, &info, &mut output, now, environment);
+            assert_eq!(
+                machine.close_reason(Step::Close),
+                CloseReason::SessionClosed,
+                "reading on past the {} deadline forgets it",
+                kind.as_str()
+            );
+        }
+    }
+
+    #[test]
+    fn a_flush_deadline_is_the_exchange_deadline_once_that_passed_and_a_close_answer_is_abortive() {
+        let now = Instant::now();
+        let mut machine = SessionMachine::new();
+        assert_eq!(machine.flush_deadline_kind(now), TimeoutKind::Write);
+        let exchange = now + Duration::from_millis(500);
+        run_hook(&mut machine, now, move |context| {
+            context.set_exchange_deadline(Some(exchange));
+            Step::Write
+        });
+        assert_eq!(machine.flush_deadline_kind(now), TimeoutKind::Write);
+        assert_eq!(machine.flush_deadline_kind(exchange), TimeoutKind::Exchange);
+        for kind in [TimeoutKind::Write, TimeoutKind::Exchange] {
+            for step in [Step::Close, Step::Abort] {
+                assert_eq!(
+                    SessionMachine::flush_timeout_answer(kind, step),
+                    Err(kind.close_reason()),
+                    "unsent output is lost, so {step:?} at the {} deadline ends with its reason",
+                    kind.as_str()
+                );
+            }
+            for step in [Step::Write, Step::Read, Step::Park { until: now }] {
+                assert_eq!(SessionMachine::flush_timeout_answer(kind, step), Ok(step));
+            }
+        }
+    }
+
+    #[test]
+    fn a_park_never_outlasts_the_park_timeout() {
+        let now = Instant::now();
+        let timeout = Duration::from_secs(30);
+        let soon = now + Duration::from_millis(10);
+        assert_eq!(SessionMachine::park_deadline(now, soon, timeout), soon);
+        let far = now + Duration::from_secs(3600);
+        assert_eq!(
+            SessionMachine::park_deadline(now, far, timeout),
+            now + timeout,
+            "a session asking for an hour gets the server's 30 s"
+        );
+        assert_eq!(
+            SessionMachine::park_deadline(now, far, Duration::MAX),
+            far,
+            "a timeout of Duration::MAX means never"
+        );
     }
 }

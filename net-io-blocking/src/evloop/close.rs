@@ -27,34 +27,24 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             reason_for_code(code)
         };
         conn.closing_reason = Some(reason);
-        let mut linger = false;
         if let Some(socket) = entry.owner.socket() {
             if reason.is_abortive() {
                 let _ = socket::set_linger(socket, Linger::Abortive);
             } else {
                 let _ = socket::shutdown(socket, Shutdown::Write);
                 if !conn.eof_seen {
-                    match socket::recv_nonblocking(socket, &mut self.scratch) {
-                        Ok(0) => {}
-                        Ok(count) if count >= linger_bytes => {}
-                        Ok(count) => {
-                            conn.linger_discarded = count;
-                            linger = true;
-                        }
-                        // Nothing waiting: a close now sends FIN with an empty receive queue.
-                        Err(_) => {}
-                    }
+                    // The linger runs on real time, like the threaded driver's, whatever clock the server
+                    // reads; the loop checks lingerers against real time on every turn as well.
+                    let first = socket::recv_nonblocking(socket, &mut self.scratch);
+                    conn.linger =
+                        LingerRead::start(&first, Instant::now(), linger_timeout, linger_bytes);
                 }
             }
         }
-        if linger {
+        if let Some(linger) = conn.linger {
             // Until the linger ends a killer can cut it short (the loop's wake scans lingerers); one that cut
             // it already is seen by `linger_read` below.
-            // The linger runs on real time, like the threaded driver's, whatever clock the server reads;
-            // the loop checks lingerers against real time on every turn as well.
-            conn.wait = Wait::Linger {
-                end: deadline_after(Instant::now(), linger_timeout),
-            };
+            conn.wait = Wait::Linger { end: linger.end() };
             conn.readable = true;
             self.lingering.push(index);
             let at = deadline_after(self.core.now(), linger_timeout);
@@ -77,7 +67,6 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
 
     /// Reads and discards what the peer sends after our FIN, until EOF, the byte limit or `EAGAIN`.
     pub(super) fn linger_read(&mut self, index: u32) {
-        let linger_bytes = self.limits(index).linger_bytes;
         let entry = &mut self.entries[index as usize];
         let Some(conn) = entry.conn.as_mut() else {
             return;
@@ -86,20 +75,14 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             return self.finish_linger(index, true);
         }
         loop {
-            let Some(socket) = entry.owner.socket() else {
+            let (Some(socket), Some(linger)) = (entry.owner.socket(), conn.linger.as_mut()) else {
                 return self.finish_linger(index, false);
             };
-            match socket::recv_nonblocking(socket, &mut self.scratch) {
-                Ok(0) => return self.finish_linger(index, false),
-                Ok(count) => {
-                    conn.linger_discarded += count;
-                    if conn.linger_discarded >= linger_bytes {
-                        return self.finish_linger(index, false);
-                    }
-                }
-                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
-                Err(_) => return self.finish_linger(index, false),
+            let received = socket::recv_nonblocking(socket, &mut self.scratch);
+            match linger.received(&received) {
+                Lingered::Again => {}
+                Lingered::Wait => return,
+                Lingered::Done => return self.finish_linger(index, false),
             }
         }
     }

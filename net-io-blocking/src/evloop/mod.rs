@@ -89,11 +89,11 @@ use std::time::{Duration, Instant};
 
 use net_io_core::proxy::{ProxyCommand, ProxyError, ProxyParser, ProxyStatus, V1_MAX};
 use net_io_core::{
-    AllowAll, CloseReason, Completer, CompletionReceiver, CompletionRing, ConnectionInfo,
-    Direction, Event, Gate, HalfClose, HookEnvironment, LimitKind, Output, Phase, ReadBuffer,
+    AllowAll, CloseReason, Completer, CompletionReceiver, CompletionRing, ConnectionInfo, Event,
+    Gate, HalfClose, HookEnvironment, LimitKind, LingerRead, Lingered, Output, ReadBuffer,
     RefusalCause, ResolvedLimits, Session, SessionContext, SessionFactory, SessionMachine,
-    SizeClass, Step, TimeoutKind, Verdict, WorkerBuffers, WorkerId, WriteFacts, check_or_deny,
-    close_ticket,
+    SizeClass, Step, TimeoutKind, TransferRates, Verdict, WorkerBuffers, WorkerId, WriteFacts,
+    check_or_deny, close_ticket,
 };
 use net_io_sys::epoll::{Epoll, Events, Interest};
 use net_io_sys::kill::{KillSlot, SlotOwner};
@@ -105,7 +105,6 @@ use crate::codes::{CODE_DRAIN_DEADLINE, reason_for_code};
 use crate::handshake;
 use crate::link::OWNER_CODE;
 use crate::listener::ListenerRuntime;
-use crate::rate::RateWindow;
 use crate::runtime::{Job, Runtime};
 use crate::sessions::SessionWorkload;
 use crate::shared::Core;
@@ -237,12 +236,9 @@ struct Conn<S, T> {
     /// reason a deadline or the FIN fixed, the half close.
     machine: SessionMachine,
     input_changed: bool,
-    rate_in: Option<RateWindow>,
-    rate_out: Option<RateWindow>,
-    /// Bytes of the request in progress that the input rate window has not counted: the window starts only
-    /// when the request has to wait for more input (and counts these then), so a request that arrives in
-    /// one read, the usual case, costs the minimum-rate rule nothing.
-    received_unjudged: u64,
+    /// When the minimum-rate rule judges each direction: only once the connection waits on the peer, so a
+    /// request that arrives in one read and a reply that leaves in one send cost it nothing.
+    rates: TransferRates,
     bytes_in: u64,
     bytes_out: u64,
     eof_seen: bool,
@@ -261,7 +257,8 @@ struct Conn<S, T> {
     output_peak: usize,
     /// The reason a lingering close will report.
     closing_reason: Option<CloseReason>,
-    linger_discarded: usize,
+    /// The linger of a graceful close in progress.
+    linger: Option<LingerRead>,
     /// The socket's `SO_RCVTIMEO` as last set (inherited from the listener at first), which only a solo read
     /// waits under: it is set again only when the wanted slice moves by more than a tick.
     armed: Option<Duration>,

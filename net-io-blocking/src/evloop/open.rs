@@ -65,9 +65,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             machine: SessionMachine::new(),
             listening: false,
             input_changed: false,
-            rate_in: limits.min_rate.map(RateWindow::new),
-            rate_out: limits.min_rate.map(RateWindow::new),
-            received_unjudged: 0,
+            rates: TransferRates::new(limits.min_rate),
             bytes_in: 0,
             bytes_out: 0,
             eof_seen: false,
@@ -77,7 +75,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             prefix: Vec::new(),
             output_peak: 0,
             closing_reason: None,
-            linger_discarded: 0,
+            linger: None,
             // An accepted socket inherits the listener's receive timeout; one we opened has none yet.
             armed: outbound.is_none().then_some(limits.idle_timeout),
         });

@@ -164,11 +164,8 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         let idle = conn
             .machine
             .is_idle(read.unread_len(), entry.output.is_empty());
-        if idle && core.draining.load(Ordering::Acquire) {
-            return Flow::Close(core.idle_close_reason());
-        }
-        if idle && core.is_shed(conn.info.lane) {
-            return Flow::Close(CloseReason::Shed);
+        if idle && let Some(reason) = core.close_when_idle(conn.info.lane) {
+            return Flow::Close(reason);
         }
         if !conn.readable {
             return self.wait_read(index, idle);
@@ -216,19 +213,9 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
                     return Flow::Close(reason_for_code(code));
                 }
                 conn.machine.input_arrived();
-                if let Some(rate) = conn.rate_in.as_mut() {
-                    if rate.is_busy() {
-                        let now = turn_now(&self.turn_clock, core);
-                        rate.record(count as u64, now);
-                        if rate.is_too_slow(now) {
-                            return Flow::Close(CloseReason::SlowPeer {
-                                direction: Direction::In,
-                            });
-                        }
-                    } else if conn.machine.phase() != Phase::Idle {
-                        // Counted when the request first waits for more input (see `wait_read`).
-                        conn.received_unjudged += count as u64;
-                    }
+                let turn_clock = &self.turn_clock;
+                if let Err(reason) = conn.rates.received(count, || turn_now(turn_clock, core)) {
+                    return Flow::Close(reason);
                 }
                 self.on_data(index)
             }
@@ -274,10 +261,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             {
                 return Flow::Close(reason_for_code(code));
             }
-            if let Some(rate) = conn.rate_in.as_mut() {
-                rate.stop();
-            }
-            conn.received_unjudged = 0;
+            conn.rates.input_idle();
             // An idle connection holds no large output queue either: one that grew past what a small reply
             // needs is dropped (a new queue allocates nothing until used), so a connection that once sent
             // a large reply does not keep its size while it idles, nor does its slot after it closes.
@@ -299,19 +283,9 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
                 self.holding = self.holding.saturating_sub(1);
                 Self::give_back(&mut self.buffers, self.holding, read.into_buffer());
             }
-        } else if let Some(rate) = conn.rate_in.as_mut() {
-            if !rate.is_busy() {
-                // The request waits for more input for the first time: from now on its rate is judged,
-                // counting what it brought so far.
-                rate.start(now);
-                let received = std::mem::take(&mut conn.received_unjudged);
-                if received > 0 {
-                    rate.record(received, now);
-                }
-            }
-            if let Some(check) = rate.next_check(now) {
-                wake_at = wake_at.min(check);
-            }
+        } else if let Some(check) = conn.rates.awaiting_input(now) {
+            // The request waits for more input: from now on its rate is judged, counting what it brought.
+            wake_at = wake_at.min(check);
         }
         if conn.recheck {
             wake_at = wake_at.min(deadline_after(now, tick));
@@ -327,7 +301,6 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
     pub(super) fn on_data(&mut self, index: u32) -> Flow {
         let core = self.core;
         let now = self.now();
-        let draining = core.draining.load(Ordering::Acquire);
         let entry = &mut self.entries[index as usize];
         let (Some(conn), Some(read)) = (entry.conn.as_mut(), entry.read.as_mut()) else {
             return Flow::Close(CloseReason::SessionError);
@@ -335,25 +308,26 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         let Some(session) = conn.session.as_mut() else {
             return Flow::Close(CloseReason::SessionError);
         };
-        let mut input = read.input();
-        let before = input.len();
-        let write_shut = conn.machine.is_write_shut();
-        let mut context =
-            SessionContext::new(&conn.info, &mut entry.output, conn.machine.requests(), now)
-                .with_draining(draining)
-                .with_completer(&conn.completer)
-                .with_write_shut(write_shut);
-        let step = catch_unwind(AssertUnwindSafe(|| {
-            session.on_data(&mut input, &mut context)
-        }));
+        let environment = HookEnvironment {
+            draining: core.draining.load(Ordering::Acquire),
+            pressure: core.pressure(),
+            completer: Some(&conn.completer),
+        };
+        let answer = conn.machine.data_hook(
+            session,
+            read,
+            &conn.info,
+            &mut entry.output,
+            now,
+            environment,
+        );
         self.turn_clock.set(None);
-        let consumed = input.consumed().min(before);
-        read.consume(consumed);
-        conn.input_changed = consumed > 0 && read.unread_len() > 0;
-        conn.machine.apply_requests();
-        match step {
-            Ok(step) => Flow::Next(step),
-            Err(_) => self.panicked_flow(index),
+        match answer {
+            Some((step, more)) => {
+                conn.input_changed = more;
+                Flow::Next(step)
+            }
+            None => self.panicked_flow(index),
         }
     }
 
@@ -371,10 +345,6 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         };
         let output = &mut entry.output;
         conn.output_peak = conn.output_peak.max(output.pending());
-        // Bytes this flush sent before its output rate window started: the window starts only when a send
-        // has to wait (and counts these then), so output that leaves at once, the usual small reply, costs
-        // the minimum-rate rule nothing.
-        let mut sent_unjudged: u64 = 0;
         if !output.is_empty() {
             let mut zero_sends = 0;
             while !output.is_empty() {
@@ -419,13 +389,8 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
                         conn.bytes_out += count as u64;
                         conn.write_deadline = None;
                         conn.recheck = false;
-                        match conn.rate_out.as_mut() {
-                            Some(rate) if rate.is_busy() => {
-                                rate.record(count as u64, turn_now(&self.turn_clock, core));
-                            }
-                            Some(_) => sent_unjudged += count as u64,
-                            None => {}
-                        }
+                        let turn_clock = &self.turn_clock;
+                        conn.rates.sent(count, || turn_now(turn_clock, core));
                         // The rest of a partial write belongs to the same write call (no new gate check).
                         if count == offered && !output.is_empty() {
                             conn.checked = false;
@@ -443,21 +408,11 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
                                 .map_or(progress, |exchange| exchange.min(progress))
                         });
                         let mut wake_at = deadline;
-                        if let Some(rate) = conn.rate_out.as_mut() {
-                            if !rate.is_busy() {
-                                rate.start(now);
-                                if sent_unjudged > 0 {
-                                    rate.record(sent_unjudged, now);
-                                }
-                            }
-                            if rate.is_too_slow(now) {
-                                return Flow::Close(CloseReason::SlowPeer {
-                                    direction: Direction::Out,
-                                });
-                            }
-                            if let Some(check) = rate.next_check(now) {
-                                wake_at = wake_at.min(check);
-                            }
+                        // The first wait starts judging the output rate, counting what went out before it.
+                        match conn.rates.awaiting_output(now) {
+                            Ok(Some(check)) => wake_at = wake_at.min(check),
+                            Ok(None) => {}
+                            Err(reason) => return Flow::Close(reason),
                         }
                         if recheck {
                             wake_at = wake_at.min(deadline_after(now, core.limits.tick));
@@ -481,15 +436,10 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         }
         conn.checked = false;
         conn.write_deadline = None;
-        if let Some(rate) = conn.rate_out.as_mut() {
-            rate.stop();
-        }
+        conn.rates.output_done();
         let unread = entry.read.as_ref().map_or(0, ReadBuffer::unread_len);
         if conn.machine.output_flushed(unread) {
-            if let Some(rate) = conn.rate_in.as_mut() {
-                rate.stop();
-            }
-            conn.received_unjudged = 0;
+            conn.rates.input_idle();
         }
         // A half close waiting for this flush sends its FIN before `on_writable` runs.
         if conn.machine.half_close_asked()
@@ -567,11 +517,8 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         let Some(conn) = entry.conn.as_mut() else {
             return Flow::Close(CloseReason::SessionError);
         };
-        let until = until.min(deadline_after(now, park_timeout));
-        if let Some(rate) = conn.rate_in.as_mut() {
-            rate.stop();
-        }
-        conn.received_unjudged = 0;
+        let until = SessionMachine::park_deadline(now, until, park_timeout);
+        conn.rates.input_idle();
         if let Some(completion) = entry.receiver.pop() {
             return match self.hook(index, |session, context| {
                 session.on_wake(completion.token, completion.value, context)
@@ -621,6 +568,30 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
                 ..environment
             },
             call,
+        );
+        self.turn_clock.set(None);
+        result
+    }
+
+    /// Asks the session's `on_timeout` about a deadline of `kind` that passed (`None`: it panicked).
+    pub(super) fn timeout(&mut self, index: u32, kind: TimeoutKind) -> Option<Step> {
+        let core = self.core;
+        let now = self.now();
+        let entry = &mut self.entries[index as usize];
+        let conn = entry.conn.as_mut()?;
+        let session = conn.session.as_mut()?;
+        let environment = HookEnvironment {
+            draining: core.draining.load(Ordering::Acquire),
+            pressure: core.pressure(),
+            completer: Some(&conn.completer),
+        };
+        let result = conn.machine.timeout_hook(
+            session,
+            kind,
+            &conn.info,
+            &mut entry.output,
+            now,
+            environment,
         );
         self.turn_clock.set(None);
         result

@@ -79,16 +79,10 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
                 self.schedule(index, deadline);
             }
             Wait::Read { deadline, kind } => {
-                if let Some(rate) = conn.rate_in.as_mut()
-                    && rate.is_too_slow(now)
-                {
-                    return self.close(
-                        index,
-                        CloseReason::SlowPeer {
-                            direction: Direction::In,
-                        },
-                    );
-                }
+                let check = match conn.rates.judge_input(now) {
+                    Ok(check) => check,
+                    Err(reason) => return self.close(index, reason),
+                };
                 if now >= deadline {
                     return self.read_deadline(index, kind);
                 }
@@ -96,26 +90,17 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
                     conn.readable = true;
                     return self.drive(index, Step::Read);
                 }
-                let next = earliest(
-                    deadline,
-                    conn.rate_in.as_ref().and_then(|r| r.next_check(now)),
-                );
+                let next = earliest(deadline, check);
                 self.schedule(index, next);
             }
             Wait::Flush {
                 then_close,
                 deadline,
             } => {
-                if let Some(rate) = conn.rate_out.as_mut()
-                    && rate.is_too_slow(now)
-                {
-                    return self.close(
-                        index,
-                        CloseReason::SlowPeer {
-                            direction: Direction::Out,
-                        },
-                    );
-                }
+                let check = match conn.rates.judge_output(now) {
+                    Ok(check) => check,
+                    Err(reason) => return self.close(index, reason),
+                };
                 if now >= deadline {
                     return self.write_deadline(index, now);
                 }
@@ -125,10 +110,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
                     let step = if then_close { Step::Close } else { Step::Write };
                     return self.drive(index, step);
                 }
-                let next = earliest(
-                    deadline,
-                    conn.rate_out.as_ref().and_then(|r| r.next_check(now)),
-                );
+                let next = earliest(deadline, check);
                 self.schedule(index, next);
             }
             Wait::Park { until } => {
@@ -149,15 +131,11 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
     }
 
     pub(super) fn read_deadline(&mut self, index: u32, kind: TimeoutKind) {
-        let conn = self.conn(index);
-        conn.machine.deadline_passed(kind);
-        conn.wait = Wait::Running;
-        let Some(step) = self.hook(index, |session, context| session.on_timeout(kind, context))
-        else {
+        self.conn(index).wait = Wait::Running;
+        // Carrying on, the deadline starts again from now.
+        let Some(step) = self.timeout(index, kind) else {
             return self.panicked(index);
         };
-        // Carrying on, the deadline starts again from now.
-        self.conn(index).machine.timeout_answered(step);
         self.drive(index, step);
     }
 
@@ -165,32 +143,18 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
     /// a flush for `Close` that the session carries on becomes whatever step it returns.
     pub(super) fn write_deadline(&mut self, index: u32, now: Instant) {
         let conn = self.conn(index);
-        let kind = if conn
-            .machine
-            .exchange_deadline()
-            .is_some_and(|exchange| now >= exchange)
-        {
-            TimeoutKind::Exchange
-        } else {
-            TimeoutKind::Write
-        };
-        // A spent exchange deadline is cleared; a new one the session sets in `on_timeout` stands.
-        conn.machine.deadline_passed(kind);
+        let kind = conn.machine.flush_deadline_kind(now);
         conn.wait = Wait::Running;
         conn.checked = false;
         conn.write_deadline = None;
-        if let Some(rate) = conn.rate_out.as_mut() {
-            rate.stop();
-        }
-        let Some(step) = self.hook(index, |session, context| session.on_timeout(kind, context))
-        else {
+        conn.rates.output_done();
+        // A spent exchange deadline is cleared; a new one the session sets in `on_timeout` stands.
+        let Some(step) = self.timeout(index, kind) else {
             return self.panicked(index);
         };
-        self.conn(index).machine.timeout_answered(step);
-        match step {
-            // Unsent output stays queued, so even `Close` ends abortively with the deadline's reason.
-            Step::Close | Step::Abort => self.close(index, kind.close_reason()),
-            next => self.drive(index, next),
+        match SessionMachine::flush_timeout_answer(kind, step) {
+            Ok(next) => self.drive(index, next),
+            Err(reason) => self.close(index, reason),
         }
     }
 
@@ -204,16 +168,11 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
 
     /// The park deadline passed: the session's `on_timeout` picks the next step.
     pub(super) fn park_timed_out(&mut self, index: u32) -> Flow {
-        let conn = self.conn(index);
-        conn.machine.deadline_passed(TimeoutKind::Park);
-        conn.wait = Wait::Running;
-        let Some(step) = self.hook(index, |session, context| {
-            session.on_timeout(TimeoutKind::Park, context)
-        }) else {
-            return self.panicked_flow(index);
-        };
-        self.conn(index).machine.timeout_answered(step);
-        Flow::Next(step)
+        self.conn(index).wait = Wait::Running;
+        match self.timeout(index, TimeoutKind::Park) {
+            Some(step) => Flow::Next(step),
+            None => self.panicked_flow(index),
+        }
     }
 
     // ----- the session steps -----
