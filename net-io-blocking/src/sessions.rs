@@ -4,7 +4,6 @@
 use std::any::{Any, TypeId};
 use std::marker::PhantomData;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use net_io_core::{
@@ -305,12 +304,7 @@ impl<'a, S: Session> Driver<'_, 'a, S> {
 
     /// What a hook's context tells the session about the server now.
     fn environment(&self) -> HookEnvironment<'a> {
-        let core = self.run.core;
-        HookEnvironment {
-            draining: core.draining.load(Ordering::Acquire),
-            pressure: core.pressure(),
-            completer: Some(self.run.completer),
-        }
+        self.run.core.hook_environment(self.run.completer)
     }
 
     fn on_data(&mut self, session: &mut S, input_changed: &mut bool) -> Option<Step> {
@@ -442,25 +436,21 @@ impl<'a, S: Session> Driver<'_, 'a, S> {
 
     /// Moves the input to the next larger buffer class, or fails with `Limit(ReadBuffer)`.
     fn grow(&mut self) -> Result<(), CloseReason> {
-        let limit = self.run.limits.read_buffer_max;
-        let Some(larger) = self.read.class().larger() else {
-            return Err(CloseReason::Limit(LimitKind::ReadBuffer));
-        };
-        if larger.bytes() > limit {
-            return Err(CloseReason::Limit(LimitKind::ReadBuffer));
-        }
-        let buffer = self
-            .buffers
-            .acquire(larger)
-            .map_err(|_| CloseReason::Limit(LimitKind::BufferBudget))?;
-        match self.read.grow(buffer) {
+        let buffers = &mut *self.buffers;
+        match self
+            .read
+            .grow_class(self.run.limits.read_buffer_max, |class| {
+                buffers.acquire(class)
+            }) {
             Ok(old) => {
                 self.buffers.release(old);
                 Ok(())
             }
-            Err(unused) => {
-                self.buffers.release(unused);
-                Err(CloseReason::Limit(LimitKind::ReadBuffer))
+            Err((reason, unused)) => {
+                if let Some(unused) = unused {
+                    self.buffers.release(unused);
+                }
+                Err(reason)
             }
         }
     }
@@ -504,14 +494,10 @@ impl<'a, S: Session> Driver<'_, 'a, S> {
             Sent::Killed(code) => Err(reason_for_code(code)),
             Sent::Denied(code) => {
                 // Denial text only on a clean response boundary; otherwise the close is an RST anyway.
-                let nothing_sent = !started && !self.output.response_started();
-                self.output.clear();
-                let _ = catch_unwind(AssertUnwindSafe(|| session.on_denied(code, self.output)));
-                if nothing_sent && !self.output.is_empty() {
-                    // The denial text goes out once, without blocking, at most 512 bytes.
-                    let limit = self.run.limits.refusal_bytes_max;
-                    let front = self.output.front();
-                    let text = &front[..front.len().min(limit)];
+                let clean = !started && !self.output.response_started();
+                let limit = self.run.limits.refusal_bytes_max;
+                if let Some(text) = SessionMachine::denial(session, code, self.output, clean, limit)
+                {
                     let _ = self.run.link.send_once(text);
                 }
                 self.output.clear();

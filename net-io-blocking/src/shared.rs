@@ -262,6 +262,19 @@ impl Core {
         self.is_shed(lane).then_some(CloseReason::Shed)
     }
 
+    /// What a session hook's context tells the session about the server now, with the connection's
+    /// completer; both session drivers build every hook's environment here.
+    pub(crate) fn hook_environment<'a>(
+        &self,
+        completer: &'a net_io_core::Completer,
+    ) -> net_io_core::HookEnvironment<'a> {
+        net_io_core::HookEnvironment {
+            draining: self.draining.load(Ordering::Acquire),
+            pressure: self.pressure(),
+            completer: Some(completer),
+        }
+    }
+
     /// The share of busy workers for `SessionContext::pressure` (with event loops, the share of the
     /// connection cap in use), 1.0 while shedding.
     pub(crate) fn pressure(&self) -> f32 {

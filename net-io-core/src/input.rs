@@ -9,7 +9,8 @@
 //! session as an [`Input`], and applies what the session consumed. Unread bytes move to the front only when
 //! the spare tail is under a quarter of the buffer, so a stream of small requests costs no copies.
 
-use crate::buffer::{Buffer, SizeClass};
+use crate::buffer::{BudgetExhausted, Buffer, SizeClass};
+use crate::close::{CloseReason, LimitKind};
 
 /// The session's view of the unread input. The session calls [`Input::consume`] for what it used;
 /// anything left stays for the next call.
@@ -151,6 +152,28 @@ impl ReadBuffer {
         Ok(std::mem::replace(&mut self.buffer, larger))
     }
 
+    /// Moves a full buffer's input into the next larger size class, taking the buffer from `acquire`, as
+    /// long as that class is at most `limit` bytes (the listener's `read_buffer_max`). `Ok` holds the old
+    /// buffer for the caller to give back. `Err` holds the close: `Limit(ReadBuffer)` past the limit or the
+    /// largest class, `Limit(BufferBudget)` when the budget has nothing left, with a buffer that was taken
+    /// but not used, if any, for the caller to give back. Both drivers grow their read buffers here.
+    pub fn grow_class(
+        &mut self,
+        limit: usize,
+        acquire: impl FnOnce(SizeClass) -> Result<Buffer, BudgetExhausted>,
+    ) -> Result<Buffer, (CloseReason, Option<Buffer>)> {
+        let too_long = CloseReason::Limit(LimitKind::ReadBuffer);
+        let Some(larger) = self.class().larger() else {
+            return Err((too_long, None));
+        };
+        if larger.bytes() > limit {
+            return Err((too_long, None));
+        }
+        let buffer =
+            acquire(larger).map_err(|_| (CloseReason::Limit(LimitKind::BufferBudget), None))?;
+        self.grow(buffer).map_err(|unused| (too_long, Some(unused)))
+    }
+
     /// Forgets every unread byte.
     pub fn clear(&mut self) {
         self.start = 0;
@@ -233,5 +256,44 @@ mod tests {
         assert_eq!(read.unread_len(), 4096);
         assert!(!read.is_full());
         assert_eq!(read.class(), SizeClass::Medium);
+    }
+
+    #[test]
+    fn growing_stops_at_the_limit_the_largest_class_and_an_empty_budget() {
+        let pool = BufferPool::new(1 << 20, true);
+        let mut worker = pool.worker();
+        let mut read = ReadBuffer::new(worker.acquire(SizeClass::Small).unwrap());
+        read.extend_from_slice(&[7u8; 4096]);
+        let too_long = CloseReason::Limit(LimitKind::ReadBuffer);
+        let refused = read.grow_class(SizeClass::Small.bytes(), |class| worker.acquire(class));
+        assert!(
+            matches!(refused, Err((reason, None)) if reason == too_long),
+            "a limit of one small buffer refuses to grow: {refused:?}"
+        );
+        let empty = read.grow_class(usize::MAX, |class| {
+            Err(BudgetExhausted { class, budget: 0 })
+        });
+        assert!(
+            matches!(
+                empty,
+                Err((CloseReason::Limit(LimitKind::BufferBudget), None))
+            ),
+            "an empty budget is its own limit: {empty:?}"
+        );
+        let old = read
+            .grow_class(usize::MAX, |class| worker.acquire(class))
+            .expect("a medium buffer fits");
+        worker.release(old);
+        assert_eq!(read.class(), SizeClass::Medium);
+        assert_eq!(read.unread(), &[7u8; 4096][..], "the input moved whole");
+        let mut largest = SizeClass::Medium;
+        while let Some(next) = largest.larger() {
+            largest = next;
+        }
+        let mut read = ReadBuffer::new(worker.acquire(largest).unwrap());
+        assert!(
+            matches!(read.grow_class(usize::MAX, |class| worker.acquire(class)), Err((reason, None)) if reason == too_long),
+            "the largest class cannot grow"
+        );
     }
 }

@@ -247,6 +247,26 @@ impl SessionMachine {
         until.min(deadline_after(now, park_timeout))
     }
 
+    /// The gate denied a write with `code`: the queue is dropped, and the session may queue a denial text in
+    /// its `on_denied` (panic contained). Returns the text to send once, without blocking, at most `limit`
+    /// bytes, and only if `clean` (nothing of a response went out yet; otherwise the close is an RST
+    /// anyway). The driver sends it, then clears the queue and closes with `EgressDenied(code)`.
+    pub fn denial<'o, S: Session>(
+        session: &mut S,
+        code: u16,
+        output: &'o mut Output,
+        clean: bool,
+        limit: usize,
+    ) -> Option<&'o [u8]> {
+        output.clear();
+        let _ = catch_unwind(AssertUnwindSafe(|| session.on_denied(code, output)));
+        if !clean || output.is_empty() {
+            return None;
+        }
+        let front = output.front();
+        Some(&front[..front.len().min(limit)])
+    }
+
     /// Whether the connection is between exchanges: the idle timeout applies, and a drain or a shed may
     /// close it now. `unread` is the input the session left unconsumed.
     pub fn is_idle(&self, unread: usize, output_empty: bool) -> bool {
@@ -418,6 +438,14 @@ mod tests {
     }
 
     const IDLE: Duration = Duration::from_secs(5);
+    /// Every deadline a session hears of through `on_timeout`.
+    const EVERY_DEADLINE: [TimeoutKind; 5] = [
+        TimeoutKind::Idle,
+        TimeoutKind::Read,
+        TimeoutKind::Write,
+        TimeoutKind::Exchange,
+        TimeoutKind::Park,
+    ];
     const READ: Duration = Duration::from_secs(2);
 
     #[test]
@@ -428,13 +456,7 @@ mod tests {
             CloseReason::SessionClosed
         );
         assert_eq!(machine.close_reason(Step::Abort), CloseReason::SessionError);
-        for kind in [
-            TimeoutKind::Idle,
-            TimeoutKind::Read,
-            TimeoutKind::Write,
-            TimeoutKind::Exchange,
-            TimeoutKind::Park,
-        ] {
+        for kind in EVERY_DEADLINE {
             let mut machine = SessionMachine::new();
             machine.deadline_passed(kind);
             assert_eq!(
@@ -767,13 +789,7 @@ mod tests {
         let (info, now) = (info(), Instant::now());
         let mut output = Output::new(64);
         let environment = HookEnvironment::default();
-        for kind in [
-            TimeoutKind::Idle,
-            TimeoutKind::Read,
-            TimeoutKind::Write,
-            TimeoutKind::Exchange,
-            TimeoutKind::Park,
-        ] {
+        for kind in EVERY_DEADLINE {
             let mut machine = SessionMachine::new();
             let mut session = lines(Step::Close);
             let step =
@@ -845,6 +861,56 @@ mod tests {
             SessionMachine::park_deadline(now, far, Duration::MAX),
             far,
             "a timeout of Duration::MAX means never"
+        );
+    }
+
+    /// A session whose denial text is `text`, or that panics in `on_denied` when `text` is empty.
+    struct Denied(&'static [u8]);
+
+    impl Session for Denied {
+        fn on_data(
+            &mut self,
+            _input: &mut crate::input::Input<'_>,
+            _context: &mut SessionContext<'_>,
+        ) -> Step {
+            Step::Read
+        }
+
+        fn on_denied(&mut self, code: u16, output: &mut Output) {
+            assert!(
+                output.is_empty(),
+                "the denied queue is dropped before on_denied"
+            );
+            if self.0.is_empty() {
+                panic!("a session bug in on_denied ({code})");
+            }
+            output.push(self.0).expect("room for the text");
+        }
+    }
+
+    #[test]
+    fn a_denial_text_goes_out_only_on_a_clean_boundary_and_within_the_limit() {
+        let mut output = Output::new(1024);
+        output.push(b"half a reply").expect("room");
+        let text = SessionMachine::denial(
+            &mut Denied(b"HTTP/1.1 403\r\n\r\n"),
+            403,
+            &mut output,
+            true,
+            512,
+        );
+        assert_eq!(text, Some(&b"HTTP/1.1 403\r\n\r\n"[..]));
+        let text = SessionMachine::denial(&mut Denied(b"0123456789"), 403, &mut output, true, 4);
+        assert_eq!(text, Some(&b"0123"[..]), "cut to the refusal limit");
+        let text = SessionMachine::denial(&mut Denied(b"late"), 403, &mut output, false, 512);
+        assert_eq!(
+            text, None,
+            "after part of a response, no text: the close is an RST"
+        );
+        let text = SessionMachine::denial(&mut Denied(b""), 403, &mut output, true, 512);
+        assert_eq!(
+            text, None,
+            "a panicking on_denied is contained and sends nothing"
         );
     }
 }

@@ -90,10 +90,10 @@ use std::time::{Duration, Instant};
 use net_io_core::proxy::{ProxyCommand, ProxyError, ProxyParser, ProxyStatus, V1_MAX};
 use net_io_core::{
     AllowAll, CloseReason, Completer, CompletionReceiver, CompletionRing, ConnectionInfo, Event,
-    Gate, HalfClose, HookEnvironment, LimitKind, LingerRead, Lingered, Output, ReadBuffer,
-    RefusalCause, ResolvedLimits, Session, SessionContext, SessionFactory, SessionMachine,
-    SizeClass, Step, TimeoutKind, TransferRates, Verdict, WorkerBuffers, WorkerId, WriteFacts,
-    check_or_deny, close_ticket,
+    Gate, HalfClose, LimitKind, LingerRead, Lingered, Output, ReadBuffer, RefusalCause,
+    ResolvedLimits, Session, SessionContext, SessionFactory, SessionMachine, SizeClass, Step,
+    TimeoutKind, TransferRates, Verdict, WorkerBuffers, WorkerId, WriteFacts, check_or_deny,
+    close_ticket,
 };
 use net_io_sys::epoll::{Epoll, Events, Interest};
 use net_io_sys::kill::{KillSlot, SlotOwner};

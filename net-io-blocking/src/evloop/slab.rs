@@ -110,24 +110,17 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         if !read.is_full() {
             return Ok(());
         }
-        let Some(larger) = read.class().larger() else {
-            return Err(CloseReason::Limit(LimitKind::ReadBuffer));
-        };
-        if larger.bytes() > limit {
-            return Err(CloseReason::Limit(LimitKind::ReadBuffer));
-        }
-        let buffer = self
-            .buffers
-            .acquire(larger)
-            .map_err(|_| CloseReason::Limit(LimitKind::BufferBudget))?;
-        match read.grow(buffer) {
+        let buffers = &mut self.buffers;
+        match read.grow_class(limit, |class| buffers.acquire(class)) {
             Ok(old) => {
                 Self::give_back(&mut self.buffers, self.holding, old);
                 Ok(())
             }
-            Err(unused) => {
-                Self::give_back(&mut self.buffers, self.holding, unused);
-                Err(CloseReason::Limit(LimitKind::ReadBuffer))
+            Err((reason, unused)) => {
+                if let Some(unused) = unused {
+                    Self::give_back(&mut self.buffers, self.holding, unused);
+                }
+                Err(reason)
             }
         }
     }

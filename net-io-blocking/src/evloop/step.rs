@@ -308,11 +308,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         let Some(session) = conn.session.as_mut() else {
             return Flow::Close(CloseReason::SessionError);
         };
-        let environment = HookEnvironment {
-            draining: core.draining.load(Ordering::Acquire),
-            pressure: core.pressure(),
-            completer: Some(&conn.completer),
-        };
+        let environment = core.hook_environment(&conn.completer);
         let answer = conn.machine.data_hook(
             session,
             read,
@@ -491,20 +487,14 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             return Flow::Close(CloseReason::EgressDenied(code));
         };
         let output = &mut entry.output;
-        let nothing_sent = !output.response_started();
-        output.clear();
-        if let Some(session) = conn.session.as_mut() {
-            let _ = catch_unwind(AssertUnwindSafe(|| session.on_denied(code, output)));
-        }
-        if nothing_sent
-            && !output.is_empty()
+        let clean = !output.response_started();
+        if let Some(session) = conn.session.as_mut()
+            && let Some(text) =
+                SessionMachine::denial(session, code, output, clean, refusal_bytes_max)
             && let Some(socket) = entry.owner.socket()
+            && let Ok(sent) = socket::send(socket, text)
         {
-            let front = output.front();
-            let text = &front[..front.len().min(refusal_bytes_max)];
-            if let Ok(sent) = socket::send(socket, text) {
-                conn.bytes_out += sent as u64;
-            }
+            conn.bytes_out += sent as u64;
         }
         output.clear();
         Flow::Close(CloseReason::EgressDenied(code))
@@ -550,23 +540,16 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
     ) -> Option<T> {
         let core = self.core;
         let now = self.now();
-        let environment = HookEnvironment {
-            draining: core.draining.load(Ordering::Acquire),
-            pressure: core.pressure(),
-            completer: None,
-        };
         let entry = &mut self.entries[index as usize];
         let conn = entry.conn.as_mut()?;
         let session = conn.session.as_mut()?;
+        let environment = core.hook_environment(&conn.completer);
         let result = conn.machine.hook(
             session,
             &conn.info,
             &mut entry.output,
             now,
-            HookEnvironment {
-                completer: Some(&conn.completer),
-                ..environment
-            },
+            environment,
             call,
         );
         self.turn_clock.set(None);
@@ -580,11 +563,7 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
         let entry = &mut self.entries[index as usize];
         let conn = entry.conn.as_mut()?;
         let session = conn.session.as_mut()?;
-        let environment = HookEnvironment {
-            draining: core.draining.load(Ordering::Acquire),
-            pressure: core.pressure(),
-            completer: Some(&conn.completer),
-        };
+        let environment = core.hook_environment(&conn.completer);
         let result = conn.machine.timeout_hook(
             session,
             kind,
