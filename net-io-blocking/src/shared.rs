@@ -265,12 +265,12 @@ impl Core {
     /// What a session hook's context tells the session about the server now, with the connection's
     /// completer; both session drivers build every hook's environment here.
     pub(crate) fn hook_environment<'a>(
-        &self,
+        &'a self,
         completer: &'a net_io_core::Completer,
     ) -> net_io_core::HookEnvironment<'a> {
         net_io_core::HookEnvironment {
             draining: self.draining.load(Ordering::Acquire),
-            pressure: self.pressure(),
+            pressure: net_io_core::Pressure::Source(self),
             completer: Some(completer),
         }
     }
@@ -521,4 +521,10 @@ pub(crate) fn cut_linger(linger: &AtomicU64, wake: &EventFd, id: u64) -> bool {
         let _ = wake.signal();
     }
     cut
+}
+
+impl net_io_core::LoadSource for Core {
+    fn pressure(&self) -> f32 {
+        Core::pressure(self)
+    }
 }

@@ -102,6 +102,8 @@ pub use proxy::{
     ProxyVersion,
 };
 pub use rate::{MinRate, RateVerdict};
-pub use session::{Phase, Session, SessionContext, SessionFactory, SessionRequests, Step};
+pub use session::{
+    LoadSource, Phase, Pressure, Session, SessionContext, SessionFactory, SessionRequests, Step,
+};
 pub use stats::{Counters, ServerCounters, Stats, WorkerCounters};
 pub use transfer::TransferRates;

@@ -37,7 +37,7 @@ use crate::completion::Completer;
 use crate::info::ConnectionInfo;
 use crate::input::ReadBuffer;
 use crate::output::Output;
-use crate::session::{Phase, Session, SessionContext, SessionRequests, Step};
+use crate::session::{Phase, Pressure, Session, SessionContext, SessionRequests, Step};
 
 /// Where a session's half close stands ([`SessionContext::shutdown_write`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -67,8 +67,8 @@ pub enum HalfClose {
 pub struct HookEnvironment<'a> {
     /// The server drains ([`SessionContext::draining`]).
     pub draining: bool,
-    /// The load figure ([`SessionContext::pressure`]).
-    pub pressure: f32,
+    /// Where the load figure comes from ([`SessionContext::pressure`]).
+    pub pressure: Pressure<'a>,
     /// The completer for offloaded work, if the driver offers one.
     pub completer: Option<&'a Completer>,
 }
@@ -125,6 +125,7 @@ impl SessionMachine {
     }
 
     /// Applies and clears what the session asked for during a hook.
+    #[inline]
     pub fn apply_requests(&mut self) {
         let requests = std::mem::take(&mut self.requests);
         if let Some(exchange) = requests.exchange_deadline {
@@ -144,6 +145,7 @@ impl SessionMachine {
 
     /// Calls a hook under `catch_unwind` with a fresh context, then applies what the session asked for.
     /// `None` means the hook panicked: the driver closes the connection with `SessionPanicked`.
+    #[inline]
     pub fn hook<S: Session, T>(
         &mut self,
         session: &mut S,
@@ -156,7 +158,7 @@ impl SessionMachine {
         let write_shut = self.is_write_shut();
         let mut context = SessionContext::new(info, output, &mut self.requests, now)
             .with_draining(environment.draining)
-            .with_pressure(environment.pressure)
+            .with_pressure_source(environment.pressure)
             .with_write_shut(write_shut);
         if let Some(completer) = environment.completer {
             context = context.with_completer(completer);
@@ -169,6 +171,7 @@ impl SessionMachine {
     /// Calls `on_data` over the unread input of `read` under `catch_unwind`, consumes what the session took
     /// and applies its requests. `Some((step, more))`: `more` is true when the session consumed some input
     /// and left some (the driver calls `on_data` again before reading). `None`: the hook panicked.
+    #[inline]
     pub fn data_hook<S: Session>(
         &mut self,
         session: &mut S,
@@ -183,7 +186,7 @@ impl SessionMachine {
         let write_shut = self.is_write_shut();
         let mut context = SessionContext::new(info, output, &mut self.requests, now)
             .with_draining(environment.draining)
-            .with_pressure(environment.pressure)
+            .with_pressure_source(environment.pressure)
             .with_write_shut(write_shut);
         if let Some(completer) = environment.completer {
             context = context.with_completer(completer);
@@ -200,6 +203,7 @@ impl SessionMachine {
 
     /// A deadline of `kind` passed: fixes its reason, asks the session's `on_timeout` what to do, and forgets
     /// the reason again if the session carries on. `None`: the hook panicked.
+    #[inline]
     pub fn timeout_hook<S: Session>(
         &mut self,
         session: &mut S,
@@ -269,6 +273,7 @@ impl SessionMachine {
 
     /// Whether the connection is between exchanges: the idle timeout applies, and a drain or a shed may
     /// close it now. `unread` is the input the session left unconsumed.
+    #[inline]
     pub fn is_idle(&self, unread: usize, output_empty: bool) -> bool {
         self.phase == Phase::Idle && unread == 0 && output_empty
     }
@@ -276,6 +281,7 @@ impl SessionMachine {
     /// The deadline a wait for input starting `now` runs under, and which deadline it is: the idle timeout
     /// (the session's own if it set one) between exchanges, the read timeout once a request started, or the
     /// exchange deadline when that comes first.
+    #[inline]
     pub fn read_wait(
         &self,
         now: Instant,
@@ -293,6 +299,7 @@ impl SessionMachine {
 
     /// Input arrived: an automatic phase moves from idle to receiving. True if it moved (the driver then
     /// starts judging the input rate).
+    #[inline]
     pub fn input_arrived(&mut self) -> bool {
         if self.phase == Phase::Idle && self.phase_override.is_none() {
             self.phase = Phase::Receiving;
@@ -304,6 +311,7 @@ impl SessionMachine {
     /// Every queued byte went out: with no input left, an automatic phase is idle again. True then (the
     /// exchange is over, so the driver stops judging the input rate), false while the input still holds
     /// part of a request or the session chose its phase itself.
+    #[inline]
     pub fn output_flushed(&mut self, unread: usize) -> bool {
         if unread == 0 && self.phase_override.is_none() {
             self.phase = Phase::Idle;
@@ -674,7 +682,7 @@ mod tests {
             now,
             HookEnvironment {
                 draining: true,
-                pressure: 0.5,
+                pressure: Pressure::Fixed(0.5),
                 completer: None,
             },
             |_, context| (context.draining(), context.pressure(), context.now()),

@@ -92,6 +92,48 @@ pub struct SessionRequests {
     pub shutdown_write: bool,
 }
 
+/// Something that can work out the load figure [`SessionContext::pressure`] reports: the driver's shared
+/// server state. A context holding one asks it only when the session does, so a hook that never looks at the
+/// load costs nothing for it.
+pub trait LoadSource: Sync {
+    /// The load now, 0.0 to 1.0.
+    fn pressure(&self) -> f32;
+}
+
+/// Where a context's load figure comes from.
+#[derive(Clone, Copy)]
+pub enum Pressure<'a> {
+    /// This figure.
+    Fixed(f32),
+    /// Worked out by this source when asked.
+    Source(&'a dyn LoadSource),
+}
+
+impl Pressure<'_> {
+    /// The figure now.
+    pub fn value(&self) -> f32 {
+        match self {
+            Pressure::Fixed(pressure) => *pressure,
+            Pressure::Source(source) => source.pressure(),
+        }
+    }
+}
+
+impl Default for Pressure<'_> {
+    fn default() -> Self {
+        Pressure::Fixed(0.0)
+    }
+}
+
+impl std::fmt::Debug for Pressure<'_> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Pressure::Fixed(pressure) => formatter.debug_tuple("Fixed").field(pressure).finish(),
+            Pressure::Source(_) => formatter.write_str("Source(..)"),
+        }
+    }
+}
+
 /// What a session sees and can ask for during a hook. Made by the driver for each hook call.
 #[derive(Debug)]
 pub struct SessionContext<'a> {
@@ -101,7 +143,7 @@ pub struct SessionContext<'a> {
     now: Instant,
     worker: Option<WorkerId>,
     draining: bool,
-    pressure: f32,
+    pressure: Pressure<'a>,
     completer: Option<&'a Completer>,
     write_shut: bool,
 }
@@ -193,7 +235,7 @@ impl<'a> SessionContext<'a> {
             now,
             worker: info.worker,
             draining: false,
-            pressure: 0.0,
+            pressure: Pressure::Fixed(0.0),
             completer: None,
             write_shut: false,
         }
@@ -207,6 +249,12 @@ impl<'a> SessionContext<'a> {
 
     /// Sets the load figure (share of busy workers, 1.0 under shed).
     pub fn with_pressure(mut self, pressure: f32) -> SessionContext<'a> {
+        self.pressure = Pressure::Fixed(pressure);
+        self
+    }
+
+    /// Sets where the load figure comes from (worked out only if the session asks).
+    pub fn with_pressure_source(mut self, pressure: Pressure<'a>) -> SessionContext<'a> {
         self.pressure = pressure;
         self
     }
@@ -250,7 +298,7 @@ impl<'a> SessionContext<'a> {
 
     /// The share of busy workers, 0.0 to 1.0 (1.0 while shedding).
     pub fn pressure(&self) -> f32 {
-        self.pressure
+        self.pressure.value()
     }
 
     /// A handle that posts completions to this connection from another thread, if the driver offers one.

@@ -113,6 +113,7 @@ impl TransferRates {
 
     /// `bytes` arrived. While input is judged they are counted at `now()` (read only then) and judged if a
     /// check is due; before that they are kept for the first wait. `Err` is the close for a slow peer.
+    #[inline]
     pub fn received(
         &mut self,
         bytes: usize,
@@ -132,6 +133,7 @@ impl TransferRates {
 
     /// The exchange waits for more input from `now`: judging starts (counting what arrived before) unless it
     /// already runs. Returns when the next check is due, for the wait's wake-up.
+    #[inline]
     pub fn awaiting_input(&mut self, now: Instant) -> Option<Instant> {
         let window = self.input.as_mut()?;
         if !window.is_busy() {
@@ -146,6 +148,7 @@ impl TransferRates {
 
     /// A wait for input woke at `now` (a timer, or before the next `recv`): `Err` if the peer is too slow,
     /// otherwise when the next check is due.
+    #[inline]
     pub fn judge_input(&mut self, now: Instant) -> Result<Option<Instant>, CloseReason> {
         let Some(window) = self.input.as_mut() else {
             return Ok(None);
@@ -156,6 +159,7 @@ impl TransferRates {
 
     /// The connection is between exchanges (idle wait, park, a reply flushed with no input left): input is
     /// not judged, and what arrived so far is forgotten.
+    #[inline]
     pub fn input_idle(&mut self) {
         if let Some(window) = self.input.as_mut() {
             window.stop();
@@ -165,6 +169,7 @@ impl TransferRates {
 
     /// `bytes` went out. While output is judged they are counted at `now()` (read only then); before that
     /// they are kept for the first wait.
+    #[inline]
     pub fn sent(&mut self, bytes: usize, now: impl FnOnce() -> Instant) {
         let Some(window) = self.output.as_mut() else {
             return;
@@ -178,6 +183,7 @@ impl TransferRates {
 
     /// A send would block at `now`: judging starts (counting what went out before) unless it already runs,
     /// and a due check is made. `Err` is the close for a slow reader; otherwise when the next check is due.
+    #[inline]
     pub fn awaiting_output(&mut self, now: Instant) -> Result<Option<Instant>, CloseReason> {
         let Some(window) = self.output.as_mut() else {
             return Ok(None);
@@ -194,6 +200,7 @@ impl TransferRates {
     }
 
     /// A wait for room woke at `now`: `Err` if the peer reads too slowly, otherwise the next check.
+    #[inline]
     pub fn judge_output(&mut self, now: Instant) -> Result<Option<Instant>, CloseReason> {
         let Some(window) = self.output.as_mut() else {
             return Ok(None);
@@ -203,6 +210,7 @@ impl TransferRates {
     }
 
     /// Every queued byte went out (or the flush was given up): output is not judged until it waits again.
+    #[inline]
     pub fn output_done(&mut self) {
         if let Some(window) = self.output.as_mut() {
             window.stop();
