@@ -301,6 +301,11 @@ struct ServeArgs {
     /// Seconds a SIGTERM or SIGINT gives in-flight generations to finish.
     #[arg(long, default_value_t = 30)]
     drain_timeout: u64,
+    /// Milliseconds a link keeps trying to reach the next stage (refused, timed out, or closed before it
+    /// answered), waiting 25 ms, then twice as long each time up to 400 ms, before it refuses the stage before
+    /// it; 0: one attempt.
+    #[arg(long, default_value_t = 1000)]
+    connect_retry_timeout: u64,
     /// Compute threads (sets CANDLE_NUM_THREADS and RAYON_NUM_THREADS).
     #[arg(long)]
     threads: Option<usize>,
@@ -676,6 +681,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.allow_from = allow_from;
     config.codec = args.codec;
     config.shape = link_shape(args.link_delay, args.link_rate)?;
+    config.connect_retry_timeout = std::time::Duration::from_millis(args.connect_retry_timeout);
     config.stage_index = args.stage;
     let stage = StageProcess::start(config).with_context(|| {
         format!(

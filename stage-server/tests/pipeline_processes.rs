@@ -461,6 +461,128 @@ fn killing_the_last_stage_is_reported_by_the_stage_before_it() {
     }
 }
 
+/// An address on 127.0.0.1 nothing listens on right now (a port the kernel just handed out and got back).
+fn unused_address() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("binding a scratch port")
+}
+
+/// The message of a chain connect that a stage refused with `StageDown`, or a panic saying what came instead.
+fn stage_down_message(result: Result<Chain, DriverError>) -> String {
+    match result {
+        Ok(_) => panic!("the chain should have been refused"),
+        Err(DriverError::Stage { code, message }) => {
+            assert_eq!(code, ErrorCode::StageDown, "{message}");
+            message
+        }
+        Err(other) => panic!("expected the middle stage's StageDown, got {other}"),
+    }
+}
+
+#[test]
+fn a_stage_retries_its_next_stage_until_it_is_up_and_refuses_once_the_budget_is_spent() {
+    let llama = tiny("retry-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    // The last stage's address is free: the middle stage's connects are refused until it starts. A budget far
+    // above a stage's start-up keeps the test independent of how loaded the machine is.
+    let last_address = unused_address();
+    let middle = StageChild::start(
+        &llama,
+        "1..3",
+        Some(last_address),
+        &["--connect-retry-timeout", "30000"],
+    );
+    let model = llama.clone();
+    let starter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        StageChild::start_on(&model, "3..4", &last_address.to_string(), None, &[])
+    });
+    let mut chain = Chain::connect(&file, 1, middle.address, ChainOptions::default())
+        .expect("the middle stage should keep trying until the last stage listens");
+    let _last = starter.join().expect("the last stage started");
+    let options = GenerateOptions {
+        max_tokens: 3,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    let generation = chain
+        .generate(&[1, 300], SamplingParams::default(), &options, |_| {})
+        .expect("the chain found after retries should serve");
+    assert_eq!(generation.tokens.len(), 3);
+
+    // Nothing ever listens: refused with StageDown once 300 ms of attempts are spent (25, 50 and 100 ms apart).
+    let dead = unused_address();
+    let budgeted = StageChild::start(
+        &llama,
+        "1..3",
+        Some(dead),
+        &["--connect-retry-timeout", "300"],
+    );
+    let started = Instant::now();
+    let message = stage_down_message(Chain::connect(
+        &file,
+        1,
+        budgeted.address,
+        ChainOptions::default(),
+    ));
+    let took = started.elapsed();
+    assert!(
+        message.contains(&dead.to_string()) || message.contains("stage 2"),
+        "the refusal should name the unreachable stage: {message}"
+    );
+    assert!(
+        message.contains("after 4 attempts"),
+        "the refusal should say it tried four times: {message}"
+    );
+    assert!(
+        took >= Duration::from_millis(175),
+        "three waits of 25, 50 and 100 ms cannot be over in {took:?}"
+    );
+    assert!(took < Duration::from_secs(3), "the refusal took {took:?}");
+
+    // No budget: one attempt, refused at once.
+    let single = StageChild::start(
+        &llama,
+        "1..3",
+        Some(dead),
+        &["--connect-retry-timeout", "0"],
+    );
+    let message = stage_down_message(Chain::connect(
+        &file,
+        1,
+        single.address,
+        ChainOptions::default(),
+    ));
+    assert!(
+        !message.contains("attempts"),
+        "a single attempt should not count attempts: {message}"
+    );
+
+    // A next stage that answers and refuses (an overlap) is final: no retries, whatever the budget.
+    let overlapping = StageChild::start(&llama, "2..4", None, &[]);
+    let refusing = StageChild::start(
+        &llama,
+        "1..3",
+        Some(overlapping.address),
+        &["--connect-retry-timeout", "30000"],
+    );
+    let started = Instant::now();
+    let result = Chain::connect(&file, 1, refusing.address, ChainOptions::default());
+    let took = started.elapsed();
+    let Err(DriverError::Stage { message, .. }) = result else {
+        panic!("an overlap down the chain should be refused");
+    };
+    assert!(
+        message.contains("2..4") && !message.contains("attempts"),
+        "the overlap should be refused once, naming the ranges: {message}"
+    );
+    assert!(
+        took < Duration::from_secs(5),
+        "a refusal is not retried for the 30 s budget: it took {took:?}"
+    );
+}
+
 #[test]
 fn four_chains_at_once_on_four_lanes_each_give_their_solo_tokens() {
     let llama = tiny("lanes-llama", &TinyModel::llama(GgmlDType::Q4_1));

@@ -32,6 +32,7 @@ use net_io_blocking::{
 };
 
 use super::compute::{COMPUTE_TOKEN, ComputeHandle, Delivery, Mailbox, Outcome, Work};
+use super::retry::{self, RETRY_TOKEN, Retries};
 use super::shaping::{LinkShape, Shaper};
 use crate::telemetry::registry::{LinkSide, STAGE};
 use crate::telemetry::{self, TraceContext, names};
@@ -69,6 +70,8 @@ pub(crate) struct StageShared {
     pub(crate) limits: WireLimits,
     pub(crate) codec: CodecPolicy,
     pub(crate) connect_timeout: Duration,
+    /// How long a link keeps trying to reach the next stage before it refuses the stage before it.
+    pub(crate) connect_retry_timeout: Duration,
     /// Shaping of the downstream links (tests and benchmarks).
     pub(crate) shape: LinkShape,
     /// The stage's index as the operator gave it, for lifecycle events.
@@ -131,12 +134,21 @@ struct PairState {
     upstream: Option<Completer>,
     downstream: Option<Completer>,
     /// The next stage's hello once its handshake ended, or why it failed.
-    downstream_answer: Option<Result<Hello, String>>,
+    downstream_answer: Option<Result<Hello, Unreached>>,
     /// Why the downstream link closed, once it did.
     downstream_closed: Option<String>,
     upstream_closed: bool,
     /// The upstream link has sessions open: both links are busy (a drain lets them finish).
     active: bool,
+}
+
+/// Why a downstream link did not come up, and whether trying again could help.
+#[derive(Debug)]
+struct Unreached {
+    message: String,
+    /// The next stage could not be reached (refused, timed out, closed before it answered): a later attempt
+    /// may find it. `false` when it answered and refused the link, which no retry changes.
+    retryable: bool,
 }
 
 /// An upstream link and the downstream link opened for it.
@@ -213,6 +225,8 @@ pub(crate) struct Upstream {
     writing: Vec<Writing>,
     /// The connection's id, once open (its key in `StageShared::upstreams`).
     id: Option<u64>,
+    /// The attempts at reaching the next stage for this link, while its handshake waits for one.
+    retries: Option<Retries>,
 }
 
 /// A link this stage opened to the next one.
@@ -251,6 +265,7 @@ impl Link {
             spans: HashMap::new(),
             writing: Vec::new(),
             id: None,
+            retries: None,
         })
     }
 }
@@ -480,6 +495,20 @@ impl Upstream {
                 ),
             );
         }
+        if self.shared.next.is_none() {
+            return self.answer(theirs, context);
+        }
+        self.retries = Some(Retries::new(
+            Instant::now(),
+            self.shared.connect_retry_timeout,
+        ));
+        self.open_downstream(theirs, context);
+    }
+
+    /// Opens the link to the next stage for this one (again, after a failed attempt); the upstream's hello is
+    /// answered once the next stage answered ours.
+    fn open_downstream(&mut self, theirs: Hello, context: &mut SessionContext<'_>) {
+        let ours = self.our_hello(&theirs);
         let Some(next) = self.shared.next else {
             return self.answer(theirs, context);
         };
@@ -517,19 +546,66 @@ impl Upstream {
             failure: None,
         };
         let options = ConnectOptions::new().connect_timeout(self.shared.connect_timeout);
-        if let Err(error) = handle.connect(next, Link::Downstream(downstream), options) {
-            return self.refuse(
-                context,
-                0,
-                ErrorCode::StageDown,
-                format!(
-                    "stage {} could not reach the next stage at {next}: {error}",
-                    ours.stage_index
-                ),
-            );
-        }
         self.pair = Some(pair);
         self.state = UpstreamState::Downstream { theirs };
+        if let Err(error) = handle.connect(next, Link::Downstream(downstream), options) {
+            let message = format!(
+                "stage {} could not reach the next stage at {next}: {error}",
+                ours.stage_index
+            );
+            self.unreached(
+                Unreached {
+                    message,
+                    retryable: true,
+                },
+                context,
+            );
+        }
+    }
+
+    /// The attempt at reaching the next stage failed: tries again after a backoff while the budget lasts
+    /// (`--connect-retry-timeout`) and the failure is one a retry could change; otherwise refuses the
+    /// upstream's link with the reason, and the attempts when there were several.
+    fn unreached(&mut self, failure: Unreached, context: &mut SessionContext<'_>) {
+        let now = Instant::now();
+        if failure.retryable
+            && let Some(retries) = self.retries.as_mut()
+            && let Some(gap) = retries.next_gap(now)
+            && let Some(completer) = context.completer()
+        {
+            tracing::debug!(
+                stage_index = self.stage_index,
+                attempt = retries.attempts(),
+                gap_millis = u64::try_from(gap.as_millis()).unwrap_or(u64::MAX),
+                reason = failure.message,
+                "stage.downstream_retry"
+            );
+            retry::wake_after(gap, &completer);
+            return;
+        }
+        let message = match self.retries {
+            Some(retries) if retries.attempts() > 1 => format!(
+                "{} (after {} attempts over {} ms)",
+                failure.message,
+                retries.attempts(),
+                retries.elapsed(now).as_millis()
+            ),
+            _ => failure.message,
+        };
+        self.refuse(context, 0, ErrorCode::StageDown, message);
+    }
+
+    /// A retry timer fired: the next attempt, if the handshake still waits for one.
+    fn retry_downstream(&mut self, context: &mut SessionContext<'_>) {
+        if !matches!(self.state, UpstreamState::Downstream { .. }) {
+            return;
+        }
+        let UpstreamState::Downstream { theirs } =
+            std::mem::replace(&mut self.state, UpstreamState::Serving)
+        else {
+            return;
+        };
+        self.open_downstream(theirs, context);
     }
 
     /// This stage's hello toward `upstream`: its stage index follows the upstream's.
@@ -750,6 +826,9 @@ impl Upstream {
         if token == DRAIN_DEADLINE_TOKEN {
             return self.stop_at_drain_deadline(context);
         }
+        if token == RETRY_TOKEN {
+            self.retry_downstream(context);
+        }
         if token == COMPUTE_TOKEN || token == RELAY_TOKEN {
             self.take_outcomes(context);
             self.take_relayed(context);
@@ -888,8 +967,15 @@ impl Upstream {
                 return;
             };
             match answer {
-                Ok(_) => self.answer(theirs, context),
-                Err(message) => self.refuse(context, 0, ErrorCode::StageDown, message),
+                Ok(_) => {
+                    self.retries = None;
+                    self.answer(theirs, context)
+                }
+                Err(failure) => {
+                    // Waiting for the next attempt is still waiting for the next stage.
+                    self.state = UpstreamState::Downstream { theirs };
+                    self.unreached(failure, context);
+                }
             }
             return;
         }
@@ -1163,7 +1249,11 @@ impl Downstream {
         self.failure.get_or_insert_with(|| message.clone());
         let mut state = self.pair.lock();
         if state.downstream_answer.is_none() && !self.serving {
-            state.downstream_answer = Some(Err(message));
+            // The next stage answered and refused (or spoke nonsense): trying again changes nothing.
+            state.downstream_answer = Some(Err(Unreached {
+                message,
+                retryable: false,
+            }));
         } else {
             state.downstream_closed = Some(message);
         }
@@ -1197,7 +1287,11 @@ impl Downstream {
         let stage = self.ours.stage_index + 1;
         let message = format!("the link to stage {stage} closed ({reason})");
         if !self.serving && state.downstream_answer.is_none() {
-            state.downstream_answer = Some(Err(message));
+            // Not reached: refused, timed out, or closed before it answered the hello.
+            state.downstream_answer = Some(Err(Unreached {
+                message,
+                retryable: true,
+            }));
         } else if state.downstream_closed.is_none() {
             state.downstream_closed = Some(message);
         }

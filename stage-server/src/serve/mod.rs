@@ -17,6 +17,7 @@
 mod compute;
 mod gate;
 mod link;
+mod retry;
 mod shaping;
 mod topology;
 
@@ -39,6 +40,11 @@ use crate::wire::{ClusterKey, CodecPolicy, CodecSet, Hello, PROTOCOL_VERSION, Ro
 use link::{Link, StageShared};
 pub use shaping::LinkShape;
 pub use topology::{Topology, TopologyError, TopologyStage};
+
+/// How long a stage keeps trying to reach the next one by default: long enough for a next stage whose
+/// process is restarting to be listening again on a loaded host, short enough that stage 0 hears of one that
+/// is down well inside its own handshake timeout.
+pub const CONNECT_RETRY_TIMEOUT_DEFAULT: Duration = Duration::from_secs(1);
 
 /// How a stage process runs.
 #[derive(Clone, Debug)]
@@ -63,6 +69,10 @@ pub struct StageConfig {
     pub codec: CodecPolicy,
     /// How long the connect to the next stage may take.
     pub connect_timeout: Duration,
+    /// How long a link keeps trying to reach the next stage (a refused or timed-out connect, or a close
+    /// before the next stage answered), with a doubling backoff from 25 ms, before it refuses the stage before
+    /// it with `StageDown`; zero: one attempt. A next stage that answers and refuses is not tried again.
+    pub connect_retry_timeout: Duration,
     /// Delay and rate on the link to the next stage, applied in the process (for tests and benchmarks).
     pub shape: LinkShape,
     /// This stage's place in the chain as the operator gave it (`--stage`), for its lifecycle events; links
@@ -85,6 +95,7 @@ impl StageConfig {
             allow_from: None,
             codec: CodecPolicy::F32,
             connect_timeout: Duration::from_secs(5),
+            connect_retry_timeout: CONNECT_RETRY_TIMEOUT_DEFAULT,
             shape: LinkShape::default(),
             stage_index: None,
         }
@@ -201,13 +212,15 @@ impl StageProcess {
             limits: WireLimits::default(),
             codec: config.codec,
             connect_timeout: config.connect_timeout,
+            connect_retry_timeout: config.connect_retry_timeout,
             shape: config.shape,
             stage_index: config.stage_index,
             open_sessions: std::sync::atomic::AtomicUsize::new(0),
             stopped_sessions: std::sync::atomic::AtomicUsize::new(0),
         });
-        if config.shape.is_shaped() {
-            // The shaper's timers run on the task runtime (a second init changes nothing).
+        if config.shape.is_shaped() || config.next.is_some() {
+            // The shaper's and the connect retries' timers run on the task runtime (a second init changes
+            // nothing).
             let _ = task_runtime::Runtime::init();
         }
         let factory_shared = Arc::clone(&shared);
