@@ -48,12 +48,20 @@ const PROMPTS: [&str; 4] = [
 
 /// The cmake options of the llama-server build: tuned for this CPU, with the RPC backend for split runs, and
 /// without the network libraries a loopback benchmark does not need (and this machine may not have).
-const SERVER_CMAKE_OPTIONS: [&str; 5] = [
+///
+/// Tuned for this CPU except for AMX: on a Sapphire Rapids guest (`amx_int8` in /proc/cpuinfo) the server of
+/// this llama.cpp version, built with `-march=native`, dies with SIGSEGV in `ggml_backend_amx_mul_mat` on
+/// its warm-up pass over SmolLM2's Q4_1 weights, before it answers `/health` (seen in session 12, gdb
+/// backtrace in docs/PERFORMANCE.md). `-mno-amx-*` keeps every other native extension (AVX-512, VNNI, BF16)
+/// and leaves its AVX-512 kernels to do the work; on a CPU without AMX the flags change nothing.
+const SERVER_CMAKE_OPTIONS: [&str; 7] = [
     "-DGGML_NATIVE=ON",
     "-DGGML_RPC=ON",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DCMAKE_BUILD_TYPE=Release",
+    "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
 ];
 /// The server binaries built, in `server-build/bin`.
 const SERVER_TARGETS: [&str; 2] = ["llama-server", "ggml-rpc-server"];
