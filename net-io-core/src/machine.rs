@@ -156,13 +156,14 @@ impl SessionMachine {
         call: impl FnOnce(&mut S, &mut SessionContext<'_>) -> T,
     ) -> Option<T> {
         let write_shut = self.is_write_shut();
-        let mut context = SessionContext::new(info, output, &mut self.requests, now)
-            .with_draining(environment.draining)
-            .with_pressure_source(environment.pressure)
-            .with_write_shut(write_shut);
-        if let Some(completer) = environment.completer {
-            context = context.with_completer(completer);
-        }
+        let mut context = hook_context(
+            info,
+            output,
+            &mut self.requests,
+            now,
+            write_shut,
+            environment,
+        );
         let result = catch_unwind(AssertUnwindSafe(|| call(session, &mut context))).ok();
         self.apply_requests();
         result
@@ -184,13 +185,14 @@ impl SessionMachine {
         let mut input = read.input();
         let before = input.len();
         let write_shut = self.is_write_shut();
-        let mut context = SessionContext::new(info, output, &mut self.requests, now)
-            .with_draining(environment.draining)
-            .with_pressure_source(environment.pressure)
-            .with_write_shut(write_shut);
-        if let Some(completer) = environment.completer {
-            context = context.with_completer(completer);
-        }
+        let mut context = hook_context(
+            info,
+            output,
+            &mut self.requests,
+            now,
+            write_shut,
+            environment,
+        );
         let step = catch_unwind(AssertUnwindSafe(|| {
             session.on_data(&mut input, &mut context)
         }));
@@ -373,6 +375,27 @@ impl SessionMachine {
     /// The FIN of the half close went out.
     pub fn fin_sent(&mut self) {
         self.write_shut = WriteShut::Sent;
+    }
+}
+
+/// The context of one hook: the connection, its output, the request slots the session writes to, and what
+/// the driver knows about the server.
+#[inline]
+fn hook_context<'c>(
+    info: &'c ConnectionInfo,
+    output: &'c mut Output,
+    requests: &'c mut SessionRequests,
+    now: Instant,
+    write_shut: bool,
+    environment: HookEnvironment<'c>,
+) -> SessionContext<'c> {
+    let context = SessionContext::new(info, output, requests, now)
+        .with_draining(environment.draining)
+        .with_pressure_source(environment.pressure)
+        .with_write_shut(write_shut);
+    match environment.completer {
+        Some(completer) => context.with_completer(completer),
+        None => context,
     }
 }
 
