@@ -634,6 +634,9 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How long a stage process's wait for SIGTERM or SIGINT lasts before it looks at the signal counts again.
+const SIGNAL_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Runs a stage process until SIGTERM or SIGINT, then drains it within `--drain-timeout`.
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let path = match &args.model {
@@ -713,7 +716,13 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let _ = std::io::stdout().flush();
     let reason = loop {
-        net_io_sys::wait::wait_readable(net_io_sys::signal::wake_descriptor()?, None)?;
+        // The counts decide, the wake only shortens the wait: the task runtime's manager thread (started for
+        // the retry and shaping timers) watches and drains the same signal eventfd, so a wake can be taken
+        // before this thread sees it, and an unbounded wait would then miss the SIGTERM.
+        let _ = net_io_sys::wait::wait_readable(
+            net_io_sys::signal::wake_descriptor()?,
+            Some(SIGNAL_POLL),
+        );
         let _ = net_io_sys::signal::drain_wake();
         if terminate.take_count() > 0 {
             break "SIGTERM";
