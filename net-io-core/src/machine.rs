@@ -26,7 +26,7 @@
 //!
 //! When a slow peer is judged lives beside it in [`TransferRates`](crate::transfer::TransferRates), and the
 //! linger of a graceful close in [`LingerRead`](crate::linger::LingerRead). What stays in the drivers,
-//! because it is IO: reading and writing, the read buffer's growth, the waits themselves and the kill slot.
+//! because it is IO: reading and writing, acquiring and releasing buffers, the waits themselves and the kill slot.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::{Duration, Instant};
@@ -118,8 +118,9 @@ impl SessionMachine {
         self.write_shut == WriteShut::Sent
     }
 
-    /// The request slots a [`SessionContext`] writes to; for drivers that build a context themselves
-    /// (`on_data` borrows the input as well). Call [`SessionMachine::apply_requests`] after the hook.
+    /// The request slots a [`SessionContext`] writes to, for a caller that builds a context itself (the drivers
+    /// use [`SessionMachine::hook`] and [`SessionMachine::data_hook`]). Call [`SessionMachine::apply_requests`]
+    /// after the hook.
     pub fn requests(&mut self) -> &mut SessionRequests {
         &mut self.requests
     }
@@ -299,8 +300,8 @@ impl SessionMachine {
         )
     }
 
-    /// Input arrived: an automatic phase moves from idle to receiving. True if it moved (the driver then
-    /// starts judging the input rate).
+    /// Input arrived: an automatic phase moves from idle to receiving. True if it moved (an exchange began;
+    /// its input rate is judged once it waits for more, see `TransferRates`).
     #[inline]
     pub fn input_arrived(&mut self) -> bool {
         if self.phase == Phase::Idle && self.phase_override.is_none() {
@@ -943,5 +944,70 @@ mod tests {
             text, None,
             "a panicking on_denied is contained and sends nothing"
         );
+    }
+
+    /// A load source that counts how often it is asked.
+    struct Counting(std::sync::atomic::AtomicUsize);
+
+    impl crate::session::LoadSource for Counting {
+        fn pressure(&self) -> f32 {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            0.25
+        }
+    }
+
+    #[test]
+    fn the_load_is_worked_out_only_when_a_session_asks_and_on_data_sees_the_environment() {
+        let source = Counting(std::sync::atomic::AtomicUsize::new(0));
+        let environment = HookEnvironment {
+            draining: true,
+            pressure: Pressure::Source(&source),
+            completer: None,
+        };
+        let (info, now) = (info(), Instant::now());
+        let mut output = Output::new(64);
+        let mut machine = SessionMachine::new();
+        let mut session = Scripted(|_: &mut SessionContext<'_>| Step::Read);
+        machine.hook(
+            &mut session,
+            &info,
+            &mut output,
+            now,
+            environment,
+            |_, _| (),
+        );
+        assert_eq!(
+            source.0.load(std::sync::atomic::Ordering::Relaxed),
+            0,
+            "a hook that never reads the load must not work it out"
+        );
+        let pool = crate::buffer::BufferPool::new(1 << 20, false);
+        let mut worker = pool.worker();
+        let mut read = ReadBuffer::new(
+            worker
+                .acquire(crate::buffer::SizeClass::Small)
+                .expect("a small buffer"),
+        );
+        read.extend_from_slice(b"x");
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let record = std::sync::Arc::clone(&seen);
+        let mut session = Scripted(move |context: &mut SessionContext<'_>| {
+            *record.lock().expect("not poisoned") = Some((context.draining(), context.pressure()));
+            Step::Read
+        });
+        machine.data_hook(
+            &mut session,
+            &mut read,
+            &info,
+            &mut output,
+            now,
+            environment,
+        );
+        assert_eq!(
+            *seen.lock().expect("not poisoned"),
+            Some((true, 0.25)),
+            "on_data sees the drain and the load like every other hook"
+        );
+        assert_eq!(source.0.load(std::sync::atomic::Ordering::Relaxed), 1);
     }
 }

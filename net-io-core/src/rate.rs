@@ -2,7 +2,7 @@
 //!
 //! A ring of byte buckets, each `check` wide, spans the window: `ceil(window / check)` complete buckets
 //! plus the current, partly filled one, so a check made right at a bucket boundary still judges a whole
-//! window. The rule applies only while the direction is busy (a request arriving, output pending) and
+//! window. The rule applies only while the direction is busy (judged: waiting on the peer, see `TransferRates`) and
 //! only after `grace` from when it became busy. At a check, the bytes in the ring must reach
 //! `bytes_per_second` times the time the ring covers; that is at least the window once the direction has
 //! been busy that long, and the busy time before then, so a peer is never judged on time it did not have.

@@ -360,6 +360,28 @@ mod tests {
     }
 
     #[test]
+    fn output_sent_before_the_first_full_buffer_counts_and_a_finished_flush_forgets_it() {
+        let start = Instant::now();
+        let mut rates = TransferRates::new(Some(rule()));
+        rates.sent(1000, never);
+        rates.awaiting_output(start).expect("not due yet");
+        assert_eq!(
+            rates.judge_output(start + Duration::from_millis(400)),
+            Ok(Some(start + Duration::from_millis(500))),
+            "1,000 bytes sent at once meet 1,000 B/s over the next 400 ms"
+        );
+        rates.output_done();
+        rates.sent(5000, never);
+        rates.output_done();
+        rates.awaiting_output(start).expect("not due yet");
+        assert_eq!(
+            rates.judge_output(start + Duration::from_millis(400)),
+            Err(SLOW_OUT),
+            "bytes of a flush that finished must not buy time for the next one"
+        );
+    }
+
+    #[test]
     fn a_fast_peer_is_never_too_slow() {
         let start = Instant::now();
         let mut rates = TransferRates::new(Some(rule()));

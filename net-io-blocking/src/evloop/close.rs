@@ -27,6 +27,8 @@ impl<G: Gate, F: SessionFactory> EventLoop<'_, G, F> {
             reason_for_code(code)
         };
         conn.closing_reason = Some(reason);
+        // Decided afresh by this close: a linger belongs to the close that started it.
+        conn.linger = None;
         if let Some(socket) = entry.owner.socket() {
             if reason.is_abortive() {
                 let _ = socket::set_linger(socket, Linger::Abortive);
