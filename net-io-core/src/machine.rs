@@ -469,6 +469,18 @@ mod tests {
         )
     }
 
+    /// A small read buffer from a pool of its own, holding `bytes` unread.
+    fn read_buffer(bytes: &[u8]) -> ReadBuffer {
+        let pool = crate::buffer::BufferPool::new(1 << 20, false);
+        let mut read = ReadBuffer::new(
+            pool.worker()
+                .acquire(crate::buffer::SizeClass::Small)
+                .expect("a small buffer"),
+        );
+        assert_eq!(read.extend_from_slice(bytes), bytes.len(), "the bytes fit");
+        read
+    }
+
     const IDLE: Duration = Duration::from_secs(5);
     /// Every deadline a session hears of through `on_timeout`.
     const EVERY_DEADLINE: [TimeoutKind; 5] = [
@@ -752,14 +764,7 @@ mod tests {
 
     #[test]
     fn the_data_hook_consumes_what_the_session_took_and_says_whether_input_is_left() {
-        let pool = crate::buffer::BufferPool::new(1 << 20, false);
-        let mut worker = pool.worker();
-        let mut read = ReadBuffer::new(
-            worker
-                .acquire(crate::buffer::SizeClass::Small)
-                .expect("a small buffer"),
-        );
-        read.extend_from_slice(b"one\ntwo\nthr");
+        let mut read = read_buffer(b"one\ntwo\nthr");
         let (info, now) = (info(), Instant::now());
         let mut output = Output::new(1024);
         let mut machine = SessionMachine::new();
@@ -981,14 +986,7 @@ mod tests {
             0,
             "a hook that never reads the load must not work it out"
         );
-        let pool = crate::buffer::BufferPool::new(1 << 20, false);
-        let mut worker = pool.worker();
-        let mut read = ReadBuffer::new(
-            worker
-                .acquire(crate::buffer::SizeClass::Small)
-                .expect("a small buffer"),
-        );
-        read.extend_from_slice(b"x");
+        let mut read = read_buffer(b"x");
         let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
         let record = std::sync::Arc::clone(&seen);
         let mut session = Scripted(move |context: &mut SessionContext<'_>| {
