@@ -562,6 +562,63 @@ pub fn connect(address: SocketAddr, limits: &Limits) -> Result<TcpConnection<'st
     ))
 }
 
+/// Most connections one [`wait_any_readable`] watches.
+pub const WAIT_ANY_CONNECTIONS_MAX: usize = net_io_sys::wait::WAIT_ANY_MAX / 2;
+
+/// Waits until one of `connections` has something for [`TcpConnection::read`] (input, its end, a failure, a
+/// kill, or a close reason already fixed), or `timeout` passes (`None`: no limit); returns the index of the
+/// first such connection, `None` at the timeout. Reads nothing: the caller reads the one named, which then
+/// does not wait.
+///
+/// For one thread that serves several connections in turn (stage 0 of a pipeline reads answers on its link
+/// down the chain and tokens on the link they come back on). The connections' own idle and read deadlines do
+/// not run here; `timeout` is the caller's. Connections served on an event loop cannot be waited on this way
+/// (their coroutine does not own the socket): that, or more than [`WAIT_ANY_CONNECTIONS_MAX`] connections,
+/// is an `InvalidInput` error.
+pub fn wait_any_readable(
+    connections: &[&TcpConnection<'_>],
+    timeout: Option<Duration>,
+) -> Result<Option<usize>, NetError> {
+    if connections.len() > WAIT_ANY_CONNECTIONS_MAX {
+        return Err(NetError::from(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "a wait watches at most {WAIT_ANY_CONNECTIONS_MAX} connections, not {}",
+                connections.len()
+            ),
+        )));
+    }
+    let mut descriptors = Vec::with_capacity(connections.len() * 2);
+    for (index, connection) in connections.iter().enumerate() {
+        // Whatever a read would report without waiting is ready now.
+        if connection.terminal.is_some() || connection.peer_closed || !connection.prefix.is_empty()
+        {
+            return Ok(Some(index));
+        }
+        let link: &Link = match &connection.link {
+            Holder::Served(link) => link,
+            Holder::Owned(link) => link,
+            Holder::Loop(_) => {
+                return Err(NetError::from(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "a connection served on an event loop cannot be waited on with wait_any_readable",
+                )));
+            }
+        };
+        if link.owner().closing().is_some() {
+            return Ok(Some(index));
+        }
+        let Ok(socket) = link.socket() else {
+            return Ok(Some(index));
+        };
+        // The socket, then the wake a kill signals: a read of either's connection reports what happened.
+        descriptors.push(socket);
+        descriptors.push(link.wake_fd());
+    }
+    let ready = net_io_sys::wait::wait_any_readable(&descriptors, timeout)?;
+    Ok(ready.map(|descriptor| descriptor / 2))
+}
+
 impl Drop for TcpConnection<'_> {
     fn drop(&mut self) {
         if let Holder::Owned(link) = &mut self.link

@@ -181,7 +181,7 @@ pub use builder::{
     DEFAULT_WORKER_STACK, DEFAULT_WORKERS, EVENT_LOOP_CONNECTIONS_DEFAULT_MAX, Handler, NoGate,
     NoWorkload, ServerBuilder, Sessions,
 };
-pub use connection::{TcpConnection, connect};
+pub use connection::{TcpConnection, WAIT_ANY_CONNECTIONS_MAX, connect, wait_any_readable};
 pub use coroutines::HandlerDriver;
 pub use evloop::SessionDriver;
 pub use handle::{DrainReport, ServerHandle};

@@ -150,7 +150,7 @@ impl Link {
         self.clock.now()
     }
 
-    fn socket(&self) -> io::Result<BorrowedFd<'_>> {
+    pub(crate) fn socket(&self) -> io::Result<BorrowedFd<'_>> {
         self.owner
             .socket()
             .ok_or_else(|| io::Error::from(io::ErrorKind::NotConnected))
@@ -543,7 +543,7 @@ impl Link {
         }
     }
 
-    fn wake_fd(&self) -> BorrowedFd<'_> {
+    pub(crate) fn wake_fd(&self) -> BorrowedFd<'_> {
         use std::os::fd::AsFd;
         self.wake.as_fd()
     }

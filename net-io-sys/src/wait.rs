@@ -1,4 +1,5 @@
-//! A `poll(2)` wait on one socket and one wake descriptor with a deadline; `EINTR` retried with the time left.
+//! `poll(2)` waits with a deadline: one socket and one wake descriptor, or any of a few readable descriptors;
+//! `EINTR` retried with the time left.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -53,6 +54,55 @@ pub fn wait(
             revents: 0,
         },
     ];
+    if poll_until(&mut descriptors, timeout)? == 0 {
+        return Ok(Readiness::TimedOut);
+    }
+    if descriptors[1].revents != 0 {
+        return Ok(Readiness::Woken);
+    }
+    Ok(Readiness::Socket)
+}
+
+/// Most descriptors one [`wait_any_readable`] watches (it keeps them on the stack).
+pub const WAIT_ANY_MAX: usize = 8;
+
+/// Waits until one of `descriptors` is readable (data, end of stream, an error or hang-up to read) or
+/// `timeout` passes (`None`: no limit); returns the index of the first readable one, `None` at the timeout.
+///
+/// For a caller that reads several sockets from one thread (stage 0 with its link down the chain and the
+/// link tokens come back on). At most [`WAIT_ANY_MAX`] descriptors; more are an `InvalidInput` error.
+pub fn wait_any_readable(
+    descriptors: &[BorrowedFd<'_>],
+    timeout: Option<Duration>,
+) -> io::Result<Option<usize>> {
+    if descriptors.len() > WAIT_ANY_MAX {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "a wait watches at most {WAIT_ANY_MAX} descriptors, not {}",
+                descriptors.len()
+            ),
+        ));
+    }
+    let mut entries = [libc::pollfd {
+        fd: -1,
+        events: 0,
+        revents: 0,
+    }; WAIT_ANY_MAX];
+    for (entry, descriptor) in entries.iter_mut().zip(descriptors) {
+        entry.fd = descriptor.as_raw_fd();
+        entry.events = libc::POLLIN;
+    }
+    let entries = &mut entries[..descriptors.len()];
+    if poll_until(entries, timeout)? == 0 {
+        return Ok(None);
+    }
+    Ok(entries.iter().position(|entry| entry.revents != 0))
+}
+
+/// `poll(2)` over `descriptors` until one is ready or `timeout` passes; returns how many are ready (0: the
+/// timeout). A signal restarts the wait with what is left; an early wake-up short of the deadline waits on.
+fn poll_until(descriptors: &mut [libc::pollfd], timeout: Option<Duration>) -> io::Result<usize> {
     let deadline = timeout.and_then(|timeout| Instant::now().checked_add(timeout));
     loop {
         let milliseconds = match deadline {
@@ -65,8 +115,8 @@ pub fn wait(
             }
         };
         shim::enter("poll")?;
-        // SAFETY: poll(2) reads and writes exactly `descriptors.len()` live pollfd entries; both descriptors
-        // are borrowed for the call, so they stay open.
+        // SAFETY: poll(2) reads and writes exactly `descriptors.len()` live pollfd entries; every descriptor
+        // in them is borrowed by the caller for the call (or negative, which poll ignores), so it stays open.
         let result = cvt!(unsafe {
             libc::poll(
                 descriptors.as_mut_ptr(),
@@ -81,14 +131,9 @@ pub fn wait(
                 if deadline.is_some_and(|deadline| Instant::now() < deadline) {
                     continue;
                 }
-                return Ok(Readiness::TimedOut);
+                return Ok(0);
             }
-            Ok(_) => {
-                if descriptors[1].revents != 0 {
-                    return Ok(Readiness::Woken);
-                }
-                return Ok(Readiness::Socket);
-            }
+            Ok(ready) => return Ok(usize::try_from(ready).unwrap_or(1)),
         }
     }
 }
@@ -144,5 +189,36 @@ mod tests {
         )
         .unwrap();
         assert_eq!(readiness, Readiness::Socket);
+    }
+
+    #[test]
+    fn a_wait_on_several_descriptors_names_the_first_readable_one_or_times_out() {
+        let descriptors: Vec<EventFd> = (0..3).map(|_| EventFd::new().unwrap()).collect();
+        let borrowed: Vec<BorrowedFd<'_>> = descriptors.iter().map(|fd| fd.as_fd()).collect();
+        let started = Instant::now();
+        assert_eq!(
+            wait_any_readable(&borrowed, Some(Duration::from_millis(20))).unwrap(),
+            None,
+            "nothing is readable, so the wait should time out"
+        );
+        assert!(
+            started.elapsed() >= Duration::from_millis(20),
+            "the wait returned before its deadline"
+        );
+        descriptors[2].signal().unwrap();
+        assert_eq!(
+            wait_any_readable(&borrowed, None).unwrap(),
+            Some(2),
+            "the third descriptor is the readable one"
+        );
+        descriptors[1].signal().unwrap();
+        assert_eq!(
+            wait_any_readable(&borrowed, None).unwrap(),
+            Some(1),
+            "with two readable, the first of them is named"
+        );
+        let too_many: Vec<BorrowedFd<'_>> = (0..=WAIT_ANY_MAX).map(|_| borrowed[0]).collect();
+        let error = wait_any_readable(&too_many, None).unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::InvalidInput, "{error}");
     }
 }
