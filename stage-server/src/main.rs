@@ -254,12 +254,26 @@ struct GenerateArgs {
     /// The cluster's shared key file (every stage of the chain needs the same one).
     #[arg(long)]
     cluster_key: Option<PathBuf>,
-    /// Milliseconds of one-way delay added to stage 0's link to stage 1 (tests and benchmarks).
+    /// Milliseconds of one-way delay added to each direction of stage 0's link to stage 1 (tests and
+    /// benchmarks).
     #[arg(long, default_value_t = 0.0)]
     link_delay: f64,
     /// Stage 0's link rate in Mbit/s (tests and benchmarks; default unlimited).
     #[arg(long)]
     link_rate: Option<f64>,
+    /// How tokens come back from the chain's last stage: `direct` (over a link stage 0 opens to it, when the
+    /// chain names one) or `relayed` (back up the chain through every stage).
+    #[arg(long, value_enum, default_value_t = PredictionReturn::Direct)]
+    prediction_return: PredictionReturn,
+}
+
+/// How a chain's tokens come back to stage 0 (`--prediction-return`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum PredictionReturn {
+    /// Straight from the last stage.
+    Direct,
+    /// Up the chain, stage by stage.
+    Relayed,
 }
 
 #[derive(Debug, Args)]
@@ -309,12 +323,17 @@ struct ServeArgs {
     /// Compute threads (sets CANDLE_NUM_THREADS and RAYON_NUM_THREADS).
     #[arg(long)]
     threads: Option<usize>,
-    /// Milliseconds of one-way delay added to the link to the next stage (tests and benchmarks).
+    /// Milliseconds of one-way delay added to each direction of the link to the next stage, or at the last
+    /// stage to the tokens it sends stage 0 directly (tests and benchmarks).
     #[arg(long, default_value_t = 0.0)]
     link_delay: f64,
     /// The link to the next stage's rate in Mbit/s (tests and benchmarks; default unlimited).
     #[arg(long)]
     link_rate: Option<f64>,
+    /// At the last stage: the address stage 0 opens prediction-return links to (named in the hellos up the
+    /// chain); default: the address each upstream link reached this stage at.
+    #[arg(long)]
+    advertise: Option<SocketAddr>,
     /// Serve this stage's metrics as Prometheus text on `GET /metrics` at this address.
     #[arg(long)]
     metrics: Option<SocketAddr>,
@@ -562,6 +581,8 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         }
         None => (args.layers.clone(), args.next),
     };
+    // Over a chain: where tokens came back from directly, if they did, and how many did.
+    let mut returned: Option<(Option<SocketAddr>, u64)> = None;
     let generation = match (&chain_layers, chain_next) {
         (Some(layers), Some(next)) => {
             if args.logits_out.is_some() {
@@ -581,12 +602,15 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
                 credits: args.reply_credits,
                 cluster_key: load_key(&args.cluster_key)?,
                 shape: link_shape(args.link_delay, args.link_rate)?,
+                direct_return: args.prediction_return == PredictionReturn::Direct,
                 ..ChainOptions::default()
             };
             let mut chain = Chain::connect(&file, layers.end, next, options)?;
-            chain.generate(&prompt, sampling, &generate_options, |predicted| {
+            let generation = chain.generate(&prompt, sampling, &generate_options, |predicted| {
                 on_token(predicted.token)
-            })?
+            })?;
+            returned = Some((chain.direct_return(), chain.direct_tokens()));
+            generation
         }
         _ => {
             let options = StageOptions {
@@ -615,13 +639,18 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         generation.decode_time,
     );
     if args.json {
-        let object = serde_json::json!({
+        let mut object = serde_json::json!({
             "prompt_tokens": prompt,
             "tokens": generation.tokens,
             "text": text,
             "prompt_tokens_per_second": prompt_rate,
             "decode_tokens_per_second": decode_rate,
         });
+        if let Some((direct, count)) = returned {
+            object["prediction_return"] =
+                serde_json::json!(direct.map(|address| address.to_string()));
+            object["tokens_returned_directly"] = serde_json::json!(count);
+        }
         writeln!(stdout, "{object}")?;
     } else {
         writeln!(stdout)?;
@@ -686,6 +715,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.shape = link_shape(args.link_delay, args.link_rate)?;
     config.connect_retry_timeout = std::time::Duration::from_millis(args.connect_retry_timeout);
     config.stage_index = args.stage;
+    config.advertise = args.advertise;
     let stage = StageProcess::start(config).with_context(|| {
         format!(
             "starting the stage for layers {}..{} of {}",

@@ -55,6 +55,7 @@ fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
         codecs: CodecSet::all(),
         nonce: [9; 16],
         proof: Some([5; 32]),
+        return_address: Some("[::1]:7004".parse().unwrap()),
     };
     let values: Vec<f32> = (0..16).map(|index| index as f32 / 4.0 - 1.5).collect();
     let frames = [

@@ -425,7 +425,7 @@ fn killing_the_middle_stage_fails_the_generation_within_a_second_and_a_restart_s
 }
 
 #[test]
-fn killing_the_last_stage_is_reported_by_the_stage_before_it() {
+fn killing_the_last_stage_fails_the_generation_within_a_second_naming_it() {
     let llama = tiny("faults-last-llama", &TinyModel::llama(GgmlDType::Q4_1));
     let file = ModelFile::open(&llama).unwrap();
     let mut last = StageChild::start(&llama, "3..4", None, &[]);
@@ -457,8 +457,271 @@ fn killing_the_last_stage_is_reported_by_the_stage_before_it() {
                 "the error should name stage 2: {message}"
             );
         }
-        other => panic!("expected the middle stage's report, got {other}"),
+        other => panic!("expected a stage-down error naming stage 2, got {other}"),
     }
+}
+
+#[test]
+fn tokens_come_straight_back_from_the_last_stage_and_relayed_ones_are_the_same() {
+    let llama = tiny("direct-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    let last = StageChild::start(&llama, "3..4", None, &[]);
+    let middle = StageChild::start(&llama, "1..3", Some(last.address), &[]);
+    let options = GenerateOptions {
+        max_tokens: 12,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    let prompt = [1, 300, 301, 302];
+    let mut direct = Chain::connect(&file, 1, middle.address, ChainOptions::default()).unwrap();
+    assert_eq!(
+        direct.next_stage().return_address,
+        Some(last.address),
+        "stage 1's hello should pass on the last stage's address"
+    );
+    assert_eq!(
+        direct.direct_return(),
+        Some(last.address),
+        "the chain should open its prediction return to the last stage"
+    );
+    let relayed_options = ChainOptions {
+        direct_return: false,
+        ..ChainOptions::default()
+    };
+    let mut relayed = Chain::connect(&file, 1, middle.address, relayed_options).unwrap();
+    assert_eq!(
+        relayed.direct_return(),
+        None,
+        "relaying opens no return link"
+    );
+    for round in 0..2 {
+        let straight = direct
+            .generate(&prompt, SamplingParams::default(), &options, |_| {})
+            .unwrap();
+        let up_the_chain = relayed
+            .generate(&prompt, SamplingParams::default(), &options, |_| {})
+            .unwrap();
+        assert_eq!(
+            straight.tokens, up_the_chain.tokens,
+            "round {round}: the return path must not change a token"
+        );
+        assert_eq!(straight.tokens.len(), 12, "round {round}: every token came");
+        assert_eq!(
+            direct.direct_tokens(),
+            12 * (round + 1),
+            "round {round}: every token should have come straight from the last stage, the first too"
+        );
+        assert_eq!(
+            relayed.direct_tokens(),
+            0,
+            "relayed tokens come up the chain"
+        );
+    }
+    // The binary says where its tokens came from.
+    let layers = "0..1";
+    let next = middle.address.to_string();
+    let printed = generate(
+        &llama,
+        &[
+            "--prompt-ids",
+            "1,300,301,302",
+            "--max-tokens",
+            "12",
+            "--layers",
+            layers,
+            "--next",
+            &next,
+        ],
+    );
+    assert_eq!(
+        printed["prediction_return"].as_str(),
+        Some(last.address.to_string().as_str()),
+        "generate --json should name the last stage: {printed}"
+    );
+    let returned = printed["tokens_returned_directly"]
+        .as_u64()
+        .expect("a count of tokens returned directly");
+    let printed_count = tokens_of(&printed).len() as u64;
+    // A stop token comes back too but ends the generation unprinted.
+    assert!(
+        printed_count > 0 && (returned == printed_count || returned == printed_count + 1),
+        "every token should have come back directly ({returned} of {printed_count}): {printed}"
+    );
+    let printed = generate(
+        &llama,
+        &[
+            "--prompt-ids",
+            "1,300,301,302",
+            "--max-tokens",
+            "12",
+            "--layers",
+            layers,
+            "--next",
+            &next,
+            "--prediction-return",
+            "relayed",
+        ],
+    );
+    assert!(
+        printed["prediction_return"].is_null(),
+        "a relayed generation names no return: {printed}"
+    );
+    assert_eq!(
+        printed["tokens_returned_directly"].as_u64(),
+        Some(0),
+        "{printed}"
+    );
+}
+
+#[test]
+fn a_last_stage_that_advertises_an_unreachable_return_address_still_serves_through_the_relay() {
+    let llama = tiny("advertise-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    let nowhere = unused_address();
+    let last = StageChild::start(&llama, "3..4", None, &["--advertise", &nowhere.to_string()]);
+    let middle = StageChild::start(&llama, "1..3", Some(last.address), &[]);
+    let mut chain = Chain::connect(&file, 1, middle.address, ChainOptions::default()).unwrap();
+    assert_eq!(
+        chain.next_stage().return_address,
+        Some(nowhere),
+        "the hellos should carry the advertised address"
+    );
+    assert_eq!(
+        chain.direct_return(),
+        None,
+        "nothing listens there, so the chain should fall back to the relay"
+    );
+    let options = GenerateOptions {
+        max_tokens: 6,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    let generation = chain
+        .generate(&[1, 300, 301], SamplingParams::default(), &options, |_| {})
+        .expect("the relay should still serve");
+    assert_eq!(generation.tokens.len(), 6);
+    assert_eq!(chain.direct_tokens(), 0);
+}
+
+/// Writes `bytes` to `stream` and reads frames until `count` have come (or the stage closes the link).
+fn exchange(stream: &mut TcpStream, bytes: &[u8], count: usize) -> Vec<Frame> {
+    stream.write_all(bytes).unwrap();
+    let mut decoder = Decoder::new(WireLimits::default());
+    let mut frames = Vec::new();
+    let mut buffer = vec![0u8; 64 * 1024];
+    while frames.len() < count {
+        let read = stream.read(&mut buffer).expect("the stage should answer");
+        if read == 0 {
+            break;
+        }
+        let mut offset = 0;
+        while offset < read {
+            let (taken, frame) = decoder.decode(&buffer[offset..read]).unwrap();
+            offset += taken;
+            frames.extend(frame);
+        }
+    }
+    frames
+}
+
+#[test]
+fn a_prediction_return_is_taken_only_by_the_last_stage_and_carries_only_its_own_frames() {
+    use stage_server::wire::{CodecSet, Hello, PROTOCOL_VERSION, Role};
+    let llama = tiny("return-refusals-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let last = StageChild::start(&llama, "3..4", None, &[]);
+    let middle = StageChild::start(&llama, "1..3", Some(last.address), &[]);
+    let opener = Hello {
+        version: PROTOCOL_VERSION,
+        role: Role::PredictionReturn,
+        fingerprint: stage_server::model::fingerprint(&llama).unwrap(),
+        stage_index: 0,
+        layer_start: 0,
+        layer_end: 1,
+        block_count: 4,
+        width: 64,
+        vocab_size: TinyModel::vocabulary().len() as u32,
+        lanes: 1,
+        codecs: CodecSet::all(),
+        nonce: [0; 16],
+        proof: None,
+        return_address: None,
+    };
+    let hello = stage_server::wire::encode_to_vec(&Frame::Hello(opener.clone()));
+    // A middle stage refuses, naming where returns go.
+    let mut stream = TcpStream::connect(middle.address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let frames = exchange(&mut stream, &hello, 1);
+    match frames.first() {
+        Some(Frame::Error { code, message, .. }) => {
+            assert_eq!(*code, ErrorCode::Protocol, "{message}");
+            assert!(
+                message.contains("serves layers 1..3") && message.contains("last stage"),
+                "the refusal should say this stage is not the last: {message}"
+            );
+        }
+        other => panic!("a middle stage should refuse a prediction return, not answer {other:?}"),
+    }
+    // The last stage takes it, acknowledges an OpenReturn, and answers a frame that belongs down the
+    // chain with an error, keeping the link.
+    let mut stream = TcpStream::connect(last.address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut bytes = hello.clone();
+    bytes.extend(stage_server::wire::encode_to_vec(&Frame::OpenReturn {
+        session: 9,
+    }));
+    bytes.extend(stage_server::wire::encode_to_vec(&Frame::Trim {
+        session: 9,
+        length: 0,
+    }));
+    bytes.extend(stage_server::wire::encode_to_vec(&Frame::OpenReturn {
+        session: 10,
+    }));
+    let frames = exchange(&mut stream, &bytes, 4);
+    assert!(
+        matches!(&frames[0], Frame::Hello(theirs) if theirs.role == Role::PredictionReturn && theirs.layer_end == 4),
+        "the last stage should answer as a prediction return: {frames:?}"
+    );
+    assert!(
+        matches!(
+            frames[1],
+            Frame::Ack {
+                session: 9,
+                position: 0,
+                ..
+            }
+        ),
+        "the OpenReturn should be acknowledged: {frames:?}"
+    );
+    assert!(
+        matches!(&frames[2], Frame::Error { session: 9, code: ErrorCode::Protocol, message } if message.contains("prediction-return link")),
+        "a Trim does not belong on a return link: {frames:?}"
+    );
+    assert!(
+        matches!(frames[3], Frame::Ack { session: 10, .. }),
+        "the link goes on after the error: {frames:?}"
+    );
+    // Another model's stage 0 is refused.
+    let mut stream = TcpStream::connect(last.address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let other = Hello {
+        fingerprint: [0x5a; 32],
+        ..opener
+    };
+    let frames = exchange(
+        &mut stream,
+        &stage_server::wire::encode_to_vec(&Frame::Hello(other)),
+        1,
+    );
+    assert!(
+        matches!(&frames[..], [Frame::Error { code: ErrorCode::Model, message, .. }] if message.contains("serves model")),
+        "another model's return link should be refused in words: {frames:?}"
+    );
 }
 
 /// An address on 127.0.0.1 nothing listens on right now (a port the kernel just handed out and got back).
@@ -875,7 +1138,7 @@ fn a_slow_link_changes_no_token_and_every_hop_costs_its_delay() {
         },
         ..ChainOptions::default()
     };
-    let mut slow = Chain::connect(&file, 1, middle.address, slow_options).unwrap();
+    let mut slow = Chain::connect(&file, 1, middle.address, slow_options.clone()).unwrap();
     let started = Instant::now();
     let shaped_run = slow
         .generate(&prompt, SamplingParams::default(), &options, |_| {})
@@ -885,11 +1148,37 @@ fn a_slow_link_changes_no_token_and_every_hop_costs_its_delay() {
         shaped_run.tokens, fast.tokens,
         "shaping must not change a token"
     );
-    // Two shaped hops (stage 0 to 1, 1 to 2) of 20 ms each, for the prefill and each of the 9 decode steps.
+    // Two shaped hops (stage 0 to 1, 1 to 2) of 20 ms each, for the prefill and each of the 9 decode steps;
+    // the token comes straight back from the unshaped last stage.
     let floor = Duration::from_millis(40 * 10);
     assert!(
         took >= floor,
         "ten steps over two 20 ms hops took only {took:?}; the shaping is not applied"
+    );
+    // Relayed, each token also crosses both shaped links on its way back up: a shaped link is slow both ways.
+    let mut relayed = Chain::connect(
+        &file,
+        1,
+        middle.address,
+        ChainOptions {
+            direct_return: false,
+            ..slow_options
+        },
+    )
+    .unwrap();
+    let started = Instant::now();
+    let relayed_run = relayed
+        .generate(&prompt, SamplingParams::default(), &options, |_| {})
+        .unwrap();
+    let took = started.elapsed();
+    assert_eq!(
+        relayed_run.tokens, fast.tokens,
+        "relaying must not change a token"
+    );
+    let floor = Duration::from_millis(80 * 10);
+    assert!(
+        took >= floor,
+        "ten relayed steps over two 20 ms links, down and back up, took only {took:?}; the answers are not shaped"
     );
 }
 
@@ -918,6 +1207,7 @@ fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
         codecs: CodecSet::all(),
         nonce: [0; 16],
         proof: None,
+        return_address: None,
     };
     let mut bytes = Vec::new();
     encode(&Frame::Hello(hello), &mut bytes);

@@ -83,13 +83,17 @@ fn hello() -> impl Strategy<Value = Hello> {
             any::<u16>(),
             0u8..8,
         ),
-        (any::<[u8; 16]>(), proptest::option::of(any::<[u8; 32]>())),
+        (
+            any::<[u8; 16]>(),
+            proptest::option::of(any::<[u8; 32]>()),
+            return_address(),
+        ),
     )
         .prop_map(
             |(
                 (prediction, fingerprint, stage_index, layer_start, layer_end),
                 (block_count, width, vocab_size, lanes, codec_bits),
-                (nonce, proof),
+                (nonce, proof, return_address),
             )| {
                 let mut codecs = CodecSet::default();
                 for (bit, codec) in Codec::ALL.into_iter().enumerate() {
@@ -115,9 +119,24 @@ fn hello() -> impl Strategy<Value = Hello> {
                     codecs,
                     nonce,
                     proof,
+                    return_address,
                 }
             },
         )
+}
+
+/// No address, or an IPv4 or IPv6 one as the wire carries it (no IPv6 flow label or scope).
+fn return_address() -> impl Strategy<Value = Option<std::net::SocketAddr>> {
+    use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+    prop_oneof![
+        Just(None),
+        (any::<[u8; 4]>(), any::<u16>()).prop_map(|(ip, port)| Some(SocketAddr::V4(
+            SocketAddrV4::new(Ipv4Addr::from(ip), port)
+        ))),
+        (any::<[u8; 16]>(), any::<u16>()).prop_map(|(ip, port)| Some(SocketAddr::V6(
+            SocketAddrV6::new(Ipv6Addr::from(ip), port, 0, 0)
+        ))),
+    ]
 }
 
 fn error_code() -> impl Strategy<Value = ErrorCode> {
@@ -586,6 +605,7 @@ fn a_hello_of_another_version_is_refused_as_a_version_error() {
         codecs: CodecSet::all(),
         nonce: [0; 16],
         proof: None,
+        return_address: None,
     }));
     bytes[9..11].copy_from_slice(&(PROTOCOL_VERSION + 1).to_le_bytes());
     // Another version may lay out the rest differently: only magic and version may be read.

@@ -24,6 +24,7 @@ fn stage_zero() -> Hello {
         codecs: CodecSet::all(),
         nonce: [0x11; 16],
         proof: None,
+        return_address: None,
     }
 }
 
@@ -35,6 +36,8 @@ fn stage_one() -> Hello {
         layer_end: 24,
         nonce: [0x22; 16],
         proof: Some([0x33; 32]),
+        // The last stage names itself for prediction returns.
+        return_address: Some("127.0.0.1:7003".parse().unwrap()),
         ..stage_zero()
     }
 }

@@ -10,13 +10,28 @@
 //! [`Chain`] holds one link to the first downstream stage and runs one generation at a time on it (one lane
 //! down the whole chain). A stage that fails or refuses ends the generation with an error that names it; a
 //! generation always ends with a `Stop` down the chain, so no lane is left taken.
+//!
+//! Direct prediction return: when the first stage's hello names where the chain's last stage takes
+//! prediction returns, the chain also opens a link there (role `PredictionReturn`) and registers each
+//! generation on it (`OpenReturn`, answered with an `Ack` before the last prefill chunk goes down), so the
+//! last stage sends its tokens straight back and middle stages never relay them: a decode step crosses one hop
+//! back instead of as many as there are stages after stage 0. Acknowledgements and errors still come up the
+//! chain, so stage 0 waits on both links at once ([`net_io_blocking::wait_any_readable`]). If the return link
+//! cannot be opened, tokens come back up the chain as before (and a warning says why).
+//!
+//! ```text
+//!   stage 0 ──Prefill/Decode──▶ stage 1 ──▶ … ──▶ last stage
+//!      ▲  ▲                        │                 │
+//!      │  └──── Ack, Error ────────┘                 │
+//!      └───────────── Token (return link) ───────────┘
+//! ```
 
 use std::net::SocketAddr;
 use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use net_io_blocking::{Limits, NetError, TcpConnection};
+use net_io_blocking::{Limits, NetError, TcpConnection, TimeoutKind, wait_any_readable};
 
 use crate::model::{
     self, DEFAULT_BATCH_TOKENS, Finish, GenerateOptions, Generation, Logits, ModelError, ModelFile,
@@ -27,8 +42,8 @@ use crate::serve::LinkShape;
 use crate::telemetry::registry::{LinkSide, STAGE};
 use crate::wire::{
     Activations, ClusterKey, CodecPolicy, CodecSet, Decoder, ErrorCode, Frame, Hello,
-    PROTOCOL_VERSION, Role, Side, WireError, WireLimits, check_adjacent, encode, fresh_nonce,
-    proof, verify,
+    PROTOCOL_VERSION, Role, Side, WireError, WireLimits, check_adjacent, check_same_model, encode,
+    fresh_nonce, proof, verify,
 };
 
 /// How stage 0 drives a chain.
@@ -50,9 +65,12 @@ pub struct ChainOptions {
     /// last stage a softmax over the vocabulary per token (gemma-3's has 262,144 entries), so it is off
     /// unless asked; alternatives (`top_logprobs`) bring it along.
     pub logprobs: bool,
-    /// Delay and rate on the link to stage 1 (tests and benchmarks): stage 0 holds each frame back until
-    /// such a link would have delivered it.
+    /// Delay and rate on the link to stage 1, each way (tests and benchmarks): stage 0 holds each frame it
+    /// sends, and each answer it reads, back until such a link would have delivered it.
     pub shape: LinkShape,
+    /// Whether tokens come straight back from the last stage over a prediction-return link, when the chain
+    /// names one (on by default); off, they are relayed back up the chain by every stage.
+    pub direct_return: bool,
 }
 
 impl Default for ChainOptions {
@@ -66,6 +84,7 @@ impl Default for ChainOptions {
             top_logprobs: 0,
             logprobs: false,
             shape: LinkShape::default(),
+            direct_return: true,
         }
     }
 }
@@ -161,13 +180,39 @@ pub struct Chain {
     wire: Wire,
     /// The first downstream stage's hello.
     next: Hello,
+    /// The prediction-return link to the last stage, when the chain named one and it opened.
+    returns: Option<Wire>,
+    /// Tokens that came back over the return link, over this chain's life.
+    direct_tokens: u64,
 }
 
-/// Stage 0's end of one link to stage 1: frames out (shaped when asked), frames in.
+/// Which of stage 0's links a frame came on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Source {
+    /// The link down the chain (to stage 1).
+    Chain,
+    /// The prediction-return link (from the last stage).
+    Return,
+}
+
+/// What a generation waits on: prefill chunks not yet acknowledged and the return link's `Ack` of its
+/// `OpenReturn`.
+#[derive(Debug, Default)]
+struct Pending {
+    acknowledgements: usize,
+    return_awaited: bool,
+}
+
+/// Stage 0's end of one link (to stage 1, or the prediction return from the last stage): frames out (shaped
+/// when asked), frames in.
 #[derive(Debug)]
 struct Wire {
     link: TcpConnection<'static>,
     address: SocketAddr,
+    /// Who is at the other end, for messages ("stage 1", "stage 3 (the last)").
+    peer: String,
+    /// What the link is for.
+    role: Role,
     decoder: Decoder,
     /// Bytes read from the link and not yet decoded.
     unread: Vec<u8>,
@@ -175,6 +220,12 @@ struct Wire {
     options: ChainOptions,
     /// When the shaped link is free again.
     link_free: Instant,
+    /// When the shaped link's other direction (answers to stage 0) is free again.
+    answers_free: Instant,
+    /// When the last read brought bytes in (a shaped link's answers are delivered a delay after it).
+    filled_at: Instant,
+    /// Bytes taken by the decoder since the last whole frame (the size of the next one, for a shaped rate).
+    frame_bytes: usize,
 }
 
 impl Chain {
@@ -224,12 +275,46 @@ impl Chain {
         next: SocketAddr,
         options: ChainOptions,
     ) -> Result<Chain, DriverError> {
-        let (wire, theirs) = Wire::open(ours, next, options)?;
+        let direct_return = options.direct_return;
+        let (wire, theirs) = Wire::open(ours, next, options.clone(), Role::StageLink)?;
+        let returns = match theirs.return_address {
+            Some(address) if direct_return => {
+                let options = ChainOptions {
+                    // The last stage shapes the tokens it sends; stage 0 sends only OpenReturn and Stop.
+                    shape: LinkShape::default(),
+                    ..options
+                };
+                match Wire::open(ours, address, options, Role::PredictionReturn) {
+                    Ok((wire, _)) => Some(wire),
+                    Err(error) => {
+                        tracing::warn!(
+                            address = %address,
+                            "the prediction-return link to the last stage did not open, so tokens come back up the chain: {error}"
+                        );
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         Ok(Chain {
             stage: share,
             wire,
             next: theirs,
+            returns,
+            direct_tokens: 0,
         })
+    }
+
+    /// Where tokens come back from directly (the last stage's prediction-return address), if they do.
+    pub fn direct_return(&self) -> Option<SocketAddr> {
+        self.returns.as_ref().map(|wire| wire.address)
+    }
+
+    /// Tokens that came straight back from the last stage over this chain's life (the rest were relayed up
+    /// the chain).
+    pub fn direct_tokens(&self) -> u64 {
+        self.direct_tokens
     }
 
     /// The first downstream stage's hello.
@@ -276,6 +361,15 @@ impl Chain {
         let result = self.run(session, prompt, sampling, extras, options, &mut on_token);
         // Always free the session's lanes down the chain, however the generation ended.
         let stopped = self.send(&Frame::Stop { session });
+        if let Some(returns) = self.returns.as_mut()
+            && let Err(error) = returns.send(&Frame::Stop { session })
+        {
+            tracing::warn!(
+                address = %returns.address,
+                "the prediction-return link failed, so tokens come back up the chain from now on: {error}"
+            );
+            self.returns = None;
+        }
         let generation = result?;
         stopped?;
         Ok(generation)
@@ -298,6 +392,11 @@ impl Chain {
         self.stage.stage.with_stage(|stage| stage.reset(lane))?;
         let share = self.stage.clone();
         let _active = Active::new(&share);
+        let mut pending = Pending::default();
+        if let Some(returns) = self.returns.as_mut() {
+            returns.send(&Frame::OpenReturn { session })?;
+            pending.return_awaited = true;
+        }
         self.send(&Frame::Configure {
             session,
             sampling: (&sampling).into(),
@@ -311,7 +410,6 @@ impl Chain {
             trace: crate::telemetry::current_trace_context().map(|context| context.to_wire()),
         })?;
         let started = Instant::now();
-        let mut unacknowledged = 0usize;
         let mut position = 0usize;
         while position < prompt.len() {
             // Beside other lanes' streams, a chunk no longer than a pass can take without stretching their
@@ -331,6 +429,17 @@ impl Chain {
             )
             .entered();
             let rows = self.rows(position, StageInput::Tokens(chunk))?;
+            if last {
+                // The first token must find its way back: the last stage has registered the session (its
+                // Ack came, almost always long before, while stage 0 computed).
+                while pending.return_awaited {
+                    self.expect_no_token(
+                        session,
+                        &mut pending,
+                        "the return link's acknowledgement",
+                    )?;
+                }
+            }
             self.send(&Frame::Prefill {
                 session,
                 position: position as u32,
@@ -338,16 +447,18 @@ impl Chain {
                 rows,
             })?;
             if !last {
-                unacknowledged += 1;
-                while unacknowledged > self.wire.options.credits {
+                pending.acknowledgements += 1;
+                while pending.acknowledgements > self.wire.options.credits {
                     STAGE.credit_wait();
-                    self.wait_for_ack(session)?;
-                    unacknowledged -= 1;
+                    let waiting = pending.acknowledgements;
+                    while pending.acknowledgements == waiting {
+                        self.expect_no_token(session, &mut pending, "a prefill acknowledgement")?;
+                    }
                 }
             }
             position += chunk.len();
         }
-        let mut predicted = self.wait_for_token(session, position, &mut unacknowledged)?;
+        let mut predicted = self.wait_for_token(session, position, &mut pending)?;
         generation.prompt_time = started.elapsed();
         // From here the lane is a stream: other lanes' prompts are cut to spare it (with a decode stretch).
         share.stage.mark_decoding(share.lane);
@@ -380,7 +491,7 @@ impl Chain {
                 rows,
             })?;
             position += 1;
-            predicted = self.wait_for_token(session, position, &mut unacknowledged)?;
+            predicted = self.wait_for_token(session, position, &mut pending)?;
             STAGE.round_trip.observe(sent.elapsed().as_secs_f64());
         }
         generation.decode_time = decode_started.elapsed();
@@ -407,12 +518,46 @@ impl Chain {
         }
     }
 
-    fn wait_for_ack(&mut self, session: u64) -> Result<(), DriverError> {
+    /// Takes one frame about `session` and counts it off `pending` if it is an acknowledgement; returns a
+    /// token, with where it came from. Anything else is a protocol error.
+    fn next_answer(
+        &mut self,
+        session: u64,
+        pending: &mut Pending,
+        waiting_for: &str,
+    ) -> Result<Option<(Source, Frame)>, DriverError> {
         match self.receive_for(session)? {
-            Frame::Ack { .. } => Ok(()),
-            other => Err(DriverError::Protocol(format!(
-                "a {} frame came while stage 0 waited for a prefill acknowledgement",
-                other.kind_name()
+            (Source::Chain, Frame::Ack { .. }) if pending.acknowledgements > 0 => {
+                pending.acknowledgements -= 1;
+                Ok(None)
+            }
+            (Source::Return, Frame::Ack { .. }) if pending.return_awaited => {
+                pending.return_awaited = false;
+                Ok(None)
+            }
+            (source, frame @ Frame::Token { .. }) => Ok(Some((source, frame))),
+            (source, other) => Err(DriverError::Protocol(format!(
+                "a {} frame came {} while stage 0 waited for {waiting_for}",
+                other.kind_name(),
+                match source {
+                    Source::Chain => "down the chain",
+                    Source::Return => "on the prediction-return link",
+                }
+            ))),
+        }
+    }
+
+    /// [`Chain::next_answer`] where no token may come yet (none is owed before the last prefill chunk).
+    fn expect_no_token(
+        &mut self,
+        session: u64,
+        pending: &mut Pending,
+        waiting_for: &str,
+    ) -> Result<(), DriverError> {
+        match self.next_answer(session, pending, waiting_for)? {
+            None => Ok(()),
+            Some(_) => Err(DriverError::Protocol(format!(
+                "a token came before the prompt's last chunk went down, while stage 0 waited for {waiting_for}"
             ))),
         }
     }
@@ -421,43 +566,43 @@ impl Chain {
         &mut self,
         session: u64,
         position: usize,
-        unacknowledged: &mut usize,
+        pending: &mut Pending,
     ) -> Result<Predicted, DriverError> {
         loop {
-            match self.receive_for(session)? {
-                Frame::Ack { .. } if *unacknowledged > 0 => *unacknowledged -= 1,
-                Frame::Token {
-                    position: at,
-                    token,
-                    logprob,
-                    top,
-                    ..
-                } => {
-                    if at as usize != position {
-                        return Err(DriverError::Protocol(format!(
-                            "the chain predicted a token for position {at}, but stage 0 is at {position}"
-                        )));
-                    }
-                    return Ok(Predicted {
-                        token,
-                        logprob,
-                        top,
-                    });
-                }
-                other => {
-                    return Err(DriverError::Protocol(format!(
-                        "a {} frame came while stage 0 waited for a token",
-                        other.kind_name()
-                    )));
-                }
+            let Some((source, frame)) = self.next_answer(session, pending, "a token")? else {
+                continue;
+            };
+            let Frame::Token {
+                position: at,
+                token,
+                logprob,
+                top,
+                ..
+            } = frame
+            else {
+                continue;
+            };
+            if at as usize != position {
+                return Err(DriverError::Protocol(format!(
+                    "the chain predicted a token for position {at}, but stage 0 is at {position}"
+                )));
             }
+            if source == Source::Return {
+                self.direct_tokens += 1;
+            }
+            return Ok(Predicted {
+                token,
+                logprob,
+                top,
+            });
         }
     }
 
-    /// The next frame about `session`: an `Error` for it (or for the whole link) ends the generation.
-    fn receive_for(&mut self, session: u64) -> Result<Frame, DriverError> {
+    /// The next frame about `session` on either link: an `Error` for it (or for the whole link) ends the
+    /// generation.
+    fn receive_for(&mut self, session: u64) -> Result<(Source, Frame), DriverError> {
         loop {
-            let frame = self.receive()?;
+            let (source, frame) = self.receive()?;
             match frame {
                 Frame::Error {
                     session: about,
@@ -466,7 +611,7 @@ impl Chain {
                 } if about == session || about == 0 => {
                     return Err(DriverError::Stage { code, message });
                 }
-                frame if frame.session() == Some(session) => return Ok(frame),
+                frame if frame.session() == Some(session) => return Ok((source, frame)),
                 // Answers about an earlier, finished session (its Stop raced them) are dropped.
                 _ => {}
             }
@@ -477,20 +622,56 @@ impl Chain {
         self.wire.send(frame)
     }
 
-    fn receive(&mut self) -> Result<Frame, DriverError> {
-        self.wire.receive()
+    /// The next frame from either link, whichever has one first.
+    fn receive(&mut self) -> Result<(Source, Frame), DriverError> {
+        let Some(returns) = self.returns.as_mut() else {
+            return self.wire.receive().map(|frame| (Source::Chain, frame));
+        };
+        loop {
+            if let Some(frame) = self.wire.buffered()? {
+                return Ok((Source::Chain, frame));
+            }
+            if let Some(frame) = returns.buffered()? {
+                return Ok((Source::Return, frame));
+            }
+            let timeout = self.wire.options.reply_timeout;
+            let ready = wait_any_readable(&[&self.wire.link, &returns.link], Some(timeout))
+                .map_err(|error| DriverError::Link {
+                    address: self.wire.address,
+                    error,
+                })?;
+            match ready {
+                Some(0) => self.wire.fill()?,
+                Some(_) => returns.fill()?,
+                None => {
+                    return Err(DriverError::Link {
+                        address: self.wire.address,
+                        error: NetError::Timeout(TimeoutKind::Read),
+                    });
+                }
+            }
+        }
     }
 }
 
 impl Wire {
-    /// Connects to `next`, exchanges hellos (and the cluster key's proofs) and checks that the chain there
-    /// continues `ours`; returns the link with the first stage's hello.
+    /// Connects to `next`, exchanges hellos (and the cluster key's proofs) and checks the stage there: for a
+    /// stage link, that the chain there continues `ours`; for a prediction return, that it is the last stage of
+    /// the same model. Returns the link with the stage's hello.
     fn open(
         ours: &Hello,
         next: SocketAddr,
         options: ChainOptions,
+        role: Role,
     ) -> Result<(Wire, Hello), DriverError> {
-        let mut ours = ours.clone();
+        let mut ours = Hello {
+            role,
+            ..ours.clone()
+        };
+        let peer = match role {
+            Role::StageLink => "stage 1".to_owned(),
+            Role::PredictionReturn => "the last stage".to_owned(),
+        };
         if options.cluster_key.is_some() {
             ours.nonce = fresh_nonce();
         }
@@ -507,11 +688,16 @@ impl Wire {
         let mut wire = Wire {
             link,
             address: next,
+            peer: peer.clone(),
+            role,
             decoder: Decoder::new(WireLimits::default()),
             unread: Vec::new(),
             unread_start: 0,
             options,
             link_free: Instant::now(),
+            answers_free: Instant::now(),
+            filled_at: Instant::now(),
+            frame_bytes: 0,
         };
         wire.send(&Frame::Hello(ours.clone()))?;
         let theirs = match wire.receive()? {
@@ -519,15 +705,28 @@ impl Wire {
             Frame::Error { code, message, .. } => return Err(DriverError::Stage { code, message }),
             other => {
                 return Err(DriverError::Protocol(format!(
-                    "stage 1 answered the hello with a {} frame",
+                    "{peer} answered the hello with a {} frame",
                     other.kind_name()
                 )));
             }
         };
-        check_adjacent(&ours, &theirs).map_err(|mismatch| DriverError::Stage {
+        let checked = match role {
+            Role::StageLink => check_adjacent(&ours, &theirs),
+            Role::PredictionReturn => check_same_model(&ours, &theirs),
+        };
+        checked.map_err(|mismatch| DriverError::Stage {
             code: mismatch.code(),
             message: mismatch.to_string(),
         })?;
+        if role == Role::PredictionReturn {
+            if theirs.layer_end != theirs.block_count {
+                return Err(DriverError::Protocol(format!(
+                    "the stage at {next} serves layers {}..{} of {}, so it is not the chain's last stage; a prediction return goes to the last one",
+                    theirs.layer_start, theirs.layer_end, theirs.block_count
+                )));
+            }
+            wire.peer = format!("stage {} (the last)", theirs.stage_index);
+        }
         if let Some(key) = wire.options.cluster_key.clone() {
             let proven = theirs.proof.is_some_and(|proof| {
                 verify(&key, Side::Accepting, &ours.nonce, &theirs.nonce, &proof)
@@ -535,7 +734,9 @@ impl Wire {
             if !proven {
                 return Err(DriverError::Stage {
                     code: ErrorCode::Auth,
-                    message: "stage 1 did not prove the cluster key; give every stage the same --cluster-key file".into(),
+                    message: format!(
+                        "{peer} did not prove the cluster key; give every stage the same --cluster-key file"
+                    ),
                 });
             }
             let answer = proof(&key, Side::Connecting, &ours.nonce, &theirs.nonce);
@@ -566,36 +767,71 @@ impl Wire {
     }
 
     fn receive(&mut self) -> Result<Frame, DriverError> {
-        let mut scratch = [0u8; 64 * 1024];
         loop {
-            while self.unread_start < self.unread.len() {
-                let (taken, frame) = self.decoder.decode(&self.unread[self.unread_start..])?;
-                self.unread_start += taken;
-                if let Some(frame) = frame {
-                    return Ok(frame);
-                }
+            if let Some(frame) = self.buffered()? {
+                return Ok(frame);
             }
-            self.unread.clear();
-            self.unread_start = 0;
-            let count = self
-                .link
-                .read(&mut scratch)
-                .map_err(|error| DriverError::Link {
-                    address: self.address,
-                    error,
-                })?;
-            if count == 0 {
-                return Err(DriverError::Stage {
-                    code: ErrorCode::StageDown,
-                    message: format!(
-                        "stage 1 at {} closed the link (the stage, or one after it, stopped)",
-                        self.address
-                    ),
-                });
-            }
-            STAGE.received(LinkSide::Downstream, count);
-            self.unread.extend_from_slice(&scratch[..count]);
+            self.fill()?;
         }
+    }
+
+    /// The next whole frame among the bytes already read, if there is one (on a shaped link, once the link
+    /// would have delivered it).
+    fn buffered(&mut self) -> Result<Option<Frame>, DriverError> {
+        while self.unread_start < self.unread.len() {
+            let (taken, frame) = self.decoder.decode(&self.unread[self.unread_start..])?;
+            self.unread_start += taken;
+            self.frame_bytes += taken;
+            if frame.is_some() {
+                let bytes = std::mem::take(&mut self.frame_bytes);
+                // Stage 0 shapes its own link to stage 1; the last stage shapes the tokens it returns.
+                if self.role == Role::StageLink && self.options.shape.is_shaped() {
+                    let (release, free) =
+                        self.options
+                            .shape
+                            .schedule(self.filled_at, self.answers_free, bytes);
+                    self.answers_free = free;
+                    std::thread::sleep(release.saturating_duration_since(Instant::now()));
+                }
+                return Ok(frame);
+            }
+        }
+        self.unread.clear();
+        self.unread_start = 0;
+        Ok(None)
+    }
+
+    /// Reads once from the link (waiting under its deadlines); the end of the link is an error naming the
+    /// stage.
+    fn fill(&mut self) -> Result<(), DriverError> {
+        let mut scratch = [0u8; 64 * 1024];
+        let count = self
+            .link
+            .read(&mut scratch)
+            .map_err(|error| DriverError::Link {
+                address: self.address,
+                error,
+            })?;
+        if count == 0 {
+            let message = match self.role {
+                Role::StageLink => format!(
+                    "{} at {} closed the link (the stage, or one after it, stopped)",
+                    self.peer, self.address
+                ),
+                Role::PredictionReturn => format!(
+                    "{} at {} closed the prediction-return link (the stage stopped)",
+                    self.peer, self.address
+                ),
+            };
+            return Err(DriverError::Stage {
+                code: ErrorCode::StageDown,
+                message,
+            });
+        }
+        STAGE.received(LinkSide::Downstream, count);
+        self.filled_at = Instant::now();
+        self.unread.extend_from_slice(&scratch[..count]);
+        Ok(())
     }
 }
 
@@ -619,13 +855,14 @@ pub fn first_stage_hello(
         codecs: CodecSet::all(),
         nonce: [0; 16],
         proof: None,
+        return_address: None,
     })
 }
 
 /// Checks that the chain at `next` is up and continues `ours`: a link is opened, its hellos exchanged (the
 /// first stage answers only once every stage after it did) and closed again. Returns the first stage's hello.
 pub fn probe(ours: &Hello, next: SocketAddr, options: ChainOptions) -> Result<Hello, DriverError> {
-    Wire::open(ours, next, options).map(|(_, theirs)| theirs)
+    Wire::open(ours, next, options, Role::StageLink).map(|(_, theirs)| theirs)
 }
 
 /// Loads stage 0's layers `0..layers_end` of `file` with `lanes` lanes (each of `context_length` tokens, by

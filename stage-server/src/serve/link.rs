@@ -33,12 +33,13 @@ use net_io_blocking::{
 
 use super::compute::{COMPUTE_TOKEN, ComputeHandle, Delivery, Mailbox, Outcome, Work};
 use super::retry::{self, RETRY_TOKEN, Retries};
-use super::shaping::{LinkShape, Shaper};
+use super::returns::{ReturnLink, Returns};
+use super::shaping::{LinkShape, SHAPER_TOKEN, Shaper};
 use crate::telemetry::registry::{LinkSide, STAGE};
 use crate::telemetry::{self, TraceContext, names};
 use crate::wire::{
     Activations, ClusterKey, CodecPolicy, Decoder, ErrorCode, Frame, Hello, Role, Side,
-    StageTiming, WireLimits, check_adjacent, encode, fresh_nonce, proof, verify,
+    StageTiming, WireLimits, check_adjacent, check_same_model, encode, fresh_nonce, proof, verify,
 };
 
 /// The completion token with which one link of a pair wakes the other.
@@ -80,6 +81,14 @@ pub(crate) struct StageShared {
     pub(crate) open_sessions: AtomicUsize,
     /// Sessions stopped by the drain deadline (an `Error` frame, `draining`) rather than by their Stop.
     pub(crate) stopped_sessions: AtomicUsize,
+    /// At the last stage: the sessions whose tokens go straight back to stage 0, and over which link.
+    pub(crate) returns: Returns,
+    /// At the last stage: the address its hellos name for prediction returns (`--advertise`); `None`: the
+    /// address each upstream link reached it at.
+    pub(crate) advertise: Option<std::net::SocketAddr>,
+    /// This stage's index as the latest chain link told it (the upstream's plus one), for the hellos of
+    /// prediction-return links, which come from stage 0 and so cannot tell it.
+    pub(crate) chain_index: std::sync::atomic::AtomicU16,
 }
 
 /// The one session type of a stage's server: links it accepted and links it opened.
@@ -94,7 +103,7 @@ pub(crate) enum Link {
 /// A computed frame's span, held until its answer has been written to a socket, to record `write_micros` on
 /// (the span ends when this is dropped, written or not).
 #[derive(Debug)]
-struct Writing {
+pub(crate) struct Writing {
     frame: tracing::Span,
     /// When the compute thread delivered the frame's outcome.
     delivered: Instant,
@@ -227,6 +236,13 @@ pub(crate) struct Upstream {
     id: Option<u64>,
     /// The attempts at reaching the next stage for this link, while its handshake waits for one.
     retries: Option<Retries>,
+    /// What a prediction-return link (from stage 0, at the last stage) holds; `None` on a chain link.
+    returning: Option<Box<ReturnLink>>,
+    /// Where the chain's last stage takes prediction returns, as the next stage's hello said (a middle
+    /// stage passes it on in its own).
+    return_address: Option<std::net::SocketAddr>,
+    /// The address the upstream reached this stage at (the last stage names it for prediction returns).
+    local: Option<std::net::SocketAddr>,
 }
 
 /// A link this stage opened to the next one.
@@ -241,6 +257,8 @@ pub(crate) struct Downstream {
     serving: bool,
     /// Holds frames back when the link is shaped (`--link-delay`, `--link-rate`).
     shaper: Option<Shaper>,
+    /// Holds the next stage's answers back the same way before they go up: a shaped link is slow both ways.
+    shaper_up: Option<Shaper>,
     /// The spans of the frames the shaper holds, in its order (it hands frames over first in, first out).
     shaped: VecDeque<Option<Writing>>,
     /// Frames whose rows are in this link's output, until the flush writes them.
@@ -266,6 +284,9 @@ impl Link {
             writing: Vec::new(),
             id: None,
             retries: None,
+            returning: None,
+            return_address: None,
+            local: None,
         })
     }
 }
@@ -330,6 +351,7 @@ impl Upstream {
         let id = context.info().id.get();
         self.mailbox = Some(Mailbox::new(completer.clone(), id));
         self.id = Some(id);
+        self.local = Some(context.info().local);
         lock_upstreams(&self.shared).insert(id, completer);
         tracing::debug!(
             connection_id = id,
@@ -389,7 +411,12 @@ impl Upstream {
     /// A link with a session open is busy, not idle, between its frames: a drain lets the generation finish
     /// instead of closing the link as idle. The downstream link follows.
     fn mark_busy(&mut self, context: &mut SessionContext<'_>) {
-        let active = !self.sessions.is_empty();
+        // A return link with sessions registered carries their tokens: busy as their chain links are.
+        let active = !self.sessions.is_empty()
+            || self
+                .returning
+                .as_ref()
+                .is_some_and(|returning| returning.has_sessions());
         context.set_phase(if active {
             Phase::Receiving
         } else {
@@ -463,24 +490,19 @@ impl Upstream {
     }
 
     fn on_hello(&mut self, theirs: Hello, context: &mut SessionContext<'_>) {
+        if theirs.role == Role::PredictionReturn {
+            return self.on_return_hello(theirs, context);
+        }
         let ours = self.our_hello(&theirs);
+        self.shared
+            .chain_index
+            .store(ours.stage_index, Ordering::Relaxed);
         self.stage_index = ours.stage_index;
         tracing::debug!(
             stage_index = ours.stage_index,
             peer = %context.info().peer,
             "stage.binary_link_hello"
         );
-        if theirs.role != Role::StageLink {
-            return self.refuse(
-                context,
-                0,
-                ErrorCode::Protocol,
-                format!(
-                    "stage {} opened a {:?} link, which this stage does not serve yet",
-                    theirs.stage_index, theirs.role
-                ),
-            );
-        }
         if let Err(mismatch) = check_adjacent(&theirs, &ours) {
             return self.refuse(context, 0, mismatch.code(), mismatch.to_string());
         }
@@ -503,6 +525,97 @@ impl Upstream {
             self.shared.connect_retry_timeout,
         ));
         self.open_downstream(theirs, context);
+    }
+
+    /// A prediction-return link from stage 0: taken only at the last stage, for the same model, and with the
+    /// cluster key when the stage has one; then answered at once (nothing is behind this stage).
+    fn on_return_hello(&mut self, theirs: Hello, context: &mut SessionContext<'_>) {
+        let layers = format!(
+            "{}..{}",
+            self.shared.hello.layer_start, self.shared.hello.layer_end
+        );
+        if let Some(next) = self.shared.next {
+            return self.refuse(
+                context,
+                0,
+                ErrorCode::Protocol,
+                format!(
+                    "this stage serves layers {layers} and passes them on to {next}; open the prediction-return link to the chain's last stage"
+                ),
+            );
+        }
+        let Some(completer) = context.completer() else {
+            return self.refuse(context, 0, ErrorCode::Internal, "no completer".into());
+        };
+        self.returning = Some(Box::new(ReturnLink::new(completer, self.shared.shape)));
+        let ours = self.our_hello(&theirs);
+        self.stage_index = ours.stage_index;
+        if let Err(mismatch) = check_same_model(&theirs, &ours) {
+            return self.refuse(context, 0, mismatch.code(), mismatch.to_string());
+        }
+        if self.shared.key.is_some() && theirs.nonce == [0; 16] {
+            return self.refuse(
+                context,
+                0,
+                ErrorCode::Auth,
+                format!(
+                    "stage {} sent no cluster-key nonce, but this stage requires --cluster-key",
+                    theirs.stage_index
+                ),
+            );
+        }
+        tracing::debug!(
+            stage_index = ours.stage_index,
+            peer = %context.info().peer,
+            "stage.prediction_return_opened"
+        );
+        self.answer(theirs, context);
+    }
+
+    /// A frame on a prediction-return link: `OpenReturn` registers a session (answered with an `Ack` at
+    /// position 0), `Stop` unregisters it; nothing else belongs on such a link.
+    fn on_return_frame(&mut self, frame: Frame, context: &mut SessionContext<'_>) {
+        let Some(returning) = self.returning.as_mut() else {
+            return;
+        };
+        match frame {
+            Frame::OpenReturn { session } => match returning.open(&self.shared.returns, session) {
+                Ok(()) => self.write(
+                    context,
+                    &Frame::Ack {
+                        session,
+                        position: 0,
+                        timings: Vec::new(),
+                    },
+                ),
+                Err(message) => self.error(context, session, ErrorCode::Protocol, message),
+            },
+            Frame::Stop { session } => returning.stop(&self.shared.returns, session),
+            other => {
+                let message = format!(
+                    "a {} frame does not belong on a prediction-return link; send it down the chain",
+                    other.kind_name()
+                );
+                self.error(
+                    context,
+                    other.session().unwrap_or(0),
+                    ErrorCode::Protocol,
+                    message,
+                );
+            }
+        }
+    }
+
+    /// Writes the tokens handed to this prediction-return link (those the shaper lets through now).
+    fn take_returned(&mut self, context: &mut SessionContext<'_>) {
+        let completer = context.completer();
+        let Some(returning) = self.returning.as_mut() else {
+            return;
+        };
+        for (bytes, writing) in returning.take_due(completer.as_ref()) {
+            self.write_bytes(context, &bytes);
+            self.writing.extend(writing);
+        }
     }
 
     /// Opens the link to the next stage for this one (again, after a failed attempt); the upstream's hello is
@@ -533,10 +646,17 @@ impl Upstream {
                     [0; 16]
                 },
                 proof: None,
+                // The side that connects names no return address.
+                return_address: None,
                 ..ours
             },
             serving: false,
             shaper: self
+                .shared
+                .shape
+                .is_shaped()
+                .then(|| Shaper::new(self.shared.shape)),
+            shaper_up: self
                 .shared
                 .shape
                 .is_shaped()
@@ -608,10 +728,25 @@ impl Upstream {
         self.open_downstream(theirs, context);
     }
 
-    /// This stage's hello toward `upstream`: its stage index follows the upstream's.
+    /// This stage's hello toward `upstream`: on a chain link its stage index follows the upstream's and it
+    /// names where the chain's last stage takes prediction returns (itself, when it is last, else what the
+    /// next stage said); on a prediction-return link it is the last stage's as its chain links know it.
     fn our_hello(&self, upstream: &Hello) -> Hello {
+        if self.returning.is_some() {
+            return Hello {
+                role: Role::PredictionReturn,
+                stage_index: self.shared.chain_index.load(Ordering::Relaxed),
+                ..self.shared.hello.clone()
+            };
+        }
+        let return_address = if self.shared.next.is_none() {
+            self.shared.advertise.or(self.local)
+        } else {
+            self.return_address
+        };
         Hello {
             stage_index: upstream.stage_index.saturating_add(1),
+            return_address,
             ..self.shared.hello.clone()
         }
     }
@@ -635,6 +770,9 @@ impl Upstream {
     }
 
     fn on_serving(&mut self, frame: Frame, context: &mut SessionContext<'_>) {
+        if self.returning.is_some() {
+            return self.on_return_frame(frame, context);
+        }
         let session = frame.session().unwrap_or(0);
         let work = match &frame {
             Frame::Configure {
@@ -829,7 +967,11 @@ impl Upstream {
         if token == RETRY_TOKEN {
             self.retry_downstream(context);
         }
-        if token == COMPUTE_TOKEN || token == RELAY_TOKEN {
+        if self.returning.is_some() {
+            if token == RELAY_TOKEN || token == SHAPER_TOKEN {
+                self.take_returned(context);
+            }
+        } else if token == COMPUTE_TOKEN || token == RELAY_TOKEN {
             self.take_outcomes(context);
             self.take_relayed(context);
         }
@@ -894,8 +1036,8 @@ impl Upstream {
                     top,
                     ..
                 } => {
-                    self.write(
-                        context,
+                    let mut bytes = Vec::new();
+                    encode(
                         &Frame::Token {
                             session,
                             position,
@@ -903,8 +1045,18 @@ impl Upstream {
                             logprob,
                             top,
                         },
+                        &mut bytes,
                     );
-                    self.writing.extend(writing);
+                    // Straight back to stage 0 when it opened a return for the session (the frame's span goes
+                    // along, for the return link to time), else up the chain.
+                    if let Some((bytes, writing)) =
+                        self.shared
+                            .returns
+                            .deliver(session, bytes, writing, RELAY_TOKEN)
+                    {
+                        self.write_bytes(context, &bytes);
+                        self.writing.extend(writing);
+                    }
                 }
                 Outcome::Done {
                     session,
@@ -967,8 +1119,9 @@ impl Upstream {
                 return;
             };
             match answer {
-                Ok(_) => {
+                Ok(next) => {
                     self.retries = None;
+                    self.return_address = next.return_address;
                     self.answer(theirs, context)
                 }
                 Err(failure) => {
@@ -989,8 +1142,12 @@ impl Upstream {
     fn write(&mut self, context: &mut SessionContext<'_>, frame: &Frame) {
         let mut bytes = Vec::new();
         encode(frame, &mut bytes);
+        self.write_bytes(context, &bytes);
+    }
+
+    fn write_bytes(&mut self, context: &mut SessionContext<'_>, bytes: &[u8]) {
         STAGE.sent(LinkSide::Upstream, bytes.len());
-        if context.output().push(&bytes).is_err() {
+        if context.output().push(bytes).is_err() {
             self.state = UpstreamState::Closing;
         }
     }
@@ -1052,6 +1209,9 @@ impl Upstream {
     fn on_close(&mut self, info: &ConnectionInfo, reason: CloseReason) {
         if let Some(id) = self.id.take() {
             lock_upstreams(&self.shared).remove(&id);
+        }
+        if let Some(returning) = self.returning.as_mut() {
+            returning.close(&self.shared.returns);
         }
         self.spans.clear();
         tracing::debug!(
@@ -1185,11 +1345,32 @@ impl Downstream {
             self.take_queued(context);
             return None;
         }
-        // Answers from the rest of the chain go up as they came.
+        // Answers from the rest of the chain go up as they came (once a shaped link would have delivered them).
         let mut bytes = Vec::new();
         encode(&frame, &mut bytes);
-        self.pair.send_up(bytes);
+        match self.shaper_up.as_mut() {
+            None => self.pair.send_up(bytes),
+            Some(shaper) => {
+                shaper.hold(Instant::now(), bytes);
+                self.release_up(context);
+            }
+        }
         None
+    }
+
+    /// Hands the answers the upward shaper lets through now to the upstream link, and arms its timer for the
+    /// rest.
+    fn release_up(&mut self, context: &mut SessionContext<'_>) {
+        let Some(shaper) = self.shaper_up.as_mut() else {
+            return;
+        };
+        let now = Instant::now();
+        for bytes in shaper.due(now) {
+            self.pair.send_up(bytes);
+        }
+        if let Some(completer) = context.completer() {
+            shaper.arm(now, &completer);
+        }
     }
 
     fn on_wake(&mut self, context: &mut SessionContext<'_>) -> Step {
@@ -1207,6 +1388,7 @@ impl Downstream {
         });
         if self.serving {
             self.take_queued(context);
+            self.release_up(context);
         }
         if context.output().is_empty() {
             Step::Listen

@@ -18,6 +18,7 @@ mod compute;
 mod gate;
 mod link;
 mod retry;
+mod returns;
 mod shaping;
 mod topology;
 
@@ -73,11 +74,16 @@ pub struct StageConfig {
     /// before the next stage answered), with a doubling backoff from 25 ms, before it refuses the stage before
     /// it with `StageDown`; zero: one attempt. A next stage that answers and refuses is not tried again.
     pub connect_retry_timeout: Duration,
-    /// Delay and rate on the link to the next stage, applied in the process (for tests and benchmarks).
+    /// Delay and rate on each direction of the link to the next stage, or at the last stage on the tokens it
+    /// returns to stage 0 directly, applied in the process (for tests and benchmarks).
     pub shape: LinkShape,
     /// This stage's place in the chain as the operator gave it (`--stage`), for its lifecycle events; links
     /// learn theirs from the stage before.
     pub stage_index: Option<u16>,
+    /// At the last stage: the address stage 0 should open its prediction-return links to (`--advertise`),
+    /// named in the hellos up the chain; `None`: the address each upstream link reached this stage at, which
+    /// is right unless stage 0 reaches the stage by another address (a NAT, another interface).
+    pub advertise: Option<SocketAddr>,
 }
 
 impl StageConfig {
@@ -98,6 +104,7 @@ impl StageConfig {
             connect_retry_timeout: CONNECT_RETRY_TIMEOUT_DEFAULT,
             shape: LinkShape::default(),
             stage_index: None,
+            advertise: None,
         }
     }
 }
@@ -200,6 +207,8 @@ impl StageProcess {
             codecs: CodecSet::all(),
             nonce: [0; 16],
             proof: None,
+            // Named per link (the last stage's own address, or what the next stage said).
+            return_address: None,
         };
         let (compute, compute_thread) = compute::start(stage).map_err(ServeError::Thread)?;
         let shared = Arc::new(StageShared {
@@ -217,6 +226,9 @@ impl StageProcess {
             stage_index: config.stage_index,
             open_sessions: std::sync::atomic::AtomicUsize::new(0),
             stopped_sessions: std::sync::atomic::AtomicUsize::new(0),
+            returns: returns::Returns::default(),
+            advertise: config.advertise,
+            chain_index: std::sync::atomic::AtomicU16::new(config.stage_index.unwrap_or(0)),
         });
         if config.shape.is_shaped() || config.next.is_some() {
             // The shaper's and the connect retries' timers run on the task runtime (a second init changes

@@ -1,6 +1,7 @@
-//! Link shaping for tests and benchmarks: a one-way delay and a rate on the frames a stage sends down its
-//! link, applied in the process (the kernel's `netem` is not available here), with the wake-ups on
-//! task-runtime timers so a delayed frame holds no thread.
+//! Link shaping for tests and benchmarks: a one-way delay and a rate on each direction of a stage's link to
+//! the next stage (what it sends down and the answers it relays up), and at the last stage on the tokens it
+//! returns to stage 0 directly, applied in the process (the kernel's `netem` is not available here), with the
+//! wake-ups on task-runtime timers so a delayed frame holds no thread.
 //!
 //! A frame of `n` bytes queued at `t` starts when the previous one has finished (`start = max(t, free)`),
 //! takes `8n / rate` to send, and is handed to the socket `delay` after it finished sending: what a link of

@@ -317,6 +317,26 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// An optional socket address: a family byte (0 none, 4 or 6), the IP's bytes, the port. The address is
+    /// canonical (an IPv6 one has no flow label or scope), so it encodes back to the same bytes.
+    fn address(&mut self, field: &'static str) -> Result<Option<std::net::SocketAddr>, Stop> {
+        use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+        match self.u8(field)? {
+            0 => Ok(None),
+            4 => {
+                let ip = Ipv4Addr::from(self.array::<4>(field)?);
+                let port = self.u16(field)?;
+                Ok(Some(SocketAddr::V4(SocketAddrV4::new(ip, port))))
+            }
+            6 => {
+                let ip = Ipv6Addr::from(self.array::<16>(field)?);
+                let port = self.u16(field)?;
+                Ok(Some(SocketAddr::V6(SocketAddrV6::new(ip, port, 0, 0))))
+            }
+            family => Err(self.bad_value(field, u64::from(family))),
+        }
+    }
+
     /// A count checked against `limit`, and against the bytes left in the frame at `item_bytes` per item, so
     /// the caller may allocate `count` items.
     fn count(
@@ -561,6 +581,7 @@ fn parse_hello(reader: &mut Reader<'_>) -> Result<Hello, Stop> {
         CodecSet::from_bits(codecs).ok_or_else(|| reader.bad_value("codecs", codecs.into()))?;
     let nonce = reader.array("nonce")?;
     let proof = reader.optional("proof flag", "proof")?;
+    let return_address = reader.address("return address")?;
     Ok(Hello {
         version,
         role,
@@ -575,6 +596,7 @@ fn parse_hello(reader: &mut Reader<'_>) -> Result<Hello, Stop> {
         codecs,
         nonce,
         proof,
+        return_address,
     })
 }
 

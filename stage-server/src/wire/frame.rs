@@ -85,7 +85,7 @@ pub enum ErrorCode {
 ///  kind  frame        body
 ///  1     Hello        magic [4] "SSTG", version u16, role u8, fingerprint [32], stage_index u16,
 ///                     layer_start u32, layer_end u32, block_count u32, width u32, vocab_size u32,
-///                     lanes u16, codecs u8, nonce [16], proof [32]?
+///                     lanes u16, codecs u8, nonce [16], proof [32]?, return_address address?
 ///  2     Proof        proof [32]
 ///  3     Configure    session u64, sampling (temperature f32, top_k u32, top_p f32, min_p f32, seed u64,
 ///                     repeat_penalty f32, presence_penalty f32, frequency_penalty f32, penalty_last_n u32),
@@ -101,6 +101,9 @@ pub enum ErrorCode {
 ///                     wait_micros u32)
 ///  10    Token        session u64, position u32, token u32, logprob f32, count u8, count x (token u32, logprob f32)
 ///  11    Error        session u64, code u16, length u32, message [length] (UTF-8)
+///
+///  address     = family u8 (4: ip [4], 6: ip [16]), port u16; after the presence byte of `address?`, which
+///                is the family byte itself: 0 for none
 ///
 ///  activations = rows u32, width u32, codec u8 (1 f32, 2 f16, 3 bf16), byte_count u32, bytes [byte_count]
 ///                with byte_count == rows x width x bytes per value
@@ -443,6 +446,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             writer.u8(hello.codecs.bits());
             writer.bytes(&hello.nonce);
             writer.optional(hello.proof.as_ref());
+            writer.address(hello.return_address);
         }
         Frame::Proof { proof } => writer.bytes(proof),
         Frame::Configure {
@@ -603,6 +607,23 @@ impl Writer<'_> {
         let count = u32::try_from(count)
             .unwrap_or_else(|_| panic!("a frame carries {count} {what}, over u32::MAX"));
         self.u32(count);
+    }
+
+    /// An optional socket address: its family byte (0: none), the IP's bytes, the port.
+    fn address(&mut self, address: Option<std::net::SocketAddr>) {
+        match address {
+            None => self.u8(0),
+            Some(std::net::SocketAddr::V4(address)) => {
+                self.u8(4);
+                self.bytes(&address.ip().octets());
+                self.u16(address.port());
+            }
+            Some(std::net::SocketAddr::V6(address)) => {
+                self.u8(6);
+                self.bytes(&address.ip().octets());
+                self.u16(address.port());
+            }
+        }
     }
 
     fn optional<const N: usize>(&mut self, value: Option<&[u8; N]>) {

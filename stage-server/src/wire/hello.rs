@@ -1,5 +1,7 @@
 //! The hello each side sends when a link opens, and the checks that two hellos belong on one link.
 
+use std::net::SocketAddr;
+
 use super::codec::{CodecPolicy, CodecSet};
 use super::frame::ErrorCode;
 
@@ -41,6 +43,11 @@ pub struct Hello {
     pub nonce: [u8; 16],
     /// The accepting side's proof over both nonces; `None` from the connecting side and on unkeyed links.
     pub proof: Option<[u8; 32]>,
+    /// Where the last stage of the chain behind the sender takes prediction-return links, so that stage 0
+    /// can have its tokens sent straight back: the last stage names itself (`--advertise`, or the address
+    /// its upstream reached it at), each stage before it passes on what the next one said. `None` from the
+    /// side that connects, and from a chain whose last stage did not say (tokens then come back up the chain).
+    pub return_address: Option<SocketAddr>,
 }
 
 /// What is wrong between two hellos. Each text names both values and both stages, and what to change.
@@ -380,6 +387,7 @@ mod tests {
             codecs: CodecSet::all(),
             nonce: [0; 16],
             proof: None,
+            return_address: None,
         }
     }
 

@@ -78,7 +78,8 @@ pub const MAGIC: [u8; 4] = *b"SSTG";
 /// misreading it.
 ///
 /// Version 2: `Configure` carries whether the token's log-probability is wanted.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// Version 3: a hello carries the address of the chain's last stage, for direct prediction return.
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// Bounds the decoder checks before it allocates anything for a field.
 ///
