@@ -5,7 +5,10 @@
 //! - unsplit: `stage-server generate --prompt-ids <P ids> --max-tokens 65 --threads 2 --json`;
 //! - 2 processes: stage 0 (`generate --layers 0..half --next`) and one `serve` for the rest;
 //! - 3 processes: stage 0 and two `serve`s at a third and two thirds of the layers;
-//! - 3 processes with `--link-delay 5` on both hops (stage 0's and stage 1's downstream links);
+//! - 3 processes with tokens relayed back up the chain (`--prediction-return relayed`) instead of returned
+//!   straight from the last stage;
+//! - 3 processes with `--link-delay 5` on every link, each way (stage 0's and stage 1's links to the next
+//!   stage, and the last stage's prediction returns), tokens returned directly and relayed;
 //! - llama.cpp whole (`llama-server`) and llama.cpp with every layer on two `ggml-rpc-server` processes on
 //!   loopback, the same prompt and lengths, timed by llama-server's own `timings` ([`llama`]);
 //! - a 2,048-token prompt (four prefill chunks) unsplit and through 3 processes with `--reply-credits` 0, 1
@@ -66,17 +69,32 @@ const CODEC: &str = "f32";
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Layout {
     Unsplit,
-    Processes { count: usize, delay_ms: f64 },
+    /// `count` processes, each stage link (and the last stage's return link) delayed `delay_ms` each way;
+    /// `relayed`: tokens come back up the chain instead of straight from the last stage.
+    Processes {
+        count: usize,
+        delay_ms: f64,
+        relayed: bool,
+    },
 }
 
 impl Layout {
     fn label(self) -> String {
         match self {
             Layout::Unsplit => "unsplit, one process".to_owned(),
-            Layout::Processes { count, delay_ms } if delay_ms > 0.0 => {
-                format!("{count} processes, {delay_ms} ms per hop")
+            Layout::Processes {
+                count,
+                delay_ms,
+                relayed,
+            } => {
+                let link = if delay_ms > 0.0 {
+                    format!("{delay_ms} ms per hop")
+                } else {
+                    "on loopback".to_owned()
+                };
+                let tokens = if relayed { ", tokens relayed" } else { "" };
+                format!("{count} processes, {link}{tokens}")
             }
-            Layout::Processes { count, .. } => format!("{count} processes on loopback"),
         }
     }
 
@@ -88,19 +106,32 @@ impl Layout {
     }
 }
 
-const LAYOUTS: [Layout; 4] = [
+const LAYOUTS: [Layout; 6] = [
     Layout::Unsplit,
     Layout::Processes {
         count: 2,
         delay_ms: 0.0,
+        relayed: false,
     },
     Layout::Processes {
         count: 3,
         delay_ms: 0.0,
+        relayed: false,
+    },
+    Layout::Processes {
+        count: 3,
+        delay_ms: 0.0,
+        relayed: true,
     },
     Layout::Processes {
         count: 3,
         delay_ms: LINK_DELAY_MS,
+        relayed: false,
+    },
+    Layout::Processes {
+        count: 3,
+        delay_ms: LINK_DELAY_MS,
+        relayed: true,
     },
 ];
 
@@ -139,6 +170,7 @@ impl LongRow {
 const LONG_SPLIT: Layout = Layout::Processes {
     count: 3,
     delay_ms: 0.0,
+    relayed: false,
 };
 
 const LONG_ROWS: [LongRow; 4] = [
@@ -502,15 +534,20 @@ fn run_layout(
     let mut command = generate_command(binary, model, request.prompt, request.max_tokens, THREADS);
     let mut stages = Vec::new();
     let mut commands = Vec::new();
-    if let Layout::Processes { count, delay_ms } = layout {
+    if let Layout::Processes {
+        count,
+        delay_ms,
+        relayed,
+    } = layout
+    {
         let boundaries = boundaries(blocks, count);
         let mut edges = boundaries.clone();
         edges.push(blocks);
         let mut next: Option<SocketAddr> = None;
         for window in edges.windows(2).rev() {
-            let is_last = next.is_none();
-            let delay = if is_last { 0.0 } else { delay_ms };
-            let (served, shown_serve) = serve(binary, model, window[0]..window[1], next, delay)?;
+            // The last stage's delay is on the tokens it returns straight to stage 0 (a relayed token crosses
+            // the delayed stage links back up instead).
+            let (served, shown_serve) = serve(binary, model, window[0]..window[1], next, delay_ms)?;
             commands.push(shown_serve);
             next = Some(served.1);
             stages.push(served);
@@ -528,6 +565,9 @@ fn run_layout(
         ]);
         if let Some(credits) = request.credits {
             command.args(["--reply-credits", &credits.to_string()]);
+        }
+        if relayed {
+            command.args(["--prediction-return", "relayed"]);
         }
     }
     commands.push(shown(&command));

@@ -356,10 +356,14 @@ pub(super) fn write_report(
              --codec {CODEC}` processes for the other layer ranges, cut at `i * block_count / processes`. Prefill \
              and decode tok/s are the `prompt_tokens_per_second` and `decode_tokens_per_second` it prints: the \
              prompt over the time up to the first token, and the tokens after the first over the time after it.\n\
-             - The delayed layout adds {LINK_DELAY_MS} ms one way to stage 0's and stage 1's downstream links \
-             (`--link-delay`, applied in the process), so a decode step crosses two delayed hops on its way \
-             down.\n\
-             - Added per hop: `(1/split decode - 1/unsplit decode) / hops`, from the medians.\n\
+             - Split layouts return tokens straight from the last stage to stage 0 unless marked \"tokens \
+             relayed\" (`--prediction-return relayed`: back up the chain, stage by stage).\n\
+             - The delayed layouts add {LINK_DELAY_MS} ms one way to each direction of stage 0's and stage 1's \
+             links to the next stage and to the last stage's prediction returns (`--link-delay` on every \
+             process, applied in the process), so a decode step crosses three delayed hops with tokens returned \
+             directly (two down, one back) and four relayed (two down, two back up).\n\
+             - Added per hop: `(1/split decode - 1/unsplit decode) / (processes - 1)`, from the medians: the \
+             step time beyond the unsplit compute per stage link.\n\
              - llama.cpp ({}): `llama-server -m F --host 127.0.0.1 --port P -np 1 -c {} -t {THREADS} --fit \
              off -lv {}` alone (\"whole\"; `-lv {}` so that its log names where the layers went), and with `--rpc A,B -ngl 99 -ts K,L` driving {} `ggml-rpc-server -H \
              127.0.0.1 -p P -t {THREADS}` processes (\"RPC\"): `-ngl 99` offloads every layer to them, `-ts` puts \
