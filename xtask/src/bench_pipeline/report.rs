@@ -464,15 +464,32 @@ mod tests {
             samples(90.0, 80.0),
             samples(80.0, 50.0),
             samples(50.0, 40.0),
+            samples(40.0, 20.0),
+            samples(30.0, 16.0),
         ];
         let table = render_table("m.gguf", 128, &samples);
         // 1/80 - 1/100 = 2.5 ms over one hop; 1/50 - 1/100 = 10 ms over two hops.
         assert!(
-            table.contains("| 2 processes on loopback | 90.0 | 80.0 | 0.800x | 0.900x | 2500 µs |"),
+            table
+                .contains("| 2 processes, on loopback | 90.0 | 80.0 | 0.800x | 0.900x | 2500 µs |"),
             "{table}"
         );
         assert!(
-            table.contains("| 3 processes on loopback | 80.0 | 50.0 | 0.500x | 0.800x | 5000 µs |"),
+            table
+                .contains("| 3 processes, on loopback | 80.0 | 50.0 | 0.500x | 0.800x | 5000 µs |"),
+            "{table}"
+        );
+        // Relayed tokens cross the same two stage links: 1/40 - 1/100 = 15 ms over two.
+        assert!(
+            table.contains(
+                "| 3 processes, on loopback, tokens relayed | 50.0 | 40.0 | 0.400x | 0.500x | 7500 µs |"
+            ),
+            "{table}"
+        );
+        assert!(
+            table.contains(
+                "| 3 processes, 5 ms per hop, tokens relayed | 30.0 | 16.0 | 0.160x | 0.300x |"
+            ),
             "{table}"
         );
     }
@@ -484,6 +501,8 @@ mod tests {
             samples(270.0, 72.0),
             samples(280.0, 66.0),
             samples(250.0, 26.0),
+            samples(240.0, 20.0),
+            samples(230.0, 18.0),
         ];
         let peers = vec![samples(600.0, 100.0), samples(400.0, 48.0)];
         let text = render_peers(&layouts, &peers);
@@ -493,12 +512,12 @@ mod tests {
         );
         assert!(
             text.contains(
-                "| 2 processes on loopback over llama.cpp RPC, 2 processes | 1.500x | 1.500x (1.500x to 1.500x) | 0.675x |"
+                "| 2 processes, on loopback over llama.cpp RPC, 2 processes | 1.500x | 1.500x (1.500x to 1.500x) | 0.675x |"
             ),
             "2 processes over the RPC backend: 72 / 48 decode, 270 / 400 prefill:\n{text}"
         );
         assert!(
-            text.contains("| 3 processes on loopback over llama.cpp RPC, 2 processes | 1.375x |"),
+            text.contains("| 3 processes, on loopback over llama.cpp RPC, 2 processes | 1.375x |"),
             "3 processes over the RPC backend: 66 / 48:\n{text}"
         );
         assert!(
@@ -509,7 +528,7 @@ mod tests {
 
     #[test]
     fn a_peer_that_failed_is_reported_and_left_out_of_the_ratios() {
-        let layouts: Vec<Samples> = (0..4).map(|_| samples(100.0, 50.0)).collect();
+        let layouts: Vec<Samples> = (0..LAYOUTS.len()).map(|_| samples(100.0, 50.0)).collect();
         let mut failed = Samples {
             failure: Some("round 1: ggml-rpc-server exited".to_owned()),
             ..Samples::default()
@@ -547,11 +566,11 @@ mod tests {
             "the heading names the chunks:\n{text}"
         );
         assert!(
-            text.contains("| 3 processes on loopback, reply credits 0 | 150.0 | 0.750x |"),
+            text.contains("| 3 processes, on loopback, reply credits 0 | 150.0 | 0.750x |"),
             "{text}"
         );
         assert!(
-            text.contains("| 3 processes on loopback, reply credits 2 | 190.0 | 0.950x |"),
+            text.contains("| 3 processes, on loopback, reply credits 2 | 190.0 | 0.950x |"),
             "{text}"
         );
     }
