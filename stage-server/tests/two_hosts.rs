@@ -207,5 +207,14 @@ fn a_stage_on_another_host_serves_stage_zero_across_a_veth_pair() {
         across["tokens"], unsplit["tokens"],
         "stage 0 in host a with the rest in host b should give the unsplit tokens"
     );
+    assert_eq!(
+        across["prediction_return"].as_str(),
+        Some(bind.as_str()),
+        "the tokens should come straight back from the stage in host b: {across}"
+    );
+    assert!(
+        across["tokens_returned_directly"].as_u64() > Some(0),
+        "tokens should have come back over the return link: {across}"
+    );
     drop(stage);
 }

@@ -1187,10 +1187,15 @@ impl Upstream {
     /// and the link closes once they are flushed (`on_close` then frees their lanes, here and downstream).
     fn stop_at_drain_deadline(&mut self, context: &mut SessionContext<'_>) -> Step {
         let mut sessions: Vec<u64> = self.sessions.iter().copied().collect();
-        sessions.sort_unstable();
         self.shared
             .stopped_sessions
             .fetch_add(sessions.len(), Ordering::Relaxed);
+        // A return link tells its sessions too (their chain links count them), so stage 0 hears why whichever
+        // of its two links it reads first.
+        if let Some(returning) = &self.returning {
+            sessions.extend(returning.sessions());
+        }
+        sessions.sort_unstable();
         for session in sessions {
             self.error(
                 context,

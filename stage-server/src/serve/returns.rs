@@ -117,6 +117,11 @@ impl ReturnLink {
         !self.sessions.is_empty()
     }
 
+    /// The sessions this link holds.
+    pub(crate) fn sessions(&self) -> impl Iterator<Item = u64> + '_ {
+        self.sessions.iter().copied()
+    }
+
     /// Registers `session` for this link (taking it from another return link that held it). Refuses past
     /// [`RETURN_SESSIONS_MAX`], in words.
     pub(crate) fn open(&mut self, returns: &Returns, session: u64) -> Result<(), String> {
