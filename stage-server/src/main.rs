@@ -251,6 +251,11 @@ struct GenerateArgs {
     /// Non-final prefill chunks stage 0 sends ahead of the chain's acknowledgements.
     #[arg(long, default_value_t = 1)]
     reply_credits: usize,
+    /// The most prompt tokens stage 0 sends down the chain in one prefill chunk, 1 to 512: smaller chunks cost
+    /// more passes and round trips, but every stage then holds only about (reply credits + 2) chunks of
+    /// activation rows at once instead of most of a long prompt.
+    #[arg(long, default_value_t = model::PREFILL_CHUNK, value_parser = parse_prefill_chunk)]
+    prefill_chunk: usize,
     /// The cluster's shared key file (every stage of the chain needs the same one).
     #[arg(long)]
     cluster_key: Option<PathBuf>,
@@ -400,6 +405,22 @@ fn parse_stretch(text: &str) -> Result<f64, String> {
     } else {
         Err(format!(
             "a decode stretch of {text} cannot hold: a pass with prompt rows takes at least as long as one without; give 1 or more, or 0 for no bound"
+        ))
+    }
+}
+
+/// A prefill chunk size: 1 to [`model::PREFILL_CHUNK`] prompt tokens.
+fn parse_prefill_chunk(text: &str) -> Result<usize, String> {
+    let most = model::PREFILL_CHUNK;
+    let size: usize = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{text}` is not a number of tokens; give 1 to {most}"))?;
+    if (1..=most).contains(&size) {
+        Ok(size)
+    } else {
+        Err(format!(
+            "a prefill chunk of {size} tokens cannot be sent: a chunk carries at least 1 prompt token, and {most} (the default) is the largest stage 0 sends; give 1 to {most}"
         ))
     }
 }
@@ -600,6 +621,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
             let options = ChainOptions {
                 codec: args.codec,
                 credits: args.reply_credits,
+                prefill_chunk: args.prefill_chunk,
                 cluster_key: load_key(&args.cluster_key)?,
                 shape: link_shape(args.link_delay, args.link_rate)?,
                 direct_return: args.prediction_return == PredictionReturn::Direct,

@@ -1,4 +1,4 @@
-//! The `stage-server` binary: `generate` split and unsplit on a tiny model, `--logits-out`, `inspect`.
+//! The `stage-server` binary: `generate` split and unsplit on a tiny model, `--logits-out`, `inspect`, flag refusals.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -150,6 +150,37 @@ fn a_decode_stretch_below_one_is_refused_before_anything_loads() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(
             stderr.contains(expected) && stderr.contains("--decode-stretch"),
+            "the error should name the flag and say why: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn a_prefill_chunk_of_zero_or_above_512_is_refused_naming_the_flag() {
+    for (value, expected) in [
+        ("0", "a prefill chunk of 0 tokens cannot be sent"),
+        ("513", "a prefill chunk of 513 tokens cannot be sent"),
+        ("many", "`many` is not a number of tokens"),
+    ] {
+        let output = Command::new(env!("CARGO_BIN_EXE_stage-server"))
+            .args([
+                "generate",
+                "--model",
+                "/nonexistent/model.gguf",
+                "--prompt-ids",
+                "1,2",
+                "--prefill-chunk",
+                value,
+            ])
+            .output()
+            .expect("running stage-server");
+        assert!(
+            !output.status.success(),
+            "--prefill-chunk {value} was accepted"
+        );
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains(expected) && stderr.contains("--prefill-chunk"),
             "the error should name the flag and say why: {stderr}"
         );
     }

@@ -53,6 +53,12 @@ pub struct ChainOptions {
     pub codec: CodecPolicy,
     /// Non-final prefill chunks in flight before stage 0 waits for the chain to acknowledge one.
     pub credits: usize,
+    /// The most prompt tokens one prefill chunk carries, 1 to [`PREFILL_CHUNK`] (values outside are clamped):
+    /// the default, [`PREFILL_CHUNK`], runs the fewest passes; a smaller chunk costs more passes and round trips
+    /// but bounds what every stage holds in flight to about `(credits + 2) x chunk` rows, where a long prompt in
+    /// large chunks brings nearly all of itself. Beside other lanes' streams the chunk may be cut shorter still
+    /// (see [`SharedStage::prompt_share`]).
+    pub prefill_chunk: usize,
     /// The cluster's shared key, if its stages have one.
     pub cluster_key: Option<ClusterKey>,
     /// How long the connect to the first stage may take.
@@ -78,6 +84,7 @@ impl Default for ChainOptions {
         ChainOptions {
             codec: CodecPolicy::F32,
             credits: 1,
+            prefill_chunk: PREFILL_CHUNK,
             cluster_key: None,
             connect_timeout: Duration::from_secs(5),
             reply_timeout: Duration::from_secs(60),
@@ -410,6 +417,7 @@ impl Chain {
             trace: crate::telemetry::current_trace_context().map(|context| context.to_wire()),
         })?;
         let started = Instant::now();
+        let largest = self.wire.options.prefill_chunk.clamp(1, PREFILL_CHUNK);
         let mut position = 0usize;
         while position < prompt.len() {
             // Beside other lanes' streams, a chunk no longer than a pass can take without stretching their
@@ -417,8 +425,8 @@ impl Chain {
             let size = share
                 .stage
                 .prompt_share(share.lane)
-                .unwrap_or(PREFILL_CHUNK)
-                .clamp(1, PREFILL_CHUNK);
+                .unwrap_or(largest)
+                .clamp(1, largest);
             let chunk = &prompt[position..(position + size).min(prompt.len())];
             let last = position + chunk.len() == prompt.len();
             let _chunk = tracing::debug_span!(
