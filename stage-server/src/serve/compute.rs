@@ -92,6 +92,30 @@ pub(crate) enum Outcome {
     },
     /// Trimmed or stopped.
     Settled,
+    /// Rows or a token the compute thread handed straight to the link that writes them ([`Onward`]): the
+    /// link that submitted the job only counts it done.
+    Forwarded,
+}
+
+impl Outcome {
+    /// Rows for the next stage or a sampled token: answers another link may carry without this one.
+    fn goes_onward(&self) -> bool {
+        matches!(self, Outcome::Rows { .. } | Outcome::Token { .. })
+    }
+}
+
+/// Where a link's rows and tokens go without waking the link that submitted them: the compute thread hands
+/// them over itself, so a decode step's answer costs one wake (the loop of the link that writes it) instead of
+/// two (the submitting link's loop, then the writer's, often another loop thread).
+pub(crate) trait Onward: Send + Sync + std::fmt::Debug {
+    /// Hands `outcome` (rows or a token) with its frame's span to the link that writes it; gives both back
+    /// when that link is not there, for the submitting link to act on as before.
+    fn forward(
+        &self,
+        outcome: Outcome,
+        frame: tracing::Span,
+        delivered: Instant,
+    ) -> Option<(Outcome, tracing::Span)>;
 }
 
 /// An outcome and the span of the frame it answers: the link keeps the span open until the answer is written
@@ -108,6 +132,8 @@ pub(crate) struct Delivery {
 pub(crate) struct Mailbox {
     outcomes: Mutex<VecDeque<Delivery>>,
     completer: Completer,
+    /// Where rows and tokens go straight to, once the link has said ([`Mailbox::set_onward`]).
+    onward: Mutex<Option<Arc<dyn Onward>>>,
     /// The link's connection id: sessions are this link's own, so another link cannot reach them.
     link: u64,
 }
@@ -117,8 +143,18 @@ impl Mailbox {
         Arc::new(Mailbox {
             outcomes: Mutex::new(VecDeque::new()),
             completer,
+            onward: Mutex::new(None),
             link,
         })
+    }
+
+    /// From now on, rows and tokens go to `onward` (replacing an earlier one: a link that opens its next
+    /// stage again after a failed attempt has a new pair).
+    pub(crate) fn set_onward(&self, onward: Arc<dyn Onward>) {
+        *self
+            .onward
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(onward);
     }
 
     /// Every outcome so far, oldest first.
@@ -127,10 +163,25 @@ impl Mailbox {
     }
 
     fn deliver(&self, outcome: Outcome, frame: tracing::Span) {
+        let delivered = Instant::now();
+        let onward = if outcome.goes_onward() {
+            self.onward
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .clone()
+        } else {
+            None
+        };
+        let (outcome, frame) = match onward {
+            Some(onward) => onward
+                .forward(outcome, frame, delivered)
+                .unwrap_or((Outcome::Forwarded, tracing::Span::none())),
+            None => (outcome, frame),
+        };
         self.lock().push_back(Delivery {
             outcome,
             frame,
-            delivered: Instant::now(),
+            delivered,
         });
         // A full ring means a wake is already pending, and that wake drains this mailbox too.
         let _ = self.completer.post(COMPUTE_TOKEN, 0);
@@ -588,4 +639,120 @@ fn failed(session: u64, code: ErrorCode, error: &ModelError) -> Outcome {
 
 fn micros(started: Instant) -> u32 {
     u32::try_from(started.elapsed().as_micros()).unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::task::Waker;
+
+    use net_io_blocking::ConnectionId;
+    use net_io_core::CompletionRing;
+
+    use super::*;
+
+    /// An onward path that takes rows and refuses tokens (as the last stage does for a session stage 0 opened
+    /// no return for), keeping what it took.
+    #[derive(Debug, Default)]
+    struct Recorder {
+        taken: Mutex<Vec<u32>>,
+    }
+
+    impl Onward for Recorder {
+        fn forward(
+            &self,
+            outcome: Outcome,
+            frame: tracing::Span,
+            _delivered: Instant,
+        ) -> Option<(Outcome, tracing::Span)> {
+            match outcome {
+                Outcome::Rows { position, .. } => {
+                    self.taken.lock().unwrap().push(position);
+                    None
+                }
+                other => Some((other, frame)),
+            }
+        }
+    }
+
+    fn mailbox() -> (Arc<Mailbox>, net_io_core::CompletionReceiver) {
+        let id = ConnectionId::new(7).unwrap();
+        let (_ring, mut receiver) = CompletionRing::with_capacity(8);
+        receiver.bind(id);
+        let completer = receiver.completer(id, Waker::noop().clone());
+        (Mailbox::new(completer, 7), receiver)
+    }
+
+    fn rows(position: u32) -> Outcome {
+        Outcome::Rows {
+            session: 1,
+            position,
+            rows: vec![0.5; 4],
+            sample: true,
+            decode: true,
+        }
+    }
+
+    #[test]
+    fn rows_go_onward_and_the_link_is_still_told_each_job_is_done() {
+        let (mailbox, mut receiver) = mailbox();
+        let recorder = Arc::new(Recorder::default());
+        mailbox.set_onward(recorder.clone());
+        mailbox.deliver(rows(3), tracing::Span::none());
+        mailbox.deliver(rows(4), tracing::Span::none());
+        assert_eq!(*recorder.taken.lock().unwrap(), vec![3, 4]);
+        let outcomes: Vec<Outcome> = mailbox.take().into_iter().map(|d| d.outcome).collect();
+        assert!(
+            matches!(outcomes[..], [Outcome::Forwarded, Outcome::Forwarded]),
+            "the submitting link counts both jobs done: {outcomes:?}"
+        );
+        assert_eq!(
+            receiver.pop().map(|completion| completion.token),
+            Some(COMPUTE_TOKEN),
+            "the submitting link is woken to count them"
+        );
+    }
+
+    #[test]
+    fn what_the_onward_path_refuses_or_never_takes_reaches_the_link_itself() {
+        let (mailbox, _receiver) = mailbox();
+        let recorder = Arc::new(Recorder::default());
+        mailbox.set_onward(recorder.clone());
+        let token = Outcome::Token {
+            session: 1,
+            position: 9,
+            token: 42,
+            logprob: f32::NAN,
+            top: Vec::new(),
+        };
+        mailbox.deliver(token, tracing::Span::none());
+        mailbox.deliver(
+            Outcome::Done {
+                session: 1,
+                position: 0,
+                compute_micros: 5,
+            },
+            tracing::Span::none(),
+        );
+        let outcomes: Vec<Outcome> = mailbox.take().into_iter().map(|d| d.outcome).collect();
+        assert!(
+            matches!(
+                outcomes[..],
+                [Outcome::Token { token: 42, .. }, Outcome::Done { .. }]
+            ),
+            "{outcomes:?}"
+        );
+        assert!(recorder.taken.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn without_an_onward_path_rows_stay_with_the_link() {
+        let (mailbox, _receiver) = mailbox();
+        mailbox.deliver(rows(2), tracing::Span::none());
+        let outcomes: Vec<Outcome> = mailbox.take().into_iter().map(|d| d.outcome).collect();
+        assert!(
+            matches!(outcomes[..], [Outcome::Rows { position: 2, .. }]),
+            "{outcomes:?}"
+        );
+    }
 }

@@ -32,6 +32,7 @@ use net_io_blocking::{
 };
 
 use super::compute::{COMPUTE_TOKEN, ComputeHandle, Delivery, Mailbox, Outcome, Work};
+use super::onward::Forward;
 use super::retry::{self, RETRY_TOKEN, Retries};
 use super::returns::{ReturnLink, Returns};
 use super::shaping::{LinkShape, SHAPER_TOKEN, Shaper};
@@ -43,7 +44,7 @@ use crate::wire::{
 };
 
 /// The completion token with which one link of a pair wakes the other.
-const RELAY_TOKEN: u64 = 2;
+pub(crate) const RELAY_TOKEN: u64 = 2;
 /// The completion token that tells an upstream link the stage's drain deadline passed: its sessions get an
 /// `Error` frame (`draining`) and the link closes gracefully, instead of being reset by the deadline's kill.
 pub(crate) const DRAIN_DEADLINE_TOKEN: u64 = 4;
@@ -111,7 +112,7 @@ pub(crate) struct Writing {
 
 impl Writing {
     /// `frame` to time from `delivered`, unless nothing records it (frame spans are at trace level).
-    fn of(frame: tracing::Span, delivered: Instant) -> Option<Writing> {
+    pub(crate) fn of(frame: tracing::Span, delivered: Instant) -> Option<Writing> {
         (!frame.is_disabled()).then_some(Writing { frame, delivered })
     }
 
@@ -181,7 +182,7 @@ impl Pair {
     }
 
     /// Queues `frame` for the next stage; `writing`: the span of the computed frame whose rows it carries.
-    fn send_down(&self, frame: &Frame, writing: Option<Writing>) {
+    pub(crate) fn send_down(&self, frame: &Frame, writing: Option<Writing>) {
         let mut state = self.lock();
         let mut bytes = Vec::new();
         encode(frame, &mut bytes);
@@ -349,7 +350,13 @@ impl Upstream {
             return Step::Abort;
         };
         let id = context.info().id.get();
-        self.mailbox = Some(Mailbox::new(completer.clone(), id));
+        let mailbox = Mailbox::new(completer.clone(), id);
+        if self.shared.next.is_none() {
+            // The last stage: tokens go straight to their return links (a middle stage's rows go to its pair,
+            // once there is one).
+            mailbox.set_onward(Forward::new(None, Arc::clone(&self.shared)));
+        }
+        self.mailbox = Some(mailbox);
         self.id = Some(id);
         self.local = Some(context.info().local);
         lock_upstreams(&self.shared).insert(id, completer);
@@ -666,6 +673,12 @@ impl Upstream {
             failure: None,
         };
         let options = ConnectOptions::new().connect_timeout(self.shared.connect_timeout);
+        if let Some(mailbox) = &self.mailbox {
+            mailbox.set_onward(Forward::new(
+                Some(Arc::clone(&pair)),
+                Arc::clone(&self.shared),
+            ));
+        }
         self.pair = Some(pair);
         self.state = UpstreamState::Downstream { theirs };
         if let Err(error) = handle.connect(next, Link::Downstream(downstream), options) {
@@ -999,35 +1012,10 @@ impl Upstream {
             // Dropped (ending the frame's span) unless an answer goes out for it.
             let writing = Writing::of(span, delivered);
             match outcome {
-                Outcome::Opened | Outcome::Settled => {}
-                Outcome::Rows {
-                    session,
-                    position,
-                    rows,
-                    sample,
-                    decode,
-                } => {
-                    let Some(pair) = &self.pair else {
-                        continue;
-                    };
-                    let rows =
-                        Activations::encode(&rows, self.shared.hello.width, self.shared.codec);
-                    let frame = if decode {
-                        Frame::Decode {
-                            session,
-                            position,
-                            rows,
-                        }
-                    } else {
-                        Frame::Prefill {
-                            session,
-                            position,
-                            last: sample,
-                            rows,
-                        }
-                    };
-                    pair.send_down(&frame, writing);
-                }
+                Outcome::Opened | Outcome::Settled | Outcome::Forwarded => {}
+                // Rows go straight to the pair's downstream link from the compute thread (`onward`), which is
+                // set with the pair; rows before there is one have nowhere to go.
+                Outcome::Rows { .. } => {}
                 Outcome::Token {
                     session,
                     position,

@@ -17,6 +17,7 @@
 mod compute;
 mod gate;
 mod link;
+mod onward;
 mod retry;
 mod returns;
 mod shaping;

@@ -46,7 +46,7 @@ impl ReturnSink {
     }
 
     /// Queues an encoded frame for the return link and wakes it.
-    fn push(&self, frame: Queued, wake_token: u64) {
+    pub(crate) fn push(&self, frame: Queued, wake_token: u64) {
         self.lock().push_back(frame);
         // A full ring means a wake is pending already; that wake takes this frame too.
         let _ = self.completer.post(wake_token, 0);
@@ -66,6 +66,11 @@ impl Returns {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// The return link that registered `session`, if one did.
+    pub(crate) fn sink(&self, session: u64) -> Option<Arc<ReturnSink>> {
+        self.lock().get(&session).cloned()
+    }
+
     /// Hands `bytes` (an encoded `Token` of `session`, with its frame's span) to the return link that
     /// registered it; gives them back when none did, for the chain link to send up instead.
     pub(crate) fn deliver(
@@ -75,8 +80,7 @@ impl Returns {
         writing: Option<Writing>,
         wake_token: u64,
     ) -> Option<Queued> {
-        let sink = self.lock().get(&session).cloned();
-        match sink {
+        match self.sink(session) {
             Some(sink) => {
                 sink.push((bytes, writing), wake_token);
                 None
