@@ -8,6 +8,9 @@
 //!                                                             up to `batch_tokens` rows
 //! ```
 //!
+//! A caller that finds no step running and nothing to gather for runs the step itself (taking in whatever else
+//! is pending), so a lone stream or a chain's stage 0 pays no wake of the compute thread and none back.
+//!
 //! A caller keeps its own loop (sampling, the chain link, events) and only hands its forward passes here, so
 //! lanes join and leave batches independently, and every lane's result is bit-identical to running it alone
 //! (see [`Stage::forward_batch`]). A lane in a generation is *active* ([`SharedStage::activate`]): after a step
@@ -96,6 +99,8 @@ struct Shared {
     /// Whether the stage holds the model's head (its output is logits, not activation rows).
     last: bool,
     width: usize,
+    /// Steps callers ran themselves instead of the compute thread (see [`SharedStage::forward`]).
+    steps_by_callers: std::sync::atomic::AtomicUsize,
 }
 
 #[derive(Debug, Default)]
@@ -108,6 +113,9 @@ struct State {
     /// What the steps so far cost, to size a prompt's share of a decode step.
     costs: StepCosts,
     stopping: bool,
+    /// A step is being planned or run (by the compute thread or by a caller, see [`SharedStage::forward`]):
+    /// nobody else plans one, so no chunk is planned twice.
+    running: bool,
     /// Orders chunks first come, first served.
     clock: u64,
 }
@@ -180,6 +188,7 @@ impl SharedStage {
             },
             last,
             width,
+            steps_by_callers: std::sync::atomic::AtomicUsize::new(0),
         });
         let compute = {
             let shared = Arc::clone(&shared);
@@ -321,7 +330,11 @@ impl SharedStage {
             output: Vec::new(),
             order,
         });
-        self.shared.work.notify_one();
+        // The caller runs the step itself when no step is running and there is nothing to gather for: a chain's
+        // stage 0 (no gather) and a lone stream then pay no wake of the compute thread and no wake back, two
+        // thread wakes per token (35 to 60 µs each on our 2-vCPU hosts). Otherwise the compute thread (or the
+        // caller running a step now) takes the chunk, and this caller waits; a step's end wakes it to try again.
+        let mut handed_over = false;
         loop {
             if let Some(result) = state.lanes[lane].result.take() {
                 return result;
@@ -329,12 +342,30 @@ impl SharedStage {
             if state.stopping {
                 return Err(ModelError::Compute("the compute thread stopped".into()));
             }
+            if !state.running && self.shared.may_run_now(&state) {
+                self.shared
+                    .steps_by_callers
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                state = run_step(&self.shared, state);
+                continue;
+            }
+            if !handed_over {
+                self.shared.work.notify_one();
+                handed_over = true;
+            }
             state = self
                 .shared
                 .done
                 .wait(state)
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
         }
+    }
+}
+
+impl Shared {
+    /// Whether a step should start now rather than gather (see [`gather_wait`]).
+    fn may_run_now(&self, state: &State) -> bool {
+        self.policy.gather.is_zero() || gather_wait(state, self.width, self.policy.gather).is_none()
     }
 }
 
@@ -412,7 +443,8 @@ impl OwnedInput {
     }
 }
 
-/// The compute thread: waits for chunks, gathers a step, runs it, hands the results back.
+/// The compute thread: waits for chunks, gathers a step, runs it (unless a caller runs it, see
+/// [`SharedStage::forward`]), hands the results back.
 fn compute(shared: &Shared) {
     let width = shared.width;
     let policy = shared.policy;
@@ -422,7 +454,8 @@ fn compute(shared: &Shared) {
         if state.stopping {
             break;
         }
-        if !state.lanes.iter().any(|lane| lane.pending.is_some()) {
+        if state.running || !state.lanes.iter().any(|lane| lane.pending.is_some()) {
+            // Nothing to run, or a caller runs the step: its end wakes this thread if chunks are left.
             gather_started = None;
             state = shared
                 .work
@@ -445,87 +478,119 @@ fn compute(shared: &Shared) {
             }
         }
         gather_started = None;
-        let plan = plan_step(&state, policy.batch_tokens, width, |streams| {
-            policy
-                .decode_stretch
-                .and_then(|stretch| state.costs.prompt_rows_within(stretch, streams))
-        });
-        if plan.is_empty() {
-            // Cannot happen (a pending chunk has rows and the budget at least one), but a loop that found
-            // nothing to run must sleep rather than spin.
-            state = shared
-                .work
-                .wait_timeout(state, GATHER_WAIT)
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .0;
-            continue;
-        }
-        drop(state);
-        let started = Instant::now();
-        let results = {
-            let mut stage = lock(&shared.stage);
-            let entries: Vec<BatchEntry> = plan
-                .iter()
-                .map(|planned| BatchEntry {
-                    lane: planned.lane,
-                    position: planned.position,
-                    input: planned.input.borrow(),
-                    logits: planned.logits,
-                })
-                .collect();
-            stage.forward_batch(&entries)
-        };
-        let seconds = started.elapsed().as_secs_f64();
-        let rows: usize = plan.iter().map(|planned| planned.input.rows(width)).sum();
-        let decode_rows = plan.iter().filter(|planned| planned.decode).count();
-        let stage_metrics = &crate::telemetry::registry::STAGE;
-        stage_metrics.step(rows, seconds);
-        stage_metrics.batch.observe(plan.len() as f64);
-        state = lock(&shared.state);
-        state
-            .costs
-            .observe(decode_rows, rows - decode_rows, seconds);
-        for (planned, result) in plan.into_iter().zip(results) {
-            let lane = &mut state.lanes[planned.lane];
-            let Some(pending) = lane
-                .pending
-                .as_mut()
-                .filter(|pending| pending.order == planned.order)
-            else {
-                continue;
-            };
-            match result {
-                Ok(output) => {
-                    let values = match output {
-                        StageOutput::Activations(values) | StageOutput::Logits(values) => values,
-                    };
-                    // Activation rows of every step are joined; of logits only the last step's row counts,
-                    // unless the chunk asked for every row's.
-                    if !shared.last || planned.ends || planned.logits == Logits::All {
-                        pending.output.extend_from_slice(&values);
-                    }
-                    pending.done += planned.input.rows(width);
-                    if planned.ends {
-                        let Some(done) = lane.pending.take() else {
-                            continue;
-                        };
-                        lane.result = Some(Ok(if shared.last {
-                            StageOutput::Logits(done.output)
-                        } else {
-                            StageOutput::Activations(done.output)
-                        }));
-                    }
-                }
-                Err(error) => {
-                    lane.pending = None;
-                    lane.result = Some(Err(error));
-                }
-            }
-        }
-        shared.done.notify_all();
+        state = run_step(shared, state);
     }
     drop(state);
     shared.done.notify_all();
+}
+
+/// Clears [`State::running`] however the step ends, a panic in the model included, so that neither the compute
+/// thread nor a waiting caller waits for a step that will never finish.
+struct Running<'a> {
+    shared: &'a Shared,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        let mut state = lock(&self.shared.state);
+        state.running = false;
+        let left = state.lanes.iter().any(|lane| lane.pending.is_some());
+        drop(state);
+        self.shared.done.notify_all();
+        if left {
+            self.shared.work.notify_one();
+        }
+    }
+}
+
+/// Plans one step over the pending chunks, runs it with the state unlocked, and hands the results back to
+/// their lanes; called by whichever thread found no step running (the compute thread, or a caller of
+/// [`SharedStage::forward`]), with the state locked, and returns it locked.
+fn run_step<'a>(shared: &'a Shared, mut state: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+    let width = shared.width;
+    let policy = shared.policy;
+    let plan = plan_step(&state, policy.batch_tokens, width, |streams| {
+        policy
+            .decode_stretch
+            .and_then(|stretch| state.costs.prompt_rows_within(stretch, streams))
+    });
+    if plan.is_empty() {
+        // Cannot happen (a pending chunk has rows and the budget at least one), but a loop that found
+        // nothing to run must sleep rather than spin.
+        return shared
+            .work
+            .wait_timeout(state, GATHER_WAIT)
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .0;
+    }
+    state.running = true;
+    drop(state);
+    let running = Running { shared };
+    let started = Instant::now();
+    let results = {
+        let mut stage = lock(&shared.stage);
+        let entries: Vec<BatchEntry> = plan
+            .iter()
+            .map(|planned| BatchEntry {
+                lane: planned.lane,
+                position: planned.position,
+                input: planned.input.borrow(),
+                logits: planned.logits,
+            })
+            .collect();
+        stage.forward_batch(&entries)
+    };
+    let seconds = started.elapsed().as_secs_f64();
+    let rows: usize = plan.iter().map(|planned| planned.input.rows(width)).sum();
+    let decode_rows = plan.iter().filter(|planned| planned.decode).count();
+    let stage_metrics = &crate::telemetry::registry::STAGE;
+    stage_metrics.step(rows, seconds);
+    stage_metrics.batch.observe(plan.len() as f64);
+    let mut state = lock(&shared.state);
+    state
+        .costs
+        .observe(decode_rows, rows - decode_rows, seconds);
+    for (planned, result) in plan.into_iter().zip(results) {
+        let lane = &mut state.lanes[planned.lane];
+        let Some(pending) = lane
+            .pending
+            .as_mut()
+            .filter(|pending| pending.order == planned.order)
+        else {
+            continue;
+        };
+        match result {
+            Ok(output) => {
+                let values = match output {
+                    StageOutput::Activations(values) | StageOutput::Logits(values) => values,
+                };
+                // Activation rows of every step are joined; of logits only the last step's row counts,
+                // unless the chunk asked for every row's.
+                if !shared.last || planned.ends || planned.logits == Logits::All {
+                    pending.output.extend_from_slice(&values);
+                }
+                pending.done += planned.input.rows(width);
+                if planned.ends {
+                    let Some(done) = lane.pending.take() else {
+                        continue;
+                    };
+                    lane.result = Some(Ok(if shared.last {
+                        StageOutput::Logits(done.output)
+                    } else {
+                        StageOutput::Activations(done.output)
+                    }));
+                }
+            }
+            Err(error) => {
+                lane.pending = None;
+                lane.result = Some(Err(error));
+            }
+        }
+    }
+    drop(state);
+    // Clears `running` and wakes the waiting callers (and the compute thread, if chunks are left).
+    drop(running);
+    lock(&shared.state)
 }
 
 /// How long the step about to run may wait for more chunks, counted from the first time it could have run;
@@ -903,6 +968,85 @@ mod tests {
         );
         drop(shared);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_caller_runs_its_step_itself_unless_a_step_should_gather_and_lanes_racing_get_their_solo_rows()
+     {
+        use crate::model::testing::TinyModel;
+        use candle_core::quantized::GgmlDType;
+        use std::sync::atomic::Ordering;
+        let by_callers =
+            |shared: &SharedStage| shared.shared.steps_by_callers.load(Ordering::Relaxed);
+        let bits = |output: StageOutput| match output {
+            StageOutput::Activations(values) | StageOutput::Logits(values) => values
+                .iter()
+                .map(|value| value.to_bits())
+                .collect::<Vec<_>>(),
+        };
+        // No gather (a chain's stage 0): every step runs on the caller's thread.
+        let (dir, stage) = TinyModel::llama(GgmlDType::Q4_1).scratch_stage("shared-inline", 2);
+        let shared =
+            SharedStage::start(stage, StepPolicy::new(512, Duration::ZERO)).expect("start");
+        let run = |lane: usize, position: usize, token: u32| {
+            shared
+                .forward(lane, position, StageInput::Tokens(&[token]), Logits::Last)
+                .expect("forward")
+        };
+        let solo: Vec<Vec<u32>> = (0..8)
+            .map(|position| bits(run(0, position, 7 + position as u32)))
+            .collect();
+        assert_eq!(
+            by_callers(&shared),
+            8,
+            "a lone caller runs every step itself"
+        );
+        // Two lanes racing from two threads: each step is planned once, whoever runs it, and every row equals
+        // the lane's solo run.
+        shared.with_stage(|stage| stage.reset(0)).expect("reset");
+        std::thread::scope(|scope| {
+            for lane in 0..2 {
+                let run = &run;
+                let solo = &solo;
+                scope.spawn(move || {
+                    for (position, solo) in solo.iter().enumerate() {
+                        assert_eq!(
+                            &bits(run(lane, position, 7 + position as u32)),
+                            solo,
+                            "lane {lane} at {position}"
+                        );
+                    }
+                });
+            }
+        });
+        drop(shared);
+        // A whole model's gather: lane 0 hands its chunk in while lane 1, active, has not; the step waits for
+        // lane 1 on the compute thread, not on lane 0's caller.
+        let (gather_dir, stage) =
+            TinyModel::llama(GgmlDType::Q4_1).scratch_stage("shared-inline-gather", 2);
+        let shared = SharedStage::start(stage, StepPolicy::new(512, GATHER_WAIT)).expect("start");
+        shared.activate(0, true);
+        shared.activate(1, true);
+        shared
+            .forward(0, 0, StageInput::Tokens(&[7]), Logits::Last)
+            .expect("forward after the gather");
+        assert_eq!(
+            by_callers(&shared),
+            0,
+            "a step that gathers runs on the compute thread"
+        );
+        shared.activate(1, false);
+        shared
+            .forward(0, 1, StageInput::Tokens(&[8]), Logits::Last)
+            .expect("forward");
+        assert_eq!(
+            by_callers(&shared),
+            1,
+            "nothing to gather for: the caller runs it"
+        );
+        drop(shared);
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&gather_dir);
     }
 
     #[test]
