@@ -39,9 +39,10 @@ use scenarios::ScenarioFigures;
 /// Compute threads of every server.
 const THREADS: &str = "2";
 /// Requests in flight at once inside a server: our lanes, llama-server's slots.
-const PARALLEL: &str = "4";
+const LANES_DEFAULT: usize = 4;
+/// llama-server's context per slot: `-c` is this times the slots, as each of ours gets the model's whole.
+const LLAMA_CONTEXT_PER_SLOT: usize = 2048;
 /// llama-server's whole context, shared by its slots (2048 each).
-const LLAMA_CONTEXT: &str = "8192";
 /// How long a server may take to load its model and answer `/health` with 200.
 const READY_TIMEOUT: Duration = Duration::from_secs(180);
 /// How long a server may take to exit after SIGINT before it is killed.
@@ -88,6 +89,11 @@ struct Options {
     stages: Vec<usize>,
     /// `--decode-stretch` for our servers, as given (`None`: their default).
     decode_stretch: Option<String>,
+    /// Generations each server runs at once (ours `--lanes`, llama-server's `-np` slots).
+    lanes: usize,
+    /// `--link-delay` in milliseconds for our pipelines of more than one stage, as given (`None`: loopback as
+    /// it is): every stage link, and the last stage's returns, delayed that much each way.
+    link_delay: Option<String>,
 }
 
 /// One concurrency's figures for one server.
@@ -145,6 +151,8 @@ impl Options {
             scenarios: Scenarios::Run,
             stages: vec![1, 3],
             decode_stretch: None,
+            lanes: LANES_DEFAULT,
+            link_delay: None,
         };
         let mut iterator = arguments.iter();
         while let Some(argument) = iterator.next() {
@@ -203,10 +211,22 @@ impl Options {
                         })?;
                     options.decode_stretch = Some(stretch.to_string());
                 }
+                "--lanes" => options.lanes = positive(value("a count")?, argument)?,
+                "--link-delay" => {
+                    let text = value("milliseconds such as 5")?;
+                    let delay: f64 = text
+                        .parse()
+                        .ok()
+                        .filter(|delay: &f64| delay.is_finite() && *delay >= 0.0)
+                        .with_context(|| {
+                            format!("--link-delay takes milliseconds (0 or more), not `{text}`")
+                        })?;
+                    options.link_delay = (delay > 0.0).then(|| delay.to_string());
+                }
                 other => bail!(
                     "unknown argument `{other}` to `cargo xtask bench serve` (takes --model smollm2|gemma3, \
                      --concurrency 1,2,4,8, --requests-per-worker N, --tokens N, --stages 1,3, \
-                     --decode-stretch X, --skip-llama, --skip-ours, --skip-scenarios)"
+                     --decode-stretch X, --lanes N, --link-delay MS, --skip-llama, --skip-ours, --skip-scenarios)"
                 ),
             }
         }
@@ -236,9 +256,19 @@ impl Options {
             .as_ref()
             .map(|stretch| format!(" --decode-stretch {stretch}"))
             .unwrap_or_default();
+        let lanes = if self.lanes == LANES_DEFAULT {
+            String::new()
+        } else {
+            format!(" --lanes {}", self.lanes)
+        };
+        let delay = self
+            .link_delay
+            .as_ref()
+            .map(|delay| format!(" --link-delay {delay}"))
+            .unwrap_or_default();
         format!(
             "cargo xtask bench serve --model {} --concurrency {} --requests-per-worker {} --tokens \
-             {}{stages}{stretch}{skip}{scenarios}",
+             {}{stages}{stretch}{lanes}{delay}{skip}{scenarios}",
             self.model,
             levels.join(","),
             self.requests_per_worker,
@@ -372,13 +402,7 @@ fn measure(
     options: &Options,
     log_dir: &Path,
 ) -> Result<(Vec<Level>, Option<ScenarioFigures>)> {
-    let mut running = start(
-        server,
-        binary,
-        model,
-        log_dir,
-        options.decode_stretch.as_deref(),
-    )?;
+    let mut running = start(server, binary, model, log_dir, options)?;
     running.wait_ready(server)?;
     let mut load = Load {
         address: running.address,
@@ -426,15 +450,16 @@ fn one_minute_load() -> String {
         .to_owned()
 }
 
-/// Spawns `server` on a free loopback port with its output in `<log_dir>/<slug>.log`; ours get
-/// `--decode-stretch decode_stretch` where given.
+/// Spawns `server` on a free loopback port with its output in `<log_dir>/<slug>.log`, with `options.lanes`
+/// generations at a time; ours get `--decode-stretch` where given, and our pipelines `--link-delay`.
 fn start(
     server: Server,
     binary: &Path,
     model: &Path,
     log_dir: &Path,
-    decode_stretch: Option<&str>,
+    options: &Options,
 ) -> Result<Running> {
+    let lanes = options.lanes.to_string();
     let address = free_address()?;
     let log = log_dir.join(format!("{}.log", server.slug()));
     let output =
@@ -450,14 +475,17 @@ fn start(
                     "--http",
                     &address.to_string(),
                     "--lanes",
-                    PARALLEL,
+                    &lanes,
                     "--threads",
                     THREADS,
                 ])
                 .env("CANDLE_NUM_THREADS", THREADS)
                 .env("RAYON_NUM_THREADS", THREADS);
-            if let Some(stretch) = decode_stretch {
+            if let Some(stretch) = &options.decode_stretch {
                 command.args(["--decode-stretch", stretch]);
+            }
+            if let Some(delay) = options.link_delay.as_ref().filter(|_| stages > 1) {
+                command.args(["--link-delay", delay]);
             }
         }
         Server::Llama => {
@@ -465,7 +493,13 @@ fn start(
                 .arg("-m")
                 .arg(model)
                 .args(["--host", "127.0.0.1", "--port", &address.port().to_string()])
-                .args(["-np", PARALLEL, "-c", LLAMA_CONTEXT, "-t", THREADS]);
+                .args([
+                    "-np",
+                    &lanes,
+                    "-c",
+                    &(LLAMA_CONTEXT_PER_SLOT * options.lanes).to_string(),
+                ])
+                .args(["-t", THREADS]);
         }
     }
     let child = command
@@ -629,6 +663,13 @@ fn write_report(
     results: &[ServerResult],
 ) -> Result<()> {
     let mut report = String::new();
+    let lanes = options.lanes;
+    let context = LLAMA_CONTEXT_PER_SLOT * lanes;
+    let delay = options
+        .link_delay
+        .as_ref()
+        .map(|delay| format!(" `--link-delay {delay}`: every stage link and the last stage's returns {delay} ms slower each way"))
+        .unwrap_or_default();
     let _ = write!(
         report,
         "# Serving under load: stage 0's OpenAI API beside llama-server\n\n\
@@ -645,9 +686,9 @@ fn write_report(
          `max_tokens` {}, `temperature` 0, and a user prompt of about 100 tokens asking for a long explanation. \
          The prompt starts with the worker and request numbers and one of eight topics, so a prompt cache can \
          reuse at most the chat template's prefix. No `ignore_eos`: the tokens actually streamed are counted.\n\
-         - Servers: ours whole `stage-server run --stages 1 --model F --http ADDR --lanes {PARALLEL} --threads \
-         {THREADS}`, ours in three stages (`--stages 3`), and `llama-server -m F --host 127.0.0.1 --port P -np \
-         {PARALLEL} -c {LLAMA_CONTEXT} -t {THREADS}`. Each starts fresh, is ready when `GET /health` answers \
+         - Servers: ours whole `stage-server run --stages 1 --model F --http ADDR --lanes {lanes} --threads \
+         {THREADS}`, ours in three stages (`--stages 3`{delay}), and `llama-server -m F --host 127.0.0.1 --port P -np \
+         {lanes} -c {context} -t {THREADS}`. Each starts fresh, is ready when `GET /health` answers \
          200, gets one untimed warm-up request, then runs every concurrency and after them the shaped scenarios \
          (below); it is stopped with SIGINT after.\n\
          - Output tok/s: the completion tokens of every completed request (the usage chunk's \
@@ -707,7 +748,7 @@ mod tests {
     fn the_options_parse_and_print_back_as_the_same_command() {
         let options = Options::parse(&arguments(
             "--model gemma3 --concurrency 1,4 --requests-per-worker 2 --tokens 64 --stages 1 \
-             --decode-stretch 3 --skip-ours --skip-scenarios",
+             --decode-stretch 3 --lanes 6 --link-delay 5 --skip-ours --skip-scenarios",
         ))
         .expect("valid options parse");
         assert_eq!(options.model, "gemma3");
@@ -717,7 +758,7 @@ mod tests {
         assert_eq!(
             options.command(),
             "cargo xtask bench serve --model gemma3 --concurrency 1,4 --requests-per-worker 2 --tokens 64 \
-             --stages 1 --decode-stretch 3 --skip-ours --skip-scenarios"
+             --stages 1 --decode-stretch 3 --lanes 6 --link-delay 5 --skip-ours --skip-scenarios"
         );
         assert_eq!(options.stages, vec![1]);
         assert!(
