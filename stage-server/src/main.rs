@@ -335,6 +335,13 @@ struct ServeArgs {
     /// The link to the next stage's rate in Mbit/s (tests and benchmarks; default unlimited).
     #[arg(long)]
     link_rate: Option<f64>,
+    /// MiB each link may hold for the next stage (rows computing, queued or unsent) and read ahead of its
+    /// answers. Past it the link hands no further chunk to compute and stops reading the stage before it
+    /// until the next stage catches up (back-pressure, not a refusal), so a slow next link cannot make a
+    /// stage hold a whole prompt. Default: lanes + 2 prefill chunks of 512 rows at the model's width in f32,
+    /// at least 64 MiB.
+    #[arg(long, value_name = "MIB")]
+    link_buffer_mib: Option<u64>,
     /// At the last stage: the address stage 0 opens prediction-return links to (named in the hellos up the
     /// chain); default: the address each upstream link reached this stage at.
     #[arg(long)]
@@ -359,6 +366,25 @@ fn link_shape(delay_ms: f64, rate_mbit: Option<f64>) -> anyhow::Result<LinkShape
     Ok(LinkShape {
         delay: std::time::Duration::from_secs_f64(delay_ms / 1000.0),
         rate_bits_per_second: rate_mbit.map(|rate| (rate * 1_000_000.0) as u64),
+    })
+}
+
+/// The most `--link-buffer-mib` takes: 1 TiB, far past any host's memory, and small enough that its bytes
+/// fit a `usize` on every 64-bit target.
+const LINK_BUFFER_MIB_MAX: u64 = 1 << 20;
+
+/// The link buffer in bytes from `--link-buffer-mib MIB` (`None`: the stage's default).
+fn link_buffer(mib: Option<u64>) -> anyhow::Result<Option<usize>> {
+    let Some(mib) = mib else {
+        return Ok(None);
+    };
+    if !(1..=LINK_BUFFER_MIB_MAX).contains(&mib) {
+        bail!(
+            "--link-buffer-mib {mib} is not a buffer this stage can keep to; give 1 to {LINK_BUFFER_MIB_MAX} MiB (a link holds at least one chunk whatever the buffer, and the default fits the model)"
+        );
+    }
+    usize::try_from(mib << 20).map(Some).map_err(|_| {
+        anyhow::anyhow!("--link-buffer-mib {mib} does not fit this machine's memory; give less")
     })
 }
 
@@ -735,6 +761,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.allow_from = allow_from;
     config.codec = args.codec;
     config.shape = link_shape(args.link_delay, args.link_rate)?;
+    config.link_buffer = link_buffer(args.link_buffer_mib)?;
     config.connect_retry_timeout = std::time::Duration::from_millis(args.connect_retry_timeout);
     config.stage_index = args.stage;
     config.advertise = args.advertise;

@@ -1225,8 +1225,10 @@ fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
         },
         &mut bytes,
     );
-    // Twenty one-row chunks in one write: more than the stage computes at once, fewer than it refuses.
-    let chunks = 20u32;
+    // Two hundred one-row chunks in one write: more than the stage computes at once, and more than the 64
+    // frames a link holds read ahead, past which it stops reading its socket (back-pressure) rather than refuse
+    // a stream it cannot tell from one that keeps to its credits.
+    let chunks = 200u32;
     for position in 0..chunks {
         let row: Vec<f32> = (0..64)
             .map(|index| ((index + position) as f32 * 0.01).sin())
@@ -1294,6 +1296,30 @@ fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
         *position, chunks,
         "the token goes to the position after the prompt"
     );
+}
+
+#[test]
+fn a_link_buffer_outside_what_a_stage_can_keep_to_is_refused_naming_the_flag() {
+    let llama = tiny("buffer-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    for mib in ["0", "1048577"] {
+        let output = Command::new(BINARY)
+            .arg("serve")
+            .arg("--model")
+            .arg(&llama)
+            .args(["--layers", "2..4", "--link-buffer-mib", mib])
+            .output()
+            .expect("running stage-server serve");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            !output.status.success(),
+            "serve --link-buffer-mib {mib} should have failed; stderr: {stderr}"
+        );
+        assert!(
+            stderr.contains(&format!("--link-buffer-mib {mib} is not a buffer"))
+                && stderr.contains("give 1 to 1048576 MiB"),
+            "the refusal of --link-buffer-mib {mib} should name the flag and what it takes: {stderr}"
+        );
+    }
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! The stage links of a stage process as net-io-blocking sessions: an accepted link from the stage before this
-//! one (`Upstream`), and, unless this stage is last, the link it opens to the next stage (`Downstream`).
+//! one (`Upstream`, here), and, unless this stage is last, the link it opens to the next stage (`Downstream`,
+//! in [`super::downstream`]), the two sharing a [`Pair`].
 //!
 //! ```text
 //!   previous stage ══▶ Upstream session ──Work──▶ compute thread ──Outcome──▶ Upstream (on_wake)
@@ -15,27 +16,38 @@
 //! mirror each other; the upstream's hello is answered only once the whole rest of the chain answered, so a
 //! refusal anywhere reaches stage 0 before any activation moves.
 //!
+//! A pair keeps to its byte budget ([`super::budget`], `--link-buffer-mib`) by back-pressure: while the rows
+//! it holds for the next stage and those computing are over it, the upstream link hands compute no chunk (its
+//! frames wait, read ahead), and while what it has read ahead is over it, the link parks ([`Step::Park`]) and
+//! stops reading, so the stage before meets a full TCP window. The downstream link wakes it once its backlog
+//! is back within the budget. Frames are acted on in the order they came: a Stop behind held chunks waits for
+//! them (at most as long as the next stage takes to drain one budget); a link whose next stage stops reading
+//! altogether ends with the downstream link, which stops every session of the pair anyway.
+//!
 //! A computed frame's span rides with its answer ([`Writing`]): to the upstream's output for a token, an
 //! acknowledgement or an error, through the pair (and any shaping) to the downstream's output for rows. The
 //! session that queued the bytes records `write_micros` once the driver has flushed them to the socket
 //! (`on_writable`), so the field is the time from the end of the frame's compute to its answer being on the
 //! link, including the hand-over between the two sessions and any wait for the socket.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use net_io_blocking::{
     CloseReason, Completer, ConnectOptions, ConnectionInfo, Input, Phase, ServerHandle, Session,
-    SessionContext, Step,
+    SessionContext, Step, TimeoutKind,
 };
 
+use super::budget::{Jobs, LinkBudget, ReadAhead, rows_bytes};
 use super::compute::{COMPUTE_TOKEN, ComputeHandle, Delivery, Mailbox, Outcome, Work};
+use super::downstream::Downstream;
 use super::onward::Forward;
+use super::pair::{Pair, Unreached};
 use super::retry::{self, RETRY_TOKEN, Retries};
 use super::returns::{ReturnLink, Returns};
-use super::shaping::{LinkShape, SHAPER_TOKEN, Shaper};
+use super::shaping::{LinkShape, SHAPER_TOKEN};
 use crate::telemetry::registry::{LinkSide, STAGE};
 use crate::telemetry::{self, TraceContext, names};
 use crate::wire::{
@@ -48,14 +60,13 @@ pub(crate) const RELAY_TOKEN: u64 = 2;
 /// The completion token that tells an upstream link the stage's drain deadline passed: its sessions get an
 /// `Error` frame (`draining`) and the link closes gracefully, instead of being reset by the deadline's kill.
 pub(crate) const DRAIN_DEADLINE_TOKEN: u64 = 4;
-/// Compute jobs one upstream link may have in flight before it stops taking frames off its socket (the
-/// stage before it then sees TCP back-pressure).
-const JOBS_IN_FLIGHT_MAX: usize = 8;
-/// Frames an upstream link may have read ahead of its answers before it is refused: a stage 0 that keeps to
-/// its reply credits never comes near, and the memory a link holds stays bounded.
-const QUEUED_FRAMES_MAX: usize = 64;
 /// How long a link may sit idle between generations.
 const LINK_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+/// How long an upstream link parked on its budget sleeps before it looks again by itself. A wake (a job done,
+/// the downstream backlog back within the budget) is what ends a park; this only makes a lost one cost
+/// seconds rather than the link, and is far enough apart that a long park costs nothing. (The server caps a
+/// park at its own park timeout, and a park that times out parks again if it must: it never closes the link.)
+const PARK_RECHECK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What every link of one stage process shares.
 #[derive(Debug)]
@@ -90,6 +101,8 @@ pub(crate) struct StageShared {
     /// This stage's index as the latest chain link told it (the upstream's plus one), for the hellos of
     /// prediction-return links, which come from stage 0 and so cannot tell it.
     pub(crate) chain_index: std::sync::atomic::AtomicU16,
+    /// The most bytes each pair holds for the next stage and each upstream link reads ahead.
+    pub(crate) link_budget: LinkBudget,
 }
 
 /// The one session type of a stage's server: links it accepted and links it opened.
@@ -125,75 +138,13 @@ impl Writing {
 }
 
 /// Records `write_micros` on every frame whose answer the flush that just ended wrote.
-fn flushed(writing: &mut Vec<Writing>) {
+pub(crate) fn flushed(writing: &mut Vec<Writing>) {
     if writing.is_empty() {
         return;
     }
     let now = Instant::now();
     for frame in writing.drain(..) {
         frame.written(now);
-    }
-}
-
-/// Frames and news each link of a pair hands the other.
-#[derive(Debug, Default)]
-struct PairState {
-    /// Encoded frames, each with the span of the frame whose rows it carries, if it is one.
-    to_downstream: VecDeque<(Vec<u8>, Option<Writing>)>,
-    to_upstream: VecDeque<Vec<u8>>,
-    upstream: Option<Completer>,
-    downstream: Option<Completer>,
-    /// The next stage's hello once its handshake ended, or why it failed.
-    downstream_answer: Option<Result<Hello, Unreached>>,
-    /// Why the downstream link closed, once it did.
-    downstream_closed: Option<String>,
-    upstream_closed: bool,
-    /// The upstream link has sessions open: both links are busy (a drain lets them finish).
-    active: bool,
-}
-
-/// Why a downstream link did not come up, and whether trying again could help.
-#[derive(Debug)]
-struct Unreached {
-    message: String,
-    /// The next stage could not be reached (refused, timed out, closed before it answered): a later attempt
-    /// may find it. `false` when it answered and refused the link, which no retry changes.
-    retryable: bool,
-}
-
-/// An upstream link and the downstream link opened for it.
-#[derive(Debug, Default)]
-pub(crate) struct Pair {
-    state: Mutex<PairState>,
-}
-
-impl Pair {
-    fn lock(&self) -> MutexGuard<'_, PairState> {
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    fn wake(completer: Option<&Completer>) {
-        if let Some(completer) = completer {
-            // A full ring means a wake is pending already; that wake sees this news too.
-            let _ = completer.post(RELAY_TOKEN, 0);
-        }
-    }
-
-    /// Queues `frame` for the next stage; `writing`: the span of the computed frame whose rows it carries.
-    pub(crate) fn send_down(&self, frame: &Frame, writing: Option<Writing>) {
-        let mut state = self.lock();
-        let mut bytes = Vec::new();
-        encode(frame, &mut bytes);
-        state.to_downstream.push_back((bytes, writing));
-        Self::wake(state.downstream.as_ref());
-    }
-
-    fn send_up(&self, bytes: Vec<u8>) {
-        let mut state = self.lock();
-        state.to_upstream.push_back(bytes);
-        Self::wake(state.upstream.as_ref());
     }
 }
 
@@ -222,10 +173,10 @@ pub(crate) struct Upstream {
     pair: Option<Arc<Pair>>,
     /// Sessions configured over this link and not stopped: stopped when the link ends.
     sessions: HashSet<u64>,
-    /// Compute jobs submitted and not yet answered.
-    in_flight: usize,
-    /// Frames read and not yet acted on (while `in_flight` is at its limit).
-    queued: VecDeque<Frame>,
+    /// Compute jobs submitted and not yet answered, with the rows each will add to the pair's backlog.
+    jobs: Jobs,
+    /// Frames read and not yet acted on (while `jobs` is at its limit, or the pair's backlog over budget).
+    queued: ReadAhead,
     /// This stage's index on this link (the upstream's plus one), once its hello came.
     stage_index: u16,
     /// Each open session's span, Configure to Stop, in the trace stage 0 started. Never entered (so it ends
@@ -246,28 +197,6 @@ pub(crate) struct Upstream {
     local: Option<std::net::SocketAddr>,
 }
 
-/// A link this stage opened to the next one.
-#[derive(Debug)]
-pub(crate) struct Downstream {
-    shared: Arc<StageShared>,
-    decoder: Decoder,
-    pair: Arc<Pair>,
-    /// Our hello as sent (for the adjacency check and the nonces).
-    ours: Hello,
-    /// The next stage's hello checked out.
-    serving: bool,
-    /// Holds frames back when the link is shaped (`--link-delay`, `--link-rate`).
-    shaper: Option<Shaper>,
-    /// Holds the next stage's answers back the same way before they go up: a shaped link is slow both ways.
-    shaper_up: Option<Shaper>,
-    /// The spans of the frames the shaper holds, in its order (it hands frames over first in, first out).
-    shaped: VecDeque<Option<Writing>>,
-    /// Frames whose rows are in this link's output, until the flush writes them.
-    writing: Vec<Writing>,
-    /// Why the link failed, when this stage ended it (the close's reason says less).
-    failure: Option<String>,
-}
-
 impl Link {
     /// A link accepted on this stage's listener.
     pub(crate) fn accepted(shared: Arc<StageShared>) -> Link {
@@ -278,8 +207,8 @@ impl Link {
             mailbox: None,
             pair: None,
             sessions: HashSet::new(),
-            in_flight: 0,
-            queued: VecDeque::new(),
+            jobs: Jobs::default(),
+            queued: ReadAhead::default(),
             stage_index: 0,
             spans: HashMap::new(),
             writing: Vec::new(),
@@ -308,20 +237,17 @@ impl Session for Link {
         }
     }
 
-    fn on_writable(&mut self, _context: &mut SessionContext<'_>) -> Step {
+    fn on_writable(&mut self, context: &mut SessionContext<'_>) -> Step {
         match self {
             Link::Upstream(link) => {
                 flushed(&mut link.writing);
                 if matches!(link.state, UpstreamState::Closing) {
                     Step::Close
                 } else {
-                    Step::Listen
+                    link.next_step(context)
                 }
             }
-            Link::Downstream(link) => {
-                flushed(&mut link.writing);
-                Step::Listen
-            }
+            Link::Downstream(link) => link.on_writable(context),
         }
     }
 
@@ -329,6 +255,18 @@ impl Session for Link {
         match self {
             Link::Upstream(link) => link.on_wake(token, context),
             Link::Downstream(link) => link.on_wake(context),
+        }
+    }
+
+    fn on_timeout(&mut self, kind: TimeoutKind, context: &mut SessionContext<'_>) -> Step {
+        match (self, kind) {
+            // A park on the budget that outlived its deadline is a link waiting for a slow next stage, not a
+            // dead one: it looks again, and parks again if it must.
+            (Link::Upstream(link), TimeoutKind::Park) => {
+                link.run_queued(context);
+                link.next_step(context)
+            }
+            _ => Step::Close,
         }
     }
 
@@ -391,7 +329,7 @@ impl Upstream {
                 Ok((taken, frame)) => {
                     input.consume(taken);
                     if let Some(frame) = frame {
-                        self.queued.push_back(frame);
+                        self.queued.push(frame);
                     }
                 }
                 Err(error) => {
@@ -400,18 +338,24 @@ impl Upstream {
             }
         }
         input.consume_all();
-        if self.queued.len() > QUEUED_FRAMES_MAX {
-            let message = format!(
-                "more than {QUEUED_FRAMES_MAX} frames arrived ahead of this stage's answers; keep to the reply credits"
-            );
-            self.refuse(context, 0, ErrorCode::Credits, message);
-        }
         self.run_queued(context);
         self.mark_busy(context);
-        if context.output().is_empty() {
-            Step::Listen
-        } else {
+        self.next_step(context)
+    }
+
+    /// How the link goes on after a hook: it flushes what it queued first (a parked session writes nothing),
+    /// then parks while what it read ahead is over the budget (the socket unread, so the stage before meets
+    /// TCP back-pressure), else listens. A wake ends the park: a job done (`COMPUTE_TOKEN`), the downstream
+    /// backlog back within the budget or an answer from the next stage (`RELAY_TOKEN`), the drain deadline.
+    fn next_step(&mut self, context: &mut SessionContext<'_>) -> Step {
+        if matches!(self.state, UpstreamState::Closing) || !context.output().is_empty() {
             Step::Write
+        } else if self.queued.is_full(self.shared.link_budget) {
+            Step::Park {
+                until: context.now() + PARK_RECHECK_TIMEOUT,
+            }
+        } else {
+            Step::Listen
         }
     }
 
@@ -438,10 +382,22 @@ impl Upstream {
         }
     }
 
-    /// Acts on queued frames while the compute thread has room for more of this link's work.
+    /// Acts on queued frames, in order, while the compute thread has room for more of this link's work and,
+    /// for a frame with rows, while the pair's backlog and the rows computing are within the budget (else the
+    /// pair wakes this link once the backlog falls). Control frames are never held for the budget, but wait
+    /// behind the frames before them: a Stop must not overtake its session's rows.
     fn run_queued(&mut self, context: &mut SessionContext<'_>) {
-        while self.in_flight < JOBS_IN_FLIGHT_MAX && !matches!(self.state, UpstreamState::Closing) {
-            let Some(frame) = self.queued.pop_front() else {
+        while self.jobs.has_room() && !matches!(self.state, UpstreamState::Closing) {
+            let Some(frame) = self.queued.front() else {
+                break;
+            };
+            if rows_bytes(frame) > 0
+                && let Some(pair) = &self.pair
+                && !pair.admits(self.jobs.committed())
+            {
+                break;
+            }
+            let Some(frame) = self.queued.pop() else {
                 break;
             };
             self.on_frame(frame, context);
@@ -640,13 +596,12 @@ impl Upstream {
                 "the stage is still starting; retry".into(),
             );
         };
-        let pair = Arc::new(Pair::default());
+        let pair = Arc::new(Pair::new(self.shared.link_budget));
         pair.lock().upstream = context.completer();
-        let downstream = Downstream {
-            decoder: Decoder::new(self.shared.limits),
-            shared: Arc::clone(&self.shared),
-            pair: Arc::clone(&pair),
-            ours: Hello {
+        let downstream = Downstream::new(
+            Arc::clone(&self.shared),
+            Arc::clone(&pair),
+            Hello {
                 nonce: if self.shared.key.is_some() {
                     fresh_nonce()
                 } else {
@@ -657,21 +612,7 @@ impl Upstream {
                 return_address: None,
                 ..ours
             },
-            serving: false,
-            shaper: self
-                .shared
-                .shape
-                .is_shaped()
-                .then(|| Shaper::new(self.shared.shape)),
-            shaper_up: self
-                .shared
-                .shape
-                .is_shaped()
-                .then(|| Shaper::new(self.shared.shape)),
-            shaped: VecDeque::new(),
-            writing: Vec::new(),
-            failure: None,
-        };
+        );
         let options = ConnectOptions::new().connect_timeout(self.shared.connect_timeout);
         if let Some(mailbox) = &self.mailbox {
             mailbox.set_onward(Forward::new(
@@ -957,12 +898,17 @@ impl Upstream {
             .get(&session)
             .cloned()
             .unwrap_or_else(tracing::Span::none);
+        // A chunk's rows come out the same shape as they went in, as f32 before any codec shrinks them.
+        let committed = match &work {
+            Work::Chunk { rows, .. } => rows.len() * std::mem::size_of::<f32>(),
+            _ => 0,
+        };
         if self
             .shared
             .compute
             .submit_in(work, mailbox, span, self.stage_index)
         {
-            self.in_flight += 1;
+            self.jobs.submitted(committed);
         } else {
             self.refuse(
                 context,
@@ -990,11 +936,7 @@ impl Upstream {
         }
         self.run_queued(context);
         self.mark_busy(context);
-        if matches!(self.state, UpstreamState::Closing) || !context.output().is_empty() {
-            Step::Write
-        } else {
-            Step::Listen
-        }
+        self.next_step(context)
     }
 
     fn take_outcomes(&mut self, context: &mut SessionContext<'_>) {
@@ -1008,7 +950,7 @@ impl Upstream {
             delivered,
         } in mailbox.take()
         {
-            self.in_flight = self.in_flight.saturating_sub(1);
+            self.jobs.answered();
             // Dropped (ending the frame's span) unless an answer goes out for it.
             let writing = Writing::of(span, delivered);
             match outcome {
@@ -1239,237 +1181,4 @@ fn lock_upstreams(shared: &StageShared) -> MutexGuard<'_, HashMap<u64, Completer
         .upstreams
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-impl Downstream {
-    fn on_open(&mut self, context: &mut SessionContext<'_>) -> Step {
-        self.pair.lock().downstream = context.completer();
-        let mut bytes = Vec::new();
-        encode(&Frame::Hello(self.ours.clone()), &mut bytes);
-        if context.output().push(&bytes).is_err() {
-            return Step::Abort;
-        }
-        Step::Write
-    }
-
-    fn on_data(&mut self, input: &mut Input<'_>, context: &mut SessionContext<'_>) -> Step {
-        STAGE.received(LinkSide::Downstream, input.bytes().len());
-        while !input.is_empty() {
-            match self.decoder.decode(input.bytes()) {
-                Ok((taken, frame)) => {
-                    input.consume(taken);
-                    let Some(frame) = frame else {
-                        break;
-                    };
-                    if let Some(step) = self.on_frame(frame, context) {
-                        return step;
-                    }
-                }
-                Err(error) => {
-                    input.consume_all();
-                    self.fail(format!(
-                        "stage {} sent a frame this stage cannot read: {error}",
-                        self.ours.stage_index + 1
-                    ));
-                    return Step::Abort;
-                }
-            }
-        }
-        if context.output().is_empty() {
-            Step::Listen
-        } else {
-            Step::Write
-        }
-    }
-
-    fn on_frame(&mut self, frame: Frame, context: &mut SessionContext<'_>) -> Option<Step> {
-        if !self.serving {
-            match frame {
-                Frame::Hello(theirs) => {
-                    if let Err(mismatch) = check_adjacent(&self.ours, &theirs) {
-                        self.fail(mismatch.to_string());
-                        return Some(Step::Close);
-                    }
-                    if let Some(key) = &self.shared.key {
-                        let proven = theirs.proof.is_some_and(|proof| {
-                            verify(
-                                key,
-                                Side::Accepting,
-                                &self.ours.nonce,
-                                &theirs.nonce,
-                                &proof,
-                            )
-                        });
-                        if !proven {
-                            self.fail(format!(
-                                "stage {} did not prove the cluster key; give every stage the same --cluster-key file",
-                                theirs.stage_index
-                            ));
-                            return Some(Step::Close);
-                        }
-                        let answer = proof(key, Side::Connecting, &self.ours.nonce, &theirs.nonce);
-                        let mut bytes = Vec::new();
-                        encode(&Frame::Proof { proof: answer }, &mut bytes);
-                        let _ = context.output().push(&bytes);
-                    }
-                    self.serving = true;
-                    tracing::debug!(
-                        stage_index = self.ours.stage_index,
-                        peer = self.shared.next.map(tracing::field::display),
-                        "{}",
-                        names::EVENT_DOWNSTREAM_UP
-                    );
-                    let mut state = self.pair.lock();
-                    state.downstream_answer = Some(Ok(theirs));
-                    Pair::wake(state.upstream.as_ref());
-                }
-                Frame::Error { message, .. } => {
-                    self.fail(message);
-                    return Some(Step::Close);
-                }
-                other => {
-                    self.fail(format!(
-                        "the next stage answered the hello with a {} frame",
-                        other.kind_name()
-                    ));
-                    return Some(Step::Close);
-                }
-            }
-            self.take_queued(context);
-            return None;
-        }
-        // Answers from the rest of the chain go up as they came (once a shaped link would have delivered them).
-        let mut bytes = Vec::new();
-        encode(&frame, &mut bytes);
-        match self.shaper_up.as_mut() {
-            None => self.pair.send_up(bytes),
-            Some(shaper) => {
-                shaper.hold(Instant::now(), bytes);
-                self.release_up(context);
-            }
-        }
-        None
-    }
-
-    /// Hands the answers the upward shaper lets through now to the upstream link, and arms its timer for the
-    /// rest.
-    fn release_up(&mut self, context: &mut SessionContext<'_>) {
-        let Some(shaper) = self.shaper_up.as_mut() else {
-            return;
-        };
-        let now = Instant::now();
-        for bytes in shaper.due(now) {
-            self.pair.send_up(bytes);
-        }
-        if let Some(completer) = context.completer() {
-            shaper.arm(now, &completer);
-        }
-    }
-
-    fn on_wake(&mut self, context: &mut SessionContext<'_>) -> Step {
-        let (closed, active) = {
-            let state = self.pair.lock();
-            (state.upstream_closed, state.active)
-        };
-        if closed {
-            return Step::Close;
-        }
-        context.set_phase(if active {
-            Phase::Receiving
-        } else {
-            Phase::Idle
-        });
-        if self.serving {
-            self.take_queued(context);
-            self.release_up(context);
-        }
-        if context.output().is_empty() {
-            Step::Listen
-        } else {
-            Step::Write
-        }
-    }
-
-    fn take_queued(&mut self, context: &mut SessionContext<'_>) {
-        let frames = std::mem::take(&mut self.pair.lock().to_downstream);
-        let frames: Vec<(Vec<u8>, Option<Writing>)> = match self.shaper.as_mut() {
-            None => frames.into(),
-            Some(shaper) => {
-                let now = Instant::now();
-                for (bytes, writing) in frames {
-                    shaper.hold(now, bytes);
-                    self.shaped.push_back(writing);
-                }
-                let due = shaper.due(now);
-                if let Some(completer) = context.completer() {
-                    shaper.arm(now, &completer);
-                }
-                due.into_iter()
-                    .map(|bytes| (bytes, self.shaped.pop_front().flatten()))
-                    .collect()
-            }
-        };
-        for (bytes, writing) in frames {
-            STAGE.sent(LinkSide::Downstream, bytes.len());
-            if context.output().push(&bytes).is_err() {
-                self.fail("the link to the next stage has too much queued output".into());
-                return;
-            }
-            self.writing.extend(writing);
-        }
-    }
-
-    /// The handshake failed: the upstream link answers its own upstream with `message`.
-    fn fail(&mut self, message: String) {
-        self.failure.get_or_insert_with(|| message.clone());
-        let mut state = self.pair.lock();
-        if state.downstream_answer.is_none() && !self.serving {
-            // The next stage answered and refused (or spoke nonsense): trying again changes nothing.
-            state.downstream_answer = Some(Err(Unreached {
-                message,
-                retryable: false,
-            }));
-        } else {
-            state.downstream_closed = Some(message);
-        }
-        Pair::wake(state.upstream.as_ref());
-    }
-
-    fn on_close(&mut self, info: &ConnectionInfo, reason: CloseReason) {
-        let mut state = self.pair.lock();
-        state.downstream = None;
-        let why = self
-            .failure
-            .take()
-            .unwrap_or_else(|| format!("closed ({reason})"));
-        if state.upstream_closed {
-            tracing::debug!(
-                stage_index = self.ours.stage_index,
-                peer = %info.peer,
-                reason = why,
-                "{}",
-                names::EVENT_DOWNSTREAM_DOWN
-            );
-            return;
-        }
-        tracing::warn!(
-            stage_index = self.ours.stage_index,
-            peer = %info.peer,
-            reason = why,
-            "{}",
-            names::EVENT_DOWNSTREAM_DOWN
-        );
-        let stage = self.ours.stage_index + 1;
-        let message = format!("the link to stage {stage} closed ({reason})");
-        if !self.serving && state.downstream_answer.is_none() {
-            // Not reached: refused, timed out, or closed before it answered the hello.
-            state.downstream_answer = Some(Err(Unreached {
-                message,
-                retryable: true,
-            }));
-        } else if state.downstream_closed.is_none() {
-            state.downstream_closed = Some(message);
-        }
-        Pair::wake(state.upstream.as_ref());
-    }
 }

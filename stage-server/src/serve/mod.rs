@@ -14,10 +14,13 @@
 //! before the close. Stage 0 (the layers from 0, with the embeddings) is not served here: it drives the
 //! chain (see [`crate::driver`]).
 
+mod budget;
 mod compute;
+mod downstream;
 mod gate;
 mod link;
 mod onward;
+mod pair;
 mod retry;
 mod returns;
 mod shaping;
@@ -85,6 +88,12 @@ pub struct StageConfig {
     /// named in the hellos up the chain; `None`: the address each upstream link reached this stage at, which
     /// is right unless stage 0 reaches the stage by another address (a NAT, another interface).
     pub advertise: Option<SocketAddr>,
+    /// The most bytes each link pair holds for the next stage (rows computing, queued, shaped or in the
+    /// output) and the most an upstream link reads ahead of its answers (`--link-buffer-mib`). Past it the
+    /// link hands compute no further chunk, and stops reading the stage before it, until the next stage
+    /// catches up: back-pressure, never a refusal. `None`: `lanes + 2` prefill chunks of 512 rows at the
+    /// model's width in f32 (no larger than a frame may be), at least 64 MiB.
+    pub link_buffer: Option<usize>,
 }
 
 impl StageConfig {
@@ -106,6 +115,7 @@ impl StageConfig {
             shape: LinkShape::default(),
             stage_index: None,
             advertise: None,
+            link_buffer: None,
         }
     }
 }
@@ -211,6 +221,11 @@ impl StageProcess {
             // Named per link (the last stage's own address, or what the next stage said).
             return_address: None,
         };
+        let limits = WireLimits::default();
+        let link_budget = match config.link_buffer {
+            Some(bytes) => budget::LinkBudget::new(bytes),
+            None => budget::LinkBudget::default_for(hello.width, stage.lane_count(), &limits),
+        };
         let (compute, compute_thread) = compute::start(stage).map_err(ServeError::Thread)?;
         let shared = Arc::new(StageShared {
             hello: hello.clone(),
@@ -219,7 +234,7 @@ impl StageProcess {
             handle: OnceLock::new(),
             upstreams: std::sync::Mutex::new(std::collections::HashMap::new()),
             next: config.next,
-            limits: WireLimits::default(),
+            limits,
             codec: config.codec,
             connect_timeout: config.connect_timeout,
             connect_retry_timeout: config.connect_retry_timeout,
@@ -230,6 +245,7 @@ impl StageProcess {
             returns: returns::Returns::default(),
             advertise: config.advertise,
             chain_index: std::sync::atomic::AtomicU16::new(config.stage_index.unwrap_or(0)),
+            link_budget,
         });
         if config.shape.is_shaped() || config.next.is_some() {
             // The shaper's and the connect retries' timers run on the task runtime (a second init changes
@@ -261,6 +277,8 @@ impl StageProcess {
             width = hello.width,
             model_id,
             lanes = hello.lanes,
+            // As i64: tracing-opentelemetry exports unsigned fields as strings.
+            link_buffer_bytes = i64::try_from(link_budget.bytes()).unwrap_or(i64::MAX),
             next = config.next.map(tracing::field::display),
             "{}",
             names::EVENT_STAGE_READY

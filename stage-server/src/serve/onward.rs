@@ -16,7 +16,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::compute::{Onward, Outcome};
-use super::link::{Pair, RELAY_TOKEN, StageShared, Writing};
+use super::link::{RELAY_TOKEN, StageShared, Writing};
+use super::pair::Pair;
 use crate::wire::{Activations, Frame, encode};
 
 /// One upstream link's onward paths: its pair (at a stage with a next one) and the stage's return table.

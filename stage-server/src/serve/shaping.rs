@@ -49,6 +49,8 @@ pub(crate) struct Shaper {
     shape: LinkShape,
     free: Instant,
     held: VecDeque<(Instant, Vec<u8>)>,
+    /// The bytes of the frames in `held` (the link's byte budget counts them).
+    held_bytes: usize,
     /// The hand-over time a timer is armed for, so a burst arms one timer, not one per frame.
     armed: Option<Instant>,
 }
@@ -59,6 +61,7 @@ impl Shaper {
             shape,
             free: Instant::now(),
             held: VecDeque::new(),
+            held_bytes: 0,
             armed: None,
         }
     }
@@ -67,6 +70,7 @@ impl Shaper {
     pub(crate) fn hold(&mut self, now: Instant, bytes: Vec<u8>) {
         let (release, free) = self.shape.schedule(now, self.free, bytes.len());
         self.free = free;
+        self.held_bytes += bytes.len();
         self.held.push_back((release, bytes));
     }
 
@@ -79,6 +83,7 @@ impl Shaper {
             .is_some_and(|(release, _)| *release <= now)
         {
             if let Some((_, bytes)) = self.held.pop_front() {
+                self.held_bytes -= bytes.len();
                 due.push(bytes);
             }
         }
@@ -86,6 +91,11 @@ impl Shaper {
             self.armed = None;
         }
         due
+    }
+
+    /// The bytes of the frames held back now.
+    pub(crate) fn held_bytes(&self) -> usize {
+        self.held_bytes
     }
 
     /// Arms a timer that posts to `completer` when the next held frame is due (unless one is armed for it).
@@ -141,9 +151,11 @@ mod tests {
         shaper.hold(now, vec![1]);
         shaper.hold(now, vec![2]);
         assert!(shaper.due(now).is_empty());
+        assert_eq!(shaper.held_bytes(), 2, "both held frames count");
         assert_eq!(
             shaper.due(now + Duration::from_millis(5)),
             vec![vec![1], vec![2]]
         );
+        assert_eq!(shaper.held_bytes(), 0, "frames handed over count no more");
     }
 }
