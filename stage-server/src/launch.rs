@@ -38,6 +38,9 @@ pub struct PipelineOptions {
     pub threads: Option<usize>,
     /// How activations cross the links.
     pub codec: CodecPolicy,
+    /// Delay and rate on stage 0's link to the chain (tests and benchmarks; each stage process started here
+    /// gets the same through `stage_args`).
+    pub shape: crate::serve::LinkShape,
     /// The program to run the stages with (this binary).
     pub executable: PathBuf,
     /// How long a stage may take to load.
@@ -115,9 +118,40 @@ impl LocalPipeline {
     /// stage 0 here. Returns once the API listens; [`ApiServer::wait_ready`] says when it serves.
     pub fn start(options: PipelineOptions) -> anyhow::Result<LocalPipeline> {
         let file = ModelFile::open(&options.model)?;
-        let layers =
-            split_layers(file.config().block_count, options.stages).map_err(anyhow::Error::msg)?;
+        let block_count = file.config().block_count;
         drop(file);
+        let chain = ChainOptions {
+            codec: options.codec,
+            shape: options.shape,
+            ..ChainOptions::default()
+        };
+        if let Some((end, next)) = options.external {
+            // In front of a chain started elsewhere: no stage process here (the chain's hello checks that it
+            // starts at layer `end`).
+            if end == 0 || end >= block_count {
+                anyhow::bail!(
+                    "--layers 0..{end} leaves stage 0 {}: give 0..K with K from 1 to {} (the model has {block_count} layers)",
+                    if end == 0 {
+                        "no layer"
+                    } else {
+                        "no layer for the chain at --next"
+                    },
+                    block_count - 1
+                );
+            }
+            let backend = Backend::Chain {
+                layers_end: end,
+                next,
+                options: chain,
+            };
+            let api = ApiServer::start(&options.model, backend, options.api.clone())?;
+            return Ok(LocalPipeline {
+                api,
+                children: Vec::new(),
+                layers: vec![0..end, end..block_count],
+            });
+        }
+        let layers = split_layers(block_count, options.stages).map_err(anyhow::Error::msg)?;
         let mut children: Vec<StageChild> = Vec::new();
         let mut next: Option<SocketAddr> = None;
         for (index, range) in layers.iter().enumerate().skip(1).rev() {
@@ -138,10 +172,7 @@ impl LocalPipeline {
             Some(next) => Backend::Chain {
                 layers_end: layers[0].end,
                 next,
-                options: ChainOptions {
-                    codec: options.codec,
-                    ..ChainOptions::default()
-                },
+                options: chain,
             },
         };
         let api = match ApiServer::start(&options.model, backend, options.api.clone()) {

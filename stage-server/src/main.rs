@@ -112,6 +112,13 @@ struct RunArgs {
     /// port. The ready output names every one. Stage 0's metrics are on the API's /metrics.
     #[arg(long, conflicts_with = "next")]
     stage_metrics: Option<SocketAddr>,
+    /// Milliseconds of one-way delay added to each direction of every stage link, and to the last stage's
+    /// prediction returns (tests and benchmarks: a WAN on loopback; each stage process gets it too).
+    #[arg(long, default_value_t = 0.0)]
+    link_delay: f64,
+    /// The rate of every stage link in Mbit/s (tests and benchmarks; default unlimited).
+    #[arg(long)]
+    link_rate: Option<f64>,
     #[command(flatten)]
     telemetry: TelemetryArgs,
 }
@@ -879,6 +886,16 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     api.context_length = args.context_length;
     api.model_id = args.model_id.clone();
     api.api_key = api_key.clone();
+    let shape = link_shape(args.link_delay, args.link_rate)?;
+    let mut stage_args = args.telemetry.stage_args();
+    if shape.is_shaped() {
+        stage_args.push("--link-delay".into());
+        stage_args.push(args.link_delay.to_string().into());
+        if let Some(rate) = args.link_rate {
+            stage_args.push("--link-rate".into());
+            stage_args.push(rate.to_string().into());
+        }
+    }
     let options = PipelineOptions {
         model: path.clone(),
         stages: args.stages,
@@ -905,8 +922,9 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             }
             _ => None,
         },
-        stage_args: args.telemetry.stage_args(),
+        stage_args,
         stage_metrics: args.stage_metrics,
+        shape,
     };
     match options.external {
         Some((end, next)) => eprintln!(
@@ -936,13 +954,22 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     let auth = api_key.as_ref().map_or(String::new(), |_| {
         " -H \"Authorization: Bearer $KEY\"".to_owned()
     });
-    println!(
-        "stage-server: serving {} on http://{address}/v1 ({} stages: layers {}; {} lanes)",
-        pipeline.api().model_id(),
-        ranges.len(),
-        ranges.join(", "),
-        args.lanes.max(1)
-    );
+    match args.next {
+        Some(next) => println!(
+            "stage-server: serving {} on http://{address}/v1 (stage 0: layers {}; the chain at {next}: layers {}; {} lanes)",
+            pipeline.api().model_id(),
+            ranges[0],
+            ranges[1..].join(", "),
+            args.lanes.max(1)
+        ),
+        None => println!(
+            "stage-server: serving {} on http://{address}/v1 ({} stages: layers {}; {} lanes)",
+            pipeline.api().model_id(),
+            ranges.len(),
+            ranges.join(", "),
+            args.lanes.max(1)
+        ),
+    }
     println!(
         "  curl http://{address}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'"
     );
