@@ -113,10 +113,12 @@ struct RunArgs {
     #[arg(long, conflicts_with = "next")]
     stage_metrics: Option<SocketAddr>,
     /// Milliseconds of one-way delay added to each direction of every stage link, and to the last stage's
-    /// prediction returns (tests and benchmarks: a WAN on loopback; each stage process gets it too).
+    /// prediction returns (tests and benchmarks: a WAN on loopback; each stage process started gets it too).
+    /// With --next only stage 0's own link is shaped (give the chain's stages their own --link-delay); with
+    /// --stages 1 there is no link, and it is refused.
     #[arg(long, default_value_t = 0.0)]
     link_delay: f64,
-    /// The rate of every stage link in Mbit/s (tests and benchmarks; default unlimited).
+    /// The rate of every stage link in Mbit/s, as --link-delay (tests and benchmarks; default unlimited).
     #[arg(long)]
     link_rate: Option<f64>,
     #[command(flatten)]
@@ -887,6 +889,11 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     api.model_id = args.model_id.clone();
     api.api_key = api_key.clone();
     let shape = link_shape(args.link_delay, args.link_rate)?;
+    if shape.is_shaped() && args.stages == 1 && args.next.is_none() {
+        bail!(
+            "--link-delay and --link-rate shape the links between stages, and --stages 1 has none; give --stages 2 or more"
+        );
+    }
     let mut stage_args = args.telemetry.stage_args();
     if shape.is_shaped() {
         stage_args.push("--link-delay".into());

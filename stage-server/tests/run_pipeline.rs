@@ -263,3 +263,29 @@ fn run_with_a_link_delay_shapes_every_stage_link_and_changes_no_token() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_link_delay_on_a_whole_model_is_refused_since_there_is_no_link() {
+    let output = Command::new(BINARY)
+        .args([
+            "run",
+            "--http",
+            "127.0.0.1:0",
+            "--stages",
+            "1",
+            "--link-delay",
+            "5",
+        ])
+        .args(["--model", "/nonexistent/model.gguf"])
+        .output()
+        .expect("running stage-server run");
+    assert!(
+        !output.status.success(),
+        "--link-delay with --stages 1 was accepted"
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--link-delay") && stderr.contains("--stages 1 has none"),
+        "the error should name the flags and say why: {stderr}"
+    );
+}

@@ -527,7 +527,10 @@ fn run_step<'a>(shared: &'a Shared, mut state: MutexGuard<'a, State>) -> MutexGu
     drop(state);
     let running = Running { shared };
     let started = Instant::now();
-    let results = {
+    // A panic in the pass fails the lanes of this step, whichever thread ran it: left pending, their chunks
+    // would be planned again by the next step and panic every thread that runs one, and a caller waiting for
+    // a gather would wait for a step that never ends.
+    let results = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let mut stage = lock(&shared.stage);
         let entries: Vec<BatchEntry> = plan
             .iter()
@@ -539,7 +542,16 @@ fn run_step<'a>(shared: &'a Shared, mut state: MutexGuard<'a, State>) -> MutexGu
             })
             .collect();
         stage.forward_batch(&entries)
-    };
+    }))
+    .unwrap_or_else(|_| {
+        plan.iter()
+            .map(|_| {
+                Err(ModelError::Compute(
+                    "the forward pass panicked; this step's generations are ended".into(),
+                ))
+            })
+            .collect()
+    });
     let seconds = started.elapsed().as_secs_f64();
     let rows: usize = plan.iter().map(|planned| planned.input.rows(width)).sum();
     let decode_rows = plan.iter().filter(|planned| planned.decode).count();

@@ -5,6 +5,9 @@
 //!   link session (loop thread) ──Job──▶ channel ──▶ compute thread: Stage::forward, sampling (last stage)
 //!        ▲                                               │
 //!        └── on_wake ◀── Completer::post ◀── Mailbox ◀───┘ (the outcome, in order)
+//!                                                │
+//!                    rows, tokens ──▶ Onward ────┘ (straight to the link that writes them; the
+//!                                                   submitting link gets `Outcome::Forwarded`)
 //! ```
 //!
 //! A session never computes on a loop thread, and a loop thread never waits for the compute thread: the

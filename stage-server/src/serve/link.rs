@@ -3,9 +3,9 @@
 //! in [`super::downstream`]), the two sharing a [`Pair`].
 //!
 //! ```text
-//!   previous stage ══▶ Upstream session ──Work──▶ compute thread ──Outcome──▶ Upstream (on_wake)
-//!                          ▲    │ Configure, Trim, Stop                          │ rows for the next stage
-//!                          │    ▼                                               ▼
+//!   previous stage ══▶ Upstream session ──Work──▶ compute thread ──Outcome──▶ Upstream (on_wake): acks,
+//!                          ▲    │ Configure, Trim, Stop  │ rows (serve::onward)      errors, relayed tokens
+//!                          │    ▼                        ▼
 //!                          │  Pair.to_downstream ──post──▶ Downstream session ══▶ next stage
 //!                          └─── Pair.to_upstream ◀──post── Downstream (Ack, Token, Error from the next stage)
 //! ```
@@ -262,10 +262,7 @@ impl Session for Link {
         match (self, kind) {
             // A park on the budget that outlived its deadline is a link waiting for a slow next stage, not a
             // dead one: it looks again, and parks again if it must.
-            (Link::Upstream(link), TimeoutKind::Park) => {
-                link.run_queued(context);
-                link.next_step(context)
-            }
+            (Link::Upstream(link), TimeoutKind::Park) => link.on_wake(RELAY_TOKEN, context),
             _ => Step::Close,
         }
     }
@@ -385,7 +382,8 @@ impl Upstream {
     /// Acts on queued frames, in order, while the compute thread has room for more of this link's work and,
     /// for a frame with rows, while the pair's backlog and the rows computing are within the budget (else the
     /// pair wakes this link once the backlog falls). Control frames are never held for the budget, but wait
-    /// behind the frames before them: a Stop must not overtake its session's rows.
+    /// behind the frames before them, so a Stop never overtakes rows still read ahead (rows already computing may
+    /// reach the next stage after it, which answers them `UnknownSession`; stage 0 has let the session go).
     fn run_queued(&mut self, context: &mut SessionContext<'_>) {
         while self.jobs.has_room() && !matches!(self.state, UpstreamState::Closing) {
             let Some(frame) = self.queued.front() else {

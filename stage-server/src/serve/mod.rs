@@ -379,12 +379,15 @@ impl StageProcess {
 pub const DRAIN_ERROR_GRACE: Duration = Duration::from_secs(1);
 
 /// Limits for stage links: frames up to a prefill chunk of activations, links that idle between generations
-/// for long, and a read deadline generous enough for the slowest stage of a chain to answer.
+/// for long, a read deadline generous enough for the slowest stage of a chain to answer, and a write deadline
+/// as long: the next stage may stop reading for as long as its own next link takes to drain its byte budget
+/// (`serve::budget`), which over a slow link is well past the 30 s default.
 fn link_limits() -> Limits {
     Limits::new()
         .output_budget(256 << 20)
         .completion_queue(64)
         .read_timeout(Duration::from_secs(300))
+        .write_timeout(Duration::from_secs(300))
         .park_timeout(Duration::from_secs(300))
         .min_rate(None)
 }
