@@ -15,6 +15,9 @@ use stage_server::model::testing::{TinyModel, real_model};
 use stage_server::model::{GEMMA3_FILE, GenerateOptions, ModelFile, SMOLLM2_FILE, SamplingParams};
 use stage_server::wire::{CodecPolicy, Decoder, ErrorCode, Frame, WireLimits};
 
+mod support;
+use support::http;
+
 const BINARY: &str = env!("CARGO_BIN_EXE_stage-server");
 /// Generous bound for a stage process to load a model and listen on a loaded 2-core machine.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
@@ -1409,30 +1412,6 @@ fn penalties_look_back_on_the_prompt_over_processes_as_they_do_unsplit() {
         tokens_of(&unsplit),
         "the last stage's penalties should see the prompt, as the unsplit sampler does"
     );
-}
-
-/// One HTTP/1.1 request with `Connection: close`: the status and the body.
-fn http(address: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect(address).expect("the API listens");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).unwrap();
-    let mut response = String::new();
-    let _ = stream.read_to_string(&mut response);
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map_or(String::new(), |(_, body)| body.to_owned());
-    (status, body)
 }
 
 #[test]

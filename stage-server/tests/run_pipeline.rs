@@ -1,8 +1,8 @@
 //! `stage-server run` as its users start it: the API in front of a chain started elsewhere (`--layers 0..K
 //! --next ADDR`), and a local pipeline whose links are shaped (`--link-delay`), each a real process on 127.0.0.1.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{Receiver, channel};
@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 
 use candle_core::quantized::GgmlDType;
 use stage_server::model::testing::TinyModel;
+
+mod support;
+use support::http;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_stage-server");
 /// Generous bound for processes to load a tiny model and listen on a loaded 2-core machine.
@@ -127,34 +130,10 @@ fn run(model: &Path, arguments: &[&str]) -> (Process, String, SocketAddr) {
     (api, line, address)
 }
 
-/// One HTTP/1.1 request with `Connection: close`: the status and the body.
-fn http(address: SocketAddr, path: &str, body: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect(address).expect("the API listens");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    let request = format!(
-        "POST {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).unwrap();
-    let mut response = String::new();
-    let _ = stream.read_to_string(&mut response);
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map_or(String::new(), |(_, body)| body.to_owned());
-    (status, body)
-}
-
 /// The text of a greedy completion of 8 tokens of `1, 300, 301` through the API at `address`.
 fn completion(address: SocketAddr) -> (u16, String) {
     let request = r#"{"prompt":[1,300,301],"max_tokens":8,"temperature":0}"#;
-    let (status, body) = http(address, "/v1/completions", request);
+    let (status, body) = http(address, "POST", "/v1/completions", request);
     if status != 200 {
         return (status, body);
     }

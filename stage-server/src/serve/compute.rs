@@ -105,6 +105,33 @@ impl Outcome {
     fn goes_onward(&self) -> bool {
         matches!(self, Outcome::Rows { .. } | Outcome::Token { .. })
     }
+
+    /// A sampled token, encoded as the `Token` frame that carries it back to stage 0 (directly or relayed);
+    /// `None` for any other outcome.
+    pub(crate) fn token_bytes(self) -> Option<Vec<u8>> {
+        let Outcome::Token {
+            session,
+            position,
+            token,
+            logprob,
+            top,
+        } = self
+        else {
+            return None;
+        };
+        let mut bytes = Vec::new();
+        crate::wire::encode(
+            &crate::wire::Frame::Token {
+                session,
+                position,
+                token,
+                logprob,
+                top,
+            },
+            &mut bytes,
+        );
+        Some(bytes)
+    }
 }
 
 /// Where a link's rows and tokens go without waking the link that submitted them: the compute thread hands

@@ -956,25 +956,8 @@ impl Upstream {
                 // Rows go straight to the pair's downstream link from the compute thread (`onward`), which is
                 // set with the pair; rows before there is one have nowhere to go.
                 Outcome::Rows { .. } => {}
-                Outcome::Token {
-                    session,
-                    position,
-                    token,
-                    logprob,
-                    top,
-                    ..
-                } => {
-                    let mut bytes = Vec::new();
-                    encode(
-                        &Frame::Token {
-                            session,
-                            position,
-                            token,
-                            logprob,
-                            top,
-                        },
-                        &mut bytes,
-                    );
+                token @ Outcome::Token { session, .. } => {
+                    let bytes = token.token_bytes().unwrap_or_default();
                     // Straight back to stage 0 when it opened a return for the session (the frame's span goes
                     // along, for the return link to time), else up the chain.
                     if let Some((bytes, writing)) =

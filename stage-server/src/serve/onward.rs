@@ -18,7 +18,7 @@ use std::time::Instant;
 use super::compute::{Onward, Outcome};
 use super::link::{RELAY_TOKEN, StageShared, Writing};
 use super::pair::Pair;
-use crate::wire::{Activations, Frame, encode};
+use crate::wire::{Activations, Frame};
 
 /// One upstream link's onward paths: its pair (at a stage with a next one) and the stage's return table.
 #[derive(Debug)]
@@ -48,19 +48,7 @@ impl Onward for Forward {
                 rows,
                 sample,
                 decode,
-            } => {
-                let Some(pair) = &self.pair else {
-                    return Some((
-                        Outcome::Rows {
-                            session,
-                            position,
-                            rows,
-                            sample,
-                            decode,
-                        },
-                        frame,
-                    ));
-                };
+            } if self.pair.is_some() => {
                 let rows = Activations::encode(&rows, self.shared.hello.width, self.shared.codec);
                 let frame_out = if decode {
                     Frame::Decode {
@@ -76,43 +64,20 @@ impl Onward for Forward {
                         rows,
                     }
                 };
-                pair.send_down(&frame_out, Writing::of(frame, delivered));
+                if let Some(pair) = &self.pair {
+                    pair.send_down(&frame_out, Writing::of(frame, delivered));
+                }
                 None
             }
-            Outcome::Token {
-                session,
-                position,
-                token,
-                logprob,
-                top,
-            } => {
+            Outcome::Token { session, .. } => match self.shared.returns.sink(session) {
+                Some(sink) => {
+                    let bytes = outcome.token_bytes().unwrap_or_default();
+                    sink.push((bytes, Writing::of(frame, delivered)), RELAY_TOKEN);
+                    None
+                }
                 // A session stage 0 opened no return for goes up the chain, through the link that submitted it.
-                let Some(sink) = self.shared.returns.sink(session) else {
-                    return Some((
-                        Outcome::Token {
-                            session,
-                            position,
-                            token,
-                            logprob,
-                            top,
-                        },
-                        frame,
-                    ));
-                };
-                let mut bytes = Vec::new();
-                encode(
-                    &Frame::Token {
-                        session,
-                        position,
-                        token,
-                        logprob,
-                        top,
-                    },
-                    &mut bytes,
-                );
-                sink.push((bytes, Writing::of(frame, delivered)), RELAY_TOKEN);
-                None
-            }
+                None => Some((outcome, frame)),
+            },
             other => Some((other, frame)),
         }
     }
