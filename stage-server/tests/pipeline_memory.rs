@@ -14,22 +14,19 @@
 //! layer, so a stage that held the prompt's rows, or queued chunks without bound, would stand out against the
 //! bound below by tens of megabytes.
 
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::channel;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use candle_core::quantized::GgmlDType;
 use stage_server::model::testing::TinyModel;
 
-const BINARY: &str = env!("CARGO_BIN_EXE_stage-server");
-/// Generous bound for a stage process to load a model and listen on a loaded 2-core machine.
-const START_TIMEOUT: Duration = Duration::from_secs(60);
+mod support;
+use support::{BINARY, StageChild};
+
 /// The slow link the issue names, on every link of the chain.
 const SHAPED: [&str; 4] = ["--link-delay", "20", "--link-rate", "100"];
 /// Tokens of the long prompt.
@@ -70,74 +67,6 @@ const COPIES: u64 = 4;
 /// the last by at most 0.15 MB, and stage 0's peak differed by up to 0.5 MB between identical runs; 8 MiB
 /// leaves room for arenas fragmented by a long prompt's 2 MiB buffers.
 const SLACK: u64 = 8 << 20;
-
-/// A running `stage-server serve` child, killed (SIGKILL) when dropped.
-struct StageChild {
-    child: Option<Child>,
-    address: SocketAddr,
-}
-
-impl StageChild {
-    /// Starts a stage of `model` for `layers` with `extra` arguments (its link's shape, its budget) and waits
-    /// for its ready line.
-    fn start(model: &Path, layers: &str, next: Option<SocketAddr>, extra: &[&str]) -> StageChild {
-        let mut command = Command::new(BINARY);
-        command
-            .args(["serve", "--model"])
-            .arg(model)
-            .args(["--layers", layers, "--threads", "1"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        if let Some(next) = next {
-            command.args(["--next", &next.to_string()]);
-        }
-        let mut child = command.spawn().expect("spawning stage-server serve");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let stderr = child.stderr.take().expect("piped stderr");
-        let (lines, ready) = channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = lines.send(line);
-        });
-        // Drained for the stage's whole life: a full pipe would stop it at its next log line.
-        let (errors, stderr_lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let _ = errors.send(line);
-            }
-        });
-        let line = ready.recv_timeout(START_TIMEOUT).unwrap_or_default();
-        let address = line
-            .trim()
-            .rsplit_once(" on ")
-            .and_then(|(_, rest)| rest.split_whitespace().next())
-            .and_then(|address| address.parse().ok())
-            .unwrap_or_else(|| {
-                let _ = child.kill();
-                let errors: Vec<String> = stderr_lines.try_iter().collect();
-                panic!("stage {layers} printed no ready line: {line:?}; stderr: {errors:?}")
-            });
-        StageChild {
-            child: Some(child),
-            address,
-        }
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.as_ref().expect("the stage is running").id()
-    }
-}
-
-impl Drop for StageChild {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
 
 /// A process's resident set now (VmRSS) and at its peak (VmHWM), in bytes.
 #[derive(Clone, Copy, Debug)]

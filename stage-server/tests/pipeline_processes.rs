@@ -5,8 +5,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::channel;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use candle_core::quantized::GgmlDType;
@@ -16,115 +15,7 @@ use stage_server::model::{GEMMA3_FILE, GenerateOptions, ModelFile, SMOLLM2_FILE,
 use stage_server::wire::{CodecPolicy, Decoder, ErrorCode, Frame, WireLimits};
 
 mod support;
-use support::http;
-
-const BINARY: &str = env!("CARGO_BIN_EXE_stage-server");
-/// Generous bound for a stage process to load a model and listen on a loaded 2-core machine.
-const START_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// A running `stage-server serve` child, killed (SIGKILL) when dropped.
-struct StageChild {
-    child: Option<Child>,
-    address: SocketAddr,
-    stderr: std::sync::mpsc::Receiver<String>,
-}
-
-impl StageChild {
-    /// Starts a stage of `model` for `layers` and waits for its ready line.
-    fn start(model: &Path, layers: &str, next: Option<SocketAddr>, extra: &[&str]) -> StageChild {
-        Self::start_on(model, layers, "127.0.0.1:0", next, extra)
-    }
-
-    fn start_on(
-        model: &Path,
-        layers: &str,
-        bind: &str,
-        next: Option<SocketAddr>,
-        extra: &[&str],
-    ) -> StageChild {
-        let mut command = Command::new(BINARY);
-        command
-            .args(["serve", "--model"])
-            .arg(model)
-            .args(["--layers", layers, "--bind", bind, "--threads", "1"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        if let Some(next) = next {
-            command.args(["--next", &next.to_string()]);
-        }
-        let mut child = command.spawn().expect("spawning stage-server serve");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let stderr = child.stderr.take().expect("piped stderr");
-        let (lines, ready) = channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = lines.send(line);
-        });
-        let (errors, stderr_lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let _ = errors.send(line);
-            }
-        });
-        let line = ready.recv_timeout(START_TIMEOUT).unwrap_or_default();
-        let address = line
-            .trim()
-            .rsplit_once(" on ")
-            .and_then(|(_, rest)| rest.split_whitespace().next())
-            .and_then(|address| address.parse().ok())
-            .unwrap_or_else(|| {
-                let _ = child.kill();
-                let errors: Vec<String> = stderr_lines.try_iter().collect();
-                panic!("stage {layers} printed no ready line: {line:?}; stderr: {errors:?}")
-            });
-        assert!(
-            line.contains(&format!("serving layers {layers} on")),
-            "the ready line should name the layers: {line:?}"
-        );
-        StageChild {
-            child: Some(child),
-            address,
-            stderr: stderr_lines,
-        }
-    }
-
-    /// Sends `signal` and waits (bounded) for the exit status.
-    fn signal_and_wait(mut self, signal: i32) -> std::process::ExitStatus {
-        let mut child = self.child.take().expect("the child is running");
-        let pid = child.id() as i32;
-        let sent = Command::new("kill")
-            .args([format!("-{signal}"), pid.to_string()])
-            .status()
-            .expect("running kill");
-        assert!(sent.success(), "kill -{signal} {pid} failed");
-        let deadline = Instant::now() + Duration::from_secs(40);
-        loop {
-            if let Some(status) = child.try_wait().expect("waiting for the stage") {
-                return status;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                panic!("the stage did not exit within 40 s of signal {signal}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for StageChild {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
+use support::{BINARY, START_TIMEOUT, StageChild, http};
 
 fn scratch_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!(
@@ -1030,7 +921,7 @@ fn sigterm_during_a_generation_lets_it_finish_and_the_stage_exits_zero() {
         stop_tokens: Vec::new(),
         keep_logits: false,
     };
-    let pid = middle.child.as_ref().unwrap().id();
+    let pid = middle.pid();
     let mut signalled = false;
     let generation = chain
         .generate(&[1, 300, 301], SamplingParams::default(), &options, |_| {
@@ -1080,7 +971,7 @@ fn a_generation_still_running_at_the_drain_deadline_is_stopped_with_an_error_fra
         stop_tokens: Vec::new(),
         keep_logits: false,
     };
-    let pid = middle.child.as_ref().unwrap().id();
+    let pid = middle.pid();
     let mut signalled: Option<Instant> = None;
     let result = chain.generate(&[1, 300, 301], SamplingParams::default(), &options, |_| {
         if signalled.is_none() {
@@ -1363,11 +1254,7 @@ fn one_topology_file_starts_every_stage_and_drives_the_chain() {
             line.starts_with(&format!("stage {index} serving layers")),
             "{line:?}"
         );
-        stages.push(StageChild {
-            child: Some(child),
-            address: one,
-            stderr: channel().1,
-        });
+        stages.push(StageChild::adopt(child, one));
     }
     let prompt = ["--prompt-ids", "1,300,301", "--max-tokens", "5"];
     let unsplit = generate(&llama, &prompt);
