@@ -343,11 +343,14 @@ impl SharedStage {
                 return Err(ModelError::Compute("the compute thread stopped".into()));
             }
             if !state.running && self.shared.callers_run_steps() {
-                self.shared
-                    .steps_by_callers
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                state = run_step(&self.shared, state);
-                continue;
+                let ran;
+                (state, ran) = run_step(&self.shared, state);
+                if ran {
+                    self.shared
+                        .steps_by_callers
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    continue;
+                }
             }
             if !handed_over {
                 self.shared.work.notify_one();
@@ -482,35 +485,30 @@ fn compute(shared: &Shared) {
             }
         }
         gather_started = None;
-        state = run_step(shared, state);
+        let ran;
+        (state, ran) = run_step(shared, state);
+        if !ran {
+            // Cannot happen (a pending chunk has rows and the budget at least one), but a loop that found
+            // nothing to run must sleep rather than spin.
+            state = shared
+                .work
+                .wait_timeout(state, GATHER_WAIT)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
     }
     drop(state);
     shared.done.notify_all();
 }
 
-/// Clears [`State::running`] however the step ends, a panic in the model included, so that neither the compute
-/// thread nor a waiting caller waits for a step that will never finish.
-struct Running<'a> {
+/// Plans one step over the pending chunks, runs it with the state unlocked (and `running` set, so nobody else
+/// plans one), and hands the results back to their lanes; called by whichever thread found no step running
+/// (the compute thread, or a caller of [`SharedStage::forward`]), with the state locked. Returns it locked, and
+/// whether a step ran.
+fn run_step<'a>(
     shared: &'a Shared,
-}
-
-impl Drop for Running<'_> {
-    fn drop(&mut self) {
-        let mut state = lock(&self.shared.state);
-        state.running = false;
-        let left = state.lanes.iter().any(|lane| lane.pending.is_some());
-        drop(state);
-        self.shared.done.notify_all();
-        if left {
-            self.shared.work.notify_one();
-        }
-    }
-}
-
-/// Plans one step over the pending chunks, runs it with the state unlocked, and hands the results back to
-/// their lanes; called by whichever thread found no step running (the compute thread, or a caller of
-/// [`SharedStage::forward`]), with the state locked, and returns it locked.
-fn run_step<'a>(shared: &'a Shared, mut state: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+    mut state: MutexGuard<'a, State>,
+) -> (MutexGuard<'a, State>, bool) {
     let width = shared.width;
     let policy = shared.policy;
     let plan = plan_step(&state, policy.batch_tokens, width, |streams| {
@@ -519,17 +517,10 @@ fn run_step<'a>(shared: &'a Shared, mut state: MutexGuard<'a, State>) -> MutexGu
             .and_then(|stretch| state.costs.prompt_rows_within(stretch, streams))
     });
     if plan.is_empty() {
-        // Cannot happen (a pending chunk has rows and the budget at least one), but a loop that found
-        // nothing to run must sleep rather than spin.
-        return shared
-            .work
-            .wait_timeout(state, GATHER_WAIT)
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .0;
+        return (state, false);
     }
     state.running = true;
     drop(state);
-    let running = Running { shared };
     let started = Instant::now();
     // A panic in the pass fails the lanes of this step, whichever thread ran it: left pending, their chunks
     // would be planned again by the next step and panic every thread that runs one, and a caller waiting for
@@ -603,10 +594,14 @@ fn run_step<'a>(shared: &'a Shared, mut state: MutexGuard<'a, State>) -> MutexGu
             }
         }
     }
-    drop(state);
-    // Clears `running` and wakes the waiting callers (and the compute thread, if chunks are left).
-    drop(running);
-    lock(&shared.state)
+    // The step is over: the waiting callers take their results (or run the next step themselves), and the
+    // compute thread, which waits while a caller runs a step, takes any chunks left.
+    state.running = false;
+    shared.done.notify_all();
+    if state.lanes.iter().any(|lane| lane.pending.is_some()) {
+        shared.work.notify_one();
+    }
+    (state, true)
 }
 
 /// How long the step about to run may wait for more chunks, counted from the first time it could have run;

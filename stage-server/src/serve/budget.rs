@@ -192,9 +192,9 @@ impl Jobs {
 /// the same shape, and no codec makes them larger); 0 for a frame without rows.
 pub(crate) fn rows_bytes(frame: &Frame) -> usize {
     match frame {
-        Frame::Prefill { rows, .. } | Frame::Decode { rows, .. } => {
-            (rows.rows as usize).saturating_mul(rows.width as usize) * 4
-        }
+        Frame::Prefill { rows, .. } | Frame::Decode { rows, .. } => (rows.rows as usize)
+            .saturating_mul(rows.width as usize)
+            .saturating_mul(4),
         _ => 0,
     }
 }

@@ -956,18 +956,12 @@ impl Upstream {
                 // Rows go straight to the pair's downstream link from the compute thread (`onward`), which is
                 // set with the pair; rows before there is one have nowhere to go.
                 Outcome::Rows { .. } => {}
-                token @ Outcome::Token { session, .. } => {
+                // A token reaches this link only when the compute thread found no return link for its session
+                // (`onward`, set before the link's first job): it goes up the chain.
+                token @ Outcome::Token { .. } => {
                     let bytes = token.token_bytes().unwrap_or_default();
-                    // Straight back to stage 0 when it opened a return for the session (the frame's span goes
-                    // along, for the return link to time), else up the chain.
-                    if let Some((bytes, writing)) =
-                        self.shared
-                            .returns
-                            .deliver(session, bytes, writing, RELAY_TOKEN)
-                    {
-                        self.write_bytes(context, &bytes);
-                        self.writing.extend(writing);
-                    }
+                    self.write_bytes(context, &bytes);
+                    self.writing.extend(writing);
                 }
                 Outcome::Done {
                     session,

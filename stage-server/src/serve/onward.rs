@@ -41,16 +41,19 @@ impl Onward for Forward {
         frame: tracing::Span,
         delivered: Instant,
     ) -> Option<(Outcome, tracing::Span)> {
-        match outcome {
-            Outcome::Rows {
-                session,
-                position,
-                rows,
-                sample,
-                decode,
-            } if self.pair.is_some() => {
+        match (&self.pair, outcome) {
+            (
+                Some(pair),
+                Outcome::Rows {
+                    session,
+                    position,
+                    rows,
+                    sample,
+                    decode,
+                },
+            ) => {
                 let rows = Activations::encode(&rows, self.shared.hello.width, self.shared.codec);
-                let frame_out = if decode {
+                let onward = if decode {
                     Frame::Decode {
                         session,
                         position,
@@ -64,21 +67,22 @@ impl Onward for Forward {
                         rows,
                     }
                 };
-                if let Some(pair) = &self.pair {
-                    pair.send_down(&frame_out, Writing::of(frame, delivered));
-                }
+                pair.send_down(&onward, Writing::of(frame, delivered));
                 None
             }
-            Outcome::Token { session, .. } => match self.shared.returns.sink(session) {
-                Some(sink) => {
-                    let bytes = outcome.token_bytes().unwrap_or_default();
-                    sink.push((bytes, Writing::of(frame, delivered)), RELAY_TOKEN);
-                    None
+            (_, token @ Outcome::Token { session, .. }) => {
+                match self.shared.returns.sink(session) {
+                    Some(sink) => {
+                        let bytes = token.token_bytes().unwrap_or_default();
+                        sink.push((bytes, Writing::of(frame, delivered)), RELAY_TOKEN);
+                        None
+                    }
+                    // A session stage 0 opened no return for goes up the chain, through the link that submitted it.
+                    None => Some((token, frame)),
                 }
-                // A session stage 0 opened no return for goes up the chain, through the link that submitted it.
-                None => Some((outcome, frame)),
-            },
-            other => Some((other, frame)),
+            }
+            // Rows at the last stage (there are none) or anything else: the submitting link acts on it.
+            (_, other) => Some((other, frame)),
         }
     }
 }

@@ -1,12 +1,12 @@
 //! Direct prediction return at the last stage: the links stage 0 opened to it (role `PredictionReturn`), the
-//! sessions each one asked for, and the hand-over of a sampled token from the chain link that computed it to
-//! the return link that carries it straight back, so that middle stages never relay tokens.
+//! sessions each one asked for, and the hand-over of a sampled token from the compute thread to the return link
+//! that carries it straight back, so that middle stages never relay tokens.
 //!
 //! ```text
 //!   stage 0 ══ OpenReturn{s} ══▶ return link ──register s──▶ Returns (session → ReturnSink)
 //!                                                                  ▲
-//!   chain link (Upstream) ── Outcome::Token{s} ── lookup s ────────┘ push + post ──▶ return link ══ Token ══▶ stage 0
-//!                         └─ no entry: the token goes up the chain link as before
+//!   compute thread (serve::onward) ── Outcome::Token{s} ── lookup s ─┘ push + post ──▶ return link ══ Token ══▶ stage 0
+//!                         └─ no entry: the token goes to the chain link that submitted the job, up the chain
 //! ```
 //!
 //! A return link answers each `OpenReturn` with an `Ack` (position 0), so stage 0 knows the session is
@@ -69,24 +69,6 @@ impl Returns {
     /// The return link that registered `session`, if one did.
     pub(crate) fn sink(&self, session: u64) -> Option<Arc<ReturnSink>> {
         self.lock().get(&session).cloned()
-    }
-
-    /// Hands `bytes` (an encoded `Token` of `session`, with its frame's span) to the return link that
-    /// registered it; gives them back when none did, for the chain link to send up instead.
-    pub(crate) fn deliver(
-        &self,
-        session: u64,
-        bytes: Vec<u8>,
-        writing: Option<Writing>,
-        wake_token: u64,
-    ) -> Option<Queued> {
-        match self.sink(session) {
-            Some(sink) => {
-                sink.push((bytes, writing), wake_token);
-                None
-            }
-            None => Some((bytes, writing)),
-        }
     }
 }
 
