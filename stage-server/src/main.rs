@@ -78,6 +78,13 @@ struct RunArgs {
     /// prompt rows up to --batch-tokens however long the streams wait.
     #[arg(long, default_value_t = 0.0, value_parser = parse_stretch)]
     decode_stretch: f64,
+    /// In front of a chain (--stages 2 or more, or --next): how many steps' streams may be out down the chain
+    /// at once before a stream whose token came back waits for the others, so streams that went down together
+    /// run together at every stage. 1 keeps one batch going round (best when the stages share this host's
+    /// cores); the stage count keeps every stage busy when each has its own host; 0 never waits (streams
+    /// drift apart into one-row passes).
+    #[arg(long, default_value_t = 1)]
+    batches_in_flight: usize,
     /// Compute threads per stage process (default: this host's cores shared among the stage processes, at
     /// least one each; all of them for --stages 1).
     #[arg(long)]
@@ -885,6 +892,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     api.queue_timeout = std::time::Duration::from_secs_f64(args.queue_timeout);
     api.batch_tokens = args.batch_tokens as usize;
     api.decode_stretch = (args.decode_stretch > 0.0).then_some(args.decode_stretch);
+    api.batches_in_flight = args.batches_in_flight;
     api.context_length = args.context_length;
     api.model_id = args.model_id.clone();
     api.api_key = api_key.clone();

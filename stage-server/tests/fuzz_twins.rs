@@ -19,8 +19,8 @@ use rand::{Rng, SeedableRng};
 use stage_server::fuzzing::{TokenizerTargets, gguf_check, http_request, wire_decoder};
 use stage_server::model::gguf_check::validate_bytes;
 use stage_server::wire::{
-    Activations, CodecPolicy, CodecSet, ErrorCode, Frame, Hello, PROTOCOL_VERSION, Role, Sampling,
-    StageTiming, encode_to_vec,
+    Activations, Batch, CodecPolicy, CodecSet, ErrorCode, Frame, Hello, PROTOCOL_VERSION, Role,
+    Sampling, StageTiming, encode_to_vec,
 };
 
 /// Wall-clock budget of one twin: long enough for thousands of cases, short enough for every `cargo test`.
@@ -80,6 +80,7 @@ fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
                 session: 4,
                 position: 0,
                 last: true,
+                batch: Batch { id: 7, frames: 3 },
                 rows: Activations::encode(&values, 8, CodecPolicy::F32),
             },
         ),
@@ -88,6 +89,7 @@ fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
             Frame::Decode {
                 session: 4,
                 position: 2,
+                batch: Batch::alone(8),
                 rows: Activations::encode(&values[..8], 8, CodecPolicy::AutoLossless),
             },
         ),
@@ -96,6 +98,7 @@ fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
             Frame::Decode {
                 session: 4,
                 position: 3,
+                batch: Batch::alone(9),
                 rows: Activations::encode(&values[..8], 8, CodecPolicy::F16),
             },
         ),

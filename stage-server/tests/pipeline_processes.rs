@@ -12,7 +12,7 @@ use candle_core::quantized::GgmlDType;
 use stage_server::driver::{Chain, ChainOptions, DriverError};
 use stage_server::model::testing::{TinyModel, real_model};
 use stage_server::model::{GEMMA3_FILE, GenerateOptions, ModelFile, SMOLLM2_FILE, SamplingParams};
-use stage_server::wire::{CodecPolicy, Decoder, ErrorCode, Frame, WireLimits};
+use stage_server::wire::{Batch, CodecPolicy, Decoder, ErrorCode, Frame, WireLimits};
 
 mod support;
 use support::{BINARY, START_TIMEOUT, StageChild, http};
@@ -1132,6 +1132,7 @@ fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
                 session,
                 position,
                 last: position + 1 == chunks,
+                batch: Batch::alone(position),
                 rows: Activations::encode(&row, 64, CodecPolicy::F32),
             },
             &mut bytes,

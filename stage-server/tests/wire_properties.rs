@@ -3,8 +3,8 @@
 use proptest::collection::vec;
 use proptest::prelude::*;
 use stage_server::wire::{
-    Activations, Codec, CodecPolicy, CodecSet, Decoder, ErrorCode, Frame, Hello, PROTOCOL_VERSION,
-    Role, Sampling, StageTiming, WireError, WireLimits, encode_to_vec,
+    Activations, Batch, Codec, CodecPolicy, CodecSet, Decoder, ErrorCode, Frame, Hello,
+    PROTOCOL_VERSION, Role, Sampling, StageTiming, WireError, WireLimits, encode_to_vec,
 };
 
 /// Any f32 bit pattern, NaNs with payloads included: the wire must carry them all unchanged.
@@ -26,6 +26,11 @@ fn policy() -> impl Strategy<Value = CodecPolicy> {
 }
 
 /// Activations encoded from values under a policy, or raw bytes in a codec (bit patterns no encode makes).
+/// Any batch a sender can name: any id, one frame or more.
+fn batch() -> impl Strategy<Value = Batch> {
+    (any::<u32>(), 1u16..).prop_map(|(id, frames)| Batch { id, frames })
+}
+
 fn activations() -> impl Strategy<Value = Activations> {
     let encoded = (1u32..6, 0usize..5, policy()).prop_flat_map(|(width, rows, policy)| {
         vec(any_f32(), rows * width as usize)
@@ -182,21 +187,28 @@ fn frame() -> impl Strategy<Value = Frame> {
                     }
                 }
             ),
-        (any::<u64>(), any::<u32>(), any::<bool>(), activations()).prop_map(
-            |(session, position, last, rows)| Frame::Prefill {
+        (
+            any::<u64>(),
+            any::<u32>(),
+            any::<bool>(),
+            batch(),
+            activations()
+        )
+            .prop_map(|(session, position, last, batch, rows)| Frame::Prefill {
                 session,
                 position,
                 last,
+                batch,
+                rows,
+            }),
+        (any::<u64>(), any::<u32>(), batch(), activations()).prop_map(
+            |(session, position, batch, rows)| Frame::Decode {
+                session,
+                position,
+                batch,
                 rows,
             }
         ),
-        (any::<u64>(), any::<u32>(), activations()).prop_map(|(session, position, rows)| {
-            Frame::Decode {
-                session,
-                position,
-                rows,
-            }
-        }),
         (any::<u64>(), any::<u32>()).prop_map(|(session, length)| Frame::Trim { session, length }),
         any::<u64>().prop_map(|session| Frame::Stop { session }),
         any::<u64>().prop_map(|session| Frame::OpenReturn { session }),
@@ -517,6 +529,7 @@ fn a_count_over_its_limit_is_refused_with_the_field_named() {
             Frame::Decode {
                 session: 1,
                 position: 0,
+                batch: Batch::alone(1),
                 rows: Activations::encode(&[0.0; 4097], 1, CodecPolicy::F32),
             },
             "rows",
@@ -526,6 +539,7 @@ fn a_count_over_its_limit_is_refused_with_the_field_named() {
             Frame::Decode {
                 session: 1,
                 position: 0,
+                batch: Batch::alone(1),
                 rows: Activations::encode(&vec![0.0; 65537], 65537, CodecPolicy::F32),
             },
             "values per row",
@@ -567,10 +581,11 @@ fn an_activation_byte_count_that_does_not_match_the_shape_is_refused() {
     let frame = encode_to_vec(&Frame::Decode {
         session: 1,
         position: 0,
+        batch: Batch::alone(1),
         rows: Activations::encode(&[1.0, 2.0], 2, CodecPolicy::F32),
     });
-    // Layout: 5 header bytes, session 8, position 4, rows 4, width 4, codec 1, then the byte count.
-    let count_at = 5 + 8 + 4 + 4 + 4 + 1;
+    // Layout: 5 header bytes, session 8, position 4, batch 6, rows 4, width 4, codec 1, then the byte count.
+    let count_at = 5 + 8 + 4 + 6 + 4 + 4 + 1;
     for declared in [4u32, 12] {
         let mut bytes = frame.clone();
         bytes[count_at..count_at + 4].copy_from_slice(&declared.to_le_bytes());
@@ -634,6 +649,7 @@ fn a_frame_that_declares_the_largest_length_and_sends_little_holds_little() {
     let mut bytes = encode_to_vec(&Frame::Decode {
         session: 1,
         position: 0,
+        batch: Batch::alone(1),
         rows: Activations::encode(&vec![0.5; 4000 * 4096], 4096, CodecPolicy::F32),
     });
     bytes.truncate(1000);

@@ -3,7 +3,7 @@
 use std::fmt::Write;
 
 use stage_server::wire::{
-    Activations, ClusterKey, Codec, CodecPolicy, CodecSet, Decoder, ErrorCode, Frame, Hello,
+    Activations, Batch, ClusterKey, Codec, CodecPolicy, CodecSet, Decoder, ErrorCode, Frame, Hello,
     PROTOCOL_VERSION, Role, Sampling, StageTiming, WireLimits, check_adjacent, check_codec,
     encode_to_vec,
 };
@@ -71,11 +71,13 @@ fn examples() -> Vec<Frame> {
             session: 5,
             position: 0,
             last: false,
+            batch: Batch { id: 3, frames: 2 },
             rows: Activations::encode(&[1.0, -2.0, 0.5, 3.0], 2, CodecPolicy::F32),
         },
         Frame::Decode {
             session: 5,
             position: 12,
+            batch: Batch::alone(4),
             rows: Activations::encode(&[1.0, -2.0, 0.5, 3.0], 4, CodecPolicy::AutoLossless),
         },
         Frame::Trim {
@@ -171,6 +173,7 @@ fn every_decode_error_names_its_field_and_limit() {
     let decode = encode_to_vec(&Frame::Decode {
         session: 1,
         position: 0,
+        batch: Batch::alone(1),
         rows: Activations::encode(&[1.0, 2.0], 2, CodecPolicy::F32),
     });
     let with = |bytes: &[u8], at: usize, patch: &[u8]| {
@@ -213,7 +216,12 @@ fn every_decode_error_names_its_field_and_limit() {
             "bad proof flag",
             with(&hello, 5 + 4 + 2 + 1 + 32 + 2 + 20 + 2 + 1 + 16, &[2]),
         ),
-        ("bad codec", with(&decode, 5 + 8 + 4 + 8, &[0])),
+        // Decode: header 5, session 8, position 4, batch id 4 and frame count 2, rows 4, width 4, codec 1.
+        ("bad codec", with(&decode, 5 + 8 + 4 + 6 + 8, &[0])),
+        (
+            "no frames in the batch",
+            with(&decode, 5 + 8 + 4 + 4, &[0, 0]),
+        ),
         ("bad log-probability flag", {
             let configure = encode_to_vec(&Frame::Configure {
                 session: 1,
@@ -246,7 +254,7 @@ fn every_decode_error_names_its_field_and_limit() {
         }),
         (
             "rows mismatch",
-            with(&decode, 5 + 8 + 4 + 9, &12u32.to_le_bytes()),
+            with(&decode, 5 + 8 + 4 + 6 + 9, &12u32.to_le_bytes()),
         ),
     ];
     let mut text = String::new();

@@ -94,6 +94,8 @@ struct Options {
     /// `--link-delay` in milliseconds for our pipelines of more than one stage, as given (`None`: loopback as
     /// it is): every stage link, and the last stage's returns, delayed that much each way.
     link_delay: Option<String>,
+    /// `--batches-in-flight` for our pipelines of more than one stage, as given (`None`: their default).
+    batches_in_flight: Option<usize>,
 }
 
 /// One concurrency's figures for one server.
@@ -153,6 +155,7 @@ impl Options {
             decode_stretch: None,
             lanes: LANES_DEFAULT,
             link_delay: None,
+            batches_in_flight: None,
         };
         let mut iterator = arguments.iter();
         while let Some(argument) = iterator.next() {
@@ -223,10 +226,17 @@ impl Options {
                         })?;
                     options.link_delay = (delay > 0.0).then(|| delay.to_string());
                 }
+                "--batches-in-flight" => {
+                    let text = value("a count such as 1, or 0 for no hold")?;
+                    options.batches_in_flight = Some(text.parse().ok().with_context(|| {
+                        format!("--batches-in-flight takes a count (0 or more), not `{text}`")
+                    })?);
+                }
                 other => bail!(
                     "unknown argument `{other}` to `cargo xtask bench serve` (takes --model smollm2|gemma3, \
                      --concurrency 1,2,4,8, --requests-per-worker N, --tokens N, --stages 1,3, \
-                     --decode-stretch X, --lanes N, --link-delay MS, --skip-llama, --skip-ours, --skip-scenarios)"
+                     --decode-stretch X, --lanes N, --link-delay MS, --batches-in-flight N, --skip-llama, \
+                     --skip-ours, --skip-scenarios)"
                 ),
             }
         }
@@ -266,9 +276,13 @@ impl Options {
             .as_ref()
             .map(|delay| format!(" --link-delay {delay}"))
             .unwrap_or_default();
+        let in_flight = self
+            .batches_in_flight
+            .map(|count| format!(" --batches-in-flight {count}"))
+            .unwrap_or_default();
         format!(
             "cargo xtask bench serve --model {} --concurrency {} --requests-per-worker {} --tokens \
-             {}{stages}{stretch}{lanes}{delay}{skip}{scenarios}",
+             {}{stages}{stretch}{lanes}{delay}{in_flight}{skip}{scenarios}",
             self.model,
             levels.join(","),
             self.requests_per_worker,
@@ -486,6 +500,9 @@ fn start(
             }
             if let Some(delay) = options.link_delay.as_ref().filter(|_| stages > 1) {
                 command.args(["--link-delay", delay]);
+            }
+            if let Some(count) = options.batches_in_flight.filter(|_| stages > 1) {
+                command.args(["--batches-in-flight", &count.to_string()]);
             }
         }
         Server::Llama => {

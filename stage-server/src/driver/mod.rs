@@ -41,7 +41,7 @@ use crate::model::{
 use crate::serve::LinkShape;
 use crate::telemetry::registry::{LinkSide, STAGE};
 use crate::wire::{
-    Activations, ClusterKey, CodecPolicy, CodecSet, Decoder, ErrorCode, Frame, Hello,
+    Activations, Batch, ClusterKey, CodecPolicy, CodecSet, Decoder, ErrorCode, Frame, Hello,
     PROTOCOL_VERSION, Role, Side, WireError, WireLimits, check_adjacent, check_same_model, encode,
     fresh_nonce, proof, verify,
 };
@@ -436,7 +436,8 @@ impl Chain {
                 rows = chunk.len() as i64
             )
             .entered();
-            let rows = self.rows(position, StageInput::Tokens(chunk))?;
+            // The prompt's last chunk comes back as a token: the lane's next chunk waits for it.
+            let (rows, batch) = self.rows(position, StageInput::Tokens(chunk), last)?;
             if last {
                 // The first token must find its way back: the last stage has registered the session (its
                 // Ack came, almost always long before, while stage 0 computed).
@@ -452,6 +453,7 @@ impl Chain {
                 session,
                 position: position as u32,
                 last,
+                batch,
                 rows,
             })?;
             if !last {
@@ -491,11 +493,13 @@ impl Chain {
                 position = position as i64
             )
             .entered();
-            let rows = self.rows(position, StageInput::Tokens(&[predicted.token]))?;
+            let (rows, batch) =
+                self.rows(position, StageInput::Tokens(&[predicted.token]), true)?;
             let sent = Instant::now();
             self.send(&Frame::Decode {
                 session,
                 position: position as u32,
+                batch,
                 rows,
             })?;
             position += 1;
@@ -506,19 +510,32 @@ impl Chain {
         Ok(generation)
     }
 
-    /// Runs stage 0's layers over `input` at `position` and encodes the rows for the chain.
-    fn rows(&mut self, position: usize, input: StageInput<'_>) -> Result<Activations, DriverError> {
+    /// Runs stage 0's layers over `input` at `position` and encodes the rows for the chain, with the step they
+    /// ran in (stage 1 runs the step's frames together). `awaits_answer`: a token comes back for these rows.
+    fn rows(
+        &mut self,
+        position: usize,
+        input: StageInput<'_>,
+        awaits_answer: bool,
+    ) -> Result<(Activations, Batch), DriverError> {
         // The shared stage's compute thread counts the step (and its batch) in the stage metrics.
-        let output = self
-            .stage
-            .stage
-            .forward(self.stage.lane, position, input, Logits::Last)?;
+        let (output, step) = self.stage.stage.forward_tagged(
+            self.stage.lane,
+            position,
+            input,
+            Logits::Last,
+            awaits_answer,
+        )?;
         let width = self.stage.stage.width();
+        // Ids wrap: the next stage only compares those of frames close in time.
+        let batch = Batch {
+            id: step.id as u32,
+            frames: u16::try_from(step.chunks.max(1)).unwrap_or(u16::MAX),
+        };
         match output {
-            StageOutput::Activations(values) => Ok(Activations::encode(
-                &values,
-                width as u32,
-                self.wire.options.codec,
+            StageOutput::Activations(values) => Ok((
+                Activations::encode(&values, width as u32, self.wire.options.codec),
+                batch,
             )),
             StageOutput::Logits(_) => Err(DriverError::Protocol(
                 "stage 0 produced logits; it must not hold the model's last layer".into(),

@@ -291,11 +291,13 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
             let context_length = stage.context_length();
             let width = stage.width();
             let stage = Arc::new(
-                // No gather: a lane's next chunk waits for its token's round trip down the chain.
+                // No gather: a lane's next chunk waits for its token's round trip down the chain; the lanes
+                // that went down together are held together instead (batches in flight).
                 model::SharedStage::start(
                     stage,
                     model::StepPolicy {
                         decode_stretch: state.config.decode_stretch,
+                        batches_in_flight: state.config.batches_in_flight,
                         ..model::StepPolicy::new(state.config.batch_tokens, Duration::ZERO)
                     },
                 )

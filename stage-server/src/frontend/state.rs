@@ -41,6 +41,10 @@ pub struct ApiConfig {
     /// decode-only pass (`None`: prompt rows up to `batch_tokens` whatever the streams wait); see
     /// [`crate::model::StepPolicy::decode_stretch`].
     pub decode_stretch: Option<f64>,
+    /// In front of a chain, how many steps' lanes may be out on their round trips at once before a lane that
+    /// came back waits for the others (see [`crate::model::StepPolicy::batches_in_flight`]): 1 (the default)
+    /// keeps the streams in one batch through every stage, best when the stages share this host's cores.
+    pub batches_in_flight: usize,
 }
 
 impl ApiConfig {
@@ -59,6 +63,7 @@ impl ApiConfig {
             drain_timeout: Duration::from_secs(30),
             batch_tokens: crate::model::DEFAULT_BATCH_TOKENS,
             decode_stretch: None,
+            batches_in_flight: 1,
         }
     }
 

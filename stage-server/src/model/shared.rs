@@ -45,6 +45,14 @@ pub const GATHER_WAIT: Duration = Duration::from_millis(2);
 /// the pass stalls every stream for its own prefill a step later.
 pub const ARRIVAL_WAIT: Duration = Duration::from_millis(10);
 
+/// The longest a chain's stage 0 holds a step for lanes still out on their round trip (see
+/// [`StepPolicy::batches_in_flight`]), however long the measured round trips are: past it the lanes that came
+/// back run without the others.
+pub const HOLD_WAIT_MAX: Duration = Duration::from_secs(1);
+
+/// The shortest hold, before any round trip is measured or where round trips are very short.
+pub const HOLD_WAIT_MIN: Duration = Duration::from_millis(5);
+
 /// The default row budget of one pass.
 pub const DEFAULT_BATCH_TOKENS: usize = 512;
 
@@ -61,6 +69,14 @@ pub struct StepPolicy {
     /// `batch_tokens` whatever the streams wait. A value below 1 or not finite cannot hold and counts as `None`
     /// ([`SharedStage::start`] drops it; the command line refuses it with an error).
     pub decode_stretch: Option<f64>,
+    /// Where a lane's next chunk comes after a round trip down a chain (stage 0 of a chain, which never
+    /// gathers), how many steps' chunks may be out on their round trips at once: a lane back from its round
+    /// trip waits (up to twice the measured round trip, within [`HOLD_WAIT_MIN`] and [`HOLD_WAIT_MAX`]) while
+    /// that many are out, so the lanes that went down in one step come back into one step, and lanes that
+    /// went down in different steps merge. 1 keeps a single batch going round (best where the stages share
+    /// cores, one host); the stage count keeps every stage busy where each has its own. 0: no hold, each step
+    /// runs whatever has come back (lanes drift apart into one-row steps).
+    pub batches_in_flight: usize,
 }
 
 impl StepPolicy {
@@ -72,6 +88,7 @@ impl StepPolicy {
             batch_tokens,
             gather,
             decode_stretch: None,
+            batches_in_flight: 0,
         }
     }
 }
@@ -118,6 +135,13 @@ struct State {
     running: bool,
     /// Orders chunks first come, first served.
     clock: u64,
+    /// Steps run so far: the id of the last one ([`StepTag::id`]).
+    steps: u64,
+    /// Since when a step has been held for lanes out on their round trip (see
+    /// [`StepPolicy::batches_in_flight`]).
+    held_since: Option<Instant>,
+    /// Moving average of a round trip: from the step that sent a lane's chunk to its next chunk.
+    round_trip: Option<Duration>,
 }
 
 #[derive(Debug, Default)]
@@ -127,7 +151,10 @@ struct LaneState {
     /// than a prompt cut into rows.
     past_prompt: bool,
     pending: Option<Pending>,
-    result: Option<Result<StageOutput, ModelError>>,
+    result: Option<Result<(StageOutput, StepTag), ModelError>>,
+    /// The step the lane's last chunk ended in, and when, while its answer is on its way round (see
+    /// [`SharedStage::forward_tagged`]): cleared when the lane hands in its next chunk or leaves.
+    out: Option<(u64, Instant)>,
 }
 
 /// A chunk handed in and not finished yet.
@@ -141,6 +168,19 @@ struct Pending {
     /// Output values of the rows run so far (a chunk over several steps).
     output: Vec<f32>,
     order: u64,
+    /// Whether the chunk's answer comes back to the lane after a round trip (the caller said so).
+    awaits_answer: bool,
+    /// Whether the lane came back from a round trip with this chunk: a step holds only for such chunks.
+    returned: bool,
+}
+
+/// The step a chunk ended in: a chain's stage 0 tells the next stage which of its frames ran together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepTag {
+    /// The step's number (steps of this stage count from 1).
+    pub id: u64,
+    /// How many chunks ended in the step, this one included.
+    pub chunks: usize,
 }
 
 #[derive(Debug)]
@@ -276,11 +316,13 @@ impl SharedStage {
         if let Some(entry) = state.lanes.get_mut(lane) {
             entry.active = active;
             entry.past_prompt = false;
+            entry.out = None;
         }
         drop(state);
         if !active {
-            // A step may be waiting for this lane.
+            // A step may be waiting for this lane: the compute thread's gather, or a caller's hold.
             self.shared.work.notify_one();
+            self.shared.done.notify_all();
         }
     }
 
@@ -293,6 +335,21 @@ impl SharedStage {
         input: StageInput<'_>,
         logits: Logits,
     ) -> Result<StageOutput, ModelError> {
+        self.forward_tagged(lane, position, input, logits, false)
+            .map(|(output, _)| output)
+    }
+
+    /// [`SharedStage::forward`], also saying which step the chunk ended in. `awaits_answer`: the chunk goes
+    /// down a chain and the lane's next chunk comes once its answer is back (a decode row, a prompt's last
+    /// chunk), which [`StepPolicy::batches_in_flight`] holds steps for.
+    pub fn forward_tagged(
+        &self,
+        lane: usize,
+        position: usize,
+        input: StageInput<'_>,
+        logits: Logits,
+        awaits_answer: bool,
+    ) -> Result<(StageOutput, StepTag), ModelError> {
         let input = match input {
             StageInput::Tokens(tokens) if !tokens.is_empty() => OwnedInput::Tokens(tokens.to_vec()),
             StageInput::Activations(values) if !values.is_empty() => {
@@ -321,6 +378,13 @@ impl SharedStage {
         }
         state.clock += 1;
         let order = state.clock;
+        let returned = match state.lanes[lane].out.take() {
+            Some((_, sent)) => {
+                state.observe_round_trip(sent.elapsed());
+                true
+            }
+            None => false,
+        };
         state.lanes[lane].result = None;
         state.lanes[lane].pending = Some(Pending {
             position,
@@ -329,6 +393,8 @@ impl SharedStage {
             done: 0,
             output: Vec::new(),
             order,
+            awaits_answer,
+            returned,
         });
         // Where steps never gather (a chain's stage 0), the caller runs the step itself when none is running:
         // no wake of the compute thread and no wake back, two thread wakes per token (35 to 60 µs each on our
@@ -343,6 +409,18 @@ impl SharedStage {
                 return Err(ModelError::Compute("the compute thread stopped".into()));
             }
             if !state.running && self.shared.callers_run_steps() {
+                if let Some(until) = hold_until(&mut state, self.shared.policy.batches_in_flight) {
+                    // Lanes of this step's batch are still out: wait for them (their hand-in, or a lane
+                    // leaving, wakes this thread), or for the hold to end.
+                    let now = Instant::now();
+                    state = self
+                        .shared
+                        .done
+                        .wait_timeout(state, until.saturating_duration_since(now))
+                        .unwrap_or_else(|poisoned| poisoned.into_inner())
+                        .0;
+                    continue;
+                }
                 let ran;
                 (state, ran) = run_step(&self.shared, state);
                 if ran {
@@ -470,6 +548,14 @@ fn compute(shared: &Shared) {
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             continue;
         }
+        if let Some(until) = hold_until(&mut state, policy.batches_in_flight) {
+            state = shared
+                .work
+                .wait_timeout(state, until.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+            continue;
+        }
         if !policy.gather.is_zero()
             && let Some(wait) = gather_wait(&state, width, policy.gather)
         {
@@ -520,6 +606,9 @@ fn run_step<'a>(
         return (state, false);
     }
     state.running = true;
+    state.held_since = None;
+    state.steps += 1;
+    let step = state.steps;
     drop(state);
     let started = Instant::now();
     // A panic in the pass fails the lanes of this step, whichever thread ran it: left pending, their chunks
@@ -557,6 +646,16 @@ fn run_step<'a>(
     state
         .costs
         .observe(decode_rows, rows - decode_rows, seconds);
+    let ended = plan
+        .iter()
+        .zip(&results)
+        .filter(|(planned, result)| planned.ends && result.is_ok())
+        .count();
+    let tag = StepTag {
+        id: step,
+        chunks: ended,
+    };
+    let finished = Instant::now();
     for (planned, result) in plan.into_iter().zip(results) {
         let lane = &mut state.lanes[planned.lane];
         let Some(pending) = lane
@@ -581,11 +680,15 @@ fn run_step<'a>(
                     let Some(done) = lane.pending.take() else {
                         continue;
                     };
-                    lane.result = Some(Ok(if shared.last {
+                    if done.awaits_answer {
+                        lane.out = Some((step, finished));
+                    }
+                    let output = if shared.last {
                         StageOutput::Logits(done.output)
                     } else {
                         StageOutput::Activations(done.output)
-                    }));
+                    };
+                    lane.result = Some(Ok((output, tag)));
                 }
             }
             Err(error) => {
@@ -602,6 +705,39 @@ fn run_step<'a>(
         shared.work.notify_one();
     }
     (state, true)
+}
+
+/// Until when the step about to run is held for lanes out on their round trip (see
+/// [`StepPolicy::batches_in_flight`]); `None` when it may run now. A step holds only if a lane back from its
+/// round trip has a chunk pending (a prompt's chunks alone never wait) and the steps with lanes still out are
+/// `in_flight` or more; the hold lasts twice the average round trip (within [`HOLD_WAIT_MIN`] and
+/// [`HOLD_WAIT_MAX`]) from when it began.
+fn hold_until(state: &mut State, in_flight: usize) -> Option<Instant> {
+    if in_flight == 0 {
+        return None;
+    }
+    let returned = state.lanes.iter().any(|lane| {
+        lane.pending
+            .as_ref()
+            .is_some_and(|pending| pending.returned && pending.done == 0)
+    });
+    let mut out: Vec<u64> = state
+        .lanes
+        .iter()
+        .filter_map(|lane| lane.out.map(|(step, _)| step))
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    if !returned || out.len() < in_flight {
+        state.held_since = None;
+        return None;
+    }
+    let wait = state
+        .round_trip
+        .map_or(HOLD_WAIT_MIN, |round_trip| round_trip * 2)
+        .clamp(HOLD_WAIT_MIN, HOLD_WAIT_MAX);
+    let until = *state.held_since.get_or_insert_with(Instant::now) + wait;
+    (Instant::now() < until).then_some(until)
 }
 
 /// How long the step about to run may wait for more chunks, counted from the first time it could have run;
@@ -641,6 +777,16 @@ struct StepCosts {
     prompt_row_mixed: Option<f64>,
     /// Seconds of a prompt row in a step without decode rows.
     prompt_row_alone: Option<f64>,
+}
+
+impl State {
+    /// Adds a lane's round trip to the moving average the holds are sized by.
+    fn observe_round_trip(&mut self, round_trip: Duration) {
+        self.round_trip = Some(match self.round_trip {
+            Some(before) => before.mul_f64(0.75) + round_trip.mul_f64(0.25),
+            None => round_trip,
+        });
+    }
 }
 
 impl StepCosts {
@@ -764,8 +910,11 @@ mod tests {
                 done: 0,
                 output: Vec::new(),
                 order,
+                awaits_answer: false,
+                returned: false,
             }),
             result: None,
+            out: None,
         }
     }
 
@@ -1058,6 +1207,79 @@ mod tests {
         drop(shared);
         let _ = std::fs::remove_dir_all(&dir);
         let _ = std::fs::remove_dir_all(&gather_dir);
+    }
+
+    #[test]
+    fn in_front_of_a_chain_lanes_that_went_down_apart_come_back_into_one_step_and_a_lane_that_leaves_frees_it()
+     {
+        use crate::model::testing::TinyModel;
+        use candle_core::quantized::GgmlDType;
+        let (dir, stage) = TinyModel::llama(GgmlDType::Q4_1).scratch_stage("shared-hold", 2);
+        let shared = SharedStage::start(
+            stage,
+            StepPolicy {
+                batches_in_flight: 1,
+                ..StepPolicy::new(512, Duration::ZERO)
+            },
+        )
+        .expect("start");
+        let run = |lane: usize, position: usize| {
+            shared
+                .forward_tagged(
+                    lane,
+                    position,
+                    StageInput::Tokens(&[7 + position as u32]),
+                    Logits::Last,
+                    true,
+                )
+                .expect("forward")
+                .1
+        };
+        shared.activate(0, true);
+        shared.activate(1, true);
+        // Nothing out yet: each lane's first chunk runs at once, in a step of its own.
+        let first = (run(0, 0), run(1, 0));
+        assert_eq!((first.0.chunks, first.1.chunks), (1, 1), "{first:?}");
+        assert_ne!(first.0.id, first.1.id);
+        // Round trips of 200 ms (a slow chain), so a hold lasts about 400 ms from here.
+        std::thread::sleep(Duration::from_millis(200));
+        // Lane 0 comes back while lane 1 is still out: it waits for lane 1, and both run in one step.
+        std::thread::scope(|scope| {
+            let early = scope.spawn(|| run(0, 1));
+            std::thread::sleep(Duration::from_millis(3));
+            let late = run(1, 1);
+            let early = early.join().expect("lane 0");
+            assert_eq!(early, late, "the two lanes ran in one step");
+            assert_eq!(late.chunks, 2);
+        });
+        // Lane 1 leaves instead of coming back: lane 0, held for it, runs at once rather than at the hold's end.
+        std::thread::scope(|scope| {
+            let started = Instant::now();
+            let alone = scope.spawn(|| run(0, 2));
+            std::thread::sleep(Duration::from_millis(1));
+            shared.activate(1, false);
+            let alone = alone.join().expect("lane 0");
+            assert_eq!(alone.chunks, 1);
+            assert!(
+                started.elapsed() < Duration::from_millis(150),
+                "lane 0 was held {:?} for a lane that had left",
+                started.elapsed()
+            );
+        });
+        // A lane out that stays in its generation and does not come back holds the other for the hold's length,
+        // and no longer.
+        shared.activate(1, true);
+        run(1, 2);
+        let started = Instant::now();
+        let tag = run(0, 3);
+        let held = started.elapsed();
+        assert_eq!(tag.chunks, 1);
+        assert!(
+            (HOLD_WAIT_MIN..HOLD_WAIT_MAX + Duration::from_millis(500)).contains(&held),
+            "held {held:?}"
+        );
+        drop(shared);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -17,7 +17,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use net_io_blocking::Completer;
 
@@ -25,7 +25,13 @@ use crate::model::{
     BatchEntry, Logits, ModelError, Sampler, SamplingParams, Stage, StageInput, StageOutput,
     wanted_log_probabilities,
 };
-use crate::wire::ErrorCode;
+use crate::wire::{Batch, ErrorCode};
+
+/// How long the compute thread waits for the rest of a batch once one of its frames is here. A previous
+/// stage writes a step's frames one after another, each on its own link, so they arrive within tens of
+/// microseconds when both processes run; this bounds the wait for one the host delays, or that never comes
+/// (its session failed upstream after the step).
+const BATCH_WAIT: Duration = Duration::from_millis(3);
 
 /// The completion token with which the compute thread wakes a link session.
 pub(crate) const COMPUTE_TOKEN: u64 = 1;
@@ -52,6 +58,8 @@ pub(crate) enum Work {
         sample: bool,
         /// A decode step rather than a prefill chunk (it goes on down the chain as one).
         decode: bool,
+        /// The previous stage's step the rows ran in: this stage waits briefly for the step's other frames.
+        batch: Batch,
     },
     /// Cuts `session`'s lane back to `length` positions.
     Trim { session: u64, length: u32 },
@@ -71,6 +79,8 @@ pub(crate) enum Outcome {
         rows: Vec<f32>,
         sample: bool,
         decode: bool,
+        /// This stage's step the rows ran in, and how many row frames it sends on.
+        batch: Batch,
     },
     /// The last stage's pick from the final row of a chunk (or, for a chunk that did not end a prompt,
     /// nothing to send on but an acknowledgement).
@@ -285,6 +295,10 @@ struct Owner {
     /// Open sessions by (link, session id).
     lanes: HashMap<(u64, u64), Lane>,
     free: Vec<usize>,
+    /// The id of the last step that sent rows on ([`Batch::id`]).
+    steps: u32,
+    /// How long a batch's first frame waits for the rest ([`BATCH_WAIT`]; longer in tests).
+    batch_wait: Duration,
 }
 
 /// Starts the compute thread over `stage`; it runs until every [`ComputeHandle`] is dropped.
@@ -296,6 +310,13 @@ pub(crate) fn start(stage: Stage) -> std::io::Result<(ComputeHandle, JoinHandle<
         lanes: HashMap::new(),
         // Lowest lane first, so a lightly used stage keeps reusing the same warm caches.
         free: (0..lanes).rev().collect(),
+        // A random start, so a stage process that restarts does not reuse the ids its next stage just saw.
+        steps: u32::from_le_bytes(
+            crate::wire::fresh_nonce()[..4]
+                .try_into()
+                .unwrap_or_default(),
+        ),
+        batch_wait: BATCH_WAIT,
     };
     let thread = std::thread::Builder::new()
         .name("stage-compute".into())
@@ -305,9 +326,11 @@ pub(crate) fn start(stage: Stage) -> std::io::Result<(ComputeHandle, JoinHandle<
 
 impl Owner {
     fn run(mut self, jobs: Receiver<Job>) {
-        // Chunks that queued up while a batch ran form the next batch; there is no waiting for more, because
-        // sessions of a chain are seldom in step (each waits for its own token's round trip).
+        // Chunks that queued up while a batch ran form the next batch, and a batch of the previous stage whose
+        // frames are not all here yet is waited for (up to BATCH_WAIT): run as they come, its rows would split
+        // into smaller passes here and at every stage after.
         let mut waiting: VecDeque<Job> = VecDeque::new();
+        let mut gather_started: Option<Instant> = None;
         loop {
             if waiting.is_empty() {
                 match jobs.recv() {
@@ -318,6 +341,18 @@ impl Owner {
             while let Ok(job) = jobs.try_recv() {
                 waiting.push_back(job);
             }
+            if batch_incomplete(&waiting) {
+                let until = *gather_started.get_or_insert_with(Instant::now) + self.batch_wait;
+                let now = Instant::now();
+                // Timed out (or every handle is gone): run what is here.
+                if now < until
+                    && let Ok(job) = jobs.recv_timeout(until - now)
+                {
+                    waiting.push_back(job);
+                    continue;
+                }
+            }
+            gather_started = None;
             let batch = take_batch(&mut waiting);
             if batch.len() == 1 && !matches!(batch[0].work, Work::Chunk { .. }) {
                 for job in batch {
@@ -382,6 +417,7 @@ impl Owner {
             stage_metrics.batch.observe(entries.len() as f64);
         }
         drop(entries);
+        let mut answers = Vec::with_capacity(batch.len());
         for ((job, lane), frame) in batch.into_iter().zip(lanes).zip(frames) {
             let key = job.key();
             let Work::Chunk {
@@ -390,6 +426,7 @@ impl Owner {
                 rows,
                 sample,
                 decode,
+                ..
             } = job.work
             else {
                 continue;
@@ -414,7 +451,25 @@ impl Owner {
                     })
                 }
             };
-            job.mailbox.deliver(outcome, frame);
+            answers.push((job.mailbox, outcome, frame));
+        }
+        // The rows this step sends on carry its id and their count, so the next stage runs them together.
+        let sent_on = answers
+            .iter()
+            .filter(|(_, outcome, _)| matches!(outcome, Outcome::Rows { .. }))
+            .count();
+        if sent_on > 0 {
+            self.steps = self.steps.wrapping_add(1);
+        }
+        let step = Batch {
+            id: self.steps,
+            frames: u16::try_from(sent_on).unwrap_or(u16::MAX),
+        };
+        for (mailbox, mut outcome, frame) in answers {
+            if let Outcome::Rows { batch, .. } = &mut outcome {
+                *batch = step;
+            }
+            mailbox.deliver(outcome, frame);
         }
     }
 
@@ -542,6 +597,8 @@ impl Owner {
                 rows,
                 sample,
                 decode,
+                // Set by `chunks` once the step's outcomes are all known.
+                batch: Batch::alone(0),
             },
             StageOutput::Logits(mut logits) if sample => {
                 for &(token, bias) in &lane.logit_bias {
@@ -598,6 +655,27 @@ fn frame_span(
         queue_wait_micros = i64::from(micros(submitted)),
         write_micros = tracing::field::Empty,
     )
+}
+
+/// Whether a chunk in `waiting` belongs to a batch of the previous stage whose other frames are not all here yet.
+/// Only when the next step would start with chunks (a job that is not a chunk runs alone first).
+fn batch_incomplete(waiting: &VecDeque<Job>) -> bool {
+    if !waiting
+        .front()
+        .is_some_and(|job| matches!(job.work, Work::Chunk { .. }))
+    {
+        return false;
+    }
+    let mut counts: HashMap<u32, (usize, u16)> = HashMap::new();
+    for job in waiting {
+        if let Work::Chunk { batch, .. } = &job.work {
+            let entry = counts.entry(batch.id).or_insert((0, batch.frames));
+            entry.0 += 1;
+        }
+    }
+    counts
+        .values()
+        .any(|(here, frames)| *here < usize::from(*frames))
 }
 
 /// Takes the jobs of the next step off the front of `waiting`: the leading chunks of distinct sessions (a
@@ -720,7 +798,160 @@ mod tests {
             rows: vec![0.5; 4],
             sample: true,
             decode: true,
+            batch: Batch::alone(1),
         }
+    }
+
+    /// A compute thread over the middle layers (1..3) of the tiny model with `lanes` lanes, its batches
+    /// waited for up to `batch_wait`, and sessions 1 to `lanes` open on link 7.
+    fn middle_stage(
+        name: &str,
+        lanes: usize,
+        batch_wait: Duration,
+    ) -> (std::path::PathBuf, Sender<Job>, JoinHandle<()>) {
+        use crate::model::testing::TinyModel;
+        use crate::model::{StageOptions, StageSpec};
+        use candle_core::quantized::GgmlDType;
+        let tiny = TinyModel::llama(GgmlDType::Q4_1);
+        let dir = std::env::temp_dir().join(format!("stage-server-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = tiny.write_to_dir(&dir).unwrap();
+        let spec = StageSpec {
+            layers: 1..3,
+            first: false,
+            last: false,
+        };
+        let options = StageOptions {
+            lane_count: lanes,
+            context_length: None,
+        };
+        let stage = Stage::load(&path, spec, options).unwrap();
+        let owner = Owner {
+            stage,
+            lanes: HashMap::new(),
+            free: (0..lanes).rev().collect(),
+            steps: 0,
+            batch_wait,
+        };
+        let (jobs, receiver) = channel();
+        let thread = std::thread::spawn(move || owner.run(receiver));
+        (dir, jobs, thread)
+    }
+
+    fn job(work: Work, mailbox: &Arc<Mailbox>) -> Job {
+        Job {
+            work,
+            mailbox: Arc::clone(mailbox),
+            span: tracing::Span::none(),
+            stage_index: 1,
+            submitted: Instant::now(),
+        }
+    }
+
+    fn decode(session: u64, position: u32, batch: Batch, width: usize) -> Work {
+        Work::Chunk {
+            session,
+            position,
+            rows: vec![0.25; width],
+            sample: true,
+            decode: true,
+            batch,
+        }
+    }
+
+    /// Waits for `count` outcomes in `mailbox` and gives the batch of each `Rows` among them.
+    fn batches_of(mailbox: &Mailbox, count: usize) -> Vec<Batch> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut outcomes = Vec::new();
+        while outcomes.len() < count {
+            assert!(
+                Instant::now() < deadline,
+                "outcomes did not come: {outcomes:?}"
+            );
+            outcomes.extend(mailbox.take().into_iter().map(|delivery| delivery.outcome));
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        outcomes
+            .into_iter()
+            .filter_map(|outcome| match outcome {
+                Outcome::Rows { batch, .. } => Some(batch),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_batchs_frames_run_as_one_step_however_far_apart_they_come_and_a_missing_one_is_not_waited_for_long()
+     {
+        let width =
+            crate::model::testing::TinyModel::llama(candle_core::quantized::GgmlDType::Q4_1)
+                .embedding_length;
+        let (dir, jobs, thread) = middle_stage("batch-gather", 3, Duration::from_secs(2));
+        let (mailbox, _receiver) = mailbox();
+        for session in 1..=3 {
+            let open = Work::Open {
+                session,
+                sampling: SamplingParams::default(),
+                history: Vec::new(),
+                logit_bias: Vec::new(),
+                top_logprobs: 0,
+                logprob: false,
+            };
+            jobs.send(job(open, &mailbox)).unwrap();
+        }
+        assert!(batches_of(&mailbox, 3).is_empty(), "three sessions open");
+        // The previous stage's step 40 sent two frames; the second comes 50 ms after the first. They run as
+        // one step here, whose two frames go on together.
+        jobs.send(job(
+            decode(1, 0, Batch { id: 40, frames: 2 }, width),
+            &mailbox,
+        ))
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        jobs.send(job(
+            decode(2, 0, Batch { id: 40, frames: 2 }, width),
+            &mailbox,
+        ))
+        .unwrap();
+        let together = batches_of(&mailbox, 2);
+        assert_eq!(together.len(), 2, "{together:?}");
+        assert_eq!(
+            together[0], together[1],
+            "the two frames ran in different steps"
+        );
+        assert_eq!(together[0].frames, 2);
+        // A frame alone is not held.
+        let started = Instant::now();
+        jobs.send(job(decode(3, 0, Batch::alone(41), width), &mailbox))
+            .unwrap();
+        assert_eq!(batches_of(&mailbox, 1)[0].frames, 1);
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "a lone frame waited"
+        );
+        // A batch of three of which one never comes runs the two that did once the wait is over.
+        let started = Instant::now();
+        jobs.send(job(
+            decode(1, 1, Batch { id: 42, frames: 3 }, width),
+            &mailbox,
+        ))
+        .unwrap();
+        jobs.send(job(
+            decode(2, 1, Batch { id: 42, frames: 3 }, width),
+            &mailbox,
+        ))
+        .unwrap();
+        let partial = batches_of(&mailbox, 2);
+        let waited = started.elapsed();
+        assert_eq!(partial[0], partial[1]);
+        assert_eq!(partial[0].frames, 2);
+        assert!(
+            (Duration::from_secs(2)..Duration::from_secs(10)).contains(&waited),
+            "waited {waited:?} for the missing frame"
+        );
+        drop(jobs);
+        thread.join().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -758,6 +758,7 @@ impl Upstream {
                 session,
                 position,
                 last,
+                batch,
                 rows,
             } => match self.rows(rows) {
                 Ok(values) => Work::Chunk {
@@ -766,6 +767,7 @@ impl Upstream {
                     rows: values,
                     sample: *last,
                     decode: false,
+                    batch: *batch,
                 },
                 Err(message) => {
                     return self.error(context, *session, ErrorCode::Protocol, message);
@@ -774,6 +776,7 @@ impl Upstream {
             Frame::Decode {
                 session,
                 position,
+                batch,
                 rows,
             } => match self.rows(rows) {
                 Ok(values) => Work::Chunk {
@@ -782,6 +785,7 @@ impl Upstream {
                     rows: values,
                     sample: true,
                     decode: true,
+                    batch: *batch,
                 },
                 Err(message) => {
                     return self.error(context, *session, ErrorCode::Protocol, message);

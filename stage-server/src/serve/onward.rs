@@ -50,6 +50,7 @@ impl Onward for Forward {
                     rows,
                     sample,
                     decode,
+                    batch,
                 },
             ) => {
                 let rows = Activations::encode(&rows, self.shared.hello.width, self.shared.codec);
@@ -57,6 +58,7 @@ impl Onward for Forward {
                     Frame::Decode {
                         session,
                         position,
+                        batch,
                         rows,
                     }
                 } else {
@@ -64,6 +66,7 @@ impl Onward for Forward {
                         session,
                         position,
                         last: sample,
+                        batch,
                         rows,
                     }
                 };

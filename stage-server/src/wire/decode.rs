@@ -16,7 +16,7 @@
 
 use super::codec::{Activations, Codec, CodecSet};
 use super::error::WireError;
-use super::frame::{ErrorCode, Frame, Sampling, StageTiming, kind};
+use super::frame::{Batch, ErrorCode, Frame, Sampling, StageTiming, kind};
 use super::hello::{Hello, Role};
 use super::{MAGIC, PROTOCOL_VERSION, WireLimits};
 
@@ -305,6 +305,15 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// A row frame's batch: the sender's step id and its frame count, which is never 0 (the frame itself is one).
+    fn batch(&mut self) -> Result<Batch, Stop> {
+        let id = self.u32("batch id")?;
+        match self.u16("batch frame count")? {
+            0 => Err(self.bad_value("batch frame count", 0)),
+            frames => Ok(Batch { id, frames }),
+        }
+    }
+
     fn optional<const N: usize>(
         &mut self,
         flag: &'static str,
@@ -438,12 +447,14 @@ fn parse_body(kind: u8, reader: &mut Reader<'_>, limits: &WireLimits) -> Result<
             let session = reader.u64("session")?;
             let position = reader.u32("position")?;
             let last = reader.bool("last flag")?;
+            let batch = reader.batch()?;
             let (rows, range) = parse_activations(reader, limits)?;
             return Ok((
                 Frame::Prefill {
                     session,
                     position,
                     last,
+                    batch,
                     rows,
                 },
                 Some(range),
@@ -452,11 +463,13 @@ fn parse_body(kind: u8, reader: &mut Reader<'_>, limits: &WireLimits) -> Result<
         kind::DECODE => {
             let session = reader.u64("session")?;
             let position = reader.u32("position")?;
+            let batch = reader.batch()?;
             let (rows, range) = parse_activations(reader, limits)?;
             return Ok((
                 Frame::Decode {
                     session,
                     position,
+                    batch,
                     rows,
                 },
                 Some(range),
@@ -732,6 +745,7 @@ mod tests {
             session: 3,
             position: 10,
             last: true,
+            batch: Batch { id: 9, frames: 2 },
             rows: Activations::encode(&[1.0, 2.0, 3.0, 4.5], 2, CodecPolicy::F32),
         }
     }

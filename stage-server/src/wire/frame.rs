@@ -92,8 +92,8 @@ pub enum ErrorCode {
 ///                     top_logprobs u8, logprob bool, trace [25]?, stop_count u32, stop_count x token u32,
 ///                     history_count u32, history_count x token u32, bias_count u32,
 ///                     bias_count x (token u32, bias f32)
-///  4     Prefill      session u64, position u32, last bool, activations
-///  5     Decode       session u64, position u32, activations
+///  4     Prefill      session u64, position u32, last bool, batch, activations
+///  5     Decode       session u64, position u32, batch, activations
 ///  6     Trim         session u64, length u32
 ///  7     Stop         session u64
 ///  8     OpenReturn   session u64
@@ -104,6 +104,8 @@ pub enum ErrorCode {
 ///
 ///  address     = family u8 (4: ip [4], 6: ip [16]), port u16; after the presence byte of `address?`, which
 ///                is the family byte itself: 0 for none
+///
+///  batch       = id u32, frames u16 (1 or more): the sending stage's step and how many row frames it sent
 ///
 ///  activations = rows u32, width u32, codec u8 (1 f32, 2 f16, 3 bf16), byte_count u32, bytes [byte_count]
 ///                with byte_count == rows x width x bytes per value
@@ -151,6 +153,8 @@ pub enum Frame {
         position: u32,
         /// Whether this is the prompt's last chunk (the last stage answers it with a `Token`).
         last: bool,
+        /// The sender's step these rows ran in.
+        batch: Batch,
         /// One row per token.
         rows: Activations,
     },
@@ -160,6 +164,8 @@ pub enum Frame {
         session: u64,
         /// Absolute position of the first row.
         position: u32,
+        /// The sender's step these rows ran in.
+        batch: Batch,
         /// One row per token.
         rows: Activations,
     },
@@ -211,6 +217,27 @@ pub enum Frame {
         /// What happened and what to do, in words.
         message: String,
     },
+}
+
+/// The step of the sending stage that a row frame's rows ran in, so the next stage can run those rows as one
+/// pass again: a step's frames go out on as many links as it had sessions and arrive one by one, and a stage
+/// that ran whatever had arrived would split the batch (and, stage after stage, run one-row passes).
+///
+/// Ids are the sender's own and wrap; a receiver only compares them with the ids of frames from the same
+/// stage, close in time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Batch {
+    /// The sender's number for the step.
+    pub id: u32,
+    /// How many row frames the step sent to the receiving stage, this one included: at least 1.
+    pub frames: u16,
+}
+
+impl Batch {
+    /// A step that sent one frame: the receiver has nothing to wait for.
+    pub const fn alone(id: u32) -> Batch {
+        Batch { id, frames: 1 }
+    }
 }
 
 /// Frame kind bytes.
@@ -492,20 +519,24 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             session,
             position,
             last,
+            batch,
             rows,
         } => {
             writer.u64(*session);
             writer.u32(*position);
             writer.u8(u8::from(*last));
+            writer.batch(*batch);
             writer.activations(rows);
         }
         Frame::Decode {
             session,
             position,
+            batch,
             rows,
         } => {
             writer.u64(*session);
             writer.u32(*position);
+            writer.batch(*batch);
             writer.activations(rows);
         }
         Frame::Trim { session, length } => {
@@ -634,6 +665,11 @@ impl Writer<'_> {
             }
             None => self.u8(0),
         }
+    }
+
+    fn batch(&mut self, batch: Batch) {
+        self.u32(batch.id);
+        self.u16(batch.frames);
     }
 
     fn activations(&mut self, activations: &Activations) {

@@ -66,7 +66,7 @@ pub use auth::{ClusterKey, KeyError, Side, fresh_nonce, proof, try_fresh_nonce, 
 pub use codec::{Activations, Codec, CodecPolicy, CodecSet};
 pub use decode::Decoder;
 pub use error::WireError;
-pub use frame::{ErrorCode, Frame, Sampling, StageTiming, encode, encode_to_vec};
+pub use frame::{Batch, ErrorCode, Frame, Sampling, StageTiming, encode, encode_to_vec};
 pub use hello::{Hello, Mismatch, Role, check_adjacent, check_codec, check_same_model};
 
 /// The four bytes every hello starts with.
@@ -79,7 +79,8 @@ pub const MAGIC: [u8; 4] = *b"SSTG";
 ///
 /// Version 2: `Configure` carries whether the token's log-probability is wanted.
 /// Version 3: a hello carries the address of the chain's last stage, for direct prediction return.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// Version 4: `Prefill` and `Decode` carry the sender's step ([`Batch`]), so a stage runs a batch's rows together.
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// Bounds the decoder checks before it allocates anything for a field.
 ///
