@@ -71,6 +71,7 @@ fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
                 history: vec![11, 12, 13],
                 top_logprobs: 2,
                 logprob: true,
+                resume: false,
                 trace: Some([1; 25]),
             },
         ),

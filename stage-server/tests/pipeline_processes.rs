@@ -794,6 +794,94 @@ fn four_chains_at_once_on_four_lanes_each_give_their_solo_tokens() {
 }
 
 #[test]
+fn a_chain_reuses_the_prefix_its_last_generation_left_at_every_stage_and_answers_as_a_cold_run() {
+    for (name, model, middle, last) in [
+        (
+            "reuse-llama",
+            TinyModel::llama(GgmlDType::Q4_1),
+            "1..3",
+            "3..4",
+        ),
+        (
+            "reuse-gemma3",
+            TinyModel::gemma3(GgmlDType::Q8_0),
+            "1..4",
+            "4..6",
+        ),
+    ] {
+        let path = tiny(name, &model);
+        let file = ModelFile::open(&path).unwrap();
+        let last = StageChild::start(&path, last, None, &[]);
+        let middle = StageChild::start(&path, middle, Some(last.address), &[]);
+        let options = ChainOptions {
+            logprobs: true,
+            top_logprobs: 3,
+            ..ChainOptions::default()
+        };
+        let generate = GenerateOptions {
+            max_tokens: 8,
+            stop_tokens: Vec::new(),
+            keep_logits: false,
+        };
+        // Tokens with their log-probabilities and alternatives, bit for bit, and the prefix reused.
+        let run = |chain: &mut Chain, prompt: &[u32]| {
+            let mut answers = Vec::new();
+            let generation = chain
+                .generate(prompt, SamplingParams::default(), &generate, |predicted| {
+                    answers.push((
+                        predicted.token,
+                        predicted.logprob.to_bits(),
+                        predicted
+                            .top
+                            .iter()
+                            .map(|(token, logprob)| (*token, logprob.to_bits()))
+                            .collect::<Vec<_>>(),
+                    ))
+                })
+                .unwrap();
+            (answers, generation.cached_tokens)
+        };
+        let cold = |prompt: &[u32]| {
+            let mut chain = Chain::connect(&file, 1, middle.address, options.clone()).unwrap();
+            run(&mut chain, prompt).0
+        };
+        let first: Vec<u32> = vec![1, 300, 301, 302, 303, 304];
+        let mut chain = Chain::connect(&file, 1, middle.address, options.clone()).unwrap();
+        let (answers, cached) = run(&mut chain, &first);
+        assert_eq!(cached, 0, "{name}: nothing to reuse on a new chain");
+        // Every stage's lane holds the prompt and the tokens fed back (all but the last one predicted).
+        let fed: Vec<u32> = answers[..answers.len() - 1]
+            .iter()
+            .map(|(token, _, _)| *token)
+            .collect();
+        assert_eq!(
+            chain.held(),
+            [first.clone(), fed.clone()].concat(),
+            "{name}"
+        );
+        // The conversation goes on: the last prompt, three of its answer's tokens, and a new turn.
+        let second: Vec<u32> = [first.clone(), fed[..3].to_vec(), vec![310, 311]].concat();
+        let (answers, cached) = run(&mut chain, &second);
+        assert_eq!(
+            cached,
+            first.len() + 3,
+            "{name}: the shared prefix was not reused"
+        );
+        assert_eq!(
+            answers,
+            cold(&second),
+            "{name}: a reused prefix answered differently from a cold run"
+        );
+        // A prompt that shares only its first token, then one that shares nothing.
+        for prompt in [vec![1, 200, 201, 202], vec![7, 8, 9]] {
+            let (answers, cached) = run(&mut chain, &prompt);
+            assert_eq!(cached, usize::from(prompt[0] == 1), "{name}: {prompt:?}");
+            assert_eq!(answers, cold(&prompt), "{name}: {prompt:?}");
+        }
+    }
+}
+
+#[test]
 fn sigterm_drains_a_stage_and_it_exits_zero() {
     let llama = tiny("sigterm-llama", &TinyModel::llama(GgmlDType::Q4_1));
     let stage = StageChild::start(&llama, "2..4", None, &[]);
@@ -1115,6 +1203,7 @@ fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
             history: Vec::new(),
             top_logprobs: 0,
             logprob: false,
+            resume: false,
             trace: None,
         },
         &mut bytes,

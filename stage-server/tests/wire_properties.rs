@@ -161,7 +161,7 @@ fn frame() -> impl Strategy<Value = Frame> {
             vec((any::<u32>(), any_f32()), 0..40),
             vec(any::<u32>(), 0..80),
             0..=limits.max_top_logprobs,
-            any::<bool>(),
+            (any::<bool>(), any::<bool>()),
             proptest::option::of(any::<[u8; 25]>()),
         )
             .prop_map(
@@ -172,7 +172,7 @@ fn frame() -> impl Strategy<Value = Frame> {
                     logit_bias,
                     history,
                     top_logprobs,
-                    logprob,
+                    (logprob, resume),
                     trace,
                 )| {
                     Frame::Configure {
@@ -183,6 +183,7 @@ fn frame() -> impl Strategy<Value = Frame> {
                         history,
                         top_logprobs,
                         logprob,
+                        resume,
                         trace,
                     }
                 }
@@ -456,6 +457,7 @@ fn a_count_over_its_limit_is_refused_with_the_field_named() {
                 history: Vec::new(),
                 top_logprobs: 0,
                 logprob: false,
+                resume: false,
                 trace: None,
             },
             "stop tokens",
@@ -470,6 +472,7 @@ fn a_count_over_its_limit_is_refused_with_the_field_named() {
                 history: Vec::new(),
                 top_logprobs: 0,
                 logprob: false,
+                resume: false,
                 trace: None,
             },
             "logit-bias entries",
@@ -484,6 +487,7 @@ fn a_count_over_its_limit_is_refused_with_the_field_named() {
                 history: Vec::new(),
                 top_logprobs: 21,
                 logprob: false,
+                resume: false,
                 trace: None,
             },
             "top log-probabilities",

@@ -65,6 +65,7 @@ fn examples() -> Vec<Frame> {
             history: vec![9, 10],
             top_logprobs: 3,
             logprob: true,
+            resume: false,
             trace: Some(std::array::from_fn(|index| index as u8)),
         },
         Frame::Prefill {
@@ -231,6 +232,7 @@ fn every_decode_error_names_its_field_and_limit() {
                 history: Vec::new(),
                 top_logprobs: 0,
                 logprob: false,
+                resume: false,
                 trace: None,
             });
             // After the header, the session and the 40 bytes of sampling settings, the alternatives count.

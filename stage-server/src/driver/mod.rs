@@ -191,6 +191,16 @@ pub struct Chain {
     returns: Option<Wire>,
     /// Tokens that came back over the return link, over this chain's life.
     direct_tokens: u64,
+    /// The session the last generation left open down the chain, for the next one to reuse its prefix.
+    kept: Option<Kept>,
+}
+
+/// A session left open down the chain after a generation that ended cleanly (nothing of it still in flight):
+/// every stage's lane for it, stage 0's included, holds the keys and values of `history`.
+#[derive(Debug)]
+struct Kept {
+    session: u64,
+    history: Vec<u32>,
 }
 
 /// Which of stage 0's links a frame came on.
@@ -310,6 +320,7 @@ impl Chain {
             next: theirs,
             returns,
             direct_tokens: 0,
+            kept: None,
         })
     }
 
@@ -350,9 +361,42 @@ impl Chain {
         })
     }
 
+    /// The tokens whose keys and values the session kept from the last generation holds at every stage (empty
+    /// when none is kept): the next generation reuses as much of its prompt's start as matches.
+    pub fn held(&self) -> &[u32] {
+        self.kept.as_ref().map_or(&[], |kept| &kept.history)
+    }
+
+    /// How many leading tokens of `prompt` the next generation would reuse from the kept session instead of
+    /// prefilling them: the longest common prefix, at most all but the prompt's last token (which must run to
+    /// give the first prediction), and 0 where a sliding-window layer no longer holds what cutting back that
+    /// far needs.
+    pub fn reusable(&self, prompt: &[u32]) -> usize {
+        let common = common_prefix(self.held(), prompt).min(prompt.len().saturating_sub(1));
+        if common == 0 {
+            return 0;
+        }
+        let lane = self.stage.lane;
+        match self
+            .stage
+            .stage
+            .with_stage(|stage| stage.check_trim(lane, common))
+        {
+            Ok(()) => common,
+            Err(_) => 0,
+        }
+    }
+
     /// [`Chain::generate`] with a logit bias and log-probabilities, where `on_token` may end the generation
-    /// early (a stop string matched, the client went away): `Break` stops it at once and frees the session's
-    /// lanes down the chain, and the generation so far is returned with `Finish::Stop`.
+    /// early (a stop string matched, the client went away): `Break` stops it at once, and the generation so far
+    /// is returned with `Finish::Stop`.
+    ///
+    /// Prefix reuse: a generation that ends with nothing of it in flight leaves its session open at every
+    /// stage. The next one whose prompt starts with the same tokens cuts every stage's lane back to the common
+    /// prefix (`Trim`), resumes the session (`Configure` with `resume`) and prefills only the rest
+    /// (`Generation::cached_tokens` says how much was reused); otherwise the kept session is stopped, freeing
+    /// its lanes, and a new one starts. If resuming fails at a stage (it restarted and lost the session), the
+    /// generation runs again from scratch before any token is delivered. Any other end stops the session.
     pub fn generate_with(
         &mut self,
         prompt: &[u32],
@@ -364,9 +408,63 @@ impl Chain {
         if prompt.is_empty() {
             return Err(ModelError::EmptyChunk.into());
         }
-        let session = new_session_id();
-        let result = self.run(session, prompt, sampling, extras, options, &mut on_token);
-        // Always free the session's lanes down the chain, however the generation ended.
+        if options.max_tokens == 0 {
+            return Ok(Generation::empty());
+        }
+        let cached = self.reusable(prompt);
+        let session = match self.kept.take() {
+            Some(kept) if cached > 0 => kept.session,
+            Some(kept) => {
+                self.end_session(kept.session)?;
+                new_session_id()
+            }
+            None => new_session_id(),
+        };
+        let mut delivered = false;
+        let mut counting = |predicted: &Predicted| {
+            delivered = true;
+            on_token(predicted)
+        };
+        let mut fed = Vec::new();
+        let result = self.run(
+            session,
+            cached,
+            prompt,
+            sampling.clone(),
+            extras,
+            options,
+            &mut counting,
+            &mut fed,
+        );
+        match result {
+            Ok((generation, true)) => {
+                self.kept = Some(Kept {
+                    session,
+                    history: fed,
+                });
+                Ok(generation)
+            }
+            Err(DriverError::Stage { code, message }) if cached > 0 && !delivered => {
+                tracing::debug!(
+                    session,
+                    "resuming the kept session failed ({code:?}: {message}); running the prompt from scratch"
+                );
+                self.end_session(session)?;
+                self.generate_with(prompt, sampling, extras, options, on_token)
+            }
+            other => {
+                // Free the session's lanes down the chain, however the generation ended.
+                let stopped = self.end_session(session);
+                let (generation, _) = other?;
+                stopped?;
+                Ok(generation)
+            }
+        }
+    }
+
+    /// Stops `session` down the chain and on the prediction-return link (a return link that fails is given up:
+    /// tokens come back up the chain from then on).
+    fn end_session(&mut self, session: u64) -> Result<(), DriverError> {
         let stopped = self.send(&Frame::Stop { session });
         if let Some(returns) = self.returns.as_mut()
             && let Err(error) = returns.send(&Frame::Stop { session })
@@ -377,30 +475,45 @@ impl Chain {
             );
             self.returns = None;
         }
-        let generation = result?;
-        stopped?;
-        Ok(generation)
+        stopped
     }
 
+    /// Runs one generation on `session`, the first `cached` tokens of `prompt` already in its lanes (0: a new
+    /// session). Leaves in `fed` the tokens whose keys and values the lanes now hold, and says whether the
+    /// session can be kept: nothing of it is still on its way (every prefill chunk acknowledged).
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
         session: u64,
+        cached: usize,
         prompt: &[u32],
         sampling: SamplingParams,
         extras: &SamplerExtras,
         options: &GenerateOptions,
         on_token: &mut impl FnMut(&Predicted) -> ControlFlow<()>,
-    ) -> Result<Generation, DriverError> {
+        fed: &mut Vec<u32>,
+    ) -> Result<(Generation, bool), DriverError> {
         let mut generation = Generation::empty();
-        if options.max_tokens == 0 {
-            return Ok(generation);
-        }
         let lane = self.stage.lane;
-        self.stage.stage.with_stage(|stage| stage.reset(lane))?;
+        if cached == 0 {
+            self.stage.stage.with_stage(|stage| stage.reset(lane))?;
+        } else {
+            self.stage
+                .stage
+                .with_stage(|stage| stage.trim(lane, cached))?;
+        }
+        generation.cached_tokens = cached;
         let share = self.stage.clone();
         let _active = Active::new(&share);
         let mut pending = Pending::default();
-        if let Some(returns) = self.returns.as_mut() {
+        if cached > 0 {
+            // Every stage cuts its lane back to the prefix this prompt shares with the session's last one.
+            self.send(&Frame::Trim {
+                session,
+                length: cached as u32,
+            })?;
+        } else if let Some(returns) = self.returns.as_mut() {
+            // A kept session stays registered on the return link; a new one registers.
             returns.send(&Frame::OpenReturn { session })?;
             pending.return_awaited = true;
         }
@@ -413,12 +526,13 @@ impl Chain {
             history: prompt[prompt.len().saturating_sub(sampling.penalty_last_n)..].to_vec(),
             top_logprobs: extras.top_logprobs.min(20),
             logprob: extras.logprobs,
+            resume: cached > 0,
             // The lane's generation span, when it is exported: every stage's spans join its trace.
             trace: crate::telemetry::current_trace_context().map(|context| context.to_wire()),
         })?;
         let started = Instant::now();
         let largest = self.wire.options.prefill_chunk.clamp(1, PREFILL_CHUNK);
-        let mut position = 0usize;
+        let mut position = cached;
         while position < prompt.len() {
             // Beside other lanes' streams, a chunk no longer than a pass can take without stretching their
             // steps past the bound (at every stage, since each batches what queues up); alone, the largest.
@@ -470,6 +584,8 @@ impl Chain {
         }
         let mut predicted = self.wait_for_token(session, position, &mut pending)?;
         generation.prompt_time = started.elapsed();
+        fed.clear();
+        fed.extend_from_slice(prompt);
         // From here the lane is a stream: other lanes' prompts are cut to spare it (with a decode stretch).
         share.stage.mark_decoding(share.lane);
         let decode_started = Instant::now();
@@ -503,11 +619,13 @@ impl Chain {
                 rows,
             })?;
             position += 1;
+            fed.push(predicted.token);
             predicted = self.wait_for_token(session, position, &mut pending)?;
             STAGE.round_trip.observe(sent.elapsed().as_secs_f64());
         }
         generation.decode_time = decode_started.elapsed();
-        Ok(generation)
+        let clean = pending.acknowledgements == 0 && !pending.return_awaited;
+        Ok((generation, clean))
     }
 
     /// Runs stage 0's layers over `input` at `position` and encodes the rows for the chain, with the step they
@@ -921,6 +1039,14 @@ pub fn load_first_stage(
 
 /// A session id no other stage 0 uses at the same time: random, so that stage 0 processes on different hosts
 /// sharing a chain do not collide (and never 0, which names the whole link).
+/// How many leading tokens `held` and `wanted` share.
+fn common_prefix(held: &[u32], wanted: &[u32]) -> usize {
+    held.iter()
+        .zip(wanted)
+        .take_while(|(held, wanted)| held == wanted)
+        .count()
+}
+
 fn new_session_id() -> u64 {
     let nonce = fresh_nonce();
     let mut bytes = [0u8; 8];

@@ -48,6 +48,8 @@ pub(crate) enum Work {
         top_logprobs: u8,
         /// Whether each token's log-probability is wanted (see `Frame::Configure`).
         logprob: bool,
+        /// The session is open from an earlier generation: keep its lane and cache, set up the sampling anew.
+        resume: bool,
     },
     /// Runs rows at `position` of `session`'s lane. `sample`: the chunk ends a prompt or is a decode step,
     /// so the last stage picks a token from its last row.
@@ -289,6 +291,36 @@ struct Lane {
     logprob: bool,
 }
 
+/// What a `Configure` sets up for a session's generation.
+struct Setup {
+    sampling: SamplingParams,
+    history: Vec<u32>,
+    logit_bias: Vec<(u32, f32)>,
+    top_logprobs: u8,
+    logprob: bool,
+}
+
+impl Setup {
+    /// The session's lane record on lane `index`; at the last stage (`last`) with a sampler that has seen the
+    /// history.
+    fn lane(self, index: usize, last: bool) -> Lane {
+        let sampler = last.then(|| {
+            let mut sampler = Sampler::new(self.sampling);
+            for token in self.history {
+                sampler.accept(token);
+            }
+            sampler
+        });
+        Lane {
+            index,
+            sampler,
+            logit_bias: self.logit_bias,
+            top_logprobs: self.top_logprobs,
+            logprob: self.logprob,
+        }
+    }
+}
+
 /// The compute thread's state.
 struct Owner {
     stage: Stage,
@@ -482,13 +514,17 @@ impl Owner {
                 logit_bias,
                 top_logprobs,
                 logprob,
+                resume,
             } => self.open(
                 (link, session),
-                sampling,
-                history,
-                logit_bias,
-                top_logprobs,
-                logprob,
+                Setup {
+                    sampling,
+                    history,
+                    logit_bias,
+                    top_logprobs,
+                    logprob,
+                },
+                resume,
             ),
             // Chunks run in batches (`Owner::chunks`); `take_batch` never hands one here.
             Work::Chunk { session, .. } => Outcome::Failed {
@@ -513,22 +549,32 @@ impl Owner {
         }
     }
 
-    fn open(
-        &mut self,
-        key: (u64, u64),
-        sampling: SamplingParams,
-        history: Vec<u32>,
-        logit_bias: Vec<(u32, f32)>,
-        top_logprobs: u8,
-        logprob: bool,
-    ) -> Outcome {
+    fn open(&mut self, key: (u64, u64), setup: Setup, resume: bool) -> Outcome {
         let session = key.1;
-        if self.lanes.contains_key(&key) {
-            return Outcome::Failed {
-                session,
-                code: ErrorCode::SessionBusy,
-                message: format!("session {session} is already open on this stage"),
-            };
+        match (self.lanes.get(&key).map(|lane| lane.index), resume) {
+            (Some(index), true) => {
+                // The lane and its cache stay (the Trim before this set how much); the sampling starts anew.
+                let last = self.stage.spec().last;
+                self.lanes.insert(key, setup.lane(index, last));
+                return Outcome::Opened;
+            }
+            (Some(_), false) => {
+                return Outcome::Failed {
+                    session,
+                    code: ErrorCode::SessionBusy,
+                    message: format!("session {session} is already open on this stage"),
+                };
+            }
+            (None, true) => {
+                return Outcome::Failed {
+                    session,
+                    code: ErrorCode::UnknownSession,
+                    message: format!(
+                        "session {session} is not open on this stage, so it cannot resume; configure it anew"
+                    ),
+                };
+            }
+            (None, false) => {}
         }
         let Some(index) = self.free.pop() else {
             return Outcome::Failed {
@@ -544,23 +590,8 @@ impl Owner {
             self.free.push(index);
             return failed(session, ErrorCode::Compute, &error);
         }
-        let sampler = self.stage.spec().last.then(|| {
-            let mut sampler = Sampler::new(sampling);
-            for token in history {
-                sampler.accept(token);
-            }
-            sampler
-        });
-        self.lanes.insert(
-            key,
-            Lane {
-                index,
-                sampler,
-                logit_bias,
-                top_logprobs,
-                logprob,
-            },
-        );
+        let last = self.stage.spec().last;
+        self.lanes.insert(key, setup.lane(index, last));
         Outcome::Opened
     }
 
@@ -896,6 +927,7 @@ mod tests {
                 logit_bias: Vec::new(),
                 top_logprobs: 0,
                 logprob: false,
+                resume: false,
             };
             jobs.send(job(open, &mailbox)).unwrap();
         }

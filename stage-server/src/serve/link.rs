@@ -734,6 +734,7 @@ impl Upstream {
                 history,
                 top_logprobs,
                 logprob,
+                resume,
                 trace,
                 ..
             } => {
@@ -752,6 +753,7 @@ impl Upstream {
                     logit_bias: logit_bias.clone(),
                     top_logprobs: *top_logprobs,
                     logprob: *logprob,
+                    resume: *resume,
                 }
             }
             Frame::Prefill {
@@ -855,6 +857,7 @@ impl Upstream {
             history,
             top_logprobs,
             logprob,
+            resume,
             trace,
         } = frame
         else {
@@ -874,6 +877,7 @@ impl Upstream {
             history,
             top_logprobs,
             logprob,
+            resume,
             trace: own.or(trace),
         }
     }

@@ -636,6 +636,7 @@ fn parse_configure(reader: &mut Reader<'_>, limits: &WireLimits) -> Result<Frame
         }));
     }
     let logprob = reader.bool("log-probability flag")?;
+    let resume = reader.bool("resume flag")?;
     let trace = reader.optional("trace flag", "trace context")?;
     let count = reader.u32("stop tokens count")?;
     let count = reader.count(
@@ -682,6 +683,7 @@ fn parse_configure(reader: &mut Reader<'_>, limits: &WireLimits) -> Result<Frame
         history,
         top_logprobs,
         logprob,
+        resume,
         trace,
     })
 }
@@ -815,6 +817,7 @@ mod tests {
             history: Vec::new(),
             top_logprobs: 0,
             logprob: false,
+            resume: false,
             trace: None,
         });
         // Cut the frame right after the stop-token count: 4 + 1 + 8 + 44 + 1 + 1 + 1 + 4 bytes.

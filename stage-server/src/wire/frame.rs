@@ -89,7 +89,8 @@ pub enum ErrorCode {
 ///  2     Proof        proof [32]
 ///  3     Configure    session u64, sampling (temperature f32, top_k u32, top_p f32, min_p f32, seed u64,
 ///                     repeat_penalty f32, presence_penalty f32, frequency_penalty f32, penalty_last_n u32),
-///                     top_logprobs u8, logprob bool, trace [25]?, stop_count u32, stop_count x token u32,
+///                     top_logprobs u8, logprob bool, resume bool, trace [25]?, stop_count u32,
+///                     stop_count x token u32,
 ///                     history_count u32, history_count x token u32, bias_count u32,
 ///                     bias_count x (token u32, bias f32)
 ///  4     Prefill      session u64, position u32, last bool, batch, activations
@@ -142,6 +143,10 @@ pub enum Frame {
         /// 0) it carries NaN and the last stage skips the softmax over the whole vocabulary, which on a
         /// 262,144-token vocabulary costs milliseconds a token.
         logprob: bool,
+        /// The session is already open on this link from an earlier generation: keep its lane and cache (a
+        /// `Trim` before this frame sets how much of it stays) and only set up the sampling anew. A stage where
+        /// it is not open answers `UnknownSession`; without the flag, a session already open is refused as busy.
+        resume: bool,
         /// W3C trace context: trace-id (16 bytes), span-id (8), flags (1).
         trace: Option<[u8; 25]>,
     },
@@ -484,6 +489,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             history,
             top_logprobs,
             logprob,
+            resume,
             trace,
         } => {
             writer.u64(*session);
@@ -499,6 +505,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             // Every field with a limit comes before the lists' bulk, so the decoder sees them all early.
             writer.u8(*top_logprobs);
             writer.u8(u8::from(*logprob));
+            writer.u8(u8::from(*resume));
             writer.optional(trace.as_ref());
             writer.count_u32(stop_tokens.len(), "stop tokens");
             for token in stop_tokens {
