@@ -145,6 +145,21 @@ pub(crate) type RunnerFactory = Box<dyn FnOnce() -> Result<LaneRunner, String> +
 struct Queue {
     waiting: VecDeque<Arc<Job>>,
     stopping: bool,
+    /// What each lane holds while it waits for a job (the tokens its runner kept from its last generation,
+    /// where it keeps any); `None` while it works. A lane that takes a job hands it to the idle lane that holds
+    /// more of its prompt.
+    idle: Vec<Option<Vec<u32>>>,
+    /// A job handed to each lane by another, its prompt already prepared.
+    handed: Vec<Option<Handed>>,
+}
+
+/// A job one lane took off the queue and handed to another whose runner holds more of its prompt.
+#[derive(Debug)]
+struct Handed {
+    job: Arc<Job>,
+    spec: JobSpec,
+    prompt: Vec<u32>,
+    max_tokens: usize,
 }
 
 #[derive(Debug)]
@@ -189,7 +204,11 @@ impl Engine {
         backlog: Option<Backlog>,
     ) -> Result<Engine, String> {
         let shared = Arc::new(Shared {
-            queue: Mutex::new(Queue::default()),
+            queue: Mutex::new(Queue {
+                idle: vec![None; factories.len()],
+                handed: (0..factories.len()).map(|_| None).collect(),
+                ..Queue::default()
+            }),
             ready: Condvar::new(),
             busy: AtomicUsize::new(0),
             lanes: factories.len(),
@@ -278,7 +297,14 @@ impl Drop for Engine {
         let waiting = {
             let mut queue = lock(&self.shared.queue);
             queue.stopping = true;
-            let waiting = std::mem::take(&mut queue.waiting);
+            let mut waiting: Vec<Arc<Job>> = std::mem::take(&mut queue.waiting).into();
+            waiting.extend(
+                queue
+                    .handed
+                    .iter_mut()
+                    .filter_map(Option::take)
+                    .map(|handed| handed.job),
+            );
             self.shared.queue_changed(0);
             waiting
         };
@@ -296,11 +322,16 @@ impl Drop for Engine {
 
 fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
     loop {
-        let (job, arrival) = {
+        let (job, arrival, handed) = {
             let mut queue = lock(&shared.queue);
             loop {
                 if queue.stopping {
                     return;
+                }
+                if let Some(handed) = queue.handed[lane].take() {
+                    // Counted busy by the lane that took it off the queue.
+                    queue.idle[lane] = None;
+                    break (Arc::clone(&handed.job), None, Some(handed));
                 }
                 if let Some(job) = queue.waiting.pop_front() {
                     if job.is_cancelled() {
@@ -312,8 +343,10 @@ fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
                     let arrival = runner.expect_arrival();
                     shared.queue_changed(queue.waiting.len());
                     shared.busy.fetch_add(1, Ordering::AcqRel);
-                    break (job, arrival);
+                    queue.idle[lane] = None;
+                    break (job, arrival, None);
                 }
+                queue.idle[lane] = runner.held().map(<[u32]>::to_vec);
                 queue = shared
                     .ready
                     .wait(queue)
@@ -323,11 +356,31 @@ fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
         shared
             .metrics
             .set_lanes_busy(shared.busy.load(Ordering::Acquire));
-        let spec = lock(&job.spec).take();
-        if let Some(spec) = spec {
-            shared
-                .metrics
-                .observe_queue_wait(job.enqueued.elapsed().as_secs_f64());
+        let taken = match handed {
+            Some(handed) => Some((handed.spec, Ok((handed.prompt, handed.max_tokens)))),
+            None => lock(&job.spec).take().map(|spec| {
+                shared
+                    .metrics
+                    .observe_queue_wait(job.enqueued.elapsed().as_secs_f64());
+                let prepared = shared.text.prepare(&spec.prompt, spec.max_tokens);
+                (spec, prepared)
+            }),
+        };
+        if let Some((spec, prepared)) = taken {
+            let prepared = match prepared {
+                Ok(prepared) => prepared,
+                Err(error) => {
+                    job.push(JobEvent::Failed(error));
+                    finish_job(shared);
+                    continue;
+                }
+            };
+            let (spec, (prompt, max_tokens)) =
+                match hand_over(shared, &runner, lane, &job, spec, prepared) {
+                    // Another lane runs it; this one is free again (still counted busy, for the other).
+                    None => continue,
+                    Some(kept) => kept,
+                };
             // Counts as i64: tracing-opentelemetry exports unsigned fields as strings.
             let span = tracing::info_span!(
                 parent: &job.span,
@@ -336,13 +389,70 @@ fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
                 prompt_tokens = tracing::field::Empty,
                 output_tokens = tracing::field::Empty,
             );
-            span.in_scope(|| run(shared, &mut runner, &job, spec, arrival));
+            span.in_scope(|| run(shared, &mut runner, &job, spec, prompt, max_tokens, arrival));
         }
-        shared.busy.fetch_sub(1, Ordering::AcqRel);
-        shared
-            .metrics
-            .set_lanes_busy(shared.busy.load(Ordering::Acquire));
+        finish_job(shared);
     }
+}
+
+/// A lane's job is over (run, failed, or withdrawn): one lane fewer is busy.
+fn finish_job(shared: &Shared) {
+    shared.busy.fetch_sub(1, Ordering::AcqRel);
+    shared
+        .metrics
+        .set_lanes_busy(shared.busy.load(Ordering::Acquire));
+}
+
+/// Gives `job` to the idle lane whose runner holds a longer prefix of its prompt than this lane's runner would
+/// reuse (a chain's lanes keep their last generation's tokens at every stage; see [`LaneRunner::held`]), and
+/// returns `None`; or gives the job back for this lane to run.
+fn hand_over(
+    shared: &Shared,
+    runner: &LaneRunner,
+    lane: usize,
+    job: &Arc<Job>,
+    spec: JobSpec,
+    prepared: (Vec<u32>, usize),
+) -> Option<(JobSpec, (Vec<u32>, usize))> {
+    let (prompt, max_tokens) = prepared;
+    let Some(ours) = runner.reusable(&prompt) else {
+        return Some((spec, (prompt, max_tokens)));
+    };
+    let mut queue = lock(&shared.queue);
+    let usable = prompt.len().saturating_sub(1);
+    let best = queue
+        .idle
+        .iter()
+        .enumerate()
+        .filter(|(other, _)| *other != lane)
+        .filter_map(|(other, held)| {
+            held.as_ref()
+                .map(|held| (common_prefix(held, &prompt).min(usable), other))
+        })
+        .filter(|(theirs, other)| *theirs > ours && queue.handed[*other].is_none())
+        .max();
+    let Some((_, other)) = best else {
+        return Some((spec, (prompt, max_tokens)));
+    };
+    queue.idle[other] = None;
+    queue.handed[other] = Some(Handed {
+        job: Arc::clone(job),
+        spec,
+        prompt,
+        max_tokens,
+    });
+    drop(queue);
+    // The lane it goes to waits on the same condition as every idle lane.
+    shared.ready.notify_all();
+    None
+}
+
+/// How many leading tokens `held` and `wanted` share.
+fn common_prefix(held: &[u32], wanted: &[u32]) -> usize {
+    held.iter()
+        .zip(wanted)
+        .take_while(|(held, wanted)| held == wanted)
+        .count()
 }
 
 /// Runs one job on a lane, streaming its text through the stop matcher.
@@ -353,12 +463,10 @@ fn run(
     runner: &mut LaneRunner,
     job: &Job,
     spec: JobSpec,
+    prompt: Vec<u32>,
+    max_tokens: usize,
     arrival: Option<Arrival>,
 ) {
-    let (prompt, max_tokens) = match shared.text.prepare(&spec.prompt, spec.max_tokens) {
-        Ok(prepared) => prepared,
-        Err(error) => return job.push(JobEvent::Failed(error)),
-    };
     job.push(JobEvent::Started);
     let tokenizer = &shared.text.tokenizer;
     let options = GenerateOptions {

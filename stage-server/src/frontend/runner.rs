@@ -145,6 +145,27 @@ impl ChainLane {
 }
 
 impl LaneRunner {
+    /// The tokens this lane keeps from its last generation for the next to reuse, where lanes keep their own
+    /// (a chain's: its session stays open at every stage); `None` for the whole model, whose lanes are leased
+    /// by prefix from one pool whichever worker asks.
+    pub(crate) fn held(&self) -> Option<&[u32]> {
+        match self {
+            LaneRunner::Local(_) => None,
+            LaneRunner::Chain(lane) => Some(lane.link.as_ref().map_or(&[], Chain::held)),
+        }
+    }
+
+    /// How much of `prompt` this lane would reuse, where lanes keep their own prefixes (see
+    /// [`LaneRunner::held`]).
+    pub(crate) fn reusable(&self, prompt: &[u32]) -> Option<usize> {
+        match self {
+            LaneRunner::Local(_) => None,
+            LaneRunner::Chain(lane) => {
+                Some(lane.link.as_ref().map_or(0, |link| link.reusable(prompt)))
+            }
+        }
+    }
+
     /// Announces a generation this runner is about to start (its prompt is being prepared), where batching
     /// wants to know: the whole model's next step waits for it. Pass it to [`LaneRunner::generate`].
     pub(crate) fn expect_arrival(&self) -> Option<Arrival> {
