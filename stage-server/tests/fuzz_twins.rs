@@ -112,6 +112,7 @@ fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
         ),
         ("stop", Frame::Stop { session: 4 }),
         ("open-return", Frame::OpenReturn { session: 4 }),
+        ("keep", Frame::Keep { session: 4 }),
         (
             "ack",
             Frame::Ack {

@@ -882,6 +882,35 @@ fn a_chain_reuses_the_prefix_its_last_generation_left_at_every_stage_and_answers
 }
 
 #[test]
+fn a_draining_stage_does_not_wait_for_sessions_kept_between_generations() {
+    let llama = tiny("keep-drain-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    let stage = StageChild::start(&llama, "2..4", None, &[]);
+    let mut chain = Chain::connect(&file, 2, stage.address, ChainOptions::default()).unwrap();
+    let options = GenerateOptions {
+        max_tokens: 4,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    chain
+        .generate(&[1, 300, 301], SamplingParams::default(), &options, |_| {})
+        .unwrap();
+    assert!(!chain.held().is_empty(), "the session was not kept");
+    // The kept session is idle: the drain closes its link at once instead of waiting 30 s for it to end.
+    let started = Instant::now();
+    let status = stage.signal_and_wait(libc::SIGTERM);
+    assert!(
+        status.success(),
+        "a drained stage should exit 0, got {status}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the drain waited {:?} for a session kept between generations",
+        started.elapsed()
+    );
+}
+
+#[test]
 fn sigterm_drains_a_stage_and_it_exits_zero() {
     let llama = tiny("sigterm-llama", &TinyModel::llama(GgmlDType::Q4_1));
     let stage = StageChild::start(&llama, "2..4", None, &[]);

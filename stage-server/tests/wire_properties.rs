@@ -213,6 +213,7 @@ fn frame() -> impl Strategy<Value = Frame> {
         (any::<u64>(), any::<u32>()).prop_map(|(session, length)| Frame::Trim { session, length }),
         any::<u64>().prop_map(|session| Frame::Stop { session }),
         any::<u64>().prop_map(|session| Frame::OpenReturn { session }),
+        any::<u64>().prop_map(|session| Frame::Keep { session }),
         (
             any::<u64>(),
             any::<u32>(),

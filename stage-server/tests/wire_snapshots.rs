@@ -87,6 +87,7 @@ fn examples() -> Vec<Frame> {
         },
         Frame::Stop { session: 5 },
         Frame::OpenReturn { session: 5 },
+        Frame::Keep { session: 5 },
         Frame::Ack {
             session: 5,
             position: 13,
@@ -163,7 +164,7 @@ fn the_examples_cover_every_frame_kind() {
     kinds.dedup();
     assert_eq!(
         kinds.len(),
-        11,
+        12,
         "an example is missing or doubled: {kinds:?}"
     );
 }

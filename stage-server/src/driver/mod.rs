@@ -438,6 +438,7 @@ impl Chain {
         );
         match result {
             Ok((generation, true)) => {
+                self.keep_session(session)?;
                 self.kept = Some(Kept {
                     session,
                     history: fed,
@@ -462,10 +463,17 @@ impl Chain {
         }
     }
 
-    /// Stops `session` down the chain and on the prediction-return link (a return link that fails is given up:
-    /// tokens come back up the chain from then on).
-    fn end_session(&mut self, session: u64) -> Result<(), DriverError> {
-        let stopped = self.send(&Frame::Stop { session });
+    /// Keeps `session` down the chain for the next generation (`Keep`: every stage holds its lane and cache,
+    /// idle) and takes it off the prediction-return link (the next generation registers it again).
+    fn keep_session(&mut self, session: u64) -> Result<(), DriverError> {
+        let kept = self.send(&Frame::Keep { session });
+        self.leave_return(session);
+        kept
+    }
+
+    /// Takes `session` off the prediction-return link; a return link that fails is given up (tokens come back
+    /// up the chain from then on).
+    fn leave_return(&mut self, session: u64) {
         if let Some(returns) = self.returns.as_mut()
             && let Err(error) = returns.send(&Frame::Stop { session })
         {
@@ -475,6 +483,13 @@ impl Chain {
             );
             self.returns = None;
         }
+    }
+
+    /// Stops `session` down the chain and on the prediction-return link (a return link that fails is given up:
+    /// tokens come back up the chain from then on).
+    fn end_session(&mut self, session: u64) -> Result<(), DriverError> {
+        let stopped = self.send(&Frame::Stop { session });
+        self.leave_return(session);
         stopped
     }
 
@@ -512,8 +527,9 @@ impl Chain {
                 session,
                 length: cached as u32,
             })?;
-        } else if let Some(returns) = self.returns.as_mut() {
-            // A kept session stays registered on the return link; a new one registers.
+        }
+        if let Some(returns) = self.returns.as_mut() {
+            // Registered per generation: a kept session left the return table when it was kept.
             returns.send(&Frame::OpenReturn { session })?;
             pending.return_awaited = true;
         }

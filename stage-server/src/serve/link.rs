@@ -171,8 +171,11 @@ pub(crate) struct Upstream {
     state: UpstreamState,
     mailbox: Option<Arc<Mailbox>>,
     pair: Option<Arc<Pair>>,
-    /// Sessions configured over this link and not stopped: stopped when the link ends.
+    /// Sessions configured over this link and in a generation: stopped when the link ends.
     sessions: HashSet<u64>,
+    /// Sessions between generations, kept for stage 0 to resume (`Keep`): idle, so a drain does not wait for
+    /// them, and stopped when the link ends.
+    kept: HashSet<u64>,
     /// Compute jobs submitted and not yet answered, with the rows each will add to the pair's backlog.
     jobs: Jobs,
     /// Frames read and not yet acted on (while `jobs` is at its limit, or the pair's backlog over budget).
@@ -207,6 +210,7 @@ impl Link {
             mailbox: None,
             pair: None,
             sessions: HashSet::new(),
+            kept: HashSet::new(),
             jobs: Jobs::default(),
             queued: ReadAhead::default(),
             stage_index: 0,
@@ -726,6 +730,30 @@ impl Upstream {
             return self.on_return_frame(frame, context);
         }
         let session = frame.session().unwrap_or(0);
+        if let Frame::Keep { session } = frame {
+            // Nothing to compute: the session's lane and cache stay as they are, idle until resumed.
+            if self.sessions.remove(&session) {
+                self.shared.open_sessions.fetch_sub(1, Ordering::Relaxed);
+            }
+            self.kept.insert(session);
+            if let Some(pair) = &self.pair {
+                pair.send_down(&frame, None);
+            }
+            // The generation's session span ends here, with the keep as its last frame; a resume opens the next.
+            if let Some(span) = self.spans.remove(&session) {
+                let _keep = tracing::trace_span!(
+                    parent: &span,
+                    "stage.binary_llama_decode",
+                    stage_index = i64::from(self.stage_index),
+                    session_id = session,
+                    kind = "keep",
+                    // Handled where it is read: no compute queue to wait in.
+                    queue_wait_micros = 0i64,
+                );
+            }
+            self.mark_busy(context);
+            return;
+        }
         let work = match &frame {
             Frame::Configure {
                 session,
@@ -742,6 +770,7 @@ impl Upstream {
                     let message = "this stage is draining (it is shutting down); start the generation on another chain".to_owned();
                     return self.error(context, *session, ErrorCode::Draining, message);
                 }
+                self.kept.remove(session);
                 if self.sessions.insert(*session) {
                     self.shared.open_sessions.fetch_add(1, Ordering::Relaxed);
                 }
@@ -801,6 +830,7 @@ impl Upstream {
                 if self.sessions.remove(session) {
                     self.shared.open_sessions.fetch_sub(1, Ordering::Relaxed);
                 }
+                self.kept.remove(session);
                 Work::Stop { session: *session }
             }
             other => {
@@ -1146,7 +1176,7 @@ impl Upstream {
             .fetch_sub(self.sessions.len(), Ordering::Relaxed);
         // The lanes of this link's sessions are freed at once, whatever ended the link.
         if let Some(mailbox) = &self.mailbox {
-            for session in self.sessions.drain() {
+            for session in self.sessions.drain().chain(self.kept.drain()) {
                 let _ = self.shared.compute.submit(Work::Stop { session }, mailbox);
             }
         }

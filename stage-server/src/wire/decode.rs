@@ -482,6 +482,9 @@ fn parse_body(kind: u8, reader: &mut Reader<'_>, limits: &WireLimits) -> Result<
         kind::STOP => Frame::Stop {
             session: reader.u64("session")?,
         },
+        kind::KEEP => Frame::Keep {
+            session: reader.u64("session")?,
+        },
         kind::OPEN_RETURN => Frame::OpenReturn {
             session: reader.u64("session")?,
         },

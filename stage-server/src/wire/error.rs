@@ -25,7 +25,7 @@ pub enum WireError {
     EmptyFrame,
     /// A kind byte names no frame of this protocol.
     #[error(
-        "frame kind {0} is not one of this protocol's (1 to 11); the peer is not a stage of this protocol"
+        "frame kind {0} is not one of this protocol's (1 to 12); the peer is not a stage of this protocol"
     )]
     UnknownKind(u8),
     /// A frame ends before one of its fields does.

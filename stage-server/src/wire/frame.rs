@@ -102,6 +102,7 @@ pub enum ErrorCode {
 ///                     wait_micros u32)
 ///  10    Token        session u64, position u32, token u32, logprob f32, count u8, count x (token u32, logprob f32)
 ///  11    Error        session u64, code u16, length u32, message [length] (UTF-8)
+///  12    Keep         session u64
 ///
 ///  address     = family u8 (4: ip [4], 6: ip [16]), port u16; after the presence byte of `address?`, which
 ///                is the family byte itself: 0 for none
@@ -213,6 +214,13 @@ pub enum Frame {
         /// The most likely alternatives with their log-probabilities, when asked for.
         top: Vec<(u32, f32)>,
     },
+    /// The session's generation ended with nothing of it in flight: every stage keeps its lane and cache for
+    /// the next generation to resume (`Trim`, then `Configure` with `resume`), or frees them at `Stop`. A kept
+    /// session is idle: a draining stage closes a link whose sessions are all kept at once.
+    Keep {
+        /// The session.
+        session: u64,
+    },
     /// A refusal or failure. Build it with [`Frame::error`], which keeps the message within the limit.
     Error {
         /// The session it concerns; 0 for the whole link.
@@ -258,6 +266,7 @@ pub(crate) mod kind {
     pub const ACK: u8 = 9;
     pub const TOKEN: u8 = 10;
     pub const ERROR: u8 = 11;
+    pub const KEEP: u8 = 12;
 
     /// The name of a known kind byte.
     pub fn name(kind: u8) -> Option<&'static str> {
@@ -273,6 +282,7 @@ pub(crate) mod kind {
             ACK => "ack",
             TOKEN => "token",
             ERROR => "error",
+            KEEP => "keep",
             _ => return None,
         })
     }
@@ -387,6 +397,7 @@ impl Frame {
             | Frame::Trim { session, .. }
             | Frame::Stop { session }
             | Frame::OpenReturn { session }
+            | Frame::Keep { session }
             | Frame::Ack { session, .. }
             | Frame::Token { session, .. }
             | Frame::Error { session, .. } => Some(*session),
@@ -404,6 +415,7 @@ impl Frame {
             Frame::Trim { .. } => kind::TRIM,
             Frame::Stop { .. } => kind::STOP,
             Frame::OpenReturn { .. } => kind::OPEN_RETURN,
+            Frame::Keep { .. } => kind::KEEP,
             Frame::Ack { .. } => kind::ACK,
             Frame::Token { .. } => kind::TOKEN,
             Frame::Error { .. } => kind::ERROR,
@@ -550,7 +562,9 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             writer.u64(*session);
             writer.u32(*length);
         }
-        Frame::Stop { session } | Frame::OpenReturn { session } => writer.u64(*session),
+        Frame::Stop { session } | Frame::OpenReturn { session } | Frame::Keep { session } => {
+            writer.u64(*session)
+        }
         Frame::Ack {
             session,
             position,
