@@ -263,12 +263,12 @@ macro_rules! kernel_body {
             offsets: &mut [[f32; X]; W],
         ) {
             let block_bytes = block_bytes(F);
-            if W == 1 && X == 1 {
-                // A lone activation row (decode) is bound by streaming the weights from memory: ask for the
-                // bytes PREFETCH_AHEAD on now, so their cache lines are on their way while these compute. A
-                // hint only, never a fault: past the weights' end it reads nothing.
+            for i in 0..W {
+                // A decode step (one row a lane, a few lanes) is bound by streaming the weights from memory once:
+                // ask for each weight row's bytes PREFETCH_AHEAD on now, so their cache lines are on their way
+                // while these compute. A hint only, never a fault: past the weights' end it reads nothing.
                 let ahead = base.wrapping_add(
-                    first_row * row_bytes + block_index * block_bytes + PREFETCH_AHEAD,
+                    (first_row + i) * row_bytes + block_index * block_bytes + PREFETCH_AHEAD,
                 );
                 _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
             }
@@ -405,9 +405,11 @@ macro_rules! kernel_body {
     };
 }
 
-/// How far ahead of the block it computes a decode product asks for its weights (see `block_step`). Measured
-/// on the gemma-3 head (Q8_0, 262,144 x 640, one row, 2 threads, `--bench kernels`): no prefetch 14.4 to 17.1 ms,
-/// 1 KiB ahead 8.5, 2 KiB 6.4 to 10.0, 4 KiB 7.4, 8 KiB 7.5; weights already in cache are not slowed.
+/// How far ahead of the block it computes a product asks for its weights (see `block_step`). Measured on the
+/// gemma-3 head (Q8_0, 262,144 x 640, one row, 2 threads, `--bench kernels`): no prefetch 14.4 to 17.1 ms, 1 KiB
+/// ahead 8.5, 2 KiB 6.4 to 10.0, 4 KiB 7.4, 8 KiB 7.5; weights already in cache are not slowed. A decode step of
+/// 2, 4 and 8 lanes (`--bench batch`, SmolLM2): 14.9, 20.8 and 33.7 ms with the single row's prefetch only,
+/// 9.7, 16.2 and 29.3 with every tile's.
 const PREFETCH_AHEAD: usize = 2048;
 
 /// Bytes per block of the format with const tag `format`.
