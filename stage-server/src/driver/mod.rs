@@ -372,7 +372,7 @@ impl Chain {
     /// give the first prediction), and 0 where a sliding-window layer no longer holds what cutting back that
     /// far needs.
     pub fn reusable(&self, prompt: &[u32]) -> usize {
-        let common = common_prefix(self.held(), prompt).min(prompt.len().saturating_sub(1));
+        let common = model::common_prefix(self.held(), prompt).min(prompt.len().saturating_sub(1));
         if common == 0 {
             return 0;
         }
@@ -1055,14 +1055,6 @@ pub fn load_first_stage(
 
 /// A session id no other stage 0 uses at the same time: random, so that stage 0 processes on different hosts
 /// sharing a chain do not collide (and never 0, which names the whole link).
-/// How many leading tokens `held` and `wanted` share.
-fn common_prefix(held: &[u32], wanted: &[u32]) -> usize {
-    held.iter()
-        .zip(wanted)
-        .take_while(|(held, wanted)| held == wanted)
-        .count()
-}
-
 fn new_session_id() -> u64 {
     let nonce = fresh_nonce();
     let mut bytes = [0u8; 8];

@@ -93,11 +93,7 @@ impl Batcher {
         let clock = lanes.clock;
         let (lane, cached) = self.stage.with_stage(|stage| {
             let reusable = |lane: usize, history: &[u32]| {
-                let common = history
-                    .iter()
-                    .zip(prompt)
-                    .take_while(|(held, wanted)| held == wanted)
-                    .count()
+                let common = crate::model::common_prefix(history, prompt)
                     .min(prompt.len().saturating_sub(1));
                 // A sliding-window layer may no longer hold what a trim that far back needs.
                 if common > 0 && stage.check_trim(lane, common).is_ok() {

@@ -426,8 +426,12 @@ fn hand_over(
         .enumerate()
         .filter(|(other, _)| *other != lane)
         .filter_map(|(other, held)| {
-            held.as_ref()
-                .map(|held| (common_prefix(held, &prompt).min(usable), other))
+            held.as_ref().map(|held| {
+                (
+                    crate::model::common_prefix(held, &prompt).min(usable),
+                    other,
+                )
+            })
         })
         .filter(|(theirs, other)| *theirs > ours && queue.handed[*other].is_none())
         .max();
@@ -445,14 +449,6 @@ fn hand_over(
     // The lane it goes to waits on the same condition as every idle lane.
     shared.ready.notify_all();
     None
-}
-
-/// How many leading tokens `held` and `wanted` share.
-fn common_prefix(held: &[u32], wanted: &[u32]) -> usize {
-    held.iter()
-        .zip(wanted)
-        .take_while(|(held, wanted)| held == wanted)
-        .count()
 }
 
 /// Runs one job on a lane, streaming its text through the stop matcher.

@@ -39,6 +39,14 @@ pub use stage::{
     TRIM_SLACK,
 };
 
+/// How many leading tokens `held` and `wanted` share: what a lane holding `held` can reuse of a prompt `wanted`.
+pub fn common_prefix(held: &[u32], wanted: &[u32]) -> usize {
+    held.iter()
+        .zip(wanted)
+        .take_while(|(held, wanted)| held == wanted)
+        .count()
+}
+
 /// The file name of the SmolLM2 test model in the model directory.
 pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// The file name of the gemma-3 test model in the model directory.

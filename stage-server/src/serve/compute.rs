@@ -39,15 +39,11 @@ pub(crate) const COMPUTE_TOKEN: u64 = 1;
 /// What a link session asks of the compute thread.
 #[derive(Debug)]
 pub(crate) enum Work {
-    /// Takes a free lane for `session` (and, at the last stage, a sampler).
+    /// Takes a free lane for `session` (and, at the last stage, a sampler), or with `resume` keeps the lane the
+    /// session already has and sets up its sampling anew.
     Open {
         session: u64,
-        sampling: SamplingParams,
-        history: Vec<u32>,
-        logit_bias: Vec<(u32, f32)>,
-        top_logprobs: u8,
-        /// Whether each token's log-probability is wanted (see `Frame::Configure`).
-        logprob: bool,
+        setup: Setup,
         /// The session is open from an earlier generation: keep its lane and cache, set up the sampling anew.
         resume: bool,
     },
@@ -292,12 +288,15 @@ struct Lane {
 }
 
 /// What a `Configure` sets up for a session's generation.
-struct Setup {
-    sampling: SamplingParams,
-    history: Vec<u32>,
-    logit_bias: Vec<(u32, f32)>,
-    top_logprobs: u8,
-    logprob: bool,
+#[derive(Debug)]
+pub(crate) struct Setup {
+    pub(crate) sampling: SamplingParams,
+    /// The tokens the penalties look back on before the first generated one.
+    pub(crate) history: Vec<u32>,
+    pub(crate) logit_bias: Vec<(u32, f32)>,
+    pub(crate) top_logprobs: u8,
+    /// Whether each token's log-probability is wanted (see `Frame::Configure`).
+    pub(crate) logprob: bool,
 }
 
 impl Setup {
@@ -509,23 +508,9 @@ impl Owner {
         match work {
             Work::Open {
                 session,
-                sampling,
-                history,
-                logit_bias,
-                top_logprobs,
-                logprob,
+                setup,
                 resume,
-            } => self.open(
-                (link, session),
-                Setup {
-                    sampling,
-                    history,
-                    logit_bias,
-                    top_logprobs,
-                    logprob,
-                },
-                resume,
-            ),
+            } => self.open((link, session), setup, resume),
             // Chunks run in batches (`Owner::chunks`); `take_batch` never hands one here.
             Work::Chunk { session, .. } => Outcome::Failed {
                 session,
@@ -922,11 +907,13 @@ mod tests {
         for session in 1..=3 {
             let open = Work::Open {
                 session,
-                sampling: SamplingParams::default(),
-                history: Vec::new(),
-                logit_bias: Vec::new(),
-                top_logprobs: 0,
-                logprob: false,
+                setup: Setup {
+                    sampling: SamplingParams::default(),
+                    history: Vec::new(),
+                    logit_bias: Vec::new(),
+                    top_logprobs: 0,
+                    logprob: false,
+                },
                 resume: false,
             };
             jobs.send(job(open, &mailbox)).unwrap();

@@ -41,7 +41,7 @@ use net_io_blocking::{
 };
 
 use super::budget::{Jobs, LinkBudget, ReadAhead, rows_bytes};
-use super::compute::{COMPUTE_TOKEN, ComputeHandle, Delivery, Mailbox, Outcome, Work};
+use super::compute::{COMPUTE_TOKEN, ComputeHandle, Delivery, Mailbox, Outcome, Setup, Work};
 use super::downstream::Downstream;
 use super::onward::Forward;
 use super::pair::{Pair, Unreached};
@@ -777,11 +777,13 @@ impl Upstream {
                 self.open_span(*session, trace.as_ref());
                 Work::Open {
                     session: *session,
-                    sampling: (*sampling).into(),
-                    history: history.clone(),
-                    logit_bias: logit_bias.clone(),
-                    top_logprobs: *top_logprobs,
-                    logprob: *logprob,
+                    setup: Setup {
+                        sampling: (*sampling).into(),
+                        history: history.clone(),
+                        logit_bias: logit_bias.clone(),
+                        top_logprobs: *top_logprobs,
+                        logprob: *logprob,
+                    },
                     resume: *resume,
                 }
             }
