@@ -356,6 +356,9 @@ fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
         shared
             .metrics
             .set_lanes_busy(shared.busy.load(Ordering::Acquire));
+        // A job handed here runs here: handing it on again could pass it back and forth between lanes whose
+        // reusable prefixes measure differently from each side (a sliding window refusing the trim).
+        let was_handed = handed.is_some();
         let taken = match handed {
             Some(handed) => Some((handed.spec, Ok((handed.prompt, handed.max_tokens)))),
             None => lock(&job.spec).take().map(|spec| {
@@ -375,12 +378,15 @@ fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
                     continue;
                 }
             };
-            let (spec, (prompt, max_tokens)) =
+            let (spec, (prompt, max_tokens)) = if was_handed {
+                (spec, prepared)
+            } else {
                 match hand_over(shared, &runner, lane, &job, spec, prepared) {
                     // Another lane runs it; this one is free again (still counted busy, for the other).
                     None => continue,
                     Some(kept) => kept,
-                };
+                }
+            };
             // Counts as i64: tracing-opentelemetry exports unsigned fields as strings.
             let span = tracing::info_span!(
                 parent: &job.span,
@@ -419,6 +425,10 @@ fn hand_over(
         return Some((spec, (prompt, max_tokens)));
     };
     let mut queue = lock(&shared.queue);
+    if queue.stopping {
+        // The engine is going away and has already failed the jobs it could see: run this one here.
+        return Some((spec, (prompt, max_tokens)));
+    }
     let usable = prompt.len().saturating_sub(1);
     let best = queue
         .idle

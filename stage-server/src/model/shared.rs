@@ -152,9 +152,10 @@ struct LaneState {
     past_prompt: bool,
     pending: Option<Pending>,
     result: Option<Result<(StageOutput, StepTag), ModelError>>,
-    /// The step the lane's last chunk ended in, and when, while its answer is on its way round (see
-    /// [`SharedStage::forward_tagged`]): cleared when the lane hands in its next chunk or leaves.
-    out: Option<(u64, Instant)>,
+    /// The step the lane's last chunk ended in, when, and whether that chunk was one row, while its answer is on
+    /// its way round (see [`SharedStage::forward_tagged`]): cleared when the lane hands in its next chunk or
+    /// leaves.
+    out: Option<(u64, Instant, bool)>,
 }
 
 /// A chunk handed in and not finished yet.
@@ -379,8 +380,12 @@ impl SharedStage {
         state.clock += 1;
         let order = state.clock;
         let returned = match state.lanes[lane].out.take() {
-            Some((_, sent)) => {
-                state.observe_round_trip(sent.elapsed());
+            Some((_, sent, one_row)) => {
+                // Only a decode row's round trip sizes the holds: a prompt's last chunk takes its whole prefill
+                // through every stage, which would stretch them to a second while it is out.
+                if one_row {
+                    state.observe_round_trip(sent.elapsed());
+                }
                 true
             }
             None => false,
@@ -681,7 +686,7 @@ fn run_step<'a>(
                         continue;
                     };
                     if done.awaits_answer {
-                        lane.out = Some((step, finished));
+                        lane.out = Some((step, finished, done.input.rows(width) == 1));
                     }
                     let output = if shared.last {
                         StageOutput::Logits(done.output)
@@ -724,7 +729,7 @@ fn hold_until(state: &mut State, in_flight: usize) -> Option<Instant> {
     let mut out: Vec<u64> = state
         .lanes
         .iter()
-        .filter_map(|lane| lane.out.map(|(step, _)| step))
+        .filter_map(|lane| lane.out.map(|(step, _, _)| step))
         .collect();
     out.sort_unstable();
     out.dedup();
