@@ -682,6 +682,13 @@ fn batch_incomplete(waiting: &VecDeque<Job>) -> bool {
     {
         return false;
     }
+    // Most steps have a lone frame or nothing held back: no table to build on the step's path then.
+    let batched = waiting
+        .iter()
+        .any(|job| matches!(&job.work, Work::Chunk { batch, .. } if batch.frames > 1));
+    if !batched {
+        return false;
+    }
     let mut counts: HashMap<u32, (usize, u16)> = HashMap::new();
     for job in waiting {
         if let Work::Chunk { batch, .. } = &job.work {
