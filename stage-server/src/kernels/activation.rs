@@ -23,6 +23,7 @@ pub struct QuantizedActivations {
     values: Vec<i8>,
     scales: Vec<f32>,
     sums: Vec<f32>,
+    quads: Vec<i32>,
 }
 
 impl QuantizedActivations {
@@ -54,13 +55,20 @@ impl QuantizedActivations {
         let mut values = vec![0i8; total_blocks * BLOCK];
         let mut scales = vec![0f32; total_blocks];
         let mut sums = vec![0f32; total_blocks];
+        let mut quads = vec![0i32; total_blocks * QUADS];
+        let mut parts = Parts {
+            values: &mut values,
+            scales: &mut scales,
+            sums: &mut sums,
+            quads: &mut quads,
+        };
         match level {
             #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx2 | SimdLevel::Avx512Vnni if level.is_available() => {
                 // SAFETY: `is_available` checked that the CPU has AVX2 (both levels include it).
-                unsafe { quantize_blocks_avx2(input, &mut values, &mut scales, &mut sums) }
+                unsafe { quantize_blocks_avx2(input, &mut parts) }
             }
-            _ => quantize_blocks(input, &mut values, &mut scales, &mut sums),
+            _ => quantize_blocks(input, &mut parts),
         }
         Self {
             rows,
@@ -68,6 +76,7 @@ impl QuantizedActivations {
             values,
             scales,
             sums,
+            quads,
         }
     }
 
@@ -96,16 +105,36 @@ impl QuantizedActivations {
     pub fn row_sums(&self, row: usize) -> &[f32] {
         &self.sums[row * self.blocks_per_row..(row + 1) * self.blocks_per_row]
     }
+
+    /// The integer sums of each run of four values of row `row`, [`QUADS`] per block: the kernels multiply an
+    /// unsigned stored weight by four values at a time and subtract `centre·Σ` of those four to get the centred
+    /// weight's partial sum, exactly.
+    pub fn row_quads(&self, row: usize) -> &[i32] {
+        let per_row = self.blocks_per_row * QUADS;
+        &self.quads[row * per_row..(row + 1) * per_row]
+    }
+}
+
+/// Runs of four values per block (the values one 32-bit lane multiplies at once).
+pub const QUADS: usize = BLOCK / 4;
+
+/// The arrays one quantisation fills.
+struct Parts<'a> {
+    values: &'a mut [i8],
+    scales: &'a mut [f32],
+    sums: &'a mut [f32],
+    quads: &'a mut [i32],
 }
 
 /// Quantises whole blocks of `input` into `values`, `scales` and `sums` (portable code).
 #[inline(always)]
-fn quantize_blocks(input: &[f32], values: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
-    for (((chunk, block_values), scale), sum) in input
+fn quantize_blocks(input: &[f32], parts: &mut Parts<'_>) {
+    for ((((chunk, block_values), scale), sum), block_quads) in input
         .chunks_exact(BLOCK)
-        .zip(values.chunks_exact_mut(BLOCK))
-        .zip(scales.iter_mut())
-        .zip(sums.iter_mut())
+        .zip(parts.values.chunks_exact_mut(BLOCK))
+        .zip(parts.scales.iter_mut())
+        .zip(parts.sums.iter_mut())
+        .zip(parts.quads.chunks_exact_mut(QUADS))
     {
         let maximum = chunk.iter().fold(0f32, |acc, x| acc.max(x.abs()));
         let d = maximum / 127.0;
@@ -119,20 +148,95 @@ fn quantize_blocks(input: &[f32], values: &mut [i8], scales: &mut [f32], sums: &
         }
         *scale = half::f16::from_f32(d).to_f32();
         *sum = *scale * total as f32;
+        for (quad, values) in block_quads.iter_mut().zip(block_values.chunks_exact(4)) {
+            *quad = values.iter().map(|&value| i32::from(value)).sum();
+        }
     }
 }
 
-/// [`quantize_blocks`] compiled with AVX2, where `round` becomes a few vector instructions instead of a libm call.
+/// [`quantize_blocks`] on AVX2 registers: a block's 32 values are four registers, its maximum one reduction, its
+/// rounding one instruction per eight values, its bytes and sums of four two instructions each. The operations per
+/// value are the portable code's (`x * inverse`, rounded half to even), so the bytes are the same; a block holding
+/// an infinity or a NaN, where the two would differ (a NaN is ordered differently by `max`), goes to the
+/// portable code.
+///
+/// Each product quantises its input again (up to 121 times per SmolLM2 decode step), all on the calling thread:
+/// compiled from the portable code this took 5% of a 4-lane step's samples.
 ///
 /// # Safety
 /// The CPU must support AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn quantize_blocks_avx2(
-    input: &[f32],
-    values: &mut [i8],
-    scales: &mut [f32],
-    sums: &mut [f32],
-) {
-    quantize_blocks(input, values, scales, sums);
+unsafe fn quantize_blocks_avx2(input: &[f32], parts: &mut Parts<'_>) {
+    use std::arch::x86_64::*;
+    let blocks = parts.scales.len();
+    debug_assert!(input.len() >= blocks * BLOCK && parts.values.len() >= blocks * BLOCK);
+    let sign = _mm256_set1_ps(-0.0);
+    let infinity = _mm256_set1_ps(f32::INFINITY);
+    let one_bytes = _mm256_set1_epi8(1);
+    let one_words = _mm256_set1_epi16(1);
+    // `packs` interleaves the 128-bit halves; this puts the 32 bytes back in order.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for block in 0..blocks {
+        let chunk = &input[block * BLOCK..(block + 1) * BLOCK];
+        // SAFETY: `chunk` holds 32 floats; unaligned loads.
+        let lines: [__m256; 4] =
+            std::array::from_fn(|i| unsafe { _mm256_loadu_ps(chunk.as_ptr().add(8 * i)) });
+        let magnitudes = lines.map(|line| _mm256_andnot_ps(sign, line));
+        let not_finite = magnitudes
+            .iter()
+            .map(|&magnitude| _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_NLT_UQ>(magnitude, infinity)))
+            .fold(0, |any, mask| any | mask);
+        if not_finite != 0 {
+            let mut one = Parts {
+                values: &mut parts.values[block * BLOCK..(block + 1) * BLOCK],
+                scales: &mut parts.scales[block..block + 1],
+                sums: &mut parts.sums[block..block + 1],
+                quads: &mut parts.quads[block * QUADS..(block + 1) * QUADS],
+            };
+            quantize_blocks(chunk, &mut one);
+            continue;
+        }
+        let widest = _mm256_max_ps(
+            _mm256_max_ps(magnitudes[0], magnitudes[1]),
+            _mm256_max_ps(magnitudes[2], magnitudes[3]),
+        );
+        let half = _mm_max_ps(
+            _mm256_castps256_ps128(widest),
+            _mm256_extractf128_ps(widest, 1),
+        );
+        let pair = _mm_max_ps(half, _mm_movehl_ps(half, half));
+        let maximum = _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
+        let d = maximum / 127.0;
+        let inverse = if maximum > 0.0 { 127.0 / maximum } else { 0.0 };
+        let factor = _mm256_set1_ps(inverse);
+        let integers = lines.map(|line| {
+            _mm256_cvtps_epi32(_mm256_round_ps::<
+                { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+            >(_mm256_mul_ps(line, factor)))
+        });
+        let words_low = _mm256_packs_epi32(integers[0], integers[1]);
+        let words_high = _mm256_packs_epi32(integers[2], integers[3]);
+        let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words_low, words_high), order);
+        let quads = _mm256_madd_epi16(_mm256_maddubs_epi16(one_bytes, bytes), one_words);
+        // SAFETY: both targets hold this block's 32 bytes and 8 integers.
+        unsafe {
+            _mm256_storeu_si256(
+                parts.values[block * BLOCK..].as_mut_ptr() as *mut __m256i,
+                bytes,
+            );
+            _mm256_storeu_si256(
+                parts.quads[block * QUADS..].as_mut_ptr() as *mut __m256i,
+                quads,
+            );
+        }
+        let half_sum = _mm_add_epi32(
+            _mm256_castsi256_si128(quads),
+            _mm256_extracti128_si256(quads, 1),
+        );
+        let pair_sum = _mm_add_epi32(half_sum, _mm_unpackhi_epi64(half_sum, half_sum));
+        let total = _mm_cvtsi128_si32(_mm_add_epi32(pair_sum, _mm_shuffle_epi32(pair_sum, 0b01)));
+        parts.scales[block] = half::f16::from_f32(d).to_f32();
+        parts.sums[block] = parts.scales[block] * total as f32;
+    }
 }

@@ -4,21 +4,22 @@
 //! projections), so its matmul falls back to scalar code there. For those formats [`Linear`] runs the kernels of
 //! this module instead; every other format goes to candle's `QMatMul`.
 //!
-//! How a product `y = x · Wᵀ` is computed (the ggml method):
+//! How a product `y = x · Wᵀ` is computed (the ggml method, on weights repacked at load time):
 //!
 //! ```text
-//!   x rows (f32) --quantize once--> QuantizedActivations (i8 values, scale and scale·Σq per block of 32)
+//!   x rows (f32) --quantize once--> QuantizedActivations (i8 values, scale, Σq and scale·Σq per block of 32)
 //!                                              |
-//!   W rows (raw ggml blocks) --decode 32 weights to small integers per block, in registers--+
+//!   W rows --repack once at load--> PackedWeights (16 rows interleaved per block, `packed.rs`)
 //!                                              v
-//!        per block: integer dot product (AVX2 maddubs+madd, AVX-512 VNNI dpbusd)
-//!                   then  acc += w_scale·x_scale·dot + w_offset·(x_scale·Σq)
+//!        per block of 16 rows: integer dot products, one row per lane (AVX-512 VNNI dpbusd, AVX2 maddubs+madd)
+//!                   then  sum += w_scale·x_scale·dot ; offset += w_minimum·(x_scale·Σq)   for 16 rows at once
 //! ```
 //!
-//! Work is split over output rows in groups of four ([`QUAD`]): each output element is computed start to finish
-//! by one thread with a fixed order of operations, so results are identical for any thread count. The order is
-//! also the same whichever tile computes the element, so a row's result does not depend on the other rows in
-//! its batch (a prefill in one chunk or several, or a decode step, give the same bits).
+//! Work is split over output rows in groups of sixteen ([`GROUP`]): each output element is computed start to
+//! finish by one thread with a fixed order of operations, so results are identical for any thread count. The
+//! order is also the same whichever tile, SIMD level or scalar code computes the element, so a row's result does
+//! not depend on the other rows in its batch (a prefill in one chunk or several, or a decode step, give the same
+//! bits) nor on the CPU's instruction set.
 //!
 //! `unsafe` is allowed in this module only, for two reasons: `std::arch` intrinsics behind runtime feature
 //! detection (`is_x86_feature_detected!`), and writing disjoint output elements from several threads. Each
@@ -27,6 +28,7 @@
 
 mod activation;
 mod format;
+mod packed;
 pub mod pool;
 mod scalar;
 pub mod vector;
@@ -43,10 +45,8 @@ use candle_core::{D, DType, Device, Module, Storage, Tensor};
 
 pub use activation::QuantizedActivations;
 pub use format::{BLOCK, WeightFormat};
+pub use packed::{GROUP, PackedWeights};
 pub use pool::ComputePool;
-
-/// Output rows handed to one kernel call together: a tile of four weight rows shares each activation load.
-pub const QUAD: usize = 4;
 
 /// Below this many multiply-adds a product runs on the calling thread: waking the pool costs more than it saves.
 const PARALLEL_THRESHOLD: usize = 64 * 1024;
@@ -59,8 +59,8 @@ pub enum SimdLevel {
     Scalar,
     /// AVX2 with FMA and F16C (Haswell and later).
     Avx2,
-    /// AVX-512 F, BW, VL and VNNI on 256-bit registers (Ice Lake, Sapphire Rapids, Zen 4): `vpdpbusd` replaces the
-    /// two-step `maddubs`/`madd`, and mask registers expand the fifth bits of Q5 blocks in one instruction.
+    /// AVX-512 F, BW, VL and VNNI (Ice Lake, Sapphire Rapids, Zen 4): 16 rows per register, `vpdpbusd` replaces
+    /// the two-step `maddubs`/`madd`, and mask registers expand the fifth bits of Q5 blocks in one instruction.
     Avx512Vnni,
 }
 
@@ -167,11 +167,11 @@ pub enum KernelError {
 
 /// A quantised weight matrix `[out_features, in_features]` in one of the [`WeightFormat`]s, with its products.
 ///
-/// It keeps the `QTensor` and borrows its bytes on each call (candle hands out CPU storage without copying), so
-/// loading a layer costs no second copy of the weights.
+/// It holds the weights repacked ([`PackedWeights`]), as many bytes as the ggml tensor they came from, which the
+/// caller may then drop: a loaded layer keeps one copy of its weights.
 #[derive(Debug, Clone)]
 pub struct QuantizedMatrix {
-    tensor: Arc<QTensor>,
+    weights: Arc<PackedWeights>,
     format: WeightFormat,
     out_features: usize,
     in_features: usize,
@@ -247,11 +247,10 @@ pub(crate) struct Output<'a> {
     _borrow: std::marker::PhantomData<&'a mut [f32]>,
 }
 
-/// A range of weight rows handed to a kernel: a whole number of quads, except possibly a last partial one.
-pub(crate) type RowRange = Range<usize>;
-
 impl QuantizedMatrix {
-    /// Wraps a weight tensor of one of our formats, checking its shape and size.
+    /// Repacks a weight tensor of one of our formats, checking its shape and size.
+    ///
+    /// Cost: one pass over the weights; the result holds as many bytes as the tensor.
     pub fn new(tensor: Arc<QTensor>) -> Result<Self, KernelError> {
         let Some(format) = WeightFormat::from_ggml(tensor.dtype()) else {
             return Err(KernelError::UnsupportedFormat {
@@ -278,8 +277,12 @@ impl QuantizedMatrix {
                 found,
             });
         }
+        let bytes = tensor.data().map_err(|_| KernelError::UnsupportedFormat {
+            dtype: tensor.dtype(),
+        })?;
+        let weights = PackedWeights::pack(format, &bytes, out_features, in_features / BLOCK);
         Ok(Self {
-            tensor,
+            weights: Arc::new(weights),
             format,
             out_features,
             in_features,
@@ -305,8 +308,8 @@ impl QuantizedMatrix {
     /// `output.len() == rows * out_features`, both row-major).
     ///
     /// Cost: one pass quantising the input, then `rows * out_features * in_features` multiply-adds on integers.
-    /// The result depends on `level` (float sums are grouped differently) but never on `threads` nor on the other
-    /// rows of the batch: each output row is bit-identical to computing its input row alone.
+    /// The result depends neither on `level` nor on `threads` nor on the other rows of the batch: each output row
+    /// is bit-identical to computing its input row alone, on any of these paths.
     pub fn matmul(
         &self,
         input: &[f32],
@@ -328,26 +331,15 @@ impl QuantizedMatrix {
             return Err(KernelError::LevelUnavailable(level));
         }
         let activations = QuantizedActivations::quantize(input, rows, self.in_features);
-        let bytes = self
-            .tensor
-            .data()
-            .map_err(|_| KernelError::UnsupportedFormat {
-                dtype: self.tensor.dtype(),
-            })?;
-        let weights: &[u8] = &bytes;
         let target = Output::new(output, self.out_features);
-        let quads = self.out_features.div_ceil(QUAD);
+        let groups = self.weights.groups();
         let work = rows * self.out_features * self.in_features;
-        let format = self.format;
-        let out_features = self.out_features;
-        let run = |items: Range<usize>| {
-            let range = items.start * QUAD..(items.end * QUAD).min(out_features);
-            run_kernel(level, format, weights, &activations, range, &target);
-        };
+        let weights = &*self.weights;
+        let run = |items: Range<usize>| run_kernel(level, weights, &activations, items, &target);
         if work < PARALLEL_THRESHOLD {
-            run(0..quads);
+            run(0..groups);
         } else {
-            run_items(threads, quads, run);
+            run_items(threads, groups, run);
         }
         Ok(())
     }
@@ -446,9 +438,8 @@ impl Linear {
             };
             let start = layout.start_offset();
             let values = &cpu.as_slice::<f32>()?[start..start + rows * self.in_features];
-            let level = level_for(matrix.format(), rows, *level);
             matrix
-                .matmul(values, rows, &mut output, level, Threads::Pool)
+                .matmul(values, rows, &mut output, *level, Threads::Pool)
                 .map_err(candle_core::Error::wrap)?;
         }
         Tensor::from_vec(output, dims, &Device::Cpu)
@@ -497,35 +488,20 @@ impl<'a> Output<'a> {
 // SAFETY: `Output` is only a pointer into a `&mut [f32]` that outlives it; threads write disjoint elements.
 unsafe impl Sync for Output<'_> {}
 
-/// The level a product of `rows` activation rows runs at, given the best level of this CPU.
-///
-/// A single row of Q8_0 runs the AVX2 kernel even where AVX-512 VNNI is present: on Zen 4 it streams the tied
-/// output heads 15 to 25% faster (smollm2-head 1.70 against 2.25 ms, gemma-head 11.4 against 13.3 ms, one
-/// thread, `docs/performance/decode.md`). Other formats and batches are faster on VNNI and keep it. Both levels compute the same integer sums and
-/// the same float operations in the same order, so a row's result does not depend on the choice (tested).
-fn level_for(format: WeightFormat, rows: usize, best: SimdLevel) -> SimdLevel {
-    if best == SimdLevel::Avx512Vnni && format == WeightFormat::Q8_0 && rows == 1 {
-        SimdLevel::Avx2
-    } else {
-        best
-    }
-}
-
-/// Runs the kernel of `level` over weight rows `rows`.
+/// Runs the kernel of `level` over the weight groups `groups`.
 fn run_kernel(
     level: SimdLevel,
-    format: WeightFormat,
-    weights: &[u8],
+    weights: &PackedWeights,
     activations: &QuantizedActivations,
-    rows: RowRange,
+    groups: Range<usize>,
     output: &Output<'_>,
 ) {
     match level {
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx2 | SimdLevel::Avx512Vnni => {
-            x86::matmul_rows(level, format, weights, activations, rows, output)
+            x86::matmul_groups(level, weights, activations, groups, output)
         }
-        _ => scalar::matmul_rows(format, weights, activations, rows, output),
+        _ => scalar::matmul_groups(weights, activations, groups, output),
     }
 }
 

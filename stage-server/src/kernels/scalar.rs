@@ -1,38 +1,59 @@
-//! The portable kernel: decodes each weight block to integers and takes integer dot products, no SIMD.
+//! The portable kernel: reads each packed block back to integers and takes integer dot products, no SIMD.
 //!
-//! It computes exactly what the SIMD kernels compute (the same integer sums, the same per-block scaling), so it is
-//! both the fallback on machines without AVX2 and a readable statement of the algorithm.
+//! It computes exactly what the SIMD kernels compute, so it is both the fallback on machines without AVX2 and a
+//! readable statement of the algorithm. Per output element, a block's 32 products are summed as eight exact
+//! integer partial sums of four (`partial[l]` covers weights `4l..4l+4`, one 32-bit lane of ggml's x86 kernels),
+//! and, blocks in order,
+//!
+//! ```text
+//!   sum[l] = fma(w_scale · x_scale, partial[l], sum[l])      for l in 0..8
+//!   offset = fma(w_minimum, x_scale · Σx, offset)            (formats with a minimum)
+//!   result = ((sum[0] + sum[4]) + (sum[2] + sum[6])) + ((sum[1] + sum[5]) + (sum[3] + sum[7])) + offset
+//! ```
+//!
+//! which is the order of operations of llama.cpp's x86 dot products (`ggml_vec_dot_q4_1_q8_1` and its siblings:
+//! eight float lanes, one FMA per block, a fixed horizontal sum). Keeping it keeps our products within a few
+//! units in the last place of llama.cpp's: gemma-3 amplifies any other order into argmax flips at positions
+//! llama.cpp calls confident (a single sum per element, tried, flipped two in the agreement fixtures).
 
+use std::ops::Range;
+
+use super::Output;
 use super::activation::QuantizedActivations;
-use super::format::{BLOCK, WeightFormat};
-use super::{Output, RowRange};
+use super::format::BLOCK;
+use super::packed::{GROUP, PackedWeights};
 
-/// Writes `output[x * out_features + o]` for every weight row `o` in `rows` and every activation row `x`.
-pub(super) fn matmul_rows(
-    format: WeightFormat,
-    weights: &[u8],
+/// Writes `output[x * out_features + o]` for every weight row `o` of the groups `groups` and every activation row.
+pub(super) fn matmul_groups(
+    weights: &PackedWeights,
     activations: &QuantizedActivations,
-    rows: RowRange,
+    groups: Range<usize>,
     output: &Output<'_>,
 ) {
     let blocks = activations.blocks_per_row();
-    let row_bytes = blocks * format.block_bytes();
     let mut q = [0i32; BLOCK];
-    for row in rows.start..rows.end {
-        let weight_row = &weights[row * row_bytes..(row + 1) * row_bytes];
+    let rows = groups.start * GROUP..(groups.end * GROUP).min(weights.rows());
+    for row in rows {
         for x in 0..activations.rows() {
             let values = activations.row_values(x);
             let scales = activations.row_scales(x);
             let sums = activations.row_sums(x);
-            let mut total = 0f32;
+            let mut lanes = [0f32; 8];
             let mut offsets = 0f32;
-            for (block_index, block) in weight_row.chunks_exact(format.block_bytes()).enumerate() {
-                let (scale, offset) = format.decode_block(block, &mut q);
-                let x_values = &values[block_index * BLOCK..(block_index + 1) * BLOCK];
-                let dot: i32 = q.iter().zip(x_values).map(|(w, x)| w * i32::from(*x)).sum();
-                total += scale * scales[block_index] * dot as f32;
-                offsets += offset * sums[block_index];
+            for block in 0..blocks {
+                let (scale, offset) = weights.block(row, block, &mut q);
+                let x_values = &values[block * BLOCK..(block + 1) * BLOCK];
+                let factor = scale * scales[block];
+                for (lane, sum) in lanes.iter_mut().enumerate() {
+                    let partial: i32 = (4 * lane..4 * lane + 4)
+                        .map(|j| q[j] * i32::from(x_values[j]))
+                        .sum();
+                    *sum = factor.mul_add(partial as f32, *sum);
+                }
+                offsets = offset.mul_add(sums[block], offsets);
             }
+            let total = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
+                + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
             output.write(x, row, total + offsets);
         }
     }

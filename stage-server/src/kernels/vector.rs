@@ -34,6 +34,10 @@ pub fn dots(query: &[f32], keys: &[f32], out: &mut [f32]) {
     let width = query.len().max(1);
     #[cfg(target_arch = "x86_64")]
     if avx2() {
+        if width.is_multiple_of(8) {
+            // SAFETY: the CPU has AVX2 (checked by `avx2()`); the width is whole chunks of eight.
+            return unsafe { x86::dots(query, keys, out) };
+        }
         for (score, key) in out.iter_mut().zip(keys.chunks_exact(width)) {
             // SAFETY: the CPU has AVX2 (checked by `avx2()`).
             *score = unsafe { x86::dot(query, key) };
@@ -52,6 +56,10 @@ pub fn weighted_sum(out: &mut [f32], weights: &[f32], values: &[f32]) {
     let width = out.len().max(1);
     #[cfg(target_arch = "x86_64")]
     if avx2() {
+        if width.is_multiple_of(8) {
+            // SAFETY: the CPU has AVX2 (checked by `avx2()`); the width is whole chunks of eight.
+            return unsafe { x86::weighted_sum(out, weights, values) };
+        }
         for (&weight, value) in weights.iter().zip(values.chunks_exact(width)) {
             // SAFETY: the CPU has AVX2 (checked by `avx2()`).
             unsafe { x86::add_scaled(out, weight, value) };
@@ -140,6 +148,90 @@ mod x86 {
         _mm_cvtss_f32(sum) + tail
     }
 
+    /// [`super::dots`] for a width of whole chunks of eight, four keys at a time: each key keeps its own running
+    /// sums and reduction order (so the bits of [`dot`]), and the four independent chains of adds overlap where
+    /// one key's chain would wait on each add's latency.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `query.len()` must be a multiple of 8.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn dots(query: &[f32], keys: &[f32], out: &mut [f32]) {
+        let width = query.len();
+        debug_assert!(width.is_multiple_of(8) && width > 0);
+        let count = out.len().min(keys.len() / width);
+        let chunks = width / 8;
+        let mut key = 0;
+        while key + 4 <= count {
+            let mut lanes = [_mm256_setzero_ps(); 4];
+            for chunk in 0..chunks {
+                // SAFETY: chunk * 8 + 8 <= width; keys hold `count` rows of `width` (checked above).
+                unsafe {
+                    let q = _mm256_loadu_ps(query.as_ptr().add(chunk * 8));
+                    for (lane, sums) in lanes.iter_mut().enumerate() {
+                        let k =
+                            _mm256_loadu_ps(keys.as_ptr().add((key + lane) * width + chunk * 8));
+                        *sums = _mm256_add_ps(*sums, _mm256_mul_ps(q, k));
+                    }
+                }
+            }
+            for (lane, sums) in lanes.iter().enumerate() {
+                out[key + lane] = reduce(*sums);
+            }
+            key += 4;
+        }
+        while key < count {
+            // SAFETY: the CPU has AVX2 (contract).
+            out[key] = unsafe { dot(query, &keys[key * width..(key + 1) * width]) };
+            key += 1;
+        }
+    }
+
+    /// [`super::weighted_sum`] for a width of whole chunks of eight: 64 output values at a time stay in registers
+    /// over every row (each value still sums its products in row order, a multiply then an add, so the bits of
+    /// [`add_scaled`] row after row), instead of a load and a store per row.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `out.len()` must be a multiple of 8.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn weighted_sum(out: &mut [f32], weights: &[f32], values: &[f32]) {
+        let width = out.len();
+        debug_assert!(width.is_multiple_of(8) && width > 0);
+        let rows = weights.len().min(values.len() / width);
+        let mut start = 0;
+        while start < width {
+            let chunks = ((width - start) / 8).min(8);
+            let mut sums = [_mm256_setzero_ps(); 8];
+            for (row, &weight) in weights[..rows].iter().enumerate() {
+                let scale = _mm256_set1_ps(weight);
+                for (chunk, sum) in sums[..chunks].iter_mut().enumerate() {
+                    // SAFETY: start + chunk * 8 + 8 <= width; values hold `rows` rows of `width`.
+                    let value = unsafe {
+                        _mm256_loadu_ps(values.as_ptr().add(row * width + start + chunk * 8))
+                    };
+                    *sum = _mm256_add_ps(*sum, _mm256_mul_ps(scale, value));
+                }
+            }
+            for (chunk, sum) in sums[..chunks].iter().enumerate() {
+                // SAFETY: start + chunk * 8 + 8 <= width = out.len().
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(start + chunk * 8), *sum) };
+            }
+            start += chunks * 8;
+        }
+    }
+
+    /// The sum of a dot product's eight running sums in the portable order.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn reduce(lanes: __m256) -> f32 {
+        let quads = _mm_add_ps(
+            _mm256_castps256_ps128(lanes),
+            _mm256_extractf128_ps(lanes, 1),
+        );
+        let pairs = _mm_add_ps(quads, _mm_movehl_ps(quads, quads));
+        let sum = _mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 0b01));
+        _mm_cvtss_f32(sum)
+    }
+
     /// # Safety
     /// The CPU must support AVX2.
     #[target_feature(enable = "avx2")]
@@ -198,11 +290,12 @@ mod tests {
                     "add_scaled of length {length}"
                 );
                 if length > 0 {
-                    // Three rows of `length` values against one query, and summed back with weights.
-                    let keys: Vec<f32> = (0..3 * length)
+                    // Seven rows of `length` values against one query (a group of four and three left over),
+                    // and summed back with weights.
+                    let keys: Vec<f32> = (0..7 * length)
                         .map(|_| rng.random_range(-4.0..4.0))
                         .collect();
-                    let mut scores = [0f32; 3];
+                    let mut scores = [0f32; 7];
                     dots(&left, &keys, &mut scores);
                     for (row, score) in scores.iter().enumerate() {
                         let key = &keys[row * length..(row + 1) * length];
