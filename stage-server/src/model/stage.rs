@@ -839,6 +839,7 @@ impl Block {
             },
         };
         let mut attended = vec![0f32; rows * heads * head_width];
+        let mut queries: Vec<Vec<f32>> = Vec::with_capacity(segments.len());
         for ((segment, rope), cache) in segments.iter().zip(ropes).zip(caches.iter_mut()) {
             // The segment's [rows, heads, width] -> [1, heads, rows, width] for the RoPE kernels.
             let part = |values: &Tensor| -> Result<Tensor, ModelError> {
@@ -857,19 +858,12 @@ impl Block {
             let segment_key = segment_key.flatten_all()?.to_vec1::<f32>()?;
             let segment_value = part(&value)?.flatten_all()?.to_vec1::<f32>()?;
             cache.append(&segment_key, &segment_value, segment.position, segment.rows)?;
-            let segment_query = segment_query.flatten_all()?.to_vec1::<f32>()?;
-            let stride = heads * head_width;
-            let output = &mut attended[segment.offset * stride..][..segment.rows * stride];
-            attend(
-                &segment_query,
-                heads,
-                segment.rows,
-                segment.position,
-                cache,
-                scale,
-                output,
-            );
+            queries.push(segment_query.flatten_all()?.to_vec1::<f32>()?);
         }
+        // Every segment's head-rows in one job: a decode step's lanes are one row each, too little work to
+        // split alone, and their attention ran on the calling thread one lane after another.
+        let caches: Vec<&LayerCache> = caches.iter().map(|cache| &**cache).collect();
+        attend(&queries, segments, heads, &caches, scale, &mut attended);
         let attended = Tensor::from_vec(attended, (rows, heads * head_width), &Device::Cpu)?;
         let mut attention_out = self.output.forward(&attended)?;
         if let Some(norm) = &self.post_attention_norm {
@@ -1180,33 +1174,44 @@ struct AttentionScale {
     score: f32,
 }
 
-/// Causal (and, for sliding-window layers, windowed) attention of `rows` queries at `position..` over the
-/// cache, written into `output` as `[rows][heads * width]`. `query` is `[heads][rows][width]`.
+/// Causal (and, for sliding-window layers, windowed) attention of every segment's rows over its own lane's
+/// cache (`caches[i]` for `segments[i]`), written into `output` as `[rows][heads * width]` for the rows of all
+/// segments in order. `queries[i]` is segment `i`'s `[heads][rows][width]`.
 ///
 /// Each output row is computed on its own, over exactly the keys it can see, in a fixed order of operations:
 /// an 8-lane dot product per score, the softmax in f32 with unnormalised weights summed in key order, the
 /// weighted values accumulated in key order and divided by that sum at the end (as llama.cpp's flash-attention
-/// kernel does). So a row's result does not depend on the chunk it came in, on how much the cache holds, or
-/// on the thread that ran it: chunked prefill, decode, split stages and the bounded sliding-window cache all
-/// give the same bits.
+/// kernel does). So a row's result does not depend on the chunk it came in, on the other lanes of its batch, on
+/// how much the cache holds, or on the thread that ran it: chunked prefill, decode, batches, split stages and
+/// the bounded sliding-window cache all give the same bits.
 fn attend(
-    query: &[f32],
+    queries: &[Vec<f32>],
+    segments: &[Segment],
     heads: usize,
-    rows: usize,
-    position: usize,
-    cache: &LayerCache,
+    caches: &[&LayerCache],
     scale: AttentionScale,
     output: &mut [f32],
 ) {
-    let width = cache.width;
-    let group = heads / cache.kv_heads;
+    let Some(width) = caches.first().map(|cache| cache.width) else {
+        return;
+    };
+    // The segment of each output row, so a head-row index finds its query and cache.
+    let owners: Vec<usize> = segments
+        .iter()
+        .enumerate()
+        .flat_map(|(index, segment)| std::iter::repeat_n(index, segment.rows))
+        .collect();
     let run = |index: usize, out: &mut [f32]| {
-        let (row, head) = (index / heads, index % heads);
-        let query_position = position + row;
+        let (global_row, head) = (index / heads, index % heads);
+        let owner = owners[global_row];
+        let (segment, cache, query) = (&segments[owner], caches[owner], &queries[owner]);
+        let row = global_row - segment.offset;
+        let group = heads / cache.kv_heads;
+        let query_position = segment.position + row;
         let keys_seen = cache.first_visible(query_position)..query_position + 1;
         let keys = cache.keys(head / group, keys_seen.clone());
         let values = cache.values(head / group, keys_seen);
-        let mut scaled = query[(head * rows + row) * width..][..width].to_vec();
+        let mut scaled = query[(head * segment.rows + row) * width..][..width].to_vec();
         if scale.query != 1.0 {
             scaled.iter_mut().for_each(|value| *value *= scale.query);
         }
@@ -1225,7 +1230,15 @@ fn attend(
         let inverse = 1.0 / sum;
         out.iter_mut().for_each(|value| *value *= inverse);
     };
-    let work = rows * heads * (position + rows - cache.first_visible(position)) * width;
+    let work: usize = segments
+        .iter()
+        .zip(caches)
+        .map(|(segment, cache)| {
+            let end = segment.position + segment.rows;
+            segment.rows * heads * (end - cache.first_visible(segment.position)) * width
+        })
+        .sum();
+    let output = &mut output[..owners.len() * heads * width];
     if work >= PARALLEL_ATTENTION_WORK {
         crate::kernels::ComputePool::global().for_each_chunk_mut(output, width, run);
     } else {
