@@ -29,13 +29,13 @@ const FORMAT_Q5_0: u8 = 2;
 const FORMAT_Q5_1: u8 = 3;
 const FORMAT_Q8_0: u8 = 4;
 
-/// How far ahead of the block it computes a kernel asks for the packed bytes (every line of the block). A decode
-/// step streams every weight once; a software prefetch 2 KiB ahead gained 1.5x to 2x on the ggml layout (the
-/// gemma-3 head, one row, 2 threads, `--bench kernels`: 14.4 to 17.1 ms without, 6.4 to 10.0 with). On the packed
-/// layout, SmolLM2 decode (`generate`, 2 threads, two rounds) gave 131 to 141 tok/s at 2 KiB with T0, 134 to 139
-/// at 1 KiB, 137 to 146 at 4 KiB, 141 to 146 at 8 KiB, 144 to 150 with T1, 137 to 156 with T2 and 123 to 143
-/// without: within this host's noise, so the tested setting stays.
-const PREFETCH_AHEAD: usize = 2048;
+/// How far ahead of the block it computes a kernel asks for the packed bytes (every line of the block, into
+/// L2: `_MM_HINT_T1`). A decode step streams every weight once. On the ggml layout a T0 prefetch 2 KiB ahead
+/// gained 1.5x to 2x (the gemma-3 head, one row, 2 threads: 14.4 to 17.1 ms without, 6.4 to 10.0 with). On the
+/// packed layout (`--bench batch`, a SmolLM2 decode step of one lane, 2 threads, medians of three same-run
+/// rounds): 2 KiB T0 4.26 ms, 8 KiB T0 3.98, 8 KiB T1 3.72, 16 KiB T1 3.84, 8 KiB T2 3.89, no prefetch 5.7; a
+/// 4-lane step did not move beyond the noise (9.4 to 10.6 ms for each).
+const PREFETCH_AHEAD: usize = 8192;
 
 /// Whether the AVX2 kernels can run here.
 pub(super) fn avx2_available() -> bool {
@@ -239,7 +239,7 @@ mod vnni {
             let mut line = 0;
             while line < layout.bytes {
                 // A hint only, never a fault: past the weights' end it reads nothing.
-                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_AHEAD + line) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(PREFETCH_AHEAD + line) as *const i8);
                 line += 64;
             }
             // SAFETY: every load below reads inside this block's `layout.bytes` bytes (contract and `packed.rs`).
@@ -402,7 +402,7 @@ mod avx2 {
                 let mut line = 0;
                 while line < layout.bytes {
                     // A hint only, never a fault: past the weights' end it reads nothing.
-                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_AHEAD + line) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(PREFETCH_AHEAD + line) as *const i8);
                     line += 64;
                 }
             }
