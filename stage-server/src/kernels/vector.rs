@@ -71,6 +71,45 @@ pub fn weighted_sum(out: &mut [f32], weights: &[f32], values: &[f32]) {
     }
 }
 
+/// [`dots`] over keys stored as f16 bits (an attention cache): each key row is widened to f32 exactly, so the
+/// scores are the bits [`dots`] gives on the widened rows.
+pub fn dots_f16(query: &[f32], keys: &[u16], out: &mut [f32]) {
+    let width = query.len().max(1);
+    #[cfg(target_arch = "x86_64")]
+    if avx2_f16c() && width.is_multiple_of(8) {
+        // SAFETY: the CPU has AVX2 and F16C (checked above); the width is whole chunks of eight.
+        return unsafe { x86::dots_f16(query, keys, out) };
+    }
+    let mut row = vec![0f32; width];
+    for (score, key) in out.iter_mut().zip(keys.chunks_exact(width)) {
+        widen(key, &mut row);
+        *score = dot(query, &row);
+    }
+}
+
+/// [`weighted_sum`] over value rows stored as f16 bits: the bits [`weighted_sum`] gives on the widened rows.
+pub fn weighted_sum_f16(out: &mut [f32], weights: &[f32], values: &[u16]) {
+    let width = out.len().max(1);
+    #[cfg(target_arch = "x86_64")]
+    if avx2_f16c() && width.is_multiple_of(8) {
+        // SAFETY: the CPU has AVX2 and F16C (checked above); the width is whole chunks of eight.
+        return unsafe { x86::weighted_sum_f16(out, weights, values) };
+    }
+    out.fill(0.0);
+    let mut row = vec![0f32; width];
+    for (&weight, value) in weights.iter().zip(values.chunks_exact(width)) {
+        widen(value, &mut row);
+        add_scaled(out, weight, &row);
+    }
+}
+
+/// f16 bits to f32, exactly.
+fn widen(bits: &[u16], out: &mut [f32]) {
+    for (wide, &narrow) in out.iter_mut().zip(bits) {
+        *wide = half::f16::from_bits(narrow).to_f32();
+    }
+}
+
 /// [`dot`] without intrinsics.
 pub fn dot_portable(left: &[f32], right: &[f32]) -> f32 {
     let length = left.len().min(right.len());
@@ -108,6 +147,11 @@ pub fn add_scaled_portable(out: &mut [f32], weight: f32, values: &[f32]) {
 #[cfg(target_arch = "x86_64")]
 fn avx2() -> bool {
     std::is_x86_feature_detected!("avx2")
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2_f16c() -> bool {
+    avx2() && std::is_x86_feature_detected!("f16c")
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -219,6 +263,84 @@ mod x86 {
         }
     }
 
+    /// [`dots`] over f16 key rows, widened in registers (`vcvtph2ps`, exact).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; `query.len()` must be a multiple of 8.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn dots_f16(query: &[f32], keys: &[u16], out: &mut [f32]) {
+        let width = query.len();
+        debug_assert!(width.is_multiple_of(8) && width > 0);
+        let count = out.len().min(keys.len() / width);
+        let chunks = width / 8;
+        let load = |key: usize, chunk: usize| {
+            // SAFETY: key < count and chunk * 8 + 8 <= width, so the 8 values are inside `keys`.
+            unsafe {
+                _mm256_cvtph_ps(_mm_loadu_si128(
+                    keys.as_ptr().add(key * width + chunk * 8) as *const __m128i
+                ))
+            }
+        };
+        let mut key = 0;
+        while key + 4 <= count {
+            let mut lanes = [_mm256_setzero_ps(); 4];
+            for chunk in 0..chunks {
+                // SAFETY: chunk * 8 + 8 <= width = query.len().
+                let q = unsafe { _mm256_loadu_ps(query.as_ptr().add(chunk * 8)) };
+                for (lane, sums) in lanes.iter_mut().enumerate() {
+                    *sums = _mm256_add_ps(*sums, _mm256_mul_ps(q, load(key + lane, chunk)));
+                }
+            }
+            for (lane, sums) in lanes.iter().enumerate() {
+                out[key + lane] = reduce(*sums);
+            }
+            key += 4;
+        }
+        while key < count {
+            let mut sums = _mm256_setzero_ps();
+            for chunk in 0..chunks {
+                // SAFETY: chunk * 8 + 8 <= width = query.len().
+                let q = unsafe { _mm256_loadu_ps(query.as_ptr().add(chunk * 8)) };
+                sums = _mm256_add_ps(sums, _mm256_mul_ps(q, load(key, chunk)));
+            }
+            out[key] = reduce(sums);
+            key += 1;
+        }
+    }
+
+    /// [`weighted_sum`] over f16 value rows, widened in registers.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; `out.len()` must be a multiple of 8.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn weighted_sum_f16(out: &mut [f32], weights: &[f32], values: &[u16]) {
+        let width = out.len();
+        debug_assert!(width.is_multiple_of(8) && width > 0);
+        let rows = weights.len().min(values.len() / width);
+        let mut start = 0;
+        while start < width {
+            let chunks = ((width - start) / 8).min(8);
+            let mut sums = [_mm256_setzero_ps(); 8];
+            for (row, &weight) in weights[..rows].iter().enumerate() {
+                let scale = _mm256_set1_ps(weight);
+                for (chunk, sum) in sums[..chunks].iter_mut().enumerate() {
+                    // SAFETY: start + chunk * 8 + 8 <= width; values hold `rows` rows of `width`.
+                    let value = unsafe {
+                        _mm256_cvtph_ps(_mm_loadu_si128(
+                            values.as_ptr().add(row * width + start + chunk * 8) as *const __m128i,
+                        ))
+                    };
+                    *sum = _mm256_add_ps(*sum, _mm256_mul_ps(scale, value));
+                }
+            }
+            for (chunk, sum) in sums[..chunks].iter().enumerate() {
+                // SAFETY: start + chunk * 8 + 8 <= width = out.len().
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(start + chunk * 8), *sum) };
+            }
+            start += chunks * 8;
+        }
+    }
+
     /// The sum of a dot product's eight running sums in the portable order.
     #[target_feature(enable = "avx2")]
     #[inline]
@@ -315,6 +437,33 @@ mod tests {
                         bits(&summed),
                         bits(&expected),
                         "weighted_sum of length {length}"
+                    );
+                    // The same rows stored as f16 bits give the bits of the f32 helpers on the widened rows.
+                    let narrow: Vec<u16> = keys
+                        .iter()
+                        .map(|&value| half::f16::from_f32(value).to_bits())
+                        .collect();
+                    let widened: Vec<f32> = narrow
+                        .iter()
+                        .map(|&value| half::f16::from_bits(value).to_f32())
+                        .collect();
+                    let mut narrow_scores = [0f32; 7];
+                    dots_f16(&left, &narrow, &mut narrow_scores);
+                    let mut wide_scores = [0f32; 7];
+                    dots(&left, &widened, &mut wide_scores);
+                    assert_eq!(
+                        bits(&narrow_scores),
+                        bits(&wide_scores),
+                        "dots_f16 of length {length}"
+                    );
+                    let mut narrow_summed = vec![0f32; length];
+                    weighted_sum_f16(&mut narrow_summed, &scores, &narrow);
+                    let mut wide_summed = vec![0f32; length];
+                    weighted_sum(&mut wide_summed, &scores, &widened);
+                    assert_eq!(
+                        bits(&narrow_summed),
+                        bits(&wide_summed),
+                        "weighted_sum_f16 of length {length}"
                     );
                 }
             }
