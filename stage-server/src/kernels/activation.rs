@@ -126,7 +126,7 @@ struct Parts<'a> {
     quads: &'a mut [i32],
 }
 
-/// Quantises whole blocks of `input` into `values`, `scales` and `sums` (portable code).
+/// Quantises whole blocks of `input` into `values`, `scales`, `sums` and `quads` (portable code).
 #[inline(always)]
 fn quantize_blocks(input: &[f32], parts: &mut Parts<'_>) {
     for ((((chunk, block_values), scale), sum), block_quads) in input
@@ -154,11 +154,23 @@ fn quantize_blocks(input: &[f32], parts: &mut Parts<'_>) {
     }
 }
 
+/// Quantises block `block` alone with the portable code (`chunk` is its input).
+#[cfg(target_arch = "x86_64")]
+fn quantize_one_block(chunk: &[f32], parts: &mut Parts<'_>, block: usize) {
+    let mut one = Parts {
+        values: &mut parts.values[block * BLOCK..(block + 1) * BLOCK],
+        scales: &mut parts.scales[block..block + 1],
+        sums: &mut parts.sums[block..block + 1],
+        quads: &mut parts.quads[block * QUADS..(block + 1) * QUADS],
+    };
+    quantize_blocks(chunk, &mut one);
+}
+
 /// [`quantize_blocks`] on AVX2 registers: a block's 32 values are four registers, its maximum one reduction, its
 /// rounding one instruction per eight values, its bytes and sums of four two instructions each. The operations per
 /// value are the portable code's (`x * inverse`, rounded half to even), so the bytes are the same; a block holding
-/// an infinity or a NaN, where the two would differ (a NaN is ordered differently by `max`), goes to the
-/// portable code.
+/// an infinity or a NaN (a NaN is ordered differently by `max`), or values so small that `127 / max` overflows,
+/// where the two would differ, goes to the portable code.
 ///
 /// Each product quantises its input again (up to 121 times per SmolLM2 decode step), all on the calling thread:
 /// compiled from the portable code this took 5% of a 4-lane step's samples.
@@ -188,13 +200,7 @@ unsafe fn quantize_blocks_avx2(input: &[f32], parts: &mut Parts<'_>) {
             .map(|&magnitude| _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_NLT_UQ>(magnitude, infinity)))
             .fold(0, |any, mask| any | mask);
         if not_finite != 0 {
-            let mut one = Parts {
-                values: &mut parts.values[block * BLOCK..(block + 1) * BLOCK],
-                scales: &mut parts.scales[block..block + 1],
-                sums: &mut parts.sums[block..block + 1],
-                quads: &mut parts.quads[block * QUADS..(block + 1) * QUADS],
-            };
-            quantize_blocks(chunk, &mut one);
+            quantize_one_block(chunk, parts, block);
             continue;
         }
         let widest = _mm256_max_ps(
@@ -209,6 +215,12 @@ unsafe fn quantize_blocks_avx2(input: &[f32], parts: &mut Parts<'_>) {
         let maximum = _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
         let d = maximum / 127.0;
         let inverse = if maximum > 0.0 { 127.0 / maximum } else { 0.0 };
+        if inverse.is_infinite() {
+            // A block of values below 127 / f32::MAX: the portable code's `as i8` turns `x * inf` into 127, -128
+            // or 0 (NaN), where the vector conversion gives -128 for all three.
+            quantize_one_block(chunk, parts, block);
+            continue;
+        }
         let factor = _mm256_set1_ps(inverse);
         let integers = lines.map(|line| {
             _mm256_cvtps_epi32(_mm256_round_ps::<

@@ -20,7 +20,8 @@
 //! Every stored value is unsigned: the weight is `scale * (value - centre) + minimum` with the centre 8 (Q4_0),
 //! 16 (Q5_0), 128 (Q8_0) or 0. The kernels take `Σ value·x` with an unsigned-by-signed multiply and subtract
 //! `centre·Σx` in integers, which is exact, so every level computes the same integer per row and block. A group
-//! holds as many bytes as its 16 rows did in the ggml layout; rows past the matrix's end are zero.
+//! holds as many bytes as its 16 rows did in the ggml layout; rows past the matrix's end (up to 15, in the last
+//! group) are zero.
 
 use super::format::{BLOCK, WeightFormat, f16_at};
 

@@ -20,7 +20,7 @@ use std::ops::Range;
 
 use super::Output;
 use super::activation::QuantizedActivations;
-use super::format::BLOCK;
+use super::format::{BLOCK, WeightFormat};
 use super::packed::{GROUP, PackedWeights};
 
 /// Writes `output[x * out_features + o]` for every weight row `o` of the groups `groups` and every activation row.
@@ -31,6 +31,7 @@ pub(super) fn matmul_groups(
     output: &Output<'_>,
 ) {
     let blocks = activations.blocks_per_row();
+    let has_minimums = matches!(weights.format(), WeightFormat::Q4_1 | WeightFormat::Q5_1);
     let mut q = [0i32; BLOCK];
     let rows = groups.start * GROUP..(groups.end * GROUP).min(weights.rows());
     for row in rows {
@@ -50,7 +51,9 @@ pub(super) fn matmul_groups(
                         .sum();
                     *sum = factor.mul_add(partial as f32, *sum);
                 }
-                offsets = offset.mul_add(sums[block], offsets);
+                if has_minimums {
+                    offsets = offset.mul_add(sums[block], offsets);
+                }
             }
             let total = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
                 + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));

@@ -209,7 +209,7 @@ struct Lane {
     caches: Vec<LayerCache>,
 }
 
-/// Keys and values of one block, `[kv_heads][capacity][head_width]` f32 values (rounded to f16), grown in
+/// Keys and values of one block, `[kv_heads][capacity][head_width]` f16 values (as bits), grown in
 /// chunks so appends rarely copy.
 ///
 /// A global layer keeps every position from 0. A sliding-window layer of window `w` keeps only what later
