@@ -192,154 +192,99 @@ mod x86 {
         _mm_cvtss_f32(sum) + tail
     }
 
-    /// [`super::dots`] for a width of whole chunks of eight, four keys at a time: each key keeps its own running
-    /// sums and reduction order (so the bits of [`dot`]), and the four independent chains of adds overlap where
-    /// one key's chain would wait on each add's latency.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2; `query.len()` must be a multiple of 8.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn dots(query: &[f32], keys: &[f32], out: &mut [f32]) {
-        let width = query.len();
-        debug_assert!(width.is_multiple_of(8) && width > 0);
-        let count = out.len().min(keys.len() / width);
-        let chunks = width / 8;
-        let mut key = 0;
-        while key + 4 <= count {
-            let mut lanes = [_mm256_setzero_ps(); 4];
-            for chunk in 0..chunks {
-                // SAFETY: chunk * 8 + 8 <= width; keys hold `count` rows of `width` (checked above).
-                unsafe {
-                    let q = _mm256_loadu_ps(query.as_ptr().add(chunk * 8));
-                    for (lane, sums) in lanes.iter_mut().enumerate() {
-                        let k =
-                            _mm256_loadu_ps(keys.as_ptr().add((key + lane) * width + chunk * 8));
-                        *sums = _mm256_add_ps(*sums, _mm256_mul_ps(q, k));
+    /// Generates the attention loops for rows stored as `$element` (`$load` reads eight of them as f32, exactly):
+    /// `$dots` ([`super::dots`] for a width of whole chunks of eight, four keys at a time: each key keeps its own
+    /// running sums and reduction order, so the bits of [`dot`], and the four independent chains of adds overlap
+    /// where one key's chain would wait on each add's latency) and `$weighted_sum` ([`super::weighted_sum`]: 64
+    /// output values at a time stay in registers over every row, each still summing its products in row order, a
+    /// multiply then an add, so the bits of [`add_scaled`] row after row, instead of a load and a store per row).
+    macro_rules! attention_loops {
+        ($dots:ident, $weighted_sum:ident, $element:ty, $features:literal, $load:expr) => {
+            /// # Safety
+            /// The CPU must support the features named; `query.len()` must be a multiple of 8.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $dots(query: &[f32], keys: &[$element], out: &mut [f32]) {
+                let width = query.len();
+                debug_assert!(width.is_multiple_of(8) && width > 0);
+                let count = out.len().min(keys.len() / width);
+                let chunks = width / 8;
+                // SAFETY (callers): key < count and chunk * 8 + 8 <= width, so the 8 values are in `keys`.
+                let load = |key: usize, chunk: usize| unsafe {
+                    $load(keys.as_ptr().add(key * width + chunk * 8))
+                };
+                let mut key = 0;
+                while key + 4 <= count {
+                    let mut lanes = [_mm256_setzero_ps(); 4];
+                    for chunk in 0..chunks {
+                        // SAFETY: chunk * 8 + 8 <= width = query.len().
+                        let q = unsafe { _mm256_loadu_ps(query.as_ptr().add(chunk * 8)) };
+                        for (lane, sums) in lanes.iter_mut().enumerate() {
+                            *sums = _mm256_add_ps(*sums, _mm256_mul_ps(q, load(key + lane, chunk)));
+                        }
                     }
+                    for (lane, sums) in lanes.iter().enumerate() {
+                        out[key + lane] = reduce(*sums);
+                    }
+                    key += 4;
+                }
+                while key < count {
+                    let mut sums = _mm256_setzero_ps();
+                    for chunk in 0..chunks {
+                        // SAFETY: chunk * 8 + 8 <= width = query.len().
+                        let q = unsafe { _mm256_loadu_ps(query.as_ptr().add(chunk * 8)) };
+                        sums = _mm256_add_ps(sums, _mm256_mul_ps(q, load(key, chunk)));
+                    }
+                    out[key] = reduce(sums);
+                    key += 1;
                 }
             }
-            for (lane, sums) in lanes.iter().enumerate() {
-                out[key + lane] = reduce(*sums);
-            }
-            key += 4;
-        }
-        while key < count {
-            // SAFETY: the CPU has AVX2 (contract).
-            out[key] = unsafe { dot(query, &keys[key * width..(key + 1) * width]) };
-            key += 1;
-        }
-    }
 
-    /// [`super::weighted_sum`] for a width of whole chunks of eight: 64 output values at a time stay in registers
-    /// over every row (each value still sums its products in row order, a multiply then an add, so the bits of
-    /// [`add_scaled`] row after row), instead of a load and a store per row.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2; `out.len()` must be a multiple of 8.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn weighted_sum(out: &mut [f32], weights: &[f32], values: &[f32]) {
-        let width = out.len();
-        debug_assert!(width.is_multiple_of(8) && width > 0);
-        let rows = weights.len().min(values.len() / width);
-        let mut start = 0;
-        while start < width {
-            let chunks = ((width - start) / 8).min(8);
-            let mut sums = [_mm256_setzero_ps(); 8];
-            for (row, &weight) in weights[..rows].iter().enumerate() {
-                let scale = _mm256_set1_ps(weight);
-                for (chunk, sum) in sums[..chunks].iter_mut().enumerate() {
-                    // SAFETY: start + chunk * 8 + 8 <= width; values hold `rows` rows of `width`.
-                    let value = unsafe {
-                        _mm256_loadu_ps(values.as_ptr().add(row * width + start + chunk * 8))
-                    };
-                    *sum = _mm256_add_ps(*sum, _mm256_mul_ps(scale, value));
+            /// # Safety
+            /// The CPU must support the features named; `out.len()` must be a multiple of 8.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $weighted_sum(
+                out: &mut [f32],
+                weights: &[f32],
+                values: &[$element],
+            ) {
+                let width = out.len();
+                debug_assert!(width.is_multiple_of(8) && width > 0);
+                let rows = weights.len().min(values.len() / width);
+                let mut start = 0;
+                while start < width {
+                    let chunks = ((width - start) / 8).min(8);
+                    let mut sums = [_mm256_setzero_ps(); 8];
+                    for (row, &weight) in weights[..rows].iter().enumerate() {
+                        let scale = _mm256_set1_ps(weight);
+                        for (chunk, sum) in sums[..chunks].iter_mut().enumerate() {
+                            // SAFETY: start + chunk * 8 + 8 <= width; values hold `rows` rows of `width`.
+                            let value = unsafe {
+                                $load(values.as_ptr().add(row * width + start + chunk * 8))
+                            };
+                            *sum = _mm256_add_ps(*sum, _mm256_mul_ps(scale, value));
+                        }
+                    }
+                    for (chunk, sum) in sums[..chunks].iter().enumerate() {
+                        // SAFETY: start + chunk * 8 + 8 <= width = out.len().
+                        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(start + chunk * 8), *sum) };
+                    }
+                    start += chunks * 8;
                 }
-            }
-            for (chunk, sum) in sums[..chunks].iter().enumerate() {
-                // SAFETY: start + chunk * 8 + 8 <= width = out.len().
-                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(start + chunk * 8), *sum) };
-            }
-            start += chunks * 8;
-        }
-    }
-
-    /// [`dots`] over f16 key rows, widened in registers (`vcvtph2ps`, exact).
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and F16C; `query.len()` must be a multiple of 8.
-    #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn dots_f16(query: &[f32], keys: &[u16], out: &mut [f32]) {
-        let width = query.len();
-        debug_assert!(width.is_multiple_of(8) && width > 0);
-        let count = out.len().min(keys.len() / width);
-        let chunks = width / 8;
-        let load = |key: usize, chunk: usize| {
-            // SAFETY: key < count and chunk * 8 + 8 <= width, so the 8 values are inside `keys`.
-            unsafe {
-                _mm256_cvtph_ps(_mm_loadu_si128(
-                    keys.as_ptr().add(key * width + chunk * 8) as *const __m128i
-                ))
             }
         };
-        let mut key = 0;
-        while key + 4 <= count {
-            let mut lanes = [_mm256_setzero_ps(); 4];
-            for chunk in 0..chunks {
-                // SAFETY: chunk * 8 + 8 <= width = query.len().
-                let q = unsafe { _mm256_loadu_ps(query.as_ptr().add(chunk * 8)) };
-                for (lane, sums) in lanes.iter_mut().enumerate() {
-                    *sums = _mm256_add_ps(*sums, _mm256_mul_ps(q, load(key + lane, chunk)));
-                }
-            }
-            for (lane, sums) in lanes.iter().enumerate() {
-                out[key + lane] = reduce(*sums);
-            }
-            key += 4;
-        }
-        while key < count {
-            let mut sums = _mm256_setzero_ps();
-            for chunk in 0..chunks {
-                // SAFETY: chunk * 8 + 8 <= width = query.len().
-                let q = unsafe { _mm256_loadu_ps(query.as_ptr().add(chunk * 8)) };
-                sums = _mm256_add_ps(sums, _mm256_mul_ps(q, load(key, chunk)));
-            }
-            out[key] = reduce(sums);
-            key += 1;
-        }
     }
 
-    /// [`weighted_sum`] over f16 value rows, widened in registers.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and F16C; `out.len()` must be a multiple of 8.
-    #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn weighted_sum_f16(out: &mut [f32], weights: &[f32], values: &[u16]) {
-        let width = out.len();
-        debug_assert!(width.is_multiple_of(8) && width > 0);
-        let rows = weights.len().min(values.len() / width);
-        let mut start = 0;
-        while start < width {
-            let chunks = ((width - start) / 8).min(8);
-            let mut sums = [_mm256_setzero_ps(); 8];
-            for (row, &weight) in weights[..rows].iter().enumerate() {
-                let scale = _mm256_set1_ps(weight);
-                for (chunk, sum) in sums[..chunks].iter_mut().enumerate() {
-                    // SAFETY: start + chunk * 8 + 8 <= width; values hold `rows` rows of `width`.
-                    let value = unsafe {
-                        _mm256_cvtph_ps(_mm_loadu_si128(
-                            values.as_ptr().add(row * width + start + chunk * 8) as *const __m128i,
-                        ))
-                    };
-                    *sum = _mm256_add_ps(*sum, _mm256_mul_ps(scale, value));
-                }
-            }
-            for (chunk, sum) in sums[..chunks].iter().enumerate() {
-                // SAFETY: start + chunk * 8 + 8 <= width = out.len().
-                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(start + chunk * 8), *sum) };
-            }
-            start += chunks * 8;
-        }
-    }
+    attention_loops!(dots, weighted_sum, f32, "avx2", |at: *const f32| {
+        _mm256_loadu_ps(at)
+    });
+    // f16 rows (the attention cache) are widened in registers (`vcvtph2ps`, exact).
+    attention_loops!(
+        dots_f16,
+        weighted_sum_f16,
+        u16,
+        "avx2,f16c",
+        |at: *const u16| { _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i)) }
+    );
 
     /// The sum of a dot product's eight running sums in the portable order.
     #[target_feature(enable = "avx2")]

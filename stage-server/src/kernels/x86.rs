@@ -90,6 +90,19 @@ pub(super) fn matmul_groups(
     }
 }
 
+/// Calls `$kernel::<F>(arguments)` with `F` the const tag of `$weights`' format (`$weights` is the first argument).
+macro_rules! for_each_format {
+    ($kernel:ident, $weights:expr, $($argument:expr),*) => {
+        match tag_of($weights.format()) {
+            FORMAT_Q4_0 => $kernel::<FORMAT_Q4_0>($weights, $($argument),*),
+            FORMAT_Q4_1 => $kernel::<FORMAT_Q4_1>($weights, $($argument),*),
+            FORMAT_Q5_0 => $kernel::<FORMAT_Q5_0>($weights, $($argument),*),
+            FORMAT_Q5_1 => $kernel::<FORMAT_Q5_1>($weights, $($argument),*),
+            _ => $kernel::<FORMAT_Q8_0>($weights, $($argument),*),
+        }
+    };
+}
+
 /// The format with const tag `tag`.
 const fn format_of(tag: u8) -> WeightFormat {
     match tag {
@@ -171,16 +184,8 @@ mod vnni {
         groups: Range<usize>,
         output: &Output<'_>,
     ) {
-        // SAFETY (all arms): forwarded from this function's contract.
-        unsafe {
-            match tag_of(weights.format()) {
-                FORMAT_Q4_0 => groups_of::<FORMAT_Q4_0>(weights, activations, groups, output),
-                FORMAT_Q4_1 => groups_of::<FORMAT_Q4_1>(weights, activations, groups, output),
-                FORMAT_Q5_0 => groups_of::<FORMAT_Q5_0>(weights, activations, groups, output),
-                FORMAT_Q5_1 => groups_of::<FORMAT_Q5_1>(weights, activations, groups, output),
-                _ => groups_of::<FORMAT_Q8_0>(weights, activations, groups, output),
-            }
-        }
+        // SAFETY: forwarded from this function's contract.
+        unsafe { for_each_format!(groups_of, weights, activations, groups, output) }
     }
 
     /// Walks the groups, and in each the activation rows in tiles of `TILE_X`, then a single row.
@@ -333,16 +338,8 @@ mod avx2 {
         groups: Range<usize>,
         output: &Output<'_>,
     ) {
-        // SAFETY (all arms): forwarded from this function's contract.
-        unsafe {
-            match tag_of(weights.format()) {
-                FORMAT_Q4_0 => groups_of::<FORMAT_Q4_0>(weights, activations, groups, output),
-                FORMAT_Q4_1 => groups_of::<FORMAT_Q4_1>(weights, activations, groups, output),
-                FORMAT_Q5_0 => groups_of::<FORMAT_Q5_0>(weights, activations, groups, output),
-                FORMAT_Q5_1 => groups_of::<FORMAT_Q5_1>(weights, activations, groups, output),
-                _ => groups_of::<FORMAT_Q8_0>(weights, activations, groups, output),
-            }
-        }
+        // SAFETY: forwarded from this function's contract.
+        unsafe { for_each_format!(groups_of, weights, activations, groups, output) }
     }
 
     /// Walks the groups, both halves of each, and the activation rows in tiles of `TILE_X`, then singles.
