@@ -2,8 +2,9 @@
 //!
 //! This is ggml's Q8_1 idea in our own layout: one scale per block (`d = max|x| / 127`), the rounded values
 //! `round(x / d)` as `i8`, and `d * Σq` so that a weight format with an offset (`w = scale·q + offset`) costs one
-//! extra multiply per block instead of a second pass. Values, scales and sums sit in three separate arrays so the
-//! SIMD kernels load 32 values with one instruction.
+//! extra multiply per block instead of a second pass, and the integer sum of each four values, which the packed
+//! kernels subtract `centre` times from an unsigned weight's partial sum. Values, scales, sums and sums of four sit
+//! in separate arrays so the SIMD kernels load 32 values with one instruction.
 //!
 //! The rounding follows ggml's x86 `quantize_row_q8_0` exactly: `q = round_ties_even(x * (127 / max))`, and the
 //! scale kept is `d` rounded to f16, because ggml stores it in an f16 field and its products use that rounded

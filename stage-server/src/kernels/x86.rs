@@ -201,23 +201,32 @@ mod vnni {
     ) {
         let blocks = activations.blocks_per_row();
         let group_bytes = blocks * BlockLayout::of(format_of(F)).bytes;
-        let inputs = activations.rows();
+        // The activation rows of each tile, looked up once per product rather than once per group.
+        let tiles: Vec<Inputs<'_, TILE_X>> = (0..activations.rows() / TILE_X)
+            .map(|tile| Inputs::new(activations, tile * TILE_X))
+            .collect();
+        let singles: Vec<Inputs<'_, 1>> = (tiles.len() * TILE_X..activations.rows())
+            .map(|row| Inputs::new(activations, row))
+            .collect();
         for group in groups {
             // SAFETY: the group is inside the packed bytes (contract).
             let base = unsafe { weights.bytes().as_ptr().add(group * group_bytes) };
             let first_row = group * GROUP;
-            let mut x = 0;
-            while x + TILE_X <= inputs {
-                // SAFETY: the group's blocks are readable at `base` (contract); rows x..x+TILE_X exist.
-                let lines =
-                    unsafe { tile::<F, TILE_X>(base, blocks, &Inputs::new(activations, x)) };
-                write_tile(output, weights.rows(), first_row, x, &lines);
-                x += TILE_X;
+            for (index, rows) in tiles.iter().enumerate() {
+                // SAFETY: the group's blocks are readable at `base` (contract); the tile's rows exist.
+                let lines = unsafe { tile::<F, TILE_X>(base, blocks, rows) };
+                write_tile(output, weights.rows(), first_row, index * TILE_X, &lines);
             }
-            if x < inputs {
+            for (index, rows) in singles.iter().enumerate() {
                 // SAFETY: as above with one row.
-                let lines = unsafe { tile::<F, 1>(base, blocks, &Inputs::new(activations, x)) };
-                write_tile(output, weights.rows(), first_row, x, &lines);
+                let lines = unsafe { tile::<F, 1>(base, blocks, rows) };
+                write_tile(
+                    output,
+                    weights.rows(),
+                    first_row,
+                    tiles.len() * TILE_X + index,
+                    &lines,
+                );
             }
         }
     }
@@ -355,20 +364,19 @@ mod avx2 {
     ) {
         let blocks = activations.blocks_per_row();
         let group_bytes = blocks * BlockLayout::of(format_of(F)).bytes;
-        let inputs = activations.rows();
+        // The activation rows of each tile, looked up once per product rather than once per group.
+        let tiles: Vec<Inputs<'_, TILE_X>> = (0..activations.rows() / TILE_X)
+            .map(|tile| Inputs::new(activations, tile * TILE_X))
+            .collect();
         for group in groups {
             // SAFETY: the group is inside the packed bytes (contract).
             let base = unsafe { weights.bytes().as_ptr().add(group * group_bytes) };
             for half in 0..2 {
                 let first_row = group * GROUP + 8 * half;
-                let mut x = 0;
-                while x + TILE_X <= inputs {
-                    // SAFETY: the group's blocks are readable at `base` (contract); rows x..x+TILE_X exist.
-                    let lines = unsafe {
-                        tile::<F, TILE_X>(base, blocks, half, &Inputs::new(activations, x))
-                    };
-                    write_tile(output, weights.rows(), first_row, x, &lines);
-                    x += TILE_X;
+                for (index, rows) in tiles.iter().enumerate() {
+                    // SAFETY: the group's blocks are readable at `base` (contract); the tile's rows exist.
+                    let lines = unsafe { tile::<F, TILE_X>(base, blocks, half, rows) };
+                    write_tile(output, weights.rows(), first_row, index * TILE_X, &lines);
                 }
             }
         }
