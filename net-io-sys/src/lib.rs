@@ -1,4 +1,4 @@
-//! OS calls for the workspace: sockets, polling, kernel event primitives and rlimits, each behind a safe type.
+//! OS calls for the workspace behind safe types: sockets, polling, kernel event primitives, rlimits, memory maps.
 //!
 //! This is the one crate of the workspace that holds `unsafe` OS code. Every block carries a `// SAFETY:`
 //! comment naming the invariant it relies on and the man page that states it. Raw descriptors never cross
@@ -19,6 +19,7 @@ pub mod futex;
 pub mod inherit;
 pub mod inotify;
 pub mod kill;
+pub mod memory;
 pub mod pidfd;
 pub mod process;
 pub mod rlimit;

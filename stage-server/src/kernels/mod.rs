@@ -28,6 +28,7 @@
 #![allow(unsafe_code)]
 
 mod activation;
+mod arena;
 mod format;
 mod packed;
 pub mod pool;

@@ -23,6 +23,7 @@
 //! holds as many bytes as its 16 rows did in the ggml layout; rows past the matrix's end (up to 15, in the last
 //! group) are zero.
 
+use super::arena::WeightBytes;
 use super::format::{BLOCK, WeightFormat, f16_at};
 
 /// Weight rows per packed group: the 32-bit lanes of one AVX-512 register.
@@ -34,7 +35,8 @@ pub struct PackedWeights {
     format: WeightFormat,
     rows: usize,
     blocks_per_row: usize,
-    bytes: Vec<u8>,
+    /// On huge pages where the system allows (`arena.rs`): a product reads all of them.
+    bytes: WeightBytes,
 }
 
 /// Where the parts of one group's block sit, in bytes from its start.
@@ -103,7 +105,7 @@ impl PackedWeights {
         );
         let layout = BlockLayout::of(format);
         let groups = rows.div_ceil(GROUP);
-        let mut bytes = vec![0u8; groups * blocks_per_row * layout.bytes];
+        let mut bytes = WeightBytes::zeroed(groups * blocks_per_row * layout.bytes);
         let mut q = [0i32; BLOCK];
         for row in 0..rows {
             let (group, lane) = (row / GROUP, row % GROUP);
