@@ -450,6 +450,32 @@ impl Linear {
         Tensor::from_vec(output, dims, &Device::Cpu)
     }
 
+    /// [`Linear::forward`] on plain rows: `input` holds `rows` rows of [`Linear::in_features`] values; the
+    /// result holds `rows` rows of [`Linear::out_features`]. The same bits as `forward`, without a tensor on
+    /// either side for our kernels (a decode step's products are too short to carry that cost).
+    pub fn forward_rows(&self, input: &[f32], rows: usize) -> candle_core::Result<Vec<f32>> {
+        if input.len() != rows * self.in_features {
+            candle_core::bail!(
+                "{} input values are not {rows} rows of the {} the layer takes",
+                input.len(),
+                self.in_features
+            );
+        }
+        match &self.inner {
+            Backend::Ours(matrix, level) => {
+                let mut output = vec![0f32; rows * self.out_features];
+                matrix
+                    .matmul(input, rows, &mut output, *level, Threads::Pool)
+                    .map_err(candle_core::Error::wrap)?;
+                Ok(output)
+            }
+            Backend::Candle(_) => {
+                let input = Tensor::from_slice(input, (rows, self.in_features), &Device::Cpu)?;
+                self.forward(&input)?.flatten_all()?.to_vec1::<f32>()
+            }
+        }
+    }
+
     /// The width of an input row.
     pub fn in_features(&self) -> usize {
         self.in_features

@@ -13,7 +13,7 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
-use candle_core::{D, DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::config::LayerAttention;
 use super::{Architecture, ModelConfig, ModelError, ModelFile};
@@ -167,18 +167,18 @@ pub struct Stage {
 /// One transformer block's weights.
 #[derive(Debug)]
 struct Block {
-    attention_norm: Tensor,
+    attention_norm: Vec<f32>,
     /// Query, key and value projections (fused where their types match).
     attention_input: Projections,
     output: Linear,
-    query_norm: Option<Tensor>,
-    key_norm: Option<Tensor>,
-    post_attention_norm: Option<Tensor>,
-    ffn_norm: Tensor,
+    query_norm: Option<Vec<f32>>,
+    key_norm: Option<Vec<f32>>,
+    post_attention_norm: Option<Vec<f32>>,
+    ffn_norm: Vec<f32>,
     /// Gate and up projections (fused where their types match).
     ffn_input: Projections,
     down: Linear,
-    post_ffn_norm: Option<Tensor>,
+    post_ffn_norm: Option<Vec<f32>>,
     attention: LayerAttention,
 }
 
@@ -573,10 +573,11 @@ impl Stage {
                 RopeTables::new(&self.config, &self.blocks, segment.position, segment.rows)
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let total_rows: usize = segments.iter().map(|segment| segment.rows).sum();
         let mut hidden = if rows_in.len() == 1 {
-            rows_in[0].clone()
+            rows_in[0].flatten_all()?.to_vec1::<f32>()?
         } else {
-            Tensor::cat(rows_in, 0)?
+            Tensor::cat(rows_in, 0)?.flatten_all()?.to_vec1::<f32>()?
         };
         // Each segment's lane's caches, taken out for the pass (the lanes are distinct) and put back after.
         let mut caches: Vec<Vec<LayerCache>> = segments
@@ -587,7 +588,14 @@ impl Stage {
         for (layer, block) in self.blocks.iter().enumerate() {
             let mut layer_caches: Vec<&mut LayerCache> =
                 caches.iter_mut().map(|lane| &mut lane[layer]).collect();
-            match block.forward(&self.config, &hidden, segments, &ropes, &mut layer_caches) {
+            match block.forward(
+                &self.config,
+                &hidden,
+                total_rows,
+                segments,
+                &ropes,
+                &mut layer_caches,
+            ) {
                 Ok(next) => hidden = next,
                 Err(error) => {
                     outcome = Err(error);
@@ -599,6 +607,7 @@ impl Stage {
             self.lanes[segment.lane].caches = lane_caches;
         }
         outcome?;
+        let hidden = Tensor::from_vec(hidden, (total_rows, self.width()), &Device::Cpu)?;
         let (start, end) = (self.spec.layers.start, self.spec.layers.end);
         let non_finite = |segment: &Segment| ModelError::NonFinite {
             start,
@@ -763,13 +772,13 @@ impl Block {
         let gemma = config.architecture == Architecture::Gemma3;
         let optional_vector = |suffix: &str, length: usize| {
             if gemma {
-                load_vector(file, &name(suffix), length).map(Some)
+                load_norm(file, &name(suffix), length).map(Some)
             } else {
                 Ok(None)
             }
         };
         Ok(Self {
-            attention_norm: load_vector(file, &name("attn_norm"), width)?,
+            attention_norm: load_norm(file, &name("attn_norm"), width)?,
             attention_input: Projections::load(
                 file,
                 &[
@@ -783,7 +792,7 @@ impl Block {
             query_norm: optional_vector("attn_q_norm", config.key_length)?,
             key_norm: optional_vector("attn_k_norm", config.key_length)?,
             post_attention_norm: optional_vector("post_attention_norm", width)?,
-            ffn_norm: load_vector(file, &name("ffn_norm"), width)?,
+            ffn_norm: load_norm(file, &name("ffn_norm"), width)?,
             ffn_input: Projections::load(
                 file,
                 &[
@@ -801,30 +810,32 @@ impl Block {
     /// Runs the block over `hidden` (`[rows, width]`: the rows of every segment, in order). Each segment's rows
     /// are rotated at its own positions and attend over its own lane's cache of this block (`caches[i]` for
     /// `segments[i]`); every other op works on each row alone.
+    ///
+    /// Between the products the values stay plain `f32` slices: a decode step is about twenty small ops per
+    /// block, and as candle tensors each cost an allocation and a dispatch that outweighed its arithmetic
+    /// (0.45 ms of a 3.8 ms SmolLM2 step). Every op computes what the tensor version did, in the same order.
     fn forward(
         &self,
         config: &ModelConfig,
-        hidden: &Tensor,
+        hidden: &[f32],
+        rows: usize,
         segments: &[Segment],
         ropes: &[RopeTables],
         caches: &mut [&mut LayerCache],
-    ) -> Result<Tensor, ModelError> {
+    ) -> Result<Vec<f32>, ModelError> {
         let epsilon = config.rms_epsilon;
-        let rows = hidden.dim(0)?;
         let heads = config.head_count;
         let kv_heads = config.head_count_kv;
         let head_width = config.key_length;
 
-        let normed = rms_norm(hidden, &self.attention_norm, epsilon)?;
-        let [query, key, value] = self.attention_input.forward::<3>(&normed)?;
-        let mut query = query.reshape((rows, heads, head_width))?;
-        let mut key = key.reshape((rows, kv_heads, head_width))?;
-        let value = value.reshape((rows, kv_heads, head_width))?;
+        let mut normed = hidden.to_vec();
+        rms_norm_rows(&mut normed, &self.attention_norm, epsilon);
+        let [mut query, mut key, value] = self.attention_input.forward_rows::<3>(&normed, rows)?;
         if let Some(norm) = &self.query_norm {
-            query = rms_norm(&query, norm, epsilon)?;
+            rms_norm_rows(&mut query, norm, epsilon);
         }
         if let Some(norm) = &self.key_norm {
-            key = rms_norm(&key, norm, epsilon)?;
+            rms_norm_rows(&mut key, norm, epsilon);
         }
         // Llama rotates adjacent pairs, gemma (NeoX style) the two halves of each head.
         let pairing = match config.architecture {
@@ -844,49 +855,78 @@ impl Block {
         let mut attended = vec![0f32; rows * heads * head_width];
         let mut queries: Vec<Vec<f32>> = Vec::with_capacity(segments.len());
         for ((segment, rope), cache) in segments.iter().zip(ropes).zip(caches.iter_mut()) {
-            // The segment's [rows, heads, width] -> [1, heads, rows, width] for the RoPE kernels.
-            let part = |values: &Tensor| -> Result<Tensor, ModelError> {
-                Ok(values
-                    .narrow(0, segment.offset, segment.rows)?
-                    .transpose(0, 1)?
-                    .contiguous()?)
-            };
             let (cos, sin) = rope.tables(self.attention.rope_base);
-            let segment_query = apply_rope(&part(&query)?.unsqueeze(0)?, cos, sin, pairing)?;
-            let segment_key = apply_rope(&part(&key)?.unsqueeze(0)?, cos, sin, pairing)?;
+            let mut segment_query = heads_first(&query, heads, head_width, segment);
+            let mut segment_key = heads_first(&key, kv_heads, head_width, segment);
+            let segment_value = heads_first(&value, kv_heads, head_width, segment);
+            rotate_rows(
+                &mut segment_query,
+                segment.rows,
+                head_width,
+                cos,
+                sin,
+                pairing,
+            );
+            rotate_rows(
+                &mut segment_key,
+                segment.rows,
+                head_width,
+                cos,
+                sin,
+                pairing,
+            );
             // Keys and values are rounded to f16 in the cache, as llama.cpp's default f16 KV cache stores them;
             // queries, scores and attention weights stay f32, as in its flash-attention kernel for prompt
             // batches (the evaluation the agreement fixtures come from). Rounding queries and weights to f16 as
             // well (its non-flash matmul path) moved gemma-3's logits by a few tenths against that reference.
-            let segment_key = segment_key.flatten_all()?.to_vec1::<f32>()?;
-            let segment_value = part(&value)?.flatten_all()?.to_vec1::<f32>()?;
             cache.append(&segment_key, &segment_value, segment.position, segment.rows)?;
-            queries.push(segment_query.flatten_all()?.to_vec1::<f32>()?);
+            queries.push(segment_query);
         }
         // Every segment's head-rows in one job: a decode step's lanes are one row each, too little work to
         // split alone, and their attention ran on the calling thread one lane after another.
         let caches: Vec<&LayerCache> = caches.iter().map(|cache| &**cache).collect();
         attend(&queries, segments, heads, &caches, scale, &mut attended);
-        let attended = Tensor::from_vec(attended, (rows, heads * head_width), &Device::Cpu)?;
-        let mut attention_out = self.output.forward(&attended)?;
+        let mut attention_out = self.output.forward_rows(&attended, rows)?;
         if let Some(norm) = &self.post_attention_norm {
-            attention_out = rms_norm(&attention_out, norm, epsilon)?;
+            rms_norm_rows(&mut attention_out, norm, epsilon);
         }
-        let hidden = (hidden + attention_out)?;
+        let mut hidden = hidden.to_vec();
+        add_in_place(&mut hidden, &attention_out);
 
-        let normed = rms_norm(&hidden, &self.ffn_norm, epsilon)?;
-        let [gate, up] = self.ffn_input.forward::<2>(&normed)?;
-        let activated = match config.architecture {
-            Architecture::Llama => candle_nn::ops::silu(&gate)?,
-            Architecture::Gemma3 => gelu_as_ggml(&gate)?,
-        };
-        let mixed = (activated * up)?;
-        let mut ffn_out = self.down.forward(&mixed)?;
-        if let Some(norm) = &self.post_ffn_norm {
-            ffn_out = rms_norm(&ffn_out, norm, epsilon)?;
+        let mut normed = hidden.clone();
+        rms_norm_rows(&mut normed, &self.ffn_norm, epsilon);
+        let [mut gate, up] = self.ffn_input.forward_rows::<2>(&normed, rows)?;
+        match config.architecture {
+            // candle's silu, element by element: x / (1 + e^-x).
+            Architecture::Llama => gate.iter_mut().for_each(|x| *x = *x / (1.0 + (-*x).exp())),
+            Architecture::Gemma3 => gelu_as_ggml_in_place(&mut gate),
         }
-        Ok((hidden + ffn_out)?)
+        gate.iter_mut().zip(&up).for_each(|(x, &u)| *x *= u);
+        let mut ffn_out = self.down.forward_rows(&gate, rows)?;
+        if let Some(norm) = &self.post_ffn_norm {
+            rms_norm_rows(&mut ffn_out, norm, epsilon);
+        }
+        add_in_place(&mut hidden, &ffn_out);
+        Ok(hidden)
     }
+}
+
+/// `values += other`, element by element.
+fn add_in_place(values: &mut [f32], other: &[f32]) {
+    values.iter_mut().zip(other).for_each(|(x, &y)| *x += y);
+}
+
+/// Segment `segment`'s rows of `all` (`[rows][heads][width]`, every segment's rows in order) as
+/// `[heads][segment rows][width]`, the layout RoPE, the cache and attention take.
+fn heads_first(all: &[f32], heads: usize, width: usize, segment: &Segment) -> Vec<f32> {
+    let mut out = Vec::with_capacity(heads * segment.rows * width);
+    for head in 0..heads {
+        for row in segment.offset..segment.offset + segment.rows {
+            let at = (row * heads + head) * width;
+            out.extend_from_slice(&all[at..at + width]);
+        }
+    }
+    out
 }
 
 impl EmbeddingRows {
@@ -1079,7 +1119,7 @@ impl RopeTables {
     /// The angles are computed as ggml computes them: in f32, pair `i`'s angle being pair `i - 1`'s times
     /// `base^(-2 / width)`, and the position scale applied to the angle. Exact angles (in f64) differ from
     /// llama.cpp's by about 1e-6 relative, which through the 8-bit activation quantisation downstream became
-    /// visible noise in the logits; with these tables and [`apply_rope`], gemma-3's rotated queries equal
+    /// visible noise in the logits; with these tables and [`rotate_rows`], gemma-3's rotated queries equal
     /// llama.cpp's bit for bit.
     fn new(
         config: &ModelConfig,
@@ -1130,18 +1170,18 @@ enum RopePairing {
     Halves,
 }
 
-/// Rotates `values` (`[1, heads, rows, width]`, contiguous) by the angles of `cos`/`sin` (`[rows][width / 2]`):
+/// Rotates `data` (`[heads][rows][width]`) by the angles of `cos`/`sin` (`[rows][width / 2]`):
 /// `(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`, the first product fused with the sum of the other, rounded
 /// one, as ggml's compiled kernel evaluates it (checked bit for bit against llama.cpp's gemma-3 tensors).
-fn apply_rope(
-    values: &Tensor,
+fn rotate_rows(
+    data: &mut [f32],
+    rows: usize,
+    width: usize,
     cos: &[f32],
     sin: &[f32],
     pairing: RopePairing,
-) -> Result<Tensor, ModelError> {
-    let (_, _, rows, width) = values.dims4()?;
+) {
     let half = width / 2;
-    let mut data = values.flatten_all()?.to_vec1::<f32>()?;
     let rotate = |index: usize, head_row: &mut [f32]| {
         let row = index % rows;
         let (cos, sin) = (&cos[row * half..][..half], &sin[row * half..][..half]);
@@ -1160,14 +1200,16 @@ fn apply_rope(
             head_row[second] = (f64::from(x0) * s + f64::from(x1 * cos[pair])) as f32;
         }
     };
-    if data.len() >= PARALLEL_ROW_WORK && width > 0 {
-        crate::kernels::ComputePool::global().for_each_chunk_mut(&mut data, width, rotate);
+    if rows == 0 || width == 0 {
+        return;
+    }
+    if data.len() >= PARALLEL_ROW_WORK {
+        crate::kernels::ComputePool::global().for_each_chunk_mut(data, width, rotate);
     } else {
-        data.chunks_exact_mut(width.max(1))
+        data.chunks_exact_mut(width)
             .enumerate()
             .for_each(|(index, head_row)| rotate(index, head_row));
     }
-    Ok(Tensor::from_vec(data, values.shape(), &Device::Cpu)?)
 }
 
 /// How the attention scale is applied: gemma scales the queries before the product, llama the scores after.
@@ -1270,25 +1312,33 @@ const PARALLEL_ROW_WORK: usize = 64 * 1024;
 /// on a rounding tie, and ties are common in gemma-3's first layer (its embeddings are Q8_0 values, so the
 /// normed rows are small multiples of one step): those flips moved its logits by tenths against llama.cpp.
 fn rms_norm(values: &Tensor, weight: &Tensor, epsilon: f32) -> Result<Tensor, ModelError> {
-    let width = weight.dim(0)?;
     let weight = weight.to_vec1::<f32>()?;
     let mut data = values.flatten_all()?.to_vec1::<f32>()?;
+    rms_norm_rows(&mut data, &weight, epsilon);
+    Ok(Tensor::from_vec(data, values.shape(), &Device::Cpu)?)
+}
+
+/// [`rms_norm`] in place on each `weight.len()`-wide row of `data`.
+fn rms_norm_rows(data: &mut [f32], weight: &[f32], epsilon: f32) {
+    let width = weight.len();
+    if width == 0 {
+        return;
+    }
     // Each row on its own, in place: the same operations in the same order whichever thread takes it.
     let normalise = |row: &mut [f32]| {
         let sum: f64 = row.iter().map(|&x| f64::from(x * x)).sum();
         let mean = (sum / width as f64) as f32;
         let scale = 1.0 / (mean + epsilon).sqrt();
         row.iter_mut()
-            .zip(&weight)
+            .zip(weight)
             .for_each(|(x, &w)| *x = *x * scale * w);
     };
-    if data.len() >= PARALLEL_ROW_WORK && width > 0 {
+    if data.len() >= PARALLEL_ROW_WORK {
         crate::kernels::ComputePool::global()
-            .for_each_chunk_mut(&mut data, width, |_, row| normalise(row));
+            .for_each_chunk_mut(data, width, |_, row| normalise(row));
     } else {
-        data.chunks_exact_mut(width.max(1)).for_each(normalise);
+        data.chunks_exact_mut(width).for_each(normalise);
     }
-    Ok(Tensor::from_vec(data, values.shape(), &Device::Cpu)?)
 }
 
 /// GELU (tanh form) as llama.cpp's CPU backend computes it: 0 at or below -10, the identity at or above 10, and
@@ -1296,22 +1346,17 @@ fn rms_norm(values: &Tensor, weight: &Tensor, epsilon: f32) -> Result<Tensor, Mo
 ///
 /// Checked against llama.cpp's `ffn_geglu` tensors for gemma-3: this matches every element bit for bit, where
 /// candle's `gelu` on f16-rounded input (what we had) differed in about 1 element in 6000 by an f16 step.
-fn gelu_as_ggml(values: &Tensor) -> Result<Tensor, ModelError> {
+fn gelu_as_ggml_in_place(values: &mut [f32]) {
     let table = gelu_table();
-    let input = values.flatten_all()?.to_vec1::<f32>()?;
-    let output: Vec<f32> = input
-        .iter()
-        .map(|&x| {
-            if x <= -10.0 {
-                0.0
-            } else if x >= 10.0 {
-                x
-            } else {
-                table[usize::from(half::f16::from_f32(x).to_bits())]
-            }
-        })
-        .collect();
-    Ok(Tensor::from_vec(output, values.shape(), &Device::Cpu)?)
+    for x in values {
+        *x = if *x <= -10.0 {
+            0.0
+        } else if *x >= 10.0 {
+            *x
+        } else {
+            table[usize::from(half::f16::from_f32(*x).to_bits())]
+        };
+    }
 }
 
 /// GELU of every f16 value, rounded to f16 (held as f32): `0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))`
@@ -1371,22 +1416,33 @@ impl Projections {
         Ok(Self { groups })
     }
 
-    /// The products of `input` with each member matrix, in the order they were given.
-    fn forward<const N: usize>(&self, input: &Tensor) -> Result<[Tensor; N], ModelError> {
+    /// The products of `input` (`rows` rows) with each member matrix, in the order they were given, each
+    /// `[rows][its width]`.
+    fn forward_rows<const N: usize>(
+        &self,
+        input: &[f32],
+        rows: usize,
+    ) -> Result<[Vec<f32>; N], ModelError> {
         let mut outputs = Vec::with_capacity(N);
         for (linear, widths) in &self.groups {
-            let product = linear.forward(input)?;
+            let product = linear.forward_rows(input, rows)?;
             if widths.len() == 1 {
                 outputs.push(product);
                 continue;
             }
+            // The stacked product is `[rows][sum of widths]`: each member takes its columns of every row.
+            let total: usize = widths.iter().sum();
             let mut offset = 0;
             for &width in widths {
-                outputs.push(product.narrow(D::Minus1, offset, width)?.contiguous()?);
+                let mut part = Vec::with_capacity(rows * width);
+                for row in product.chunks_exact(total.max(1)) {
+                    part.extend_from_slice(&row[offset..offset + width]);
+                }
+                outputs.push(part);
                 offset += width;
             }
         }
-        outputs.try_into().map_err(|outputs: Vec<Tensor>| {
+        outputs.try_into().map_err(|outputs: Vec<Vec<f32>>| {
             ModelError::Compute(format!(
                 "expected {N} projections, computed {}",
                 outputs.len()
@@ -1441,6 +1497,11 @@ fn load_vector(file: &ModelFile, name: &str, length: usize) -> Result<Tensor, Mo
         });
     }
     Ok(tensor.dequantize(&Device::Cpu)?.to_dtype(DType::F32)?)
+}
+
+/// Loads a norm vector as plain f32 values (what the blocks' slice-based ops take), checking its length.
+fn load_norm(file: &ModelFile, name: &str, length: usize) -> Result<Vec<f32>, ModelError> {
+    Ok(load_vector(file, name, length)?.to_vec1::<f32>()?)
 }
 
 /// Reads weight matrix `name`, checking that it is `[out_features, in_features]`.
