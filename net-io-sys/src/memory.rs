@@ -16,7 +16,9 @@ use std::ptr::NonNull;
 
 use crate::{cvt, shim};
 
-/// The size of a transparent huge page on x86-64 and of the alignment a huge-page mapping gets.
+/// The size of a transparent huge page on x86-64 (a PMD: 512 pages of 4 KiB), and the alignment a huge-page
+/// mapping gets. Other page sizes (arm64 with 64 KiB pages has 512 MiB huge pages) get the alignment but not
+/// huge pages.
 pub const HUGE_PAGE: usize = 2 << 20;
 
 /// The base page size of the system.
@@ -26,11 +28,11 @@ pub fn page_size() -> usize {
     usize::try_from(size).unwrap_or(4096).max(1)
 }
 
-/// Whether the kernel backed a mapping with huge pages, as far as the advice went.
+/// Huge pages for a mapping: asked for when mapping, and whether the advice was taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HugePages {
-    /// The region was advised with `MADV_HUGEPAGE`; the kernel backs its aligned 2 MiB parts with huge
-    /// pages when it can (it may not, when memory is fragmented or THP is `never`).
+    /// Advised with `MADV_HUGEPAGE` (or, when mapping, to be): the kernel backs the region's aligned 2 MiB parts
+    /// with huge pages when it can (it may not, when memory is fragmented or THP is `never`).
     Advised,
     /// Base pages only: not asked for, or the advice was refused (a kernel without THP).
     No,
@@ -51,12 +53,13 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    /// Maps `length` bytes (rounded up to whole pages) of zeroed memory. With `huge_pages`, the start is
-    /// aligned to [`HUGE_PAGE`] and the region advised with `MADV_HUGEPAGE` before any page is touched; a
+    /// Maps `length` bytes (rounded up to whole pages) of zeroed memory. With [`HugePages::Advised`], the start
+    /// is aligned to [`HUGE_PAGE`] and the region advised with `MADV_HUGEPAGE` before any page is touched; a
     /// kernel that refuses the advice gives base pages ([`Mapping::huge_pages`] says which).
     ///
     /// Errors: `length` of zero (`InvalidInput`), or the `mmap(2)` error (`ENOMEM`).
-    pub fn anonymous(length: usize, huge_pages: bool) -> io::Result<Self> {
+    pub fn anonymous(length: usize, huge_pages: HugePages) -> io::Result<Self> {
+        let huge_pages = huge_pages == HugePages::Advised;
         if length == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -67,14 +70,18 @@ impl Mapping {
         let length = length.checked_next_multiple_of(page).ok_or_else(|| {
             io::Error::new(io::ErrorKind::InvalidInput, "mapping length overflows")
         })?;
-        let alignment = if huge_pages { HUGE_PAGE } else { page };
+        let alignment = if huge_pages {
+            HUGE_PAGE.max(page)
+        } else {
+            page
+        };
         // Over-map by the alignment so an aligned start exists inside, then give the slack back.
         let reserved = length.checked_add(alignment - page).ok_or_else(|| {
             io::Error::new(io::ErrorKind::InvalidInput, "mapping length overflows")
         })?;
         shim::enter("mmap")?;
-        // SAFETY: mmap(2) with a null hint, MAP_PRIVATE | MAP_ANONYMOUS and fd -1 creates a new mapping that
-        // aliases no existing memory; MAP_FAILED is checked before the address is used.
+        // SAFETY: mmap(2): a null hint, MAP_PRIVATE | MAP_ANONYMOUS and fd -1 create a new mapping that aliases
+        // no existing memory; MAP_FAILED is checked before the address is used.
         let raw = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -92,8 +99,10 @@ impl Mapping {
         let start = base.next_multiple_of(alignment);
         let head = start - base;
         let tail = reserved - head - length;
-        // SAFETY: [base, start) and [start + length, base + reserved) are page-aligned parts of the mapping
-        // just made, which nothing else refers to; munmap(2) of part of a mapping leaves the rest mapped.
+        // SAFETY: munmap(2): [base, start) and [start + length, base + reserved) are page-aligned parts of the
+        // mapping just made, which nothing else refers to; unmapping part of a mapping leaves the rest mapped.
+        // Should it fail (ENOMEM past vm.max_map_count), the slack stays mapped and unused: address space, no
+        // memory, since it was never touched.
         unsafe {
             if head > 0 {
                 libc::munmap(raw, head);
@@ -102,10 +111,14 @@ impl Mapping {
                 libc::munmap((start + length) as *mut libc::c_void, tail);
             }
         }
+        let Some(start_pointer) = NonNull::new(start as *mut u8) else {
+            // mmap(2) promises only that a failure is MAP_FAILED; a mapping at address 0 would be unusable here.
+            return Err(io::Error::other("mmap returned a mapping at address 0"));
+        };
         let mut advised = HugePages::No;
         if huge_pages && shim::enter("madvise").is_ok() {
-            // SAFETY: [start, start + length) is the mapping made above, page-aligned; MADV_HUGEPAGE changes
-            // how the kernel backs it, never its contents or validity.
+            // SAFETY: madvise(2): [start, start + length) is the mapping made above, page-aligned;
+            // MADV_HUGEPAGE changes how the kernel backs it, never its contents or validity.
             let result = cvt!(unsafe {
                 libc::madvise(start as *mut libc::c_void, length, libc::MADV_HUGEPAGE)
             });
@@ -114,8 +127,7 @@ impl Mapping {
             }
         }
         Ok(Self {
-            // SAFETY: mmap(2) succeeded, so the address is not null; `start` lies inside it.
-            start: unsafe { NonNull::new_unchecked(start as *mut u8) },
+            start: start_pointer,
             length,
             huge_pages: advised,
         })
@@ -171,7 +183,7 @@ impl Deref for Mapping {
 
     fn deref(&self) -> &[u8] {
         // SAFETY: [start, start + length) is mapped read-write for as long as this Mapping lives, and only
-        // this Mapping refers to it; anonymous memory is initialised (zero-filled).
+        // this Mapping refers to it; anonymous memory is initialised (zero-filled, mmap(2)).
         unsafe { std::slice::from_raw_parts(self.start.as_ptr(), self.length) }
     }
 }
@@ -185,11 +197,11 @@ impl DerefMut for Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: this Mapping alone owns [start, start + length), page-aligned and mapped; nothing can
-        // refer to it after drop. An error (impossible for a valid range) would leave the pages mapped.
-        unsafe {
-            libc::munmap(self.start.as_ptr().cast(), self.length);
-        }
+        // SAFETY: munmap(2): this Mapping alone owns [start, start + length), page-aligned and mapped; nothing
+        // can refer to it after drop. munmap can fail with ENOMEM when unmapping the middle of a region would
+        // need more areas than vm.max_map_count allows; the pages then stay mapped (a leak, not a fault).
+        let result = unsafe { libc::munmap(self.start.as_ptr().cast(), self.length) };
+        debug_assert_eq!(result, 0, "munmap: {}", io::Error::last_os_error());
     }
 }
 
@@ -221,23 +233,32 @@ mod tests {
 
     #[test]
     fn a_huge_page_mapping_is_aligned_zeroed_and_advised() {
-        let mut mapping = Mapping::anonymous(3 * HUGE_PAGE + 5, true).expect("map");
+        let mut mapping = Mapping::anonymous(3 * HUGE_PAGE + 5, HugePages::Advised).expect("map");
         assert_eq!(mapping.as_ptr() as usize % HUGE_PAGE, 0);
         assert_eq!(mapping.len() % page_size(), 0);
         assert!(mapping.len() >= 3 * HUGE_PAGE + 5);
         assert!(mapping.iter().all(|&byte| byte == 0));
         mapping[HUGE_PAGE + 1] = 7;
         assert_eq!(mapping[HUGE_PAGE + 1], 7);
-        if mapping.huge_pages() == HugePages::Advised {
-            // `hg`: the VMA carries MADV_HUGEPAGE.
+        // A kernel built with transparent huge pages (it lists the setting) takes the advice whatever the
+        // setting; `hg` in the area's flags says it carries MADV_HUGEPAGE.
+        if std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists() {
+            assert_eq!(
+                mapping.huge_pages(),
+                HugePages::Advised,
+                "the advice was refused"
+            );
             let flags = flags_at(mapping.as_ptr() as usize);
-            assert!(flags.split_whitespace().any(|flag| flag == "hg"), "{flags}");
+            assert!(
+                flags.split_whitespace().any(|flag| flag == "hg"),
+                "no `hg` in the area's flags: {flags}"
+            );
         }
     }
 
     #[test]
     fn a_plain_mapping_is_not_advised() {
-        let mapping = Mapping::anonymous(10_000, false).expect("map");
+        let mapping = Mapping::anonymous(10_000, HugePages::No).expect("map");
         assert_eq!(mapping.huge_pages(), HugePages::No);
         assert_eq!(mapping.len(), 10_000usize.next_multiple_of(page_size()));
         let flags = flags_at(mapping.as_ptr() as usize);
@@ -250,7 +271,7 @@ mod tests {
     #[test]
     fn split_parts_are_disjoint_and_each_freed_alone() {
         let page = page_size();
-        let mut rest = Mapping::anonymous(8 * page, true).expect("map");
+        let mut rest = Mapping::anonymous(8 * page, HugePages::Advised).expect("map");
         let whole = rest.as_ptr() as usize;
         let mut first = rest.split_to(1).expect("one byte rounds up to a page");
         let second = rest.split_to(2 * page).expect("two pages");
@@ -270,24 +291,26 @@ mod tests {
     #[test]
     fn bad_lengths_are_refused_and_change_nothing() {
         assert_eq!(
-            Mapping::anonymous(0, true).unwrap_err().kind(),
+            Mapping::anonymous(0, HugePages::Advised)
+                .unwrap_err()
+                .kind(),
             io::ErrorKind::InvalidInput
         );
         assert_eq!(
-            Mapping::anonymous(usize::MAX - 10, false)
+            Mapping::anonymous(usize::MAX - 10, HugePages::No)
                 .unwrap_err()
                 .kind(),
             io::ErrorKind::InvalidInput
         );
         let page = page_size();
-        let mut mapping = Mapping::anonymous(2 * page, false).expect("map");
+        let mut mapping = Mapping::anonymous(2 * page, HugePages::No).expect("map");
         for length in [0, 2 * page, 2 * page - 1, 5 * page] {
             let error = mapping.split_to(length).unwrap_err();
             assert_eq!(error.kind(), io::ErrorKind::InvalidInput);
             assert_eq!(mapping.len(), 2 * page);
         }
         assert_eq!(
-            Mapping::anonymous(2 * page, false)
+            Mapping::anonymous(2 * page, HugePages::No)
                 .unwrap()
                 .split_to(0)
                 .unwrap_err()
@@ -297,5 +320,20 @@ mod tests {
                 2 * page
             )
         );
+    }
+
+    /// Under the fault-injection shim (`RUSTFLAGS="--cfg net_io_shim" cargo test -p net-io-sys --lib
+    /// memory::tests::shim`): a failing mmap is an error, a refused advice gives base pages. One test, since
+    /// the shim's faults are process-wide.
+    #[cfg(net_io_shim)]
+    #[test]
+    fn shim_a_failed_map_is_an_error_and_a_refused_advice_gives_base_pages() {
+        crate::shim::inject("mmap", 0, 1, libc::ENOMEM);
+        let error = Mapping::anonymous(HUGE_PAGE, HugePages::Advised).unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(libc::ENOMEM));
+        crate::shim::inject("madvise", 0, 1, libc::EINVAL);
+        let mapping = Mapping::anonymous(HUGE_PAGE, HugePages::Advised).expect("map");
+        assert_eq!(mapping.huge_pages(), HugePages::No);
+        assert_eq!(mapping.len(), HUGE_PAGE);
     }
 }

@@ -154,6 +154,12 @@ fn ci() -> Result<()> {
             "syscalls",
         ],
     )?;
+    // net-io-sys's own fault tests (a failing mmap, a refused madvise), filtered to them: the shim's faults are
+    // process-wide, and the crate's other tests map memory too.
+    cargo_with(
+        &shim,
+        &["test", "-p", "net-io-sys", "--lib", "memory::tests::shim"],
+    )?;
     // Loom explores every interleaving up to a bound of preemptions per execution. Unbounded, the
     // completion-ring model ran for over 15 minutes without finishing, so CI uses the bound of 4 (tokio's CI
     // uses 2); `LOOM_MAX_PREEMPTIONS` set by the caller wins, for deeper runs by hand.

@@ -10,14 +10,14 @@
 use std::ops::{Deref, DerefMut};
 use std::sync::Mutex;
 
-use net_io_sys::memory::{HUGE_PAGE, Mapping, page_size};
+use net_io_sys::memory::{HUGE_PAGE, HugePages, Mapping, page_size};
 
 /// The size of each shared region: large enough that few matrices straddle two, small enough that the
 /// untouched tail of the last one costs little address space.
 const REGION: usize = 16 * HUGE_PAGE;
 
 /// The part of the current region not yet handed out.
-static REST: Mutex<Option<Mapping>> = Mutex::new(None);
+static UNUSED_REGION: Mutex<Option<Mapping>> = Mutex::new(None);
 
 /// A matrix's bytes: its own part of a huge-page region, or heap memory if mapping failed.
 #[derive(Debug)]
@@ -35,36 +35,60 @@ enum Storage {
 impl WeightBytes {
     /// `length` zeroed bytes, on huge pages where the system allows.
     pub(crate) fn zeroed(length: usize) -> Self {
-        let storage = match take(length) {
+        let storage = match cut_from_region(length) {
             Some(mapping) => Storage::Mapped(mapping),
             None => Storage::Heap(vec![0u8; length].into_boxed_slice()),
         };
         Self { storage, length }
     }
 
-    /// Whether these bytes sit in a region advised onto huge pages (a test's view).
+    /// Whether these bytes sit in a mapping (not on the heap): a test's view.
+    #[cfg(test)]
+    pub(crate) fn is_mapped(&self) -> bool {
+        matches!(&self.storage, Storage::Mapped(_))
+    }
+
+    /// Whether these bytes sit in a region advised onto huge pages: a test's view.
     #[cfg(test)]
     pub(crate) fn on_huge_pages(&self) -> bool {
-        matches!(&self.storage, Storage::Mapped(mapping)
-            if mapping.huge_pages() == net_io_sys::memory::HugePages::Advised)
+        matches!(&self.storage, Storage::Mapped(mapping) if mapping.huge_pages() == HugePages::Advised)
     }
 }
 
 /// Cuts `length` bytes off the current region (starting a new one when they do not fit), or `None` when the
 /// system refuses the mapping.
-fn take(length: usize) -> Option<Mapping> {
+fn cut_from_region(length: usize) -> Option<Mapping> {
     if length == 0 {
         return None;
     }
-    let pages = length.checked_next_multiple_of(page_size())?;
-    let mut rest = REST.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let rounded_length = length.checked_next_multiple_of(page_size())?;
+    let mut unused = UNUSED_REGION
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     // A region keeps at least one page after a split, so a part fits only if it leaves some.
-    if rest.as_ref().is_none_or(|region| region.len() <= pages) {
-        // The old region's tail is unmapped here; the matrices cut from it keep their own parts.
-        let size = REGION.max(pages.checked_add(HUGE_PAGE)?);
-        *rest = Mapping::anonymous(size, true).ok();
+    if unused
+        .as_ref()
+        .is_none_or(|region| region.len() <= rounded_length)
+    {
+        if let Some(mut old) = unused.take() {
+            // The old region's unused part starts inside the huge page its last matrix ends in: unmapping the
+            // rest of that page would split it into 4 KiB pages under the matrix. That rest stays mapped
+            // (untouched, so address space only); the whole huge pages after it are unmapped.
+            let into_page = old.as_ptr() as usize % HUGE_PAGE;
+            if into_page != 0
+                && old
+                    .split_to(HUGE_PAGE - into_page)
+                    .map(std::mem::forget)
+                    .is_err()
+            {
+                // All of it lies inside that huge page.
+                std::mem::forget(old);
+            }
+        }
+        let size = REGION.max(rounded_length.checked_add(HUGE_PAGE)?);
+        *unused = Mapping::anonymous(size, HugePages::Advised).ok();
     }
-    rest.as_mut()?.split_to(length).ok()
+    unused.as_mut()?.split_to(length).ok()
 }
 
 impl Deref for WeightBytes {
@@ -113,22 +137,87 @@ mod tests {
                 .iter()
                 .chain(second.iter())
                 .chain(third.iter())
-                .all(|&b| b == 0)
+                .all(|&byte| byte == 0),
+            "fresh parts are zeroed"
         );
+        let range = |bytes: &WeightBytes| {
+            let start = bytes.as_ptr() as usize;
+            start..start + bytes.len()
+        };
+        for (one, other) in [(&first, &second), (&first, &third), (&second, &third)] {
+            let (one, other) = (range(one), range(other));
+            assert!(
+                one.end <= other.start || other.end <= one.start,
+                "parts overlap: {one:x?} and {other:x?}"
+            );
+        }
         first.fill(1);
         second.fill(2);
         third.fill(3);
         let copy = second.clone();
         drop(second);
-        assert!(first.iter().all(|&b| b == 1));
-        assert!(copy.iter().all(|&b| b == 2));
+        assert!(
+            first.iter().all(|&byte| byte == 1),
+            "a neighbour's drop changed nothing"
+        );
+        assert!(
+            copy.iter().all(|&byte| byte == 2),
+            "the clone kept the bytes"
+        );
         assert_eq!(&third[..], &[3]);
-        // A region larger than REGION is made for a matrix that needs one.
+        // A matrix larger than a region gets a region of its own.
         let large = WeightBytes::zeroed(REGION + 5);
         assert_eq!(large.len(), REGION + 5);
-        // A kernel built with transparent huge pages accepts the advice (this one lists the setting).
-        if std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists() {
-            assert!(first.on_huge_pages() && large.on_huge_pages());
+        // Where the mappings were made (they can be refused: a low RLIMIT_AS), a kernel built with transparent
+        // huge pages (it lists the setting) took the advice.
+        let thp = std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists();
+        for part in [&first, &large] {
+            if thp && part.is_mapped() {
+                assert!(
+                    part.on_huge_pages(),
+                    "a region was not advised onto huge pages"
+                );
+            }
         }
+    }
+
+    /// The end of the memory area (`/proc/self/maps`) holding `address`.
+    fn area_end(address: usize) -> usize {
+        let maps = std::fs::read_to_string("/proc/self/maps").expect("/proc/self/maps");
+        maps.lines()
+            .filter_map(|line| {
+                let (from, to) = line.split_once(' ')?.0.split_once('-')?;
+                Some((
+                    usize::from_str_radix(from, 16).ok()?,
+                    usize::from_str_radix(to, 16).ok()?,
+                ))
+            })
+            .find(|(from, to)| (*from..*to).contains(&address))
+            .map(|(_, to)| to)
+            .expect("an area holds the address")
+    }
+
+    #[test]
+    fn a_new_region_leaves_the_huge_page_under_the_old_ones_last_matrix_mapped() {
+        // Parts of a little over a huge page: a region holds about 15, so these span several regions.
+        let parts: Vec<WeightBytes> = (0..40)
+            .map(|_| WeightBytes::zeroed(HUGE_PAGE + 12_345))
+            .collect();
+        if !parts.iter().all(WeightBytes::is_mapped) {
+            return; // the system refused the mappings; nothing to check
+        }
+        let mut switches = 0;
+        for pair in parts.windows(2) {
+            let end = pair[0].as_ptr() as usize + pair[0].len();
+            if pair[1].as_ptr() as usize == end.next_multiple_of(page_size()) {
+                continue; // the same region (or another test's part in between)
+            }
+            switches += 1;
+            assert!(
+                area_end(end - 1) >= end.next_multiple_of(HUGE_PAGE),
+                "the huge page under a region's last part was cut at {end:#x}"
+            );
+        }
+        assert!(switches > 0, "40 parts of over 2 MiB fit in one region");
     }
 }

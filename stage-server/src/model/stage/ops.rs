@@ -1,5 +1,4 @@
-//! A block's row-wise ops on plain f32 slices, between its products: RMS norm, RoPE, attention over the
-//! lanes' caches, GELU as ggml computes it, the residual add and the per-segment head layout.
+//! A block's row-wise ops on plain f32 slices between its products: norms, RoPE, attention, GELU, adds.
 
 use candle_core::{Device, Tensor};
 
@@ -9,6 +8,11 @@ use crate::model::ModelError;
 
 /// `values += other`, element by element.
 pub(super) fn add_in_place(values: &mut [f32], other: &[f32]) {
+    debug_assert_eq!(
+        values.len(),
+        other.len(),
+        "a residual add of rows of different shapes"
+    );
     values.iter_mut().zip(other).for_each(|(x, &y)| *x += y);
 }
 
