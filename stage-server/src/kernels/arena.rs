@@ -8,7 +8,7 @@
 //! the heap: slower, never wrong.
 
 use std::ops::{Deref, DerefMut};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, Weak};
 
 use net_io_sys::memory::{HUGE_PAGE, HugePages, Mapping, page_size};
 
@@ -16,14 +16,29 @@ use net_io_sys::memory::{HUGE_PAGE, HugePages, Mapping, page_size};
 /// untouched tail of the last one costs little address space.
 const REGION: usize = 16 * HUGE_PAGE;
 
-/// The part of the current region not yet handed out.
-static UNUSED_REGION: Mutex<Option<Mapping>> = Mutex::new(None);
+/// The current region: the part not yet handed out, and the trailer of the part handed out last.
+static REGION_STATE: Mutex<Region> = Mutex::new(Region {
+    unused: None,
+    last_trailer: Weak::new(),
+});
+
+struct Region {
+    unused: Option<Mapping>,
+    last_trailer: Weak<Trailer>,
+}
+
+/// The rest of the huge page a region's last part ends in, given to that part when the next region starts,
+/// so that it is unmapped with the part. (Unmapped before the part, it would split the huge page under the part;
+/// kept forever, it would stay resident once the part is gone.)
+type Trailer = Mutex<Option<Mapping>>;
 
 /// A matrix's bytes: its own part of a huge-page region, or heap memory if mapping failed.
 #[derive(Debug)]
 pub(crate) struct WeightBytes {
     storage: Storage,
     length: usize,
+    /// See [`Trailer`]: held only to be dropped (unmapped) with these bytes.
+    _trailer: Arc<Trailer>,
 }
 
 #[derive(Debug)]
@@ -35,11 +50,16 @@ enum Storage {
 impl WeightBytes {
     /// `length` zeroed bytes, on huge pages where the system allows.
     pub(crate) fn zeroed(length: usize) -> Self {
-        let storage = match cut_from_region(length) {
+        let trailer = Arc::new(Mutex::new(None));
+        let storage = match cut_from_region(length, &trailer) {
             Some(mapping) => Storage::Mapped(mapping),
             None => Storage::Heap(vec![0u8; length].into_boxed_slice()),
         };
-        Self { storage, length }
+        Self {
+            storage,
+            length,
+            _trailer: trailer,
+        }
     }
 
     /// Whether these bytes sit in a mapping (not on the heap): a test's view.
@@ -56,39 +76,47 @@ impl WeightBytes {
 }
 
 /// Cuts `length` bytes off the current region (starting a new one when they do not fit), or `None` when the
-/// system refuses the mapping.
-fn cut_from_region(length: usize) -> Option<Mapping> {
+/// system refuses the mapping. `trailer` is the new part's: it gets the rest of its last huge page if the next
+/// region starts right after it.
+fn cut_from_region(length: usize, trailer: &Arc<Trailer>) -> Option<Mapping> {
     if length == 0 {
         return None;
     }
     let rounded_length = length.checked_next_multiple_of(page_size())?;
-    let mut unused = UNUSED_REGION
+    let mut region = REGION_STATE
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     // A region keeps at least one page after a split, so a part fits only if it leaves some.
-    if unused
+    if region
+        .unused
         .as_ref()
-        .is_none_or(|region| region.len() <= rounded_length)
+        .is_none_or(|unused| unused.len() <= rounded_length)
     {
-        if let Some(mut old) = unused.take() {
-            // The old region's unused part starts inside the huge page its last matrix ends in: unmapping the
-            // rest of that page would split it into 4 KiB pages under the matrix. That rest stays mapped
-            // (untouched, so address space only); the whole huge pages after it are unmapped.
+        if let Some(mut old) = region.unused.take() {
+            // The old region's unused part starts inside the huge page its last part ends in: unmapping the
+            // rest of that page would split it into 4 KiB pages under the part. That rest goes with the part
+            // (unmapped when it is); the whole huge pages after it are unmapped now.
             let into_page = old.as_ptr() as usize % HUGE_PAGE;
-            if into_page != 0
-                && old
-                    .split_to(HUGE_PAGE - into_page)
-                    .map(std::mem::forget)
-                    .is_err()
-            {
-                // All of it lies inside that huge page.
-                std::mem::forget(old);
+            let rest_of_page = if into_page == 0 {
+                None
+            } else {
+                match old.split_to(HUGE_PAGE - into_page) {
+                    Ok(rest) => Some(rest),
+                    // All of it lies inside that huge page.
+                    Err(_) => Some(old),
+                }
+            };
+            if let (Some(rest), Some(last)) = (rest_of_page, region.last_trailer.upgrade()) {
+                *last.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(rest);
             }
+            // A rest whose part is gone already is unmapped here (its huge page was split when the part went).
         }
         let size = REGION.max(rounded_length.checked_add(HUGE_PAGE)?);
-        *unused = Mapping::anonymous(size, HugePages::Advised).ok();
+        region.unused = Mapping::anonymous(size, HugePages::Advised).ok();
     }
-    unused.as_mut()?.split_to(length).ok()
+    let part = region.unused.as_mut()?.split_to(length).ok()?;
+    region.last_trailer = Arc::downgrade(trailer);
+    Some(part)
 }
 
 impl Deref for WeightBytes {
