@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex, Weak};
 
 use net_io_sys::memory::{HUGE_PAGE, HugePages, Mapping, page_size};
 
-/// The size of each shared region: large enough that few matrices straddle two, small enough that the
-/// untouched tail of the last one costs little address space.
+/// The size of each shared region: large enough that a region holds many matrices (each region change leaves
+/// part of a huge page unused), small enough that the untouched tail of the last one costs little address space.
 const REGION: usize = 16 * HUGE_PAGE;
 
 /// The current region: the part not yet handed out, and the trailer of the part handed out last.

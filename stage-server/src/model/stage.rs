@@ -23,7 +23,7 @@ mod ops;
 
 use ops::{
     AttentionScale, RopePairing, add_in_place, attend, gelu_as_ggml_in_place, heads_first,
-    rms_norm, rms_norm_rows, rotate_rows,
+    rms_norm_rows, rotate_rows,
 };
 
 /// Which part of the model a stage runs.
@@ -191,7 +191,7 @@ struct Block {
 /// The final norm and the output projection.
 #[derive(Debug)]
 struct Head {
-    norm: Tensor,
+    norm: Vec<f32>,
     output: Linear,
 }
 
@@ -342,7 +342,7 @@ impl Stage {
                 "token_embd.weight"
             };
             Some(Head {
-                norm: load_vector(file, "output_norm.weight", config.embedding_length)?,
+                norm: load_norm(file, "output_norm.weight", config.embedding_length)?,
                 output: load_linear(
                     file,
                     output_name,
@@ -613,7 +613,7 @@ impl Stage {
             self.lanes[segment.lane].caches = lane_caches;
         }
         outcome?;
-        let hidden = Tensor::from_vec(hidden, (total_rows, self.width()), &Device::Cpu)?;
+        let width = self.width();
         let (start, end) = (self.spec.layers.start, self.spec.layers.end);
         let non_finite = |segment: &Segment| ModelError::NonFinite {
             start,
@@ -621,12 +621,10 @@ impl Stage {
             lane: segment.lane,
         };
         let Some(head) = &self.head else {
-            let values = hidden.flatten_all()?.to_vec1::<f32>()?;
-            let width = self.width();
             return Ok(segments
                 .iter()
                 .map(|segment| {
-                    let rows = &values[segment.offset * width..][..segment.rows * width];
+                    let rows = &hidden[segment.offset * width..][..segment.rows * width];
                     if rows.iter().all(|value| value.is_finite()) {
                         Ok(StageOutput::Activations(rows.to_vec()))
                     } else {
@@ -644,36 +642,32 @@ impl Stage {
             .iter()
             .any(|segment| segment.logits == Logits::Last && segment.rows > 1)
         {
-            let values = hidden.flatten_all()?.to_vec1::<f32>()?;
-            let width = self.width();
             for (finite, segment) in hidden_finite.iter_mut().zip(segments) {
-                *finite = values[segment.offset * width..][..segment.rows * width]
+                *finite = hidden[segment.offset * width..][..segment.rows * width]
                     .iter()
                     .all(|value| value.is_finite());
             }
         }
-        let mut wanted = Vec::with_capacity(segments.len());
+        let mut normed = Vec::new();
         let mut wanted_rows = Vec::with_capacity(segments.len());
         for segment in segments {
             let (from, count) = match segment.logits {
                 Logits::Last => (segment.offset + segment.rows - 1, 1),
                 Logits::All => (segment.offset, segment.rows),
             };
-            wanted.push(hidden.narrow(0, from, count)?);
+            normed.extend_from_slice(&hidden[from * width..(from + count) * width]);
             wanted_rows.push(count);
         }
-        let rows_wanted = if wanted.len() == 1 {
-            wanted.pop().unwrap_or(hidden)
-        } else {
-            Tensor::cat(&wanted, 0)?
-        };
-        let normed = rms_norm(&rows_wanted, &head.norm, self.config.rms_epsilon)?;
-        let mut values = head.output.forward(&normed)?;
-        if let Some(cap) = self.config.final_logit_softcap {
-            values = ((values / cap as f64)?.tanh()? * cap as f64)?;
-        }
-        let values = values.flatten_all()?.to_vec1::<f32>()?;
         let total: usize = wanted_rows.iter().sum();
+        rms_norm_rows(&mut normed, &head.norm, self.config.rms_epsilon);
+        let mut values = head.output.forward_rows(&normed, total)?;
+        if let Some(cap) = self.config.final_logit_softcap {
+            let logits =
+                Tensor::from_vec(values, (total, head.output.out_features()), &Device::Cpu)?;
+            values = ((logits / cap as f64)?.tanh()? * cap as f64)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+        }
         let vocab = values.len() / total.max(1);
         let mut from = 0;
         Ok(segments

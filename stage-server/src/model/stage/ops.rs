@@ -1,10 +1,7 @@
 //! A block's row-wise ops on plain f32 slices between its products: norms, RoPE, attention, GELU, adds.
 
-use candle_core::{Device, Tensor};
-
 use super::{LayerCache, Segment};
 use crate::kernels::vector::{dots_f16, weighted_sum_f16};
-use crate::model::ModelError;
 
 /// `values += other`, element by element.
 pub(super) fn add_in_place(values: &mut [f32], other: &[f32]) {
@@ -172,25 +169,13 @@ pub(super) const PARALLEL_ATTENTION_WORK: usize = 1 << 16;
 /// step cost less than handing them to the pool.
 pub(super) const PARALLEL_ROW_WORK: usize = 64 * 1024;
 
-/// The RMS norm of each last-dimension row of `values`, times `weight`, computed as ggml does: squares summed in
-/// f64, the scale `1 / sqrt(mean + epsilon)` in f32, then `x * scale * weight`.
+/// The RMS norm of each `weight.len()`-wide row of `data`, in place, times `weight`, computed as ggml does:
+/// squares summed in f64, the scale `1 / sqrt(mean + epsilon)` in f32, then `x * scale * weight`.
 ///
 /// Why not candle's: it sums in f32 and divides by the root, which differs in the last bit now and then. The
 /// 8-bit activation quantisation that follows turns such a bit into a whole quantisation step when a value sits
 /// on a rounding tie, and ties are common in gemma-3's first layer (its embeddings are Q8_0 values, so the
 /// normed rows are small multiples of one step): those flips moved its logits by tenths against llama.cpp.
-pub(super) fn rms_norm(
-    values: &Tensor,
-    weight: &Tensor,
-    epsilon: f32,
-) -> Result<Tensor, ModelError> {
-    let weight = weight.to_vec1::<f32>()?;
-    let mut data = values.flatten_all()?.to_vec1::<f32>()?;
-    rms_norm_rows(&mut data, &weight, epsilon);
-    Ok(Tensor::from_vec(data, values.shape(), &Device::Cpu)?)
-}
-
-/// [`rms_norm`] in place on each `weight.len()`-wide row of `data`.
 pub(super) fn rms_norm_rows(data: &mut [f32], weight: &[f32], epsilon: f32) {
     let width = weight.len();
     if width == 0 {
