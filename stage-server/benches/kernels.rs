@@ -18,10 +18,12 @@ use criterion::measurement::{Measurement, ValueFormatter, WallTime};
 use criterion::{BenchmarkId, Criterion, Throughput};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use stage_server::kernels::{QuantizedMatrix, SimdLevel, Threads, WeightFormat};
+use stage_server::kernels::{
+    ActivationPrecision, QuantizedMatrix, SimdLevel, Threads, WeightFormat,
+};
 
 /// (format, out_features, in_features, input rows, what it is).
-const CASES: [(WeightFormat, usize, usize, usize, &str); 19] = [
+const CASES: [(WeightFormat, usize, usize, usize, &str); 20] = [
     (WeightFormat::Q4_1, 1536, 576, 1, "smollm2-ffn-up"),
     (WeightFormat::Q4_1, 1536, 576, 2, "smollm2-ffn-up-batch-2"),
     (WeightFormat::Q4_1, 1536, 576, 4, "smollm2-ffn-up-batch-4"),
@@ -32,6 +34,7 @@ const CASES: [(WeightFormat, usize, usize, usize, &str); 19] = [
     (WeightFormat::Q5_1, 1536, 576, 1, "q5_1-ffn-up"),
     (WeightFormat::Q4_0, 1536, 576, 1, "q4_0-ffn-up"),
     (WeightFormat::Q8_0, 49152, 576, 1, "smollm2-head"),
+    (WeightFormat::Q8_0, 49152, 576, 4, "smollm2-head-batch-4"),
     (
         WeightFormat::Q4_1,
         1536 * 64,
@@ -194,6 +197,19 @@ fn matmul<M: Measurement>(criterion: &mut Criterion<M>) {
             if best == SimdLevel::Avx2 {
                 break;
             }
+        }
+        if name.contains("head") {
+            // The heads run with wide activations (a residual byte per value): its cost beside one byte.
+            let wide = ours.clone().with_precision(ActivationPrecision::Wide);
+            group.bench_function(
+                BenchmarkId::new("ours-wide", format!("{best:?}")),
+                |bencher| {
+                    bencher.iter(|| {
+                        wide.matmul(&input, batch, &mut output, best, Threads::Pool)
+                            .unwrap()
+                    })
+                },
+            );
         }
         group.finish();
     }

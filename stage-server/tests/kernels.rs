@@ -5,6 +5,8 @@
 //! `Σ_blocks (d_block / 2) · Σ_j |w_j|`, plus float rounding (bounded by 1e-5 of `Σ|w·x|` here). Every comparison
 //! with a dequantised reference uses exactly that bound, computed per element, so it can fail on a real error
 //! (a wrong nibble, bit or scale moves an element by far more) but not on the quantisation the method implies.
+//! Wide activations (a residual byte per value) move each value by at most `d / 256`, with `d` rounded to f16
+//! (2^-11 relative at most): their bound is the same sum on that step.
 
 use std::borrow::Cow;
 use std::num::NonZeroUsize;
@@ -15,8 +17,12 @@ use candle_core::{Device, Module, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use stage_server::kernels::{
-    Linear, QuantizedActivations, QuantizedMatrix, SimdLevel, Threads, WeightFormat,
+    ActivationPrecision, Linear, QuantizedActivations, QuantizedMatrix, SimdLevel, Threads,
+    WeightFormat,
 };
+
+/// Both activation precisions: every invariance below must hold for each.
+const PRECISIONS: [ActivationPrecision; 2] = [ActivationPrecision::Byte, ActivationPrecision::Wide];
 
 /// (out_features, in_features): odd row counts, partial quads, widths that are not multiples of 256.
 const SHAPES: [(usize, usize); 7] = [
@@ -132,8 +138,15 @@ fn dequantize(format: WeightFormat, bytes: &[u8], rows: usize, columns: usize) -
     weights
 }
 
-/// The exact product in f64 and, per element, the bound on what 8-bit activations may change (see the file doc).
-fn reference(weights: &[f32], input: &[f32], rows: usize, columns: usize) -> Vec<(f64, f64)> {
+/// The exact product in f64 and, per element, the bound on what activations quantised at `precision` may change
+/// (see the file doc).
+fn reference(
+    weights: &[f32],
+    input: &[f32],
+    rows: usize,
+    columns: usize,
+    precision: ActivationPrecision,
+) -> Vec<(f64, f64)> {
     let batch = input.len() / columns;
     let mut result = Vec::with_capacity(batch * rows);
     for x in input.chunks_exact(columns) {
@@ -142,7 +155,12 @@ fn reference(weights: &[f32], input: &[f32], rows: usize, columns: usize) -> Vec
             let mut magnitude = 0f64;
             let mut quantisation = 0f64;
             for (w_block, x_block) in w.chunks_exact(32).zip(x.chunks_exact(32)) {
-                let step = x_block.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / 127.0;
+                let byte_step = x_block.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / 127.0;
+                let step = match precision {
+                    ActivationPrecision::Byte => byte_step,
+                    // The residual's step is d / 128 with d rounded to f16.
+                    _ => byte_step * (1.0 + 1.0 / 2048.0) / 128.0,
+                };
                 let mut block_weight = 0f64;
                 for (a, b) in w_block.iter().zip(x_block) {
                     exact += *a as f64 * *b as f64;
@@ -193,19 +211,25 @@ fn every_kernel_matches_the_dequantised_reference_within_the_activation_quantisa
         for (rows, columns) in SHAPES {
             let tensor = random_tensor(format, rows, columns, &mut rng);
             let weights = dequantize(format, &tensor.data().unwrap(), rows, columns);
-            let matrix = QuantizedMatrix::new(Arc::new(tensor)).unwrap();
-            for batch in BATCHES {
-                let input = random_input(batch, columns, &mut rng);
-                let expected = reference(&weights, &input, rows, columns);
-                for level in levels() {
-                    let got = run(&matrix, &input, batch, level, threads(1));
-                    for (index, (value, (exact, bound))) in got.iter().zip(&expected).enumerate() {
-                        let error = (*value as f64 - exact).abs();
-                        assert!(
-                            error <= *bound,
-                            "{format:?} {rows}x{columns} batch {batch} at {level:?}: element {index} is {value}, \
-                             exact {exact}, error {error} exceeds the quantisation bound {bound}"
-                        );
+            let byte = QuantizedMatrix::new(Arc::new(tensor)).unwrap();
+            for precision in PRECISIONS {
+                let matrix = byte.clone().with_precision(precision);
+                for batch in BATCHES {
+                    let input = random_input(batch, columns, &mut rng);
+                    let expected = reference(&weights, &input, rows, columns, precision);
+                    for level in levels() {
+                        let got = run(&matrix, &input, batch, level, threads(1));
+                        for (index, (value, (exact, bound))) in
+                            got.iter().zip(&expected).enumerate()
+                        {
+                            let error = (*value as f64 - exact).abs();
+                            assert!(
+                                error <= *bound,
+                                "{format:?} {rows}x{columns} batch {batch} at {level:?}, {precision:?} activations: \
+                                 element {index} is {value}, exact {exact}, error {error} exceeds the quantisation \
+                                 bound {bound}"
+                            );
+                        }
                     }
                 }
             }
@@ -221,10 +245,14 @@ fn every_simd_level_gives_the_scalar_kernels_bits() {
     let mut rng = StdRng::seed_from_u64(0x5eed_0002);
     for format in WeightFormat::ALL {
         for (rows, columns) in SHAPES {
-            let matrix =
+            let byte =
                 QuantizedMatrix::new(Arc::new(random_tensor(format, rows, columns, &mut rng)))
                     .unwrap();
-            for batch in BATCHES {
+            for (precision, batch) in PRECISIONS
+                .into_iter()
+                .flat_map(|precision| BATCHES.map(|batch| (precision, batch)))
+            {
+                let matrix = byte.clone().with_precision(precision);
                 let input = random_input(batch, columns, &mut rng);
                 let scalar = run(&matrix, &input, batch, SimdLevel::Scalar, threads(1));
                 for level in levels() {
@@ -238,8 +266,8 @@ fn every_simd_level_gives_the_scalar_kernels_bits() {
                         .collect();
                     assert!(
                         differing.is_empty(),
-                        "{format:?} {rows}x{columns} batch {batch}: {} outputs at {level:?} differ from the scalar \
-                         kernel's bits, the first at {:?}: {} against {}",
+                        "{format:?} {rows}x{columns} batch {batch}, {precision:?} activations: {} outputs at \
+                         {level:?} differ from the scalar kernel's bits, the first at {:?}: {} against {}",
                         differing.len(),
                         differing.first(),
                         differing.first().map_or(0.0, |&index| got[index]),
@@ -269,12 +297,56 @@ fn activation_quantisation_is_bit_identical_at_every_simd_level() {
     }
     input[100] = 3.0e6;
     let scalar = QuantizedActivations::quantize_at(SimdLevel::Scalar, &input, rows, width);
+    let scalar_wide =
+        QuantizedActivations::quantize_wide_at(SimdLevel::Scalar, &input, rows, width);
     for level in levels() {
         let quantised = QuantizedActivations::quantize_at(level, &input, rows, width);
         assert!(
             quantised == scalar,
             "quantising activations at {level:?} gave different bytes, scales or sums than the portable code"
         );
+        let wide = QuantizedActivations::quantize_wide_at(level, &input, rows, width);
+        assert!(
+            wide == scalar_wide,
+            "quantising activations wide at {level:?} gave different bytes, residuals, scales or sums than the \
+             portable code"
+        );
+    }
+    // The wide form keeps the first bytes and adds the rounding error, on a step 128 times finer: every value
+    // is recovered to within half that step (with `d` rounded to f16, 2^-11 relative at most).
+    assert!(scalar_wide.is_wide() && !scalar.is_wide());
+    for row in 0..rows {
+        assert_eq!(scalar_wide.row_values(row), scalar.row_values(row));
+        for (block, chunk) in input[row * width..(row + 1) * width]
+            .chunks_exact(32)
+            .enumerate()
+        {
+            assert_eq!(
+                scalar_wide.row_scales(row)[block],
+                scalar.row_scales(row)[block]
+            );
+            assert_eq!(scalar_wide.row_quads(row), scalar.row_quads(row));
+            let residuals = &scalar_wide.row_residuals(row)[block * 32..(block + 1) * 32];
+            assert_eq!(
+                scalar_wide.row_residual_sums(row)[block],
+                residuals.iter().map(|&r| i32::from(r)).sum::<i32>(),
+                "row {row} block {block}: the residual sum is not the sum of the residuals"
+            );
+            let step = scalar_wide.row_scales(row)[block] / 128.0;
+            let maximum = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (index, &x) in chunk.iter().enumerate() {
+                let at = block * 32 + index;
+                let combined = 128 * i32::from(scalar_wide.row_values(row)[at])
+                    + i32::from(scalar_wide.row_residuals(row)[at]);
+                let error = (combined as f32 * step - x).abs();
+                assert!(
+                    error <= maximum / 127.0 / 256.0 * 1.001 + maximum * 1e-6,
+                    "row {row} value {at}: {x} came back as {} (residual {})",
+                    combined as f32 * step,
+                    scalar_wide.row_residuals(row)[at]
+                );
+            }
+        }
     }
     assert!(
         scalar.row_values(0)[..31]
@@ -302,9 +374,22 @@ fn activation_quantisation_is_bit_identical_at_every_simd_level() {
             .collect::<Vec<_>>()
     };
     let scalar = QuantizedActivations::quantize_at(SimdLevel::Scalar, &input, rows, width);
+    let scalar_wide =
+        QuantizedActivations::quantize_wide_at(SimdLevel::Scalar, &input, rows, width);
     for level in levels() {
         let quantised = QuantizedActivations::quantize_at(level, &input, rows, width);
+        let wide = QuantizedActivations::quantize_wide_at(level, &input, rows, width);
         for row in 0..rows {
+            assert!(
+                wide.row_values(row) == scalar_wide.row_values(row)
+                    && wide.row_residuals(row) == scalar_wide.row_residuals(row)
+                    && wide.row_residual_sums(row) == scalar_wide.row_residual_sums(row)
+                    && wide.row_quads(row) == scalar_wide.row_quads(row)
+                    && bits(wide.row_scales(row)) == bits(scalar_wide.row_scales(row))
+                    && bits(wide.row_sums(row)) == bits(scalar_wide.row_sums(row)),
+                "quantising non-finite or tiny activations wide at {level:?} gave different bytes, residuals, \
+                 sums of four, scales or sums than the portable code in row {row}"
+            );
             assert!(
                 quantised.row_values(row) == scalar.row_values(row)
                     && quantised.row_quads(row) == scalar.row_quads(row)
@@ -324,9 +409,13 @@ fn results_are_bit_identical_for_every_thread_count() {
         // Large enough to be split across threads (the kernel runs small products on one thread).
         for (rows, columns, batch) in [(259, 640, 1), (130, 576, 5), (67, 1536, 2)] {
             let tensor = random_tensor(format, rows, columns, &mut rng);
-            let matrix = QuantizedMatrix::new(Arc::new(tensor)).unwrap();
+            let byte = QuantizedMatrix::new(Arc::new(tensor)).unwrap();
             let input = random_input(batch, columns, &mut rng);
-            for level in levels() {
+            for (precision, level) in PRECISIONS
+                .into_iter()
+                .flat_map(|precision| levels().into_iter().map(move |level| (precision, level)))
+            {
+                let matrix = byte.clone().with_precision(precision);
                 let one = run(&matrix, &input, batch, level, threads(1));
                 for other in [threads(2), threads(3), threads(7), Threads::Pool] {
                     let got = run(&matrix, &input, batch, level, other);
@@ -336,7 +425,8 @@ fn results_are_bit_identical_for_every_thread_count() {
                         .all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(
                         same,
-                        "{format:?} {rows}x{columns} at {level:?}: {other:?} differs from one thread"
+                        "{format:?} {rows}x{columns} at {level:?}, {precision:?} activations: {other:?} differs \
+                         from one thread"
                     );
                 }
             }
@@ -351,10 +441,14 @@ fn a_row_computed_inside_a_batch_is_bit_identical_to_the_row_computed_alone() {
         // 67 rows leave a partial quad; 5 blocks per row is odd, 48 is even; the larger shape is split over threads.
         for (rows, columns) in [(67, 160), (130, 1536)] {
             let tensor = random_tensor(format, rows, columns, &mut rng);
-            let matrix = QuantizedMatrix::new(Arc::new(tensor)).unwrap();
+            let byte = QuantizedMatrix::new(Arc::new(tensor)).unwrap();
             for batch in [2, 3, 5, 9, 17] {
                 let input = random_input(batch, columns, &mut rng);
-                for level in levels() {
+                for (precision, level) in PRECISIONS
+                    .into_iter()
+                    .flat_map(|precision| levels().into_iter().map(move |level| (precision, level)))
+                {
+                    let matrix = byte.clone().with_precision(precision);
                     let alone: Vec<Vec<f32>> = input
                         .chunks_exact(columns)
                         .map(|row| run(&matrix, row, 1, level, threads(1)))
@@ -370,8 +464,9 @@ fn a_row_computed_inside_a_batch_is_bit_identical_to_the_row_computed_alone() {
                                 .position(|(a, b)| a.to_bits() != b.to_bits());
                             assert_eq!(
                                 first_difference, None,
-                                "{format:?} {rows}x{columns} at {level:?} with {count:?}: row {x} of a batch of \
-                                 {batch} differs from the same row computed alone (first at the output index given)"
+                                "{format:?} {rows}x{columns} at {level:?} with {count:?}, {precision:?} activations: \
+                                 row {x} of a batch of {batch} differs from the same row computed alone (first at \
+                                 the output index given)"
                             );
                         }
                     }
@@ -418,7 +513,13 @@ fn linear_matches_candle_dequantize_and_matmul_on_quantised_random_weights() {
                     .unwrap()
                     .to_vec1::<f32>()
                     .unwrap();
-                let bounds = reference(&our_weights, &input, rows, columns);
+                let bounds = reference(
+                    &our_weights,
+                    &input,
+                    rows,
+                    columns,
+                    ActivationPrecision::Byte,
+                );
                 for (index, ((a, b), (exact, bound))) in
                     got.iter().zip(&expected).zip(&bounds).enumerate()
                 {
@@ -490,7 +591,7 @@ fn linear_runs_q4_0_and_q8_0_heads_on_our_kernels() {
         let shared = Arc::new(quantised);
         let input = random_input(2, columns, &mut rng);
         let x = Tensor::from_vec(input.clone(), (2, columns), &Device::Cpu).unwrap();
-        let expected = reference(&weights, &input, rows, columns);
+        let expected = reference(&weights, &input, rows, columns, ActivationPrecision::Byte);
         for level in levels() {
             let linear = Linear::from_arc_at(shared.clone(), level).unwrap();
             assert!(

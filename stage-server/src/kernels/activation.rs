@@ -12,20 +12,41 @@
 //! llama.cpp's by up to 2^-11 relative (a systematic per-block error, not noise); through gemma-3's 18 layers that
 //! was enough to flip confident argmaxes against llama.cpp. The sum is `f16(d) * Σq`, exact in f32, which is
 //! what ggml's integer `(q - 16)` arithmetic for Q5_0 amounts to.
+//!
+//! [`QuantizedActivations::quantize_wide`] carries a second byte per value: the rounding error of the first,
+//! quantised again on a step of `d / 128`. A value is then `(128·q + r) · d/128`, about 15 bits where the first
+//! byte alone is 8. The kernels run the first bytes exactly as without residuals and add, per block, one more
+//! integer dot product over the residual bytes, scaled by `d / 128` into its own float sum. ggml quantises every
+//! product's activations to 8 bits, and that rounding is nearly all of the distance from its logits (and ours) to
+//! the exact forward (`tests/exact_reference.rs`); the output head is where removing it pays most for least: its
+//! products are bound by reading the weights, so the second dot product is nearly free there.
 
 use super::SimdLevel;
 use super::format::BLOCK;
 
-/// Rows of activations quantised to 8 bits in blocks of 32.
+/// Rows of activations quantised to 8 bits in blocks of 32 (or about 15, [`QuantizedActivations::quantize_wide`]).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct QuantizedActivations {
     rows: usize,
     blocks_per_row: usize,
     values: Vec<i8>,
+    /// Empty, or one residual byte per value (a wide quantisation).
+    residuals: Vec<i8>,
+    /// Empty, or the integer sum of each block's residual bytes (a wide quantisation).
+    residual_sums: Vec<i32>,
     scales: Vec<f32>,
     sums: Vec<f32>,
     quads: Vec<i32>,
 }
+
+/// The weight of the first byte against the residual byte in a wide quantisation: a value is
+/// `(WIDE_FACTOR · value + residual) · scale / WIDE_FACTOR`. A power of two, so the residual's step `d / 128` is
+/// exact.
+pub const WIDE_FACTOR: i32 = 128;
+
+/// A residual byte's step over the first byte's, `1 / WIDE_FACTOR`: the kernels scale a block's residual product
+/// by `w_scale · d · RESIDUAL_STEP` (exact, a power of two).
+pub(super) const RESIDUAL_STEP: f32 = 1.0 / WIDE_FACTOR as f32;
 
 impl QuantizedActivations {
     /// Quantises `rows` rows of `width` values each (`width` a multiple of 32, `input.len() == rows * width`),
@@ -75,10 +96,77 @@ impl QuantizedActivations {
             rows,
             blocks_per_row,
             values,
+            residuals: Vec::new(),
+            residual_sums: Vec::new(),
             scales,
             sums,
             quads,
         }
+    }
+
+    /// Quantises as [`QuantizedActivations::quantize`], then quantises each value's rounding error `x - d·q` again
+    /// on a step of `d / 128` into a residual byte (with this CPU's fastest code for the first part; the second is
+    /// portable and the same everywhere).
+    ///
+    /// The first bytes, scales and sums of four stay as they are; the sums become `d/128 · Σ(128·q + r)` (the
+    /// whole value's sum, for the minimum of a Q4_1 or Q5_1 weight), and each block's `Σr` is kept for the centre
+    /// of an unsigned weight. The residual is at most about `0.56·d` (`d` is rounded to f16 after `q` was), so it
+    /// fits in `±72` steps; it is clamped to `±127` all the same. An infinite or NaN value gives a residual of 0,
+    /// as it gives its first byte whatever `as i8` makes of it.
+    pub fn quantize_wide(input: &[f32], rows: usize, width: usize) -> Self {
+        Self::quantize_wide_at(SimdLevel::detect(), input, rows, width)
+    }
+
+    /// As [`QuantizedActivations::quantize_wide`], compiled for `level`; bit-identical at every level.
+    pub fn quantize_wide_at(level: SimdLevel, input: &[f32], rows: usize, width: usize) -> Self {
+        let mut wide = Self::quantize_at(level, input, rows, width);
+        let mut residuals = vec![0i8; wide.values.len()];
+        let mut residual_sums = vec![0i32; wide.scales.len()];
+        for (block, chunk) in input.chunks_exact(BLOCK).enumerate() {
+            let d = wide.scales[block];
+            let step = d / WIDE_FACTOR as f32;
+            let values = &wide.values[block * BLOCK..(block + 1) * BLOCK];
+            let block_residuals = &mut residuals[block * BLOCK..(block + 1) * BLOCK];
+            let mut total = 0i32;
+            let mut residual_total = 0i32;
+            for ((residual, &x), &value) in block_residuals.iter_mut().zip(chunk).zip(values) {
+                if step > 0.0 {
+                    let error = x - d * f32::from(value);
+                    // NaN (from an infinite x) casts to 0; a finite error is within ±72 steps (above).
+                    *residual = (error / step).round_ties_even().clamp(-127.0, 127.0) as i8;
+                }
+                total += WIDE_FACTOR * i32::from(value) + i32::from(*residual);
+                residual_total += i32::from(*residual);
+            }
+            wide.sums[block] = step * total as f32;
+            residual_sums[block] = residual_total;
+        }
+        wide.residuals = residuals;
+        wide.residual_sums = residual_sums;
+        wide
+    }
+
+    /// Whether the rows carry residual bytes ([`QuantizedActivations::quantize_wide`]).
+    pub fn is_wide(&self) -> bool {
+        !self.residuals.is_empty()
+    }
+
+    /// The residual bytes of row `row` of a wide quantisation; empty for an 8-bit one.
+    pub fn row_residuals(&self, row: usize) -> &[i8] {
+        if self.residuals.is_empty() {
+            return &[];
+        }
+        let width = self.blocks_per_row * BLOCK;
+        &self.residuals[row * width..(row + 1) * width]
+    }
+
+    /// The integer sum of each block's residual bytes in row `row` of a wide quantisation; empty for an 8-bit
+    /// one.
+    pub fn row_residual_sums(&self, row: usize) -> &[i32] {
+        if self.residual_sums.is_empty() {
+            return &[];
+        }
+        &self.residual_sums[row * self.blocks_per_row..(row + 1) * self.blocks_per_row]
     }
 
     /// Number of rows.
@@ -97,19 +185,19 @@ impl QuantizedActivations {
         &self.values[row * width..(row + 1) * width]
     }
 
-    /// The per-block scales of row `row`.
+    /// The per-block scales `d` of row `row` (the first bytes' step; a residual's is `d / 128`).
     pub fn row_scales(&self, row: usize) -> &[f32] {
         &self.scales[row * self.blocks_per_row..(row + 1) * self.blocks_per_row]
     }
 
-    /// The per-block `scale * Σq` of row `row`.
+    /// The per-block `scale * Σq` of row `row` (`scale/128 · Σ(128·q + r)` for a wide quantisation).
     pub fn row_sums(&self, row: usize) -> &[f32] {
         &self.sums[row * self.blocks_per_row..(row + 1) * self.blocks_per_row]
     }
 
     /// The integer sums of each run of four values of row `row`, [`QUADS`] per block: the kernels multiply an
     /// unsigned stored weight by four values at a time and subtract `centre·Σ` of those four to get the centred
-    /// weight's partial sum, exactly.
+    /// weight's partial sum, exactly. They cover the first bytes only ([`Self::row_residual_sums`] the rest).
     pub fn row_quads(&self, row: usize) -> &[i32] {
         let per_row = self.blocks_per_row * QUADS;
         &self.quads[row * per_row..(row + 1) * per_row]

@@ -45,7 +45,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{D, DType, Device, Module, Storage, Tensor};
 
-pub use activation::QuantizedActivations;
+pub use activation::{QuantizedActivations, WIDE_FACTOR};
 pub use format::{BLOCK, WeightFormat};
 pub use packed::{GROUP, PackedWeights};
 pub use pool::ComputePool;
@@ -167,6 +167,19 @@ pub enum KernelError {
     LevelUnavailable(SimdLevel),
 }
 
+/// How finely a product quantises its activation rows before the integer dot products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum ActivationPrecision {
+    /// One byte per value in blocks of 32, as ggml quantises them ([`QuantizedActivations::quantize`]).
+    #[default]
+    Byte,
+    /// A second byte per value for the first one's rounding error, about 15 bits in all
+    /// ([`QuantizedActivations::quantize_wide`]): a second integer multiply-add per four values, the same float
+    /// work. For products bound by reading their weights, where it costs little: the output head.
+    Wide,
+}
+
 /// A quantised weight matrix `[out_features, in_features]` in one of the [`WeightFormat`]s, with its products.
 ///
 /// It holds the weights repacked ([`PackedWeights`]), as many bytes as the ggml tensor they came from, which the
@@ -177,6 +190,7 @@ pub struct QuantizedMatrix {
     format: WeightFormat,
     out_features: usize,
     in_features: usize,
+    precision: ActivationPrecision,
 }
 
 /// A linear layer `y = x · Wᵀ` over a quantised weight matrix of shape `[out_features, in_features]`.
@@ -289,7 +303,19 @@ impl QuantizedMatrix {
             format,
             out_features,
             in_features,
+            precision: ActivationPrecision::Byte,
         })
+    }
+
+    /// The same matrix, quantising its activations at `precision` (the weights are shared, not copied).
+    pub fn with_precision(mut self, precision: ActivationPrecision) -> Self {
+        self.precision = precision;
+        self
+    }
+
+    /// How this matrix quantises its activations.
+    pub fn precision(&self) -> ActivationPrecision {
+        self.precision
     }
 
     /// The weight format.
@@ -310,7 +336,8 @@ impl QuantizedMatrix {
     /// Computes `output = input · Wᵀ` for `rows` input rows (`input.len() == rows * in_features`,
     /// `output.len() == rows * out_features`, both row-major).
     ///
-    /// Cost: one pass quantising the input, then `rows * out_features * in_features` multiply-adds on integers.
+    /// Cost: one pass quantising the input, then `rows * out_features * in_features` multiply-adds on integers
+    /// (twice that with [`ActivationPrecision::Wide`]).
     /// The result depends neither on `level` nor on `threads` nor on the other rows of the batch: each output row
     /// is bit-identical to computing its input row alone, on any of these paths.
     pub fn matmul(
@@ -333,7 +360,14 @@ impl QuantizedMatrix {
         if !level.is_available() {
             return Err(KernelError::LevelUnavailable(level));
         }
-        let activations = QuantizedActivations::quantize(input, rows, self.in_features);
+        let activations = match self.precision {
+            ActivationPrecision::Byte => {
+                QuantizedActivations::quantize(input, rows, self.in_features)
+            }
+            ActivationPrecision::Wide => {
+                QuantizedActivations::quantize_wide(input, rows, self.in_features)
+            }
+        };
         let target = Output::new(output, self.out_features);
         let groups = self.weights.groups();
         let work = rows * self.out_features * self.in_features;
@@ -400,6 +434,23 @@ impl Linear {
             in_features,
             out_features,
         })
+    }
+
+    /// The same layer with its activations quantised at `precision` where our kernels run it; candle's products
+    /// (K-quants, float weights) keep their own quantisation.
+    pub fn with_activation_precision(mut self, precision: ActivationPrecision) -> Self {
+        if let Backend::Ours(matrix, level) = self.inner {
+            self.inner = Backend::Ours(matrix.with_precision(precision), level);
+        }
+        self
+    }
+
+    /// How this layer quantises its activations: [`ActivationPrecision::Byte`] also for candle's products.
+    pub fn activation_precision(&self) -> ActivationPrecision {
+        match &self.inner {
+            Backend::Ours(matrix, _) => matrix.precision(),
+            Backend::Candle(_) => ActivationPrecision::Byte,
+        }
     }
 
     /// Wraps the weight in candle's `QMatMul` whatever its type (the comparison point for benchmarks).

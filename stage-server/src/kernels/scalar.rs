@@ -15,11 +15,22 @@
 //! eight float lanes, one FMA per block, a fixed horizontal sum). Keeping it keeps our products within a few
 //! units in the last place of llama.cpp's: gemma-3 amplifies any other order into argmax flips at positions
 //! llama.cpp calls confident (a single sum per element, tried, flipped two in the agreement fixtures).
+//!
+//! With wide activations (a residual byte `r` per value, `activation.rs`) all of the above runs on the first
+//! bytes unchanged (with `offset` over the whole values' sum), and one more chain is added last:
+//!
+//! ```text
+//!   residual = fma(w_scale · x_scale · (1/128), Σ_32 q·r, residual)   per block, in order
+//!   result   = (... + offset) + residual
+//! ```
+//!
+//! ggml has no such term, so its order is free; one exact integer per block keeps it cheap (a second product
+//! per four values, not a second float chain per partial).
 
 use std::ops::Range;
 
 use super::Output;
-use super::activation::QuantizedActivations;
+use super::activation::{QuantizedActivations, RESIDUAL_STEP};
 use super::format::{BLOCK, WeightFormat};
 use super::packed::{GROUP, PackedWeights};
 
@@ -37,10 +48,12 @@ pub(super) fn matmul_groups(
     for row in rows {
         for x in 0..activations.rows() {
             let values = activations.row_values(x);
+            let residuals = activations.row_residuals(x);
             let scales = activations.row_scales(x);
             let sums = activations.row_sums(x);
             let mut lanes = [0f32; 8];
             let mut offsets = 0f32;
+            let mut residual = 0f32;
             for block in 0..blocks {
                 let (scale, offset) = weights.block(row, block, &mut q);
                 let x_values = &values[block * BLOCK..(block + 1) * BLOCK];
@@ -54,10 +67,25 @@ pub(super) fn matmul_groups(
                 if has_minimums {
                     offsets = offset.mul_add(sums[block], offsets);
                 }
+                if !residuals.is_empty() {
+                    let x_residuals = &residuals[block * BLOCK..(block + 1) * BLOCK];
+                    let dot: i32 = q
+                        .iter()
+                        .zip(x_residuals)
+                        .map(|(&w, &r)| w * i32::from(r))
+                        .sum();
+                    residual = (factor * RESIDUAL_STEP).mul_add(dot as f32, residual);
+                }
             }
             let total = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
                 + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
-            output.write(x, row, total + offsets);
+            // Without residuals nothing is added: `+ 0.0` would turn a -0.0 into +0.0.
+            let result = if residuals.is_empty() {
+                total + offsets
+            } else {
+                total + offsets + residual
+            };
+            output.write(x, row, result);
         }
     }
 }

@@ -11,6 +11,9 @@
 //! A tile is one group by `X` activation rows: the group's block is expanded once and multiplied by each row.
 //! Decode is X = 1, one sequential stream of packed bytes per thread, prefetched ahead.
 //!
+//! Wide activations (a residual byte per value, `activation.rs`) add one exact integer per row and block, the
+//! residual bytes' product (eight more multiply-adds), and its own float chain, as the scalar code states.
+//!
 //! Batch and level invariance: every tile shape, both SIMD levels and the scalar kernel perform the same
 //! operations per output element in the same order, so a row's output is bit-identical alone, in any batch, at
 //! any level and for any thread count.
@@ -18,7 +21,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::activation::{QUADS, QuantizedActivations};
+use super::activation::{QUADS, QuantizedActivations, RESIDUAL_STEP};
 use super::format::WeightFormat;
 use super::packed::{BlockLayout, GROUP, PackedWeights};
 use super::{Output, SimdLevel};
@@ -90,15 +93,23 @@ pub(super) fn matmul_groups(
     }
 }
 
-/// Calls `$kernel::<F>(arguments)` with `F` the const tag of `$weights`' format (`$weights` is the first argument).
+/// Calls `$kernel::<F, WIDE>(arguments)` with `F` the const tag of `$weights`' format (`$weights` is the first
+/// argument) and `WIDE` whether `$activations` (the second) carry residual bytes.
 macro_rules! for_each_format {
-    ($kernel:ident, $weights:expr, $($argument:expr),*) => {
+    ($kernel:ident, $weights:expr, $activations:expr, $($argument:expr),*) => {
+        if $activations.is_wide() {
+            for_each_format!(@formats $kernel, true, $weights, $activations, $($argument),*)
+        } else {
+            for_each_format!(@formats $kernel, false, $weights, $activations, $($argument),*)
+        }
+    };
+    (@formats $kernel:ident, $wide:literal, $weights:expr, $($argument:expr),*) => {
         match tag_of($weights.format()) {
-            FORMAT_Q4_0 => $kernel::<FORMAT_Q4_0>($weights, $($argument),*),
-            FORMAT_Q4_1 => $kernel::<FORMAT_Q4_1>($weights, $($argument),*),
-            FORMAT_Q5_0 => $kernel::<FORMAT_Q5_0>($weights, $($argument),*),
-            FORMAT_Q5_1 => $kernel::<FORMAT_Q5_1>($weights, $($argument),*),
-            _ => $kernel::<FORMAT_Q8_0>($weights, $($argument),*),
+            FORMAT_Q4_0 => $kernel::<FORMAT_Q4_0, $wide>($weights, $($argument),*),
+            FORMAT_Q4_1 => $kernel::<FORMAT_Q4_1, $wide>($weights, $($argument),*),
+            FORMAT_Q5_0 => $kernel::<FORMAT_Q5_0, $wide>($weights, $($argument),*),
+            FORMAT_Q5_1 => $kernel::<FORMAT_Q5_1, $wide>($weights, $($argument),*),
+            _ => $kernel::<FORMAT_Q8_0, $wide>($weights, $($argument),*),
         }
     };
 }
@@ -128,6 +139,10 @@ fn tag_of(format: WeightFormat) -> u8 {
 /// Pointers to the parts of `X` activation rows that a tile reads.
 struct Inputs<'a, const X: usize> {
     values: [*const u8; X],
+    /// The residual bytes of a wide quantisation; null (and never read) for an 8-bit one.
+    residuals: [*const u8; X],
+    /// The per-block sums of the residual bytes (empty for an 8-bit quantisation).
+    residual_sums: [&'a [i32]; X],
     scales: [&'a [f32]; X],
     sums: [&'a [f32]; X],
     quads: [&'a [i32]; X],
@@ -141,6 +156,15 @@ impl<'a, const X: usize> Inputs<'a, X> {
             values: std::array::from_fn(|j| {
                 activations.row_values(first + j).as_ptr() as *const u8
             }),
+            residuals: std::array::from_fn(|j| {
+                let residuals = activations.row_residuals(first + j);
+                if residuals.is_empty() {
+                    std::ptr::null()
+                } else {
+                    residuals.as_ptr() as *const u8
+                }
+            }),
+            residual_sums: std::array::from_fn(|j| activations.row_residual_sums(first + j)),
             scales: std::array::from_fn(|j| &activations.row_scales(first + j)[..blocks]),
             sums: std::array::from_fn(|j| &activations.row_sums(first + j)[..blocks]),
             quads: std::array::from_fn(|j| &activations.row_quads(first + j)[..blocks * QUADS]),
@@ -193,7 +217,7 @@ mod vnni {
     /// # Safety
     /// As for `matmul_groups`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn groups_of<const F: u8>(
+    unsafe fn groups_of<const F: u8, const WIDE: bool>(
         weights: &PackedWeights,
         activations: &QuantizedActivations,
         groups: Range<usize>,
@@ -214,12 +238,12 @@ mod vnni {
             let first_row = group * GROUP;
             for (index, rows) in tiles.iter().enumerate() {
                 // SAFETY: the group's blocks are readable at `base` (contract); the tile's rows exist.
-                let lines = unsafe { tile::<F, TILE_X>(base, blocks, rows) };
+                let lines = unsafe { tile::<F, WIDE, TILE_X>(base, blocks, rows) };
                 write_tile(output, weights.rows(), first_row, index * TILE_X, &lines);
             }
             for (index, rows) in singles.iter().enumerate() {
                 // SAFETY: as above with one row.
-                let lines = unsafe { tile::<F, 1>(base, blocks, rows) };
+                let lines = unsafe { tile::<F, WIDE, 1>(base, blocks, rows) };
                 write_tile(
                     output,
                     weights.rows(),
@@ -238,7 +262,7 @@ mod vnni {
     /// every activation row in `inputs` must hold `blocks` blocks.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
-    unsafe fn tile<const F: u8, const X: usize>(
+    unsafe fn tile<const F: u8, const WIDE: bool, const X: usize>(
         base: *const u8,
         blocks: usize,
         inputs: &Inputs<'_, X>,
@@ -247,6 +271,7 @@ mod vnni {
         let has_minimums = F == FORMAT_Q4_1 || F == FORMAT_Q5_1;
         let mut sums = [[_mm512_setzero_ps(); 8]; X];
         let mut offsets = [_mm512_setzero_ps(); X];
+        let mut residual = [_mm512_setzero_ps(); X];
         let low_nibbles = _mm512_set1_epi8(0x0F);
         for block in 0..blocks {
             let at = base.wrapping_add(block * layout.bytes);
@@ -311,6 +336,29 @@ mod vnni {
                         offsets[j],
                     );
                 }
+                if WIDE {
+                    let r_block = inputs.residuals[j].wrapping_add(block * 32) as *const i32;
+                    // Two chains of four multiply-adds, summed: integers, so the order is free.
+                    let mut even =
+                        _mm512_set1_epi32(-layout.centre * inputs.residual_sums[j][block]);
+                    let mut odd = _mm512_setzero_si512();
+                    for k in (0..8).step_by(2) {
+                        // SAFETY: a wide row holds as many residual bytes as values (contract).
+                        let (r_even, r_odd) = unsafe {
+                            (
+                                r_block.add(k).read_unaligned(),
+                                r_block.add(k + 1).read_unaligned(),
+                            )
+                        };
+                        even = _mm512_dpbusd_epi32(even, values[k], _mm512_set1_epi32(r_even));
+                        odd = _mm512_dpbusd_epi32(odd, values[k + 1], _mm512_set1_epi32(r_odd));
+                    }
+                    residual[j] = _mm512_fmadd_ps(
+                        _mm512_mul_ps(factor, _mm512_set1_ps(RESIDUAL_STEP)),
+                        _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd)),
+                        residual[j],
+                    );
+                }
             }
         }
         let mut lines = [[0f32; GROUP]; X];
@@ -320,8 +368,12 @@ mod vnni {
                 _mm512_add_ps(_mm512_add_ps(s[0], s[4]), _mm512_add_ps(s[2], s[6])),
                 _mm512_add_ps(_mm512_add_ps(s[1], s[5]), _mm512_add_ps(s[3], s[7])),
             );
+            let mut result = _mm512_add_ps(total, offsets[j]);
+            if WIDE {
+                result = _mm512_add_ps(result, residual[j]);
+            }
             // SAFETY: `line` is 16 writable floats.
-            unsafe { _mm512_storeu_ps(line.as_mut_ptr(), _mm512_add_ps(total, offsets[j])) };
+            unsafe { _mm512_storeu_ps(line.as_mut_ptr(), result) };
         }
         lines
     }
@@ -356,7 +408,7 @@ mod avx2 {
     /// # Safety
     /// As for `matmul_groups`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn groups_of<const F: u8>(
+    unsafe fn groups_of<const F: u8, const WIDE: bool>(
         weights: &PackedWeights,
         activations: &QuantizedActivations,
         groups: Range<usize>,
@@ -375,7 +427,7 @@ mod avx2 {
                 let first_row = group * GROUP + 8 * half;
                 for (index, rows) in tiles.iter().enumerate() {
                     // SAFETY: the group's blocks are readable at `base` (contract); the tile's rows exist.
-                    let lines = unsafe { tile::<F, TILE_X>(base, blocks, half, rows) };
+                    let lines = unsafe { tile::<F, WIDE, TILE_X>(base, blocks, half, rows) };
                     write_tile(output, weights.rows(), first_row, index * TILE_X, &lines);
                 }
             }
@@ -389,7 +441,7 @@ mod avx2 {
     /// activation row in `inputs` must hold `blocks` blocks.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn tile<const F: u8, const X: usize>(
+    unsafe fn tile<const F: u8, const WIDE: bool, const X: usize>(
         base: *const u8,
         blocks: usize,
         half: usize,
@@ -399,8 +451,8 @@ mod avx2 {
         let has_minimums = F == FORMAT_Q4_1 || F == FORMAT_Q5_1;
         let mut sums = [[_mm256_setzero_ps(); 8]; X];
         let mut offsets = [_mm256_setzero_ps(); X];
+        let mut residual = [_mm256_setzero_ps(); X];
         let low_nibbles = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
         for block in 0..blocks {
             let at = base.wrapping_add(block * layout.bytes);
             if half == 0 {
@@ -459,19 +511,9 @@ mod avx2 {
                 for (k, value) in values.iter().enumerate() {
                     // SAFETY: each activation row holds `blocks` blocks of 32 bytes (contract).
                     let x = _mm256_set1_epi32(unsafe { x_block.add(k).read_unaligned() });
-                    let pairs = if F == FORMAT_Q8_0 {
-                        // |w| times x with w's sign: 2 · 128 · 127 < 32767, no saturation.
-                        _mm256_maddubs_epi16(
-                            _mm256_sign_epi8(*value, *value),
-                            _mm256_sign_epi8(x, *value),
-                        )
-                    } else {
-                        // Unsigned weights of at most 31: 2 · 31 · 127 < 32767.
-                        _mm256_maddubs_epi16(*value, x)
-                    };
                     let partial = _mm256_add_epi32(
                         _mm256_set1_epi32(-centre * quads[k]),
-                        _mm256_madd_epi16(pairs, ones),
+                        dot::<F>(*value, x),
                     );
                     sums[j][k] = _mm256_fmadd_ps(factor, _mm256_cvtepi32_ps(partial), sums[j][k]);
                 }
@@ -480,6 +522,20 @@ mod avx2 {
                         minimums,
                         _mm256_set1_ps(inputs.sums[j][block]),
                         offsets[j],
+                    );
+                }
+                if WIDE {
+                    let r_block = inputs.residuals[j].wrapping_add(block * 32) as *const i32;
+                    let mut product = _mm256_set1_epi32(-centre * inputs.residual_sums[j][block]);
+                    for (k, value) in values.iter().enumerate() {
+                        // SAFETY: a wide row holds as many residual bytes as values (contract).
+                        let r = _mm256_set1_epi32(unsafe { r_block.add(k).read_unaligned() });
+                        product = _mm256_add_epi32(product, dot::<F>(*value, r));
+                    }
+                    residual[j] = _mm256_fmadd_ps(
+                        _mm256_mul_ps(factor, _mm256_set1_ps(RESIDUAL_STEP)),
+                        _mm256_cvtepi32_ps(product),
+                        residual[j],
                     );
                 }
             }
@@ -491,10 +547,29 @@ mod avx2 {
                 _mm256_add_ps(_mm256_add_ps(s[0], s[4]), _mm256_add_ps(s[2], s[6])),
                 _mm256_add_ps(_mm256_add_ps(s[1], s[5]), _mm256_add_ps(s[3], s[7])),
             );
+            let mut result = _mm256_add_ps(total, offsets[j]);
+            if WIDE {
+                result = _mm256_add_ps(result, residual[j]);
+            }
             // SAFETY: `line` is 8 writable floats.
-            unsafe { _mm256_storeu_ps(line.as_mut_ptr(), _mm256_add_ps(total, offsets[j])) };
+            unsafe { _mm256_storeu_ps(line.as_mut_ptr(), result) };
         }
         lines
+    }
+
+    /// The exact sums of four products of each 32-bit lane of `value` (stored weights) with the four bytes of
+    /// `x` (the same in every lane).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn dot<const F: u8>(value: __m256i, x: __m256i) -> __m256i {
+        let pairs = if F == FORMAT_Q8_0 {
+            // |w| times x with w's sign: 2 · 128 · 127 < 32767, no saturation.
+            _mm256_maddubs_epi16(_mm256_sign_epi8(value, value), _mm256_sign_epi8(x, value))
+        } else {
+            // Unsigned weights of at most 31: 2 · 31 · 127 < 32767.
+            _mm256_maddubs_epi16(value, x)
+        };
+        _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
     }
 
     /// Byte `i` is 0x10 when bit `i` of `high` is set, else 0.
