@@ -15,11 +15,12 @@
 //!
 //! [`QuantizedActivations::quantize_wide`] carries a second byte per value: the rounding error of the first,
 //! quantised again on a step of `d / 128`. A value is then `(128·q + r) · d/128`, about 15 bits where the first
-//! byte alone is 8. The kernels run the first bytes exactly as without residuals and add, per block, one more
-//! integer dot product over the residual bytes, scaled by `d / 128` into its own float sum. ggml quantises every
+//! byte alone is 8. The kernels take, per row and block, the exact integer `Σ w·(128·q + r)` from two integer
+//! products (first bytes, residual bytes) and scale it once by `d / 128`, where 8-bit rows take eight partial
+//! sums through eight float chains (llama.cpp's order): about as many instructions. ggml quantises every
 //! product's activations to 8 bits, and that rounding is nearly all of the distance from its logits (and ours) to
-//! the exact forward (`tests/exact_reference.rs`); the output head is where removing it pays most for least: its
-//! products are bound by reading the weights, so the second dot product is nearly free there.
+//! the exact forward (`tests/exact_reference.rs`); the output head is where removing it pays most: it is the
+//! last product, so no later layer amplifies a change of summation order, and its bits need not follow llama.cpp's.
 
 use super::SimdLevel;
 use super::format::BLOCK;
@@ -32,8 +33,8 @@ pub struct QuantizedActivations {
     values: Vec<i8>,
     /// Empty, or one residual byte per value (a wide quantisation).
     residuals: Vec<i8>,
-    /// Empty, or the integer sum of each block's residual bytes (a wide quantisation).
-    residual_sums: Vec<i32>,
+    /// Empty, or each block's integer sum `Σ(128·q + r)` (a wide quantisation).
+    wide_sums: Vec<i32>,
     scales: Vec<f32>,
     sums: Vec<f32>,
     quads: Vec<i32>,
@@ -44,8 +45,8 @@ pub struct QuantizedActivations {
 /// exact.
 pub const WIDE_FACTOR: i32 = 128;
 
-/// A residual byte's step over the first byte's, `1 / WIDE_FACTOR`: the kernels scale a block's residual product
-/// by `w_scale · d · RESIDUAL_STEP` (exact, a power of two).
+/// A residual byte's step over the first byte's, `1 / WIDE_FACTOR`: the kernels scale a block's exact integer by
+/// `w_scale · d · RESIDUAL_STEP` (exact, a power of two).
 pub(super) const RESIDUAL_STEP: f32 = 1.0 / WIDE_FACTOR as f32;
 
 impl QuantizedActivations {
@@ -97,7 +98,7 @@ impl QuantizedActivations {
             blocks_per_row,
             values,
             residuals: Vec::new(),
-            residual_sums: Vec::new(),
+            wide_sums: Vec::new(),
             scales,
             sums,
             quads,
@@ -109,8 +110,8 @@ impl QuantizedActivations {
     /// portable and the same everywhere).
     ///
     /// The first bytes, scales and sums of four stay as they are; the sums become `d/128 · Σ(128·q + r)` (the
-    /// whole value's sum, for the minimum of a Q4_1 or Q5_1 weight), and each block's `Σr` is kept for the centre
-    /// of an unsigned weight. The residual is at most about `0.56·d` (`d` is rounded to f16 after `q` was), so it
+    /// whole value's sum, for the minimum of a Q4_1 or Q5_1 weight), and each block's integer `Σ(128·q + r)` is
+    /// kept for the centre of an unsigned weight. The residual is at most about `0.56·d` (`d` is rounded to f16 after `q` was), so it
     /// fits in `±72` steps; it is clamped to `±127` all the same. An infinite or NaN value gives a residual of 0,
     /// as it gives its first byte whatever `as i8` makes of it.
     pub fn quantize_wide(input: &[f32], rows: usize, width: usize) -> Self {
@@ -121,14 +122,13 @@ impl QuantizedActivations {
     pub fn quantize_wide_at(level: SimdLevel, input: &[f32], rows: usize, width: usize) -> Self {
         let mut wide = Self::quantize_at(level, input, rows, width);
         let mut residuals = vec![0i8; wide.values.len()];
-        let mut residual_sums = vec![0i32; wide.scales.len()];
+        let mut wide_sums = vec![0i32; wide.scales.len()];
         for (block, chunk) in input.chunks_exact(BLOCK).enumerate() {
             let d = wide.scales[block];
             let step = d / WIDE_FACTOR as f32;
             let values = &wide.values[block * BLOCK..(block + 1) * BLOCK];
             let block_residuals = &mut residuals[block * BLOCK..(block + 1) * BLOCK];
             let mut total = 0i32;
-            let mut residual_total = 0i32;
             for ((residual, &x), &value) in block_residuals.iter_mut().zip(chunk).zip(values) {
                 if step > 0.0 {
                     let error = x - d * f32::from(value);
@@ -136,13 +136,12 @@ impl QuantizedActivations {
                     *residual = (error / step).round_ties_even().clamp(-127.0, 127.0) as i8;
                 }
                 total += WIDE_FACTOR * i32::from(value) + i32::from(*residual);
-                residual_total += i32::from(*residual);
             }
             wide.sums[block] = step * total as f32;
-            residual_sums[block] = residual_total;
+            wide_sums[block] = total;
         }
         wide.residuals = residuals;
-        wide.residual_sums = residual_sums;
+        wide.wide_sums = wide_sums;
         wide
     }
 
@@ -160,13 +159,13 @@ impl QuantizedActivations {
         &self.residuals[row * width..(row + 1) * width]
     }
 
-    /// The integer sum of each block's residual bytes in row `row` of a wide quantisation; empty for an 8-bit
-    /// one.
-    pub fn row_residual_sums(&self, row: usize) -> &[i32] {
-        if self.residual_sums.is_empty() {
+    /// Each block's integer sum `Σ(128·q + r)` in row `row` of a wide quantisation (the kernels subtract
+    /// `centre` times it from an unsigned weight's product); empty for an 8-bit one.
+    pub fn row_wide_sums(&self, row: usize) -> &[i32] {
+        if self.wide_sums.is_empty() {
             return &[];
         }
-        &self.residual_sums[row * self.blocks_per_row..(row + 1) * self.blocks_per_row]
+        &self.wide_sums[row * self.blocks_per_row..(row + 1) * self.blocks_per_row]
     }
 
     /// Number of rows.

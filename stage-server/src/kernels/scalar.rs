@@ -16,21 +16,22 @@
 //! units in the last place of llama.cpp's: gemma-3 amplifies any other order into argmax flips at positions
 //! llama.cpp calls confident (a single sum per element, tried, flipped two in the agreement fixtures).
 //!
-//! With wide activations (a residual byte `r` per value, `activation.rs`) all of the above runs on the first
-//! bytes unchanged (with `offset` over the whole values' sum), and one more chain is added last:
+//! With wide activations (a residual byte `r` per value, `activation.rs`, for the output head) a block is one
+//! exact integer instead of eight partials:
 //!
 //! ```text
-//!   residual = fma(w_scale · x_scale · (1/128), Σ_32 q·r, residual)   per block, in order
-//!   result   = (... + offset) + residual
+//!   sum    = fma(w_scale · x_scale · (1/128), Σ_32 q·(128·x + r), sum)   blocks in order
+//!   offset as above (its sums cover the whole values)
+//!   result = sum + offset
 //! ```
 //!
-//! ggml has no such term, so its order is free; one exact integer per block keeps it cheap (a second product
-//! per four values, not a second float chain per partial).
+//! ggml has no such path, so its order is ours to choose; one conversion per block instead of eight pays for the
+//! second integer product.
 
 use std::ops::Range;
 
 use super::Output;
-use super::activation::{QuantizedActivations, RESIDUAL_STEP};
+use super::activation::{QuantizedActivations, RESIDUAL_STEP, WIDE_FACTOR};
 use super::format::{BLOCK, WeightFormat};
 use super::packed::{GROUP, PackedWeights};
 
@@ -53,37 +54,39 @@ pub(super) fn matmul_groups(
             let sums = activations.row_sums(x);
             let mut lanes = [0f32; 8];
             let mut offsets = 0f32;
-            let mut residual = 0f32;
+            let mut wide = 0f32;
             for block in 0..blocks {
                 let (scale, offset) = weights.block(row, block, &mut q);
                 let x_values = &values[block * BLOCK..(block + 1) * BLOCK];
                 let factor = scale * scales[block];
-                for (lane, sum) in lanes.iter_mut().enumerate() {
-                    let partial: i32 = (4 * lane..4 * lane + 4)
-                        .map(|j| q[j] * i32::from(x_values[j]))
+                if residuals.is_empty() {
+                    for (lane, sum) in lanes.iter_mut().enumerate() {
+                        let partial: i32 = (4 * lane..4 * lane + 4)
+                            .map(|j| q[j] * i32::from(x_values[j]))
+                            .sum();
+                        *sum = factor.mul_add(partial as f32, *sum);
+                    }
+                } else {
+                    let x_residuals = &residuals[block * BLOCK..(block + 1) * BLOCK];
+                    // |q| <= 128 and |128·x + r| < 2^14: 32 of them stay far inside an i32.
+                    let exact: i32 = (0..BLOCK)
+                        .map(|j| {
+                            q[j] * (WIDE_FACTOR * i32::from(x_values[j])
+                                + i32::from(x_residuals[j]))
+                        })
                         .sum();
-                    *sum = factor.mul_add(partial as f32, *sum);
+                    wide = (factor * RESIDUAL_STEP).mul_add(exact as f32, wide);
                 }
                 if has_minimums {
                     offsets = offset.mul_add(sums[block], offsets);
                 }
-                if !residuals.is_empty() {
-                    let x_residuals = &residuals[block * BLOCK..(block + 1) * BLOCK];
-                    let dot: i32 = q
-                        .iter()
-                        .zip(x_residuals)
-                        .map(|(&w, &r)| w * i32::from(r))
-                        .sum();
-                    residual = (factor * RESIDUAL_STEP).mul_add(dot as f32, residual);
-                }
             }
-            let total = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
-                + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
-            // Without residuals nothing is added: `+ 0.0` would turn a -0.0 into +0.0.
             let result = if residuals.is_empty() {
+                let total = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
+                    + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
                 total + offsets
             } else {
-                total + offsets + residual
+                wide + offsets
             };
             output.write(x, row, result);
         }

@@ -11,8 +11,9 @@
 //! A tile is one group by `X` activation rows: the group's block is expanded once and multiplied by each row.
 //! Decode is X = 1, one sequential stream of packed bytes per thread, prefetched ahead.
 //!
-//! Wide activations (a residual byte per value, `activation.rs`) add one exact integer per row and block, the
-//! residual bytes' product (eight more multiply-adds), and its own float chain, as the scalar code states.
+//! Wide activations (a residual byte per value, `activation.rs`) take another path through the same tile: per row
+//! and block, two chains of multiply-adds (first bytes, residual bytes) give one exact integer, converted and
+//! accumulated once, as the scalar code states.
 //!
 //! Batch and level invariance: every tile shape, both SIMD levels and the scalar kernel perform the same
 //! operations per output element in the same order, so a row's output is bit-identical alone, in any batch, at
@@ -21,7 +22,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::activation::{QUADS, QuantizedActivations, RESIDUAL_STEP};
+use super::activation::{QUADS, QuantizedActivations, RESIDUAL_STEP, WIDE_FACTOR};
 use super::format::WeightFormat;
 use super::packed::{BlockLayout, GROUP, PackedWeights};
 use super::{Output, SimdLevel};
@@ -39,6 +40,13 @@ const FORMAT_Q8_0: u8 = 4;
 /// rounds): 2 KiB T0 4.26 ms, 8 KiB T0 3.98, 8 KiB T1 3.72, 16 KiB T1 3.84, 8 KiB T2 3.89, no prefetch 5.7; a
 /// 4-lane step did not move beyond the noise (9.4 to 10.6 ms for each).
 const PREFETCH_AHEAD: usize = 8192;
+
+/// The left shift that multiplies the first bytes' product by [`WIDE_FACTOR`].
+const WIDE_SHIFT: u32 = WIDE_FACTOR.trailing_zeros();
+const _: () = assert!(
+    1 << WIDE_SHIFT == WIDE_FACTOR,
+    "the wide factor must be a power of two"
+);
 
 /// Whether the AVX2 kernels can run here.
 pub(super) fn avx2_available() -> bool {
@@ -141,8 +149,8 @@ struct Inputs<'a, const X: usize> {
     values: [*const u8; X],
     /// The residual bytes of a wide quantisation; null (and never read) for an 8-bit one.
     residuals: [*const u8; X],
-    /// The per-block sums of the residual bytes (empty for an 8-bit quantisation).
-    residual_sums: [&'a [i32]; X],
+    /// The per-block sums `Σ(128·q + r)` of a wide quantisation (empty for an 8-bit one).
+    wide_sums: [&'a [i32]; X],
     scales: [&'a [f32]; X],
     sums: [&'a [f32]; X],
     quads: [&'a [i32]; X],
@@ -164,7 +172,7 @@ impl<'a, const X: usize> Inputs<'a, X> {
                     residuals.as_ptr() as *const u8
                 }
             }),
-            residual_sums: std::array::from_fn(|j| activations.row_residual_sums(first + j)),
+            wide_sums: std::array::from_fn(|j| activations.row_wide_sums(first + j)),
             scales: std::array::from_fn(|j| &activations.row_scales(first + j)[..blocks]),
             sums: std::array::from_fn(|j| &activations.row_sums(first + j)[..blocks]),
             quads: std::array::from_fn(|j| &activations.row_quads(first + j)[..blocks * QUADS]),
@@ -271,7 +279,7 @@ mod vnni {
         let has_minimums = F == FORMAT_Q4_1 || F == FORMAT_Q5_1;
         let mut sums = [[_mm512_setzero_ps(); 8]; X];
         let mut offsets = [_mm512_setzero_ps(); X];
-        let mut residual = [_mm512_setzero_ps(); X];
+        let mut wide = [_mm512_setzero_ps(); X];
         let low_nibbles = _mm512_set1_epi8(0x0F);
         for block in 0..blocks {
             let at = base.wrapping_add(block * layout.bytes);
@@ -318,45 +326,57 @@ mod vnni {
                 let x_block = inputs.values[j].wrapping_add(block * 32) as *const i32;
                 let quads = &inputs.quads[j][block * QUADS..][..QUADS];
                 let factor = _mm512_mul_ps(scales, _mm512_set1_ps(inputs.scales[j][block]));
-                for k in 0..8 {
-                    let start = if layout.centre == 0 {
-                        _mm512_setzero_si512()
-                    } else {
-                        _mm512_set1_epi32(-layout.centre * quads[k])
-                    };
-                    // SAFETY: each activation row holds `blocks` blocks of 32 bytes (contract).
-                    let x_quad = unsafe { x_block.add(k).read_unaligned() };
-                    let partial = _mm512_dpbusd_epi32(start, values[k], _mm512_set1_epi32(x_quad));
-                    sums[j][k] = _mm512_fmadd_ps(factor, _mm512_cvtepi32_ps(partial), sums[j][k]);
+                if WIDE {
+                    let r_block = inputs.residuals[j].wrapping_add(block * 32) as *const i32;
+                    // Integers, so the chains' order is free: two per byte kind keep the adds' latency apart.
+                    let mut high = [_mm512_setzero_si512(); 2];
+                    let mut low = [_mm512_setzero_si512(); 2];
+                    for k in 0..8 {
+                        // SAFETY: each activation row holds `blocks` blocks of 32 bytes, and a wide row as many
+                        // residual bytes (contract).
+                        let (x_quad, r_quad) = unsafe {
+                            (
+                                x_block.add(k).read_unaligned(),
+                                r_block.add(k).read_unaligned(),
+                            )
+                        };
+                        high[k % 2] =
+                            _mm512_dpbusd_epi32(high[k % 2], values[k], _mm512_set1_epi32(x_quad));
+                        low[k % 2] =
+                            _mm512_dpbusd_epi32(low[k % 2], values[k], _mm512_set1_epi32(r_quad));
+                    }
+                    let exact = _mm512_add_epi32(
+                        _mm512_add_epi32(
+                            _mm512_set1_epi32(-layout.centre * inputs.wide_sums[j][block]),
+                            _mm512_slli_epi32::<WIDE_SHIFT>(_mm512_add_epi32(high[0], high[1])),
+                        ),
+                        _mm512_add_epi32(low[0], low[1]),
+                    );
+                    wide[j] = _mm512_fmadd_ps(
+                        _mm512_mul_ps(factor, _mm512_set1_ps(RESIDUAL_STEP)),
+                        _mm512_cvtepi32_ps(exact),
+                        wide[j],
+                    );
+                } else {
+                    for k in 0..8 {
+                        let start = if layout.centre == 0 {
+                            _mm512_setzero_si512()
+                        } else {
+                            _mm512_set1_epi32(-layout.centre * quads[k])
+                        };
+                        // SAFETY: each activation row holds `blocks` blocks of 32 bytes (contract).
+                        let x_quad = unsafe { x_block.add(k).read_unaligned() };
+                        let partial =
+                            _mm512_dpbusd_epi32(start, values[k], _mm512_set1_epi32(x_quad));
+                        sums[j][k] =
+                            _mm512_fmadd_ps(factor, _mm512_cvtepi32_ps(partial), sums[j][k]);
+                    }
                 }
                 if has_minimums {
                     offsets[j] = _mm512_fmadd_ps(
                         minimums,
                         _mm512_set1_ps(inputs.sums[j][block]),
                         offsets[j],
-                    );
-                }
-                if WIDE {
-                    let r_block = inputs.residuals[j].wrapping_add(block * 32) as *const i32;
-                    // Two chains of four multiply-adds, summed: integers, so the order is free.
-                    let mut even =
-                        _mm512_set1_epi32(-layout.centre * inputs.residual_sums[j][block]);
-                    let mut odd = _mm512_setzero_si512();
-                    for k in (0..8).step_by(2) {
-                        // SAFETY: a wide row holds as many residual bytes as values (contract).
-                        let (r_even, r_odd) = unsafe {
-                            (
-                                r_block.add(k).read_unaligned(),
-                                r_block.add(k + 1).read_unaligned(),
-                            )
-                        };
-                        even = _mm512_dpbusd_epi32(even, values[k], _mm512_set1_epi32(r_even));
-                        odd = _mm512_dpbusd_epi32(odd, values[k + 1], _mm512_set1_epi32(r_odd));
-                    }
-                    residual[j] = _mm512_fmadd_ps(
-                        _mm512_mul_ps(factor, _mm512_set1_ps(RESIDUAL_STEP)),
-                        _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd)),
-                        residual[j],
                     );
                 }
             }
@@ -368,10 +388,7 @@ mod vnni {
                 _mm512_add_ps(_mm512_add_ps(s[0], s[4]), _mm512_add_ps(s[2], s[6])),
                 _mm512_add_ps(_mm512_add_ps(s[1], s[5]), _mm512_add_ps(s[3], s[7])),
             );
-            let mut result = _mm512_add_ps(total, offsets[j]);
-            if WIDE {
-                result = _mm512_add_ps(result, residual[j]);
-            }
+            let result = _mm512_add_ps(if WIDE { wide[j] } else { total }, offsets[j]);
             // SAFETY: `line` is 16 writable floats.
             unsafe { _mm512_storeu_ps(line.as_mut_ptr(), result) };
         }
@@ -451,7 +468,7 @@ mod avx2 {
         let has_minimums = F == FORMAT_Q4_1 || F == FORMAT_Q5_1;
         let mut sums = [[_mm256_setzero_ps(); 8]; X];
         let mut offsets = [_mm256_setzero_ps(); X];
-        let mut residual = [_mm256_setzero_ps(); X];
+        let mut wide = [_mm256_setzero_ps(); X];
         let low_nibbles = _mm256_set1_epi8(0x0F);
         for block in 0..blocks {
             let at = base.wrapping_add(block * layout.bytes);
@@ -508,34 +525,51 @@ mod avx2 {
                 let x_block = inputs.values[j].wrapping_add(block * 32) as *const i32;
                 let quads = &inputs.quads[j][block * QUADS..][..QUADS];
                 let factor = _mm256_mul_ps(scales, _mm256_set1_ps(inputs.scales[j][block]));
-                for (k, value) in values.iter().enumerate() {
-                    // SAFETY: each activation row holds `blocks` blocks of 32 bytes (contract).
-                    let x = _mm256_set1_epi32(unsafe { x_block.add(k).read_unaligned() });
-                    let partial = _mm256_add_epi32(
-                        _mm256_set1_epi32(-centre * quads[k]),
-                        dot::<F>(*value, x),
+                if WIDE {
+                    let r_block = inputs.residuals[j].wrapping_add(block * 32) as *const i32;
+                    let mut high = _mm256_setzero_si256();
+                    let mut low = _mm256_setzero_si256();
+                    for (k, value) in values.iter().enumerate() {
+                        // SAFETY: each activation row holds `blocks` blocks of 32 bytes, and a wide row as many
+                        // residual bytes (contract).
+                        let (x, r) = unsafe {
+                            (
+                                _mm256_set1_epi32(x_block.add(k).read_unaligned()),
+                                _mm256_set1_epi32(r_block.add(k).read_unaligned()),
+                            )
+                        };
+                        high = _mm256_add_epi32(high, dot::<F>(*value, x));
+                        low = _mm256_add_epi32(low, dot::<F>(*value, r));
+                    }
+                    let exact = _mm256_add_epi32(
+                        _mm256_add_epi32(
+                            _mm256_set1_epi32(-centre * inputs.wide_sums[j][block]),
+                            _mm256_slli_epi32::<{ WIDE_SHIFT as i32 }>(high),
+                        ),
+                        low,
                     );
-                    sums[j][k] = _mm256_fmadd_ps(factor, _mm256_cvtepi32_ps(partial), sums[j][k]);
+                    wide[j] = _mm256_fmadd_ps(
+                        _mm256_mul_ps(factor, _mm256_set1_ps(RESIDUAL_STEP)),
+                        _mm256_cvtepi32_ps(exact),
+                        wide[j],
+                    );
+                } else {
+                    for (k, value) in values.iter().enumerate() {
+                        // SAFETY: each activation row holds `blocks` blocks of 32 bytes (contract).
+                        let x = _mm256_set1_epi32(unsafe { x_block.add(k).read_unaligned() });
+                        let partial = _mm256_add_epi32(
+                            _mm256_set1_epi32(-centre * quads[k]),
+                            dot::<F>(*value, x),
+                        );
+                        sums[j][k] =
+                            _mm256_fmadd_ps(factor, _mm256_cvtepi32_ps(partial), sums[j][k]);
+                    }
                 }
                 if has_minimums {
                     offsets[j] = _mm256_fmadd_ps(
                         minimums,
                         _mm256_set1_ps(inputs.sums[j][block]),
                         offsets[j],
-                    );
-                }
-                if WIDE {
-                    let r_block = inputs.residuals[j].wrapping_add(block * 32) as *const i32;
-                    let mut product = _mm256_set1_epi32(-centre * inputs.residual_sums[j][block]);
-                    for (k, value) in values.iter().enumerate() {
-                        // SAFETY: a wide row holds as many residual bytes as values (contract).
-                        let r = _mm256_set1_epi32(unsafe { r_block.add(k).read_unaligned() });
-                        product = _mm256_add_epi32(product, dot::<F>(*value, r));
-                    }
-                    residual[j] = _mm256_fmadd_ps(
-                        _mm256_mul_ps(factor, _mm256_set1_ps(RESIDUAL_STEP)),
-                        _mm256_cvtepi32_ps(product),
-                        residual[j],
                     );
                 }
             }
@@ -547,10 +581,7 @@ mod avx2 {
                 _mm256_add_ps(_mm256_add_ps(s[0], s[4]), _mm256_add_ps(s[2], s[6])),
                 _mm256_add_ps(_mm256_add_ps(s[1], s[5]), _mm256_add_ps(s[3], s[7])),
             );
-            let mut result = _mm256_add_ps(total, offsets[j]);
-            if WIDE {
-                result = _mm256_add_ps(result, residual[j]);
-            }
+            let result = _mm256_add_ps(if WIDE { wide[j] } else { total }, offsets[j]);
             // SAFETY: `line` is 8 writable floats.
             unsafe { _mm256_storeu_ps(line.as_mut_ptr(), result) };
         }

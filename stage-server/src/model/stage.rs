@@ -343,9 +343,8 @@ impl Stage {
             };
             Some(Head {
                 norm: load_norm(file, "output_norm.weight", config.embedding_length)?,
-                // The head's activations at about 15 bits instead of ggml's 8: its product is bound by reading
-                // the vocabulary's rows, so the second dot product costs little, and it brings the logits
-                // closer to the exact forward than llama.cpp's (`kernels::ActivationPrecision`).
+                // The head's activations at about 15 bits instead of ggml's 8, at about the same cost: the
+                // logits come closer to the exact forward than llama.cpp's (`kernels::ActivationPrecision`).
                 output: load_linear(
                     file,
                     output_name,
