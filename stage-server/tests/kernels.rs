@@ -6,7 +6,7 @@
 //! with a dequantised reference uses exactly that bound, computed per element, so it can fail on a real error
 //! (a wrong nibble, bit or scale moves an element by far more) but not on the quantisation the method implies.
 //! Wide activations (a residual byte per value) move each value by at most `d / 256`, with `d` rounded to f16
-//! (2^-11 relative at most): their bound is the same sum on that step.
+//! (2^-11 relative at most for the normal f16 scales of these inputs): their bound is the same sum on that step.
 
 use std::borrow::Cow;
 use std::num::NonZeroUsize;
@@ -159,7 +159,8 @@ fn reference(
                 let step = match precision {
                     ActivationPrecision::Byte => byte_step,
                     // The residual's step is d / 128 with d rounded to f16.
-                    _ => byte_step * (1.0 + 1.0 / 2048.0) / 128.0,
+                    ActivationPrecision::Wide => byte_step * (1.0 + 1.0 / 2048.0) / 128.0,
+                    other => panic!("no quantisation bound for {other:?} activations"),
                 };
                 let mut block_weight = 0f64;
                 for (a, b) in w_block.iter().zip(x_block) {
@@ -317,6 +318,7 @@ fn activation_quantisation_is_bit_identical_at_every_simd_level() {
     assert!(scalar_wide.is_wide() && !scalar.is_wide());
     for row in 0..rows {
         assert_eq!(scalar_wide.row_values(row), scalar.row_values(row));
+        assert_eq!(scalar_wide.row_quads(row), scalar.row_quads(row));
         for (block, chunk) in input[row * width..(row + 1) * width]
             .chunks_exact(32)
             .enumerate()
@@ -325,7 +327,6 @@ fn activation_quantisation_is_bit_identical_at_every_simd_level() {
                 scalar_wide.row_scales(row)[block],
                 scalar.row_scales(row)[block]
             );
-            assert_eq!(scalar_wide.row_quads(row), scalar.row_quads(row));
             let residuals = &scalar_wide.row_residuals(row)[block * 32..(block + 1) * 32];
             let firsts = &scalar_wide.row_values(row)[block * 32..(block + 1) * 32];
             assert_eq!(
@@ -577,6 +578,62 @@ fn linear_leaves_k_quants_and_floats_to_candle_and_gives_its_exact_result() {
         let expected = reference.forward(&x).unwrap().to_vec2::<f32>().unwrap();
         assert_eq!(got, expected, "{dtype:?}: Linear must be candle's QMatMul");
     }
+}
+
+#[test]
+fn a_wide_linear_runs_our_kernels_and_gives_the_wide_matrix_bits_while_candle_layers_stay_byte() {
+    let mut rng = StdRng::seed_from_u64(0x5eed_000b);
+    // 512 x 32 is the shape candle repacks for VNNI, where a Byte Q8_0 layer runs candle's product.
+    for (dtype, rows, columns) in [
+        (GgmlDType::Q8_0, 32, 512),
+        (GgmlDType::Q8_0, 37, 640),
+        (GgmlDType::Q4_1, 37, 640),
+    ] {
+        let values: Vec<f32> = (0..rows * columns)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let dense = Tensor::from_vec(values, (rows, columns), &Device::Cpu).unwrap();
+        let shared = Arc::new(QTensor::quantize(&dense, dtype).unwrap());
+        let input = random_input(3, columns, &mut rng);
+        let wide_matrix = QuantizedMatrix::new(shared.clone())
+            .unwrap()
+            .with_precision(ActivationPrecision::Wide);
+        let expected = run(&wide_matrix, &input, 3, SimdLevel::Scalar, threads(1));
+        for level in levels() {
+            let linear = Linear::from_arc_at(shared.clone(), level)
+                .unwrap()
+                .with_activation_precision(ActivationPrecision::Wide);
+            assert!(
+                linear.uses_own_kernels(),
+                "a wide {dtype:?} {rows}x{columns} layer must run our kernels at {level:?}"
+            );
+            assert_eq!(linear.activation_precision(), ActivationPrecision::Wide);
+            let got = linear.forward_rows(&input, 3).unwrap();
+            assert!(
+                got.iter()
+                    .zip(&expected)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "a wide {dtype:?} {rows}x{columns} layer at {level:?} differs from the wide matrix's bits"
+            );
+        }
+    }
+    let dense = Tensor::from_vec(
+        (0..16 * 256)
+            .map(|index| (index % 7) as f32 - 3.0)
+            .collect::<Vec<_>>(),
+        (16, 256),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let k_quant = Linear::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q4K).unwrap())
+        .unwrap()
+        .with_activation_precision(ActivationPrecision::Wide);
+    assert!(!k_quant.uses_own_kernels());
+    assert_eq!(
+        k_quant.activation_precision(),
+        ActivationPrecision::Byte,
+        "candle's K-quant products quantise their own way, reported as 8-bit"
+    );
 }
 
 #[test]

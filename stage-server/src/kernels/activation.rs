@@ -1,4 +1,4 @@
-//! Activation rows quantised to 8 bits per value in blocks of 32, with each block's sum carried along.
+//! Activation rows quantised to 8 bits per value, or about 15 with a residual byte, in blocks of 32.
 //!
 //! This is ggml's Q8_1 idea in our own layout: one scale per block (`d = max|x| / 127`), the rounded values
 //! `round(x / d)` as `i8`, and `d * Σq` so that a weight format with an offset (`w = scale·q + offset`) costs one
@@ -25,6 +25,15 @@
 use super::SimdLevel;
 use super::format::BLOCK;
 
+/// The weight of the first byte against the residual byte in a wide quantisation: a value is
+/// `(WIDE_FACTOR · value + residual) · scale / WIDE_FACTOR`. A power of two, so the residual's step `d / 128` is
+/// exact.
+pub const WIDE_FACTOR: i32 = 128;
+
+/// A residual byte's step over the first byte's, `1 / WIDE_FACTOR`: the kernels scale a block's exact integer by
+/// `w_scale · d · RESIDUAL_STEP` (exact, a power of two).
+pub(super) const RESIDUAL_STEP: f32 = 1.0 / WIDE_FACTOR as f32;
+
 /// Rows of activations quantised to 8 bits in blocks of 32 (or about 15, [`QuantizedActivations::quantize_wide`]).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct QuantizedActivations {
@@ -39,15 +48,6 @@ pub struct QuantizedActivations {
     sums: Vec<f32>,
     quads: Vec<i32>,
 }
-
-/// The weight of the first byte against the residual byte in a wide quantisation: a value is
-/// `(WIDE_FACTOR · value + residual) · scale / WIDE_FACTOR`. A power of two, so the residual's step `d / 128` is
-/// exact.
-pub const WIDE_FACTOR: i32 = 128;
-
-/// A residual byte's step over the first byte's, `1 / WIDE_FACTOR`: the kernels scale a block's exact integer by
-/// `w_scale · d · RESIDUAL_STEP` (exact, a power of two).
-pub(super) const RESIDUAL_STEP: f32 = 1.0 / WIDE_FACTOR as f32;
 
 impl QuantizedActivations {
     /// Quantises `rows` rows of `width` values each (`width` a multiple of 32, `input.len() == rows * width`),
@@ -111,9 +111,11 @@ impl QuantizedActivations {
     ///
     /// The first bytes, scales and sums of four stay as they are; the sums become `d/128 · Σ(128·q + r)` (the
     /// whole value's sum, for the minimum of a Q4_1 or Q5_1 weight), and each block's integer `Σ(128·q + r)` is
-    /// kept for the centre of an unsigned weight. The residual is at most about `0.56·d` (`d` is rounded to f16 after `q` was), so it
-    /// fits in `±72` steps; it is clamped to `±127` all the same. An infinite or NaN value gives a residual of 0,
-    /// as it gives its first byte whatever `as i8` makes of it.
+    /// kept for the centre of an unsigned weight. The residual is at most about `0.56·d` (`d` is rounded to f16
+    /// after `q` was), so it fits in `±72` steps, except in a block whose `d` is an f16 subnormal (largest value
+    /// below about 8e-3), where rounding `d` moves it by more than 2^-11: there the clamp to `±127` holds it, and
+    /// such a block is held less finely (a normalised head input has none). An infinite or NaN value gives a
+    /// residual of 0, as it gives its first byte whatever `as i8` makes of it.
     pub fn quantize_wide(input: &[f32], rows: usize, width: usize) -> Self {
         Self::quantize_wide_at(SimdLevel::detect(), input, rows, width)
     }
@@ -132,7 +134,8 @@ impl QuantizedActivations {
             for ((residual, &x), &value) in block_residuals.iter_mut().zip(chunk).zip(values) {
                 if step > 0.0 {
                     let error = x - d * f32::from(value);
-                    // NaN (from an infinite x) casts to 0; a finite error is within ±72 steps (above).
+                    // NaN (from an infinite x) casts to 0; a finite error is within ±72 steps but in the
+                    // subnormal-scale blocks above, which the clamp holds.
                     *residual = (error / step).round_ties_even().clamp(-127.0, 127.0) as i8;
                 }
                 total += WIDE_FACTOR * i32::from(value) + i32::from(*residual);

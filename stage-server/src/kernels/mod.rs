@@ -437,13 +437,28 @@ impl Linear {
         })
     }
 
-    /// The same layer with its activations quantised at `precision` where our kernels run it; candle's products
-    /// (K-quants, float weights) keep their own quantisation.
-    pub fn with_activation_precision(mut self, precision: ActivationPrecision) -> Self {
-        if let Backend::Ours(matrix, level) = self.inner {
-            self.inner = Backend::Ours(matrix.with_precision(precision), level);
-        }
-        self
+    /// The same layer with its activations quantised at `precision`. A Q8_0 weight that candle multiplies (its
+    /// repacked VNNI path, 8-bit activations) moves to our kernels for [`ActivationPrecision::Wide`], so a wide
+    /// layer gives the same bits on every CPU; candle's other products (K-quants, float weights) keep their own
+    /// quantisation.
+    pub fn with_activation_precision(self, precision: ActivationPrecision) -> Self {
+        let inner = match self.inner {
+            Backend::Ours(matrix, level) => Backend::Ours(matrix.with_precision(precision), level),
+            Backend::Candle(QMatMul::QTensor(weight))
+                if precision == ActivationPrecision::Wide
+                    && WeightFormat::from_ggml(weight.dtype()).is_some() =>
+            {
+                match QuantizedMatrix::new(weight.clone()) {
+                    Ok(matrix) => {
+                        Backend::Ours(matrix.with_precision(precision), SimdLevel::detect())
+                    }
+                    // The tensor passed the same checks when the layer was built; keep candle's product if not.
+                    Err(_) => Backend::Candle(QMatMul::QTensor(weight)),
+                }
+            }
+            candle => candle,
+        };
+        Self { inner, ..self }
     }
 
     /// How this layer quantises its activations: [`ActivationPrecision::Byte`] also for candle's products.

@@ -208,7 +208,8 @@ mod vnni {
     ///
     /// # Safety
     /// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C, and `weights` must hold every group in
-    /// `groups` at the activations' block count.
+    /// `groups` at the activations' block count. (The dispatch takes the wide path exactly when the activations
+    /// are wide, which the wide tiles' reads of residual bytes rely on.)
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn matmul_groups(
         weights: &PackedWeights,
@@ -231,6 +232,7 @@ mod vnni {
         groups: Range<usize>,
         output: &Output<'_>,
     ) {
+        debug_assert_eq!(WIDE, activations.is_wide(), "the wide path needs wide rows");
         let blocks = activations.blocks_per_row();
         let group_bytes = blocks * BlockLayout::of(format_of(F)).bytes;
         // The activation rows of each tile, looked up once per product rather than once per group.
@@ -267,7 +269,8 @@ mod vnni {
     ///
     /// # Safety
     /// The CPU must support the module's features; `base` must point at the group's `blocks` packed blocks and
-    /// every activation row in `inputs` must hold `blocks` blocks.
+    /// every activation row in `inputs` must hold `blocks` blocks; with `WIDE`, as many blocks of residual bytes
+    /// (the rows of a wide quantisation).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
     unsafe fn tile<const F: u8, const WIDE: bool, const X: usize>(
@@ -324,13 +327,12 @@ mod vnni {
             };
             for j in 0..X {
                 let x_block = inputs.values[j].wrapping_add(block * 32) as *const i32;
-                let quads = &inputs.quads[j][block * QUADS..][..QUADS];
                 let factor = _mm512_mul_ps(scales, _mm512_set1_ps(inputs.scales[j][block]));
                 if WIDE {
                     let r_block = inputs.residuals[j].wrapping_add(block * 32) as *const i32;
                     // Integers, so the chains' order is free: two per byte kind keep the adds' latency apart.
-                    let mut high = [_mm512_setzero_si512(); 2];
-                    let mut low = [_mm512_setzero_si512(); 2];
+                    let mut firsts = [_mm512_setzero_si512(); 2];
+                    let mut residuals = [_mm512_setzero_si512(); 2];
                     for k in 0..8 {
                         // SAFETY: each activation row holds `blocks` blocks of 32 bytes, and a wide row as many
                         // residual bytes (contract).
@@ -340,17 +342,23 @@ mod vnni {
                                 r_block.add(k).read_unaligned(),
                             )
                         };
-                        high[k % 2] =
-                            _mm512_dpbusd_epi32(high[k % 2], values[k], _mm512_set1_epi32(x_quad));
-                        low[k % 2] =
-                            _mm512_dpbusd_epi32(low[k % 2], values[k], _mm512_set1_epi32(r_quad));
+                        firsts[k % 2] = _mm512_dpbusd_epi32(
+                            firsts[k % 2],
+                            values[k],
+                            _mm512_set1_epi32(x_quad),
+                        );
+                        residuals[k % 2] = _mm512_dpbusd_epi32(
+                            residuals[k % 2],
+                            values[k],
+                            _mm512_set1_epi32(r_quad),
+                        );
                     }
                     let exact = _mm512_add_epi32(
                         _mm512_add_epi32(
                             _mm512_set1_epi32(-layout.centre * inputs.wide_sums[j][block]),
-                            _mm512_slli_epi32::<WIDE_SHIFT>(_mm512_add_epi32(high[0], high[1])),
+                            _mm512_slli_epi32::<WIDE_SHIFT>(_mm512_add_epi32(firsts[0], firsts[1])),
                         ),
-                        _mm512_add_epi32(low[0], low[1]),
+                        _mm512_add_epi32(residuals[0], residuals[1]),
                     );
                     wide[j] = _mm512_fmadd_ps(
                         _mm512_mul_ps(factor, _mm512_set1_ps(RESIDUAL_STEP)),
@@ -358,6 +366,7 @@ mod vnni {
                         wide[j],
                     );
                 } else {
+                    let quads = &inputs.quads[j][block * QUADS..][..QUADS];
                     for k in 0..8 {
                         let start = if layout.centre == 0 {
                             _mm512_setzero_si512()
@@ -408,7 +417,8 @@ mod avx2 {
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C, and `weights` must hold every group in `groups` at the
-    /// activations' block count.
+    /// activations' block count. (The dispatch takes the wide path exactly when the activations are wide, which
+    /// the wide tiles' reads of residual bytes rely on.)
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn matmul_groups(
         weights: &PackedWeights,
@@ -431,6 +441,7 @@ mod avx2 {
         groups: Range<usize>,
         output: &Output<'_>,
     ) {
+        debug_assert_eq!(WIDE, activations.is_wide(), "the wide path needs wide rows");
         let blocks = activations.blocks_per_row();
         let group_bytes = blocks * BlockLayout::of(format_of(F)).bytes;
         // The activation rows of each tile, looked up once per product rather than once per group.
@@ -455,7 +466,8 @@ mod avx2 {
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `base` must point at the group's `blocks` packed blocks and every
-    /// activation row in `inputs` must hold `blocks` blocks.
+    /// activation row in `inputs` must hold `blocks` blocks; with `WIDE`, as many blocks of residual bytes (the
+    /// rows of a wide quantisation).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn tile<const F: u8, const WIDE: bool, const X: usize>(
@@ -523,12 +535,11 @@ mod avx2 {
                 // Q8_0 went back to signed weights above, so only the 4- and 5-bit centres are subtracted here.
                 let centre = if F == FORMAT_Q8_0 { 0 } else { layout.centre };
                 let x_block = inputs.values[j].wrapping_add(block * 32) as *const i32;
-                let quads = &inputs.quads[j][block * QUADS..][..QUADS];
                 let factor = _mm256_mul_ps(scales, _mm256_set1_ps(inputs.scales[j][block]));
                 if WIDE {
                     let r_block = inputs.residuals[j].wrapping_add(block * 32) as *const i32;
-                    let mut high = _mm256_setzero_si256();
-                    let mut low = _mm256_setzero_si256();
+                    let mut firsts = _mm256_setzero_si256();
+                    let mut residuals = _mm256_setzero_si256();
                     for (k, value) in values.iter().enumerate() {
                         // SAFETY: each activation row holds `blocks` blocks of 32 bytes, and a wide row as many
                         // residual bytes (contract).
@@ -538,15 +549,15 @@ mod avx2 {
                                 _mm256_set1_epi32(r_block.add(k).read_unaligned()),
                             )
                         };
-                        high = _mm256_add_epi32(high, dot::<F>(*value, x));
-                        low = _mm256_add_epi32(low, dot::<F>(*value, r));
+                        firsts = _mm256_add_epi32(firsts, dot::<F>(*value, x));
+                        residuals = _mm256_add_epi32(residuals, dot::<F>(*value, r));
                     }
                     let exact = _mm256_add_epi32(
                         _mm256_add_epi32(
                             _mm256_set1_epi32(-centre * inputs.wide_sums[j][block]),
-                            _mm256_slli_epi32::<{ WIDE_SHIFT as i32 }>(high),
+                            _mm256_slli_epi32::<{ WIDE_SHIFT as i32 }>(firsts),
                         ),
-                        low,
+                        residuals,
                     );
                     wide[j] = _mm256_fmadd_ps(
                         _mm256_mul_ps(factor, _mm256_set1_ps(RESIDUAL_STEP)),
@@ -554,6 +565,7 @@ mod avx2 {
                         wide[j],
                     );
                 } else {
+                    let quads = &inputs.quads[j][block * QUADS..][..QUADS];
                     for (k, value) in values.iter().enumerate() {
                         // SAFETY: each activation row holds `blocks` blocks of 32 bytes (contract).
                         let x = _mm256_set1_epi32(unsafe { x_block.add(k).read_unaligned() });
