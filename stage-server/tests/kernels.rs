@@ -18,7 +18,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use stage_server::kernels::{
     ActivationPrecision, Linear, QuantizedActivations, QuantizedMatrix, SimdLevel, Threads,
-    WeightFormat,
+    WIDE_FACTOR, WeightFormat,
 };
 
 /// Both activation precisions: every invariance below must hold for each.
@@ -158,8 +158,10 @@ fn reference(
                 let byte_step = x_block.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / 127.0;
                 let step = match precision {
                     ActivationPrecision::Byte => byte_step,
-                    // The residual's step is d / 128 with d rounded to f16.
-                    ActivationPrecision::Wide => byte_step * (1.0 + 1.0 / 2048.0) / 128.0,
+                    // The residual's step is d / WIDE_FACTOR with d rounded to f16.
+                    ActivationPrecision::Wide => {
+                        byte_step * (1.0 + 1.0 / 2048.0) / f64::from(WIDE_FACTOR)
+                    }
                     other => panic!("no quantisation bound for {other:?} activations"),
                 };
                 let mut block_weight = 0f64;
@@ -334,15 +336,15 @@ fn activation_quantisation_is_bit_identical_at_every_simd_level() {
                 firsts
                     .iter()
                     .zip(residuals)
-                    .map(|(&q, &r)| 128 * i32::from(q) + i32::from(r))
+                    .map(|(&q, &r)| WIDE_FACTOR * i32::from(q) + i32::from(r))
                     .sum::<i32>(),
                 "row {row} block {block}: the wide sum is not the sum of the whole values"
             );
-            let step = scalar_wide.row_scales(row)[block] / 128.0;
+            let step = scalar_wide.row_scales(row)[block] / WIDE_FACTOR as f32;
             let maximum = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (index, &x) in chunk.iter().enumerate() {
                 let at = block * 32 + index;
-                let combined = 128 * i32::from(scalar_wide.row_values(row)[at])
+                let combined = WIDE_FACTOR * i32::from(scalar_wide.row_values(row)[at])
                     + i32::from(scalar_wide.row_residuals(row)[at]);
                 let error = (combined as f32 * step - x).abs();
                 assert!(

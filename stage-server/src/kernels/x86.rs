@@ -147,7 +147,8 @@ fn tag_of(format: WeightFormat) -> u8 {
 /// Pointers to the parts of `X` activation rows that a tile reads.
 struct Inputs<'a, const X: usize> {
     values: [*const u8; X],
-    /// The residual bytes of a wide quantisation; null (and never read) for an 8-bit one.
+    /// The residual bytes of a wide quantisation; for an 8-bit one an empty slice's pointer, never read (only
+    /// the wide tiles read it).
     residuals: [*const u8; X],
     /// The per-block sums `Σ(128·q + r)` of a wide quantisation (empty for an 8-bit one).
     wide_sums: [&'a [i32]; X],
@@ -165,12 +166,7 @@ impl<'a, const X: usize> Inputs<'a, X> {
                 activations.row_values(first + j).as_ptr() as *const u8
             }),
             residuals: std::array::from_fn(|j| {
-                let residuals = activations.row_residuals(first + j);
-                if residuals.is_empty() {
-                    std::ptr::null()
-                } else {
-                    residuals.as_ptr() as *const u8
-                }
+                activations.row_residuals(first + j).as_ptr() as *const u8
             }),
             wide_sums: std::array::from_fn(|j| activations.row_wide_sums(first + j)),
             scales: std::array::from_fn(|j| &activations.row_scales(first + j)[..blocks]),
