@@ -204,24 +204,25 @@ impl ComputePool {
     /// Runs `body`, which computes on threads of its own (candle's products for the formats our kernels do
     /// not cover), with this pool's workers parked instead of spinning beside it: inside a pass they would
     /// hold the cores `body`'s threads need (gemma-3's K-quant products ran at 0.65x with them spinning).
-    /// It gives up only the calling thread's own pass: while another thread's pass runs, the workers spin
-    /// for that one.
+    /// It gives up only the calling thread's own passes (all of them, when passes nest, as a split's stages
+    /// do inside the split's pass): while another thread's pass runs, the workers spin for that one.
     pub fn aside<R>(&self, body: impl FnOnce() -> R) -> R {
-        struct Back<'pool>(&'pool Shared);
+        struct Back<'pool>(&'pool Shared, usize);
         impl Drop for Back<'_> {
             fn drop(&mut self) {
-                PASSES_HERE.with(|passes| passes.set(passes.get() + 1));
-                self.0.passes.fetch_add(1, Ordering::SeqCst);
+                PASSES_HERE.with(|passes| passes.set(passes.get() + self.1));
+                self.0.passes.fetch_add(self.1, Ordering::SeqCst);
                 self.0.unpark_all();
             }
         }
         // Only a pass makes the workers spin; outside one of ours there is nothing to give up.
-        if PASSES_HERE.with(Cell::get) == 0 {
+        let here = PASSES_HERE.with(Cell::get);
+        if here == 0 {
             return body();
         }
-        PASSES_HERE.with(|passes| passes.set(passes.get() - 1));
-        self.shared.passes.fetch_sub(1, Ordering::SeqCst);
-        let _back = Back(&self.shared);
+        PASSES_HERE.with(|passes| passes.set(0));
+        self.shared.passes.fetch_sub(here, Ordering::SeqCst);
+        let _back = Back(&self.shared, here);
         body()
     }
 
@@ -565,6 +566,36 @@ mod tests {
                 });
             });
         });
+    }
+
+    #[test]
+    fn nested_passes_keep_the_workers_until_the_outer_ends_and_an_aside_gives_up_both() {
+        let pool = pool(2);
+        pool.pass(|| {
+            pool.pass(|| assert_eq!(items_run(&pool, 64), 64, "jobs run in the inner pass"));
+            assert_eq!(
+                pool.shared.passes.load(Ordering::SeqCst),
+                1,
+                "the outer pass still runs after the inner one ends"
+            );
+            pool.pass(|| {
+                pool.aside(|| {
+                    assert_eq!(
+                        pool.shared.passes.load(Ordering::SeqCst),
+                        0,
+                        "an aside gives up every pass of its thread"
+                    );
+                    assert!(all_parked(&pool), "aside nested passes the workers should park");
+                });
+                assert_eq!(
+                    pool.shared.passes.load(Ordering::SeqCst),
+                    2,
+                    "both passes count again after the aside"
+                );
+            });
+        });
+        assert_eq!(pool.shared.passes.load(Ordering::SeqCst), 0, "no pass is left");
+        assert!(all_parked(&pool), "after the outer pass the workers park");
     }
 
     /// How many threads took chunks of 50 slow jobs in one pass.
