@@ -95,7 +95,8 @@ struct RunArgs {
     /// The model id the API serves (default: the file's stem).
     #[arg(long)]
     model_id: Option<String>,
-    /// A bearer key every /v1 route requires.
+    /// A bearer key every route but /health requires (the /v1 routes and their unprefixed aliases,
+    /// /metrics, /tokenize, /detokenize).
     #[arg(long, conflicts_with = "api_key_file")]
     api_key: Option<String>,
     /// A file holding the bearer key (its first line).

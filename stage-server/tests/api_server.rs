@@ -354,7 +354,7 @@ fn a_body_over_the_limit_is_413_and_a_prompt_over_the_context_is_400_with_both_n
 }
 
 #[test]
-fn v1_routes_need_the_api_key_when_one_is_set() {
+fn every_route_but_health_needs_the_api_key_when_one_is_set() {
     let server = start("key", |config| config.api_key = Some("sesame".into()));
     let address = server.local_addr();
     let refused = exchange(address, &get("/v1/models"));
@@ -364,8 +364,49 @@ fn v1_routes_need_the_api_key_when_one_is_set() {
         "GET /v1/models HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer sesame\r\n\r\n",
     );
     assert_eq!(allowed.status, 200, "{}", allowed.body);
-    // Health stays open to probes.
+    // Every other route needs it too, the unprefixed aliases of the /v1 routes included (a check by the
+    // path's prefix once let them through), whatever the body.
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"prompt":"hi","max_tokens":1,"content":"hi","tokens":[1]}"#;
+    for (method, path) in [
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("POST", "/completions"),
+        ("GET", "/models"),
+        ("GET", "/metrics"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+    ] {
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let refused = exchange(address, &request);
+        assert_eq!(refused.status, 401, "{method} {path}: {}", refused.body);
+        let wrong = exchange(
+            address,
+            &request.replace("Host: test", "Host: test\r\nAuthorization: Bearer sesamf"),
+        );
+        assert_eq!(
+            wrong.status, 401,
+            "{method} {path} with a wrong key: {}",
+            wrong.body
+        );
+    }
+    let content = r#"{"content":"hi"}"#;
+    let tokenized = exchange(
+        address,
+        &format!(
+            "POST /tokenize HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer sesame\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{content}",
+            content.len()
+        ),
+    );
+    assert_eq!(tokenized.status, 200, "{}", tokenized.body);
+    // Health stays open to probes, under either path.
     assert_eq!(exchange(address, &get("/health")).status, 200);
+    assert_eq!(exchange(address, &get("/v1/health")).status, 200);
 }
 
 #[test]

@@ -585,7 +585,10 @@ mod tests {
                         0,
                         "an aside gives up every pass of its thread"
                     );
-                    assert!(all_parked(&pool), "aside nested passes the workers should park");
+                    assert!(
+                        all_parked(&pool),
+                        "aside nested passes the workers should park"
+                    );
                 });
                 assert_eq!(
                     pool.shared.passes.load(Ordering::SeqCst),
@@ -594,7 +597,11 @@ mod tests {
                 );
             });
         });
-        assert_eq!(pool.shared.passes.load(Ordering::SeqCst), 0, "no pass is left");
+        assert_eq!(
+            pool.shared.passes.load(Ordering::SeqCst),
+            0,
+            "no pass is left"
+        );
         assert!(all_parked(&pool), "after the outer pass the workers park");
     }
 
