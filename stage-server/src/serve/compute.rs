@@ -330,6 +330,9 @@ struct Owner {
     steps: u32,
     /// How long a batch's first frame waits for the rest ([`BATCH_WAIT`]; longer in tests).
     batch_wait: Duration,
+    /// Tests only: the next forward pass panics, as a bug in a kernel would.
+    #[cfg(test)]
+    panic_next_pass: bool,
 }
 
 /// Starts the compute thread over `stage`; it runs until every [`ComputeHandle`] is dropped.
@@ -348,6 +351,8 @@ pub(crate) fn start(stage: Stage) -> std::io::Result<(ComputeHandle, JoinHandle<
                 .unwrap_or_default(),
         ),
         batch_wait: BATCH_WAIT,
+        #[cfg(test)]
+        panic_next_pass: false,
     };
     let thread = std::thread::Builder::new()
         .name("stage-compute".into())
@@ -405,7 +410,12 @@ impl Owner {
             submitted,
         } = job;
         let frame = frame_span(&span, stage_index, &work, submitted);
-        let outcome = frame.in_scope(|| self.work(mailbox.link, work));
+        let session = work.session();
+        let outcome = frame.in_scope(|| {
+            guarded(session, "the stage's work on the session", || {
+                self.work(mailbox.link, work)
+            })
+        });
         mailbox.deliver(outcome, frame);
     }
 
@@ -433,7 +443,27 @@ impl Owner {
             }
         }
         let started = Instant::now();
-        let mut outputs = self.stage.forward_batch(&entries).into_iter();
+        // A panic in the pass (a bug, never bad input: every input is checked before it) fails this step's
+        // sessions with an error instead of ending the stage's only compute thread, which would leave the
+        // links answering hellos over a stage that computes nothing.
+        let outputs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            #[cfg(test)]
+            if std::mem::take(&mut self.panic_next_pass) {
+                panic!("a forward pass panicked, as the test asked");
+            }
+            self.stage.forward_batch(&entries)
+        }))
+        .unwrap_or_else(|_| {
+            entries
+                .iter()
+                .map(|_| {
+                    Err(ModelError::Compute(
+                        "the forward pass panicked; this step's sessions are failed".into(),
+                    ))
+                })
+                .collect()
+        });
+        let mut outputs = outputs.into_iter();
         let compute_micros = micros(started);
         let row_count: usize = entries
             .iter()
@@ -470,15 +500,17 @@ impl Owner {
                     frame.record("compute_micros", i64::from(compute_micros));
                     let output = outputs.next().unwrap_or(Err(ModelError::EmptyChunk));
                     frame.in_scope(|| {
-                        self.settle(
-                            key,
-                            position,
-                            rows_here,
-                            output,
-                            sample,
-                            decode,
-                            compute_micros,
-                        )
+                        guarded(session, "sampling the session's token", || {
+                            self.settle(
+                                key,
+                                position,
+                                rows_here,
+                                output,
+                                sample,
+                                decode,
+                                compute_micros,
+                            )
+                        })
                     })
                 }
             };
@@ -752,6 +784,18 @@ impl Work {
     }
 }
 
+/// Runs `body` for `session`; a panic in it (a bug) becomes an `Internal` error for that session, naming
+/// `what` panicked, so the compute thread and its other sessions go on.
+fn guarded(session: u64, what: &str, body: impl FnOnce() -> Outcome) -> Outcome {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).unwrap_or_else(|_| {
+        Outcome::Failed {
+            session,
+            code: ErrorCode::Internal,
+            message: format!("{what} panicked; the session is failed"),
+        }
+    })
+}
+
 fn unknown(session: u64) -> Outcome {
     Outcome::Failed {
         session,
@@ -832,6 +876,16 @@ mod tests {
         lanes: usize,
         batch_wait: Duration,
     ) -> (std::path::PathBuf, Sender<Job>, JoinHandle<()>) {
+        stage_with(name, lanes, batch_wait, false)
+    }
+
+    /// [`middle_stage`], whose first forward pass panics when `panic_next_pass`.
+    fn stage_with(
+        name: &str,
+        lanes: usize,
+        batch_wait: Duration,
+        panic_next_pass: bool,
+    ) -> (std::path::PathBuf, Sender<Job>, JoinHandle<()>) {
         use crate::model::testing::TinyModel;
         use crate::model::{StageOptions, StageSpec};
         use candle_core::quantized::GgmlDType;
@@ -855,6 +909,7 @@ mod tests {
             free: (0..lanes).rev().collect(),
             steps: 0,
             batch_wait,
+            panic_next_pass,
         };
         let (jobs, receiver) = channel();
         let thread = std::thread::spawn(move || owner.run(receiver));
@@ -974,6 +1029,80 @@ mod tests {
         assert!(
             (Duration::from_secs(2)..Duration::from_secs(10)).contains(&waited),
             "waited {waited:?} for the missing frame"
+        );
+        drop(jobs);
+        thread.join().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Waits for `count` outcomes in `mailbox`.
+    fn outcomes_of(mailbox: &Mailbox, count: usize) -> Vec<Outcome> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut outcomes = Vec::new();
+        while outcomes.len() < count {
+            assert!(
+                Instant::now() < deadline,
+                "outcomes did not come: {outcomes:?}"
+            );
+            outcomes.extend(mailbox.take().into_iter().map(|delivery| delivery.outcome));
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        outcomes
+    }
+
+    #[test]
+    fn a_pass_that_panics_fails_its_sessions_and_the_compute_thread_serves_on() {
+        let width =
+            crate::model::testing::TinyModel::llama(candle_core::quantized::GgmlDType::Q4_1)
+                .embedding_length;
+        let (dir, jobs, thread) = stage_with("pass-panic", 3, Duration::from_millis(1), true);
+        let (mailbox, _receiver) = mailbox();
+        for session in 1..=3 {
+            let open = Work::Open {
+                session,
+                setup: Setup {
+                    sampling: SamplingParams::default(),
+                    history: Vec::new(),
+                    logit_bias: Vec::new(),
+                    top_logprobs: 0,
+                    logprob: false,
+                },
+                resume: false,
+            };
+            jobs.send(job(open, &mailbox)).unwrap();
+        }
+        let opened = outcomes_of(&mailbox, 3);
+        assert!(
+            opened
+                .iter()
+                .all(|outcome| matches!(outcome, Outcome::Opened)),
+            "{opened:?}"
+        );
+        // One step of two sessions panics: both get an error naming it.
+        for session in 1..=2 {
+            jobs.send(job(
+                decode(session, 0, Batch { id: 9, frames: 2 }, width),
+                &mailbox,
+            ))
+            .unwrap();
+        }
+        let failed = outcomes_of(&mailbox, 2);
+        for outcome in &failed {
+            match outcome {
+                Outcome::Failed { code, message, .. } => {
+                    assert_eq!(*code, ErrorCode::Compute);
+                    assert!(message.contains("panicked"), "{message}");
+                }
+                other => panic!("a panicked pass answered {other:?}"),
+            }
+        }
+        // The thread is still there: the third session's step runs.
+        jobs.send(job(decode(3, 0, Batch::alone(10), width), &mailbox))
+            .unwrap();
+        let next = outcomes_of(&mailbox, 1);
+        assert!(
+            matches!(next[..], [Outcome::Rows { session: 3, .. }]),
+            "{next:?}"
         );
         drop(jobs);
         thread.join().unwrap();
