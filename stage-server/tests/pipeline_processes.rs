@@ -1312,6 +1312,126 @@ fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
 }
 
 #[test]
+fn a_link_holds_no_more_sessions_than_the_stage_has_lanes_and_keeps_only_what_it_opened() {
+    use stage_server::wire::{
+        Activations, CodecSet, Hello, PROTOCOL_VERSION, Role, Sampling, encode, encode_to_vec,
+    };
+    let llama = tiny("session-bounds-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let stage = StageChild::start(&llama, "2..4", None, &["--lanes", "2"]);
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        role: Role::StageLink,
+        fingerprint: stage_server::model::fingerprint(&llama).unwrap(),
+        stage_index: 0,
+        layer_start: 0,
+        layer_end: 2,
+        block_count: 4,
+        width: 64,
+        vocab_size: TinyModel::vocabulary().len() as u32,
+        lanes: 2,
+        codecs: CodecSet::all(),
+        nonce: [0; 16],
+        proof: None,
+        return_address: None,
+    };
+    let configure = |session: u64| {
+        encode_to_vec(&Frame::Configure {
+            session,
+            sampling: Sampling::from(&SamplingParams::default()),
+            stop_tokens: Vec::new(),
+            logit_bias: Vec::new(),
+            history: Vec::new(),
+            top_logprobs: 0,
+            logprob: false,
+            resume: false,
+            trace: None,
+        })
+    };
+    let connect = || {
+        let stream = TcpStream::connect(stage.address).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        stream
+    };
+    // Link A opens two sessions, the stage's two lanes; a third id on it is refused by the link, and a Keep of
+    // an id it never opened is refused too. The link goes on.
+    let mut first = connect();
+    let mut bytes = encode_to_vec(&Frame::Hello(hello.clone()));
+    for session in [1, 2, 3] {
+        bytes.extend(configure(session));
+    }
+    bytes.extend(encode_to_vec(&Frame::Keep { session: 77 }));
+    let frames = exchange(&mut first, &bytes, 3);
+    assert!(matches!(frames[0], Frame::Hello(_)), "{frames:?}");
+    assert!(
+        matches!(&frames[1], Frame::Error { session: 3, code: ErrorCode::NoFreeLane, message }
+            if message.contains("already holds 2 sessions") && message.contains("(2)")),
+        "a third session on a link of a 2-lane stage should be refused in words: {frames:?}"
+    );
+    assert!(
+        matches!(&frames[2], Frame::Error { session: 77, code: ErrorCode::UnknownSession, message }
+            if message.contains("not open on this link")),
+        "a Keep of a session the link never opened should be refused: {frames:?}"
+    );
+    // Link B finds no free lane at the stage: the refused open leaves nothing on the link, so keeping it is
+    // refused as unknown (it counted as open, holding the link busy, before).
+    let mut second = connect();
+    let mut bytes = encode_to_vec(&Frame::Hello(hello));
+    bytes.extend(configure(5));
+    let frames = exchange(&mut second, &bytes, 2);
+    assert!(
+        matches!(
+            frames[1],
+            Frame::Error {
+                session: 5,
+                code: ErrorCode::NoFreeLane,
+                ..
+            }
+        ),
+        "{frames:?}"
+    );
+    let frames = exchange(&mut second, &encode_to_vec(&Frame::Keep { session: 5 }), 1);
+    assert!(
+        matches!(
+            frames[..],
+            [Frame::Error {
+                session: 5,
+                code: ErrorCode::UnknownSession,
+                ..
+            }]
+        ),
+        "a session whose open was refused should not stay open on the link: {frames:?}"
+    );
+    // On link A, stopping a session makes room for the third, which computes.
+    let mut bytes = encode_to_vec(&Frame::Stop { session: 1 });
+    bytes.extend(configure(3));
+    let row: Vec<f32> = (0..64).map(|index| (index as f32 * 0.05).cos()).collect();
+    encode(
+        &Frame::Prefill {
+            session: 3,
+            position: 0,
+            last: true,
+            batch: Batch::alone(1),
+            rows: Activations::encode(&row, 64, CodecPolicy::F32),
+        },
+        &mut bytes,
+    );
+    let frames = exchange(&mut first, &bytes, 1);
+    assert!(
+        matches!(
+            frames[..],
+            [Frame::Token {
+                session: 3,
+                position: 1,
+                ..
+            }]
+        ),
+        "the session opened after a stop should compute: {frames:?}"
+    );
+}
+
+#[test]
 fn a_link_buffer_outside_what_a_stage_can_keep_to_is_refused_naming_the_flag() {
     let llama = tiny("buffer-llama", &TinyModel::llama(GgmlDType::Q4_1));
     for mib in ["0", "1048577"] {

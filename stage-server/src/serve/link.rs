@@ -734,8 +734,15 @@ impl Upstream {
             // Nothing to compute: the session's lane and cache stay as they are, idle until resumed.
             if self.sessions.remove(&session) {
                 self.shared.open_sessions.fetch_sub(1, Ordering::Relaxed);
+                self.kept.insert(session);
+            } else if !self.kept.contains(&session) {
+                // Only a session this link opened can be kept: a table of any ids a peer names would grow
+                // without bound, and each would be stopped down the chain when the link ends.
+                let message = format!(
+                    "session {session} is not open on this link; only an open session can be kept"
+                );
+                return self.error(context, session, ErrorCode::UnknownSession, message);
             }
-            self.kept.insert(session);
             if let Some(pair) = &self.pair {
                 pair.send_down(&frame, None);
             }
@@ -769,6 +776,19 @@ impl Upstream {
                 if context.draining() {
                     let message = "this stage is draining (it is shutting down); start the generation on another chain".to_owned();
                     return self.error(context, *session, ErrorCode::Draining, message);
+                }
+                // A link holds at most as many sessions as the stage has lanes (stage 0 opens one link per
+                // lane, and each stage mirrors its links down the chain, so a well-behaved link holds one or
+                // two): a peer naming fresh ids would otherwise grow this link's tables without bound.
+                let known = self.sessions.contains(session) || self.kept.contains(session);
+                let held = self.sessions.len() + self.kept.len();
+                let lanes = usize::from(self.shared.hello.lanes);
+                if !known && held >= lanes {
+                    let message = format!(
+                        "this link already holds {held} sessions, as many as the stage has lanes ({lanes}); \
+                         stop or keep one before opening session {session}"
+                    );
+                    return self.error(context, *session, ErrorCode::NoFreeLane, message);
                 }
                 self.kept.remove(session);
                 if self.sessions.insert(*session) {
@@ -1027,6 +1047,16 @@ impl Upstream {
                     code,
                     message,
                 } => {
+                    // An open the stage refused for want of a lane leaves no session here: counted open, it
+                    // would hold the link busy (a drain would wait for it) and count against its sessions.
+                    // (A Keep read while the open computed may have moved it to the kept ones already.)
+                    if code == ErrorCode::NoFreeLane {
+                        if self.sessions.remove(&session) {
+                            self.shared.open_sessions.fetch_sub(1, Ordering::Relaxed);
+                        }
+                        self.kept.remove(&session);
+                        self.spans.remove(&session);
+                    }
                     self.error(context, session, code, message);
                     self.writing.extend(writing);
                 }
