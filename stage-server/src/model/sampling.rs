@@ -1,5 +1,7 @@
 //! Token sampling on the last stage: penalties, top-k, top-p, min-p, temperature and a seeded RNG.
 
+use std::collections::HashMap;
+
 /// Sampler settings, in the order llama.cpp's default chain applies them:
 /// penalties, top-k, top-p, min-p, temperature, then a seeded draw (or argmax when `temperature <= 0`).
 #[derive(Clone, Debug, PartialEq)]
@@ -127,12 +129,12 @@ impl Sampler {
             return;
         }
         let recent = &self.history[self.history.len().saturating_sub(params.penalty_last_n)..];
-        let mut counts: Vec<(u32, usize)> = Vec::new();
+        // A map, not a list searched per token: the window comes off the wire (a stage link's `Configure`) and
+        // may span a whole context of distinct tokens, which a linear search made quadratic per sampled token.
+        // Each token's penalty touches its own candidate once, so the order they are applied in changes nothing.
+        let mut counts: HashMap<u32, usize> = HashMap::with_capacity(recent.len().min(4096));
         for &token in recent {
-            match counts.iter_mut().find(|(seen, _)| *seen == token) {
-                Some(entry) => entry.1 += 1,
-                None => counts.push((token, 1)),
-            }
+            *counts.entry(token).or_insert(0) += 1;
         }
         for (token, count) in counts {
             let Some(candidate) = candidates.get_mut(token as usize) else {

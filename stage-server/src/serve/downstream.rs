@@ -93,7 +93,7 @@ impl Downstream {
                     input.consume_all();
                     self.fail(format!(
                         "stage {} sent a frame this stage cannot read: {error}",
-                        self.ours.stage_index + 1
+                        u32::from(self.ours.stage_index) + 1
                     ));
                     return Step::Abort;
                 }
@@ -299,7 +299,8 @@ impl Downstream {
             "{}",
             names::EVENT_DOWNSTREAM_DOWN
         );
-        let stage = self.ours.stage_index + 1;
+        // Widened: the index comes from the peer's hello (saturated at u16::MAX), and the next one is named.
+        let stage = u32::from(self.ours.stage_index) + 1;
         let message = format!("the link to stage {stage} closed ({reason})");
         if !self.serving && state.downstream_answer.is_none() {
             // Not reached: refused, timed out, or closed before it answered the hello.
