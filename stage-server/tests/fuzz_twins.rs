@@ -52,6 +52,7 @@ fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
         width: 8,
         vocab_size: 300,
         lanes: 2,
+        context_length: 4096,
         codecs: CodecSet::all(),
         nonce: [9; 16],
         proof: Some([5; 32]),

@@ -535,6 +535,7 @@ fn a_prediction_return_is_taken_only_by_the_last_stage_and_carries_only_its_own_
         width: 64,
         vocab_size: TinyModel::vocabulary().len() as u32,
         lanes: 1,
+        context_length: 4096,
         codecs: CodecSet::all(),
         nonce: [0; 16],
         proof: None,
@@ -991,6 +992,64 @@ fn garbage_on_a_stage_port_closes_that_link_with_its_reason_and_the_stage_serves
 }
 
 #[test]
+fn the_shortest_lane_down_the_chain_bounds_a_prompt_before_it_is_sent_and_ends_a_generation_by_length()
+ {
+    use stage_server::model::Finish;
+    let llama = tiny("chain-context-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    // The last stage's lanes are the shortest; the middle one passes its limit on in its own hello.
+    let last = StageChild::start(&llama, "3..4", None, &["--context-length", "24"]);
+    let middle = StageChild::start(&llama, "2..3", Some(last.address), &[]);
+    let mut chain = Chain::connect(&file, 2, middle.address, ChainOptions::default()).unwrap();
+    assert_eq!(
+        chain.next_stage().context_length,
+        24,
+        "the middle stage's hello"
+    );
+    assert_eq!(chain.context_length(), 24);
+    let options = GenerateOptions {
+        max_tokens: 100,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    let long: Vec<u32> = (0..30).map(|index| 300 + index).collect();
+    let error = chain
+        .generate(&long, SamplingParams::default(), &options, |_| {})
+        .expect_err("a prompt longer than the last stage's lanes should be refused");
+    assert!(
+        matches!(
+            error,
+            DriverError::Context {
+                prompt_tokens: 30,
+                context: 24
+            }
+        ),
+        "{error:?}"
+    );
+    let message = error.to_string();
+    assert!(
+        message.contains("24 tokens") && message.contains("--context-length"),
+        "{message}"
+    );
+    // A prompt that fits generates up to the shortest lane's end and stops there by length, no stage failing.
+    let generation = chain
+        .generate(
+            &[1, 300, 301, 302],
+            SamplingParams::default(),
+            &options,
+            |_| {},
+        )
+        .expect("a prompt that fits should generate");
+    assert_eq!(generation.tokens.len(), 20, "{generation:?}");
+    assert_eq!(generation.finish, Finish::Length);
+    // And the link serves on.
+    let again = chain
+        .generate(&[1, 300], SamplingParams::default(), &options, |_| {})
+        .expect("the link should serve after the refusal");
+    assert_eq!(again.tokens.len(), 22);
+}
+
+#[test]
 fn auto_lossless_and_f32_links_give_the_same_tokens_through_the_library() {
     let llama = tiny("codecs-llama", &TinyModel::llama(GgmlDType::Q4_1));
     let file = ModelFile::open(&llama).unwrap();
@@ -1215,6 +1274,7 @@ fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
         width: 64,
         vocab_size: TinyModel::vocabulary().len() as u32,
         lanes: 1,
+        context_length: 4096,
         codecs: CodecSet::all(),
         nonce: [0; 16],
         proof: None,
@@ -1329,6 +1389,7 @@ fn a_link_holds_no_more_sessions_than_the_stage_has_lanes_and_keeps_only_what_it
         width: 64,
         vocab_size: TinyModel::vocabulary().len() as u32,
         lanes: 2,
+        context_length: 4096,
         codecs: CodecSet::all(),
         nonce: [0; 16],
         proof: None,

@@ -200,6 +200,40 @@ fn run_with_next_serves_the_api_in_front_of_the_chain_it_names_and_starts_no_sta
 }
 
 #[test]
+fn the_api_refuses_a_prompt_longer_than_the_chains_shortest_lane_with_a_400_and_stops_there_by_length()
+ {
+    let (dir, model) = tiny("front-context");
+    let (_last, last_address) = serve(&model, "2..4", None, &["--context-length", "24"]);
+    let next = last_address.to_string();
+    let (_api, _, address) = run(&model, &["--layers", "0..2", "--next", &next]);
+    let long: Vec<String> = (0..30).map(|index| (280 + index).to_string()).collect();
+    for stream in [false, true] {
+        let request = format!(
+            r#"{{"prompt":[{}],"max_tokens":4,"stream":{stream}}}"#,
+            long.join(",")
+        );
+        let (status, body) = http(address, "POST", "/v1/completions", &request);
+        assert_eq!(status, 400, "stream {stream}: {body}");
+        assert!(
+            body.contains("context_length_exceeded") && body.contains("24 tokens"),
+            "the refusal should name the chain's context: {body}"
+        );
+    }
+    // A prompt that fits runs to the shortest lane's end: a length stop, not a stage's error.
+    let (status, body) = http(
+        address,
+        "POST",
+        "/v1/completions",
+        r#"{"prompt":[1,300,301,302],"max_tokens":100,"temperature":0}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let value: serde_json::Value = serde_json::from_str(&body).expect("a JSON completion");
+    assert_eq!(value["choices"][0]["finish_reason"], "length", "{body}");
+    assert_eq!(value["usage"]["completion_tokens"], 20, "{body}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn run_with_next_refuses_a_stage_zero_with_no_layers_or_all_of_them_naming_the_flag_and_why() {
     let (dir, model) = tiny("front-refused");
     for (layers, expected) in [

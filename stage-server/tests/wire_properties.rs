@@ -92,13 +92,14 @@ fn hello() -> impl Strategy<Value = Hello> {
             any::<[u8; 16]>(),
             proptest::option::of(any::<[u8; 32]>()),
             return_address(),
+            any::<u32>(),
         ),
     )
         .prop_map(
             |(
                 (prediction, fingerprint, stage_index, layer_start, layer_end),
                 (block_count, width, vocab_size, lanes, codec_bits),
-                (nonce, proof, return_address),
+                (nonce, proof, return_address, context_length),
             )| {
                 let mut codecs = CodecSet::default();
                 for (bit, codec) in Codec::ALL.into_iter().enumerate() {
@@ -121,6 +122,7 @@ fn hello() -> impl Strategy<Value = Hello> {
                     width,
                     vocab_size,
                     lanes,
+                    context_length,
                     codecs,
                     nonce,
                     proof,
@@ -622,6 +624,7 @@ fn a_hello_of_another_version_is_refused_as_a_version_error() {
         width: 1,
         vocab_size: 1,
         lanes: 1,
+        context_length: 4096,
         codecs: CodecSet::all(),
         nonce: [0; 16],
         proof: None,

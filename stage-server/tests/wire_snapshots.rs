@@ -21,6 +21,7 @@ fn stage_zero() -> Hello {
         width: 576,
         vocab_size: 49152,
         lanes: 4,
+        context_length: 4096,
         codecs: CodecSet::all(),
         nonce: [0x11; 16],
         proof: None,
@@ -210,13 +211,15 @@ fn every_decode_error_names_its_field_and_limit() {
             with(&hello, 9, &(PROTOCOL_VERSION + 1).to_le_bytes()),
         ),
         ("bad role", with(&hello, 11, &[9])),
+        // Hello: header 5, magic 4, version 2, role 1, fingerprint 32, stage index 2, four u32s 16 and vocabulary
+        // size 4, lanes 2, context length 4, codecs 1, nonce 16.
         (
             "bad codec set",
-            with(&hello, 5 + 4 + 2 + 1 + 32 + 2 + 20 + 2, &[0x80]),
+            with(&hello, 5 + 4 + 2 + 1 + 32 + 2 + 20 + 2 + 4, &[0x80]),
         ),
         (
             "bad proof flag",
-            with(&hello, 5 + 4 + 2 + 1 + 32 + 2 + 20 + 2 + 1 + 16, &[2]),
+            with(&hello, 5 + 4 + 2 + 1 + 32 + 2 + 20 + 2 + 4 + 1 + 16, &[2]),
         ),
         // Decode: header 5, session 8, position 4, batch id 4 and frame count 2, rows 4, width 4, codec 1.
         ("bad codec", with(&decode, 5 + 8 + 4 + 6 + 8, &[0])),

@@ -128,6 +128,17 @@ pub enum DriverError {
     /// The layer range does not fit the model.
     #[error("{0}")]
     Layers(String),
+    /// The prompt does not leave room for a token in the chain's lanes; nothing was sent.
+    #[error(
+        "the chain's lanes hold {context} tokens (the least of every stage's --context-length, stage 0's \
+         included), but the prompt has {prompt_tokens}; shorten the prompt"
+    )]
+    Context {
+        /// The prompt's length in tokens.
+        prompt_tokens: usize,
+        /// The chain's context length.
+        context: usize,
+    },
 }
 
 /// One token the chain predicted, with its log-probability and the alternatives asked for.
@@ -277,10 +288,14 @@ impl Chain {
         next: SocketAddr,
         options: ChainOptions,
     ) -> Result<Chain, DriverError> {
-        let (layers_end, width) = share
-            .stage
-            .with_stage(|stage| (stage.spec().layers.end, stage.width()));
-        let ours = first_stage_hello(file, layers_end, width)?;
+        let (layers_end, width, context_length) = share.stage.with_stage(|stage| {
+            (
+                stage.spec().layers.end,
+                stage.width(),
+                stage.context_length(),
+            )
+        });
+        let ours = first_stage_hello(file, layers_end, width, context_length)?;
         Chain::connect_with(share, &ours, next, options)
     }
 
@@ -338,6 +353,15 @@ impl Chain {
     /// The first downstream stage's hello.
     pub fn next_stage(&self) -> &Hello {
         &self.next
+    }
+
+    /// Tokens a lane of the whole chain holds: the least of stage 0's context length and what the chain said
+    /// in its hello (the least of every stage's after it).
+    pub fn context_length(&self) -> usize {
+        self.stage
+            .stage
+            .context_length()
+            .min(self.next.context_length as usize)
     }
 
     /// Generates from `prompt` as [`crate::model::Pipeline::generate`] does, with the last stage sampling
@@ -408,6 +432,26 @@ impl Chain {
         if prompt.is_empty() {
             return Err(ModelError::EmptyChunk.into());
         }
+        // Checked before anything is sent: a stage whose lanes are shorter than stage 0's would otherwise fail
+        // the generation midway, after tokens were delivered.
+        let context = self.context_length();
+        if prompt.len() >= context {
+            return Err(DriverError::Context {
+                prompt_tokens: prompt.len(),
+                context,
+            });
+        }
+        // And the generation ends where the shortest lane does, as a length stop rather than a stage's error.
+        let capped;
+        let options = if prompt.len() + options.max_tokens > context {
+            capped = GenerateOptions {
+                max_tokens: context - prompt.len(),
+                ..options.clone()
+            };
+            &capped
+        } else {
+            options
+        };
         if options.max_tokens == 0 {
             return Ok(Generation::empty());
         }
@@ -999,6 +1043,7 @@ pub fn first_stage_hello(
     file: &ModelFile,
     layers_end: usize,
     width: usize,
+    context_length: usize,
 ) -> Result<Hello, DriverError> {
     Ok(Hello {
         version: PROTOCOL_VERSION,
@@ -1011,6 +1056,7 @@ pub fn first_stage_hello(
         width: width as u32,
         vocab_size: file.config().vocab_size as u32,
         lanes: 1,
+        context_length: u32::try_from(context_length).unwrap_or(u32::MAX),
         codecs: CodecSet::all(),
         nonce: [0; 16],
         proof: None,

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use net_io_blocking::Completer;
 
 use super::metrics::Metrics;
-use super::runner::LaneRunner;
+use super::runner::{LaneRunner, RunError};
 use crate::api::{ApiError, FinishReason, StopMatcher, TokenLogprob, TopLogprob, Usage};
 use crate::driver::{Predicted, SamplerExtras};
 use crate::model::{Arrival, Backlog, Finish, GenerateOptions, SamplingParams};
@@ -570,6 +570,16 @@ fn run(
                     cached_tokens: generation.cached_tokens,
                 },
             });
+        }
+        Err(RunError {
+            context: Some(context),
+            ..
+        }) => {
+            job.push(JobEvent::Failed(ApiError::context_exceeded(
+                spec.prompt.param(),
+                prompt.len(),
+                context,
+            )));
         }
         Err(failure) if failure.unavailable => {
             job.push(JobEvent::Failed(ApiError::unavailable(failure.message)));

@@ -255,6 +255,7 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
     // The whole model's compute thread hears of queued requests, so requests that free lanes can take together
     // are admitted in one pass (a chain's stage 0 does not gather).
     let mut backlog = None;
+    let chain_context = Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));
     let (runners, context_length) = match backend {
         Backend::Whole => {
             let stage = Stage::from_file(
@@ -303,8 +304,8 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
                 )
                 .map_err(|error| format!("stage 0's compute thread did not start: {error}"))?,
             );
-            let ours =
-                first_stage_hello(&file, layers_end, width).map_err(|error| error.to_string())?;
+            let ours = first_stage_hello(&file, layers_end, width, context_length)
+                .map_err(|error| error.to_string())?;
             let health = Arc::clone(&state.chain);
             let runners = (0..lanes)
                 .map(|lane| {
@@ -312,10 +313,14 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
                         stage: Arc::clone(&stage),
                         lane,
                     };
-                    let (ours, options, health) =
-                        (ours.clone(), options.clone(), Arc::clone(&health));
+                    let (ours, options, health, chain_context) = (
+                        ours.clone(),
+                        options.clone(),
+                        Arc::clone(&health),
+                        Arc::clone(&chain_context),
+                    );
                     Box::new(move || {
-                        ChainLane::connect(share, ours, next, options, health)
+                        ChainLane::connect(share, ours, next, options, health, chain_context)
                             .map(|lane| LaneRunner::Chain(Box::new(lane)))
                             .map_err(|error| {
                                 format!("lane {lane}'s link to stage 1 at {next}: {error}")
@@ -337,6 +342,7 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
         template,
         stop_tokens,
         context_length,
+        chain_context,
         vocab_size,
     });
     let engine = Engine::start(

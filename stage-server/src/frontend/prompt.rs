@@ -1,6 +1,9 @@
 //! A request's prompt as tokens: the chat template rendered and tokenized, or text tokenized, or ids checked,
 //! and the room the context leaves. Done on a lane's thread, so a large prompt never stalls an event loop.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use crate::api::ApiError;
 use crate::tokenizer::Tokenizer;
 use crate::tokenizer::chat::{ChatMessage, ChatTemplate};
@@ -14,8 +17,12 @@ pub(crate) struct TextModel {
     pub template: Option<ChatTemplate>,
     /// Tokens that end a generation (EOS, end of turn).
     pub stop_tokens: Vec<u32>,
-    /// Tokens per lane: prompt and generation together.
+    /// Tokens per lane of this process: prompt and generation together.
     pub context_length: usize,
+    /// In front of a chain, the least context length its stages said in their hellos (`usize::MAX` until a
+    /// link opened; lowered by every link that opens), so a prompt too long for any stage is refused here,
+    /// before a lane starts it, rather than failed by that stage midway.
+    pub chain_context: Arc<AtomicUsize>,
     /// The vocabulary's size (token ids are below it).
     pub vocab_size: usize,
 }
@@ -96,7 +103,9 @@ impl TextModel {
         if prompt.is_empty() {
             return Err(ApiError::invalid(param, "the prompt has no tokens"));
         }
-        let context = self.context_length;
+        let context = self
+            .context_length
+            .min(self.chain_context.load(Ordering::Relaxed));
         if prompt.len() >= context {
             return Err(ApiError::context_exceeded(param, prompt.len(), context));
         }

@@ -2,6 +2,7 @@
 
 use std::ops::ControlFlow;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use std::net::SocketAddr;
@@ -31,6 +32,8 @@ pub(crate) enum LaneRunner {
 pub(crate) struct RunError {
     /// The chain is down or refused (503 with `Retry-After`), rather than the generation failing (500).
     pub unavailable: bool,
+    /// The prompt does not fit the chain's lanes, whose context length this is (a 400, nothing was sent).
+    pub context: Option<usize>,
     /// What happened, in words.
     pub message: String,
 }
@@ -46,6 +49,9 @@ pub(crate) struct ChainLane {
     next: SocketAddr,
     options: ChainOptions,
     health: Arc<ChainHealth>,
+    /// The least context length of the chain, shared with the API's prompt checks: every link that opens
+    /// lowers it to what its chain said.
+    chain_context: Arc<AtomicUsize>,
 }
 
 impl ChainLane {
@@ -56,9 +62,11 @@ impl ChainLane {
         next: SocketAddr,
         options: ChainOptions,
         health: Arc<ChainHealth>,
+        chain_context: Arc<AtomicUsize>,
     ) -> Result<ChainLane, DriverError> {
         let link_outages = health.outages();
         let link = Chain::connect_with(share.clone(), &ours, next, options.clone())?;
+        chain_context.fetch_min(link.context_length(), Ordering::Relaxed);
         Ok(ChainLane {
             link: Some(link),
             link_outages,
@@ -67,6 +75,7 @@ impl ChainLane {
             next,
             options,
             health,
+            chain_context,
         })
     }
 
@@ -89,6 +98,7 @@ impl ChainLane {
                 if let Some(reason) = self.health.down_reason() {
                     return Err(RunError {
                         unavailable: true,
+                        context: None,
                         message: format!("the chain is down ({reason}); retry shortly"),
                     });
                 }
@@ -109,11 +119,14 @@ impl ChainLane {
                     self.health.mark_down(message.clone());
                     RunError {
                         unavailable: true,
+                        context: None,
                         message: format!("the chain is down ({message}); retry shortly"),
                     }
                 })?
             }
         };
+        self.chain_context
+            .fetch_min(link.context_length(), Ordering::Relaxed);
         let mut link = link;
         match link.generate_with(prompt, sampling, extras, options, on_token) {
             Ok(generation) => {
@@ -135,8 +148,22 @@ impl ChainLane {
                     self.health
                         .mark_down(format!("stage 1 at {}: {error}", self.next));
                 }
+                // A stage with no free lane is busy, not broken: the client may retry (503), and the chain
+                // is not marked down for it.
+                let busy = matches!(
+                    &error,
+                    DriverError::Stage {
+                        code: ErrorCode::NoFreeLane,
+                        ..
+                    }
+                );
+                let context = match error {
+                    DriverError::Context { context, .. } => Some(context),
+                    _ => None,
+                };
                 Err(RunError {
-                    unavailable,
+                    unavailable: unavailable || busy,
+                    context,
                     message: error.to_string(),
                 })
             }
@@ -191,6 +218,7 @@ impl LaneRunner {
             )
             .map_err(|error| RunError {
                 unavailable: false,
+                context: None,
                 message: error.to_string(),
             }),
             LaneRunner::Chain(lane) => lane.generate(prompt, sampling, extras, options, on_token),

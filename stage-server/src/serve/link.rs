@@ -196,6 +196,9 @@ pub(crate) struct Upstream {
     /// Where the chain's last stage takes prediction returns, as the next stage's hello said (a middle
     /// stage passes it on in its own).
     return_address: Option<std::net::SocketAddr>,
+    /// The context length the next stage's hello said (the least from it to the chain's end): this stage's
+    /// answer passes on the least of it and its own.
+    next_context: Option<u32>,
     /// The address the upstream reached this stage at (the last stage names it for prediction returns).
     local: Option<std::net::SocketAddr>,
 }
@@ -220,6 +223,7 @@ impl Link {
             retries: None,
             returning: None,
             return_address: None,
+            next_context: None,
             local: None,
         })
     }
@@ -700,9 +704,11 @@ impl Upstream {
         } else {
             self.return_address
         };
+        let own = self.shared.hello.context_length;
         Hello {
             stage_index: upstream.stage_index.saturating_add(1),
             return_address,
+            context_length: self.next_context.map_or(own, |next| next.min(own)),
             ..self.shared.hello.clone()
         }
     }
@@ -1097,6 +1103,7 @@ impl Upstream {
                 Ok(next) => {
                     self.retries = None;
                     self.return_address = next.return_address;
+                    self.next_context = Some(next.context_length);
                     self.answer(theirs, context)
                 }
                 Err(failure) => {

@@ -215,6 +215,8 @@ impl StageProcess {
             width: stage.width() as u32,
             vocab_size: model_config.vocab_size as u32,
             lanes: stage.lane_count().min(usize::from(u16::MAX)) as u16,
+            // This stage's own; an answer to the stage before carries the least of it and the next stage's.
+            context_length: u32::try_from(stage.context_length()).unwrap_or(u32::MAX),
             codecs: CodecSet::all(),
             nonce: [0; 16],
             proof: None,

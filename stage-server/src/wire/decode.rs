@@ -592,6 +592,7 @@ fn parse_hello(reader: &mut Reader<'_>) -> Result<Hello, Stop> {
     let width = reader.u32("values per row")?;
     let vocab_size = reader.u32("vocabulary size")?;
     let lanes = reader.u16("lanes")?;
+    let context_length = reader.u32("context length")?;
     let codecs = reader.u8("codecs")?;
     let codecs =
         CodecSet::from_bits(codecs).ok_or_else(|| reader.bad_value("codecs", codecs.into()))?;
@@ -609,6 +610,7 @@ fn parse_hello(reader: &mut Reader<'_>) -> Result<Hello, Stop> {
         width,
         vocab_size,
         lanes,
+        context_length,
         codecs,
         nonce,
         proof,

@@ -85,7 +85,8 @@ pub enum ErrorCode {
 ///  kind  frame        body
 ///  1     Hello        magic [4] "SSTG", version u16, role u8, fingerprint [32], stage_index u16,
 ///                     layer_start u32, layer_end u32, block_count u32, width u32, vocab_size u32,
-///                     lanes u16, codecs u8, nonce [16], proof [32]?, return_address address?
+///                     lanes u16, context_length u32, codecs u8, nonce [16], proof [32]?,
+///                     return_address address?
 ///  2     Proof        proof [32]
 ///  3     Configure    session u64, sampling (temperature f32, top_k u32, top_p f32, min_p f32, seed u64,
 ///                     repeat_penalty f32, presence_penalty f32, frequency_penalty f32, penalty_last_n u32),
@@ -487,6 +488,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             writer.u32(hello.width);
             writer.u32(hello.vocab_size);
             writer.u16(hello.lanes);
+            writer.u32(hello.context_length);
             writer.u8(hello.codecs.bits());
             writer.bytes(&hello.nonce);
             writer.optional(hello.proof.as_ref());

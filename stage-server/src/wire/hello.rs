@@ -37,6 +37,11 @@ pub struct Hello {
     pub vocab_size: u32,
     /// Lanes (concurrent sessions) the sender runs.
     pub lanes: u16,
+    /// Tokens a lane holds: from the side that connects, its own; in an answer, the smallest of the answering
+    /// stage's and every stage's after it (each passes on the least of its own and what the next one said), so
+    /// stage 0 learns the chain's limit when its link opens, and refuses a prompt that does not fit before
+    /// anything is sent instead of a stage failing the generation midway.
+    pub context_length: u32,
     /// The activation codecs the sender accepts.
     pub codecs: CodecSet,
     /// The sender's fresh nonce; all zero without a cluster key.
@@ -384,6 +389,7 @@ mod tests {
             width: 576,
             vocab_size: 49152,
             lanes: 4,
+            context_length: 4096,
             codecs: CodecSet::all(),
             nonce: [0; 16],
             proof: None,

@@ -81,7 +81,8 @@ pub const MAGIC: [u8; 4] = *b"SSTG";
 /// Version 3: a hello carries the address of the chain's last stage, for direct prediction return.
 /// Version 4: `Prefill` and `Decode` carry the sender's step ([`Batch`]), so a stage runs a batch's rows together;
 /// `Configure` can resume a session kept open from an earlier generation (prefix reuse down a chain).
-pub const PROTOCOL_VERSION: u16 = 4;
+/// Version 5: a hello carries a lane's context length, the chain's least in an answer.
+pub const PROTOCOL_VERSION: u16 = 5;
 
 /// Bounds the decoder checks before it allocates anything for a field.
 ///
