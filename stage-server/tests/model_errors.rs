@@ -207,6 +207,31 @@ fn a_first_stage_not_at_layer_zero_or_a_last_stage_short_of_the_end_is_refused()
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[test]
+fn lanes_whose_full_caches_cannot_fit_the_machine_are_refused_at_load_naming_the_flags() {
+    let dir = scratch_dir("cache-memory");
+    let path = tiny_llama(&dir);
+    let options = StageOptions {
+        lane_count: 1 << 40,
+        context_length: None,
+    };
+    let error =
+        Stage::load(&path, StageSpec::whole(4), options).expect_err("2^40 lanes were accepted");
+    assert!(
+        matches!(error, ModelError::CacheMemory { lanes, start: 0, end: 4, .. } if lanes == 1 << 40),
+        "{error:?}"
+    );
+    // The machine's available memory differs from host to host.
+    let ModelError::CacheMemory { available_mib, .. } = error else {
+        unreachable!()
+    };
+    insta::assert_snapshot!(
+        "cache_memory",
+        text(&error, &dir).replace(&format!("the {available_mib} MiB"), "the [available] MiB")
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A stand-in output so `trim`'s result fits the same check as `forward`'s.
 fn whole_output() -> stage_server::model::StageOutput {
     stage_server::model::StageOutput::Activations(Vec::new())

@@ -135,6 +135,27 @@ pub enum ModelError {
     /// A stage was built without lanes.
     #[error("a stage needs at least one lane; pass lane_count >= 1")]
     NoLanes,
+    /// The lanes' key/value caches, full, would not fit the memory the machine has available: refused at load
+    /// rather than discovered when a long generation grows them.
+    #[error(
+        "{lanes} lanes of {context_length} tokens need up to {needed_mib} MiB of key/value cache in layers \
+         {start}..{end}, more than the {available_mib} MiB this machine (or its cgroup) has available; lower \
+         --lanes or --context-length"
+    )]
+    CacheMemory {
+        /// Lanes asked for.
+        lanes: usize,
+        /// Tokens per lane.
+        context_length: usize,
+        /// First layer of the stage.
+        start: usize,
+        /// One past its last layer.
+        end: usize,
+        /// The caches' most, full, in MiB.
+        needed_mib: u64,
+        /// What the kernel says is available, in MiB.
+        available_mib: u64,
+    },
     /// The lane index is not one of this stage's lanes.
     #[error("lane {lane} does not exist; this stage has {lane_count} lanes")]
     LaneOutOfRange {

@@ -11,6 +11,7 @@ mod error;
 mod file;
 mod fingerprint;
 pub mod gguf_check;
+pub mod memory;
 mod pipeline;
 pub mod reference;
 mod sampling;

@@ -356,6 +356,22 @@ impl Stage {
         } else {
             None
         };
+        // The caches grow as lanes fill; checked now, with the weights loaded, so that a configuration whose full
+        // caches cannot fit is refused here rather than found out by the allocation of a long generation.
+        let needed = cache_bytes_at_most(&blocks, &config, context_length)
+            .saturating_mul(options.lane_count as u64);
+        if let Some(available) = super::memory::available_bytes()
+            && needed > available
+        {
+            return Err(ModelError::CacheMemory {
+                lanes: options.lane_count,
+                context_length,
+                start: spec.layers.start,
+                end: spec.layers.end,
+                needed_mib: needed.div_ceil(1 << 20),
+                available_mib: available >> 20,
+            });
+        }
         let lanes = (0..options.lane_count)
             .map(|_| Lane::new(&blocks, &config))
             .collect();
@@ -971,6 +987,25 @@ impl EmbeddingRows {
             None => rows,
         })
     }
+}
+
+/// The most bytes one lane's key/value caches over `blocks` take at `context_length` tokens: a global layer keeps
+/// every position, a sliding-window layer its window, the trim slack and a prefill chunk (what `LayerCache::append`
+/// keeps at most), each rounded up to whole growth chunks; keys and values in f16.
+fn cache_bytes_at_most(blocks: &[Block], config: &ModelConfig, context_length: usize) -> u64 {
+    let per_position = (config.head_count_kv * config.key_length * 2 * 2) as u64;
+    blocks
+        .iter()
+        .map(|block| {
+            let positions = block.attention.window.map_or(context_length, |window| {
+                window
+                    .saturating_add(TRIM_SLACK)
+                    .saturating_add(super::PREFILL_CHUNK)
+                    .min(context_length)
+            });
+            (positions.div_ceil(CACHE_CHUNK) * CACHE_CHUNK) as u64 * per_position
+        })
+        .fold(0u64, u64::saturating_add)
 }
 
 impl Lane {

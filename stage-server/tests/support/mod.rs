@@ -1,10 +1,11 @@
-//! What several test binaries share: a `stage-server serve` child, and one plain HTTP/1.1 exchange.
+//! What several test binaries share: a tiny model in a scratch directory, a `stage-server serve` child, and one
+//! plain HTTP/1.1 exchange.
 // Each test binary compiles this module and uses only part of it.
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
@@ -13,6 +14,23 @@ use std::time::{Duration, Instant};
 pub const BINARY: &str = env!("CARGO_BIN_EXE_stage-server");
 /// Generous bound for a stage process to load a model and listen on a loaded 2-core machine.
 pub const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A scratch directory of the test binary's process for `name`.
+pub fn scratch_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "stage-server-processes-{}-{name}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).expect("a scratch directory in the temp dir");
+    dir
+}
+
+/// `model` written to the scratch directory for `name`.
+pub fn tiny(name: &str, model: &stage_server::model::testing::TinyModel) -> PathBuf {
+    model
+        .write_to_dir(&scratch_dir(name))
+        .expect("writing the tiny model")
+}
 
 /// One HTTP/1.1 request with `Connection: close` and a JSON body: the status and the body.
 pub fn http(address: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {

@@ -1,0 +1,376 @@
+//! A stage port spoken to frame by frame, as a peer that is not stage-server could: the return link taken only
+//! by the last stage, frames sent far ahead of their answers, and a link's sessions bounded by the stage's lanes.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use candle_core::quantized::GgmlDType;
+use stage_server::model::SamplingParams;
+use stage_server::model::testing::TinyModel;
+use stage_server::wire::{Batch, CodecPolicy, Decoder, ErrorCode, Frame, WireLimits};
+
+mod support;
+use support::{StageChild, tiny};
+
+/// Writes `bytes` to `stream` and reads frames until `count` have come (or the stage closes the link).
+fn exchange(stream: &mut TcpStream, bytes: &[u8], count: usize) -> Vec<Frame> {
+    stream.write_all(bytes).unwrap();
+    let mut decoder = Decoder::new(WireLimits::default());
+    let mut frames = Vec::new();
+    let mut buffer = vec![0u8; 64 * 1024];
+    while frames.len() < count {
+        let read = stream.read(&mut buffer).expect("the stage should answer");
+        if read == 0 {
+            break;
+        }
+        let mut offset = 0;
+        while offset < read {
+            let (taken, frame) = decoder.decode(&buffer[offset..read]).unwrap();
+            offset += taken;
+            frames.extend(frame);
+        }
+    }
+    frames
+}
+
+#[test]
+fn a_prediction_return_is_taken_only_by_the_last_stage_and_carries_only_its_own_frames() {
+    use stage_server::wire::{CodecSet, Hello, PROTOCOL_VERSION, Role};
+    let llama = tiny("return-refusals-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let last = StageChild::start(&llama, "3..4", None, &[]);
+    let middle = StageChild::start(&llama, "1..3", Some(last.address), &[]);
+    let opener = Hello {
+        version: PROTOCOL_VERSION,
+        role: Role::PredictionReturn,
+        fingerprint: stage_server::model::fingerprint(&llama).unwrap(),
+        stage_index: 0,
+        layer_start: 0,
+        layer_end: 1,
+        block_count: 4,
+        width: 64,
+        vocab_size: TinyModel::vocabulary().len() as u32,
+        lanes: 1,
+        context_length: 4096,
+        codecs: CodecSet::all(),
+        nonce: [0; 16],
+        proof: None,
+        return_address: None,
+    };
+    let hello = stage_server::wire::encode_to_vec(&Frame::Hello(opener.clone()));
+    // A middle stage refuses, naming where returns go.
+    let mut stream = TcpStream::connect(middle.address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let frames = exchange(&mut stream, &hello, 1);
+    match frames.first() {
+        Some(Frame::Error { code, message, .. }) => {
+            assert_eq!(*code, ErrorCode::Protocol, "{message}");
+            assert!(
+                message.contains("serves layers 1..3") && message.contains("last stage"),
+                "the refusal should say this stage is not the last: {message}"
+            );
+        }
+        other => panic!("a middle stage should refuse a prediction return, not answer {other:?}"),
+    }
+    // The last stage takes it, acknowledges an OpenReturn, and answers a frame that belongs down the
+    // chain with an error, keeping the link.
+    let mut stream = TcpStream::connect(last.address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut bytes = hello.clone();
+    bytes.extend(stage_server::wire::encode_to_vec(&Frame::OpenReturn {
+        session: 9,
+    }));
+    bytes.extend(stage_server::wire::encode_to_vec(&Frame::Trim {
+        session: 9,
+        length: 0,
+    }));
+    bytes.extend(stage_server::wire::encode_to_vec(&Frame::OpenReturn {
+        session: 10,
+    }));
+    let frames = exchange(&mut stream, &bytes, 4);
+    assert!(
+        matches!(&frames[0], Frame::Hello(theirs) if theirs.role == Role::PredictionReturn && theirs.layer_end == 4),
+        "the last stage should answer as a prediction return: {frames:?}"
+    );
+    assert!(
+        matches!(
+            frames[1],
+            Frame::Ack {
+                session: 9,
+                position: 0,
+                ..
+            }
+        ),
+        "the OpenReturn should be acknowledged: {frames:?}"
+    );
+    assert!(
+        matches!(&frames[2], Frame::Error { session: 9, code: ErrorCode::Protocol, message } if message.contains("prediction-return link")),
+        "a Trim does not belong on a return link: {frames:?}"
+    );
+    assert!(
+        matches!(frames[3], Frame::Ack { session: 10, .. }),
+        "the link goes on after the error: {frames:?}"
+    );
+    // Another model's stage 0 is refused.
+    let mut stream = TcpStream::connect(last.address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let other = Hello {
+        fingerprint: [0x5a; 32],
+        ..opener
+    };
+    let frames = exchange(
+        &mut stream,
+        &stage_server::wire::encode_to_vec(&Frame::Hello(other)),
+        1,
+    );
+    assert!(
+        matches!(&frames[..], [Frame::Error { code: ErrorCode::Model, message, .. }] if message.contains("serves model")),
+        "another model's return link should be refused in words: {frames:?}"
+    );
+}
+
+#[test]
+fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
+    use stage_server::wire::{
+        Activations, CodecSet, Hello, PROTOCOL_VERSION, Role, Sampling, encode,
+    };
+    let llama = tiny("ahead-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let stage = StageChild::start(&llama, "2..4", None, &[]);
+    let mut stream = TcpStream::connect(stage.address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        role: Role::StageLink,
+        fingerprint: stage_server::model::fingerprint(&llama).unwrap(),
+        stage_index: 0,
+        layer_start: 0,
+        layer_end: 2,
+        block_count: 4,
+        width: 64,
+        vocab_size: TinyModel::vocabulary().len() as u32,
+        lanes: 1,
+        context_length: 4096,
+        codecs: CodecSet::all(),
+        nonce: [0; 16],
+        proof: None,
+        return_address: None,
+    };
+    let mut bytes = Vec::new();
+    encode(&Frame::Hello(hello), &mut bytes);
+    let session = 7;
+    encode(
+        &Frame::Configure {
+            session,
+            sampling: Sampling::from(&SamplingParams::default()),
+            stop_tokens: Vec::new(),
+            logit_bias: Vec::new(),
+            history: Vec::new(),
+            top_logprobs: 0,
+            logprob: false,
+            resume: false,
+            trace: None,
+        },
+        &mut bytes,
+    );
+    // Two hundred one-row chunks in one write: more than the stage computes at once, and more than the 64
+    // frames a link holds read ahead, past which it stops reading its socket (back-pressure) rather than refuse
+    // a stream it cannot tell from one that keeps to its credits.
+    let chunks = 200u32;
+    for position in 0..chunks {
+        let row: Vec<f32> = (0..64)
+            .map(|index| ((index + position) as f32 * 0.01).sin())
+            .collect();
+        encode(
+            &Frame::Prefill {
+                session,
+                position,
+                last: position + 1 == chunks,
+                batch: Batch::alone(position),
+                rows: Activations::encode(&row, 64, CodecPolicy::F32),
+            },
+            &mut bytes,
+        );
+    }
+    stream.write_all(&bytes).unwrap();
+    let mut decoder = Decoder::new(WireLimits::default());
+    let mut frames = Vec::new();
+    let mut buffer = vec![0u8; 64 * 1024];
+    let mut pending: Vec<u8> = Vec::new();
+    while !frames
+        .iter()
+        .any(|frame| matches!(frame, Frame::Token { .. }))
+    {
+        let count = stream
+            .read(&mut buffer)
+            .expect("the stage should answer every chunk");
+        assert!(
+            count > 0,
+            "the stage closed the link after {} frames: {frames:?}",
+            frames.len()
+        );
+        pending.extend_from_slice(&buffer[..count]);
+        let mut offset = 0;
+        while offset < pending.len() {
+            let (taken, frame) = decoder.decode(&pending[offset..]).unwrap();
+            offset += taken;
+            match frame {
+                Some(frame) => frames.push(frame),
+                None => break,
+            }
+        }
+        pending.drain(..offset);
+    }
+    assert!(
+        matches!(frames[0], Frame::Hello(_)),
+        "first the hello: {:?}",
+        frames[0]
+    );
+    let acks: Vec<u32> = frames
+        .iter()
+        .filter_map(|frame| match frame {
+            Frame::Ack { position, .. } => Some(*position),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        acks,
+        (1..chunks).collect::<Vec<_>>(),
+        "one acknowledgement per non-final chunk, in order"
+    );
+    let Some(Frame::Token { position, .. }) = frames.last() else {
+        panic!("the last answer should be the token: {frames:?}");
+    };
+    assert_eq!(
+        *position, chunks,
+        "the token goes to the position after the prompt"
+    );
+}
+
+#[test]
+fn a_link_holds_no_more_sessions_than_the_stage_has_lanes_and_keeps_only_what_it_opened() {
+    use stage_server::wire::{
+        Activations, CodecSet, Hello, PROTOCOL_VERSION, Role, Sampling, encode, encode_to_vec,
+    };
+    let llama = tiny("session-bounds-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let stage = StageChild::start(&llama, "2..4", None, &["--lanes", "2"]);
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        role: Role::StageLink,
+        fingerprint: stage_server::model::fingerprint(&llama).unwrap(),
+        stage_index: 0,
+        layer_start: 0,
+        layer_end: 2,
+        block_count: 4,
+        width: 64,
+        vocab_size: TinyModel::vocabulary().len() as u32,
+        lanes: 2,
+        context_length: 4096,
+        codecs: CodecSet::all(),
+        nonce: [0; 16],
+        proof: None,
+        return_address: None,
+    };
+    let configure = |session: u64| {
+        encode_to_vec(&Frame::Configure {
+            session,
+            sampling: Sampling::from(&SamplingParams::default()),
+            stop_tokens: Vec::new(),
+            logit_bias: Vec::new(),
+            history: Vec::new(),
+            top_logprobs: 0,
+            logprob: false,
+            resume: false,
+            trace: None,
+        })
+    };
+    let connect = || {
+        let stream = TcpStream::connect(stage.address).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        stream
+    };
+    // Link A opens two sessions, the stage's two lanes; a third id on it is refused by the link, and a Keep of
+    // an id it never opened is refused too. The link goes on.
+    let mut first = connect();
+    let mut bytes = encode_to_vec(&Frame::Hello(hello.clone()));
+    for session in [1, 2, 3] {
+        bytes.extend(configure(session));
+    }
+    bytes.extend(encode_to_vec(&Frame::Keep { session: 77 }));
+    let frames = exchange(&mut first, &bytes, 3);
+    assert!(matches!(frames[0], Frame::Hello(_)), "{frames:?}");
+    assert!(
+        matches!(&frames[1], Frame::Error { session: 3, code: ErrorCode::NoFreeLane, message }
+            if message.contains("already holds 2 sessions") && message.contains("(2)")),
+        "a third session on a link of a 2-lane stage should be refused in words: {frames:?}"
+    );
+    assert!(
+        matches!(&frames[2], Frame::Error { session: 77, code: ErrorCode::UnknownSession, message }
+            if message.contains("not open on this link")),
+        "a Keep of a session the link never opened should be refused: {frames:?}"
+    );
+    // Link B finds no free lane at the stage: the refused open leaves nothing on the link, so keeping it is
+    // refused as unknown (it counted as open, holding the link busy, before).
+    let mut second = connect();
+    let mut bytes = encode_to_vec(&Frame::Hello(hello));
+    bytes.extend(configure(5));
+    let frames = exchange(&mut second, &bytes, 2);
+    assert!(
+        matches!(
+            frames[1],
+            Frame::Error {
+                session: 5,
+                code: ErrorCode::NoFreeLane,
+                ..
+            }
+        ),
+        "{frames:?}"
+    );
+    let frames = exchange(&mut second, &encode_to_vec(&Frame::Keep { session: 5 }), 1);
+    assert!(
+        matches!(
+            frames[..],
+            [Frame::Error {
+                session: 5,
+                code: ErrorCode::UnknownSession,
+                ..
+            }]
+        ),
+        "a session whose open was refused should not stay open on the link: {frames:?}"
+    );
+    // On link A, stopping a session makes room for the third, which computes.
+    let mut bytes = encode_to_vec(&Frame::Stop { session: 1 });
+    bytes.extend(configure(3));
+    let row: Vec<f32> = (0..64).map(|index| (index as f32 * 0.05).cos()).collect();
+    encode(
+        &Frame::Prefill {
+            session: 3,
+            position: 0,
+            last: true,
+            batch: Batch::alone(1),
+            rows: Activations::encode(&row, 64, CodecPolicy::F32),
+        },
+        &mut bytes,
+    );
+    let frames = exchange(&mut first, &bytes, 1);
+    assert!(
+        matches!(
+            frames[..],
+            [Frame::Token {
+                session: 3,
+                position: 1,
+                ..
+            }]
+        ),
+        "the session opened after a stop should compute: {frames:?}"
+    );
+}
