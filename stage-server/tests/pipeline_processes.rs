@@ -162,6 +162,14 @@ fn a_gap_an_overlap_and_another_model_are_refused_naming_both_sides() {
         text.contains("stage 1 serves layers 2..4 but stage 0 ends at layer 1"),
         "a gap should be refused naming both ranges: {text}"
     );
+    // The stage says so too, in its own log.
+    let wait = Duration::from_secs(10);
+    assert!(
+        stage
+            .logged(&["refused a link", "but stage 0 ends at layer 1"], wait)
+            .is_some(),
+        "the stage should log the gap it refused"
+    );
     let mut overlap = prompt.to_vec();
     overlap.extend(["--layers", "0..3", "--next", &address]);
     let text = generate_error(&llama, &overlap);
@@ -169,12 +177,24 @@ fn a_gap_an_overlap_and_another_model_are_refused_naming_both_sides() {
         text.contains("stage 1 serves layers 2..4 but stage 0 ends at layer 3"),
         "an overlap should be refused naming both ranges: {text}"
     );
+    assert!(
+        stage
+            .logged(&["refused a link", "but stage 0 ends at layer 3"], wait)
+            .is_some(),
+        "the stage should log the overlap it refused"
+    );
     let mut model = prompt.to_vec();
     model.extend(["--layers", "0..2", "--next", &address]);
     let text = generate_error(&other, &model);
     assert!(
         text.contains("model"),
         "another model should be refused naming the model: {text}"
+    );
+    assert!(
+        stage
+            .logged(&["refused a link", "serves model"], wait)
+            .is_some(),
+        "the stage should log the other model it refused"
     );
     // The stage itself serves on after refusing three links.
     let mut good = prompt.to_vec();

@@ -13,6 +13,44 @@ use stage_server::wire::{Batch, CodecPolicy, Decoder, ErrorCode, Frame, WireLimi
 mod support;
 use support::{StageChild, tiny};
 
+/// Stage 0's hello over layers `0..layer_end` of the tiny llama at `model`, as a chain link.
+fn stage_zero_hello(model: &std::path::Path, layer_end: u32) -> stage_server::wire::Hello {
+    use stage_server::wire::{CodecSet, Hello, PROTOCOL_VERSION, Role};
+    Hello {
+        version: PROTOCOL_VERSION,
+        role: Role::StageLink,
+        fingerprint: stage_server::model::fingerprint(model).unwrap(),
+        stage_index: 0,
+        layer_start: 0,
+        layer_end,
+        block_count: 4,
+        width: 64,
+        vocab_size: TinyModel::vocabulary().len() as u32,
+        lanes: 1,
+        context_length: 4096,
+        codecs: CodecSet::all(),
+        nonce: [0; 16],
+        proof: None,
+        return_address: None,
+    }
+}
+
+/// A `Configure` opening `session` with default sampling, encoded.
+fn configure(session: u64) -> Vec<u8> {
+    use stage_server::wire::{Sampling, encode_to_vec};
+    encode_to_vec(&Frame::Configure {
+        session,
+        sampling: Sampling::from(&SamplingParams::default()),
+        stop_tokens: Vec::new(),
+        logit_bias: Vec::new(),
+        history: Vec::new(),
+        top_logprobs: 0,
+        logprob: false,
+        resume: false,
+        trace: None,
+    })
+}
+
 /// Writes `bytes` to `stream` and reads frames until `count` have come (or the stage closes the link).
 fn exchange(stream: &mut TcpStream, bytes: &[u8], count: usize) -> Vec<Frame> {
     stream.write_all(bytes).unwrap();
@@ -36,26 +74,13 @@ fn exchange(stream: &mut TcpStream, bytes: &[u8], count: usize) -> Vec<Frame> {
 
 #[test]
 fn a_prediction_return_is_taken_only_by_the_last_stage_and_carries_only_its_own_frames() {
-    use stage_server::wire::{CodecSet, Hello, PROTOCOL_VERSION, Role};
+    use stage_server::wire::{Hello, Role};
     let llama = tiny("return-refusals-llama", &TinyModel::llama(GgmlDType::Q4_1));
     let last = StageChild::start(&llama, "3..4", None, &[]);
     let middle = StageChild::start(&llama, "1..3", Some(last.address), &[]);
     let opener = Hello {
-        version: PROTOCOL_VERSION,
         role: Role::PredictionReturn,
-        fingerprint: stage_server::model::fingerprint(&llama).unwrap(),
-        stage_index: 0,
-        layer_start: 0,
-        layer_end: 1,
-        block_count: 4,
-        width: 64,
-        vocab_size: TinyModel::vocabulary().len() as u32,
-        lanes: 1,
-        context_length: 4096,
-        codecs: CodecSet::all(),
-        nonce: [0; 16],
-        proof: None,
-        return_address: None,
+        ..stage_zero_hello(&llama, 1)
     };
     let hello = stage_server::wire::encode_to_vec(&Frame::Hello(opener.clone()));
     // A middle stage refuses, naming where returns go.
@@ -137,49 +162,17 @@ fn a_prediction_return_is_taken_only_by_the_last_stage_and_carries_only_its_own_
 
 #[test]
 fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
-    use stage_server::wire::{
-        Activations, CodecSet, Hello, PROTOCOL_VERSION, Role, Sampling, encode,
-    };
+    use stage_server::wire::{Activations, encode};
     let llama = tiny("ahead-llama", &TinyModel::llama(GgmlDType::Q4_1));
     let stage = StageChild::start(&llama, "2..4", None, &[]);
     let mut stream = TcpStream::connect(stage.address).unwrap();
     stream
         .set_read_timeout(Some(Duration::from_secs(20)))
         .unwrap();
-    let hello = Hello {
-        version: PROTOCOL_VERSION,
-        role: Role::StageLink,
-        fingerprint: stage_server::model::fingerprint(&llama).unwrap(),
-        stage_index: 0,
-        layer_start: 0,
-        layer_end: 2,
-        block_count: 4,
-        width: 64,
-        vocab_size: TinyModel::vocabulary().len() as u32,
-        lanes: 1,
-        context_length: 4096,
-        codecs: CodecSet::all(),
-        nonce: [0; 16],
-        proof: None,
-        return_address: None,
-    };
     let mut bytes = Vec::new();
-    encode(&Frame::Hello(hello), &mut bytes);
+    encode(&Frame::Hello(stage_zero_hello(&llama, 2)), &mut bytes);
     let session = 7;
-    encode(
-        &Frame::Configure {
-            session,
-            sampling: Sampling::from(&SamplingParams::default()),
-            stop_tokens: Vec::new(),
-            logit_bias: Vec::new(),
-            history: Vec::new(),
-            top_logprobs: 0,
-            logprob: false,
-            resume: false,
-            trace: None,
-        },
-        &mut bytes,
-    );
+    bytes.extend(configure(session));
     // Two hundred one-row chunks in one write: more than the stage computes at once, and more than the 64
     // frames a link holds read ahead, past which it stops reading its socket (back-pressure) rather than refuse
     // a stream it cannot tell from one that keeps to its credits.
@@ -256,41 +249,10 @@ fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
 
 #[test]
 fn a_link_holds_no_more_sessions_than_the_stage_has_lanes_and_keeps_only_what_it_opened() {
-    use stage_server::wire::{
-        Activations, CodecSet, Hello, PROTOCOL_VERSION, Role, Sampling, encode, encode_to_vec,
-    };
+    use stage_server::wire::{Activations, encode, encode_to_vec};
     let llama = tiny("session-bounds-llama", &TinyModel::llama(GgmlDType::Q4_1));
     let stage = StageChild::start(&llama, "2..4", None, &["--lanes", "2"]);
-    let hello = Hello {
-        version: PROTOCOL_VERSION,
-        role: Role::StageLink,
-        fingerprint: stage_server::model::fingerprint(&llama).unwrap(),
-        stage_index: 0,
-        layer_start: 0,
-        layer_end: 2,
-        block_count: 4,
-        width: 64,
-        vocab_size: TinyModel::vocabulary().len() as u32,
-        lanes: 2,
-        context_length: 4096,
-        codecs: CodecSet::all(),
-        nonce: [0; 16],
-        proof: None,
-        return_address: None,
-    };
-    let configure = |session: u64| {
-        encode_to_vec(&Frame::Configure {
-            session,
-            sampling: Sampling::from(&SamplingParams::default()),
-            stop_tokens: Vec::new(),
-            logit_bias: Vec::new(),
-            history: Vec::new(),
-            top_logprobs: 0,
-            logprob: false,
-            resume: false,
-            trace: None,
-        })
-    };
+    let hello = stage_zero_hello(&llama, 2);
     let connect = || {
         let stream = TcpStream::connect(stage.address).unwrap();
         stream
@@ -372,5 +334,73 @@ fn a_link_holds_no_more_sessions_than_the_stage_has_lanes_and_keeps_only_what_it
             }]
         ),
         "the session opened after a stop should compute: {frames:?}"
+    );
+}
+
+#[test]
+fn rows_of_the_wrong_width_and_frames_for_an_unknown_session_are_answered_in_words_and_the_link_goes_on()
+ {
+    use stage_server::wire::{Activations, encode, encode_to_vec};
+    let llama = tiny("wrong-rows-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let stage = StageChild::start(&llama, "2..4", None, &[]);
+    let mut stream = TcpStream::connect(stage.address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let row = |width: usize| -> Vec<f32> { (0..width).map(|index| index as f32 * 0.01).collect() };
+    let mut bytes = encode_to_vec(&Frame::Hello(stage_zero_hello(&llama, 2)));
+    // A decode step for a session nobody opened.
+    encode(
+        &Frame::Decode {
+            session: 42,
+            position: 0,
+            batch: Batch::alone(1),
+            rows: Activations::encode(&row(64), 64, CodecPolicy::F32),
+        },
+        &mut bytes,
+    );
+    // An open session sent rows half the model's width, then its rows as they should be.
+    bytes.extend(configure(7));
+    for width in [32, 64] {
+        encode(
+            &Frame::Prefill {
+                session: 7,
+                position: 0,
+                last: true,
+                batch: Batch::alone(2),
+                rows: Activations::encode(&row(width), width as u32, CodecPolicy::F32),
+            },
+            &mut bytes,
+        );
+    }
+    let frames = exchange(&mut stream, &bytes, 4);
+    assert!(matches!(frames[0], Frame::Hello(_)), "{frames:?}");
+    // The width is checked as the frame is read, the session where it computes: their answers may cross.
+    let unknown = |frame: &Frame| {
+        matches!(frame, Frame::Error { session: 42, code: ErrorCode::UnknownSession, message }
+            if message.contains("session 42"))
+    };
+    let too_narrow = |frame: &Frame| {
+        matches!(frame, Frame::Error { session: 7, code: ErrorCode::Protocol, message }
+            if message.contains("32 wide") && message.contains("width is 64"))
+    };
+    assert!(
+        frames[1..3].iter().any(unknown),
+        "a step for an unknown session should be refused naming it: {frames:?}"
+    );
+    assert!(
+        frames[1..3].iter().any(too_narrow),
+        "rows of the wrong width should be refused naming both widths: {frames:?}"
+    );
+    assert!(
+        matches!(
+            frames[3],
+            Frame::Token {
+                session: 7,
+                position: 1,
+                ..
+            }
+        ),
+        "the session's good rows should compute after both errors: {frames:?}"
     );
 }

@@ -926,6 +926,24 @@ mod tests {
         }
     }
 
+    /// Opens sessions 1 to `count` with default sampling, each through `mailbox`.
+    fn open_sessions(jobs: &Sender<Job>, mailbox: &Arc<Mailbox>, count: u64) {
+        for session in 1..=count {
+            let open = Work::Open {
+                session,
+                setup: Setup {
+                    sampling: SamplingParams::default(),
+                    history: Vec::new(),
+                    logit_bias: Vec::new(),
+                    top_logprobs: 0,
+                    logprob: false,
+                },
+                resume: false,
+            };
+            jobs.send(job(open, mailbox)).unwrap();
+        }
+    }
+
     fn decode(session: u64, position: u32, batch: Batch, width: usize) -> Work {
         Work::Chunk {
             session,
@@ -939,17 +957,7 @@ mod tests {
 
     /// Waits for `count` outcomes in `mailbox` and gives the batch of each `Rows` among them.
     fn batches_of(mailbox: &Mailbox, count: usize) -> Vec<Batch> {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let mut outcomes = Vec::new();
-        while outcomes.len() < count {
-            assert!(
-                Instant::now() < deadline,
-                "outcomes did not come: {outcomes:?}"
-            );
-            outcomes.extend(mailbox.take().into_iter().map(|delivery| delivery.outcome));
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        outcomes
+        outcomes_of(mailbox, count)
             .into_iter()
             .filter_map(|outcome| match outcome {
                 Outcome::Rows { batch, .. } => Some(batch),
@@ -966,20 +974,7 @@ mod tests {
                 .embedding_length;
         let (dir, jobs, thread) = middle_stage("batch-gather", 3, Duration::from_secs(2));
         let (mailbox, _receiver) = mailbox();
-        for session in 1..=3 {
-            let open = Work::Open {
-                session,
-                setup: Setup {
-                    sampling: SamplingParams::default(),
-                    history: Vec::new(),
-                    logit_bias: Vec::new(),
-                    top_logprobs: 0,
-                    logprob: false,
-                },
-                resume: false,
-            };
-            jobs.send(job(open, &mailbox)).unwrap();
-        }
+        open_sessions(&jobs, &mailbox, 3);
         assert!(batches_of(&mailbox, 3).is_empty(), "three sessions open");
         // The previous stage's step 40 sent two frames; the second comes 50 ms after the first. They run as
         // one step here, whose two frames go on together.
@@ -1057,20 +1052,7 @@ mod tests {
                 .embedding_length;
         let (dir, jobs, thread) = stage_with("pass-panic", 3, Duration::from_millis(1), true);
         let (mailbox, _receiver) = mailbox();
-        for session in 1..=3 {
-            let open = Work::Open {
-                session,
-                setup: Setup {
-                    sampling: SamplingParams::default(),
-                    history: Vec::new(),
-                    logit_bias: Vec::new(),
-                    top_logprobs: 0,
-                    logprob: false,
-                },
-                resume: false,
-            };
-            jobs.send(job(open, &mailbox)).unwrap();
-        }
+        open_sessions(&jobs, &mailbox, 3);
         let opened = outcomes_of(&mailbox, 3);
         assert!(
             opened

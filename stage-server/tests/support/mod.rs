@@ -162,6 +162,19 @@ impl StageChild {
         }
     }
 
+    /// Waits up to `timeout` for a line of its stderr that holds every one of `words`, and gives it; the lines
+    /// read on the way are used up.
+    pub fn logged(&self, words: &[&str], timeout: Duration) -> Option<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            let line = self.stderr.recv_timeout(left).ok()?;
+            if words.iter().all(|word| line.contains(word)) {
+                return Some(line);
+            }
+        }
+    }
+
     /// Its process id.
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("the stage is running").id()
