@@ -404,3 +404,103 @@ fn rows_of_the_wrong_width_and_frames_for_an_unknown_session_are_answered_in_wor
         "the session's good rows should compute after both errors: {frames:?}"
     );
 }
+
+#[test]
+fn a_refused_open_does_not_forget_a_later_open_of_the_same_session_so_its_lane_is_freed_with_the_link()
+ {
+    use stage_server::wire::{Activations, encode, encode_to_vec};
+    let llama = tiny("reopen-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let stage = StageChild::start(&llama, "2..4", None, &["--lanes", "2"]);
+    let hello = encode_to_vec(&Frame::Hello(stage_zero_hello(&llama, 2)));
+    let row: Vec<f32> = (0..64).map(|index| (index as f32 * 0.03).sin()).collect();
+    let prefill = |session: u64| {
+        let mut bytes = Vec::new();
+        encode(
+            &Frame::Prefill {
+                session,
+                position: 0,
+                last: true,
+                batch: Batch::alone(1),
+                rows: Activations::encode(&row, 64, CodecPolicy::F32),
+            },
+            &mut bytes,
+        );
+        bytes
+    };
+    let connect = || {
+        let stream = TcpStream::connect(stage.address).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        stream
+    };
+    // Link A holds one lane, link B the other.
+    let mut first = connect();
+    let frames = exchange(
+        &mut first,
+        &[hello.clone(), configure(1), prefill(1)].concat(),
+        2,
+    );
+    assert!(
+        matches!(frames[1], Frame::Token { session: 1, .. }),
+        "{frames:?}"
+    );
+    let mut second = connect();
+    let frames = exchange(
+        &mut second,
+        &[hello.clone(), configure(10), prefill(10)].concat(),
+        2,
+    );
+    assert!(
+        matches!(frames[1], Frame::Token { session: 10, .. }),
+        "{frames:?}"
+    );
+    // On B, in one write: open 20 (no lane free: refused), stop 10, open 20 again (now it gets 10's lane), and
+    // compute on it. The refusal comes back after the second open was read; it must not make B forget 20.
+    let bytes = [
+        configure(20),
+        encode_to_vec(&Frame::Stop { session: 10 }),
+        configure(20),
+        prefill(20),
+    ]
+    .concat();
+    let frames = exchange(&mut second, &bytes, 2);
+    assert!(
+        matches!(
+            frames[0],
+            Frame::Error {
+                session: 20,
+                code: ErrorCode::NoFreeLane,
+                ..
+            }
+        ),
+        "{frames:?}"
+    );
+    assert!(
+        matches!(frames[1], Frame::Token { session: 20, .. }),
+        "{frames:?}"
+    );
+    // B closes: its sessions' lanes are freed, 20's included, so a new link finds one.
+    drop(second);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut third = connect();
+        let frames = exchange(
+            &mut third,
+            &[hello.clone(), configure(30), prefill(30)].concat(),
+            2,
+        );
+        match &frames[1] {
+            Frame::Token { session: 30, .. } => break,
+            Frame::Error {
+                code: ErrorCode::NoFreeLane,
+                ..
+            } if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            other => panic!(
+                "the lane of the session reopened on the closed link was not freed: {other:?}"
+            ),
+        }
+    }
+}

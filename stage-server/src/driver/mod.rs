@@ -443,7 +443,7 @@ impl Chain {
         }
         // And the generation ends where the shortest lane does, as a length stop rather than a stage's error.
         let capped;
-        let options = if prompt.len() + options.max_tokens > context {
+        let options = if prompt.len().saturating_add(options.max_tokens) > context {
             capped = GenerateOptions {
                 max_tokens: context - prompt.len(),
                 ..options.clone()

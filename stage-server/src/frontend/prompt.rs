@@ -20,8 +20,8 @@ pub(crate) struct TextModel {
     /// Tokens per lane of this process: prompt and generation together.
     pub context_length: usize,
     /// In front of a chain, the least context length its stages said in their hellos (`usize::MAX` until a
-    /// link opened; lowered by every link that opens), so a prompt too long for any stage is refused here,
-    /// before a lane starts it, rather than failed by that stage midway.
+    /// link opened; set by every link that opens), so a prompt too long for any stage is refused here, before
+    /// a lane starts it, rather than failed by that stage midway.
     pub chain_context: Arc<AtomicUsize>,
     /// The vocabulary's size (token ids are below it).
     pub vocab_size: usize,

@@ -49,8 +49,8 @@ pub(crate) struct ChainLane {
     next: SocketAddr,
     options: ChainOptions,
     health: Arc<ChainHealth>,
-    /// The least context length of the chain, shared with the API's prompt checks: every link that opens
-    /// lowers it to what its chain said.
+    /// The chain's context length (its shortest lane), shared with the API's prompt checks: every link that
+    /// opens sets it to what its chain said, so a stage restarted with other lanes is followed.
     chain_context: Arc<AtomicUsize>,
 }
 
@@ -66,7 +66,7 @@ impl ChainLane {
     ) -> Result<ChainLane, DriverError> {
         let link_outages = health.outages();
         let link = Chain::connect_with(share.clone(), &ours, next, options.clone())?;
-        chain_context.fetch_min(link.context_length(), Ordering::Relaxed);
+        chain_context.store(link.context_length(), Ordering::Relaxed);
         Ok(ChainLane {
             link: Some(link),
             link_outages,
@@ -126,14 +126,30 @@ impl ChainLane {
             }
         };
         self.chain_context
-            .fetch_min(link.context_length(), Ordering::Relaxed);
+            .store(link.context_length(), Ordering::Relaxed);
         let mut link = link;
         match link.generate_with(prompt, sampling, extras, options, on_token) {
             Ok(generation) => {
                 self.link = Some(link);
                 Ok(generation)
             }
-            // The link is dropped whatever failed: the next request opens a fresh one, so a stage that
+            // A prompt too long for the chain was refused before anything was sent: the link is as it was.
+            Err(DriverError::Context {
+                prompt_tokens,
+                context,
+            }) => {
+                self.link = Some(link);
+                Err(RunError {
+                    unavailable: false,
+                    context: Some(context),
+                    message: DriverError::Context {
+                        prompt_tokens,
+                        context,
+                    }
+                    .to_string(),
+                })
+            }
+            // Otherwise the link is dropped whatever failed: the next request opens a fresh one, so a stage that
             // restarted meanwhile is found, and no half-read frame is ever taken for an answer.
             Err(error) => {
                 let unavailable = matches!(error, DriverError::Link { .. })
@@ -157,13 +173,9 @@ impl ChainLane {
                         ..
                     }
                 );
-                let context = match error {
-                    DriverError::Context { context, .. } => Some(context),
-                    _ => None,
-                };
                 Err(RunError {
                     unavailable: unavailable || busy,
-                    context,
+                    context: None,
                     message: error.to_string(),
                 })
             }

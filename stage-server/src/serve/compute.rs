@@ -69,7 +69,14 @@ pub(crate) enum Work {
 #[derive(Debug)]
 pub(crate) enum Outcome {
     /// The session has a lane.
-    Opened,
+    Opened { session: u64 },
+    /// A `Configure` was refused: the session got no lane from it (but may hold one from an earlier open, as
+    /// a session already open does when it is configured again without resuming).
+    NotOpened {
+        session: u64,
+        code: ErrorCode,
+        message: String,
+    },
     /// Activation rows for the next stage.
     Rows {
         session: u64,
@@ -411,11 +418,25 @@ impl Owner {
         } = job;
         let frame = frame_span(&span, stage_index, &work, submitted);
         let session = work.session();
+        let opening = matches!(work, Work::Open { .. });
         let outcome = frame.in_scope(|| {
             guarded(session, "the stage's work on the session", || {
                 self.work(mailbox.link, work)
             })
         });
+        // The link counts the opens it is waiting for, so it learns which one a refusal answers.
+        let outcome = match outcome {
+            Outcome::Failed {
+                session,
+                code,
+                message,
+            } if opening => Outcome::NotOpened {
+                session,
+                code,
+                message,
+            },
+            other => other,
+        };
         mailbox.deliver(outcome, frame);
     }
 
@@ -558,8 +579,10 @@ impl Owner {
             },
             Work::Stop { session } => {
                 if let Some(lane) = self.lanes.remove(&(link, session)) {
-                    let _ = self.stage.reset(lane.index);
+                    // Freed before the reset, so that even a reset that panicked could not lose the lane (an
+                    // open resets the lane it takes again).
                     self.free.push(lane.index);
+                    let _ = self.stage.reset(lane.index);
                 }
                 Outcome::Settled
             }
@@ -573,7 +596,7 @@ impl Owner {
                 // The lane and its cache stay (the Trim before this set how much); the sampling starts anew.
                 let last = self.stage.spec().last;
                 self.lanes.insert(key, setup.lane(index, last));
-                return Outcome::Opened;
+                return Outcome::Opened { session };
             }
             (Some(_), false) => {
                 return Outcome::Failed {
@@ -609,7 +632,7 @@ impl Owner {
         }
         let last = self.stage.spec().last;
         self.lanes.insert(key, setup.lane(index, last));
-        Outcome::Opened
+        Outcome::Opened { session }
     }
 
     /// What a computed chunk of `rows` rows at `position` gives: rows for the next stage, or at the last stage
@@ -1050,14 +1073,16 @@ mod tests {
         let width =
             crate::model::testing::TinyModel::llama(candle_core::quantized::GgmlDType::Q4_1)
                 .embedding_length;
-        let (dir, jobs, thread) = stage_with("pass-panic", 3, Duration::from_millis(1), true);
+        // The two sessions' frames name a batch of two, which the stage waits for (up to 2 s), so the pass that
+        // panics is theirs together however the test thread is scheduled.
+        let (dir, jobs, thread) = stage_with("pass-panic", 3, Duration::from_secs(2), true);
         let (mailbox, _receiver) = mailbox();
         open_sessions(&jobs, &mailbox, 3);
         let opened = outcomes_of(&mailbox, 3);
         assert!(
             opened
                 .iter()
-                .all(|outcome| matches!(outcome, Outcome::Opened)),
+                .all(|outcome| matches!(outcome, Outcome::Opened { .. })),
             "{opened:?}"
         );
         // One step of two sessions panics: both get an error naming it.

@@ -193,6 +193,9 @@ pub(crate) struct Upstream {
     retries: Option<Retries>,
     /// What a prediction-return link (from stage 0, at the last stage) holds; `None` on a chain link.
     returning: Option<Box<ReturnLink>>,
+    /// The `Configure`s of each session handed to the compute thread and not yet answered: a refusal forgets
+    /// the session only when no later open of it is on its way.
+    opening: HashMap<u64, u32>,
     /// Where the chain's last stage takes prediction returns, as the next stage's hello said (a middle
     /// stage passes it on in its own).
     return_address: Option<std::net::SocketAddr>,
@@ -222,6 +225,7 @@ impl Link {
             id: None,
             retries: None,
             returning: None,
+            opening: HashMap::new(),
             return_address: None,
             next_context: None,
             local: None,
@@ -800,6 +804,7 @@ impl Upstream {
                 if self.sessions.insert(*session) {
                     self.shared.open_sessions.fetch_add(1, Ordering::Relaxed);
                 }
+                *self.opening.entry(*session).or_insert(0) += 1;
                 self.open_span(*session, trace.as_ref());
                 Work::Open {
                     session: *session,
@@ -1018,7 +1023,28 @@ impl Upstream {
             // Dropped (ending the frame's span) unless an answer goes out for it.
             let writing = Writing::of(span, delivered);
             match outcome {
-                Outcome::Opened | Outcome::Settled | Outcome::Forwarded => {}
+                Outcome::Opened { session } => self.open_answered(session),
+                Outcome::NotOpened {
+                    session,
+                    code,
+                    message,
+                } => {
+                    self.open_answered(session);
+                    // An open the stage refused for want of a lane leaves no session here, unless a later
+                    // `Configure` of the same id is still on its way to the stage: counted open, it would hold the
+                    // link busy (a drain would wait for it) and count against its sessions. (A Keep read while
+                    // the open computed may have moved it to the kept ones already.)
+                    if code == ErrorCode::NoFreeLane && !self.opening.contains_key(&session) {
+                        if self.sessions.remove(&session) {
+                            self.shared.open_sessions.fetch_sub(1, Ordering::Relaxed);
+                        }
+                        self.kept.remove(&session);
+                        self.spans.remove(&session);
+                    }
+                    self.error(context, session, code, message);
+                    self.writing.extend(writing);
+                }
+                Outcome::Settled | Outcome::Forwarded => {}
                 // Rows go straight to the pair's downstream link from the compute thread (`onward`), which is
                 // set with the pair; rows before there is one have nowhere to go.
                 Outcome::Rows { .. } => {}
@@ -1053,16 +1079,6 @@ impl Upstream {
                     code,
                     message,
                 } => {
-                    // An open the stage refused for want of a lane leaves no session here: counted open, it
-                    // would hold the link busy (a drain would wait for it) and count against its sessions.
-                    // (A Keep read while the open computed may have moved it to the kept ones already.)
-                    if code == ErrorCode::NoFreeLane {
-                        if self.sessions.remove(&session) {
-                            self.shared.open_sessions.fetch_sub(1, Ordering::Relaxed);
-                        }
-                        self.kept.remove(&session);
-                        self.spans.remove(&session);
-                    }
                     self.error(context, session, code, message);
                     self.writing.extend(writing);
                 }
@@ -1131,6 +1147,16 @@ impl Upstream {
         STAGE.sent(LinkSide::Upstream, bytes.len());
         if context.output().push(bytes).is_err() {
             self.state = UpstreamState::Closing;
+        }
+    }
+
+    /// The compute thread answered one of `session`'s opens.
+    fn open_answered(&mut self, session: u64) {
+        if let Some(pending) = self.opening.get_mut(&session) {
+            *pending -= 1;
+            if *pending == 0 {
+                self.opening.remove(&session);
+            }
         }
     }
 
