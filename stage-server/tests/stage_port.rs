@@ -35,6 +35,28 @@ fn stage_zero_hello(model: &std::path::Path, layer_end: u32) -> stage_server::wi
     }
 }
 
+/// A link to the stage at `address` that waits at most 20 s for each read.
+fn connect(address: std::net::SocketAddr) -> TcpStream {
+    let stream = TcpStream::connect(address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    stream
+}
+
+/// The last (and only) prefill chunk of `session` at position 0, one row of 64 values, encoded.
+fn one_row_prompt(session: u64) -> Vec<u8> {
+    use stage_server::wire::{Activations, encode_to_vec};
+    let row: Vec<f32> = (0..64).map(|index| (index as f32 * 0.03).sin()).collect();
+    encode_to_vec(&Frame::Prefill {
+        session,
+        position: 0,
+        last: true,
+        batch: Batch::alone(1),
+        rows: Activations::encode(&row, 64, CodecPolicy::F32),
+    })
+}
+
 /// A `Configure` opening `session` with default sampling, encoded.
 fn configure(session: u64) -> Vec<u8> {
     use stage_server::wire::{Sampling, encode_to_vec};
@@ -84,10 +106,7 @@ fn a_prediction_return_is_taken_only_by_the_last_stage_and_carries_only_its_own_
     };
     let hello = stage_server::wire::encode_to_vec(&Frame::Hello(opener.clone()));
     // A middle stage refuses, naming where returns go.
-    let mut stream = TcpStream::connect(middle.address).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .unwrap();
+    let mut stream = connect(middle.address);
     let frames = exchange(&mut stream, &hello, 1);
     match frames.first() {
         Some(Frame::Error { code, message, .. }) => {
@@ -101,10 +120,7 @@ fn a_prediction_return_is_taken_only_by_the_last_stage_and_carries_only_its_own_
     }
     // The last stage takes it, acknowledges an OpenReturn, and answers a frame that belongs down the
     // chain with an error, keeping the link.
-    let mut stream = TcpStream::connect(last.address).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .unwrap();
+    let mut stream = connect(last.address);
     let mut bytes = hello.clone();
     bytes.extend(stage_server::wire::encode_to_vec(&Frame::OpenReturn {
         session: 9,
@@ -141,10 +157,7 @@ fn a_prediction_return_is_taken_only_by_the_last_stage_and_carries_only_its_own_
         "the link goes on after the error: {frames:?}"
     );
     // Another model's stage 0 is refused.
-    let mut stream = TcpStream::connect(last.address).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .unwrap();
+    let mut stream = connect(last.address);
     let other = Hello {
         fingerprint: [0x5a; 32],
         ..opener
@@ -165,10 +178,7 @@ fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
     use stage_server::wire::{Activations, encode};
     let llama = tiny("ahead-llama", &TinyModel::llama(GgmlDType::Q4_1));
     let stage = StageChild::start(&llama, "2..4", None, &[]);
-    let mut stream = TcpStream::connect(stage.address).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .unwrap();
+    let mut stream = connect(stage.address);
     let mut bytes = Vec::new();
     encode(&Frame::Hello(stage_zero_hello(&llama, 2)), &mut bytes);
     let session = 7;
@@ -253,16 +263,9 @@ fn a_link_holds_no_more_sessions_than_the_stage_has_lanes_and_keeps_only_what_it
     let llama = tiny("session-bounds-llama", &TinyModel::llama(GgmlDType::Q4_1));
     let stage = StageChild::start(&llama, "2..4", None, &["--lanes", "2"]);
     let hello = stage_zero_hello(&llama, 2);
-    let connect = || {
-        let stream = TcpStream::connect(stage.address).unwrap();
-        stream
-            .set_read_timeout(Some(Duration::from_secs(20)))
-            .unwrap();
-        stream
-    };
     // Link A opens two sessions, the stage's two lanes; a third id on it is refused by the link, and a Keep of
     // an id it never opened is refused too. The link goes on.
-    let mut first = connect();
+    let mut first = connect(stage.address);
     let mut bytes = encode_to_vec(&Frame::Hello(hello.clone()));
     for session in [1, 2, 3] {
         bytes.extend(configure(session));
@@ -282,7 +285,7 @@ fn a_link_holds_no_more_sessions_than_the_stage_has_lanes_and_keeps_only_what_it
     );
     // Link B finds no free lane at the stage: the refused open leaves nothing on the link, so keeping it is
     // refused as unknown (it counted as open, holding the link busy, before).
-    let mut second = connect();
+    let mut second = connect(stage.address);
     let mut bytes = encode_to_vec(&Frame::Hello(hello));
     bytes.extend(configure(5));
     let frames = exchange(&mut second, &bytes, 2);
@@ -343,10 +346,7 @@ fn rows_of_the_wrong_width_and_frames_for_an_unknown_session_are_answered_in_wor
     use stage_server::wire::{Activations, encode, encode_to_vec};
     let llama = tiny("wrong-rows-llama", &TinyModel::llama(GgmlDType::Q4_1));
     let stage = StageChild::start(&llama, "2..4", None, &[]);
-    let mut stream = TcpStream::connect(stage.address).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .unwrap();
+    let mut stream = connect(stage.address);
     let row = |width: usize| -> Vec<f32> { (0..width).map(|index| index as f32 * 0.01).collect() };
     let mut bytes = encode_to_vec(&Frame::Hello(stage_zero_hello(&llama, 2)));
     // A decode step for a session nobody opened.
@@ -408,47 +408,25 @@ fn rows_of_the_wrong_width_and_frames_for_an_unknown_session_are_answered_in_wor
 #[test]
 fn a_refused_open_does_not_forget_a_later_open_of_the_same_session_so_its_lane_is_freed_with_the_link()
  {
-    use stage_server::wire::{Activations, encode, encode_to_vec};
+    use stage_server::wire::encode_to_vec;
     let llama = tiny("reopen-llama", &TinyModel::llama(GgmlDType::Q4_1));
     let stage = StageChild::start(&llama, "2..4", None, &["--lanes", "2"]);
     let hello = encode_to_vec(&Frame::Hello(stage_zero_hello(&llama, 2)));
-    let row: Vec<f32> = (0..64).map(|index| (index as f32 * 0.03).sin()).collect();
-    let prefill = |session: u64| {
-        let mut bytes = Vec::new();
-        encode(
-            &Frame::Prefill {
-                session,
-                position: 0,
-                last: true,
-                batch: Batch::alone(1),
-                rows: Activations::encode(&row, 64, CodecPolicy::F32),
-            },
-            &mut bytes,
-        );
-        bytes
-    };
-    let connect = || {
-        let stream = TcpStream::connect(stage.address).unwrap();
-        stream
-            .set_read_timeout(Some(Duration::from_secs(20)))
-            .unwrap();
-        stream
-    };
     // Link A holds one lane, link B the other.
-    let mut first = connect();
+    let mut first = connect(stage.address);
     let frames = exchange(
         &mut first,
-        &[hello.clone(), configure(1), prefill(1)].concat(),
+        &[hello.clone(), configure(1), one_row_prompt(1)].concat(),
         2,
     );
     assert!(
         matches!(frames[1], Frame::Token { session: 1, .. }),
         "{frames:?}"
     );
-    let mut second = connect();
+    let mut second = connect(stage.address);
     let frames = exchange(
         &mut second,
-        &[hello.clone(), configure(10), prefill(10)].concat(),
+        &[hello.clone(), configure(10), one_row_prompt(10)].concat(),
         2,
     );
     assert!(
@@ -461,7 +439,7 @@ fn a_refused_open_does_not_forget_a_later_open_of_the_same_session_so_its_lane_i
         configure(20),
         encode_to_vec(&Frame::Stop { session: 10 }),
         configure(20),
-        prefill(20),
+        one_row_prompt(20),
     ]
     .concat();
     let frames = exchange(&mut second, &bytes, 2);
@@ -484,10 +462,10 @@ fn a_refused_open_does_not_forget_a_later_open_of_the_same_session_so_its_lane_i
     drop(second);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let mut third = connect();
+        let mut third = connect(stage.address);
         let frames = exchange(
             &mut third,
-            &[hello.clone(), configure(30), prefill(30)].concat(),
+            &[hello.clone(), configure(30), one_row_prompt(30)].concat(),
             2,
         );
         match &frames[1] {
