@@ -482,3 +482,76 @@ fn a_refused_open_does_not_forget_a_later_open_of_the_same_session_so_its_lane_i
         }
     }
 }
+
+#[test]
+fn an_open_that_finds_no_free_lane_takes_the_lane_of_a_session_kept_between_generations() {
+    use stage_server::wire::encode_to_vec;
+    let llama = tiny("take-kept-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let stage = StageChild::start(&llama, "2..4", None, &["--lanes", "1"]);
+    let hello = encode_to_vec(&Frame::Hello(stage_zero_hello(&llama, 2)));
+    // Link A's session 1 computes, then is kept for a later prompt to reuse; a Trim of a session A never opened
+    // comes back from the compute thread after the keep, so the keep is in before link B asks.
+    let mut first = connect(stage.address);
+    let bytes = [
+        hello.clone(),
+        configure(1),
+        one_row_prompt(1),
+        encode_to_vec(&Frame::Keep { session: 1 }),
+        encode_to_vec(&Frame::Trim {
+            session: 99,
+            length: 0,
+        }),
+    ]
+    .concat();
+    let frames = exchange(&mut first, &bytes, 3);
+    assert!(
+        matches!(frames[1], Frame::Token { session: 1, .. }),
+        "{frames:?}"
+    );
+    assert!(
+        matches!(
+            frames[2],
+            Frame::Error {
+                session: 99,
+                code: ErrorCode::UnknownSession,
+                ..
+            }
+        ),
+        "{frames:?}"
+    );
+    // Link B finds the stage's one lane held only by a kept session: it takes it rather than being refused.
+    let mut second = connect(stage.address);
+    let frames = exchange(
+        &mut second,
+        &[hello, configure(2), one_row_prompt(2)].concat(),
+        2,
+    );
+    assert!(
+        matches!(frames[1], Frame::Token { session: 2, .. }),
+        "an open should take a kept session's lane: {frames:?}"
+    );
+    // Session 1 then cannot resume: its link hears it is unknown, as after a restart, and starts afresh.
+    let resume = encode_to_vec(&Frame::Configure {
+        session: 1,
+        sampling: stage_server::wire::Sampling::from(&SamplingParams::default()),
+        stop_tokens: Vec::new(),
+        logit_bias: Vec::new(),
+        history: Vec::new(),
+        top_logprobs: 0,
+        logprob: false,
+        resume: true,
+        trace: None,
+    });
+    let frames = exchange(&mut first, &resume, 1);
+    assert!(
+        matches!(
+            &frames[..],
+            [Frame::Error {
+                session: 1,
+                code: ErrorCode::UnknownSession,
+                ..
+            }]
+        ),
+        "{frames:?}"
+    );
+}

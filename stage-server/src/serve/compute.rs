@@ -61,6 +61,9 @@ pub(crate) enum Work {
     },
     /// Cuts `session`'s lane back to `length` positions.
     Trim { session: u64, length: u32 },
+    /// `session` is kept between generations (`Keep`): its lane holds a reusable prefix and nothing else,
+    /// so an open that finds no free lane may take it (the oldest kept first) rather than be refused.
+    Keep { session: u64 },
     /// Ends `session` and frees its lane.
     Stop { session: u64 },
 }
@@ -286,6 +289,8 @@ impl ComputeHandle {
 /// One session's lane and, at the last stage, its sampler.
 struct Lane {
     index: usize,
+    /// When the session was kept between generations (the owner's count of keeps), if it is idle so.
+    kept: Option<u64>,
     sampler: Option<Sampler>,
     logit_bias: Vec<(u32, f32)>,
     top_logprobs: u8,
@@ -319,6 +324,7 @@ impl Setup {
         });
         Lane {
             index,
+            kept: None,
             sampler,
             logit_bias: self.logit_bias,
             top_logprobs: self.top_logprobs,
@@ -335,6 +341,8 @@ struct Owner {
     free: Vec<usize>,
     /// The id of the last step that sent rows on ([`Batch::id`]).
     steps: u32,
+    /// Keeps counted so far: the order in which kept lanes are taken back.
+    keeps: u64,
     /// How long a batch's first frame waits for the rest ([`BATCH_WAIT`]; longer in tests).
     batch_wait: Duration,
     /// Tests only: the next forward pass panics, as a bug in a kernel would.
@@ -358,6 +366,7 @@ pub(crate) fn start(stage: Stage) -> std::io::Result<(ComputeHandle, JoinHandle<
                 .unwrap_or_default(),
         ),
         batch_wait: BATCH_WAIT,
+        keeps: 0,
         #[cfg(test)]
         panic_next_pass: false,
     };
@@ -577,6 +586,13 @@ impl Owner {
                     Err(error) => failed(session, ErrorCode::Position, &error),
                 },
             },
+            Work::Keep { session } => {
+                if let Some(lane) = self.lanes.get_mut(&(link, session)) {
+                    self.keeps += 1;
+                    lane.kept = Some(self.keeps);
+                }
+                Outcome::Settled
+            }
             Work::Stop { session } => {
                 if let Some(lane) = self.lanes.remove(&(link, session)) {
                     // Freed before the reset, so that even a reset that panicked could not lose the lane (an
@@ -616,7 +632,7 @@ impl Owner {
             }
             (None, false) => {}
         }
-        let Some(index) = self.free.pop() else {
+        let Some(index) = self.free.pop().or_else(|| self.take_kept_lane()) else {
             return Outcome::Failed {
                 session,
                 code: ErrorCode::NoFreeLane,
@@ -633,6 +649,19 @@ impl Owner {
         let last = self.stage.spec().last;
         self.lanes.insert(key, setup.lane(index, last));
         Outcome::Opened { session }
+    }
+
+    /// Takes the lane of the session kept longest between generations, for an open that found no free lane: a
+    /// kept prefix is a cache, not a claim (its owner's next resume is answered `UnknownSession` and runs its
+    /// prompt from scratch, as after a restart), so idle kept sessions never keep new generations out.
+    fn take_kept_lane(&mut self) -> Option<usize> {
+        let oldest = self
+            .lanes
+            .iter()
+            .filter_map(|(key, lane)| lane.kept.map(|kept| (kept, *key)))
+            .min()?
+            .1;
+        self.lanes.remove(&oldest).map(|lane| lane.index)
     }
 
     /// What a computed chunk of `rows` rows at `position` gives: rows for the next stage, or at the last stage
@@ -791,6 +820,7 @@ impl Work {
             Work::Open { session, .. }
             | Work::Chunk { session, .. }
             | Work::Trim { session, .. }
+            | Work::Keep { session }
             | Work::Stop { session } => *session,
         }
     }
@@ -802,6 +832,7 @@ impl Work {
             Work::Chunk { decode: true, .. } => "decode",
             Work::Chunk { .. } => "prefill",
             Work::Trim { .. } => "trim",
+            Work::Keep { .. } => "keep",
             Work::Stop { .. } => "stop",
         }
     }
@@ -932,6 +963,7 @@ mod tests {
             free: (0..lanes).rev().collect(),
             steps: 0,
             batch_wait,
+            keeps: 0,
             panic_next_pass,
         };
         let (jobs, receiver) = channel();

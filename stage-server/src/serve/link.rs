@@ -745,6 +745,8 @@ impl Upstream {
             if self.sessions.remove(&session) {
                 self.shared.open_sessions.fetch_sub(1, Ordering::Relaxed);
                 self.kept.insert(session);
+                // The compute thread may lend the kept lane to an open that finds none free.
+                self.submit(Work::Keep { session }, session, context);
             } else if !self.kept.contains(&session) {
                 // Only a session this link opened can be kept: a table of any ids a peer names would grow
                 // without bound, and each would be stopped down the chain when the link ends.
