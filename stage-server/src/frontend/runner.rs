@@ -134,19 +134,12 @@ impl ChainLane {
                 Ok(generation)
             }
             // A prompt too long for the chain was refused before anything was sent: the link is as it was.
-            Err(DriverError::Context {
-                prompt_tokens,
-                context,
-            }) => {
+            Err(error @ DriverError::Context { context, .. }) => {
                 self.link = Some(link);
                 Err(RunError {
                     unavailable: false,
                     context: Some(context),
-                    message: DriverError::Context {
-                        prompt_tokens,
-                        context,
-                    }
-                    .to_string(),
+                    message: error.to_string(),
                 })
             }
             // Otherwise the link is dropped whatever failed: the next request opens a fresh one, so a stage that

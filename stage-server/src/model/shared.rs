@@ -616,10 +616,10 @@ fn run_step<'a>(
     let step = state.steps;
     drop(state);
     let started = Instant::now();
-    // A panic in the pass fails the lanes of this step, whichever thread ran it: left pending, their chunks
-    // would be planned again by the next step and panic every thread that runs one, and a caller waiting for
-    // a gather would wait for a step that never ends.
-    let results = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+    // A pass that panics answers every entry with an error (`Stage::forward_batch`), so this step's lanes fail
+    // whichever thread ran it: left pending, their chunks would be planned again by the next step, and a caller
+    // waiting for a gather would wait for a step that never ends.
+    let results = {
         let mut stage = lock(&shared.stage);
         let entries: Vec<BatchEntry> = plan
             .iter()
@@ -631,16 +631,7 @@ fn run_step<'a>(
             })
             .collect();
         stage.forward_batch(&entries)
-    }))
-    .unwrap_or_else(|_| {
-        plan.iter()
-            .map(|_| {
-                Err(ModelError::Compute(
-                    "the forward pass panicked; this step's generations are ended".into(),
-                ))
-            })
-            .collect()
-    });
+    };
     let seconds = started.elapsed().as_secs_f64();
     let rows: usize = plan.iter().map(|planned| planned.input.rows(width)).sum();
     let decode_rows = plan.iter().filter(|planned| planned.decode).count();

@@ -168,6 +168,9 @@ pub struct Stage {
     blocks: Vec<Block>,
     head: Option<Head>,
     lanes: Vec<Lane>,
+    /// Tests only: the next pass panics, as a bug in a kernel would.
+    #[cfg(test)]
+    pub(crate) panic_next_pass: bool,
 }
 
 /// One transformer block's weights.
@@ -384,6 +387,8 @@ impl Stage {
             blocks,
             head,
             lanes,
+            #[cfg(test)]
+            panic_next_pass: false,
         })
     }
 
@@ -450,7 +455,8 @@ impl Stage {
     /// attention works on each row by itself, and attention on each lane by itself), so batching changes
     /// speed, never tokens. An entry that is wrong on its own (lane out of range or named twice, position not
     /// the lane's length, wrong input, context full, a non-finite value) fails alone; the others run. Should
-    /// the pass itself fail, every entry in it fails and no lane advances.
+    /// the pass itself fail, or panic (a bug: every input is checked before it), every entry in it fails and
+    /// no lane advances; the stage serves on.
     pub fn forward_batch(
         &mut self,
         entries: &[BatchEntry<'_>],
@@ -460,7 +466,30 @@ impl Stage {
         // as soon as the pass ends, so an idle stage leaves the cores to whatever runs next (on one host, the
         // next stage of the pipeline). Nothing in the pass uses rayon, so it runs on the caller's thread with no
         // hand-off.
-        crate::kernels::ComputePool::global().pass(|| self.forward_batch_in_pool(entries))
+        //
+        // A panic is caught here, once for every caller (stage 0's shared stage, a stage process's compute
+        // thread): unwinding further would end the thread that owns the stage, leaving its generations waiting
+        // on a stage that computes nothing.
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            crate::kernels::ComputePool::global().pass(|| {
+                // Inside the pass, so the test also unwinds through the pool's bookkeeping.
+                #[cfg(test)]
+                if std::mem::take(&mut self.panic_next_pass) {
+                    panic!("a forward pass panicked, as the test asked");
+                }
+                self.forward_batch_in_pool(entries)
+            })
+        }))
+        .unwrap_or_else(|_| {
+            entries
+                .iter()
+                .map(|_| {
+                    Err(ModelError::Compute(
+                        "the forward pass panicked; every entry of its batch is failed".into(),
+                    ))
+                })
+                .collect()
+        })
     }
 
     /// [`Stage::forward_batch`] inside a pass of the compute pool.

@@ -345,9 +345,6 @@ struct Owner {
     keeps: u64,
     /// How long a batch's first frame waits for the rest ([`BATCH_WAIT`]; longer in tests).
     batch_wait: Duration,
-    /// Tests only: the next forward pass panics, as a bug in a kernel would.
-    #[cfg(test)]
-    panic_next_pass: bool,
 }
 
 /// Starts the compute thread over `stage`; it runs until every [`ComputeHandle`] is dropped.
@@ -367,8 +364,6 @@ pub(crate) fn start(stage: Stage) -> std::io::Result<(ComputeHandle, JoinHandle<
         ),
         batch_wait: BATCH_WAIT,
         keeps: 0,
-        #[cfg(test)]
-        panic_next_pass: false,
     };
     let thread = std::thread::Builder::new()
         .name("stage-compute".into())
@@ -473,27 +468,8 @@ impl Owner {
             }
         }
         let started = Instant::now();
-        // A panic in the pass (a bug, never bad input: every input is checked before it) fails this step's
-        // sessions with an error instead of ending the stage's only compute thread, which would leave the
-        // links answering hellos over a stage that computes nothing.
-        let outputs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            #[cfg(test)]
-            if std::mem::take(&mut self.panic_next_pass) {
-                panic!("a forward pass panicked, as the test asked");
-            }
-            self.stage.forward_batch(&entries)
-        }))
-        .unwrap_or_else(|_| {
-            entries
-                .iter()
-                .map(|_| {
-                    Err(ModelError::Compute(
-                        "the forward pass panicked; this step's sessions are failed".into(),
-                    ))
-                })
-                .collect()
-        });
-        let mut outputs = outputs.into_iter();
+        // A pass that panics answers every entry with an error (`Stage::forward_batch`), so the thread serves on.
+        let mut outputs = self.stage.forward_batch(&entries).into_iter();
         let compute_micros = micros(started);
         let row_count: usize = entries
             .iter()
@@ -956,7 +932,8 @@ mod tests {
             lane_count: lanes,
             context_length: None,
         };
-        let stage = Stage::load(&path, spec, options).unwrap();
+        let mut stage = Stage::load(&path, spec, options).unwrap();
+        stage.panic_next_pass = panic_next_pass;
         let owner = Owner {
             stage,
             lanes: HashMap::new(),
@@ -964,7 +941,6 @@ mod tests {
             steps: 0,
             batch_wait,
             keeps: 0,
-            panic_next_pass,
         };
         let (jobs, receiver) = channel();
         let thread = std::thread::spawn(move || owner.run(receiver));
