@@ -65,6 +65,14 @@ pub struct ChainOptions {
     pub connect_timeout: Duration,
     /// How long stage 0 waits for an answer from the chain before it gives up on it.
     pub reply_timeout: Duration,
+    /// How long stage 0 waits in silence for an answer before it checks that the chain is alive: a hello
+    /// through every stage, on a link of its own. A stage that is only slow (a long prompt computing) answers
+    /// it at once, since its links are served apart from its compute; one that is stopped or hung does not, and
+    /// the generation fails then instead of at the reply timeout.
+    pub silence_probe: Duration,
+    /// How long that check may take to connect and hear every stage's hello, at least (it gets four times what
+    /// opening the chain's link took, if that is longer, so a chain over slow links is not taken for a hung one).
+    pub probe_timeout: Duration,
     /// Alternatives (top log-probabilities) each token comes with, up to 20.
     pub top_logprobs: u8,
     /// Whether [`Chain::generate`]'s tokens come with their log-probability (NaN otherwise). It costs the
@@ -88,6 +96,8 @@ impl Default for ChainOptions {
             cluster_key: None,
             connect_timeout: Duration::from_secs(5),
             reply_timeout: Duration::from_secs(60),
+            silence_probe: Duration::from_secs(1),
+            probe_timeout: Duration::from_secs(2),
             top_logprobs: 0,
             logprobs: false,
             shape: LinkShape::default(),
@@ -198,6 +208,10 @@ pub struct Chain {
     wire: Wire,
     /// The first downstream stage's hello.
     next: Hello,
+    /// Stage 0's own hello, to check the chain is alive when it falls silent.
+    ours: Hello,
+    /// How long opening the link took (connect and every stage's hello): the scale of that check's deadline.
+    opening: Duration,
     /// The prediction-return link to the last stage, when the chain named one and it opened.
     returns: Option<Wire>,
     /// Tokens that came back over the return link, over this chain's life.
@@ -308,7 +322,9 @@ impl Chain {
         options: ChainOptions,
     ) -> Result<Chain, DriverError> {
         let direct_return = options.direct_return;
+        let started = Instant::now();
         let (wire, theirs) = Wire::open(ours, next, options.clone(), Role::StageLink)?;
+        let opening = started.elapsed();
         let returns = match theirs.return_address {
             Some(address) if direct_return => {
                 let options = ChainOptions {
@@ -333,6 +349,8 @@ impl Chain {
             stage: share,
             wire,
             next: theirs,
+            ours: ours.clone(),
+            opening,
             returns,
             direct_tokens: 0,
             kept: None,
@@ -489,7 +507,12 @@ impl Chain {
                 });
                 Ok(generation)
             }
-            Err(DriverError::Stage { code, message }) if cached > 0 && !delivered => {
+            // Only a stage that lost the session (restarted, or lent its lane to another) warrants a second run:
+            // a stage that is down or stopped answering would only fail it again, as late.
+            Err(DriverError::Stage {
+                code: code @ ErrorCode::UnknownSession,
+                message,
+            }) if cached > 0 && !delivered => {
                 tracing::debug!(
                     session,
                     "resuming the kept session failed ({code:?}: {message}); running the prompt from scratch"
@@ -825,34 +848,81 @@ impl Chain {
         self.wire.send(frame)
     }
 
-    /// The next frame from either link, whichever has one first.
+    /// The next frame from either link, whichever has one first. Each stretch of [`ChainOptions::silence_probe`]
+    /// without one checks that the chain is alive; the wait ends at [`ChainOptions::reply_timeout`].
     fn receive(&mut self) -> Result<(Source, Frame), DriverError> {
-        let Some(returns) = self.returns.as_mut() else {
-            return self.wire.receive().map(|frame| (Source::Chain, frame));
-        };
+        let deadline = Instant::now() + self.wire.options.reply_timeout;
         loop {
             if let Some(frame) = self.wire.buffered()? {
                 return Ok((Source::Chain, frame));
             }
-            if let Some(frame) = returns.buffered()? {
+            if let Some(frame) = self
+                .returns
+                .as_mut()
+                .map(Wire::buffered)
+                .transpose()?
+                .flatten()
+            {
                 return Ok((Source::Return, frame));
             }
-            let timeout = self.wire.options.reply_timeout;
-            let ready = wait_any_readable(&[&self.wire.link, &returns.link], Some(timeout))
-                .map_err(|error| DriverError::Link {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(DriverError::Link {
                     address: self.wire.address,
-                    error,
-                })?;
+                    error: NetError::Timeout(TimeoutKind::Read),
+                });
+            }
+            let slice = left.min(
+                self.wire
+                    .options
+                    .silence_probe
+                    .max(Duration::from_millis(1)),
+            );
+            let ready = match self.returns.as_ref() {
+                Some(returns) => wait_any_readable(&[&self.wire.link, &returns.link], Some(slice)),
+                None => wait_any_readable(&[&self.wire.link], Some(slice)),
+            }
+            .map_err(|error| DriverError::Link {
+                address: self.wire.address,
+                error,
+            })?;
             match ready {
                 Some(0) => self.wire.fill()?,
-                Some(_) => returns.fill()?,
-                None => {
-                    return Err(DriverError::Link {
-                        address: self.wire.address,
-                        error: NetError::Timeout(TimeoutKind::Read),
-                    });
-                }
+                Some(_) => match self.returns.as_mut() {
+                    Some(returns) => returns.fill()?,
+                    None => self.wire.fill()?,
+                },
+                None if slice < left => self.check_alive(slice)?,
+                None => {}
             }
+        }
+    }
+
+    /// After `silence` without an answer: a hello through every stage, on a link of its own, shows whether the
+    /// chain is alive (only slow) or a stage in it stopped answering, which ends the generation.
+    fn check_alive(&self, silence: Duration) -> Result<(), DriverError> {
+        let timeout = self
+            .wire
+            .options
+            .probe_timeout
+            .max(self.opening.saturating_mul(4));
+        let options = ChainOptions {
+            connect_timeout: timeout,
+            reply_timeout: timeout,
+            ..self.wire.options.clone()
+        };
+        match probe(&self.ours, self.wire.address, options) {
+            Ok(_) => Ok(()),
+            Err(error) => Err(DriverError::Stage {
+                code: ErrorCode::StageDown,
+                message: format!(
+                    "{} at {}, or a stage after it, stopped answering: nothing came for {} ms and a hello through the chain was not answered within {} ms ({error})",
+                    self.wire.peer,
+                    self.wire.address,
+                    silence.as_millis(),
+                    timeout.as_millis()
+                ),
+            }),
         }
     }
 }

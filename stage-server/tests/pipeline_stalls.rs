@@ -1,0 +1,205 @@
+//! A stage that is alive but stopped (SIGSTOP, a hung process) fails stage 0's generation within seconds, not at
+//! the minute-long reply timeout, while a chain that is only slow is never taken for a stopped one.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::Command;
+use std::sync::mpsc::channel;
+use std::time::{Duration, Instant};
+
+use candle_core::quantized::GgmlDType;
+use stage_server::driver::{Chain, ChainOptions};
+use stage_server::model::testing::TinyModel;
+use stage_server::model::{GenerateOptions, ModelFile, SamplingParams};
+
+mod support;
+use support::{START_TIMEOUT, StageChild, http, tiny};
+
+/// Sends `signal` (a name such as `STOP`) to process `pid`.
+fn signal(pid: u32, signal: &str) {
+    let sent = Command::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(sent.success(), "kill -{signal} {pid} failed");
+}
+
+/// A TCP proxy to `target` on 127.0.0.1 that delivers every byte `delay` after it came, each way: a slow network,
+/// on the socket (the in-process `--link-delay` shapes frames, not the hellos a link opens with).
+fn delaying_proxy(target: SocketAddr, delay: Duration) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for client in listener.incoming().map_while(Result::ok) {
+            let Ok(server) = TcpStream::connect(target) else {
+                continue;
+            };
+            for (from, to) in [
+                (client.try_clone().unwrap(), server.try_clone().unwrap()),
+                (server, client),
+            ] {
+                forward_late(from, to, delay);
+            }
+        }
+    });
+    address
+}
+
+/// Copies `from` to `to`, each chunk `delay` after it was read (two threads: one reads, one writes on time).
+fn forward_late(mut from: TcpStream, mut to: TcpStream, delay: Duration) {
+    let (chunks, late) = channel::<(Instant, Vec<u8>)>();
+    std::thread::spawn(move || {
+        let mut buffer = [0u8; 64 * 1024];
+        while let Ok(count) = from.read(&mut buffer) {
+            if count == 0
+                || chunks
+                    .send((Instant::now() + delay, buffer[..count].to_vec()))
+                    .is_err()
+            {
+                break;
+            }
+        }
+    });
+    std::thread::spawn(move || {
+        for (due, bytes) in late {
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+            if to.write_all(&bytes).is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown(std::net::Shutdown::Write);
+    });
+}
+
+#[test]
+fn a_stopped_middle_stage_fails_the_generation_within_seconds_and_serves_again_once_continued() {
+    let llama = tiny("stalls-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    let last = StageChild::start(&llama, "3..4", None, &[]);
+    let middle = StageChild::start(&llama, "1..3", Some(last.address), &[]);
+    let options = ChainOptions::default();
+    let mut chain = Chain::connect(&file, 1, middle.address, options.clone()).unwrap();
+    let generate = GenerateOptions {
+        max_tokens: 200,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    let mut stopped_at = None;
+    let result = chain.generate(&[1, 300, 301], SamplingParams::default(), &generate, |_| {
+        if stopped_at.is_none() {
+            signal(middle.pid(), "STOP");
+            stopped_at = Some(Instant::now());
+        }
+    });
+    let failed_after = stopped_at.expect("a token came before the stop").elapsed();
+    // Continue it before any assertion, so a failing one leaves no stopped process behind.
+    signal(middle.pid(), "CONT");
+    let error = result.expect_err("a generation whose middle stage stopped must fail");
+    // One silence before the check, the check's own deadline, and a second of slack for a loaded machine.
+    let bound = options.silence_probe + options.probe_timeout + Duration::from_secs(1);
+    assert!(
+        failed_after < bound,
+        "the error took {failed_after:?} after the stop (bound {bound:?}): {error}"
+    );
+    let message = error.to_string();
+    assert!(
+        message.contains("stage 1") && message.contains("stopped answering"),
+        "the error should name the stage the chain stopped at: {message}"
+    );
+    // Continued, the same processes serve a new generation.
+    let mut chain = Chain::connect(&file, 1, middle.address, options).unwrap();
+    let generation = chain
+        .generate(
+            &[1, 300, 301],
+            SamplingParams::default(),
+            &GenerateOptions {
+                max_tokens: 4,
+                ..generate
+            },
+            |_| {},
+        )
+        .expect("the continued chain should serve");
+    assert_eq!(generation.tokens.len(), 4);
+}
+
+#[test]
+fn a_chain_slower_than_the_silence_check_still_completes_its_generation() {
+    let llama = tiny("stalls-slow-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    let last = StageChild::start(&llama, "3..4", None, &[]);
+    let middle = StageChild::start(&llama, "1..3", Some(last.address), &[]);
+    let generate = GenerateOptions {
+        max_tokens: 3,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    let direct = Chain::connect(&file, 1, middle.address, ChainOptions::default())
+        .unwrap()
+        .generate(&[1, 300, 301], SamplingParams::default(), &generate, |_| {})
+        .unwrap();
+    // A proxy in front of the middle stage holds every byte back 1.1 s each way: stage 0 hears nothing for longer
+    // than the silence before the check at every step, and the check's hello takes 2.2 s on the socket, past
+    // the check's 2 s floor (its deadline grows with what opening the link took).
+    let delay = Duration::from_millis(1100);
+    let proxy = delaying_proxy(middle.address, delay);
+    let options = ChainOptions::default();
+    assert!(options.silence_probe < delay * 2 && options.probe_timeout < delay * 2);
+    let slow = Chain::connect(&file, 1, proxy, options)
+        .unwrap()
+        .generate(&[1, 300, 301], SamplingParams::default(), &generate, |_| {})
+        .expect("a slow chain is alive and must complete");
+    assert_eq!(slow.tokens, direct.tokens);
+}
+
+#[test]
+fn the_api_answers_a_request_to_a_stopped_stage_with_a_503_in_seconds_and_serves_once_it_continues()
+{
+    use stage_server::frontend::{ApiConfig, ApiServer, Backend};
+    let llama = tiny("stalls-api", &TinyModel::llama(GgmlDType::Q4_1));
+    let last = StageChild::start(&llama, "2..4", None, &[]);
+    let mut config = ApiConfig::new("127.0.0.1:0".parse().unwrap());
+    config.lanes = 1;
+    let options = ChainOptions::default();
+    let backend = Backend::Chain {
+        layers_end: 2,
+        next: last.address,
+        options: options.clone(),
+    };
+    let api = ApiServer::start(&llama, backend, config).unwrap();
+    api.wait_ready(START_TIMEOUT).unwrap();
+    let address = api.local_addr();
+    let request = r#"{"prompt":[1,300,301],"max_tokens":4,"temperature":0}"#;
+    let (status, body) = http(address, "POST", "/v1/completions", request);
+    assert_eq!(status, 200, "{body}");
+    // Stopped, the stage keeps the lane's link open and says nothing: the request the API accepted fails in
+    // words once the check finds the chain silent, not at the minute-long reply timeout.
+    signal(last.pid(), "STOP");
+    let started = Instant::now();
+    let (status, body) = http(address, "POST", "/v1/completions", request);
+    let took = started.elapsed();
+    signal(last.pid(), "CONT");
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("stage 1"),
+        "the error should name the stage: {body}"
+    );
+    let bound = options.silence_probe + options.probe_timeout + Duration::from_secs(2);
+    assert!(
+        took < bound,
+        "a stopped stage took {took:?} to answer (bound {bound:?}): {body}"
+    );
+    // Continued, the chain serves again without restarting anything.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (status, body) = http(address, "POST", "/v1/completions", request);
+        if status == 200 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the chain never served again: {status} {body}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let _ = api.shutdown(Instant::now() + Duration::from_secs(5));
+}
