@@ -114,6 +114,8 @@ fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("stop", Frame::Stop { session: 4 }),
         ("open-return", Frame::OpenReturn { session: 4 }),
         ("keep", Frame::Keep { session: 4 }),
+        ("ping", Frame::Ping { nonce: 0x0102 }),
+        ("pong", Frame::Pong { nonce: 0x0102 }),
         (
             "ack",
             Frame::Ack {

@@ -1,5 +1,6 @@
-//! A stage that is alive but stopped (SIGSTOP, a hung process) fails stage 0's generation within seconds, not at
-//! the minute-long reply timeout, while a chain that is only slow is never taken for a stopped one.
+//! A stage that is alive but stopped (SIGSTOP) fails stage 0's generation within seconds, not at the minute-long
+//! reply timeout (a ping down the chain goes unanswered), while a chain that is only slow is never taken for a
+//! stopped one.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -95,8 +96,9 @@ fn a_stopped_middle_stage_fails_the_generation_within_seconds_and_serves_again_o
     // Continue it before any assertion, so a failing one leaves no stopped process behind.
     signal(middle.pid(), "CONT");
     let error = result.expect_err("a generation whose middle stage stopped must fail");
-    // One silence before the check, the check's own deadline, and a second of slack for a loaded machine.
-    let bound = options.silence_probe + options.probe_timeout + Duration::from_secs(1);
+    // One silence before the ping, the ping's deadline (opening a link on loopback takes far less than a
+    // quarter of it), and slack for a loaded machine.
+    let bound = options.silence_probe + options.probe_timeout + Duration::from_secs(3);
     assert!(
         failed_after < bound,
         "the error took {failed_after:?} after the stop (bound {bound:?}): {error}"
@@ -129,21 +131,25 @@ fn a_chain_slower_than_the_silence_check_still_completes_its_generation() {
     let last = StageChild::start(&llama, "3..4", None, &[]);
     let middle = StageChild::start(&llama, "1..3", Some(last.address), &[]);
     let generate = GenerateOptions {
-        max_tokens: 3,
+        max_tokens: 2,
         stop_tokens: Vec::new(),
         keep_logits: false,
     };
-    let direct = Chain::connect(&file, 1, middle.address, ChainOptions::default())
+    // Tokens relayed up the chain, so that every answer crosses the slow link below.
+    let options = ChainOptions {
+        direct_return: false,
+        ..ChainOptions::default()
+    };
+    let direct = Chain::connect(&file, 1, middle.address, options.clone())
         .unwrap()
         .generate(&[1, 300, 301], SamplingParams::default(), &generate, |_| {})
         .unwrap();
-    // A proxy in front of the middle stage holds every byte back 1.1 s each way: stage 0 hears nothing for longer
-    // than the silence before the check at every step, and the check's hello takes 2.2 s on the socket, past
-    // the check's 2 s floor (its deadline grows with what opening the link took).
-    let delay = Duration::from_millis(1100);
+    // A proxy in front of the middle stage holds every byte back 2.2 s each way: a step takes 4.4 s, longer than
+    // the silence before a ping and the ping's 3 s floor together, so only a deadline grown with what opening
+    // the link took (as long as a step) keeps the check from taking the slow chain for a stopped one.
+    let delay = Duration::from_millis(2200);
     let proxy = delaying_proxy(middle.address, delay);
-    let options = ChainOptions::default();
-    assert!(options.silence_probe < delay * 2 && options.probe_timeout < delay * 2);
+    assert!(options.silence_probe + options.probe_timeout < delay * 2);
     let slow = Chain::connect(&file, 1, proxy, options)
         .unwrap()
         .generate(&[1, 300, 301], SamplingParams::default(), &generate, |_| {})
@@ -183,7 +189,7 @@ fn the_api_answers_a_request_to_a_stopped_stage_with_a_503_in_seconds_and_serves
         body.contains("stage 1"),
         "the error should name the stage: {body}"
     );
-    let bound = options.silence_probe + options.probe_timeout + Duration::from_secs(2);
+    let bound = options.silence_probe + options.probe_timeout + Duration::from_secs(3);
     assert!(
         took < bound,
         "a stopped stage took {took:?} to answer (bound {bound:?}): {body}"

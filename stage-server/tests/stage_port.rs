@@ -1,5 +1,6 @@
 //! A stage port spoken to frame by frame, as a peer that is not stage-server could: the return link taken only
-//! by the last stage, frames sent far ahead of their answers, and a link's sessions bounded by the stage's lanes.
+//! by the last stage, frames sent far ahead of their answers, a link's sessions bounded by the stage's lanes, and
+//! pings passed down the chain.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -552,6 +553,90 @@ fn an_open_that_finds_no_free_lane_takes_the_lane_of_a_session_kept_between_gene
                 ..
             }]
         ),
+        "{frames:?}"
+    );
+}
+
+#[test]
+fn a_ping_goes_down_the_chain_and_its_pong_comes_back_before_the_rows_sent_after_it_are_answered() {
+    use stage_server::wire::{Activations, encode};
+    let llama = tiny("ping-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let last = StageChild::start(&llama, "2..4", None, &[]);
+    let middle = StageChild::start(&llama, "1..2", Some(last.address), &[]);
+    let mut stream = connect(middle.address);
+    // A middle stage answers the hello once the next stage answered its own; frames wait for that answer.
+    let hello = stage_server::wire::encode_to_vec(&Frame::Hello(stage_zero_hello(&llama, 1)));
+    let answer = exchange(&mut stream, &hello, 1);
+    assert!(matches!(&answer[..], [Frame::Hello(_)]), "{answer:?}");
+    let session = 3;
+    let mut bytes = configure(session);
+    // A ping between two hundred one-row chunks: it is read (and passed on) before the second hundred, so its
+    // pong, from the last stage, comes back before the token of the last chunk, however slowly they compute.
+    let chunks = 200u32;
+    for position in 0..chunks {
+        if position == chunks / 2 {
+            encode(&Frame::Ping { nonce: 0xfeed }, &mut bytes);
+        }
+        let row: Vec<f32> = (0..64)
+            .map(|index| ((index + position) as f32 * 0.02).cos())
+            .collect();
+        encode(
+            &Frame::Prefill {
+                session,
+                position,
+                last: position + 1 == chunks,
+                batch: Batch::alone(position),
+                rows: Activations::encode(&row, 64, CodecPolicy::F32),
+            },
+            &mut bytes,
+        );
+    }
+    stream.write_all(&bytes).unwrap();
+    let mut decoder = Decoder::new(WireLimits::default());
+    let mut frames = Vec::new();
+    let mut buffer = vec![0u8; 64 * 1024];
+    let mut pending: Vec<u8> = Vec::new();
+    while !frames
+        .iter()
+        .any(|frame| matches!(frame, Frame::Token { .. } | Frame::Error { .. }))
+    {
+        let count = stream.read(&mut buffer).expect("the stage answers");
+        assert!(count > 0, "the stage closed the link: {frames:?}");
+        pending.extend_from_slice(&buffer[..count]);
+        let mut start = 0;
+        while let Ok((taken, Some(frame))) = decoder.decode(&pending[start..]) {
+            start += taken;
+            frames.push(frame);
+        }
+        pending.drain(..start);
+    }
+    let pong = frames
+        .iter()
+        .position(|frame| matches!(frame, Frame::Pong { nonce: 0xfeed }));
+    let token = frames
+        .iter()
+        .position(|frame| matches!(frame, Frame::Token { .. }));
+    assert!(
+        matches!((pong, token), (Some(pong), Some(token)) if pong < token),
+        "the pong should come back before the token: {frames:?}"
+    );
+    // A pong is the last stage's answer, not something a stage is sent: refused in words, the link goes on.
+    let frames = exchange(
+        &mut stream,
+        &stage_server::wire::encode_to_vec(&Frame::Pong { nonce: 1 }),
+        1,
+    );
+    assert!(
+        matches!(&frames[..], [Frame::Error { code: ErrorCode::Protocol, message, .. }] if message.contains("pong")),
+        "{frames:?}"
+    );
+    let frames = exchange(
+        &mut stream,
+        &stage_server::wire::encode_to_vec(&Frame::Ping { nonce: 2 }),
+        1,
+    );
+    assert!(
+        matches!(&frames[..], [Frame::Pong { nonce: 2 }]),
         "{frames:?}"
     );
 }

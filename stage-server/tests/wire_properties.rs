@@ -216,6 +216,8 @@ fn frame() -> impl Strategy<Value = Frame> {
         any::<u64>().prop_map(|session| Frame::Stop { session }),
         any::<u64>().prop_map(|session| Frame::OpenReturn { session }),
         any::<u64>().prop_map(|session| Frame::Keep { session }),
+        any::<u64>().prop_map(|nonce| Frame::Ping { nonce }),
+        any::<u64>().prop_map(|nonce| Frame::Pong { nonce }),
         (
             any::<u64>(),
             any::<u32>(),

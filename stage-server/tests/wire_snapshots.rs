@@ -89,6 +89,8 @@ fn examples() -> Vec<Frame> {
         Frame::Stop { session: 5 },
         Frame::OpenReturn { session: 5 },
         Frame::Keep { session: 5 },
+        Frame::Ping { nonce: 0x0a0b },
+        Frame::Pong { nonce: 0x0a0b },
         Frame::Ack {
             session: 5,
             position: 13,
@@ -165,7 +167,7 @@ fn the_examples_cover_every_frame_kind() {
     kinds.dedup();
     assert_eq!(
         kinds.len(),
-        12,
+        14,
         "an example is missing or doubled: {kinds:?}"
     );
 }

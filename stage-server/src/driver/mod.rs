@@ -65,13 +65,14 @@ pub struct ChainOptions {
     pub connect_timeout: Duration,
     /// How long stage 0 waits for an answer from the chain before it gives up on it.
     pub reply_timeout: Duration,
-    /// How long stage 0 waits in silence for an answer before it checks that the chain is alive: a hello
-    /// through every stage, on a link of its own. A stage that is only slow (a long prompt computing) answers
-    /// it at once, since its links are served apart from its compute; one that is stopped or hung does not, and
-    /// the generation fails then instead of at the reply timeout.
+    /// How long stage 0 waits in silence for an answer before it checks that the chain is alive: a `Ping` down
+    /// the chain, which every stage passes on as it reads it (its event loops serve its links apart from its
+    /// compute, so a stage busy with a long prompt answers at once) and the last answers. A stage that is
+    /// stopped or cut off does not, and the generation fails then instead of at the reply timeout. Zero turns the
+    /// check off.
     pub silence_probe: Duration,
-    /// How long that check may take to connect and hear every stage's hello, at least (it gets four times what
-    /// opening the chain's link took, if that is longer, so a chain over slow links is not taken for a hung one).
+    /// How long a ping may go unanswered, at least (it gets four times what opening the chain's link took, if
+    /// that is longer, so a chain over slow links is not taken for a stopped one).
     pub probe_timeout: Duration,
     /// Alternatives (top log-probabilities) each token comes with, up to 20.
     pub top_logprobs: u8,
@@ -97,7 +98,7 @@ impl Default for ChainOptions {
             connect_timeout: Duration::from_secs(5),
             reply_timeout: Duration::from_secs(60),
             silence_probe: Duration::from_secs(1),
-            probe_timeout: Duration::from_secs(2),
+            probe_timeout: Duration::from_secs(3),
             top_logprobs: 0,
             logprobs: false,
             shape: LinkShape::default(),
@@ -208,9 +209,7 @@ pub struct Chain {
     wire: Wire,
     /// The first downstream stage's hello.
     next: Hello,
-    /// Stage 0's own hello, to check the chain is alive when it falls silent.
-    ours: Hello,
-    /// How long opening the link took (connect and every stage's hello): the scale of that check's deadline.
+    /// How long opening the link took (connect and every stage's hello): the scale of a ping's deadline.
     opening: Duration,
     /// The prediction-return link to the last stage, when the chain named one and it opened.
     returns: Option<Wire>,
@@ -349,7 +348,6 @@ impl Chain {
             stage: share,
             wire,
             next: theirs,
-            ours: ours.clone(),
             opening,
             returns,
             direct_tokens: 0,
@@ -848,36 +846,56 @@ impl Chain {
         self.wire.send(frame)
     }
 
-    /// The next frame from either link, whichever has one first. Each stretch of [`ChainOptions::silence_probe`]
-    /// without one checks that the chain is alive; the wait ends at [`ChainOptions::reply_timeout`].
+    /// The next frame from either link, whichever has one first. After [`ChainOptions::silence_probe`] without
+    /// one, a `Ping` goes down the chain; if nothing at all comes back within the check's deadline, a stage is
+    /// stopped or cut off and the wait ends with `StageDown`. The wait ends at [`ChainOptions::reply_timeout`].
     fn receive(&mut self) -> Result<(Source, Frame), DriverError> {
         let deadline = Instant::now() + self.wire.options.reply_timeout;
+        let silence = self.wire.options.silence_probe;
+        let check = self.check_deadline();
+        // The ping on its way and when it went.
+        let mut pinged: Option<Instant> = None;
         loop {
-            if let Some(frame) = self.wire.buffered()? {
-                return Ok((Source::Chain, frame));
+            let frame = match self.wire.buffered()? {
+                Some(frame) => Some((Source::Chain, frame)),
+                None => self
+                    .returns
+                    .as_mut()
+                    .map(Wire::buffered)
+                    .transpose()?
+                    .flatten()
+                    .map(|frame| (Source::Return, frame)),
+            };
+            match frame {
+                // Whatever comes shows the chain alive; a pong is only that.
+                Some((_, Frame::Pong { .. })) => {
+                    pinged = None;
+                    continue;
+                }
+                Some(frame) => return Ok(frame),
+                None => {}
             }
-            if let Some(frame) = self
-                .returns
-                .as_mut()
-                .map(Wire::buffered)
-                .transpose()?
-                .flatten()
-            {
-                return Ok((Source::Return, frame));
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
+            let now = Instant::now();
+            let left = deadline.saturating_duration_since(now);
             if left.is_zero() {
                 return Err(DriverError::Link {
                     address: self.wire.address,
                     error: NetError::Timeout(TimeoutKind::Read),
                 });
             }
-            let slice = left.min(
-                self.wire
-                    .options
-                    .silence_probe
-                    .max(Duration::from_millis(1)),
-            );
+            let slice = match pinged {
+                Some(sent) => {
+                    let waited = now.saturating_duration_since(sent);
+                    if waited >= check {
+                        return Err(self.stopped_answering(silence, check));
+                    }
+                    check - waited
+                }
+                // A zero silence turns the check off.
+                None if silence.is_zero() => left,
+                None => silence,
+            };
+            let slice = slice.min(left);
             let ready = match self.returns.as_ref() {
                 Some(returns) => wait_any_readable(&[&self.wire.link, &returns.link], Some(slice)),
                 None => wait_any_readable(&[&self.wire.link], Some(slice)),
@@ -887,42 +905,48 @@ impl Chain {
                 error,
             })?;
             match ready {
-                Some(0) => self.wire.fill()?,
-                Some(_) => match self.returns.as_mut() {
-                    Some(returns) => returns.fill()?,
-                    None => self.wire.fill()?,
-                },
-                None if slice < left => self.check_alive(slice)?,
+                Some(0) => {
+                    self.wire.fill()?;
+                    pinged = None;
+                }
+                Some(_) => {
+                    match self.returns.as_mut() {
+                        Some(returns) => returns.fill()?,
+                        None => self.wire.fill()?,
+                    }
+                    pinged = None;
+                }
+                None if pinged.is_none() && !silence.is_zero() => {
+                    self.send(&Frame::Ping {
+                        nonce: u64::from_le_bytes(fresh_nonce()[..8].try_into().unwrap_or([0; 8])),
+                    })?;
+                    pinged = Some(Instant::now());
+                }
                 None => {}
             }
         }
     }
 
-    /// After `silence` without an answer: a hello through every stage, on a link of its own, shows whether the
-    /// chain is alive (only slow) or a stage in it stopped answering, which ends the generation.
-    fn check_alive(&self, silence: Duration) -> Result<(), DriverError> {
-        let timeout = self
-            .wire
+    /// How long a ping may go unanswered: [`ChainOptions::probe_timeout`], or four times what opening the link
+    /// took where that is longer (a chain over slow links is not taken for a stopped one).
+    fn check_deadline(&self) -> Duration {
+        self.wire
             .options
             .probe_timeout
-            .max(self.opening.saturating_mul(4));
-        let options = ChainOptions {
-            connect_timeout: timeout,
-            reply_timeout: timeout,
-            ..self.wire.options.clone()
-        };
-        match probe(&self.ours, self.wire.address, options) {
-            Ok(_) => Ok(()),
-            Err(error) => Err(DriverError::Stage {
-                code: ErrorCode::StageDown,
-                message: format!(
-                    "{} at {}, or a stage after it, stopped answering: nothing came for {} ms and a hello through the chain was not answered within {} ms ({error})",
-                    self.wire.peer,
-                    self.wire.address,
-                    silence.as_millis(),
-                    timeout.as_millis()
-                ),
-            }),
+            .max(self.opening.saturating_mul(4))
+    }
+
+    /// The error of a chain that answered neither its frames nor a ping.
+    fn stopped_answering(&self, silence: Duration, check: Duration) -> DriverError {
+        DriverError::Stage {
+            code: ErrorCode::StageDown,
+            message: format!(
+                "{} at {}, or a stage after it, stopped answering: nothing came for {} ms, nor an answer to a ping through the chain within {} ms after it (a stage is stopped, hung or cut off)",
+                self.wire.peer,
+                self.wire.address,
+                silence.as_millis(),
+                check.as_millis()
+            ),
         }
     }
 }

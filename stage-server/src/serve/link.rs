@@ -337,8 +337,16 @@ impl Upstream {
             match self.decoder.decode(input.bytes()) {
                 Ok((taken, frame)) => {
                     input.consume(taken);
-                    if let Some(frame) = frame {
-                        self.queued.push(frame);
+                    match frame {
+                        // A liveness check is answered as it is read, not behind frames waiting for compute.
+                        Some(Frame::Ping { nonce })
+                            if matches!(self.state, UpstreamState::Serving)
+                                && self.returning.is_none() =>
+                        {
+                            self.on_ping(nonce, context);
+                        }
+                        Some(frame) => self.queued.push(frame),
+                        None => {}
                     }
                 }
                 Err(error) => {
@@ -1136,6 +1144,15 @@ impl Upstream {
             && !matches!(self.state, UpstreamState::Closing)
         {
             self.refuse(context, 0, ErrorCode::StageDown, reason);
+        }
+    }
+
+    /// Stage 0 asks whether the chain is alive: a stage with a next one passes the ping on (its answer comes
+    /// back up the pair as every answer does), the last stage answers it.
+    fn on_ping(&mut self, nonce: u64, context: &mut SessionContext<'_>) {
+        match &self.pair {
+            Some(pair) => pair.send_down(&Frame::Ping { nonce }, None),
+            None => self.write(context, &Frame::Pong { nonce }),
         }
     }
 

@@ -485,6 +485,12 @@ fn parse_body(kind: u8, reader: &mut Reader<'_>, limits: &WireLimits) -> Result<
         kind::KEEP => Frame::Keep {
             session: reader.u64("session")?,
         },
+        kind::PING => Frame::Ping {
+            nonce: reader.u64("nonce")?,
+        },
+        kind::PONG => Frame::Pong {
+            nonce: reader.u64("nonce")?,
+        },
         kind::OPEN_RETURN => Frame::OpenReturn {
             session: reader.u64("session")?,
         },

@@ -104,6 +104,8 @@ pub enum ErrorCode {
 ///  10    Token        session u64, position u32, token u32, logprob f32, count u8, count x (token u32, logprob f32)
 ///  11    Error        session u64, code u16, length u32, message [length] (UTF-8)
 ///  12    Keep         session u64
+///  13    Ping         nonce u64
+///  14    Pong         nonce u64
 ///
 ///  address     = family u8 (4: ip [4], 6: ip [16]), port u16; after the presence byte of `address?`, which
 ///                is the family byte itself: 0 for none
@@ -222,6 +224,18 @@ pub enum Frame {
         /// The session.
         session: u64,
     },
+    /// Is the chain alive? Sent down a stage link by stage 0 when the chain has been silent a while; each stage
+    /// passes it on to the next as it reads it (not behind its compute), and the last answers [`Frame::Pong`],
+    /// which comes back up the chain as answers do. A link frame: it names no session.
+    Ping {
+        /// Echoed in the answer.
+        nonce: u64,
+    },
+    /// The last stage's answer to a [`Frame::Ping`], with its nonce.
+    Pong {
+        /// The ping's nonce.
+        nonce: u64,
+    },
     /// A refusal or failure. Build it with [`Frame::error`], which keeps the message within the limit.
     Error {
         /// The session it concerns; 0 for the whole link.
@@ -268,6 +282,8 @@ pub(crate) mod kind {
     pub const TOKEN: u8 = 10;
     pub const ERROR: u8 = 11;
     pub const KEEP: u8 = 12;
+    pub const PING: u8 = 13;
+    pub const PONG: u8 = 14;
 
     /// The name of a known kind byte.
     pub fn name(kind: u8) -> Option<&'static str> {
@@ -284,6 +300,8 @@ pub(crate) mod kind {
             TOKEN => "token",
             ERROR => "error",
             KEEP => "keep",
+            PING => "ping",
+            PONG => "pong",
             _ => return None,
         })
     }
@@ -390,7 +408,7 @@ impl Frame {
     /// whole link (session 0).
     pub fn session(&self) -> Option<u64> {
         match self {
-            Frame::Hello(_) | Frame::Proof { .. } => None,
+            Frame::Hello(_) | Frame::Proof { .. } | Frame::Ping { .. } | Frame::Pong { .. } => None,
             Frame::Error { session: 0, .. } => None,
             Frame::Configure { session, .. }
             | Frame::Prefill { session, .. }
@@ -417,6 +435,8 @@ impl Frame {
             Frame::Stop { .. } => kind::STOP,
             Frame::OpenReturn { .. } => kind::OPEN_RETURN,
             Frame::Keep { .. } => kind::KEEP,
+            Frame::Ping { .. } => kind::PING,
+            Frame::Pong { .. } => kind::PONG,
             Frame::Ack { .. } => kind::ACK,
             Frame::Token { .. } => kind::TOKEN,
             Frame::Error { .. } => kind::ERROR,
@@ -567,6 +587,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
         Frame::Stop { session } | Frame::OpenReturn { session } | Frame::Keep { session } => {
             writer.u64(*session)
         }
+        Frame::Ping { nonce } | Frame::Pong { nonce } => writer.u64(*nonce),
         Frame::Ack {
             session,
             position,

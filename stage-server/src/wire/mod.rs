@@ -82,7 +82,8 @@ pub const MAGIC: [u8; 4] = *b"SSTG";
 /// Version 4: `Prefill` and `Decode` carry the sender's step ([`Batch`]), so a stage runs a batch's rows together;
 /// `Configure` can resume a session kept open from an earlier generation (prefix reuse down a chain).
 /// Version 5: a hello carries a lane's context length, the chain's least in an answer.
-pub const PROTOCOL_VERSION: u16 = 5;
+/// Version 6: `Ping` and `Pong`, a liveness check through the chain's links.
+pub const PROTOCOL_VERSION: u16 = 6;
 
 /// Bounds the decoder checks before it allocates anything for a field.
 ///
