@@ -640,3 +640,107 @@ fn a_ping_goes_down_the_chain_and_its_pong_comes_back_before_the_rows_sent_after
         "{frames:?}"
     );
 }
+
+#[test]
+fn a_session_whose_rows_are_not_finite_fails_alone_and_the_other_session_of_its_step_computes_as_alone()
+ {
+    use stage_server::wire::{Activations, Sampling, encode, encode_to_vec};
+    let llama = tiny("nan-rows-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let stage = StageChild::start(&llama, "2..4", None, &[]);
+    let row: Vec<f32> = (0..64).map(|index| (index as f32 * 0.05).sin()).collect();
+    let mut poisoned = row.clone();
+    poisoned[9] = f32::NAN;
+    // With the token's log-probability, so that "as alone" compares the logits' bits, not only the argmax.
+    let open = |session: u64| {
+        encode_to_vec(&Frame::Configure {
+            session,
+            sampling: Sampling::from(&SamplingParams::default()),
+            stop_tokens: Vec::new(),
+            logit_bias: Vec::new(),
+            history: Vec::new(),
+            top_logprobs: 0,
+            logprob: true,
+            resume: false,
+            trace: None,
+        })
+    };
+    let prompt = |session: u64, rows: &[f32], batch: Batch, bytes: &mut Vec<u8>| {
+        encode(
+            &Frame::Prefill {
+                session,
+                position: 0,
+                last: true,
+                batch,
+                rows: Activations::encode(rows, 64, CodecPolicy::F32),
+            },
+            bytes,
+        );
+    };
+    // Alone first, on a link of its own.
+    let mut alone = connect(stage.address);
+    let mut bytes = encode_to_vec(&Frame::Hello(stage_zero_hello(&llama, 2)));
+    bytes.extend(open(1));
+    prompt(1, &row, Batch::alone(1), &mut bytes);
+    let frames = exchange(&mut alone, &bytes, 2);
+    let Frame::Token {
+        token: alone_token,
+        logprob: alone_logprob,
+        ..
+    } = frames[1]
+    else {
+        panic!("the session alone should compute: {frames:?}");
+    };
+    // Then in one step with a session whose row holds a NaN (a peer's activations are input like any other).
+    let mut stream = connect(stage.address);
+    let mut bytes = encode_to_vec(&Frame::Hello(stage_zero_hello(&llama, 2)));
+    bytes.extend(open(7));
+    bytes.extend(open(8));
+    let step = Batch { id: 5, frames: 2 };
+    prompt(7, &poisoned, step, &mut bytes);
+    prompt(8, &row, step, &mut bytes);
+    let frames = exchange(&mut stream, &bytes, 3);
+    let failed = frames[1..].iter().any(|frame| {
+        matches!(frame, Frame::Error { session: 7, message, .. } if message.contains("NaN"))
+    });
+    assert!(
+        failed,
+        "the poisoned session should fail in words: {frames:?}"
+    );
+    let computed = frames[1..].iter().find_map(|frame| match frame {
+        Frame::Token {
+            session: 8,
+            token,
+            logprob,
+            ..
+        } => Some((*token, logprob.to_bits())),
+        _ => None,
+    });
+    assert_eq!(
+        computed,
+        Some((alone_token, alone_logprob.to_bits())),
+        "the other session of the step should compute as it does alone: {frames:?}"
+    );
+    // The link and the good session go on.
+    let mut bytes = Vec::new();
+    encode(
+        &Frame::Decode {
+            session: 8,
+            position: 1,
+            batch: Batch::alone(6),
+            rows: Activations::encode(&row, 64, CodecPolicy::F32),
+        },
+        &mut bytes,
+    );
+    let frames = exchange(&mut stream, &bytes, 1);
+    assert!(
+        matches!(
+            frames[..],
+            [Frame::Token {
+                session: 8,
+                position: 2,
+                ..
+            }]
+        ),
+        "{frames:?}"
+    );
+}
