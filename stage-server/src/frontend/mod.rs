@@ -252,9 +252,9 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
     let block_count = file.config().block_count;
     let vocab_size = file.config().vocab_size;
     let context = state.config.context_length;
-    // The whole model's compute thread hears of queued requests, so requests that free lanes can take together
-    // are admitted in one pass (a chain's stage 0 does not gather).
-    let mut backlog = None;
+    // Stage 0's steps hear of queued requests, so requests that free lanes can take together are admitted in
+    // one pass (the whole model's compute thread, or a chain's stage 0's callers).
+    let backlog;
     let chain_context = Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));
     let (runners, context_length) = match backend {
         Backend::Whole => {
@@ -304,6 +304,7 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
                 )
                 .map_err(|error| format!("stage 0's compute thread did not start: {error}"))?,
             );
+            backlog = Some(stage.backlog());
             let ours = first_stage_hello(&file, layers_end, width, context_length)
                 .map_err(|error| error.to_string())?;
             let health = Arc::clone(&state.chain);

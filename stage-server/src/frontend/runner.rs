@@ -203,7 +203,9 @@ impl LaneRunner {
     pub(crate) fn expect_arrival(&self) -> Option<Arrival> {
         match self {
             LaneRunner::Local(batcher) => Some(batcher.expect_arrival()),
-            LaneRunner::Chain(_) => None,
+            // Bound to the lane: it lasts until the lane's first chunk, which comes after the chain's
+            // Configure and the return link's answer, not when the lane becomes active.
+            LaneRunner::Chain(lane) => Some(lane.share.stage.expect_arrival_on(lane.share.lane)),
         }
     }
 
@@ -226,7 +228,11 @@ impl LaneRunner {
                 context: None,
                 message: error.to_string(),
             }),
-            LaneRunner::Chain(lane) => lane.generate(prompt, sampling, extras, options, on_token),
+            LaneRunner::Chain(lane) => {
+                // Held through the generation: the lane's first chunk ends it (see `expect_arrival`).
+                let _arrival = arrival;
+                lane.generate(prompt, sampling, extras, options, on_token)
+            }
         }
     }
 }

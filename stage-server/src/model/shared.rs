@@ -23,7 +23,8 @@
 //! - *admit together*: while a server's queue holds requests for free lanes ([`Backlog`]) or a generation is on
 //!   its way to a lane ([`Arrival`]), a step with no stream to decode waits up to [`ARRIVAL_WAIT`] for them, so
 //!   prompts that can start together prefill in one pass instead of each stalling the streams the one before
-//!   it started;
+//!   it started (in front of a chain too, where the prompts then also go down together and their streams
+//!   stay in one step);
 //! - *a prompt's share of a decode step* (when [`StepPolicy::decode_stretch`] is set): while streams decode, a
 //!   step also runs prompt rows only as many as keep it within that many times a decode-only step, by the costs
 //!   measured on the steps so far; a long prompt runs over several steps beside the streams instead of freezing
@@ -61,8 +62,8 @@ pub const DEFAULT_BATCH_TOKENS: usize = 512;
 pub struct StepPolicy {
     /// Rows of one pass at most; every pending one-row chunk (a stream's next token) runs whatever the budget.
     pub batch_tokens: usize,
-    /// How long a step waits for active lanes that have not handed in their next chunk yet (zero: not at all,
-    /// nor for arrivals).
+    /// How long a step waits for active lanes that have not handed in their next chunk yet (zero: not at all;
+    /// the callers run the steps, as in front of a chain).
     pub gather: Duration,
     /// While streams decode, the most a step that also runs prompt rows may take, as a multiple of a
     /// decode-only step: the prompt rows are cut to fit (at least one a step). `None`: prompt rows up to
@@ -77,6 +78,10 @@ pub struct StepPolicy {
     /// cores, one host); the stage count keeps every stage busy where each has its own. 0: no hold, each step
     /// runs whatever has come back (lanes drift apart into one-row steps).
     pub batches_in_flight: usize,
+    /// Where the callers run the steps (a zero `gather`), how long a step with no stream to decode waits for
+    /// generations announced on lanes ([`SharedStage::expect_arrival_on`]) to hand in their first chunks;
+    /// [`ARRIVAL_WAIT`] by default. (A gathering stage waits [`ARRIVAL_WAIT`] or its gather, the longer.)
+    pub arrival_wait: Duration,
 }
 
 impl StepPolicy {
@@ -89,6 +94,7 @@ impl StepPolicy {
             gather,
             decode_stretch: None,
             batches_in_flight: 0,
+            arrival_wait: ARRIVAL_WAIT,
         }
     }
 }
@@ -140,6 +146,9 @@ struct State {
     /// Since when a step has been held for lanes out on their round trip (see
     /// [`StepPolicy::batches_in_flight`]).
     held_since: Option<Instant>,
+    /// Since when a step of a chain's stage 0 has been held for generations arriving at lanes (see
+    /// [`SharedStage::expect_arrival_on`]).
+    arrivals_since: Option<Instant>,
     /// Moving average of a round trip: from the step that sent a lane's chunk to its next chunk.
     round_trip: Option<Duration>,
 }
@@ -147,6 +156,9 @@ struct State {
 #[derive(Debug, Default)]
 struct LaneState {
     active: bool,
+    /// A generation announced for this lane ([`SharedStage::expect_arrival_on`]) has not handed in its first
+    /// chunk yet (it is counted in [`State::arriving`]).
+    arriving: bool,
     /// Whether the lane's generation is past its prompt (see [`SharedStage::mark_decoding`]): a stream, rather
     /// than a prompt cut into rows.
     past_prompt: bool,
@@ -272,6 +284,26 @@ impl SharedStage {
         lock(&self.shared.state).arriving += 1;
         Arrival {
             shared: Arc::clone(&self.shared),
+            lane: None,
+        }
+    }
+
+    /// Announces a generation that will hand in its first chunk on `lane` shortly: it counts as arriving until
+    /// that chunk comes (or the guard is dropped), however long the lane takes to get there. Where callers run
+    /// the steps (a chain's stage 0), a step with no stream to decode waits for such arrivals up to
+    /// [`ARRIVAL_WAIT`], so prompts that lanes took together prefill in one pass down the chain instead of one
+    /// pass each, which would leave their streams a step apart and stall each other's at every later admission.
+    pub fn expect_arrival_on(&self, lane: usize) -> Arrival {
+        let mut state = lock(&self.shared.state);
+        if let Some(entry) = state.lanes.get_mut(lane)
+            && !entry.arriving
+        {
+            entry.arriving = true;
+            state.arriving += 1;
+        }
+        Arrival {
+            shared: Arc::clone(&self.shared),
+            lane: Some(lane),
         }
     }
 
@@ -391,6 +423,9 @@ impl SharedStage {
             None => false,
         };
         state.lanes[lane].result = None;
+        if std::mem::take(&mut state.lanes[lane].arriving) {
+            state.arriving = state.arriving.saturating_sub(1);
+        }
         state.lanes[lane].pending = Some(Pending {
             position,
             input,
@@ -417,6 +452,20 @@ impl SharedStage {
                 if let Some(until) = hold_until(&mut state, self.shared.policy.batches_in_flight) {
                     // Lanes of this step's batch are still out: wait for them (their hand-in, or a lane
                     // leaving, wakes this thread), or for the hold to end.
+                    let now = Instant::now();
+                    state = self
+                        .shared
+                        .done
+                        .wait_timeout(state, until.saturating_duration_since(now))
+                        .unwrap_or_else(|poisoned| poisoned.into_inner())
+                        .0;
+                    continue;
+                }
+                if let Some(until) =
+                    arrivals_hold_until(&mut state, self.width, self.shared.policy.arrival_wait)
+                {
+                    // A step with no stream to decode, while generations are on their way to lanes: wait for
+                    // their first chunks (their hand-in runs the step, a guard dropped wakes this thread).
                     let now = Instant::now();
                     state = self
                         .shared
@@ -464,6 +513,8 @@ impl Shared {
 #[derive(Debug)]
 pub struct Arrival {
     shared: Arc<Shared>,
+    /// The lane it was announced for, if any: its first chunk ends the arrival.
+    lane: Option<usize>,
 }
 
 /// How many requests wait in a server's queue for a lane: while some do and a lane is free, a step with no stream
@@ -484,6 +535,7 @@ impl Backlog {
         if emptied {
             // A step may be waiting for a request that is no longer coming.
             self.shared.work.notify_one();
+            self.shared.done.notify_all();
         }
     }
 }
@@ -491,9 +543,20 @@ impl Backlog {
 impl Drop for Arrival {
     fn drop(&mut self) {
         let mut state = lock(&self.shared.state);
-        state.arriving = state.arriving.saturating_sub(1);
+        let counted = match self.lane {
+            None => true,
+            // Its lane's first chunk may have ended it already.
+            Some(lane) => state
+                .lanes
+                .get_mut(lane)
+                .is_some_and(|entry| std::mem::take(&mut entry.arriving)),
+        };
+        if counted {
+            state.arriving = state.arriving.saturating_sub(1);
+        }
         drop(state);
         self.shared.work.notify_one();
+        self.shared.done.notify_all();
     }
 }
 
@@ -612,6 +675,7 @@ fn run_step<'a>(
     }
     state.running = true;
     state.held_since = None;
+    state.arrivals_since = None;
     state.steps += 1;
     let step = state.steps;
     drop(state);
@@ -736,12 +800,31 @@ fn hold_until(state: &mut State, in_flight: usize) -> Option<Instant> {
     (Instant::now() < until).then_some(until)
 }
 
+/// Until when a step of a chain's stage 0 (callers run the steps) is held for generations arriving at lanes;
+/// `None` when it may run now. Only a step with no stream to decode holds (a stream is never stalled for a
+/// prompt), for at most `wait` from when it could first have run, as a whole model's gather does.
+fn arrivals_hold_until(state: &mut State, width: usize, wait: Duration) -> Option<Instant> {
+    let arriving =
+        state.arriving > 0 || (state.backlog > 0 && state.lanes.iter().any(|lane| !lane.active));
+    let decoding = state.lanes.iter().any(|lane| {
+        lane.pending
+            .as_ref()
+            .is_some_and(|pending| pending.input.rows(width) - pending.done == 1)
+    });
+    if !arriving || decoding {
+        state.arrivals_since = None;
+        return None;
+    }
+    let until = *state.arrivals_since.get_or_insert_with(Instant::now) + wait;
+    (Instant::now() < until).then_some(until)
+}
+
 /// How long the step about to run may wait for more chunks, counted from the first time it could have run;
 /// `None` when nothing it would wait for is on its way. Active lanes still taking or using their last result
 /// get `gather`; a generation arriving at a lane (an [`Arrival`], or a queued request and a free lane to take)
 /// gets [`ARRIVAL_WAIT`] when no stream waits to decode in the step, so prompts that can start together
-/// prefill together. The caller does not ask with a zero gather (a chain's stage 0, whose lanes drift apart
-/// on their round trips anyway).
+/// prefill together. The caller does not ask with a zero gather (a chain's stage 0, whose callers run the
+/// steps and hold them for arrivals in [`arrivals_hold_until`] instead).
 fn gather_wait(state: &State, width: usize, gather: Duration) -> Option<Duration> {
     let arriving =
         state.arriving > 0 || (state.backlog > 0 && state.lanes.iter().any(|lane| !lane.active));
@@ -898,6 +981,7 @@ mod tests {
     fn waiting(rows: usize, order: u64) -> LaneState {
         LaneState {
             active: true,
+            arriving: false,
             past_prompt: rows == 1,
             pending: Some(Pending {
                 position: 10,
@@ -1316,6 +1400,92 @@ mod tests {
         };
         assert!(matches!(stepped, StageOutput::Activations(_)));
         assert_eq!(bits(&stepped), bits(&whole));
+        drop(shared);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn in_front_of_a_chain_a_prompt_waits_for_one_announced_on_another_lane_and_a_stream_never_does()
+     {
+        use crate::model::testing::TinyModel;
+        use candle_core::quantized::GgmlDType;
+        let (dir, stage) = TinyModel::llama(GgmlDType::Q4_1).scratch_stage("shared-arrivals", 2);
+        // A long arrival wait, so that nothing here depends on how fast a thread is scheduled: a prompt waits
+        // for an announced generation up to it, and a stream or an unannounced lane never does.
+        let wait = Duration::from_secs(30);
+        let shared = SharedStage::start(
+            stage,
+            StepPolicy {
+                batches_in_flight: 1,
+                arrival_wait: wait,
+                ..StepPolicy::new(512, Duration::ZERO)
+            },
+        )
+        .expect("start");
+        let prompts: [Vec<u32>; 2] = [vec![5, 6, 7], vec![8, 9, 10, 11]];
+        let prefill = |lane: usize| {
+            shared.activate(lane, true);
+            let (_, tag) = shared
+                .forward_tagged(
+                    lane,
+                    0,
+                    StageInput::Tokens(&prompts[lane]),
+                    Logits::Last,
+                    true,
+                )
+                .expect("prefill");
+            shared.activate(lane, false);
+            tag
+        };
+        let reset_lanes = || {
+            for lane in 0..2 {
+                shared.with_stage(|stage| stage.reset(lane)).expect("reset");
+            }
+        };
+        // Lane 1's generation is announced (its request left the queue) and becomes active only later, as a
+        // chain lane's does after its Configure: lane 0's prompt waits for its first chunk, however long.
+        let arrival = shared.expect_arrival_on(1);
+        let (early, late) = std::thread::scope(|scope| {
+            let early = scope.spawn(|| prefill(0));
+            std::thread::sleep(Duration::from_millis(50));
+            let late = prefill(1);
+            (early.join().expect("lane 0"), late)
+        });
+        assert_eq!(early, late, "both prompts in one step");
+        assert_eq!(late.chunks, 2);
+        // Its first chunk ended the arrival: the guard's drop counts nothing twice, and a prompt alone now runs
+        // at once.
+        drop(arrival);
+        reset_lanes();
+        let started = Instant::now();
+        let alone = prefill(0);
+        assert_eq!(alone.chunks, 1);
+        assert!(started.elapsed() < wait, "a prompt waited for nobody");
+        // A stream's row is never held for an arrival, nor is a prompt once the announced guard is dropped
+        // without a chunk (a generation that failed before its prompt).
+        reset_lanes();
+        let arrival = shared.expect_arrival_on(1);
+        let started = Instant::now();
+        shared.activate(0, true);
+        shared
+            .forward_tagged(0, 0, StageInput::Tokens(&[5]), Logits::Last, true)
+            .expect("a one-row step");
+        shared.activate(0, false);
+        assert!(
+            started.elapsed() < wait,
+            "a stream's row waited for an arrival"
+        );
+        reset_lanes();
+        std::thread::scope(|scope| {
+            let held = scope.spawn(|| prefill(0));
+            std::thread::sleep(Duration::from_millis(50));
+            drop(arrival);
+            assert_eq!(held.join().expect("lane 0").chunks, 1);
+        });
+        assert!(
+            started.elapsed() < wait,
+            "a dropped arrival still held the step"
+        );
         drop(shared);
         let _ = std::fs::remove_dir_all(&dir);
     }
