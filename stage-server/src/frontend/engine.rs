@@ -160,6 +160,8 @@ struct Handed {
     spec: JobSpec,
     prompt: Vec<u32>,
     max_tokens: usize,
+    /// The generation announced on the lane it goes to (taken over from the lane that took it off the queue).
+    arrival: Option<Arrival>,
 }
 
 #[derive(Debug)]
@@ -328,10 +330,11 @@ fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
                 if queue.stopping {
                     return;
                 }
-                if let Some(handed) = queue.handed[lane].take() {
+                if let Some(mut handed) = queue.handed[lane].take() {
                     // Counted busy by the lane that took it off the queue.
                     queue.idle[lane] = None;
-                    break (Arc::clone(&handed.job), None, Some(handed));
+                    let arrival = handed.arrival.take();
+                    break (Arc::clone(&handed.job), arrival, Some(handed));
                 }
                 if let Some(job) = queue.waiting.pop_front() {
                     if job.is_cancelled() {
@@ -449,11 +452,14 @@ fn hand_over(
         return Some((spec, (prompt, max_tokens)));
     };
     queue.idle[other] = None;
+    // Announced on the other lane before this lane's announcement ends (when this returns), so a step never
+    // sees the generation neither queued nor arriving.
     queue.handed[other] = Some(Handed {
         job: Arc::clone(job),
         spec,
         prompt,
         max_tokens,
+        arrival: runner.expect_arrival_for(other),
     });
     drop(queue);
     // The lane it goes to waits on the same condition as every idle lane.

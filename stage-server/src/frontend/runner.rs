@@ -204,8 +204,17 @@ impl LaneRunner {
         match self {
             LaneRunner::Local(batcher) => Some(batcher.expect_arrival()),
             // Bound to the lane: it lasts until the lane's first chunk, which comes after the chain's
-            // Configure and the return link's answer, not when the lane becomes active.
+            // Configure, not when the lane becomes active.
             LaneRunner::Chain(lane) => Some(lane.share.stage.expect_arrival_on(lane.share.lane)),
+        }
+    }
+
+    /// Announces a generation this lane takes from the queue and hands to lane `other` of the same stage (whose
+    /// session holds a longer prefix of its prompt), where lanes route jobs so (a chain's); `None` otherwise.
+    pub(crate) fn expect_arrival_for(&self, other: usize) -> Option<Arrival> {
+        match self {
+            LaneRunner::Local(_) => None,
+            LaneRunner::Chain(lane) => Some(lane.share.stage.expect_arrival_on(other)),
         }
     }
 

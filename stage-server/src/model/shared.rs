@@ -291,7 +291,7 @@ impl SharedStage {
     /// Announces a generation that will hand in its first chunk on `lane` shortly: it counts as arriving until
     /// that chunk comes (or the guard is dropped), however long the lane takes to get there. Where callers run
     /// the steps (a chain's stage 0), a step with no stream to decode waits for such arrivals up to
-    /// [`ARRIVAL_WAIT`], so prompts that lanes took together prefill in one pass down the chain instead of one
+    /// [`StepPolicy::arrival_wait`], so prompts that lanes took together prefill in one pass down the chain instead of one
     /// pass each, which would leave their streams a step apart and stall each other's at every later admission.
     pub fn expect_arrival_on(&self, lane: usize) -> Arrival {
         let mut state = lock(&self.shared.state);
@@ -616,7 +616,16 @@ fn compute(shared: &Shared) {
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             continue;
         }
-        if let Some(until) = hold_until(&mut state, policy.batches_in_flight) {
+        // Where callers run the steps, this thread runs one only when woken with chunks left and no caller
+        // running it; it keeps the same holds they do, or a wake here would run a lone prompt the callers hold.
+        let held = hold_until(&mut state, policy.batches_in_flight).or_else(|| {
+            if policy.gather.is_zero() {
+                arrivals_hold_until(&mut state, width, policy.arrival_wait)
+            } else {
+                None
+            }
+        });
+        if let Some(until) = held {
             state = shared
                 .work
                 .wait_timeout(state, until.saturating_duration_since(Instant::now()))
@@ -1409,7 +1418,7 @@ mod tests {
      {
         use crate::model::testing::TinyModel;
         use candle_core::quantized::GgmlDType;
-        let (dir, stage) = TinyModel::llama(GgmlDType::Q4_1).scratch_stage("shared-arrivals", 2);
+        let (dir, stage) = TinyModel::llama(GgmlDType::Q4_1).scratch_stage("shared-arrivals", 3);
         // A long arrival wait, so that nothing here depends on how fast a thread is scheduled: a prompt waits
         // for an announced generation up to it, and a stream or an unannounced lane never does.
         let wait = Duration::from_secs(30);
@@ -1438,7 +1447,7 @@ mod tests {
             tag
         };
         let reset_lanes = || {
-            for lane in 0..2 {
+            for lane in 0..3 {
                 shared.with_stage(|stage| stage.reset(lane)).expect("reset");
             }
         };
@@ -1447,6 +1456,10 @@ mod tests {
         let arrival = shared.expect_arrival_on(1);
         let (early, late) = std::thread::scope(|scope| {
             let early = scope.spawn(|| prefill(0));
+            std::thread::sleep(Duration::from_millis(50));
+            // A lane leaving meanwhile wakes the compute thread (and the callers): they keep the hold.
+            shared.activate(2, true);
+            shared.activate(2, false);
             std::thread::sleep(Duration::from_millis(50));
             let late = prefill(1);
             (early.join().expect("lane 0"), late)
