@@ -22,7 +22,10 @@
 //! stops reading, so the stage before meets a full TCP window. The downstream link wakes it once its backlog
 //! is back within the budget. Frames are acted on in the order they came: a Stop behind held chunks waits for
 //! them (at most as long as the next stage takes to drain one budget); a link whose next stage stops reading
-//! altogether ends with the downstream link, which stops every session of the pair anyway.
+//! altogether ends with the downstream link, which stops every session of the pair anyway. The one exception
+//! is a `Ping`, passed on (or, at the last stage, answered) as soon as it is read, since it concerns no session;
+//! it still waits behind whatever is unread while the link parks, and behind the frames already queued to go
+//! down.
 //!
 //! A computed frame's span rides with its answer ([`Writing`]): to the upstream's output for a token, an
 //! acknowledgement or an error, through the pair (and any shaping) to the downstream's output for rows. The
