@@ -58,6 +58,21 @@ fn one_row_prompt(session: u64) -> Vec<u8> {
     })
 }
 
+/// Chunk `position` of a prompt of `chunks` one-row chunks of `session` (the last one final), encoded.
+fn prompt_row(session: u64, position: u32, chunks: u32) -> Vec<u8> {
+    use stage_server::wire::{Activations, encode_to_vec};
+    let row: Vec<f32> = (0..64)
+        .map(|index| ((index + position) as f32 * 0.01).sin())
+        .collect();
+    encode_to_vec(&Frame::Prefill {
+        session,
+        position,
+        last: position + 1 == chunks,
+        batch: Batch::alone(position),
+        rows: Activations::encode(&row, 64, CodecPolicy::F32),
+    })
+}
+
 /// A `Configure` opening `session` with default sampling, encoded.
 fn configure(session: u64) -> Vec<u8> {
     use stage_server::wire::{Sampling, encode_to_vec};
@@ -72,6 +87,28 @@ fn configure(session: u64) -> Vec<u8> {
         resume: false,
         trace: None,
     })
+}
+
+/// Reads frames from `stream` until one passes `last` (the stage closing the link first fails the test).
+fn read_until(stream: &mut TcpStream, last: impl Fn(&Frame) -> bool) -> Vec<Frame> {
+    let mut decoder = Decoder::new(WireLimits::default());
+    let mut frames: Vec<Frame> = Vec::new();
+    let mut buffer = vec![0u8; 64 * 1024];
+    while !frames.iter().any(&last) {
+        let read = stream.read(&mut buffer).expect("the stage should answer");
+        assert!(
+            read > 0,
+            "the stage closed the link after {} frames: {frames:?}",
+            frames.len()
+        );
+        let mut offset = 0;
+        while offset < read {
+            let (taken, frame) = decoder.decode(&buffer[offset..read]).unwrap();
+            offset += taken;
+            frames.extend(frame);
+        }
+    }
+    frames
 }
 
 /// Writes `bytes` to `stream` and reads frames until `count` have come (or the stage closes the link).
@@ -176,7 +213,7 @@ fn a_prediction_return_is_taken_only_by_the_last_stage_and_carries_only_its_own_
 
 #[test]
 fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
-    use stage_server::wire::{Activations, encode};
+    use stage_server::wire::encode;
     let llama = tiny("ahead-llama", &TinyModel::llama(GgmlDType::Q4_1));
     let stage = StageChild::start(&llama, "2..4", None, &[]);
     let mut stream = connect(stage.address);
@@ -189,49 +226,10 @@ fn frames_sent_ahead_of_the_answers_are_all_answered_in_order() {
     // a stream it cannot tell from one that keeps to its credits.
     let chunks = 200u32;
     for position in 0..chunks {
-        let row: Vec<f32> = (0..64)
-            .map(|index| ((index + position) as f32 * 0.01).sin())
-            .collect();
-        encode(
-            &Frame::Prefill {
-                session,
-                position,
-                last: position + 1 == chunks,
-                batch: Batch::alone(position),
-                rows: Activations::encode(&row, 64, CodecPolicy::F32),
-            },
-            &mut bytes,
-        );
+        bytes.extend(prompt_row(session, position, chunks));
     }
     stream.write_all(&bytes).unwrap();
-    let mut decoder = Decoder::new(WireLimits::default());
-    let mut frames = Vec::new();
-    let mut buffer = vec![0u8; 64 * 1024];
-    let mut pending: Vec<u8> = Vec::new();
-    while !frames
-        .iter()
-        .any(|frame| matches!(frame, Frame::Token { .. }))
-    {
-        let count = stream
-            .read(&mut buffer)
-            .expect("the stage should answer every chunk");
-        assert!(
-            count > 0,
-            "the stage closed the link after {} frames: {frames:?}",
-            frames.len()
-        );
-        pending.extend_from_slice(&buffer[..count]);
-        let mut offset = 0;
-        while offset < pending.len() {
-            let (taken, frame) = decoder.decode(&pending[offset..]).unwrap();
-            offset += taken;
-            match frame {
-                Some(frame) => frames.push(frame),
-                None => break,
-            }
-        }
-        pending.drain(..offset);
-    }
+    let frames = read_until(&mut stream, |frame| matches!(frame, Frame::Token { .. }));
     assert!(
         matches!(frames[0], Frame::Hello(_)),
         "first the hello: {:?}",
@@ -559,7 +557,7 @@ fn an_open_that_finds_no_free_lane_takes_the_lane_of_a_session_kept_between_gene
 
 #[test]
 fn a_ping_goes_down_the_chain_and_its_pong_comes_back_before_the_rows_sent_after_it_are_answered() {
-    use stage_server::wire::{Activations, encode};
+    use stage_server::wire::encode;
     let llama = tiny("ping-llama", &TinyModel::llama(GgmlDType::Q4_1));
     let last = StageChild::start(&llama, "2..4", None, &[]);
     let middle = StageChild::start(&llama, "1..2", Some(last.address), &[]);
@@ -577,39 +575,12 @@ fn a_ping_goes_down_the_chain_and_its_pong_comes_back_before_the_rows_sent_after
         if position == chunks / 2 {
             encode(&Frame::Ping { nonce: 0xfeed }, &mut bytes);
         }
-        let row: Vec<f32> = (0..64)
-            .map(|index| ((index + position) as f32 * 0.02).cos())
-            .collect();
-        encode(
-            &Frame::Prefill {
-                session,
-                position,
-                last: position + 1 == chunks,
-                batch: Batch::alone(position),
-                rows: Activations::encode(&row, 64, CodecPolicy::F32),
-            },
-            &mut bytes,
-        );
+        bytes.extend(prompt_row(session, position, chunks));
     }
     stream.write_all(&bytes).unwrap();
-    let mut decoder = Decoder::new(WireLimits::default());
-    let mut frames = Vec::new();
-    let mut buffer = vec![0u8; 64 * 1024];
-    let mut pending: Vec<u8> = Vec::new();
-    while !frames
-        .iter()
-        .any(|frame| matches!(frame, Frame::Token { .. } | Frame::Error { .. }))
-    {
-        let count = stream.read(&mut buffer).expect("the stage answers");
-        assert!(count > 0, "the stage closed the link: {frames:?}");
-        pending.extend_from_slice(&buffer[..count]);
-        let mut start = 0;
-        while let Ok((taken, Some(frame))) = decoder.decode(&pending[start..]) {
-            start += taken;
-            frames.push(frame);
-        }
-        pending.drain(..start);
-    }
+    let frames = read_until(&mut stream, |frame| {
+        matches!(frame, Frame::Token { .. } | Frame::Error { .. })
+    });
     let pong = frames
         .iter()
         .position(|frame| matches!(frame, Frame::Pong { nonce: 0xfeed }));

@@ -449,23 +449,13 @@ impl SharedStage {
                 return Err(ModelError::Compute("the compute thread stopped".into()));
             }
             if !state.running && self.shared.callers_run_steps() {
-                if let Some(until) = hold_until(&mut state, self.shared.policy.batches_in_flight) {
-                    // Lanes of this step's batch are still out: wait for them (their hand-in, or a lane
-                    // leaving, wakes this thread), or for the hold to end.
-                    let now = Instant::now();
-                    state = self
-                        .shared
-                        .done
-                        .wait_timeout(state, until.saturating_duration_since(now))
-                        .unwrap_or_else(|poisoned| poisoned.into_inner())
-                        .0;
-                    continue;
-                }
-                if let Some(until) =
-                    arrivals_hold_until(&mut state, self.width, self.shared.policy.arrival_wait)
-                {
-                    // A step with no stream to decode, while generations are on their way to lanes: wait for
-                    // their first chunks (their hand-in runs the step, a guard dropped wakes this thread).
+                // Lanes of this step's batch still out on their round trip, or (a step with no stream to decode)
+                // generations on their way to lanes: wait for them (a hand-in runs the step; a lane leaving or
+                // a guard dropped wakes this thread), or for the hold to end.
+                let policy = self.shared.policy;
+                let held = hold_until(&mut state, policy.batches_in_flight)
+                    .or_else(|| arrivals_hold_until(&mut state, self.width, policy.arrival_wait));
+                if let Some(until) = held {
                     let now = Instant::now();
                     state = self
                         .shared
