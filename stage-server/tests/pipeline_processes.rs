@@ -981,19 +981,12 @@ fn sigterm_during_a_generation_lets_it_finish_and_the_stage_exits_zero() {
         stop_tokens: Vec::new(),
         keep_logits: false,
     };
-    let pid = middle.pid();
     let mut signalled = false;
     let generation = chain
         .generate(&[1, 300, 301], SamplingParams::default(), &options, |_| {
             if !signalled {
                 signalled = true;
-                let sent = Command::new("kill")
-                    .args(["-TERM", &pid.to_string()])
-                    .status();
-                assert!(
-                    sent.is_ok_and(|status| status.success()),
-                    "kill -TERM failed"
-                );
+                middle.signal("TERM");
             }
         })
         .expect("a generation in flight when its stage drains should finish");
@@ -1031,17 +1024,10 @@ fn a_generation_still_running_at_the_drain_deadline_is_stopped_with_an_error_fra
         stop_tokens: Vec::new(),
         keep_logits: false,
     };
-    let pid = middle.pid();
     let mut signalled: Option<Instant> = None;
     let result = chain.generate(&[1, 300, 301], SamplingParams::default(), &options, |_| {
         if signalled.is_none() {
-            let sent = Command::new("kill")
-                .args(["-TERM", &pid.to_string()])
-                .status();
-            assert!(
-                sent.is_ok_and(|status| status.success()),
-                "kill -TERM failed"
-            );
+            middle.signal("TERM");
             signalled = Some(Instant::now());
         }
     });

@@ -4,7 +4,6 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::process::Command;
 use std::sync::mpsc::channel;
 use std::time::{Duration, Instant};
 
@@ -15,15 +14,6 @@ use stage_server::model::{GenerateOptions, ModelFile, SamplingParams};
 
 mod support;
 use support::{START_TIMEOUT, StageChild, http, tiny};
-
-/// Sends `signal` (a name such as `STOP`) to process `pid`.
-fn signal(pid: u32, signal: &str) {
-    let sent = Command::new("kill")
-        .args([format!("-{signal}"), pid.to_string()])
-        .status()
-        .expect("kill runs");
-    assert!(sent.success(), "kill -{signal} {pid} failed");
-}
 
 /// A TCP proxy to `target` on 127.0.0.1 that delivers every byte `delay` after it came, each way: a slow network,
 /// on the socket (the in-process `--link-delay` shapes frames, not the hellos a link opens with).
@@ -88,13 +78,13 @@ fn a_stopped_middle_stage_fails_the_generation_within_seconds_and_serves_again_o
     let mut stopped_at = None;
     let result = chain.generate(&[1, 300, 301], SamplingParams::default(), &generate, |_| {
         if stopped_at.is_none() {
-            signal(middle.pid(), "STOP");
+            middle.signal("STOP");
             stopped_at = Some(Instant::now());
         }
     });
     let failed_after = stopped_at.expect("a token came before the stop").elapsed();
     // Continue it before any assertion, so a failing one leaves no stopped process behind.
-    signal(middle.pid(), "CONT");
+    middle.signal("CONT");
     let error = result.expect_err("a generation whose middle stage stopped must fail");
     // One silence before the ping, the ping's deadline (opening a link on loopback takes far less than a
     // quarter of it), and slack for a loaded machine.
@@ -179,11 +169,11 @@ fn the_api_answers_a_request_to_a_stopped_stage_with_a_503_in_seconds_and_serves
     assert_eq!(status, 200, "{body}");
     // Stopped, the stage keeps the lane's link open and says nothing: the request the API accepted fails in
     // words once the check finds the chain silent, not at the minute-long reply timeout.
-    signal(last.pid(), "STOP");
+    last.signal("STOP");
     let started = Instant::now();
     let (status, body) = http(address, "POST", "/v1/completions", request);
     let took = started.elapsed();
-    signal(last.pid(), "CONT");
+    last.signal("CONT");
     assert_eq!(status, 503, "{body}");
     assert!(
         body.contains("stage 1"),

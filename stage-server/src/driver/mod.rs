@@ -918,7 +918,7 @@ impl Chain {
                 }
                 None if pinged.is_none() && !silence.is_zero() => {
                     self.send(&Frame::Ping {
-                        nonce: u64::from_le_bytes(fresh_nonce()[..8].try_into().unwrap_or([0; 8])),
+                        nonce: random_u64(),
                     })?;
                     pinged = Some(Instant::now());
                 }
@@ -1196,8 +1196,13 @@ pub fn load_first_stage(
 /// A session id no other stage 0 uses at the same time: random, so that stage 0 processes on different hosts
 /// sharing a chain do not collide (and never 0, which names the whole link).
 fn new_session_id() -> u64 {
+    random_u64().max(1)
+}
+
+/// Eight random bytes as a number, from the same source as a hello's nonce.
+fn random_u64() -> u64 {
     let nonce = fresh_nonce();
     let mut bytes = [0u8; 8];
     bytes.copy_from_slice(&nonce[..8]);
-    u64::from_le_bytes(bytes).max(1)
+    u64::from_le_bytes(bytes)
 }

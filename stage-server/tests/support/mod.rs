@@ -131,15 +131,20 @@ impl StageChild {
         }
     }
 
-    /// Sends `signal` and waits (bounded) for the exit status.
-    pub fn signal_and_wait(mut self, signal: i32) -> std::process::ExitStatus {
-        let mut child = self.child.take().expect("the child is running");
-        let pid = child.id() as i32;
+    /// Sends `signal` (a number, or a name such as `STOP`) without waiting for its effect.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.pid();
         let sent = Command::new("kill")
             .args([format!("-{signal}"), pid.to_string()])
             .status()
             .expect("running kill");
         assert!(sent.success(), "kill -{signal} {pid} failed");
+    }
+
+    /// Sends `signal` and waits (bounded) for the exit status.
+    pub fn signal_and_wait(mut self, signal: i32) -> std::process::ExitStatus {
+        self.signal(&signal.to_string());
+        let mut child = self.child.take().expect("the child is running");
         let deadline = Instant::now() + Duration::from_secs(40);
         loop {
             if let Some(status) = child.try_wait().expect("waiting for the stage") {

@@ -799,18 +799,27 @@ fn hold_until(state: &mut State, in_flight: usize) -> Option<Instant> {
     (Instant::now() < until).then_some(until)
 }
 
+impl State {
+    /// Whether a generation is on its way to a lane: an [`Arrival`], or a queued request and a free lane to take.
+    fn generations_arriving(&self) -> bool {
+        self.arriving > 0 || (self.backlog > 0 && self.lanes.iter().any(|lane| !lane.active))
+    }
+
+    /// Whether a stream's next token (a chunk with one row left) waits for the step.
+    fn stream_waiting(&self, width: usize) -> bool {
+        self.lanes.iter().any(|lane| {
+            lane.pending
+                .as_ref()
+                .is_some_and(|pending| pending.input.rows(width) - pending.done == 1)
+        })
+    }
+}
+
 /// Until when a step of a chain's stage 0 (callers run the steps) is held for generations arriving at lanes;
 /// `None` when it may run now. Only a step with no stream to decode holds (a stream is never stalled for a
 /// prompt), for at most `wait` from when it could first have run, as a whole model's gather does.
 fn arrivals_hold_until(state: &mut State, width: usize, wait: Duration) -> Option<Instant> {
-    let arriving =
-        state.arriving > 0 || (state.backlog > 0 && state.lanes.iter().any(|lane| !lane.active));
-    let decoding = state.lanes.iter().any(|lane| {
-        lane.pending
-            .as_ref()
-            .is_some_and(|pending| pending.input.rows(width) - pending.done == 1)
-    });
-    if !arriving || decoding {
+    if !state.generations_arriving() || state.stream_waiting(width) {
         state.arrivals_since = None;
         return None;
     }
@@ -825,17 +834,12 @@ fn arrivals_hold_until(state: &mut State, width: usize, wait: Duration) -> Optio
 /// prefill together. The caller does not ask with a zero gather (a chain's stage 0, whose callers run the
 /// steps and hold them for arrivals in [`arrivals_hold_until`] instead).
 fn gather_wait(state: &State, width: usize, gather: Duration) -> Option<Duration> {
-    let arriving =
-        state.arriving > 0 || (state.backlog > 0 && state.lanes.iter().any(|lane| !lane.active));
+    let arriving = state.generations_arriving();
     let lagging = state
         .lanes
         .iter()
         .any(|lane| lane.active && lane.pending.is_none());
-    let decoding = state.lanes.iter().any(|lane| {
-        lane.pending
-            .as_ref()
-            .is_some_and(|pending| pending.input.rows(width) - pending.done == 1)
-    });
+    let decoding = state.stream_waiting(width);
     match (arriving, lagging) {
         (true, _) if !decoding => Some(ARRIVAL_WAIT.max(gather)),
         (false, false) => None,
