@@ -9,7 +9,7 @@ use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use net_io_blocking::TrustedProxies;
 use net_io_sys::signal::SignalWatch;
-use stage_server::driver::{Chain, ChainOptions};
+use stage_server::driver::{self, Chain, ChainOptions};
 use stage_server::frontend::ApiConfig;
 use stage_server::launch::{LocalPipeline, PipelineOptions};
 use stage_server::model::{
@@ -129,6 +129,8 @@ struct RunArgs {
     /// The rate of every stage link in Mbit/s, as --link-delay (tests and benchmarks; default unlimited).
     #[arg(long)]
     link_rate: Option<f64>,
+    #[command(flatten)]
+    checks: ChainCheckArgs,
     #[command(flatten)]
     telemetry: TelemetryArgs,
 }
@@ -287,6 +289,39 @@ struct GenerateArgs {
     /// chain names one) or `relayed` (back up the chain through every stage).
     #[arg(long, value_enum, default_value_t = PredictionReturn::Direct)]
     prediction_return: PredictionReturn,
+    #[command(flatten)]
+    checks: ChainCheckArgs,
+}
+
+/// How stage 0 tells a slow chain from a stopped one, for `generate` and `run` in front of a chain.
+#[derive(Debug, Args)]
+struct ChainCheckArgs {
+    /// Milliseconds stage 0 waits in silence for the chain before it sends a ping through it (every stage passes
+    /// a ping on as it reads it, even while it computes); 0: no ping, a silent chain is given up only at
+    /// --reply-timeout.
+    #[arg(long, value_name = "MS", default_value_t = driver::SILENCE_PROBE.as_millis() as u64)]
+    probe_after: u64,
+    /// Milliseconds a ping may go unanswered before the generation fails naming the stage (at least four times
+    /// what opening the link to stage 1 took). Raise it for links so slow that one frame takes longer.
+    #[arg(long, value_name = "MS", default_value_t = driver::PROBE_TIMEOUT.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    probe_timeout: u64,
+    /// Seconds stage 0 waits for any answer from the chain before it gives up on it.
+    #[arg(long, value_name = "SECONDS", default_value_t = driver::REPLY_TIMEOUT.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..))]
+    reply_timeout: u64,
+}
+
+impl ChainCheckArgs {
+    /// `options` with these checks.
+    fn apply(&self, options: ChainOptions) -> ChainOptions {
+        ChainOptions {
+            silence_probe: std::time::Duration::from_millis(self.probe_after),
+            probe_timeout: std::time::Duration::from_millis(self.probe_timeout),
+            reply_timeout: std::time::Duration::from_secs(self.reply_timeout),
+            ..options
+        }
+    }
 }
 
 /// How a chain's tokens come back to stage 0 (`--prediction-return`).
@@ -661,7 +696,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
                     layers.end
                 );
             }
-            let options = ChainOptions {
+            let options = args.checks.apply(ChainOptions {
                 codec: args.codec,
                 credits: args.reply_credits,
                 prefill_chunk: args.prefill_chunk,
@@ -669,7 +704,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
                 shape: link_shape(args.link_delay, args.link_rate)?,
                 direct_return: args.prediction_return == PredictionReturn::Direct,
                 ..ChainOptions::default()
-            };
+            });
             let mut chain = Chain::connect(&file, layers.end, next, options)?;
             let generation = chain.generate(&prompt, sampling, &generate_options, |predicted| {
                 on_token(predicted.token)
@@ -941,6 +976,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         stage_args,
         stage_metrics: args.stage_metrics,
         shape,
+        chain_checks: args.checks.apply(ChainOptions::default()),
     };
     match options.external {
         Some((end, next)) => eprintln!(

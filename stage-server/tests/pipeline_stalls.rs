@@ -115,6 +115,41 @@ fn a_stopped_middle_stage_fails_the_generation_within_seconds_and_serves_again_o
 }
 
 #[test]
+fn opening_a_chain_whose_stage_is_stopped_fails_within_the_connect_deadline_naming_it() {
+    let llama = tiny("stalls-open-llama", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    let last = StageChild::start(&llama, "3..4", None, &[]);
+    let middle = StageChild::start(&llama, "1..3", Some(last.address), &[]);
+    // Stopped, the stage's kernel still accepts the connection; only the hello goes unanswered.
+    middle.signal("STOP");
+    let options = ChainOptions {
+        connect_timeout: Duration::from_secs(1),
+        reply_timeout: Duration::from_secs(30),
+        ..ChainOptions::default()
+    };
+    let started = Instant::now();
+    let opened = Chain::connect(&file, 1, middle.address, options.clone());
+    let took = started.elapsed();
+    middle.signal("CONT");
+    let Err(error) = opened else {
+        panic!("a stopped stage cannot open a chain");
+    };
+    let bound = options.connect_timeout + Duration::from_secs(3);
+    assert!(
+        took < bound,
+        "opening took {took:?} (bound {bound:?}, the reply timeout is {:?}): {error}",
+        options.reply_timeout
+    );
+    let message = error.to_string();
+    assert!(
+        message.contains("stage 1") && message.contains("did not answer its hello"),
+        "the error should name the stage and what it did not do: {message}"
+    );
+    // Continued, it answers.
+    Chain::connect(&file, 1, middle.address, options).expect("the continued stage should answer");
+}
+
+#[test]
 fn a_chain_slower_than_the_silence_check_still_completes_its_generation() {
     let llama = tiny("stalls-slow-llama", &TinyModel::llama(GgmlDType::Q4_1));
     let file = ModelFile::open(&llama).unwrap();
@@ -125,19 +160,23 @@ fn a_chain_slower_than_the_silence_check_still_completes_its_generation() {
         stop_tokens: Vec::new(),
         keep_logits: false,
     };
-    // Tokens relayed up the chain, so that every answer crosses the slow link below.
+    // Tokens relayed up the chain, so that every answer crosses the slow link below; a check quicker than the
+    // default, so that the proxy's delay can exceed it and still leave the hellos well within the 5 s a link
+    // has to open.
     let options = ChainOptions {
         direct_return: false,
+        silence_probe: Duration::from_millis(500),
+        probe_timeout: Duration::from_secs(1),
         ..ChainOptions::default()
     };
     let direct = Chain::connect(&file, 1, middle.address, options.clone())
         .unwrap()
         .generate(&[1, 300, 301], SamplingParams::default(), &generate, |_| {})
         .unwrap();
-    // A proxy in front of the middle stage holds every byte back 2.2 s each way: a step takes 4.4 s, longer than
-    // the silence before a ping and the ping's 3 s floor together, so only a deadline grown with what opening
-    // the link took (as long as a step) keeps the check from taking the slow chain for a stopped one.
-    let delay = Duration::from_millis(2200);
+    // A proxy in front of the middle stage holds every byte back 1 s each way: a step takes 2 s, longer than the
+    // silence before a ping and the ping's 1 s floor together, so only a deadline grown with what opening the
+    // link took (as long as a step) keeps the check from taking the slow chain for a stopped one.
+    let delay = Duration::from_secs(1);
     let proxy = delaying_proxy(middle.address, delay);
     assert!(options.silence_probe + options.probe_timeout < delay * 2);
     let slow = Chain::connect(&file, 1, proxy, options)

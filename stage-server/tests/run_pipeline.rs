@@ -71,6 +71,15 @@ impl Process {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+
+    /// Sends `signal` (a name such as `STOP`) without waiting for its effect.
+    fn signal(&self, signal: &str) {
+        let sent = Command::new("kill")
+            .args([format!("-{signal}"), self.child.id().to_string()])
+            .status()
+            .expect("running kill");
+        assert!(sent.success(), "kill -{signal} failed");
+    }
 }
 
 impl Drop for Process {
@@ -253,6 +262,44 @@ fn run_with_next_refuses_a_stage_zero_with_no_layers_or_all_of_them_naming_the_f
             "the error should name the flag and say why: {stderr}"
         );
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn runs_probe_flags_set_how_soon_a_request_to_a_stopped_stage_fails() {
+    let (dir, model) = tiny("probe-flags");
+    let (last, last_address) = serve(&model, "2..4", None, &[]);
+    let next = last_address.to_string();
+    let (_api, _, address) = run(
+        &model,
+        &[
+            "--layers",
+            "0..2",
+            "--next",
+            &next,
+            "--probe-after",
+            "200",
+            "--probe-timeout",
+            "500",
+        ],
+    );
+    assert_eq!(completion(address).0, 200);
+    last.signal("STOP");
+    let started = Instant::now();
+    let (status, body) = completion(address);
+    let took = started.elapsed();
+    last.signal("CONT");
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("stage 1") && body.contains("stopped answering"),
+        "the error should name the stage and say it stopped answering: {body}"
+    );
+    // 200 ms of silence, 500 ms for the ping, and slack for a loaded machine: under the 4 s the defaults (1 s
+    // and 3 s) would take, so the flags must have reached the chain's lanes.
+    assert!(
+        took < Duration::from_millis(2500),
+        "the request took {took:?} to fail with --probe-after 200 --probe-timeout 500: {body}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -46,6 +46,16 @@ use crate::wire::{
     fresh_nonce, proof, verify,
 };
 
+/// How long stage 0 waits for an answer from the chain by default ([`ChainOptions::reply_timeout`]).
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long stage 0 waits in silence by default before it pings through the chain
+/// ([`ChainOptions::silence_probe`]).
+pub const SILENCE_PROBE: Duration = Duration::from_secs(1);
+
+/// How long a ping may go unanswered by default ([`ChainOptions::probe_timeout`]).
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// How stage 0 drives a chain.
 #[derive(Clone, Debug)]
 pub struct ChainOptions {
@@ -96,9 +106,9 @@ impl Default for ChainOptions {
             prefill_chunk: PREFILL_CHUNK,
             cluster_key: None,
             connect_timeout: Duration::from_secs(5),
-            reply_timeout: Duration::from_secs(60),
-            silence_probe: Duration::from_secs(1),
-            probe_timeout: Duration::from_secs(3),
+            reply_timeout: REPLY_TIMEOUT,
+            silence_probe: SILENCE_PROBE,
+            probe_timeout: PROBE_TIMEOUT,
             top_logprobs: 0,
             logprobs: false,
             shape: LinkShape::default(),
@@ -985,7 +995,7 @@ impl Wire {
         let mut wire = Wire {
             link,
             address: next,
-            peer: peer.clone(),
+            peer,
             role,
             decoder: Decoder::new(WireLimits::default()),
             unread: Vec::new(),
@@ -996,8 +1006,43 @@ impl Wire {
             filled_at: Instant::now(),
             frame_bytes: 0,
         };
-        wire.send(&Frame::Hello(ours.clone()))?;
-        let theirs = match wire.receive()? {
+        // The hello's answer is part of opening the link: it comes once every later stage has answered its own
+        // link's hello, so it waits under the connect deadline, not the minute-long reply timeout, and a stage
+        // that accepts but never answers (stopped, hung) fails the open in seconds.
+        let opened = Instant::now();
+        wire.link
+            .set_exchange_deadline(Some(opened + wire.options.connect_timeout));
+        let theirs = wire
+            .handshake(ours, next, role)
+            .map_err(|error| match error {
+                DriverError::Link {
+                    error: NetError::Timeout(TimeoutKind::Exchange),
+                    ..
+                } => DriverError::Stage {
+                    code: ErrorCode::StageDown,
+                    message: format!(
+                        "{} at {next} accepted the link but did not answer its hello within {} ms (it, or a stage after it, is stopped, hung or cut off)",
+                        wire.peer,
+                        wire.options.connect_timeout.as_millis()
+                    ),
+                },
+                other => other,
+            })?;
+        wire.link.set_exchange_deadline(None);
+        Ok((wire, theirs))
+    }
+
+    /// The hellos (and the cluster key's proofs) of a link `open` just connected: says `ours`, checks the
+    /// answer, and returns it.
+    fn handshake(
+        &mut self,
+        ours: Hello,
+        next: SocketAddr,
+        role: Role,
+    ) -> Result<Hello, DriverError> {
+        let peer = self.peer.clone();
+        self.send(&Frame::Hello(ours.clone()))?;
+        let theirs = match self.receive()? {
             Frame::Hello(theirs) => theirs,
             Frame::Error { code, message, .. } => return Err(DriverError::Stage { code, message }),
             other => {
@@ -1022,9 +1067,9 @@ impl Wire {
                     theirs.layer_start, theirs.layer_end, theirs.block_count
                 )));
             }
-            wire.peer = format!("stage {} (the last)", theirs.stage_index);
+            self.peer = format!("stage {} (the last)", theirs.stage_index);
         }
-        if let Some(key) = wire.options.cluster_key.clone() {
+        if let Some(key) = self.options.cluster_key.clone() {
             let proven = theirs.proof.is_some_and(|proof| {
                 verify(&key, Side::Accepting, &ours.nonce, &theirs.nonce, &proof)
             });
@@ -1037,9 +1082,9 @@ impl Wire {
                 });
             }
             let answer = proof(&key, Side::Connecting, &ours.nonce, &theirs.nonce);
-            wire.send(&Frame::Proof { proof: answer })?;
+            self.send(&Frame::Proof { proof: answer })?;
         }
-        Ok((wire, theirs))
+        Ok(theirs)
     }
 
     fn send(&mut self, frame: &Frame) -> Result<(), DriverError> {
