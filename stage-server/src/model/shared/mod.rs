@@ -72,9 +72,10 @@ pub struct StepPolicy {
     pub decode_stretch: Option<f64>,
     /// Where a lane's next chunk comes after a round trip down a chain (stage 0 of a chain, which never
     /// gathers), how many steps' chunks may be out on their round trips at once: a lane back from its round
-    /// trip waits (up to twice the measured round trip, within [`HOLD_WAIT_MIN`] and [`HOLD_WAIT_MAX`]) while
-    /// that many are out, so the lanes that went down in one step come back into one step, and lanes that
-    /// went down in different steps merge. 1 keeps a single batch going round (best where the stages share
+    /// trip, or a new generation's first chunk, waits (up to twice the measured round trip, within
+    /// [`HOLD_WAIT_MIN`] and [`HOLD_WAIT_MAX`]) while that many are out, so the lanes that went down in one
+    /// step come back into one step, lanes that went down in different steps merge, and a new generation
+    /// joins the batch. 1 keeps a single batch going round (best where the stages share
     /// cores, one host); the stage count keeps every stage busy where each has its own. 0: no hold, each step
     /// runs whatever has come back (lanes drift apart into one-row steps).
     pub batches_in_flight: usize,
@@ -168,6 +169,9 @@ struct LaneState {
     /// its way round (see [`SharedStage::forward_tagged`]): cleared when the lane hands in its next chunk or
     /// leaves.
     out: Option<(u64, Instant, bool)>,
+    /// Whether the lane has handed in a chunk since it became active: its next chunk is not a generation's
+    /// first.
+    started: bool,
 }
 
 /// A chunk handed in and not finished yet.
@@ -183,8 +187,11 @@ struct Pending {
     order: u64,
     /// Whether the chunk's answer comes back to the lane after a round trip (the caller said so).
     awaits_answer: bool,
-    /// Whether the lane came back from a round trip with this chunk: a step holds only for such chunks.
+    /// Whether the lane came back from a round trip with this chunk: a step holds for such chunks.
     returned: bool,
+    /// Whether this is the first chunk of the lane's generation: a step holds for these too, so that a new
+    /// generation joins the batch out on its round trip instead of starting a second one.
+    first: bool,
 }
 
 /// The step a chunk ended in: a chain's stage 0 tells the next stage which of its frames ran together.
@@ -350,6 +357,7 @@ impl SharedStage {
             entry.active = active;
             entry.past_prompt = false;
             entry.out = None;
+            entry.started = false;
         }
         drop(state);
         if !active {
@@ -423,6 +431,7 @@ impl SharedStage {
             None => false,
         };
         state.lanes[lane].result = None;
+        let first = !std::mem::replace(&mut state.lanes[lane].started, true);
         if std::mem::take(&mut state.lanes[lane].arriving) {
             state.arriving = state.arriving.saturating_sub(1);
         }
@@ -435,6 +444,7 @@ impl SharedStage {
             order,
             awaits_answer,
             returned,
+            first,
         });
         // Where steps never gather (a chain's stage 0), the caller runs the step itself when none is running:
         // no wake of the compute thread and no wake back, two thread wakes per token (35 to 60 µs each on our
@@ -768,9 +778,15 @@ fn run_step<'a>(
 
 /// Until when the step about to run is held for lanes out on their round trip (see
 /// [`StepPolicy::batches_in_flight`]); `None` when it may run now. A step holds only if a lane back from its
-/// round trip has a chunk pending (a prompt's chunks alone never wait) and the steps with lanes still out are
-/// `in_flight` or more; the hold lasts twice the average round trip (within [`HOLD_WAIT_MIN`] and
-/// [`HOLD_WAIT_MAX`]) from when it began.
+/// round trip, or a generation's first chunk, is pending (a prompt's later chunks never wait) and the steps
+/// with lanes still out are `in_flight` or more; the hold lasts twice the average round trip (within
+/// [`HOLD_WAIT_MIN`] and [`HOLD_WAIT_MAX`]) from when it began.
+///
+/// Why a first chunk waits: lanes whose generations end in one step leave a moment apart, and a request that
+/// takes the first lane freed would otherwise prefill alone while the others are still leaving; the requests
+/// that take those prefill a step later, and from then on the chain's lanes end, and admit, out of step, so
+/// that every later admission stalls running streams. Held, it runs once the others have come back (and it
+/// joins their step) or left (and the arrival hold gathers the requests that take their lanes).
 fn hold_until(state: &mut State, in_flight: usize) -> Option<Instant> {
     if in_flight == 0 {
         return None;
@@ -778,7 +794,7 @@ fn hold_until(state: &mut State, in_flight: usize) -> Option<Instant> {
     let returned = state.lanes.iter().any(|lane| {
         lane.pending
             .as_ref()
-            .is_some_and(|pending| pending.returned && pending.done == 0)
+            .is_some_and(|pending| (pending.returned || pending.first) && pending.done == 0)
     });
     let mut out: Vec<u64> = state
         .lanes

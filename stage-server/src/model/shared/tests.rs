@@ -17,9 +17,11 @@ fn waiting(rows: usize, order: u64) -> LaneState {
             order,
             awaits_answer: false,
             returned: false,
+            first: false,
         }),
         result: None,
         out: None,
+        started: true,
     }
 }
 
@@ -340,7 +342,8 @@ fn in_front_of_a_chain_lanes_that_went_down_apart_come_back_into_one_step_and_a_
     };
     shared.activate(0, true);
     shared.activate(1, true);
-    // Nothing out yet: each lane's first chunk runs at once, in a step of its own.
+    // Nothing out yet: lane 0's first chunk runs at once; lane 1's, held for lane 0 out on its round trip (for
+    // the shortest hold: no round trip is measured yet), runs in a step of its own.
     let first = (run(0, 0), run(1, 0));
     assert_eq!((first.0.chunks, first.1.chunks), (1, 1), "{first:?}");
     assert_ne!(first.0.id, first.1.id);
@@ -381,6 +384,76 @@ fn in_front_of_a_chain_lanes_that_went_down_apart_come_back_into_one_step_and_a_
         (HOLD_WAIT_MIN..HOLD_WAIT_MAX + Duration::from_millis(500)).contains(&held),
         "held {held:?}"
     );
+    drop(shared);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn in_front_of_a_chain_a_new_generation_joins_the_batch_out_on_its_round_trip_and_runs_once_that_batch_leaves()
+ {
+    use crate::model::testing::TinyModel;
+    use candle_core::quantized::GgmlDType;
+    let (dir, stage) = TinyModel::llama(GgmlDType::Q4_1).scratch_stage("shared-join", 3);
+    let shared = SharedStage::start(
+        stage,
+        StepPolicy {
+            batches_in_flight: 1,
+            ..StepPolicy::new(512, Duration::ZERO)
+        },
+    )
+    .expect("start");
+    let run = |lane: usize, position: usize| {
+        shared
+            .forward_tagged(
+                lane,
+                position,
+                StageInput::Tokens(&[7 + position as u32]),
+                Logits::Last,
+                true,
+            )
+            .expect("forward")
+            .1
+    };
+    // A stream with round trips of 200 ms (a slow chain), so a hold lasts about 400 ms from here.
+    shared.activate(0, true);
+    run(0, 0);
+    std::thread::sleep(Duration::from_millis(200));
+    run(0, 1);
+    // A generation starts on lane 1 while lane 0's row is out: its first chunk waits for lane 0 to come back,
+    // and the two run in one step.
+    std::thread::scope(|scope| {
+        let joining = scope.spawn(|| {
+            shared.activate(1, true);
+            run(1, 0)
+        });
+        std::thread::sleep(Duration::from_millis(20));
+        let stream = run(0, 2);
+        let joining = joining.join().expect("lane 1");
+        assert_eq!(
+            joining, stream,
+            "the new generation joined the stream's step"
+        );
+        assert_eq!(stream.chunks, 2);
+    });
+    // Both out; a generation starts on lane 2, and the batch's lanes leave instead of coming back (their
+    // generations ended): lane 2 runs at once, not at the hold's end.
+    std::thread::scope(|scope| {
+        let started = Instant::now();
+        let alone = scope.spawn(|| {
+            shared.activate(2, true);
+            run(2, 0)
+        });
+        std::thread::sleep(Duration::from_millis(20));
+        shared.activate(0, false);
+        shared.activate(1, false);
+        let alone = alone.join().expect("lane 2");
+        assert_eq!(alone.chunks, 1);
+        assert!(
+            started.elapsed() < Duration::from_millis(300),
+            "lane 2 was held {:?} for lanes that had left",
+            started.elapsed()
+        );
+    });
     drop(shared);
     let _ = std::fs::remove_dir_all(&dir);
 }
