@@ -207,6 +207,58 @@ fn a_client_that_goes_away_mid_stream_frees_its_lane_and_stops_its_generation() 
 }
 
 #[test]
+fn a_client_that_goes_away_during_a_long_prompt_frees_its_lane_within_a_prompt_chunk() {
+    // A real model, so that the prompt takes seconds: SmolLM2 prefills 7,000 tokens in about 10 s on the
+    // 2-core hosts, a 512-token chunk in under one.
+    let Some(model) = stage_server::model::testing::real_model(stage_server::model::SMOLLM2_FILE)
+    else {
+        return;
+    };
+    let mut config = ApiConfig::new("127.0.0.1:0".parse().unwrap());
+    config.lanes = 1;
+    let server = ApiServer::start(&model, Backend::Whole, config).unwrap();
+    server.wait_ready(Duration::from_secs(120)).unwrap();
+    let address = server.local_addr();
+    let prompt: Vec<String> = (0..7000)
+        .map(|index| (100 + index % 3000).to_string())
+        .collect();
+    let body = format!(
+        r#"{{"prompt":[{}],"max_tokens":1,"stream":true,"temperature":0}}"#,
+        prompt.join(",")
+    );
+    let mut client = connect(address);
+    client
+        .get_mut()
+        .write_all(post("/v1/completions", &body).as_bytes())
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || metric(
+            address,
+            "stage_server_lanes_busy"
+        ) == 1.0),
+        "the request never took the lane"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    drop(client);
+    let left = Instant::now();
+    assert!(
+        eventually(Duration::from_secs(30), || metric(
+            address,
+            "stage_server_lanes_busy"
+        ) == 0.0),
+        "the lane stayed busy after its client went away"
+    );
+    let freed = left.elapsed();
+    assert!(
+        freed < Duration::from_secs(4),
+        "the lane was freed {freed:?} after its client went away: the whole prompt ran instead of stopping \
+         at its next chunk"
+    );
+    assert_eq!(metric(address, "stage_server_generated_tokens_total"), 0.0);
+    let _ = server.shutdown(Instant::now() + Duration::from_secs(5));
+}
+
+#[test]
 fn a_full_queue_is_refused_with_429_and_retry_after_and_the_queued_request_completes_later() {
     let server = start("full", |config| config.queue = Some(1));
     let address = server.local_addr();

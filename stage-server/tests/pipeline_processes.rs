@@ -1291,3 +1291,60 @@ fn the_api_reports_a_dead_chain_at_once_and_serves_again_when_its_stage_is_back(
     }
     let _ = api.shutdown(Instant::now() + Duration::from_secs(5));
 }
+
+#[test]
+fn a_generation_cancelled_during_its_prompt_stops_before_its_next_chunk_and_frees_its_lanes() {
+    use stage_server::driver::SamplerExtras;
+    use stage_server::model::Finish;
+    let llama = tiny("cancel-prefill", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    // One lane at every stage: a session left open down the chain would refuse the next generation.
+    let (_stages, first) = chain_of(&llama, 4, &[1, 3], &["--lanes", "1"]);
+    let options = ChainOptions {
+        prefill_chunk: 4,
+        ..ChainOptions::default()
+    };
+    let mut chain = Chain::connect(&file, 1, first, options).unwrap();
+    let prompt: Vec<u32> = (0..40).map(|index| 300 + index).collect();
+    let generate = GenerateOptions {
+        max_tokens: 8,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    // Cancelled once two of the prompt's ten chunks went down.
+    let asked = std::cell::Cell::new(0);
+    let cancelled = || {
+        asked.set(asked.get() + 1);
+        asked.get() > 2
+    };
+    let generation = chain
+        .generate_cancellable(
+            &prompt,
+            SamplingParams::default(),
+            &SamplerExtras::default(),
+            &generate,
+            &cancelled,
+            |_| panic!("a generation cancelled during its prompt delivers no token"),
+        )
+        .expect("a cancelled generation ends cleanly");
+    assert!(generation.tokens.is_empty());
+    assert_eq!(generation.finish, Finish::Stop);
+    assert_eq!(
+        asked.get(),
+        3,
+        "asked before each chunk, and no chunk went down after the yes"
+    );
+    // Its lanes are free at every stage: the next generation runs.
+    let next = chain
+        .generate(
+            &[1, 300, 301],
+            SamplingParams::default(),
+            &GenerateOptions {
+                max_tokens: 4,
+                ..generate
+            },
+            |_| {},
+        )
+        .expect("the chain serves the next generation");
+    assert_eq!(next.tokens.len(), 4);
+}

@@ -236,5 +236,22 @@ fn the_api_answers_a_request_to_a_stopped_stage_with_a_503_in_seconds_and_serves
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+    // The link the lane opened after the outage is its link from now on: the same prompt twice reuses the
+    // prefix the first left down the chain (a lane that took every link for stale since the outage reopened
+    // one, and lost its prefix, at every request).
+    let repeated = r#"{"prompt":[1,300,301,302,303,304,305],"max_tokens":2,"temperature":0}"#;
+    let cached = || {
+        let (status, body) = http(address, "POST", "/v1/completions", repeated);
+        assert_eq!(status, 200, "{body}");
+        let value: serde_json::Value = serde_json::from_str(&body).unwrap();
+        value["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no cached_tokens in {body}"))
+    };
+    cached();
+    assert!(
+        cached() > 0,
+        "the repeated prompt reused nothing after the outage"
+    );
     let _ = api.shutdown(Instant::now() + Duration::from_secs(5));
 }

@@ -453,6 +453,23 @@ impl Chain {
         sampling: SamplingParams,
         extras: &SamplerExtras,
         options: &GenerateOptions,
+        on_token: impl FnMut(&Predicted) -> ControlFlow<()>,
+    ) -> Result<Generation, DriverError> {
+        self.generate_cancellable(prompt, sampling, extras, options, &|| false, on_token)
+    }
+
+    /// [`Chain::generate_with`], where `cancelled` can also end the generation before its first token: it is
+    /// asked before each prefill chunk, so a client that went away during a long prompt frees the lanes down
+    /// the chain within a chunk instead of after the whole prefill. Once `cancelled` says yes, stage 0 waits for
+    /// the chunks already sent to be acknowledged (nothing is left in flight), stops the session, and returns
+    /// the generation with no token and `Finish::Stop`.
+    pub fn generate_cancellable(
+        &mut self,
+        prompt: &[u32],
+        sampling: SamplingParams,
+        extras: &SamplerExtras,
+        options: &GenerateOptions,
+        cancelled: &dyn Fn() -> bool,
         mut on_token: impl FnMut(&Predicted) -> ControlFlow<()>,
     ) -> Result<Generation, DriverError> {
         if prompt.is_empty() {
@@ -503,6 +520,7 @@ impl Chain {
             sampling.clone(),
             extras,
             options,
+            cancelled,
             &mut counting,
             &mut fed,
         );
@@ -526,7 +544,7 @@ impl Chain {
                     "resuming the kept session failed ({code:?}: {message}); running the prompt from scratch"
                 );
                 self.end_session(session)?;
-                self.generate_with(prompt, sampling, extras, options, on_token)
+                self.generate_cancellable(prompt, sampling, extras, options, cancelled, on_token)
             }
             other => {
                 // Free the session's lanes down the chain, however the generation ended.
@@ -580,6 +598,7 @@ impl Chain {
         sampling: SamplingParams,
         extras: &SamplerExtras,
         options: &GenerateOptions,
+        cancelled: &dyn Fn() -> bool,
         on_token: &mut impl FnMut(&Predicted) -> ControlFlow<()>,
         fed: &mut Vec<u32>,
     ) -> Result<(Generation, bool), DriverError> {
@@ -625,6 +644,15 @@ impl Chain {
         let largest = self.wire.options.prefill_chunk.clamp(1, PREFILL_CHUNK);
         let mut position = cached;
         while position < prompt.len() {
+            if cancelled() {
+                // Nothing of the session left in flight, then the caller stops it (not kept: its lanes hold
+                // part of a prompt).
+                while pending.acknowledgements > 0 || pending.return_awaited {
+                    self.expect_no_token(session, &mut pending, "a prefill acknowledgement")?;
+                }
+                generation.finish = Finish::Stop;
+                return Ok((generation, false));
+            }
             // Beside other lanes' streams, a chunk no longer than a pass can take without stretching their
             // steps past the bound (at every stage, since each batches what queues up); alone, the largest.
             let size = share

@@ -9,8 +9,9 @@
 //!
 //! A generation never runs on a loop thread: the session submits a [`Job`] and listens; the worker pushes
 //! events onto the job and wakes the session through its completion ring. A job whose session went away is
-//! cancelled: a queued one leaves the queue at once, a running one stops at its next token (and its chain
-//! session is stopped down the pipeline), so its lane is free within one decode step.
+//! cancelled: a queued one leaves the queue at once, a running one stops at its next token, or at its next
+//! prefill chunk while its prompt runs (and its chain session is stopped down the pipeline), so its lane is free
+//! within one decode step or one prompt chunk.
 
 use std::collections::VecDeque;
 use std::ops::ControlFlow;
@@ -503,6 +504,7 @@ fn run(
         &spec.extras,
         &options,
         arrival,
+        &|| job.is_cancelled(),
         |predicted: &Predicted| {
             let now = Instant::now();
             match last_token {

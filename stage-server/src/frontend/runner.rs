@@ -11,8 +11,8 @@ use super::batcher::Batcher;
 use super::health::ChainHealth;
 use crate::driver::{Chain, ChainOptions, DriverError, Predicted, SamplerExtras, StageShare};
 use crate::model::{
-    Arrival, Finish, GenerateOptions, Generation, ModelError, Sampler, SamplingParams,
-    wanted_log_probabilities,
+    Arrival, Finish, GenerateOptions, Generation, ModelError, PREFILL_CHUNK, Sampler,
+    SamplingParams, wanted_log_probabilities,
 };
 use crate::telemetry::names;
 use crate::wire::{ErrorCode, Hello};
@@ -85,6 +85,7 @@ impl ChainLane {
         sampling: SamplingParams,
         extras: &SamplerExtras,
         options: &GenerateOptions,
+        cancelled: &dyn Fn() -> bool,
         on_token: impl FnMut(&Predicted) -> ControlFlow<()>,
     ) -> Result<Generation, RunError> {
         if self.link.is_some() && self.link_outages != self.health.outages() {
@@ -108,6 +109,10 @@ impl ChainLane {
                     "{}",
                     names::EVENT_DOWNSTREAM_RECONNECT
                 );
+                // The new link postdates every outage counted so far (read before it opens: one during the open
+                // drops it at the next request). Without this, one outage made the lane drop and reopen its link
+                // at every request from then on, losing its kept prefix each time.
+                self.link_outages = self.health.outages();
                 Chain::connect_with(
                     self.share.clone(),
                     &self.ours,
@@ -128,7 +133,7 @@ impl ChainLane {
         self.chain_context
             .store(link.context_length(), Ordering::Relaxed);
         let mut link = link;
-        match link.generate_with(prompt, sampling, extras, options, on_token) {
+        match link.generate_cancellable(prompt, sampling, extras, options, cancelled, on_token) {
             Ok(generation) => {
                 self.link = Some(link);
                 Ok(generation)
@@ -218,7 +223,9 @@ impl LaneRunner {
         }
     }
 
-    /// Generates from `prompt`; `on_token` sees each token and may end the generation with `Break`.
+    /// Generates from `prompt`; `on_token` sees each token and may end the generation with `Break`, and
+    /// `cancelled`, asked before each prompt chunk, ends it before its first token.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn generate(
         &mut self,
         prompt: &[u32],
@@ -226,11 +233,12 @@ impl LaneRunner {
         extras: &SamplerExtras,
         options: &GenerateOptions,
         arrival: Option<Arrival>,
+        cancelled: &dyn Fn() -> bool,
         on_token: impl FnMut(&Predicted) -> ControlFlow<()>,
     ) -> Result<Generation, RunError> {
         match self {
             LaneRunner::Local(batcher) => generate_local(
-                batcher, prompt, sampling, extras, options, arrival, on_token,
+                batcher, prompt, sampling, extras, options, arrival, cancelled, on_token,
             )
             .map_err(|error| RunError {
                 unavailable: false,
@@ -240,7 +248,7 @@ impl LaneRunner {
             LaneRunner::Chain(lane) => {
                 // Held through the generation: the lane's first chunk ends it (see `expect_arrival`).
                 let _arrival = arrival;
-                lane.generate(prompt, sampling, extras, options, on_token)
+                lane.generate(prompt, sampling, extras, options, cancelled, on_token)
             }
         }
     }
@@ -248,7 +256,10 @@ impl LaneRunner {
 
 /// The whole model on a leased lane, as `Pipeline::generate` runs it, with the chain's last stage's extras
 /// (logit bias, log-probabilities) so the two backends answer alike. The lane starts from the longest prefix
-/// of the prompt it already holds; every forward pass runs in a batch with the other lanes' next steps.
+/// of the prompt it already holds; every forward pass runs in a batch with the other lanes' next steps. The
+/// prompt goes in chunks of [`PREFILL_CHUNK`] rows, `cancelled` asked before each (a client that went away
+/// during a long prompt frees the lane within a chunk); chunked prefill gives the same bits as one chunk.
+#[allow(clippy::too_many_arguments)]
 fn generate_local(
     batcher: &Arc<Batcher>,
     prompt: &[u32],
@@ -256,6 +267,7 @@ fn generate_local(
     extras: &SamplerExtras,
     options: &GenerateOptions,
     arrival: Option<Arrival>,
+    cancelled: &dyn Fn() -> bool,
     mut on_token: impl FnMut(&Predicted) -> ControlFlow<()>,
 ) -> Result<Generation, ModelError> {
     let mut generation = Generation::empty();
@@ -272,7 +284,14 @@ fn generate_local(
         sampler.accept(token);
     }
     let started = Instant::now();
-    let mut row = lease.forward(&prompt[lease.cached()..])?;
+    let mut row = Vec::new();
+    for chunk in prompt[lease.cached()..].chunks(PREFILL_CHUNK) {
+        if cancelled() {
+            generation.finish = Finish::Stop;
+            return Ok(generation);
+        }
+        row = lease.forward(chunk)?;
+    }
     generation.prompt_time = started.elapsed();
     let decode_started = Instant::now();
     loop {
