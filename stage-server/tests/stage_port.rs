@@ -715,3 +715,78 @@ fn a_session_whose_rows_are_not_finite_fails_alone_and_the_other_session_of_its_
         "{frames:?}"
     );
 }
+
+#[test]
+fn a_connection_that_never_says_its_hello_is_closed_within_the_opening_deadline() {
+    let llama = tiny("port-silent", &TinyModel::llama(GgmlDType::Q4_1));
+    let last = StageChild::start(&llama, "1..4", None, &[]);
+    let mut silent = connect(last.address);
+    let started = std::time::Instant::now();
+    // The stage closes it (10 s, plus the 1 s it gives its own connect to a next stage); a read ends then, with
+    // the end of the stream or a reset.
+    let mut buffer = [0u8; 64];
+    let outcome = silent.read(&mut buffer);
+    let took = started.elapsed();
+    assert!(
+        matches!(outcome, Ok(0) | Err(_)) && took < Duration::from_secs(16),
+        "a silent connection was still open after {took:?} ({outcome:?})"
+    );
+    assert!(
+        took >= Duration::from_secs(9),
+        "the stage closed a silent connection after only {took:?}; it has 10 s to say its hello"
+    );
+    // The stage goes on serving.
+    let mut link = connect(last.address);
+    let hello = stage_zero_hello(&llama, 1);
+    let answer = exchange(
+        &mut link,
+        &stage_server::wire::encode_to_vec(&Frame::Hello(hello)),
+        1,
+    );
+    assert!(
+        matches!(answer[0], Frame::Hello(_)),
+        "the stage should answer a hello after closing a silent link: {answer:?}"
+    );
+}
+
+#[test]
+fn a_link_to_the_next_stage_opened_for_an_upstream_that_has_gone_is_closed_not_kept() {
+    use std::net::TcpListener;
+    let llama = tiny("port-gone-upstream", &TinyModel::llama(GgmlDType::Q4_1));
+    // The "next stage" is this test: it sees what the middle stage does with the link it opens.
+    let next = TcpListener::bind("127.0.0.1:0").unwrap();
+    let middle = StageChild::start(&llama, "1..3", Some(next.local_addr().unwrap()), &[]);
+    // Stopped, the stage cannot read the hello before its sender has gone: as when stage 0 gives up on a stage
+    // that is stopped and the stage continues later.
+    middle.signal("STOP");
+    {
+        let mut upstream = TcpStream::connect(middle.address).unwrap();
+        upstream
+            .write_all(&stage_server::wire::encode_to_vec(&Frame::Hello(
+                stage_zero_hello(&llama, 1),
+            )))
+            .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    middle.signal("CONT");
+    next.set_nonblocking(false).unwrap();
+    let (mut opened, _) = next
+        .accept()
+        .expect("the middle stage connects to its next stage");
+    opened
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    // Whatever it said first (its hello, if it got that far), the link must end: nothing upstream is left to
+    // use it, and a link kept open holds a slot of the next stage's caps for good.
+    let mut buffer = [0u8; 4096];
+    loop {
+        match opened.read(&mut buffer) {
+            Ok(0) => break,
+            Ok(_) => continue,
+            Err(error) if error.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(error) => panic!(
+                "the link to the next stage stayed open after its upstream had gone ({error})"
+            ),
+        }
+    }
+}

@@ -63,7 +63,15 @@ impl Downstream {
     }
 
     pub(crate) fn on_open(&mut self, context: &mut SessionContext<'_>) -> Step {
-        self.pair.lock().downstream = context.completer();
+        {
+            let mut state = self.pair.lock();
+            if state.upstream_closed {
+                // The upstream link ended while this connect was under way, so its wake found no session to
+                // tell: the link would have stayed open, held by nobody, against the next stage's caps.
+                return Step::Close;
+            }
+            state.downstream = context.completer();
+        }
         let mut bytes = Vec::new();
         encode(&Frame::Hello(self.ours.clone()), &mut bytes);
         if context.output().push(&bytes).is_err() {

@@ -60,6 +60,12 @@ use crate::wire::{
 
 /// The completion token with which one link of a pair wakes the other.
 pub(crate) const RELAY_TOKEN: u64 = 2;
+/// How long an accepted link has to open, besides the time this stage gives its own connect to the next one:
+/// the upstream's hello (and, with a cluster key, its proof) must come within it. A connection that says nothing
+/// is closed then instead of holding a slot of the stage's caps for as long as it likes; stage 0 itself gives up
+/// on an unanswered hello after 5 s.
+pub(crate) const OPENING_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// The completion token that tells an upstream link the stage's drain deadline passed: its sessions get an
 /// `Error` frame (`draining`) and the link closes gracefully, instead of being reset by the deadline's kill.
 pub(crate) const DRAIN_DEADLINE_TOKEN: u64 = 4;
@@ -301,6 +307,10 @@ impl Upstream {
         };
         let id = context.info().id.get();
         let mailbox = Mailbox::new(completer.clone(), id);
+        // Cleared once frames flow (see `opened`).
+        context.set_exchange_deadline(Some(
+            context.now() + OPENING_TIMEOUT + self.shared.connect_retry_timeout,
+        ));
         if self.shared.next.is_none() {
             // The last stage: tokens go straight to their return links (a middle stage's rows go to its pair,
             // once there is one).
@@ -459,7 +469,9 @@ impl Upstream {
                         "this stage needs the cluster key's proof before any other frame".into(),
                     );
                 };
-                if !verify(key, Side::Connecting, &theirs.nonce, &ours, proof) {
+                if verify(key, Side::Connecting, &theirs.nonce, &ours, proof) {
+                    opened(context);
+                } else {
                     self.refuse(
                         context,
                         0,
@@ -743,6 +755,7 @@ impl Upstream {
         } else {
             self.write(context, &Frame::Hello(ours));
             self.state = UpstreamState::Serving;
+            opened(context);
         }
     }
 
@@ -1274,6 +1287,11 @@ impl Upstream {
             Pair::wake(state.downstream.as_ref());
         }
     }
+}
+
+/// The link is open (hellos and proofs checked): no deadline for the exchange from here, only the limits' own.
+fn opened(context: &mut SessionContext<'_>) {
+    context.set_exchange_deadline(None);
 }
 
 fn lock_upstreams(shared: &StageShared) -> MutexGuard<'_, HashMap<u64, Completer>> {

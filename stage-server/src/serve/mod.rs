@@ -258,7 +258,7 @@ impl StageProcess {
         let builder = ServerBuilder::new()
             .listen(config.bind)
             .session_driver(SessionDriver::EventLoop { loops: 2 })
-            .limits(link_limits())
+            .limits(link_limits(config.lanes))
             // Downstream links are opened from the first upstream hello: the handle must be set by then.
             .open_door_at_build(false)
             .sessions(move |_: &net_io_blocking::ConnectionInfo| {
@@ -384,8 +384,15 @@ pub const DRAIN_ERROR_GRACE: Duration = Duration::from_secs(1);
 /// for long, a read deadline generous enough for the slowest stage of a chain to answer, and a write deadline
 /// as long: the next stage may stop reading for as long as its own next link takes to drain its byte budget
 /// (`serve::budget`), which over a slow link is well past the 30 s default.
-fn link_limits() -> Limits {
+///
+/// Links from one address: where stage 0 and the stage before share a host (a pipeline on loopback, or two
+/// stages on one machine), this stage takes a link per lane from each, the last stage also a prediction-return
+/// link per lane from stage 0, and stage 0's health probe and a lane's reconnect overlap them for a moment:
+/// four per lane and a few more, never fewer than net-io's default of 16. Past that, a source is refused at
+/// admission.
+fn link_limits(lanes: usize) -> Limits {
     Limits::new()
+        .max_per_source(lanes.saturating_mul(4).saturating_add(4).max(16))
         .output_budget(256 << 20)
         .completion_queue(64)
         .read_timeout(Duration::from_secs(300))
