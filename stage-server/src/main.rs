@@ -85,6 +85,11 @@ struct RunArgs {
     /// drift apart into one-row passes).
     #[arg(long, default_value_t = 1)]
     batches_in_flight: usize,
+    /// Connections one client address may hold open at once; more are refused at admission. Raise it behind
+    /// a reverse proxy, where every request comes from the proxy's address.
+    #[arg(long, default_value_t = stage_server::frontend::MAX_PER_SOURCE_DEFAULT,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    max_connections_per_source: usize,
     /// Compute threads per stage process (default: this host's cores shared among the stage processes, at
     /// least one each; all of them for --stages 1).
     #[arg(long)]
@@ -929,6 +934,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     api.batch_tokens = args.batch_tokens as usize;
     api.decode_stretch = (args.decode_stretch > 0.0).then_some(args.decode_stretch);
     api.batches_in_flight = args.batches_in_flight;
+    api.max_per_source = args.max_connections_per_source;
     api.context_length = args.context_length;
     api.model_id = args.model_id.clone();
     api.api_key = api_key.clone();

@@ -259,6 +259,42 @@ fn a_client_that_goes_away_during_a_long_prompt_frees_its_lane_within_a_prompt_c
 }
 
 #[test]
+fn a_stream_to_an_http_1_0_client_is_sent_bare_and_ends_with_the_connection() {
+    let server = start("http10", |_| {});
+    let address = server.local_addr();
+    let body = r#"{"prompt":[1,300],"max_tokens":3,"temperature":0,"stream":true}"#;
+    let request = format!(
+        "POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut reader = connect(address);
+    reader.get_mut().write_all(request.as_bytes()).unwrap();
+    let (status, headers) = read_head(&mut reader);
+    assert_eq!(status, 200);
+    let header = |name: &str| {
+        headers
+            .iter()
+            .find(|(key, _)| key.eq_ignore_ascii_case(name))
+            .map(|(_, value)| value.as_str())
+    };
+    // RFC 9112, section 6.1: no chunked coding to an HTTP/1.0 client; the close ends the body.
+    assert_eq!(header("transfer-encoding"), None, "{headers:?}");
+    assert_eq!(header("content-length"), None, "{headers:?}");
+    assert_eq!(header("connection"), Some("close"), "{headers:?}");
+    let mut rest = String::new();
+    reader.read_to_string(&mut rest).unwrap();
+    assert!(
+        rest.starts_with("data: {") && rest.ends_with("data: [DONE]\n\n"),
+        "the body should be the bare events up to the close: {rest:?}"
+    );
+    assert!(
+        rest.split('\n')
+            .all(|line| line.is_empty() || line.starts_with("data: ")),
+        "only event lines, no chunk sizes between them: {rest:?}"
+    );
+}
+
+#[test]
 fn a_full_queue_is_refused_with_429_and_retry_after_and_the_queued_request_completes_later() {
     let server = start("full", |config| config.queue = Some(1));
     let address = server.local_addr();

@@ -2,7 +2,10 @@
 //!
 //! Bodies are parsed to a `serde_json::Value` and read by hand rather than derived, so every wrong type or
 //! range is a 400 naming the exact field (`messages[1].content[0].type`), as OpenAI's own errors do. Unknown
-//! fields are ignored and `null` counts as absent, so SDKs that send extra or empty parameters still work.
+//! fields are ignored and `null` counts as absent, so SDKs that send extra or empty parameters still work; but
+//! a known parameter that would change the answer and that this server does not implement (`echo`, `suffix`,
+//! `best_of` above 1, `tools`, a `response_format` other than text) is refused, not ignored, so no client gets
+//! an answer to a question other than the one it asked.
 
 use serde_json::{Map, Value};
 
@@ -147,6 +150,7 @@ fn decode_common(
     logprobs: bool,
     top_logprobs: u8,
 ) -> Result<GenerationRequest, ApiError> {
+    refuse_unsupported(fields)?;
     let model = fields.string("model")?.map(str::to_owned);
     let max_tokens = match fields.integer("max_completion_tokens", 1, i128::MAX)? {
         Some(limit) => Some(limit),
@@ -187,6 +191,65 @@ fn decode_common(
         // Outside a stream the usage is always in the body; the option only shapes a stream.
         include_usage: stream && include_usage,
     })
+}
+
+/// Refuses the parameters that would change the answer and that this server does not implement, each in
+/// words naming it (their neutral values, such as `echo: false` or `best_of: 1`, are taken).
+fn refuse_unsupported(fields: &Fields) -> Result<(), ApiError> {
+    if fields.boolean("echo")? == Some(true) {
+        return Err(ApiError::invalid(
+            "echo",
+            "`echo` is not supported: the completion does not repeat its prompt; prepend the prompt yourself",
+        ));
+    }
+    if fields
+        .string("suffix")?
+        .is_some_and(|suffix| !suffix.is_empty())
+    {
+        return Err(ApiError::invalid(
+            "suffix",
+            "`suffix` (text to insert before) is not supported; send the prompt alone",
+        ));
+    }
+    if fields
+        .get("best_of")
+        .is_some_and(|value| integer_in(value, "best_of", 1, 1).is_err())
+    {
+        return Err(ApiError::invalid(
+            "best_of",
+            "`best_of` above 1 is not supported; send separate requests and pick the best yourself",
+        ));
+    }
+    for name in ["tools", "functions"] {
+        let given = match fields.get(name) {
+            None => false,
+            Some(Value::Array(items)) => !items.is_empty(),
+            Some(_) => true,
+        };
+        if given {
+            return Err(ApiError::invalid(
+                name,
+                format!(
+                    "`{name}` is not supported: this server does not call tools or functions; send the request without it"
+                ),
+            ));
+        }
+    }
+    if let Some(format) = fields.object("response_format")? {
+        let format = Fields::nested(format, "response_format");
+        match format.string("type")? {
+            None | Some("text") => {}
+            Some(other) => {
+                return Err(ApiError::invalid(
+                    "response_format.type",
+                    format!(
+                        "`response_format` of type `{other}` is not supported: this server does not constrain its output; only `text` is taken"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The sampler's settings from `temperature`, `top_p`, `top_k`, `min_p`, the penalties and `seed`.
@@ -249,6 +312,25 @@ fn decode_messages(fields: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
 fn decode_message(fields: &Fields) -> Result<ChatMessage, ApiError> {
     let Some(role) = fields.string("role")? else {
         return Err(required(&fields.param("role")));
+    };
+    let role = match role {
+        "system" | "user" | "assistant" => role,
+        // OpenAI's newer name for the system turn.
+        "developer" => "system",
+        "tool" | "function" => {
+            return Err(ApiError::invalid(
+                &fields.param("role"),
+                format!(
+                    "a `{role}` message needs tool calling, which this server does not support"
+                ),
+            ));
+        }
+        other => {
+            return Err(ApiError::invalid(
+                &fields.param("role"),
+                format!("`{other}` is not a role; use system, user or assistant"),
+            ));
+        }
     };
     let content = match fields.get("content") {
         Some(Value::String(text)) => text.clone(),
@@ -823,6 +905,63 @@ mod tests {
             chat_with(json!({"user": "u-1", "metadata": {"a": 1}, "cache_prompt": true})).is_ok(),
             "an unknown field was refused"
         );
+    }
+
+    #[test]
+    fn parameters_that_would_change_the_answer_and_are_not_implemented_are_refused_by_name() {
+        for (extra, param) in [
+            (json!({"echo": true}), "echo"),
+            (json!({"suffix": "}"}), "suffix"),
+            (json!({"best_of": 3}), "best_of"),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+                "tools",
+            ),
+            (json!({"functions": [{"name": "f"}]}), "functions"),
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                "response_format.type",
+            ),
+        ] {
+            assert_eq!(refused_param(extra), param);
+        }
+        let error = chat_with(json!({"echo": true})).unwrap_err();
+        assert!(error.message.contains("not supported"), "{}", error.message);
+        // Their neutral values change nothing and are taken.
+        for neutral in [
+            json!({"echo": false}),
+            json!({"suffix": ""}),
+            json!({"best_of": 1}),
+            json!({"tools": []}),
+            json!({"response_format": {"type": "text"}}),
+            json!({"echo": null, "suffix": null, "tools": null}),
+        ] {
+            assert!(chat_with(neutral.clone()).is_ok(), "{neutral} was refused");
+        }
+    }
+
+    #[test]
+    fn a_message_role_is_system_user_assistant_or_developer() {
+        let request = chat(json!({"messages": [
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": "hi"}
+        ]}))
+        .expect("a developer message was refused");
+        let Endpoint::Chat(messages) = request.endpoint else {
+            panic!("not a chat");
+        };
+        assert_eq!(
+            messages[0],
+            ChatMessage::new("system", "be brief".to_owned())
+        );
+        for role in ["wizard", "tool", "function", "User"] {
+            let error = chat(json!({"messages": [
+                {"role": "user", "content": "hi"},
+                {"role": role, "content": "x"}
+            ]}))
+            .expect_err(&format!("role {role} was taken"));
+            assert_eq!(error.param.as_deref(), Some("messages[1].role"), "{role}");
+        }
     }
 
     #[test]

@@ -39,7 +39,7 @@ use health::ChainHealth;
 use metrics::Metrics;
 use prompt::TextModel;
 use runner::{ChainLane, LaneRunner};
-pub use state::ApiConfig;
+pub use state::{ApiConfig, MAX_PER_SOURCE_DEFAULT};
 use state::{ApiState, Ready};
 
 /// What the API's lanes generate with.
@@ -120,7 +120,7 @@ impl ApiServer {
         let server = ServerBuilder::new()
             .listen(state.config.http)
             .session_driver(SessionDriver::EventLoop { loops: 1 })
-            .limits(http_limits())
+            .limits(http_limits(state.config.max_per_source))
             .sessions(session::factory(Arc::clone(&state)))
             .allow_all()
             .build()?;
@@ -225,8 +225,9 @@ impl ApiServer {
 /// Limits of the API's connections: keep-alive connections idle for up to a minute; while a generation
 /// runs, the read deadline bounds the gap between its events (a long prefill, a queue wait), so it is
 /// generous, and a request that is slow to arrive is cut by the session's own deadline instead.
-fn http_limits() -> Limits {
+fn http_limits(max_per_source: usize) -> Limits {
     Limits::new()
+        .max_per_source(max_per_source.max(1))
         .idle_timeout(Duration::from_secs(60))
         .read_timeout(Duration::from_secs(600))
         .park_timeout(Duration::from_secs(600))

@@ -102,10 +102,12 @@ pub(crate) fn route(state: &ApiState, request: &Request) -> Routed {
     if let Some(key) = &state.config.api_key
         && route != HEALTH
     {
+        // The scheme's name is case-insensitive (RFC 9110, section 11.1).
         let given = request
             .header("authorization")
-            .and_then(|value| value.strip_prefix("Bearer "))
-            .map(str::trim);
+            .and_then(|value| value.trim().split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim());
         if !given.is_some_and(|given| same_key(given, key)) {
             return error(route, &ApiError::unauthorized());
         }
@@ -216,6 +218,20 @@ fn generation(
         return Err(ApiError::invalid(
             "messages",
             "the model has no chat template; use /v1/completions",
+        ));
+    }
+    // A bias on an id the model cannot produce would be dropped without a word.
+    if let Some(&(token, _)) = request
+        .logit_bias
+        .iter()
+        .find(|(token, _)| *token as usize >= ready.text.vocab_size)
+    {
+        return Err(ApiError::invalid(
+            &format!("logit_bias.{token}"),
+            format!(
+                "token id {token} is not in the model's vocabulary of {} tokens",
+                ready.text.vocab_size
+            ),
         ));
     }
     let mut sampling = request.sampling.clone();

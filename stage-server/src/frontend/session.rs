@@ -29,7 +29,7 @@ use crate::api::{
 };
 use crate::http::{
     CONTINUE_RESPONSE, Framing, HttpError, Parsed, Request, RequestParser, write_head,
-    write_last_chunk, write_response, write_sse_data,
+    write_last_chunk, write_response, write_sse_event,
 };
 
 /// Bytes of pipelined input a session takes in while a generation runs.
@@ -46,6 +46,9 @@ struct Generating {
     stream: bool,
     include_usage: bool,
     keep_alive: bool,
+    /// Whether a stream goes in chunks (HTTP/1.1); to an HTTP/1.0 client it is bare and ends with the
+    /// connection.
+    chunked: bool,
     id: String,
     created: u64,
     started: bool,
@@ -169,6 +172,10 @@ impl HttpSession {
                 if retry_after {
                     headers.push(("Retry-After", "1"));
                 }
+                if status == 401 {
+                    // What a client must send (RFC 9110, section 11.6.1).
+                    headers.push(("WWW-Authenticate", "Bearer"));
+                }
                 write_response(&mut self.scratch, status, &headers, &body, keep_alive);
                 if !keep_alive {
                     self.phase = State::Closing;
@@ -244,7 +251,9 @@ impl HttpSession {
                     chat,
                     stream,
                     include_usage,
-                    keep_alive,
+                    // A stream to an HTTP/1.0 client ends with the connection: nothing can follow it.
+                    keep_alive: keep_alive && (request.version >= 1 || !stream),
+                    chunked: request.version >= 1,
                     id: api::new_id(if chat { "chatcmpl-" } else { "cmpl-" }),
                     created: unix_seconds(),
                     started: false,
@@ -340,11 +349,15 @@ impl HttpSession {
                                 ("Cache-Control", "no-cache"),
                                 ("x-request-id", generating.request_id.as_str()),
                             ],
-                            Framing::Chunked,
+                            if generating.chunked {
+                                Framing::Chunked
+                            } else {
+                                Framing::UntilClose
+                            },
                             generating.keep_alive,
                         );
                         if generating.chat {
-                            write_sse_data(out, &chat_chunk_role(&reply));
+                            write_sse_event(out, &chat_chunk_role(&reply), generating.chunked);
                         }
                     }
                 }
@@ -356,7 +369,7 @@ impl HttpSession {
                         } else {
                             completion_chunk(&reply, &text, logprobs, None)
                         };
-                        write_sse_data(out, &chunk);
+                        write_sse_event(out, &chunk, generating.chunked);
                     } else {
                         generating.text.push_str(&text);
                         if let Some(all) = generating.logprobs.as_mut() {
@@ -374,9 +387,11 @@ impl HttpSession {
                 JobEvent::Failed(error) => {
                     if generating.stream && generating.started {
                         // Headers went out: the error is the stream's last event (as llama-server sends it).
-                        write_sse_data(out, &error.to_json());
-                        write_sse_data(out, "[DONE]");
-                        write_last_chunk(out);
+                        write_sse_event(out, &error.to_json(), generating.chunked);
+                        write_sse_event(out, "[DONE]", generating.chunked);
+                        if generating.chunked {
+                            write_last_chunk(out);
+                        }
                         generating.span.record("status", error.status);
                         self.state
                             .metrics
@@ -440,12 +455,18 @@ fn finish_reply(
         } else {
             completion_chunk(reply, "", None, Some(finish))
         };
-        write_sse_data(out, &chunk);
+        write_sse_event(out, &chunk, generating.chunked);
         if generating.include_usage {
-            write_sse_data(out, &usage_chunk(reply, generating.chat, usage));
+            write_sse_event(
+                out,
+                &usage_chunk(reply, generating.chat, usage),
+                generating.chunked,
+            );
         }
-        write_sse_data(out, "[DONE]");
-        write_last_chunk(out);
+        write_sse_event(out, "[DONE]", generating.chunked);
+        if generating.chunked {
+            write_last_chunk(out);
+        }
     } else {
         let logprobs = generating.logprobs.as_deref();
         let body = if generating.chat {

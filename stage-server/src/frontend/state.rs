@@ -45,7 +45,14 @@ pub struct ApiConfig {
     /// came back waits for the others (see [`crate::model::StepPolicy::batches_in_flight`]): 1 (the default)
     /// keeps the streams in one batch through every stage, best when the stages share this host's cores.
     pub batches_in_flight: usize,
+    /// Connections one client address may hold open at once (more are refused at admission, before a byte
+    /// is read); 64 by default, so a client's pool of parallel requests fits while one address cannot take
+    /// the whole server. Behind a reverse proxy every request comes from the proxy's address: raise it.
+    pub max_per_source: usize,
 }
+
+/// [`ApiConfig::max_per_source`] by default.
+pub const MAX_PER_SOURCE_DEFAULT: usize = 64;
 
 impl ApiConfig {
     /// The defaults on `http`: 4 lanes, a queue of 8, a 30 s queue timeout, the HTTP layer's limits, 512
@@ -64,6 +71,7 @@ impl ApiConfig {
             batch_tokens: crate::model::DEFAULT_BATCH_TOKENS,
             decode_stretch: None,
             batches_in_flight: 1,
+            max_per_source: MAX_PER_SOURCE_DEFAULT,
         }
     }
 

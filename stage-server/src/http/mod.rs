@@ -26,7 +26,7 @@ mod response;
 pub use request::RequestParser;
 pub use response::{
     Framing, reason_phrase, write_chunk, write_head, write_last_chunk, write_response,
-    write_sse_data,
+    write_sse_data, write_sse_event,
 };
 
 /// The interim response a session writes when the parser returns [`Parsed::Continue`].

@@ -14,6 +14,9 @@ pub enum Framing {
     /// No framing header, for responses that never have a body: 1xx, 204 and 304 (and answers to HEAD, with
     /// care). Any other response needs a length or chunks, or the client cannot tell where it ends.
     Empty,
+    /// No framing header: the body ends where the connection does. For a stream to an HTTP/1.0 client, which
+    /// cannot take chunks (RFC 9112, section 6.1); the head must close the connection (`keep_alive` false).
+    UntilClose,
 }
 
 /// The reason phrase of `status` as RFC 9110 names it, or `""` for a status it does not name (a status line
@@ -100,7 +103,7 @@ pub fn write_head(
             out.extend_from_slice(b"\r\n");
         }
         Framing::Chunked => out.extend_from_slice(b"Transfer-Encoding: chunked\r\n"),
-        Framing::Empty => {}
+        Framing::Empty | Framing::UntilClose => {}
     }
     if !keep_alive {
         out.extend_from_slice(b"Connection: close\r\n");
@@ -145,6 +148,12 @@ pub fn write_last_chunk(out: &mut Vec<u8>) {
 /// Writes one server-sent event `data: {payload}\n\n` as one chunk of a chunked body. A payload with line
 /// breaks becomes one `data:` line per line, which a client's event parser joins back with `\n`.
 pub fn write_sse_data(out: &mut Vec<u8>, payload: &str) {
+    write_sse_event(out, payload, true);
+}
+
+/// [`write_sse_data`], as one chunk when `chunked`, else bare (a body that ends with the connection,
+/// [`Framing::UntilClose`]).
+pub fn write_sse_event(out: &mut Vec<u8>, payload: &str, chunked: bool) {
     const PREFIX: &[u8] = b"data: ";
     let lines = || {
         payload
@@ -156,7 +165,9 @@ pub fn write_sse_data(out: &mut Vec<u8>, payload: &str) {
         .map(|line| PREFIX.len() + line.len() + 1)
         .sum::<usize>()
         + 1;
-    write_chunk_size(out, length);
+    if chunked {
+        write_chunk_size(out, length);
+    }
     for line in lines() {
         out.extend_from_slice(PREFIX);
         // A lone CR also ends a line in an event stream; written as a space it cannot cut the payload.
@@ -164,7 +175,9 @@ pub fn write_sse_data(out: &mut Vec<u8>, payload: &str) {
         out.push(b'\n');
     }
     out.push(b'\n');
-    out.extend_from_slice(b"\r\n");
+    if chunked {
+        out.extend_from_slice(b"\r\n");
+    }
 }
 
 /// Writes a chunk's size line.

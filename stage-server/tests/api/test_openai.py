@@ -374,6 +374,32 @@ def test_more_than_one_choice_is_400(server, client):
     assert error_param(raised.value) == "n", f"the envelope names n: {raised.value.body}"
 
 
+@pytest.mark.parametrize(
+    "call, arguments, param",
+    [
+        ("complete", {"echo": True}, "echo"),
+        ("complete", {"suffix": "}"}, "suffix"),
+        ("complete", {"best_of": 2}, "best_of"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ("chat", {"response_format": {"type": "json_object"}}, "response_format.type"),
+    ],
+    ids=["echo", "suffix", "best_of", "tools", "json_mode"],
+)
+def test_a_parameter_that_would_change_the_answer_and_is_not_supported_is_400_naming_it(
+    server, client, call, arguments, param
+):
+    with pytest.raises(openai.BadRequestError) as raised:
+        (complete if call == "complete" else chat)(client, server, **arguments)
+    assert error_param(raised.value) == param, f"the envelope names {param}: {raised.value.body}"
+    assert "not supported" in str(raised.value.body), raised.value.body
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_400_naming_the_id(server, client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        chat(client, server, logit_bias={"99999999": 5}, max_tokens=1)
+    assert error_param(raised.value) == "logit_bias.99999999", raised.value.body
+
+
 def test_a_prompt_longer_than_the_context_is_400_with_both_numbers(server, client):
     prompt = " hello" * 24_000
     counted = httpx2.post(f"{server.base_url}/tokenize", json={"content": prompt}, timeout=60.0)
@@ -451,6 +477,17 @@ def test_without_the_key_a_server_with_api_key_answers_401(auth_server):
         timeout=10.0,
     )
     assert_envelope(response, 401)
+
+
+def test_the_401_names_its_scheme_and_the_scheme_is_case_insensitive(auth_server):
+    url = f"{auth_server.base_url}/v1/chat/completions"
+    body = {"messages": CHAT, "max_tokens": 1}
+    refused = httpx2.post(url, json=body, timeout=10.0)
+    assert refused.status_code == 401
+    assert refused.headers.get("www-authenticate") == "Bearer", refused.headers
+    for scheme in ["bearer", "BEARER"]:
+        served = httpx2.post(url, json=body, headers={"Authorization": f"{scheme} {API_KEY}"}, timeout=60.0)
+        assert served.status_code == 200, f"{scheme}: {served.status_code} {served.text}"
 
 
 def test_with_the_key_a_server_with_api_key_serves(auth_server):
