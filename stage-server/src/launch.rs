@@ -53,8 +53,8 @@ pub struct PipelineOptions {
     /// Where the stage processes serve `/metrics`: stage 1 at this address, each later stage at the next
     /// port; port 0 gives every stage a free port of its own. `None`: no metrics listener on them.
     pub stage_metrics: Option<SocketAddr>,
-    /// How stage 0 checks its chain: the `reply_timeout`, `silence_probe` and `probe_timeout` of these options
-    /// (the rest is ignored: the fields above set the codec and the shape).
+    /// How stage 0 checks its chain: the `connect_timeout`, `reply_timeout`, `silence_probe` and `probe_timeout`
+    /// of these options (the rest is ignored: the fields above set the codec and the shape).
     pub chain_checks: ChainOptions,
 }
 
@@ -129,6 +129,7 @@ impl LocalPipeline {
             silence_probe: options.chain_checks.silence_probe,
             probe_timeout: options.chain_checks.probe_timeout,
             reply_timeout: options.chain_checks.reply_timeout,
+            connect_timeout: options.chain_checks.connect_timeout,
             ..ChainOptions::default()
         };
         if let Some((end, next)) = options.external {

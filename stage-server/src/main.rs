@@ -311,6 +311,11 @@ struct ChainCheckArgs {
     #[arg(long, value_name = "MS", default_value_t = driver::PROBE_TIMEOUT.as_millis() as u64,
           value_parser = clap::value_parser!(u64).range(1..))]
     probe_timeout: u64,
+    /// Seconds stage 0 gives the connect to stage 1; the chain's answer to its hello (which comes once every
+    /// later stage has opened its own link) gets twice as long.
+    #[arg(long, value_name = "SECONDS", default_value_t = ChainOptions::default().connect_timeout.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..))]
+    connect_timeout: u64,
     /// Seconds stage 0 waits for any answer from the chain before it gives up on it.
     #[arg(long, value_name = "SECONDS", default_value_t = driver::REPLY_TIMEOUT.as_secs(),
           value_parser = clap::value_parser!(u64).range(1..))]
@@ -324,6 +329,7 @@ impl ChainCheckArgs {
             silence_probe: std::time::Duration::from_millis(self.probe_after),
             probe_timeout: std::time::Duration::from_millis(self.probe_timeout),
             reply_timeout: std::time::Duration::from_secs(self.reply_timeout),
+            connect_timeout: std::time::Duration::from_secs(self.connect_timeout),
             ..options
         }
     }

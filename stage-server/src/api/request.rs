@@ -328,7 +328,7 @@ fn decode_message(fields: &Fields) -> Result<ChatMessage, ApiError> {
         other => {
             return Err(ApiError::invalid(
                 &fields.param("role"),
-                format!("`{other}` is not a role; use system, user or assistant"),
+                format!("`{other}` is not a role; use system, user, assistant or developer"),
             ));
         }
     };

@@ -1035,11 +1035,12 @@ impl Wire {
             frame_bytes: 0,
         };
         // The hello's answer is part of opening the link: it comes once every later stage has answered its own
-        // link's hello, so it waits under the connect deadline, not the minute-long reply timeout, and a stage
-        // that accepts but never answers (stopped, hung) fails the open in seconds.
-        let opened = Instant::now();
+        // link's hello, so it waits under twice the connect deadline (room for stage 1's own connect to stage 2
+        // to time out first and say why), not the minute-long reply timeout, and a stage that accepts but never
+        // answers (stopped, hung) fails the open in seconds.
+        let answer_within = wire.options.connect_timeout.saturating_mul(2);
         wire.link
-            .set_exchange_deadline(Some(opened + wire.options.connect_timeout));
+            .set_exchange_deadline(Some(Instant::now() + answer_within));
         let theirs = wire
             .handshake(ours, next, role)
             .map_err(|error| match error {
@@ -1051,7 +1052,7 @@ impl Wire {
                     message: format!(
                         "{} at {next} accepted the link but did not answer its hello within {} ms (it, or a stage after it, is stopped, hung or cut off)",
                         wire.peer,
-                        wire.options.connect_timeout.as_millis()
+                        answer_within.as_millis()
                     ),
                 },
                 other => other,

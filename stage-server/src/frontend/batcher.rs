@@ -10,8 +10,8 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::model::{
-    Arrival, Backlog, GATHER_WAIT, Logits, ModelError, SharedStage, Stage, StageInput, StageOutput,
-    StepPolicy,
+    Arrival, Backlog, GATHER_WAIT, Logits, ModelError, PREFILL_CHUNK, SharedStage, Stage,
+    StageInput, StageOutput, StepPolicy,
 };
 
 /// The whole model's lanes, leased per generation.
@@ -145,6 +145,14 @@ impl Batcher {
             .iter()
             .map(|lane| lane.history.len())
             .collect()
+    }
+}
+
+impl Batcher {
+    /// The most prompt rows a generation hands in at once: a pass's budget (`--batch-tokens`), and at least
+    /// [`PREFILL_CHUNK`]. Between two such chunks a cancelled generation stops.
+    pub(crate) fn prompt_chunk(&self) -> usize {
+        self.stage.policy().batch_tokens.max(PREFILL_CHUNK)
     }
 }
 

@@ -11,8 +11,8 @@ use super::batcher::Batcher;
 use super::health::ChainHealth;
 use crate::driver::{Chain, ChainOptions, DriverError, Predicted, SamplerExtras, StageShare};
 use crate::model::{
-    Arrival, Finish, GenerateOptions, Generation, ModelError, PREFILL_CHUNK, Sampler,
-    SamplingParams, wanted_log_probabilities,
+    Arrival, Finish, GenerateOptions, Generation, ModelError, Sampler, SamplingParams,
+    wanted_log_probabilities,
 };
 use crate::telemetry::names;
 use crate::wire::{ErrorCode, Hello};
@@ -257,8 +257,9 @@ impl LaneRunner {
 /// The whole model on a leased lane, as `Pipeline::generate` runs it, with the chain's last stage's extras
 /// (logit bias, log-probabilities) so the two backends answer alike. The lane starts from the longest prefix
 /// of the prompt it already holds; every forward pass runs in a batch with the other lanes' next steps. The
-/// prompt goes in chunks of [`PREFILL_CHUNK`] rows, `cancelled` asked before each (a client that went away
-/// during a long prompt frees the lane within a chunk); chunked prefill gives the same bits as one chunk.
+/// prompt goes in chunks of a pass's budget (at least [`crate::model::PREFILL_CHUNK`] rows), `cancelled` asked before each
+/// (a client that went away during a long prompt frees the lane within a chunk); chunked prefill gives the
+/// same bits as one chunk.
 #[allow(clippy::too_many_arguments)]
 fn generate_local(
     batcher: &Arc<Batcher>,
@@ -285,7 +286,7 @@ fn generate_local(
     }
     let started = Instant::now();
     let mut row = Vec::new();
-    for chunk in prompt[lease.cached()..].chunks(PREFILL_CHUNK) {
+    for chunk in prompt[lease.cached()..].chunks(batcher.prompt_chunk()) {
         if cancelled() {
             generation.finish = Finish::Stop;
             return Ok(generation);

@@ -60,10 +60,11 @@ use crate::wire::{
 
 /// The completion token with which one link of a pair wakes the other.
 pub(crate) const RELAY_TOKEN: u64 = 2;
-/// How long an accepted link has to open, besides the time this stage gives its own connect to the next one:
-/// the upstream's hello (and, with a cluster key, its proof) must come within it. A connection that says nothing
-/// is closed then instead of holding a slot of the stage's caps for as long as it likes; stage 0 itself gives up
-/// on an unanswered hello after 5 s.
+/// How long an accepted link has to open, besides the time this stage gives its own connect to the next one
+/// (`--connect-retry-timeout`): from the accept to the link serving, that is the upstream's hello, this stage's
+/// opening of its own link to the next stage and that stage's answer, and with a cluster key the upstream's
+/// proof. A connection that says nothing is closed then instead of holding a slot of the stage's caps for as
+/// long as it likes; stage 0 itself gives up on an unanswered hello after 10 s (twice its connect deadline).
 pub(crate) const OPENING_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The completion token that tells an upstream link the stage's drain deadline passed: its sessions get an

@@ -340,6 +340,11 @@ impl SharedStage {
             .flatten()
     }
 
+    /// How this stage forms its steps.
+    pub fn policy(&self) -> StepPolicy {
+        self.shared.policy
+    }
+
     /// Marks `lane`'s generation as past its prompt: its chunks from now on are a stream's tokens, which
     /// [`SharedStage::prompt_share`] protects. Said by the caller because a row count cannot tell: a prompt cut
     /// to one row a frame looks like a stream. Cleared when the lane leaves its generation.

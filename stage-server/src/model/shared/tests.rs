@@ -414,10 +414,25 @@ fn in_front_of_a_chain_a_new_generation_joins_the_batch_out_on_its_round_trip_an
             .expect("forward")
             .1
     };
-    // A stream with round trips of 200 ms (a slow chain), so a hold lasts about 400 ms from here.
+    // Waits until `lane` has handed its chunk in, held or already run (so a test never rests on a thread being
+    // scheduled in time).
+    let handed_in = |lane: usize| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while {
+            let state = lock(&shared.shared.state);
+            state.lanes[lane].pending.is_none() && state.lanes[lane].out.is_none()
+        } {
+            assert!(
+                Instant::now() < deadline,
+                "lane {lane} never handed its chunk in"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    // A stream with a round trip of 500 ms (a slow chain), so a hold lasts hundreds of milliseconds from here.
     shared.activate(0, true);
     run(0, 0);
-    std::thread::sleep(Duration::from_millis(200));
+    std::thread::sleep(Duration::from_millis(500));
     run(0, 1);
     // A generation starts on lane 1 while lane 0's row is out: its first chunk waits for lane 0 to come back,
     // and the two run in one step.
@@ -426,7 +441,7 @@ fn in_front_of_a_chain_a_new_generation_joins_the_batch_out_on_its_round_trip_an
             shared.activate(1, true);
             run(1, 0)
         });
-        std::thread::sleep(Duration::from_millis(20));
+        handed_in(1);
         let stream = run(0, 2);
         let joining = joining.join().expect("lane 1");
         assert_eq!(
@@ -443,13 +458,13 @@ fn in_front_of_a_chain_a_new_generation_joins_the_batch_out_on_its_round_trip_an
             shared.activate(2, true);
             run(2, 0)
         });
-        std::thread::sleep(Duration::from_millis(20));
+        handed_in(2);
         shared.activate(0, false);
         shared.activate(1, false);
         let alone = alone.join().expect("lane 2");
         assert_eq!(alone.chunks, 1);
         assert!(
-            started.elapsed() < Duration::from_millis(300),
+            started.elapsed() < Duration::from_millis(150),
             "lane 2 was held {:?} for lanes that had left",
             started.elapsed()
         );
