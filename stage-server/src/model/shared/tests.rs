@@ -25,6 +25,38 @@ fn waiting(rows: usize, order: u64) -> LaneState {
     }
 }
 
+/// A chain's stage 0 over the tiny llama with `lanes` lanes, in a scratch directory: callers run the steps,
+/// and one batch goes round at a time.
+fn chain_stage_zero(name: &str, lanes: usize) -> (std::path::PathBuf, SharedStage) {
+    use crate::model::testing::TinyModel;
+    use candle_core::quantized::GgmlDType;
+    let (dir, stage) = TinyModel::llama(GgmlDType::Q4_1).scratch_stage(name, lanes);
+    let shared = SharedStage::start(
+        stage,
+        StepPolicy {
+            batches_in_flight: 1,
+            ..StepPolicy::new(512, Duration::ZERO)
+        },
+    )
+    .expect("start");
+    (dir, shared)
+}
+
+/// Runs one row of `lane` at `position` as a chunk whose answer comes back after a round trip; the step it
+/// ran in.
+fn one_row_out(shared: &SharedStage, lane: usize, position: usize) -> StepTag {
+    shared
+        .forward_tagged(
+            lane,
+            position,
+            StageInput::Tokens(&[7 + position as u32]),
+            Logits::Last,
+            true,
+        )
+        .expect("forward")
+        .1
+}
+
 fn taken(plan: &[Planned]) -> Vec<(usize, usize, bool)> {
     plan.iter()
         .map(|planned| (planned.lane, planned.input.rows(1), planned.ends))
@@ -317,29 +349,8 @@ fn a_caller_runs_its_step_itself_only_where_steps_never_gather_and_lanes_racing_
 #[test]
 fn in_front_of_a_chain_lanes_that_went_down_apart_come_back_into_one_step_and_a_lane_that_leaves_frees_it()
  {
-    use crate::model::testing::TinyModel;
-    use candle_core::quantized::GgmlDType;
-    let (dir, stage) = TinyModel::llama(GgmlDType::Q4_1).scratch_stage("shared-hold", 2);
-    let shared = SharedStage::start(
-        stage,
-        StepPolicy {
-            batches_in_flight: 1,
-            ..StepPolicy::new(512, Duration::ZERO)
-        },
-    )
-    .expect("start");
-    let run = |lane: usize, position: usize| {
-        shared
-            .forward_tagged(
-                lane,
-                position,
-                StageInput::Tokens(&[7 + position as u32]),
-                Logits::Last,
-                true,
-            )
-            .expect("forward")
-            .1
-    };
+    let (dir, shared) = chain_stage_zero("shared-hold", 2);
+    let run = |lane: usize, position: usize| one_row_out(&shared, lane, position);
     shared.activate(0, true);
     shared.activate(1, true);
     // Nothing out yet: lane 0's first chunk runs at once; lane 1's, held for lane 0 out on its round trip (for
@@ -391,29 +402,8 @@ fn in_front_of_a_chain_lanes_that_went_down_apart_come_back_into_one_step_and_a_
 #[test]
 fn in_front_of_a_chain_a_new_generation_joins_the_batch_out_on_its_round_trip_and_runs_once_that_batch_leaves()
  {
-    use crate::model::testing::TinyModel;
-    use candle_core::quantized::GgmlDType;
-    let (dir, stage) = TinyModel::llama(GgmlDType::Q4_1).scratch_stage("shared-join", 3);
-    let shared = SharedStage::start(
-        stage,
-        StepPolicy {
-            batches_in_flight: 1,
-            ..StepPolicy::new(512, Duration::ZERO)
-        },
-    )
-    .expect("start");
-    let run = |lane: usize, position: usize| {
-        shared
-            .forward_tagged(
-                lane,
-                position,
-                StageInput::Tokens(&[7 + position as u32]),
-                Logits::Last,
-                true,
-            )
-            .expect("forward")
-            .1
-    };
+    let (dir, shared) = chain_stage_zero("shared-join", 3);
+    let run = |lane: usize, position: usize| one_row_out(&shared, lane, position);
     // Waits until `lane` has handed its chunk in, held or already run (so a test never rests on a thread being
     // scheduled in time).
     let handed_in = |lane: usize| {
