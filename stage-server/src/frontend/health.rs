@@ -77,7 +77,8 @@ pub(crate) fn start_probe(
     next: SocketAddr,
     mut options: ChainOptions,
 ) -> TaskHandle<()> {
-    options.connect_timeout = PROBE_TIMEOUT;
+    // The hello's answer gets twice the connect deadline: the whole probe stays within PROBE_TIMEOUT.
+    options.connect_timeout = PROBE_TIMEOUT / 2;
     options.reply_timeout = PROBE_TIMEOUT;
     Runtime::task(Compute::compute(move |()| {
         match driver::probe(&ours, next, options.clone()) {
