@@ -1335,16 +1335,5 @@ fn a_generation_cancelled_during_its_prompt_stops_before_its_next_chunk_and_free
         "asked before each chunk, and no chunk went down after the yes"
     );
     // Its lanes are free at every stage: the next generation runs.
-    let next = chain
-        .generate(
-            &[1, 300, 301],
-            SamplingParams::default(),
-            &GenerateOptions {
-                max_tokens: 4,
-                ..generate
-            },
-            |_| {},
-        )
-        .expect("the chain serves the next generation");
-    assert_eq!(next.tokens.len(), 4);
+    support::serves_four_tokens(&mut chain, "the chain serves the next generation");
 }

@@ -13,7 +13,7 @@ use stage_server::model::testing::TinyModel;
 use stage_server::model::{GenerateOptions, ModelFile, SamplingParams};
 
 mod support;
-use support::{START_TIMEOUT, StageChild, http, tiny};
+use support::{START_TIMEOUT, StageChild, http, serves_four_tokens, tiny};
 
 /// A TCP proxy to `target` on 127.0.0.1 that delivers every byte `delay` after it came, each way: a slow network,
 /// on the socket (the in-process `--link-delay` shapes frames, not the hellos a link opens with).
@@ -100,18 +100,7 @@ fn a_stopped_middle_stage_fails_the_generation_within_seconds_and_serves_again_o
     );
     // Continued, the same processes serve a new generation.
     let mut chain = Chain::connect(&file, 1, middle.address, options).unwrap();
-    let generation = chain
-        .generate(
-            &[1, 300, 301],
-            SamplingParams::default(),
-            &GenerateOptions {
-                max_tokens: 4,
-                ..generate
-            },
-            |_| {},
-        )
-        .expect("the continued chain should serve");
-    assert_eq!(generation.tokens.len(), 4);
+    serves_four_tokens(&mut chain, "the continued chain should serve");
 }
 
 #[test]
@@ -161,23 +150,19 @@ fn a_chain_slower_than_the_silence_check_still_completes_its_generation() {
         stop_tokens: Vec::new(),
         keep_logits: false,
     };
-    // Tokens relayed up the chain, so that every answer crosses the slow link below; a check quicker than the
-    // default, so that the proxy's delay can exceed it and still leave the hellos well within the 5 s a link
-    // has to open.
+    // Tokens relayed up the chain, so that every answer crosses the slow link below.
     let options = ChainOptions {
         direct_return: false,
-        silence_probe: Duration::from_millis(500),
-        probe_timeout: Duration::from_secs(1),
         ..ChainOptions::default()
     };
     let direct = Chain::connect(&file, 1, middle.address, options.clone())
         .unwrap()
         .generate(&[1, 300, 301], SamplingParams::default(), &generate, |_| {})
         .unwrap();
-    // A proxy in front of the middle stage holds every byte back 1 s each way: a step takes 2 s, longer than the
-    // silence before a ping and the ping's 1 s floor together, so only a deadline grown with what opening the
-    // link took (as long as a step) keeps the check from taking the slow chain for a stopped one.
-    let delay = Duration::from_secs(1);
+    // A proxy in front of the middle stage holds every byte back 2.2 s each way: a step takes 4.4 s, longer than
+    // the silence before a ping and the ping's 3 s floor together, so only a deadline grown with what opening
+    // the link took (as long as a step) keeps the check from taking the slow chain for a stopped one.
+    let delay = Duration::from_millis(2200);
     let proxy = delaying_proxy(middle.address, delay);
     assert!(options.silence_probe + options.probe_timeout < delay * 2);
     let slow = Chain::connect(&file, 1, proxy, options)

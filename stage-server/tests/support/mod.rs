@@ -26,6 +26,25 @@ pub fn scratch_dir(name: &str) -> PathBuf {
 }
 
 /// `model` written to the scratch directory for `name`.
+/// Asserts that `chain` serves a greedy generation of 4 tokens from `1, 300, 301` (its lanes are free down
+/// the chain), saying `what` when it does not.
+pub fn serves_four_tokens(chain: &mut stage_server::driver::Chain, what: &str) {
+    let options = stage_server::model::GenerateOptions {
+        max_tokens: 4,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    let generation = chain
+        .generate(
+            &[1, 300, 301],
+            stage_server::model::SamplingParams::default(),
+            &options,
+            |_| {},
+        )
+        .unwrap_or_else(|error| panic!("{what}: {error}"));
+    assert_eq!(generation.tokens.len(), 4, "{what}");
+}
+
 pub fn tiny(name: &str, model: &stage_server::model::testing::TinyModel) -> PathBuf {
     model
         .write_to_dir(&scratch_dir(name))
