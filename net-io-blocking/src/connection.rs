@@ -281,6 +281,32 @@ impl<'a> TcpConnection<'a> {
         }
     }
 
+    /// What the peer sent that the kernel still holds, read without waiting, whatever became of the connection.
+    ///
+    /// After a write failed because the peer closed or reset the connection, `read` reports that failure;
+    /// the peer's last words (an error message it sent just before it closed) may still be waiting, and this
+    /// reads them. `Ok(0)`: nothing is waiting (or the peer's FIN is next). A connection on an event loop (a
+    /// coroutine handler's) reads nothing here.
+    pub fn read_left(&mut self, buffer: &mut [u8]) -> Result<usize, NetError> {
+        if buffer.is_empty() || self.on_event_loop() {
+            return Ok(0);
+        }
+        if !self.prefix.is_empty() {
+            let count = self.prefix.len().min(buffer.len());
+            buffer[..count].copy_from_slice(&self.prefix[..count]);
+            self.prefix = &self.prefix[count..];
+            return Ok(count);
+        }
+        let Some(socket) = self.link().owner().socket() else {
+            return Ok(0);
+        };
+        match socket::recv_nonblocking(socket, buffer) {
+            Ok(count) => Ok(count),
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => Ok(0),
+            Err(error) => Err(NetError::from(error)),
+        }
+    }
+
     /// Writes all of `bytes` under the write deadline; the gate checks the write first.
     pub fn write_all(&mut self, bytes: &[u8]) -> Result<(), NetError> {
         if let Some(reason) = self.terminal {

@@ -810,6 +810,9 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         });
         let id = self.outbound.next_id();
         reservation.enroll(id.get());
+        // From here the connection ends through its close, which is counted: so is its start, or `open`
+        // would sink below the connections really open (to zero, on a stage whose links reconnected).
+        core.counters.server().record_connected();
         let info = ConnectionInfo::outbound(id, local, address, started);
         let job = Job {
             socket,

@@ -1,5 +1,6 @@
-//! `wait_any_readable`: one thread waits on several client connections and learns which one a read would
-//! answer at once: input, the peer's close, a kill, or nothing before the timeout.
+//! Client connections: `wait_any_readable` (one thread waits on several and learns which one a read would
+//! answer at once: input, the peer's close, a kill, or nothing before the timeout), and `read_left` (what a
+//! peer said before it reset the connection, read after a write met the reset).
 
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
@@ -102,5 +103,41 @@ fn too_many_connections_are_refused_in_words() {
             .to_string()
             .contains(&format!("at most {WAIT_ANY_CONNECTIONS_MAX} connections")),
         "the error should name the limit: {error}"
+    );
+}
+
+#[test]
+fn the_peers_last_words_before_a_reset_can_be_read_after_the_write_that_met_it_failed() {
+    let (mut client, mut peer) = pair();
+    client.write_all(b"a request the peer never reads").unwrap();
+    // The peer answers, then closes with the request unread: the kernel resets the connection.
+    peer.write_all(b"refused: bad request").unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    drop(peer);
+    std::thread::sleep(Duration::from_millis(50));
+    let mut failed = None;
+    for _ in 0..10 {
+        if let Err(error) = client.write_all(b"more") {
+            failed = Some(error);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let failed = failed.expect("a write to a reset connection should fail");
+    let mut buffer = [0u8; 64];
+    assert!(
+        client.read(&mut buffer).is_err(),
+        "after the failed write ({failed}), read reports the failure"
+    );
+    let mut said = Vec::new();
+    loop {
+        match client.read_left(&mut buffer) {
+            Ok(0) | Err(_) => break,
+            Ok(count) => said.extend_from_slice(&buffer[..count]),
+        }
+    }
+    assert_eq!(
+        said, b"refused: bad request",
+        "the answer the peer sent before its reset is still there"
     );
 }

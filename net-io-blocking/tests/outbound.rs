@@ -266,6 +266,12 @@ fn an_outbound_session_exchanges_bytes_with_another_server() {
         eventually(SOON, || client_server.stats().closed == 1),
         "the outbound close should count in the stats of the server that opened it"
     );
+    let stats = client_server.stats();
+    assert_eq!(
+        (stats.accepted, stats.connected, stats.open),
+        (0, 1, 0),
+        "{stats:?}"
+    );
 }
 
 #[test]
@@ -383,6 +389,12 @@ fn a_drain_closes_an_idle_outbound_session_and_then_refuses_new_connects() {
         .connect(peer.local_addr(), idle, ConnectOptions::new())
         .expect("connect should start");
     assert!(matches!(next_note(&notes, "the open"), Note::Opened(_)));
+    let stats = server.stats();
+    assert_eq!(
+        (stats.connected, stats.open),
+        (1, 1),
+        "an open outbound session counts as open in the stats of the server that opened it: {stats:?}"
+    );
     let report = server.handle().drain(Instant::now() + SOON);
     assert_eq!(
         next_note(&notes, "the drain"),

@@ -19,6 +19,7 @@ use crate::close::{CloseReason, RefusalCause};
 #[derive(Debug, Default)]
 pub struct ServerCounters {
     accepted: AtomicU64,
+    connected: AtomicU64,
     refused: [AtomicU64; RefusalCause::COUNT],
     /// Of `refused`, the refusals of admitted connections (after a PROXY header), which also count as closes.
     refused_after_admission: AtomicU64,
@@ -48,17 +49,20 @@ pub struct Counters {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Stats {
-    /// Connections admitted and not yet closed.
+    /// Connections admitted or opened (outbound) and not yet closed.
     pub open: u64,
     /// Connections accepted (admitted or refused).
     pub accepted: u64,
+    /// Outbound connections the server opened (sessions it connected; each also counts in `closed` when it
+    /// ends, whether or not its connect succeeded).
+    pub connected: u64,
     /// Connections refused: before any read, or after admission and still before any byte was served (a
     /// PROXY header named a real client that the gate or the per-source cap refused, or no worker or loop
     /// could take the connection: `Busy`, `DoorClosed`).
     pub refused: u64,
     /// Of `refused`, the connections refused after admission. Each of them also counts once in `closed`.
     pub refused_after_admission: u64,
-    /// Admitted connections that closed.
+    /// Admitted and outbound connections that closed.
     pub closed: u64,
     /// Bytes received on closed connections.
     pub bytes_in: u64,
@@ -86,6 +90,11 @@ impl ServerCounters {
     /// Counts an accepted connection.
     pub fn record_accepted(&self) {
         self.accepted.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts an outbound connection the server started (its close is counted like an accepted one's).
+    pub fn record_connected(&self) {
+        self.connected.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a refusal.
@@ -210,6 +219,7 @@ impl Counters {
             slot.read_into(&mut stats);
         }
         stats.accepted = self.server.accepted.load(Ordering::Relaxed);
+        stats.connected = self.server.connected.load(Ordering::Relaxed);
         for (count, counter) in stats.by_cause.iter_mut().zip(&self.server.refused) {
             *count = counter.load(Ordering::Acquire);
         }
@@ -224,6 +234,7 @@ impl Counters {
         let refused_at_accept = stats.refused.saturating_sub(stats.refused_after_admission);
         stats.open = stats
             .accepted
+            .saturating_add(stats.connected)
             .saturating_sub(refused_at_accept)
             .saturating_sub(stats.closed);
         let count = |reason: CloseReason| stats.by_reason[reason.index()];
@@ -314,6 +325,23 @@ mod tests {
         assert_eq!(stats.timeouts, 1, "idle is one of our deadlines");
         assert_eq!(stats.refused_by(RefusalCause::Busy), 1);
         assert_eq!(stats.close_reasons().count(), 3);
+    }
+
+    #[test]
+    fn outbound_connections_count_as_open_until_they_close() {
+        let counters = Counters::new(1);
+        counters.server().record_accepted();
+        counters.server().record_connected();
+        counters.server().record_connected();
+        let stats = counters.snapshot();
+        assert_eq!((stats.accepted, stats.connected, stats.open), (1, 2, 3));
+        counters.slot(0).record_close(CloseReason::Idle, 0, 0);
+        counters.slot(0).record_close(CloseReason::Idle, 0, 0);
+        let stats = counters.snapshot();
+        assert_eq!(
+            stats.open, 1,
+            "two closes of three connections, one accepted and two opened: one is open"
+        );
     }
 
     #[test]
