@@ -719,3 +719,56 @@ fn a_prompt_that_shares_a_cached_prefix_reuses_it_and_answers_as_a_cold_run_does
         );
     }
 }
+
+#[test]
+fn a_drain_deadline_ends_a_running_stream_with_an_error_event_and_fails_the_queued_request_in_words()
+ {
+    let server = start("drain-deadline", |_| {});
+    let address = server.local_addr();
+    let mut stream = occupy_lane(address);
+    let queued = std::thread::spawn(move || {
+        exchange(
+            address,
+            &post(
+                "/v1/completions",
+                r#"{"prompt":[1,300],"max_tokens":4,"temperature":0}"#,
+            ),
+        )
+    });
+    assert!(
+        eventually(Duration::from_secs(5), || metric(
+            address,
+            "stage_server_queue_depth"
+        ) == 1.0),
+        "the second request never queued"
+    );
+    // The stream runs for thousands of tokens: far past the drain's half second.
+    let draining =
+        std::thread::spawn(move || server.shutdown(Instant::now() + Duration::from_millis(500)));
+    let mut events = Vec::new();
+    // `read_chunk` fails the test on a reset or a cut chunk: the stream must end with its last chunk.
+    while let Some(chunk) = read_chunk(&mut stream) {
+        events.push(chunk);
+    }
+    let last_events: Vec<&str> = events
+        .iter()
+        .rev()
+        .take(2)
+        .rev()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(last_events.len(), 2, "{events:?}");
+    assert!(
+        last_events[0].contains("drain deadline") && last_events[0].contains("\"error\""),
+        "the stream's last event should say the drain stopped it: {last_events:?}"
+    );
+    assert_eq!(last_events[1], "data: [DONE]\n\n");
+    let refused = queued.join().unwrap();
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert!(refused.body.contains("drain deadline"), "{}", refused.body);
+    let report = draining.join().unwrap();
+    assert_eq!(
+        report.killed, 0,
+        "every connection ended in words: {report:?}"
+    );
+}

@@ -362,6 +362,58 @@ fn killing_the_last_stage_fails_the_generation_within_a_second_naming_it() {
 }
 
 #[test]
+fn losing_the_last_stage_during_a_prompt_names_it_though_stage_0_was_writing() {
+    use stage_server::driver::SamplerExtras;
+    let llama = tiny("faults-last-prompt", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    let last = std::cell::RefCell::new(StageChild::start(&llama, "3..4", None, &[]));
+    let middle = StageChild::start(&llama, "1..3", Some(last.borrow().address), &[]);
+    // Chunks go down unacknowledged, so stage 0 is writing, not reading, when stage 1 closes its link.
+    let options = ChainOptions {
+        prefill_chunk: 4,
+        credits: 16,
+        ..ChainOptions::default()
+    };
+    let mut chain = Chain::connect(&file, 1, middle.address, options).unwrap();
+    let prompt: Vec<u32> = (0..160).map(|index| 300 + index).collect();
+    let generate = GenerateOptions {
+        max_tokens: 4,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    // Before the prompt's third chunk the last stage dies, and stage 1 has time to say so and close.
+    let asked = std::cell::Cell::new(0);
+    let cancelled = || {
+        asked.set(asked.get() + 1);
+        if asked.get() == 3 {
+            last.borrow_mut().kill();
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        false
+    };
+    let error = chain
+        .generate_cancellable(
+            &prompt,
+            SamplingParams::default(),
+            &SamplerExtras::default(),
+            &generate,
+            &cancelled,
+            |_| std::ops::ControlFlow::Continue(()),
+        )
+        .expect_err("a prompt whose last stage died must fail");
+    match &error {
+        DriverError::Stage { code, message } => {
+            assert_eq!(*code, ErrorCode::StageDown, "{message}");
+            assert!(
+                message.contains("stage 2"),
+                "the error should name stage 2: {message}"
+            );
+        }
+        other => panic!("expected stage 1's word that stage 2 is down, got {other}"),
+    }
+}
+
+#[test]
 fn tokens_come_straight_back_from_the_last_stage_and_relayed_ones_are_the_same() {
     let llama = tiny("direct-llama", &TinyModel::llama(GgmlDType::Q4_1));
     let file = ModelFile::open(&llama).unwrap();
@@ -1336,4 +1388,54 @@ fn a_generation_cancelled_during_its_prompt_stops_before_its_next_chunk_and_free
     );
     // Its lanes are free at every stage: the next generation runs.
     support::serves_four_tokens(&mut chain, "the chain serves the next generation");
+}
+
+#[test]
+fn a_stage_with_fewer_lanes_than_the_api_makes_its_extra_requests_wait_instead_of_failing() {
+    use stage_server::frontend::{ApiConfig, ApiServer, Backend};
+    let llama = tiny("fewer-lanes", &TinyModel::llama(GgmlDType::Q4_1));
+    let file = ModelFile::open(&llama).unwrap();
+    // The last stage runs one generation at a time; the middle one (four lanes) passes that on in its hello.
+    // Its link to the last stage is slowed so that the API's generations overlap.
+    let last = StageChild::start(&llama, "3..4", None, &["--lanes", "1"]);
+    let middle = StageChild::start(&llama, "2..3", Some(last.address), &["--link-delay", "10"]);
+    let chain = Chain::connect(&file, 2, middle.address, ChainOptions::default()).unwrap();
+    assert_eq!(chain.next_stage().lanes, 1, "the middle stage's answer");
+    assert_eq!(chain.chain_lanes(), 1);
+    drop(chain);
+    let mut config = ApiConfig::new("127.0.0.1:0".parse().unwrap());
+    config.lanes = 3;
+    let backend = Backend::Chain {
+        layers_end: 2,
+        next: middle.address,
+        options: ChainOptions::default(),
+    };
+    let api = ApiServer::start(&llama, backend, config).unwrap();
+    api.wait_ready(START_TIMEOUT).unwrap();
+    let address = api.local_addr();
+    let (_, metrics) = http(address, "GET", "/metrics", "");
+    assert!(
+        metrics.contains("stage_server_lanes 1\n"),
+        "the API runs as many generations as the chain's narrowest stage: {metrics}"
+    );
+    // Three requests at once: the API's extra lanes wait for the chain's one instead of the last stage
+    // refusing their sessions for want of a lane (a 503).
+    let requests: Vec<_> = (0..3)
+        .map(|index| {
+            std::thread::spawn(move || {
+                let request = format!(
+                    r#"{{"prompt":[1,{}],"max_tokens":12,"temperature":0}}"#,
+                    300 + index
+                );
+                http(address, "POST", "/v1/completions", &request)
+            })
+        })
+        .collect();
+    for request in requests {
+        let (status, body) = request.join().unwrap();
+        assert_eq!(status, 200, "{body}");
+        let value: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(value["usage"]["completion_tokens"], 12, "{body}");
+    }
+    let _ = api.shutdown(Instant::now() + Duration::from_secs(5));
 }

@@ -198,8 +198,20 @@ fn the_api_answers_a_request_to_a_stopped_stage_with_a_503_in_seconds_and_serves
     let started = Instant::now();
     let (status, body) = http(address, "POST", "/v1/completions", request);
     let took = started.elapsed();
+    // A stream that fails before its first token is answered with the failure's status, like the request
+    // above: not a 200 whose stream holds nothing but the error.
+    let streamed = r#"{"prompt":[1,300,301],"max_tokens":4,"temperature":0,"stream":true}"#;
+    let (stream_status, stream_body) = http(address, "POST", "/v1/completions", streamed);
     last.signal("CONT");
     assert_eq!(status, 503, "{body}");
+    assert_eq!(
+        stream_status, 503,
+        "a stream that failed before any output: {stream_body}"
+    );
+    assert!(
+        stream_body.contains("stage 1"),
+        "the stream's refusal should say why: {stream_body}"
+    );
     assert!(
         body.contains("stage 1"),
         "the error should name the stage: {body}"

@@ -56,6 +56,10 @@ pub const SILENCE_PROBE: Duration = Duration::from_secs(1);
 /// How long a ping may go unanswered by default ([`ChainOptions::probe_timeout`]).
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// How long a failed write looks for the `Error` frame the stage sent before it closed the link: it came
+/// before the close, so it is already here if it came at all.
+const CLOSING_WORDS: Duration = Duration::from_millis(200);
+
 /// How stage 0 drives a chain.
 #[derive(Clone, Debug)]
 pub struct ChainOptions {
@@ -388,6 +392,13 @@ impl Chain {
             .stage
             .context_length()
             .min(self.next.context_length as usize)
+    }
+
+    /// Generations the stages after stage 0 run at once: the fewest lanes of any of them, as the chain said in
+    /// its hello. A front end with more lanes than this queues the rest: a stage out of lanes refuses a new
+    /// session (or takes a kept one's lane).
+    pub fn chain_lanes(&self) -> usize {
+        usize::from(self.next.lanes).max(1)
     }
 
     /// Generates from `prompt` as [`crate::model::Pipeline::generate`] does, with the last stage sampling
@@ -880,8 +891,16 @@ impl Chain {
         }
     }
 
+    /// Sends `frame` down the chain. A write that fails because stage 1 closed the link (a stage after it was
+    /// lost during a prompt) reports what stage 1 said before it closed, naming the stage that was lost,
+    /// instead of only the broken pipe.
     fn send(&mut self, frame: &Frame) -> Result<(), DriverError> {
-        self.wire.send(frame)
+        match self.wire.send(frame) {
+            Err(failed @ DriverError::Link { .. }) => {
+                Err(self.wire.closing_words().unwrap_or(failed))
+            }
+            sent => sent,
+        }
     }
 
     /// The next frame from either link, whichever has one first. After [`ChainOptions::silence_probe`] without
@@ -1170,6 +1189,31 @@ impl Wire {
         self.unread.clear();
         self.unread_start = 0;
         Ok(None)
+    }
+
+    /// The `Error` frame among what the stage sent before its end of the link closed, once a write failed
+    /// (reading what the kernel still holds: the link itself reports the failure from then on).
+    fn closing_words(&mut self) -> Option<DriverError> {
+        let deadline = Instant::now() + CLOSING_WORDS;
+        let mut scratch = [0u8; 16 * 1024];
+        loop {
+            loop {
+                match self.buffered() {
+                    Ok(Some(Frame::Error { code, message, .. })) => {
+                        return Some(DriverError::Stage { code, message });
+                    }
+                    Ok(Some(_)) => {}
+                    Ok(None) => break,
+                    Err(_) => return None,
+                }
+            }
+            match self.link.read_left(&mut scratch) {
+                Ok(0) | Err(_) if Instant::now() >= deadline => return None,
+                Ok(0) => std::thread::sleep(Duration::from_millis(5)),
+                Ok(count) => self.unread.extend_from_slice(&scratch[..count]),
+                Err(_) => return None,
+            }
+        }
     }
 
     /// Reads once from the link (waiting under its deadlines); the end of the link is an error naming the

@@ -4,7 +4,7 @@
 //! ```text
 //!   HTTP session (loop thread) ──submit──▶ queue (≤ --queue) ──▶ lane worker (one per lane) ──▶ LaneRunner
 //!        ▲                                                              │
-//!        └──── Completer::post (only when the job's event list was empty) ◀── JobEvent::{Started, Delta, …}
+//!        └──── Completer::post (only when the job's event list was empty) ◀── JobEvent::{Delta, …}
 //! ```
 //!
 //! A generation never runs on a loop thread: the session submits a [`Job`] and listens; the worker pushes
@@ -54,8 +54,6 @@ pub(crate) struct JobSpec {
 /// What a job tells its session.
 #[derive(Debug)]
 pub(crate) enum JobEvent {
-    /// A lane took the job: from here on the reply is a success (streaming may send its headers).
-    Started,
     /// Text that can be shown (held back from any stop string), with the tokens it completes.
     Delta {
         /// The text.
@@ -171,6 +169,12 @@ struct Shared {
     ready: Condvar,
     busy: AtomicUsize,
     lanes: usize,
+    /// Generations the lanes may run at once: a chain's fewest lanes of any later stage (its links set it as
+    /// they open), at most `lanes`; the lanes past it wait, and so do the requests, in the queue.
+    capacity: Arc<AtomicUsize>,
+    /// Set when a drain's deadline passed: running generations stop at their next token or prompt chunk and
+    /// fail in words, and nothing more starts.
+    cut: AtomicBool,
     queue_limit: usize,
     text: Arc<TextModel>,
     metrics: Arc<Metrics>,
@@ -179,6 +183,13 @@ struct Shared {
 }
 
 impl Shared {
+    /// Generations the lanes may run at once.
+    fn capacity(&self) -> usize {
+        self.capacity
+            .load(Ordering::Acquire)
+            .clamp(1, self.lanes.max(1))
+    }
+
     /// Reports the queue's new length (called with the queue locked, so reports arrive in order).
     fn queue_changed(&self, waiting: usize) {
         self.metrics.set_queue_depth(waiting);
@@ -198,13 +209,15 @@ pub(crate) struct Engine {
 impl Engine {
     /// Starts one worker per factory, each making its runner on its own thread (a chain link's connection
     /// stays on the thread that opened it); at most `queue_limit` jobs wait behind busy lanes. Returns once
-    /// every runner is made, or with the first failure. `backlog`, where given, hears the queue's length.
+    /// every runner is made, or with the first failure. `backlog`, where given, hears the queue's length; no
+    /// more than `capacity` generations run at once (read at each take: a chain's links update it).
     pub(crate) fn start(
         factories: Vec<RunnerFactory>,
         queue_limit: usize,
         text: Arc<TextModel>,
         metrics: Arc<Metrics>,
         backlog: Option<Backlog>,
+        capacity: Arc<AtomicUsize>,
     ) -> Result<Engine, String> {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue {
@@ -215,6 +228,8 @@ impl Engine {
             ready: Condvar::new(),
             busy: AtomicUsize::new(0),
             lanes: factories.len(),
+            capacity,
+            cut: AtomicBool::new(false),
             queue_limit,
             text,
             metrics,
@@ -262,14 +277,11 @@ impl Engine {
         if queue.stopping {
             return Err(ApiError::unavailable("the server is shutting down"));
         }
-        let idle = self
-            .shared
-            .lanes
-            .saturating_sub(self.shared.busy.load(Ordering::Acquire));
+        let capacity = self.shared.capacity();
+        let idle = capacity.saturating_sub(self.shared.busy.load(Ordering::Acquire));
         if queue.waiting.len() >= self.shared.queue_limit + idle {
             return Err(ApiError::overloaded(format!(
-                "all {} lanes are busy and {} requests are queued; retry shortly",
-                self.shared.lanes,
+                "all {capacity} lanes are busy and {} requests are queued; retry shortly",
                 queue.waiting.len()
             )));
         }
@@ -289,9 +301,34 @@ impl Engine {
         queue.waiting.len() != before
     }
 
-    /// The number of lanes.
+    /// A drain's deadline passed: the jobs still queued fail, and the running ones stop at their next token (or
+    /// prompt chunk) and fail, each with an error that says so, which their sessions send before the drain
+    /// closes them (a stream's last event, not a reset).
+    pub(crate) fn cut(&self) {
+        let waiting = {
+            let mut queue = lock(&self.shared.queue);
+            self.shared.cut.store(true, Ordering::Release);
+            queue.stopping = true;
+            let mut waiting: Vec<Arc<Job>> = std::mem::take(&mut queue.waiting).into();
+            waiting.extend(
+                queue
+                    .handed
+                    .iter_mut()
+                    .filter_map(Option::take)
+                    .map(|handed| handed.job),
+            );
+            self.shared.queue_changed(0);
+            waiting
+        };
+        for job in waiting {
+            job.push(JobEvent::Failed(ApiError::unavailable(CUT_SHORT)));
+        }
+        self.shared.ready.notify_all();
+    }
+
+    /// The number of generations that run at once: the lanes, or a chain's fewest lanes if less.
     pub(crate) fn lanes(&self) -> usize {
-        self.shared.lanes
+        self.shared.capacity()
     }
 }
 
@@ -323,6 +360,10 @@ impl Drop for Engine {
     }
 }
 
+/// Why a generation still running at a drain's deadline failed.
+const CUT_SHORT: &str =
+    "the server is shutting down and its drain deadline passed; the generation was stopped";
+
 fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
     loop {
         let (job, arrival, handed) = {
@@ -337,7 +378,9 @@ fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
                     let arrival = handed.arrival.take();
                     break (Arc::clone(&handed.job), arrival, Some(handed));
                 }
-                if let Some(job) = queue.waiting.pop_front() {
+                // A lane past the chain's capacity waits: a stage with fewer lanes would refuse its session.
+                let under_capacity = shared.busy.load(Ordering::Acquire) < shared.capacity();
+                if let Some(job) = under_capacity.then(|| queue.waiting.pop_front()).flatten() {
                     if job.is_cancelled() {
                         shared.queue_changed(queue.waiting.len());
                         continue;
@@ -346,8 +389,12 @@ fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
                     // to take a free lane never sees it neither queued nor arriving.
                     let arrival = runner.expect_arrival();
                     shared.queue_changed(queue.waiting.len());
-                    shared.busy.fetch_add(1, Ordering::AcqRel);
+                    let busy = shared.busy.fetch_add(1, Ordering::AcqRel) + 1;
                     queue.idle[lane] = None;
+                    if !queue.waiting.is_empty() && busy < shared.capacity() {
+                        // Room for more (the capacity may have grown since the other lanes went to sleep).
+                        shared.ready.notify_one();
+                    }
                     break (job, arrival, None);
                 }
                 queue.idle[lane] = runner.held().map(<[u32]>::to_vec);
@@ -480,7 +527,6 @@ fn run(
     max_tokens: usize,
     arrival: Option<Arrival>,
 ) {
-    job.push(JobEvent::Started);
     let tokenizer = &shared.text.tokenizer;
     let options = GenerateOptions {
         max_tokens,
@@ -498,13 +544,21 @@ fn run(
     let started = Instant::now();
     let mut last_token: Option<Instant> = None;
     let metrics = &shared.metrics;
+    // Whether a drain's deadline stopped the generation (see `Engine::cut`).
+    let cut = std::cell::Cell::new(false);
+    let stop = || {
+        if shared.cut.load(Ordering::Acquire) {
+            cut.set(true);
+        }
+        cut.get() || job.is_cancelled()
+    };
     let result = runner.generate(
         &prompt,
         spec.sampling.clone(),
         &spec.extras,
         &options,
         arrival,
-        &|| job.is_cancelled(),
+        &stop,
         |predicted: &Predicted| {
             let now = Instant::now();
             match last_token {
@@ -515,7 +569,7 @@ fn run(
             }
             last_token = Some(now);
             generated += 1;
-            if job.is_cancelled() {
+            if stop() {
                 return ControlFlow::Break(());
             }
             let piece = decoder.push(predicted.token);
@@ -549,6 +603,10 @@ fn run(
     let span = tracing::Span::current();
     span.record("prompt_tokens", prompt.len() as i64);
     span.record("output_tokens", generated as i64);
+    if cut.get() {
+        job.push(JobEvent::Failed(ApiError::unavailable(CUT_SHORT)));
+        return;
+    }
     match result {
         Ok(generation) => {
             if !stopped_by_string {

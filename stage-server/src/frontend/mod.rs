@@ -38,7 +38,7 @@ use engine::{Engine, RunnerFactory};
 use health::ChainHealth;
 use metrics::Metrics;
 use prompt::TextModel;
-use runner::{ChainLane, LaneRunner};
+use runner::{ChainLane, ChainLimits, LaneRunner};
 pub use state::{ApiConfig, MAX_PER_SOURCE_DEFAULT};
 use state::{ApiState, Ready};
 
@@ -198,9 +198,16 @@ impl ApiServer {
         }
     }
 
-    /// Drains (idle connections close at once, running generations get until `deadline`) and stops.
+    /// Drains (idle connections close at once, running generations get until `deadline`) and stops. Requests
+    /// still queued or running at the deadline fail with a 503 in words (a stream's last event), which their
+    /// connections get [`crate::serve::DRAIN_ERROR_GRACE`] to send before they are reset.
     pub fn shutdown(mut self, deadline: Instant) -> DrainReport {
-        let report = self.server.handle().drain(deadline);
+        let drained = crate::serve::drain_with_last_word(self.server.handle(), deadline, || {
+            if let Some(ready) = self.state.ready.get() {
+                ready.engine.cut();
+            }
+        });
+        let report = drained.unwrap_or_else(|| self.server.handle().drain(Instant::now()));
         let ApiServer {
             server,
             state,
@@ -256,7 +263,7 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
     // Stage 0's steps hear of queued requests, so requests that free lanes can take together are admitted in
     // one pass (the whole model's compute thread, or a chain's stage 0's callers).
     let backlog;
-    let chain_context = Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));
+    let limits = ChainLimits::unset(lanes);
     let (runners, context_length) = match backend {
         Backend::Whole => {
             let stage = Stage::from_file(
@@ -315,14 +322,14 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
                         stage: Arc::clone(&stage),
                         lane,
                     };
-                    let (ours, options, health, chain_context) = (
+                    let (ours, options, health, limits) = (
                         ours.clone(),
                         options.clone(),
                         Arc::clone(&health),
-                        Arc::clone(&chain_context),
+                        limits.clone(),
                     );
                     Box::new(move || {
-                        ChainLane::connect(share, ours, next, options, health, chain_context)
+                        ChainLane::connect(share, ours, next, options, health, limits)
                             .map(|lane| LaneRunner::Chain(Box::new(lane)))
                             .map_err(|error| {
                                 format!("lane {lane}'s link to stage 1 at {next}: {error}")
@@ -344,7 +351,7 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
         template,
         stop_tokens,
         context_length,
-        chain_context,
+        chain_context: Arc::clone(&limits.context),
         vocab_size,
     });
     let engine = Engine::start(
@@ -353,6 +360,7 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
         Arc::clone(&text),
         Arc::clone(&state.metrics),
         backlog,
+        limits.lanes,
     )?;
     Ok(Ready { engine, text })
 }

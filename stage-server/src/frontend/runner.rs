@@ -38,6 +38,31 @@ pub(crate) struct RunError {
     pub message: String,
 }
 
+/// What the chain said in its hello, shared by its lanes and the API: every link that opens sets it, so a stage
+/// restarted with other settings is followed.
+#[derive(Clone, Debug)]
+pub(crate) struct ChainLimits {
+    /// Tokens a lane holds (the chain's shortest), for the API's prompt checks.
+    pub context: Arc<AtomicUsize>,
+    /// Generations the chain runs at once (its fewest lanes), for the engine's lanes.
+    pub lanes: Arc<AtomicUsize>,
+}
+
+impl ChainLimits {
+    /// Limits no link has set yet.
+    pub(crate) fn unset(lanes: usize) -> ChainLimits {
+        ChainLimits {
+            context: Arc::new(AtomicUsize::new(usize::MAX)),
+            lanes: Arc::new(AtomicUsize::new(lanes)),
+        }
+    }
+
+    fn follow(&self, link: &Chain) {
+        self.context.store(link.context_length(), Ordering::Relaxed);
+        self.lanes.store(link.chain_lanes(), Ordering::Release);
+    }
+}
+
 /// A lane's link down the chain, opened again for the next request after it broke.
 #[derive(Debug)]
 pub(crate) struct ChainLane {
@@ -49,9 +74,8 @@ pub(crate) struct ChainLane {
     next: SocketAddr,
     options: ChainOptions,
     health: Arc<ChainHealth>,
-    /// The chain's context length (its shortest lane), shared with the API's prompt checks: every link that
-    /// opens sets it to what its chain said, so a stage restarted with other lanes is followed.
-    chain_context: Arc<AtomicUsize>,
+    /// What the chain said, shared with the API's prompt checks and its lanes.
+    limits: ChainLimits,
 }
 
 impl ChainLane {
@@ -62,11 +86,11 @@ impl ChainLane {
         next: SocketAddr,
         options: ChainOptions,
         health: Arc<ChainHealth>,
-        chain_context: Arc<AtomicUsize>,
+        limits: ChainLimits,
     ) -> Result<ChainLane, DriverError> {
         let link_outages = health.outages();
         let link = Chain::connect_with(share.clone(), &ours, next, options.clone())?;
-        chain_context.store(link.context_length(), Ordering::Relaxed);
+        limits.follow(&link);
         Ok(ChainLane {
             link: Some(link),
             link_outages,
@@ -75,7 +99,7 @@ impl ChainLane {
             next,
             options,
             health,
-            chain_context,
+            limits,
         })
     }
 
@@ -130,8 +154,7 @@ impl ChainLane {
                 })?
             }
         };
-        self.chain_context
-            .store(link.context_length(), Ordering::Relaxed);
+        self.limits.follow(&link);
         let mut link = link;
         match link.generate_cancellable(prompt, sampling, extras, options, cancelled, on_token) {
             Ok(generation) => {

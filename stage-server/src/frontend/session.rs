@@ -5,7 +5,7 @@
 //!   Reading ──request──▶ quick route: response ──▶ Reading (keep-alive) or Closing
 //!      │
 //!      └─generation──▶ Generating (Step::Listen: a wake brings events, a FIN or close cancels the job)
-//!                           │ Started: headers (+ role chunk); Delta: chunks; Finished/Failed: the end
+//!                           │ Delta: chunks (the first with a stream's head); Finished/Failed: the end
 //!                           └──────────────▶ Reading / Closing
 //! ```
 //!
@@ -51,7 +51,10 @@ struct Generating {
     chunked: bool,
     id: String,
     created: u64,
-    started: bool,
+    /// Whether a stream's head went out: with its first output, so that a generation that fails before any
+    /// (the chain down, no lane free at a stage) is answered with its own status instead of a 200 whose stream
+    /// carries the error.
+    head_sent: bool,
     text: String,
     logprobs: Option<Vec<TokenLogprob>>,
     /// The request's id, echoed in the reply's `x-request-id` header.
@@ -256,7 +259,7 @@ impl HttpSession {
                     chunked: request.version >= 1,
                     id: api::new_id(if chat { "chatcmpl-" } else { "cmpl-" }),
                     created: unix_seconds(),
-                    started: false,
+                    head_sent: false,
                     text: String::new(),
                     logprobs: logprobs.then(Vec::new),
                     request_id,
@@ -338,31 +341,11 @@ impl HttpSession {
                 fingerprint,
             };
             match event {
-                JobEvent::Started => {
-                    generating.started = true;
-                    if generating.stream {
-                        write_head(
-                            out,
-                            200,
-                            &[
-                                ("Content-Type", "text/event-stream"),
-                                ("Cache-Control", "no-cache"),
-                                ("x-request-id", generating.request_id.as_str()),
-                            ],
-                            if generating.chunked {
-                                Framing::Chunked
-                            } else {
-                                Framing::UntilClose
-                            },
-                            generating.keep_alive,
-                        );
-                        if generating.chat {
-                            write_sse_event(out, &chat_chunk_role(&reply), generating.chunked);
-                        }
-                    }
-                }
                 JobEvent::Delta { text, logprobs } => {
                     if generating.stream {
+                        if !std::mem::replace(&mut generating.head_sent, true) {
+                            write_stream_head(generating, &reply, out);
+                        }
                         let logprobs = generating.logprobs.as_ref().map(|_| logprobs.as_slice());
                         let chunk = if generating.chat {
                             chat_chunk_content(&reply, &text, logprobs)
@@ -378,6 +361,9 @@ impl HttpSession {
                     }
                 }
                 JobEvent::Finished { finish, usage } => {
+                    if generating.stream && !std::mem::replace(&mut generating.head_sent, true) {
+                        write_stream_head(generating, &reply, out);
+                    }
                     finish_reply(generating, &reply, finish, &usage, out);
                     generating.span.record("status", 200);
                     self.state.metrics.count_request(generating.route, 200);
@@ -385,7 +371,7 @@ impl HttpSession {
                     break;
                 }
                 JobEvent::Failed(error) => {
-                    if generating.stream && generating.started {
+                    if generating.stream && generating.head_sent {
                         // Headers went out: the error is the stream's last event (as llama-server sends it).
                         write_sse_event(out, &error.to_json(), generating.chunked);
                         write_sse_event(out, "[DONE]", generating.chunked);
@@ -438,6 +424,28 @@ impl HttpSession {
                 ready.engine.withdraw(&generating.job);
             }
         }
+    }
+}
+
+/// Writes a stream's head (and a chat stream's role chunk), before its first output.
+fn write_stream_head(generating: &Generating, reply: &Reply<'_>, out: &mut Vec<u8>) {
+    write_head(
+        out,
+        200,
+        &[
+            ("Content-Type", "text/event-stream"),
+            ("Cache-Control", "no-cache"),
+            ("x-request-id", generating.request_id.as_str()),
+        ],
+        if generating.chunked {
+            Framing::Chunked
+        } else {
+            Framing::UntilClose
+        },
+        generating.keep_alive,
+    );
+    if generating.chat {
+        write_sse_event(out, &chat_chunk_role(reply), generating.chunked);
     }
 }
 

@@ -212,6 +212,8 @@ pub(crate) struct Upstream {
     /// The context length the next stage's hello said (the least from it to the chain's end): this stage's
     /// answer passes on the least of it and its own.
     next_context: Option<u32>,
+    /// The lanes the next stage's hello said (the least from it to the chain's end), passed on the same way.
+    next_lanes: Option<u16>,
     /// The address the upstream reached this stage at (the last stage names it for prediction returns).
     local: Option<std::net::SocketAddr>,
 }
@@ -238,6 +240,7 @@ impl Link {
             opening: HashMap::new(),
             return_address: None,
             next_context: None,
+            next_lanes: None,
             local: None,
         })
     }
@@ -737,6 +740,9 @@ impl Upstream {
             stage_index: upstream.stage_index.saturating_add(1),
             return_address,
             context_length: self.next_context.map_or(own, |next| next.min(own)),
+            lanes: self.next_lanes.map_or(self.shared.hello.lanes, |next| {
+                next.min(self.shared.hello.lanes)
+            }),
             ..self.shared.hello.clone()
         }
     }
@@ -1147,6 +1153,7 @@ impl Upstream {
                     self.retries = None;
                     self.return_address = next.return_address;
                     self.next_context = Some(next.context_length);
+                    self.next_lanes = Some(next.lanes);
                     self.answer(theirs, context)
                 }
                 Err(failure) => {

@@ -337,12 +337,7 @@ impl StageProcess {
             "{}",
             names::EVENT_STAGE_DRAIN
         );
-        let handle = server.handle();
-        let drainer = std::thread::spawn(move || handle.drain(deadline + DRAIN_ERROR_GRACE));
-        while !drainer.is_finished() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        if !drainer.is_finished() {
+        let drained = drain_with_last_word(server.handle(), deadline, || {
             let upstreams: Vec<_> = shared
                 .upstreams
                 .lock()
@@ -353,8 +348,7 @@ impl StageProcess {
             for completer in upstreams {
                 let _ = completer.post(link::DRAIN_DEADLINE_TOKEN, 0);
             }
-        }
-        let drained = drainer.join();
+        });
         let stopped = server.shutdown(Instant::now());
         // The drain thread cannot panic short of a bug in the driver; its report is then the stop's.
         let report = drained.unwrap_or(stopped);
@@ -377,8 +371,27 @@ impl StageProcess {
     }
 }
 
-/// How long links get, after the drain deadline, to flush the `Error` frames that stop their sessions.
+/// How long links get, after the drain deadline, to flush the `Error` frames that stop their sessions (and the
+/// API's connections the error events that end their streams).
 pub const DRAIN_ERROR_GRACE: Duration = Duration::from_secs(1);
+
+/// Drains the server behind `handle`: idle connections close at once and busy ones get until `deadline`; if
+/// some are still busy then, `at_deadline` runs, for the sessions to end what they hold in words, and they get
+/// [`DRAIN_ERROR_GRACE`] to flush it before what is left is reset. `None` if the draining thread failed.
+pub(crate) fn drain_with_last_word(
+    handle: ServerHandle,
+    deadline: Instant,
+    at_deadline: impl FnOnce(),
+) -> Option<DrainReport> {
+    let drainer = std::thread::spawn(move || handle.drain(deadline + DRAIN_ERROR_GRACE));
+    while !drainer.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    if !drainer.is_finished() {
+        at_deadline();
+    }
+    drainer.join().ok()
+}
 
 /// Limits for stage links: frames up to a prefill chunk of activations, links that idle between generations
 /// for long, a read deadline generous enough for the slowest stage of a chain to answer, and a write deadline

@@ -35,7 +35,10 @@ pub struct Hello {
     pub width: u32,
     /// The vocabulary size.
     pub vocab_size: u32,
-    /// Lanes (concurrent sessions) the sender runs.
+    /// Lanes (concurrent sessions): from the side that connects, its own; in an answer, the fewest of the
+    /// answering stage's and every stage's after it (passed on as the context length is), so stage 0 runs no
+    /// more generations at once than the chain's narrowest stage takes, and queues the rest instead of a
+    /// stage refusing them for want of a lane.
     pub lanes: u16,
     /// Tokens a lane holds: from the side that connects, its own; in an answer, the smallest of the answering
     /// stage's and every stage's after it (each passes on the least of its own and what the next one said), so

@@ -83,7 +83,8 @@ pub const MAGIC: [u8; 4] = *b"SSTG";
 /// `Configure` can resume a session kept open from an earlier generation (prefix reuse down a chain).
 /// Version 5: a hello carries a lane's context length, the chain's least in an answer.
 /// Version 6: `Ping` and `Pong`, a liveness check through the chain's links.
-pub const PROTOCOL_VERSION: u16 = 6;
+/// Version 7: an answering hello's lane count is the chain's fewest from that stage on.
+pub const PROTOCOL_VERSION: u16 = 7;
 
 /// Bounds the decoder checks before it allocates anything for a field.
 ///
