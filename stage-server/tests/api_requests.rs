@@ -5,9 +5,9 @@ use std::fmt::Write;
 use serde_json::{Value, json};
 use stage_server::api::{
     ApiError, FinishReason, Reply, TokenLogprob, TopLogprob, Usage, chat_chunk_content,
-    chat_chunk_finish, chat_chunk_role, chat_completion, completion, completion_chunk,
-    completion_chunk_at, decode_chat, decode_completion, decode_detokenize, decode_tokenize,
-    detokenize_response, models_list, tokenize_response, usage_chunk,
+    chat_chunk_finish, chat_chunk_role, chat_completion, completion, completion_chunk, decode_chat,
+    decode_completion, decode_detokenize, decode_tokenize, detokenize_response, models_list,
+    tokenize_response, usage_chunk,
 };
 
 /// A chat reply with fixed id and time, so snapshots do not change between runs.
@@ -52,12 +52,14 @@ fn logprobs() -> Vec<TokenLogprob> {
             bytes: b"Hi".to_vec(),
             logprob: -0.25,
             top: vec![alternative("Hi", -0.25), alternative("Hello", -1.5)],
+            text_offset: 0,
         },
         TokenLogprob {
             token: " there".into(),
             bytes: b" there".to_vec(),
             logprob: -0.5,
             top: vec![alternative(" there", -0.5), alternative("!", -2.0)],
+            text_offset: 2,
         },
         TokenLogprob {
             token: "\u{fffd}".into(),
@@ -71,6 +73,7 @@ fn logprobs() -> Vec<TokenLogprob> {
                 },
                 alternative(".", -3.0),
             ],
+            text_offset: 8,
         },
     ]
 }
@@ -328,12 +331,11 @@ fn a_completion_chunk() {
 
 #[test]
 fn a_completion_chunk_with_logprobs_later_in_the_text() {
-    insta::assert_snapshot!(completion_chunk_at(
+    insta::assert_snapshot!(completion_chunk(
         &TEXT,
         " there\u{fffd}",
         Some(&logprobs()[1..]),
-        None,
-        2
+        None
     ));
 }
 

@@ -510,10 +510,10 @@ fn unknown_routes_are_404_and_wrong_methods_405_in_the_error_envelope() {
 }
 
 #[test]
-fn the_streamed_text_equals_the_whole_reply_for_the_same_greedy_request() {
+fn the_streamed_text_and_logprobs_equal_the_whole_reply_for_the_same_greedy_request() {
     let server = start("stream", |_| {});
     let address = server.local_addr();
-    let body = r#"{"prompt":[1,300,301,302],"max_tokens":24,"temperature":0}"#;
+    let body = r#"{"prompt":[1,300,301,302],"max_tokens":24,"temperature":0,"logprobs":1}"#;
     let whole = exchange(address, &post("/v1/completions", body));
     assert_eq!(whole.status, 200, "{}", whole.body);
     let whole: serde_json::Value = serde_json::from_str(&whole.body).unwrap();
@@ -521,6 +521,7 @@ fn the_streamed_text_equals_the_whole_reply_for_the_same_greedy_request() {
     let streamed = exchange(address, &post("/v1/completions", &streamed_body));
     assert_eq!(streamed.status, 200);
     let mut text = String::new();
+    let (mut tokens, mut offsets) = (Vec::new(), Vec::new());
     let mut done = false;
     for event in streamed
         .body
@@ -534,9 +535,44 @@ fn the_streamed_text_equals_the_whole_reply_for_the_same_greedy_request() {
         }
         let chunk: serde_json::Value = serde_json::from_str(data).unwrap();
         text.push_str(chunk["choices"][0]["text"].as_str().unwrap_or_default());
+        let logprobs = &chunk["choices"][0]["logprobs"];
+        if !logprobs.is_null() {
+            tokens.extend(logprobs["tokens"].as_array().unwrap().iter().cloned());
+            offsets.extend(logprobs["text_offset"].as_array().unwrap().iter().cloned());
+        }
     }
     assert!(done, "the stream did not end with [DONE]");
     assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap());
+    // The chunks' text offsets count from the completion's start, as the whole reply's do (each chunk's
+    // counted from its own start before).
+    let whole_logprobs = &whole["choices"][0]["logprobs"];
+    assert_eq!(serde_json::Value::Array(tokens), whole_logprobs["tokens"]);
+    assert_eq!(
+        serde_json::Value::Array(offsets),
+        whole_logprobs["text_offset"]
+    );
+    // Each offset is where its token's text starts: the characters from there begin with it (for tokens that
+    // are whole characters; a character split over tokens puts both at its start, so none lands one further).
+    let whole_text: Vec<char> = whole["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .chars()
+        .collect();
+    let whole_tokens = whole_logprobs["tokens"].as_array().unwrap();
+    let whole_offsets = whole_logprobs["text_offset"].as_array().unwrap();
+    for (token, offset) in whole_tokens.iter().zip(whole_offsets) {
+        let token = token.as_str().unwrap();
+        if token.contains('\u{fffd}') {
+            continue;
+        }
+        let from: String = whole_text[offset.as_u64().unwrap() as usize..]
+            .iter()
+            .collect();
+        assert!(
+            from.starts_with(token),
+            "token {token:?} at offset {offset} but the text there is {from:?}"
+        );
+    }
 }
 
 #[test]

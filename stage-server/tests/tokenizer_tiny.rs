@@ -481,3 +481,27 @@ proptest! {
 fn text_value(s: &str) -> Value {
     Value::String(s.to_string())
 }
+
+#[test]
+fn a_token_is_placed_at_the_character_it_finishes_or_after_the_bytes_it_shows_are_broken() {
+    let tokenizer = spm();
+    let mut stream = StreamDecoder::new(&tokenizer);
+    // "é" in two byte tokens: the second finishes it, so both tokens' text starts where it does.
+    assert_eq!(stream.push_placed(spm_byte(0xc3)), (String::new(), 0));
+    assert_eq!(stream.push_placed(spm_byte(0xa9)), ("é".to_owned(), 0));
+    // An unfinished character that the next token shows can never finish: its U+FFFD comes before that
+    // token's own text.
+    assert_eq!(stream.push_placed(spm_byte(0xe4)), (String::new(), 0));
+    assert_eq!(
+        stream.push_placed(spm_byte(b'a')),
+        ("\u{fffd}a".to_owned(), 1)
+    );
+    // A token that finishes a character and then breaks: the character was its own start, not an earlier one.
+    assert_eq!(stream.push_placed(spm_byte(0xf0)), (String::new(), 0));
+    assert_eq!(stream.push_placed(spm_byte(0x9f)), (String::new(), 0));
+    assert_eq!(
+        stream.push_placed(spm_byte(b'b')),
+        ("\u{fffd}b".to_owned(), 1),
+        "two held bytes that b cannot finish are one U+FFFD before it"
+    );
+}

@@ -27,7 +27,7 @@ pub use request::{
 };
 pub use response::{
     FinishReason, Reply, TokenLogprob, TopLogprob, Usage, chat_chunk_content, chat_chunk_finish,
-    chat_chunk_role, chat_completion, completion, completion_chunk, completion_chunk_at,
-    detokenize_response, models_list, new_id, tokenize_response, usage_chunk,
+    chat_chunk_role, chat_completion, completion, completion_chunk, detokenize_response,
+    models_list, new_id, tokenize_response, usage_chunk,
 };
 pub use stop::{StopMatcher, StopRelease};

@@ -50,6 +50,10 @@ pub struct TokenLogprob {
     pub logprob: f32,
     /// The alternatives, most likely first.
     pub top: Vec<TopLogprob>,
+    /// Where the token's text starts in the completion, in characters. The tokens of a character split over
+    /// several start where it does; bytes that make no character (one U+FFFD in the text) belong to the token
+    /// that brought the first of them, and the token after starts after it.
+    pub text_offset: usize,
 }
 
 /// What every response and chunk of one request repeats.
@@ -123,7 +127,7 @@ pub fn chat_completion(
 
 /// A non-streamed `text_completion` body, with logprobs in the legacy shape: parallel `tokens`,
 /// `token_logprobs`, `top_logprobs` (a `{token: logprob}` object per position) and `text_offset` (the
-/// character offset where each token starts in `text`).
+/// character offset where each token starts in `text`, from [`TokenLogprob::text_offset`]).
 pub fn completion(
     reply: &Reply,
     text: &str,
@@ -134,7 +138,7 @@ pub fn completion(
     let choice = TextChoice {
         text,
         index: 0,
-        logprobs: logprobs.map(|tokens| LegacyLogprobs::new(tokens, 0)),
+        logprobs: logprobs.map(LegacyLogprobs::new),
         finish_reason: Some(finish.as_str()),
     };
     to_json(&Body::new(reply, "text_completion", &[choice], Some(usage)))
@@ -179,30 +183,18 @@ pub fn chat_chunk_finish(reply: &Reply, finish: FinishReason) -> String {
     )
 }
 
-/// A streamed `text_completion` chunk. Its `text_offset`s count characters from the start of this chunk's
-/// `text`; [`completion_chunk_at`] counts them from the start of the whole completion instead.
+/// A streamed `text_completion` chunk. Its logprobs' `text_offset`s count characters from the start of the
+/// whole completion ([`TokenLogprob::text_offset`]), as a non-streamed answer's do.
 pub fn completion_chunk(
     reply: &Reply,
     text: &str,
     logprobs: Option<&[TokenLogprob]>,
     finish: Option<FinishReason>,
 ) -> String {
-    completion_chunk_at(reply, text, logprobs, finish, 0)
-}
-
-/// A streamed `text_completion` chunk whose text begins `text_offset` characters into the completion, so the
-/// legacy logprobs' `text_offset`s match a non-streamed answer's.
-pub fn completion_chunk_at(
-    reply: &Reply,
-    text: &str,
-    logprobs: Option<&[TokenLogprob]>,
-    finish: Option<FinishReason>,
-    text_offset: usize,
-) -> String {
     let choice = TextChoice {
         text,
         index: 0,
-        logprobs: logprobs.map(|tokens| LegacyLogprobs::new(tokens, text_offset)),
+        logprobs: logprobs.map(LegacyLogprobs::new),
         finish_reason: finish.map(FinishReason::as_str),
     };
     to_json(&Body::new(reply, "text_completion", &[choice], None))
@@ -410,14 +402,8 @@ impl<'a, C> Body<'a, C> {
 }
 
 impl<'a> LegacyLogprobs<'a> {
-    /// The parallel arrays of `tokens`, the first starting `text_offset` characters into the completion.
-    fn new(tokens: &'a [TokenLogprob], text_offset: usize) -> Self {
-        let mut offset = text_offset;
-        let mut offsets = Vec::with_capacity(tokens.len());
-        for token in tokens {
-            offsets.push(offset);
-            offset += token.token.chars().count();
-        }
+    /// The parallel arrays of `tokens`.
+    fn new(tokens: &'a [TokenLogprob]) -> Self {
         Self {
             tokens: tokens.iter().map(|token| token.token.as_str()).collect(),
             token_logprobs: tokens.iter().map(|token| token.logprob).collect(),
@@ -425,7 +411,7 @@ impl<'a> LegacyLogprobs<'a> {
                 .iter()
                 .map(|token| Alternatives(&token.top))
                 .collect(),
-            text_offset: offsets,
+            text_offset: tokens.iter().map(|token| token.text_offset).collect(),
         }
     }
 }
@@ -548,6 +534,7 @@ mod tests {
                     logprob,
                 })
                 .collect(),
+            text_offset: 0,
         }
     }
 
@@ -604,13 +591,13 @@ mod tests {
     }
 
     #[test]
-    fn legacy_text_offsets_count_characters_from_the_start() {
-        let tokens = [
-            token("é", -0.1, &[]),
-            token("ab", -0.2, &[]),
-            token("c", -0.3, &[]),
-        ];
-        let body = parse(&completion_chunk_at(&REPLY, "éabc", Some(&tokens), None, 7));
+    fn legacy_text_offsets_are_the_tokens_own() {
+        let at = |text: &str, text_offset: usize| TokenLogprob {
+            text_offset,
+            ..token(text, -0.1, &[])
+        };
+        let tokens = [at("é", 7), at("ab", 8), at("c", 10)];
+        let body = parse(&completion_chunk(&REPLY, "éabc", Some(&tokens), None));
         assert_eq!(
             body["choices"][0]["logprobs"]["text_offset"],
             json!([7, 8, 10])

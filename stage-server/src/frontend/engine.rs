@@ -539,6 +539,8 @@ fn run(
     // Each waits with the offset its text starts at; a stop string drops those wholly inside it.
     let mut held: Vec<(TokenLogprob, usize)> = Vec::new();
     let (mut text_in, mut text_out) = (0usize, 0usize);
+    // Characters of the output so far: the legacy logprobs' `text_offset` counts them.
+    let mut chars_in = 0usize;
     let mut stopped_by_string = false;
     let mut generated = 0usize;
     let started = Instant::now();
@@ -572,11 +574,13 @@ fn run(
             if stop() {
                 return ControlFlow::Break(());
             }
-            let piece = decoder.push(predicted.token);
+            let (piece, earlier_chars) = decoder.push_placed(predicted.token);
             if spec.logprobs {
-                held.push((token_logprob(tokenizer, predicted), text_in));
+                let entry = token_logprob(tokenizer, predicted, chars_in + earlier_chars);
+                held.push((entry, text_in));
             }
             text_in += piece.len();
+            chars_in += piece.chars().count();
             let release = matcher.push(&piece);
             text_out += release.text.len();
             let logprobs = if release.stopped {
@@ -667,8 +671,9 @@ fn take_shown(held: &mut Vec<(TokenLogprob, usize)>, shown: usize) -> Vec<TokenL
         .collect()
 }
 
-/// A token's log-probability entry, with its alternatives, as the API reports them.
-fn token_logprob(tokenizer: &Tokenizer, predicted: &Predicted) -> TokenLogprob {
+/// A token's log-probability entry, with its alternatives, as the API reports them; its text starts
+/// `text_offset` characters into the completion.
+fn token_logprob(tokenizer: &Tokenizer, predicted: &Predicted, text_offset: usize) -> TokenLogprob {
     let entry = |token: u32, logprob: f32| {
         let bytes = tokenizer.token_bytes(token).to_vec();
         TopLogprob {
@@ -687,6 +692,7 @@ fn token_logprob(tokenizer: &Tokenizer, predicted: &Predicted) -> TokenLogprob {
             .iter()
             .map(|&(token, logprob)| entry(token, logprob))
             .collect(),
+        text_offset,
     }
 }
 
