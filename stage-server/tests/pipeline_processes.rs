@@ -73,6 +73,34 @@ fn chain_of(
     (stages, next.expect("at least one stage"))
 }
 
+/// Runs the prompt `300, 301, ...` of `length` tokens on `chain` for at most `max_tokens`, asking `cancelled`
+/// before each prompt chunk; a token is a failure (`panic`) when `tokens_fail` says so.
+fn prompt_asking(
+    chain: &mut Chain,
+    length: u32,
+    max_tokens: usize,
+    cancelled: &dyn Fn() -> bool,
+    tokens_fail: Option<&str>,
+) -> Result<stage_server::model::Generation, DriverError> {
+    let prompt: Vec<u32> = (0..length).map(|index| 300 + index).collect();
+    let generate = GenerateOptions {
+        max_tokens,
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+    };
+    chain.generate_cancellable(
+        &prompt,
+        SamplingParams::default(),
+        &stage_server::driver::SamplerExtras::default(),
+        &generate,
+        cancelled,
+        |_| match tokens_fail {
+            Some(why) => panic!("{why}"),
+            None => std::ops::ControlFlow::Continue(()),
+        },
+    )
+}
+
 fn tokens_of(value: &serde_json::Value) -> Vec<u64> {
     value["tokens"]
         .as_array()
@@ -363,7 +391,6 @@ fn killing_the_last_stage_fails_the_generation_within_a_second_naming_it() {
 
 #[test]
 fn losing_the_last_stage_during_a_prompt_names_it_though_stage_0_was_writing() {
-    use stage_server::driver::SamplerExtras;
     let llama = tiny("faults-last-prompt", &TinyModel::llama(GgmlDType::Q4_1));
     let file = ModelFile::open(&llama).unwrap();
     let last = std::cell::RefCell::new(StageChild::start(&llama, "3..4", None, &[]));
@@ -375,12 +402,6 @@ fn losing_the_last_stage_during_a_prompt_names_it_though_stage_0_was_writing() {
         ..ChainOptions::default()
     };
     let mut chain = Chain::connect(&file, 1, middle.address, options).unwrap();
-    let prompt: Vec<u32> = (0..160).map(|index| 300 + index).collect();
-    let generate = GenerateOptions {
-        max_tokens: 4,
-        stop_tokens: Vec::new(),
-        keep_logits: false,
-    };
     // Before the prompt's third chunk the last stage dies, and stage 1 has time to say so and close.
     let asked = std::cell::Cell::new(0);
     let cancelled = || {
@@ -391,15 +412,7 @@ fn losing_the_last_stage_during_a_prompt_names_it_though_stage_0_was_writing() {
         }
         false
     };
-    let error = chain
-        .generate_cancellable(
-            &prompt,
-            SamplingParams::default(),
-            &SamplerExtras::default(),
-            &generate,
-            &cancelled,
-            |_| std::ops::ControlFlow::Continue(()),
-        )
+    let error = prompt_asking(&mut chain, 160, 4, &cancelled, None)
         .expect_err("a prompt whose last stage died must fail");
     match &error {
         DriverError::Stage { code, message } => {
@@ -1346,7 +1359,6 @@ fn the_api_reports_a_dead_chain_at_once_and_serves_again_when_its_stage_is_back(
 
 #[test]
 fn a_generation_cancelled_during_its_prompt_stops_before_its_next_chunk_and_frees_its_lanes() {
-    use stage_server::driver::SamplerExtras;
     use stage_server::model::Finish;
     let llama = tiny("cancel-prefill", &TinyModel::llama(GgmlDType::Q4_1));
     let file = ModelFile::open(&llama).unwrap();
@@ -1357,28 +1369,20 @@ fn a_generation_cancelled_during_its_prompt_stops_before_its_next_chunk_and_free
         ..ChainOptions::default()
     };
     let mut chain = Chain::connect(&file, 1, first, options).unwrap();
-    let prompt: Vec<u32> = (0..40).map(|index| 300 + index).collect();
-    let generate = GenerateOptions {
-        max_tokens: 8,
-        stop_tokens: Vec::new(),
-        keep_logits: false,
-    };
     // Cancelled once two of the prompt's ten chunks went down.
     let asked = std::cell::Cell::new(0);
     let cancelled = || {
         asked.set(asked.get() + 1);
         asked.get() > 2
     };
-    let generation = chain
-        .generate_cancellable(
-            &prompt,
-            SamplingParams::default(),
-            &SamplerExtras::default(),
-            &generate,
-            &cancelled,
-            |_| panic!("a generation cancelled during its prompt delivers no token"),
-        )
-        .expect("a cancelled generation ends cleanly");
+    let generation = prompt_asking(
+        &mut chain,
+        40,
+        8,
+        &cancelled,
+        Some("a generation cancelled during its prompt delivers no token"),
+    )
+    .expect("a cancelled generation ends cleanly");
     assert!(generation.tokens.is_empty());
     assert_eq!(generation.finish, Finish::Stop);
     assert_eq!(

@@ -305,9 +305,15 @@ impl Engine {
     /// prompt chunk) and fail, each with an error that says so, which their sessions send before the drain
     /// closes them (a stream's last event, not a reset).
     pub(crate) fn cut(&self) {
+        self.shared.cut.store(true, Ordering::Release);
+        self.stop_taking(CUT_SHORT);
+    }
+
+    /// Stops the lanes taking jobs and fails every job still waiting (queued, or handed to a lane that has
+    /// not started it) with a 503 saying `why`.
+    fn stop_taking(&self, why: &str) {
         let waiting = {
             let mut queue = lock(&self.shared.queue);
-            self.shared.cut.store(true, Ordering::Release);
             queue.stopping = true;
             let mut waiting: Vec<Arc<Job>> = std::mem::take(&mut queue.waiting).into();
             waiting.extend(
@@ -321,7 +327,7 @@ impl Engine {
             waiting
         };
         for job in waiting {
-            job.push(JobEvent::Failed(ApiError::unavailable(CUT_SHORT)));
+            job.push(JobEvent::Failed(ApiError::unavailable(why)));
         }
         self.shared.ready.notify_all();
     }
@@ -334,26 +340,7 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        let waiting = {
-            let mut queue = lock(&self.shared.queue);
-            queue.stopping = true;
-            let mut waiting: Vec<Arc<Job>> = std::mem::take(&mut queue.waiting).into();
-            waiting.extend(
-                queue
-                    .handed
-                    .iter_mut()
-                    .filter_map(Option::take)
-                    .map(|handed| handed.job),
-            );
-            self.shared.queue_changed(0);
-            waiting
-        };
-        for job in waiting {
-            job.push(JobEvent::Failed(ApiError::unavailable(
-                "the server is shutting down",
-            )));
-        }
-        self.shared.ready.notify_all();
+        self.stop_taking("the server is shutting down");
         for worker in self.workers.drain(..) {
             let _ = worker.join();
         }
