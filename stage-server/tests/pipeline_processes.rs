@@ -101,6 +101,20 @@ fn prompt_asking(
     )
 }
 
+/// `error` is the chain's word that stage 2 is down.
+fn assert_names_stage_2_down(error: &DriverError) {
+    match error {
+        DriverError::Stage { code, message } => {
+            assert_eq!(*code, ErrorCode::StageDown, "{message}");
+            assert!(
+                message.contains("stage 2"),
+                "the error should name stage 2: {message}"
+            );
+        }
+        other => panic!("expected a stage-down error naming stage 2, got {other}"),
+    }
+}
+
 fn tokens_of(value: &serde_json::Value) -> Vec<u64> {
     value["tokens"]
         .as_array()
@@ -377,16 +391,7 @@ fn killing_the_last_stage_fails_the_generation_within_a_second_naming_it() {
         failed_after < Duration::from_secs(1),
         "the error took {failed_after:?}"
     );
-    match &error {
-        DriverError::Stage { code, message } => {
-            assert_eq!(*code, ErrorCode::StageDown, "{message}");
-            assert!(
-                message.contains("stage 2"),
-                "the error should name stage 2: {message}"
-            );
-        }
-        other => panic!("expected a stage-down error naming stage 2, got {other}"),
-    }
+    assert_names_stage_2_down(&error);
 }
 
 #[test]
@@ -414,16 +419,7 @@ fn losing_the_last_stage_during_a_prompt_names_it_though_stage_0_was_writing() {
     };
     let error = prompt_asking(&mut chain, 160, 4, &cancelled, None)
         .expect_err("a prompt whose last stage died must fail");
-    match &error {
-        DriverError::Stage { code, message } => {
-            assert_eq!(*code, ErrorCode::StageDown, "{message}");
-            assert!(
-                message.contains("stage 2"),
-                "the error should name stage 2: {message}"
-            );
-        }
-        other => panic!("expected stage 1's word that stage 2 is down, got {other}"),
-    }
+    assert_names_stage_2_down(&error);
 }
 
 #[test]
