@@ -349,9 +349,12 @@ impl ServerHandle {
         }
     }
 
-    /// Closes the door, closes idle connections at once (`Drained`, graceful), lets busy ones finish, and
-    /// kills what is still open at `deadline` (`DrainDeadline`, abortive). A deadline already past kills at
-    /// once. Returns when every connection is closed (or a second after the deadline kills, at the latest).
+    /// Closes the door and the listening sockets, closes idle connections at once (`Drained`, graceful), lets
+    /// busy ones finish, and kills what is still open at `deadline` (`DrainDeadline`, abortive). A deadline
+    /// already past kills at once. Returns when every connection is closed (or a second after the deadline
+    /// kills, at the latest). A connect during the drain is refused at once: each accept thread shuts its
+    /// listening socket down (the sockets stay bound, and the threads keep watching the control line), where a
+    /// closed door alone would leave it in the kernel's backlog, waiting out the drain, then reset.
     /// The drain that [`Server::shutdown`](crate::Server::shutdown) runs closes idle connections with `Shutdown` instead.
     pub fn drain(&self, deadline: Instant) -> DrainReport {
         let _serial = self
@@ -362,6 +365,8 @@ impl ServerHandle {
         let started = Instant::now();
         self.close_door();
         self.core.draining.store(true, Ordering::Release);
+        // Woken again now that `draining` is set: each accept thread stops its socket listening.
+        self.core.wake_acceptors();
         let open_at_start = self.core.caps.open() as u64;
         self.core.emit(Event::DrainStarted {
             open: open_at_start,

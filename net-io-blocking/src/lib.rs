@@ -78,8 +78,10 @@
 //!   64 KiB / 2 s of unread input is read and discarded so our last reply is not destroyed by an RST. Every
 //!   other reason resets (linger 0). A kill (or the drain deadline) during that linger ends it at once with
 //!   an RST; the close keeps its reason and the kill returns `false`.
-//! - **Drain** closes the door, closes idle connections at once (`Drained`), lets busy ones finish (their
-//!   queued output is flushed) and kills what is left at the deadline (`DrainDeadline`).
+//! - **Drain** closes the door, stops the listening sockets listening (a connect during the drain is refused
+//!   at once, not left in the backlog until the drain ends), closes idle connections at once (`Drained`),
+//!   lets busy ones finish (their queued output is flushed) and kills what is left at the deadline
+//!   (`DrainDeadline`).
 //!   `Server::shutdown` drains the same way, except that its idle closes carry `Shutdown` (abortive like
 //!   every reason outside the four graceful ones: the server is going away, and an idle connection has
 //!   nothing left to flush).

@@ -171,6 +171,7 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
         let ends = |acceptor: &Acceptor| {
             core.stopping.load(Ordering::Acquire) || acceptor.closing.load(Ordering::Acquire)
         };
+        let mut listening = true;
         loop {
             if ends(&acceptor) {
                 return;
@@ -211,6 +212,12 @@ impl<G: Gate, W: Workload> Runtime<G, W> {
             let _ = wake.drain();
             if ends(&acceptor) {
                 return;
+            }
+            if listening && core.draining.load(Ordering::Acquire) {
+                // A drain never opens the door again: the socket stops listening, so a connect is refused at
+                // once and what waits in the backlog is reset, instead of waiting out the drain first.
+                listening = false;
+                let _ = socket::shutdown(listener.socket.as_fd(), std::net::Shutdown::Read);
             }
             // The wake may be a control-line change: applied before anything that arrived meanwhile is
             // accepted, so a lockdown or a drain refuses the connection that raced it.

@@ -185,6 +185,33 @@ fn data_a_session_queued_before_a_drain_is_flushed_before_the_close() {
 }
 
 #[test]
+fn a_connect_during_a_drain_is_refused_at_once_instead_of_waiting_out_the_drain() {
+    let recorder = Recorder::default();
+    let server = common::test_builder(2, Limits::new(), &recorder)
+        .sessions(|_info: &ConnectionInfo| Some(BigReply))
+        .allow_all()
+        .build()
+        .unwrap();
+    let address = server.local_addr();
+    // A client that asks for the big reply and never reads it keeps the drain waiting until its deadline.
+    let mut busy = client(address);
+    busy.write_all(b"go").unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let handle = server.handle();
+    let drainer = std::thread::spawn(move || handle.drain(Instant::now() + Duration::from_secs(3)));
+    std::thread::sleep(Duration::from_millis(200));
+    let started = Instant::now();
+    let late = std::net::TcpStream::connect_timeout(&address, Duration::from_secs(2));
+    assert!(
+        matches!(&late, Err(error) if error.kind() == std::io::ErrorKind::ConnectionRefused),
+        "a connect during the drain should be refused, got {late:?} after {:?}",
+        started.elapsed()
+    );
+    drop(busy);
+    drainer.join().unwrap();
+}
+
+#[test]
 fn a_drain_with_nothing_open_returns_at_once_and_shutdown_joins_every_thread() {
     let server = serve("127.0.0.1:0", echo).unwrap();
     let started = Instant::now();
