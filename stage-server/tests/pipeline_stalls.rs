@@ -253,3 +253,42 @@ fn the_api_answers_a_request_to_a_stopped_stage_with_a_503_in_seconds_and_serves
     );
     let _ = api.shutdown(Instant::now() + Duration::from_secs(5));
 }
+
+#[test]
+fn a_drain_deadline_fails_a_request_still_waiting_on_a_stopped_chain_in_words() {
+    use stage_server::frontend::{ApiConfig, ApiServer, Backend};
+    let llama = tiny("stalls-drain", &TinyModel::llama(GgmlDType::Q4_1));
+    let last = StageChild::start(&llama, "2..4", None, &[]);
+    let mut config = ApiConfig::new("127.0.0.1:0".parse().unwrap());
+    config.lanes = 1;
+    let backend = Backend::Chain {
+        layers_end: 2,
+        next: last.address,
+        options: ChainOptions::default(),
+    };
+    let api = ApiServer::start(&llama, backend, config).unwrap();
+    api.wait_ready(START_TIMEOUT).unwrap();
+    let address = api.local_addr();
+    let request = r#"{"prompt":[1,300,301],"max_tokens":4,"temperature":0,"stream":true}"#;
+    assert_eq!(http(address, "POST", "/v1/completions", request).0, 200);
+    // The request waits on a chain that says nothing; the drain's deadline comes long before the chain's
+    // silence check would fail it.
+    last.signal("STOP");
+    let waiting = std::thread::spawn(move || http(address, "POST", "/v1/completions", request));
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    let report = api.shutdown(Instant::now() + Duration::from_millis(200));
+    let took = started.elapsed();
+    let (status, body) = waiting.join().unwrap();
+    last.signal("CONT");
+    assert_eq!(
+        status, 503,
+        "the request should end in words, not a reset: {body}"
+    );
+    assert!(body.contains("drain deadline"), "{body}");
+    assert_eq!(report.killed, 0, "no connection was reset: {report:?}");
+    assert!(
+        took < Duration::from_secs(2),
+        "the drain took {took:?} with a 200 ms deadline"
+    );
+}

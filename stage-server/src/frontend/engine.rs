@@ -150,6 +150,9 @@ struct Queue {
     idle: Vec<Option<Vec<u32>>>,
     /// A job handed to each lane by another, its prompt already prepared.
     handed: Vec<Option<Handed>>,
+    /// The job each lane took last (still running, or just ended): a drain's deadline fails it at once,
+    /// whatever the lane waits for (a prompt chunk's answer, or a chain that stopped answering).
+    taken: Vec<Option<Arc<Job>>>,
 }
 
 /// A job one lane took off the queue and handed to another whose runner holds more of its prompt.
@@ -223,6 +226,7 @@ impl Engine {
             queue: Mutex::new(Queue {
                 idle: vec![None; factories.len()],
                 handed: (0..factories.len()).map(|_| None).collect(),
+                taken: vec![None; factories.len()],
                 ..Queue::default()
             }),
             ready: Condvar::new(),
@@ -305,7 +309,18 @@ impl Engine {
     /// prompt chunk) and fail, each with an error that says so, which their sessions send before the drain
     /// closes them (a stream's last event, not a reset).
     pub(crate) fn cut(&self) {
-        self.shared.cut.store(true, Ordering::Release);
+        let running: Vec<Arc<Job>> = {
+            let mut queue = lock(&self.shared.queue);
+            self.shared.cut.store(true, Ordering::Release);
+            queue.taken.iter_mut().filter_map(Option::take).collect()
+        };
+        // Failed here, not when their lanes next look: a lane may wait seconds for the chain (a long prompt's
+        // chunk, or a stage that stopped answering), longer than the connections have left to send the error.
+        // A later event of the job's lane reaches nobody: its reply has ended.
+        for job in running {
+            job.cancel();
+            job.push(JobEvent::Failed(ApiError::unavailable(CUT_SHORT)));
+        }
         self.stop_taking(CUT_SHORT);
     }
 
@@ -355,6 +370,7 @@ fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
     loop {
         let (job, arrival, handed) = {
             let mut queue = lock(&shared.queue);
+            queue.taken[lane] = None;
             loop {
                 if queue.stopping {
                     return;
@@ -362,6 +378,7 @@ fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
                 if let Some(mut handed) = queue.handed[lane].take() {
                     // Counted busy by the lane that took it off the queue.
                     queue.idle[lane] = None;
+                    queue.taken[lane] = Some(Arc::clone(&handed.job));
                     let arrival = handed.arrival.take();
                     break (Arc::clone(&handed.job), arrival, Some(handed));
                 }
@@ -378,6 +395,7 @@ fn work(shared: &Shared, mut runner: LaneRunner, lane: usize) {
                     shared.queue_changed(queue.waiting.len());
                     let busy = shared.busy.fetch_add(1, Ordering::AcqRel) + 1;
                     queue.idle[lane] = None;
+                    queue.taken[lane] = Some(Arc::clone(&job));
                     if !queue.waiting.is_empty() && busy < shared.capacity() {
                         // Room for more (the capacity may have grown since the other lanes went to sleep).
                         shared.ready.notify_one();
@@ -594,10 +612,6 @@ fn run(
     let span = tracing::Span::current();
     span.record("prompt_tokens", prompt.len() as i64);
     span.record("output_tokens", generated as i64);
-    if cut.get() {
-        job.push(JobEvent::Failed(ApiError::unavailable(CUT_SHORT)));
-        return;
-    }
     match result {
         Ok(generation) => {
             if !stopped_by_string {

@@ -325,8 +325,12 @@ impl HttpSession {
 
     /// Turns the job's events into output.
     fn deliver(&mut self, context: &mut SessionContext<'_>) -> Step {
-        let State::Generating(generating) = &mut self.phase else {
-            return Step::Listen;
+        let generating = match &mut self.phase {
+            State::Generating(generating) => generating,
+            // A late event of a job whose reply already ended (a drain's deadline failed it while its lane
+            // was still at work): nothing to send, and the connection stays as its phase says.
+            State::Reading => return Step::Read,
+            State::Closing => return Step::Write,
         };
         let model = self.state.model_id.as_str();
         let fingerprint = self.state.fingerprint.as_str();
