@@ -128,10 +128,13 @@ pub enum DriverError {
     /// Stage 0's own layers failed.
     #[error(transparent)]
     Model(#[from] ModelError),
-    /// The link to the first stage failed (it is down, or it closed).
-    #[error("the link to stage 1 at {address} failed: {error}")]
+    /// A link of stage 0's failed (it is down, or it closed): to stage 1, or the prediction-return link to the
+    /// last stage.
+    #[error("the link to {peer} at {address} failed: {error}")]
     Link {
-        /// The first stage's address.
+        /// The stage at the other end, as named in errors (`stage 1`, `stage 2 (the last)`).
+        peer: String,
+        /// Its address.
         address: SocketAddr,
         /// What the link said.
         error: NetError,
@@ -936,6 +939,7 @@ impl Chain {
             let left = deadline.saturating_duration_since(now);
             if left.is_zero() {
                 return Err(DriverError::Link {
+                    peer: self.wire.peer.clone(),
                     address: self.wire.address,
                     error: NetError::Timeout(TimeoutKind::Read),
                 });
@@ -958,6 +962,7 @@ impl Chain {
                 None => wait_any_readable(&[&self.wire.link], Some(slice)),
             }
             .map_err(|error| DriverError::Link {
+                peer: self.wire.peer.clone(),
                 address: self.wire.address,
                 error,
             })?;
@@ -1036,6 +1041,7 @@ impl Wire {
             .write_timeout(options.reply_timeout)
             .min_rate(None);
         let link = net_io_blocking::connect(next, &limits).map_err(|error| DriverError::Link {
+            peer: peer.clone(),
             address: next,
             error,
         })?;
@@ -1151,6 +1157,7 @@ impl Wire {
         self.link
             .write_all(&bytes)
             .map_err(|error| DriverError::Link {
+                peer: self.peer.clone(),
                 address: self.address,
                 error,
             })
@@ -1224,6 +1231,7 @@ impl Wire {
             .link
             .read(&mut scratch)
             .map_err(|error| DriverError::Link {
+                peer: self.peer.clone(),
                 address: self.address,
                 error,
             })?;

@@ -78,6 +78,8 @@ pub(crate) struct Job {
     spec: Mutex<Option<JobSpec>>,
     events: Mutex<Vec<JobEvent>>,
     cancelled: AtomicBool,
+    /// Times a lane put the job back in the queue because a stage had no lane free for it.
+    requeued: AtomicUsize,
     completer: Completer,
     enqueued: Instant,
     /// The HTTP request's span: the generation's span goes under it (and keeps it open until it ends).
@@ -92,6 +94,7 @@ impl Job {
             spec: Mutex::new(Some(spec)),
             events: Mutex::new(Vec::new()),
             cancelled: AtomicBool::new(false),
+            requeued: AtomicUsize::new(0),
             completer,
             enqueued: Instant::now(),
             span,
@@ -186,6 +189,22 @@ struct Shared {
 }
 
 impl Shared {
+    /// Puts a job a lane took back at the queue's head (see [`REQUEUES_MAX`]); fails it if the engine stops.
+    fn requeue(&self, job: &Arc<Job>) {
+        let mut queue = lock(&self.queue);
+        if queue.stopping {
+            drop(queue);
+            job.push(JobEvent::Failed(ApiError::unavailable(
+                "the server is shutting down",
+            )));
+            return;
+        }
+        queue.waiting.push_front(Arc::clone(job));
+        self.queue_changed(queue.waiting.len());
+        drop(queue);
+        self.ready.notify_one();
+    }
+
     /// Generations the lanes may run at once.
     fn capacity(&self) -> usize {
         self.capacity
@@ -362,6 +381,9 @@ impl Drop for Engine {
     }
 }
 
+/// How many times a job goes back to the queue for want of a stage's lane before its client hears of it.
+const REQUEUES_MAX: usize = 4;
+
 /// Why a generation still running at a drain's deadline failed.
 const CUT_SHORT: &str =
     "the server is shutting down and its drain deadline passed; the generation was stopped";
@@ -526,7 +548,7 @@ fn hand_over(
 fn run(
     shared: &Shared,
     runner: &mut LaneRunner,
-    job: &Job,
+    job: &Arc<Job>,
     spec: JobSpec,
     prompt: Vec<u32>,
     max_tokens: usize,
@@ -608,6 +630,17 @@ fn run(
             ControlFlow::Continue(())
         },
     );
+    // A stage with no lane free for the generation (a stage restarted with fewer lanes than the chain said
+    // when this lane's link opened, before the lanes learnt it): back to the queue's head, nothing sent yet,
+    // to run once a lane is free; a few times at most, in case the stage's lanes are taken by others.
+    if matches!(&result, Err(failure) if failure.busy)
+        && generated == 0
+        && job.requeued.fetch_add(1, Ordering::AcqRel) < REQUEUES_MAX
+    {
+        *lock(&job.spec) = Some(spec);
+        shared.requeue(job);
+        return;
+    }
     metrics.add_tokens(prompt.len(), generated);
     let span = tracing::Span::current();
     span.record("prompt_tokens", prompt.len() as i64);

@@ -3,7 +3,7 @@
 use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use std::net::SocketAddr;
 
@@ -34,6 +34,9 @@ pub(crate) struct RunError {
     pub unavailable: bool,
     /// The prompt does not fit the chain's lanes, whose context length this is (a 400, nothing was sent).
     pub context: Option<usize>,
+    /// A stage had no free lane for the generation (its lanes are busy, or fewer than the chain said when the
+    /// lane's link opened): it may run once another generation ends.
+    pub busy: bool,
     /// What happened, in words.
     pub message: String,
 }
@@ -110,22 +113,82 @@ impl ChainLane {
         extras: &SamplerExtras,
         options: &GenerateOptions,
         cancelled: &dyn Fn() -> bool,
-        on_token: impl FnMut(&Predicted) -> ControlFlow<()>,
+        mut on_token: impl FnMut(&Predicted) -> ControlFlow<()>,
     ) -> Result<Generation, RunError> {
+        let delivered = std::cell::Cell::new(false);
+        let mut counted = |predicted: &Predicted| {
+            delivered.set(true);
+            on_token(predicted)
+        };
+        let started = Instant::now();
+        let first = self.attempt(
+            prompt,
+            sampling.clone(),
+            extras,
+            options,
+            cancelled,
+            &mut counted,
+        );
+        match first {
+            // The link was open from before and broke at once at this generation's first frames, nothing of it
+            // reached the client: the stage behind it restarted (or the chain's probe has not seen it go yet).
+            // Once more on a fresh link; if the chain is really down, opening it fails and says so. Not a chain
+            // that fell silent (a stopped stage): its check takes longer than the silence before it, and a new
+            // link would wait out its hello's deadline on top.
+            Err(failure)
+                if failure.link_lost
+                    && !delivered.get()
+                    && started.elapsed() < self.options.silence_probe.max(QUICK_BREAK) =>
+            {
+                tracing::info!(
+                    lane = self.share.lane,
+                    peer = %self.next,
+                    "the lane's link broke before the generation's first token ({}); trying once more on a new link",
+                    failure.error.message
+                );
+                self.attempt(prompt, sampling, extras, options, cancelled, &mut counted)
+                    .map_err(|failure| failure.error)
+            }
+            Err(failure) => {
+                // Not tried again: the chain is down as far as this lane can tell (see `attempt`).
+                if failure.link_lost {
+                    self.health.mark_down(format!(
+                        "stage 1 at {}: {}",
+                        self.next, failure.error.message
+                    ));
+                }
+                Err(failure.error)
+            }
+            Ok(generation) => Ok(generation),
+        }
+    }
+
+    /// One try of [`generate`](Self::generate): on the lane's link, or a new one.
+    fn attempt(
+        &mut self,
+        prompt: &[u32],
+        sampling: SamplingParams,
+        extras: &SamplerExtras,
+        options: &GenerateOptions,
+        cancelled: &dyn Fn() -> bool,
+        on_token: impl FnMut(&Predicted) -> ControlFlow<()>,
+    ) -> Result<Generation, Failure> {
         if self.link.is_some() && self.link_outages != self.health.outages() {
             // The chain went down since this link opened: the stage it leads to died, even if one is back on
             // its address now; writing into the old link would fail this request.
             self.link = None;
         }
+        let reused = self.link.is_some();
         let link = match self.link.take() {
             Some(link) => link,
             None => {
                 if let Some(reason) = self.health.down_reason() {
-                    return Err(RunError {
+                    return Err(Failure::fresh(RunError {
                         unavailable: true,
                         context: None,
+                        busy: false,
                         message: format!("the chain is down ({reason}); retry shortly"),
-                    });
+                    }));
                 }
                 tracing::debug!(
                     lane = self.share.lane,
@@ -146,11 +209,12 @@ impl ChainLane {
                 .map_err(|error| {
                     let message = format!("stage 1 at {}: {error}", self.next);
                     self.health.mark_down(message.clone());
-                    RunError {
+                    Failure::fresh(RunError {
                         unavailable: true,
                         context: None,
+                        busy: false,
                         message: format!("the chain is down ({message}); retry shortly"),
-                    }
+                    })
                 })?
             }
         };
@@ -164,11 +228,12 @@ impl ChainLane {
             // A prompt too long for the chain was refused before anything was sent: the link is as it was.
             Err(error @ DriverError::Context { context, .. }) => {
                 self.link = Some(link);
-                Err(RunError {
+                Err(Failure::fresh(RunError {
                     unavailable: false,
                     context: Some(context),
+                    busy: false,
                     message: error.to_string(),
-                })
+                }))
             }
             // Otherwise the link is dropped whatever failed: the next request opens a fresh one, so a stage that
             // restarted meanwhile is found, and no half-read frame is ever taken for an answer.
@@ -181,12 +246,15 @@ impl ChainLane {
                             ..
                         }
                     );
-                if unavailable {
+                // A link from before that broke is tried again on a new one before the chain is called down
+                // (which fails every other lane's requests until the probe sees it back).
+                let link_lost = unavailable && reused;
+                if unavailable && !reused {
                     self.health
                         .mark_down(format!("stage 1 at {}: {error}", self.next));
                 }
-                // A stage with no free lane is busy, not broken: the client may retry (503), and the chain
-                // is not marked down for it.
+                // A stage with no free lane is busy, not broken: the request may wait for a lane, and the
+                // chain is not marked down for it.
                 let busy = matches!(
                     &error,
                     DriverError::Stage {
@@ -194,12 +262,38 @@ impl ChainLane {
                         ..
                     }
                 );
-                Err(RunError {
-                    unavailable: unavailable || busy,
-                    context: None,
-                    message: error.to_string(),
+                Err(Failure {
+                    error: RunError {
+                        unavailable: unavailable || busy,
+                        context: None,
+                        busy,
+                        message: error.to_string(),
+                    },
+                    link_lost,
                 })
             }
+        }
+    }
+}
+
+/// A link from before that fails sooner than this (or than the chain's silence check begins, if later) broke at
+/// once, rather than found its chain silent.
+const QUICK_BREAK: Duration = Duration::from_millis(500);
+
+/// How one try of a chain lane's generation failed.
+struct Failure {
+    error: RunError,
+    /// The lane's link, open from before, broke (or its stage said it lost the next one): worth a try on a new
+    /// link before the client hears of it.
+    link_lost: bool,
+}
+
+impl Failure {
+    /// A failure not worth a second try.
+    fn fresh(error: RunError) -> Failure {
+        Failure {
+            error,
+            link_lost: false,
         }
     }
 }
@@ -266,6 +360,7 @@ impl LaneRunner {
             .map_err(|error| RunError {
                 unavailable: false,
                 context: None,
+                busy: false,
                 message: error.to_string(),
             }),
             LaneRunner::Chain(lane) => {
