@@ -353,8 +353,9 @@ impl ServerHandle {
     /// busy ones finish, and kills what is still open at `deadline` (`DrainDeadline`, abortive). A deadline
     /// already past kills at once. Returns when every connection is closed (or a second after the deadline
     /// kills, at the latest). A connect during the drain is refused at once: each accept thread shuts its
-    /// listening socket down (the sockets stay bound, and the threads keep watching the control line), where a
-    /// closed door alone would leave it in the kernel's backlog, waiting out the drain, then reset.
+    /// listening socket down (its descriptor stays open and the thread keeps watching the control line; a
+    /// port the kernel chose, bound to port 0, may go to another socket from then on), where a closed door
+    /// alone would leave the connect in the kernel's backlog, waiting out the drain, then reset.
     /// The drain that [`Server::shutdown`](crate::Server::shutdown) runs closes idle connections with `Shutdown` instead.
     pub fn drain(&self, deadline: Instant) -> DrainReport {
         let _serial = self

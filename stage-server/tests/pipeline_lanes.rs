@@ -100,8 +100,10 @@ fn a_stage_restarted_with_fewer_lanes_leaves_no_request_failing() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    // The lanes' links from before broke with the old stage; each request finds that out on its first frame,
-    // tries once more on a new link, learns the stage has one lane, and waits for it if another took it.
+    // The lanes' links from before broke with the old stage. Either the chain's probe saw the outage (the lanes
+    // then drop their old links before using them) or, when the restart fell between two probes, each request
+    // finds out on its first frame and tries once more on a new link; both ways the new link's hello says the
+    // stage has one lane, and a request that meets it taken waits for it.
     all_serve_at_once(address, 4);
     let _ = api.shutdown(Instant::now() + Duration::from_secs(5));
 }

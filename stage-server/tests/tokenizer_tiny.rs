@@ -496,7 +496,7 @@ fn a_token_is_placed_at_the_character_it_finishes_or_after_the_bytes_it_shows_ar
         stream.push_placed(spm_byte(b'a')),
         ("\u{fffd}a".to_owned(), 1)
     );
-    // A token that finishes a character and then breaks: the character was its own start, not an earlier one.
+    // Two held bytes that the next token breaks: one U+FFFD, the earlier tokens', before its text.
     assert_eq!(stream.push_placed(spm_byte(0xf0)), (String::new(), 0));
     assert_eq!(stream.push_placed(spm_byte(0x9f)), (String::new(), 0));
     assert_eq!(

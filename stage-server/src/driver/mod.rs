@@ -56,10 +56,6 @@ pub const SILENCE_PROBE: Duration = Duration::from_secs(1);
 /// How long a ping may go unanswered by default ([`ChainOptions::probe_timeout`]).
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// How long a failed write looks for the `Error` frame the stage sent before it closed the link: it came
-/// before the close, so it is already here if it came at all.
-const CLOSING_WORDS: Duration = Duration::from_millis(200);
-
 /// How stage 0 drives a chain.
 #[derive(Clone, Debug)]
 pub struct ChainOptions {
@@ -1199,9 +1195,9 @@ impl Wire {
     }
 
     /// The `Error` frame among what the stage sent before its end of the link closed, once a write failed
-    /// (reading what the kernel still holds: the link itself reports the failure from then on).
+    /// (reading what the kernel still holds, without waiting: it came before the close, so it is here if it
+    /// came at all; the link itself reports the failure from then on).
     fn closing_words(&mut self) -> Option<DriverError> {
-        let deadline = Instant::now() + CLOSING_WORDS;
         let mut scratch = [0u8; 16 * 1024];
         loop {
             loop {
@@ -1215,10 +1211,8 @@ impl Wire {
                 }
             }
             match self.link.read_left(&mut scratch) {
-                Ok(0) | Err(_) if Instant::now() >= deadline => return None,
-                Ok(0) => std::thread::sleep(Duration::from_millis(5)),
-                Ok(count) => self.unread.extend_from_slice(&scratch[..count]),
-                Err(_) => return None,
+                Ok(count) if count > 0 => self.unread.extend_from_slice(&scratch[..count]),
+                _ => return None,
             }
         }
     }

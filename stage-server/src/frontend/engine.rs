@@ -324,60 +324,64 @@ impl Engine {
         queue.waiting.len() != before
     }
 
-    /// A drain's deadline passed: the jobs still queued fail, and the running ones stop at their next token (or
-    /// prompt chunk) and fail, each with an error that says so, which their sessions send before the drain
-    /// closes them (a stream's last event, not a reset).
+    /// A drain's deadline passed: the jobs still queued and those the lanes are running fail at once, each
+    /// with an error that says so, which their sessions send before the drain closes them (a stream's last
+    /// event, not a reset); the lanes stop the running ones at their next token or prompt chunk.
     pub(crate) fn cut(&self) {
-        let running: Vec<Arc<Job>> = {
+        // One lock section: no lane takes a job between the running ones being failed and the queue stopping.
+        let (running, waiting) = {
             let mut queue = lock(&self.shared.queue);
             self.shared.cut.store(true, Ordering::Release);
-            queue.taken.iter_mut().filter_map(Option::take).collect()
+            let running: Vec<Arc<Job>> = queue.taken.iter_mut().filter_map(Option::take).collect();
+            (running, self.stop_taking(&mut queue))
         };
         // Failed here, not when their lanes next look: a lane may wait seconds for the chain (a long prompt's
         // chunk, or a stage that stopped answering), longer than the connections have left to send the error.
         // A later event of the job's lane reaches nobody: its reply has ended.
-        for job in running {
+        for job in &running {
             job.cancel();
-            job.push(JobEvent::Failed(ApiError::unavailable(CUT_SHORT)));
         }
-        self.stop_taking(CUT_SHORT);
-    }
-
-    /// Stops the lanes taking jobs and fails every job still waiting (queued, or handed to a lane that has
-    /// not started it) with a 503 saying `why`.
-    fn stop_taking(&self, why: &str) {
-        let waiting = {
-            let mut queue = lock(&self.shared.queue);
-            queue.stopping = true;
-            let mut waiting: Vec<Arc<Job>> = std::mem::take(&mut queue.waiting).into();
-            waiting.extend(
-                queue
-                    .handed
-                    .iter_mut()
-                    .filter_map(Option::take)
-                    .map(|handed| handed.job),
-            );
-            self.shared.queue_changed(0);
-            waiting
-        };
-        for job in waiting {
-            job.push(JobEvent::Failed(ApiError::unavailable(why)));
-        }
+        fail_all(running.into_iter().chain(waiting), CUT_SHORT);
         self.shared.ready.notify_all();
     }
 
+    /// Stops the lanes taking jobs and takes every job still waiting (queued, or handed to a lane that has not
+    /// started it), for the caller to fail.
+    fn stop_taking(&self, queue: &mut Queue) -> Vec<Arc<Job>> {
+        queue.stopping = true;
+        let mut waiting: Vec<Arc<Job>> = std::mem::take(&mut queue.waiting).into();
+        waiting.extend(
+            queue
+                .handed
+                .iter_mut()
+                .filter_map(Option::take)
+                .map(|handed| handed.job),
+        );
+        self.shared.queue_changed(0);
+        waiting
+    }
+
     /// The number of generations that run at once: the lanes, or a chain's fewest lanes if less.
-    pub(crate) fn lanes(&self) -> usize {
+    pub(crate) fn capacity(&self) -> usize {
         self.shared.capacity()
     }
 }
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        self.stop_taking("the server is shutting down");
+        let waiting = self.stop_taking(&mut lock(&self.shared.queue));
+        fail_all(waiting, "the server is shutting down");
+        self.shared.ready.notify_all();
         for worker in self.workers.drain(..) {
             let _ = worker.join();
         }
+    }
+}
+
+/// Fails each of `jobs` with a 503 saying `why`.
+fn fail_all(jobs: impl IntoIterator<Item = Arc<Job>>, why: &str) {
+    for job in jobs {
+        job.push(JobEvent::Failed(ApiError::unavailable(why)));
     }
 }
 
@@ -630,11 +634,19 @@ fn run(
             ControlFlow::Continue(())
         },
     );
+    if cut.get() {
+        // `Engine::cut` failed the job already (this repeats it, in case the lane took it as the cut came).
+        job.push(JobEvent::Failed(ApiError::unavailable(CUT_SHORT)));
+        return;
+    }
     // A stage with no lane free for the generation (a stage restarted with fewer lanes than the chain said
     // when this lane's link opened, before the lanes learnt it): back to the queue's head, nothing sent yet,
-    // to run once a lane is free; a few times at most, in case the stage's lanes are taken by others.
+    // to run once another generation ends; a few times at most, in case the stage's lanes are taken by others.
+    // Only while other generations hold the chain's lanes: otherwise nothing here will free one.
+    let others = shared.busy.load(Ordering::Acquire).saturating_sub(1);
     if matches!(&result, Err(failure) if failure.busy)
         && generated == 0
+        && others >= shared.capacity()
         && job.requeued.fetch_add(1, Ordering::AcqRel) < REQUEUES_MAX
     {
         *lock(&job.spec) = Some(spec);

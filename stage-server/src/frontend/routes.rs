@@ -146,7 +146,7 @@ pub(crate) fn route(state: &ApiState, request: &Request) -> Routed {
         if let Some(ready) = state.ready.get() {
             text.push_str(&format!(
                 "# HELP stage_server_lanes Lanes (generations at a time).\n# TYPE stage_server_lanes gauge\nstage_server_lanes {}\n",
-                ready.engine.lanes()
+                ready.engine.capacity()
             ));
         }
         return Routed::Respond {

@@ -200,7 +200,7 @@ impl ChainLane {
                 // drops it at the next request). Without this, one outage made the lane drop and reopen its link
                 // at every request from then on, losing its kept prefix each time.
                 self.link_outages = self.health.outages();
-                Chain::connect_with(
+                let opened = Chain::connect_with(
                     self.share.clone(),
                     &self.ours,
                     self.next,
@@ -215,10 +215,13 @@ impl ChainLane {
                         busy: false,
                         message: format!("the chain is down ({message}); retry shortly"),
                     })
-                })?
+                })?;
+                // Only a new link's hello is news: one open from before would put back what a stage said
+                // before it restarted (with fewer lanes, say).
+                self.limits.follow(&opened);
+                opened
             }
         };
-        self.limits.follow(&link);
         let mut link = link;
         match link.generate_cancellable(prompt, sampling, extras, options, cancelled, on_token) {
             Ok(generation) => {

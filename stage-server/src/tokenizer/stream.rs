@@ -65,9 +65,10 @@ impl<'t> StreamDecoder<'t> {
 
     /// [`push`](Self::push), and how many characters at the head of the text it returns belong before this
     /// token: 1 when bytes held back for an unfinished character come out as U+FFFD because this token cannot
-    /// finish it, else 0 (a character this token finishes starts before it, so the token's text starts where
-    /// that character does). So a token's place in the output, in characters, is what came out before it plus
-    /// this.
+    /// finish it (the U+FFFD belongs to the token that brought its first byte, even if it takes some of this
+    /// token's bytes too), else 0 (a character this token finishes starts before it, so the token's text starts
+    /// where that character does). So a token's place in the output, in characters, is what came out before
+    /// it plus this.
     pub fn push_placed(&mut self, id: u32) -> (String, usize) {
         let held = self.pending.len();
         let earlier = if held == 0 {
@@ -75,15 +76,10 @@ impl<'t> StreamDecoder<'t> {
         } else {
             let mut joined = self.pending.clone();
             joined.extend_from_slice(self.tokenizer.piece(id, self.special));
-            // What is held is the start of a character: it ends before this token when the first error is at
-            // its start and the bytes no continuation can repair are all held ones.
+            // What is held is the start of a character, so an error at byte 0 with a known length is that
+            // character broken for good (no later byte can finish it).
             match std::str::from_utf8(&joined) {
-                Err(error)
-                    if error.valid_up_to() == 0
-                        && error.error_len().is_some_and(|invalid| invalid <= held) =>
-                {
-                    1
-                }
+                Err(error) if error.valid_up_to() == 0 && error.error_len().is_some() => 1,
                 _ => 0,
             }
         };
