@@ -1,5 +1,6 @@
 //! Whether the chain behind stage 0 answers: a task-runtime task probes it every [`PROBE_GAP`] (a hello
-//! through every stage), `/health` reports it, and lanes whose link broke reconnect only once it is back.
+//! through every stage), every [`DOWN_PROBE_GAP`] while it is down, `/health` reports it, and lanes whose link
+//! broke reconnect only once it is back.
 //!
 //! A lane's link that fails is dropped; the lane opens a new one for its next request, so a stage process
 //! that restarted is picked up without restarting stage 0. While the probe says the chain is down, requests
@@ -8,7 +9,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use task_runtime::{Compute, Runtime, TaskHandle};
 
@@ -18,6 +19,9 @@ use crate::wire::Hello;
 
 /// The gap between two probes of the chain.
 pub(crate) const PROBE_GAP: Duration = Duration::from_secs(2);
+/// The gap between two probes while the chain is down: requests fail at once meanwhile, so a stage that is
+/// back should be seen soon (a probe of a stage that is not back costs a refused connect).
+const DOWN_PROBE_GAP: Duration = Duration::from_millis(250);
 /// How long one probe may take to connect and hear every stage's hello.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -80,13 +84,19 @@ pub(crate) fn start_probe(
     // The hello's answer gets twice the connect deadline: the whole probe stays within PROBE_TIMEOUT.
     options.connect_timeout = PROBE_TIMEOUT / 2;
     options.reply_timeout = PROBE_TIMEOUT;
+    let mut last: Option<Instant> = None;
     Runtime::task(Compute::compute(move |()| {
+        // The task wakes every DOWN_PROBE_GAP; while the chain answers it probes only every PROBE_GAP.
+        if health.down_reason().is_none() && last.is_some_and(|last| last.elapsed() < PROBE_GAP) {
+            return;
+        }
+        last = Some(Instant::now());
         match driver::probe(&ours, next, options.clone()) {
             Ok(_) => health.mark_up(),
             Err(error) => health.mark_down(format!("stage 1 at {next}: {error}")),
         }
     }))
     .repeat()
-    .every(PROBE_GAP)
+    .every(DOWN_PROBE_GAP)
     .spawn()
 }
