@@ -158,14 +158,19 @@ impl Session for BigReply {
     }
 }
 
-#[test]
-fn data_a_session_queued_before_a_drain_is_flushed_before_the_close() {
-    let recorder = Recorder::default();
-    let server = common::test_builder(2, Limits::new(), &recorder)
+/// A server on two workers whose sessions answer any input with a [`BigReply`].
+fn big_reply_server(recorder: &Recorder) -> Server {
+    common::test_builder(2, Limits::new(), recorder)
         .sessions(|_info: &ConnectionInfo| Some(BigReply))
         .allow_all()
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn data_a_session_queued_before_a_drain_is_flushed_before_the_close() {
+    let recorder = Recorder::default();
+    let server = big_reply_server(&recorder);
     let mut stream = client(server.local_addr());
     stream.write_all(b"go").unwrap();
     // Let the reply fill the socket buffers, then drain while it is still being written.
@@ -187,11 +192,7 @@ fn data_a_session_queued_before_a_drain_is_flushed_before_the_close() {
 #[test]
 fn a_connect_during_a_drain_is_refused_at_once_instead_of_waiting_out_the_drain() {
     let recorder = Recorder::default();
-    let server = common::test_builder(2, Limits::new(), &recorder)
-        .sessions(|_info: &ConnectionInfo| Some(BigReply))
-        .allow_all()
-        .build()
-        .unwrap();
+    let server = big_reply_server(&recorder);
     let address = server.local_addr();
     // A client that asks for the big reply and never reads it keeps the drain waiting until its deadline.
     let mut busy = client(address);
