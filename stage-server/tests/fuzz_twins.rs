@@ -82,7 +82,11 @@ fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
                 session: 4,
                 position: 0,
                 last: true,
-                batch: Batch { id: 7, frames: 3 },
+                batch: Batch {
+                    id: 7,
+                    frames: 3,
+                    rows: 40,
+                },
                 rows: Activations::encode(&values, 8, CodecPolicy::F32),
             },
         ),
@@ -91,7 +95,7 @@ fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
             Frame::Decode {
                 session: 4,
                 position: 2,
-                batch: Batch::alone(8),
+                batch: Batch::alone(8, 1),
                 rows: Activations::encode(&values[..8], 8, CodecPolicy::AutoLossless),
             },
         ),
@@ -100,7 +104,7 @@ fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
             Frame::Decode {
                 session: 4,
                 position: 3,
-                batch: Batch::alone(9),
+                batch: Batch::alone(9, 1),
                 rows: Activations::encode(&values[..8], 8, CodecPolicy::F16),
             },
         ),

@@ -53,7 +53,7 @@ fn one_row_prompt(session: u64) -> Vec<u8> {
         session,
         position: 0,
         last: true,
-        batch: Batch::alone(1),
+        batch: Batch::alone(1, 1),
         rows: Activations::encode(&row, 64, CodecPolicy::F32),
     })
 }
@@ -68,7 +68,7 @@ fn prompt_row(session: u64, position: u32, chunks: u32) -> Vec<u8> {
         session,
         position,
         last: position + 1 == chunks,
-        batch: Batch::alone(position),
+        batch: Batch::alone(position, 1),
         rows: Activations::encode(&row, 64, CodecPolicy::F32),
     })
 }
@@ -320,7 +320,7 @@ fn a_link_holds_no_more_sessions_than_the_stage_has_lanes_and_keeps_only_what_it
             session: 3,
             position: 0,
             last: true,
-            batch: Batch::alone(1),
+            batch: Batch::alone(1, 1),
             rows: Activations::encode(&row, 64, CodecPolicy::F32),
         },
         &mut bytes,
@@ -353,7 +353,7 @@ fn rows_of_the_wrong_width_and_frames_for_an_unknown_session_are_answered_in_wor
         &Frame::Decode {
             session: 42,
             position: 0,
-            batch: Batch::alone(1),
+            batch: Batch::alone(1, 1),
             rows: Activations::encode(&row(64), 64, CodecPolicy::F32),
         },
         &mut bytes,
@@ -366,7 +366,7 @@ fn rows_of_the_wrong_width_and_frames_for_an_unknown_session_are_answered_in_wor
                 session: 7,
                 position: 0,
                 last: true,
-                batch: Batch::alone(2),
+                batch: Batch::alone(2, 1),
                 rows: Activations::encode(&row(width), width as u32, CodecPolicy::F32),
             },
             &mut bytes,
@@ -651,7 +651,7 @@ fn a_session_whose_rows_are_not_finite_fails_alone_and_the_other_session_of_its_
     let mut alone = connect(stage.address);
     let mut bytes = encode_to_vec(&Frame::Hello(stage_zero_hello(&llama, 2)));
     bytes.extend(open(1));
-    prompt(1, &row, Batch::alone(1), &mut bytes);
+    prompt(1, &row, Batch::alone(1, 1), &mut bytes);
     let frames = exchange(&mut alone, &bytes, 2);
     let Frame::Token {
         token: alone_token,
@@ -666,7 +666,11 @@ fn a_session_whose_rows_are_not_finite_fails_alone_and_the_other_session_of_its_
     let mut bytes = encode_to_vec(&Frame::Hello(stage_zero_hello(&llama, 2)));
     bytes.extend(open(7));
     bytes.extend(open(8));
-    let step = Batch { id: 5, frames: 2 };
+    let step = Batch {
+        id: 5,
+        frames: 2,
+        rows: 2,
+    };
     prompt(7, &poisoned, step, &mut bytes);
     prompt(8, &row, step, &mut bytes);
     let frames = exchange(&mut stream, &bytes, 3);
@@ -697,7 +701,7 @@ fn a_session_whose_rows_are_not_finite_fails_alone_and_the_other_session_of_its_
         &Frame::Decode {
             session: 8,
             position: 1,
-            batch: Batch::alone(6),
+            batch: Batch::alone(6, 1),
             rows: Activations::encode(&row, 64, CodecPolicy::F32),
         },
         &mut bytes,

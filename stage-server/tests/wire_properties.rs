@@ -26,9 +26,14 @@ fn policy() -> impl Strategy<Value = CodecPolicy> {
 }
 
 /// Activations encoded from values under a policy, or raw bytes in a codec (bit patterns no encode makes).
-/// Any batch a sender can name: any id, one frame or more.
+/// Any batch a sender can name: any id, one frame or more, at least as many rows as frames (and as the rows of
+/// any frame [`activations`] makes).
 fn batch() -> impl Strategy<Value = Batch> {
-    (any::<u32>(), 1u16..).prop_map(|(id, frames)| Batch { id, frames })
+    (any::<u32>(), 1u16.., any::<u32>()).prop_map(|(id, frames, rows)| Batch {
+        id,
+        frames,
+        rows: rows.max(u32::from(frames)).max(4),
+    })
 }
 
 fn activations() -> impl Strategy<Value = Activations> {
@@ -538,7 +543,7 @@ fn a_count_over_its_limit_is_refused_with_the_field_named() {
             Frame::Decode {
                 session: 1,
                 position: 0,
-                batch: Batch::alone(1),
+                batch: Batch::alone(1, 4097),
                 rows: Activations::encode(&[0.0; 4097], 1, CodecPolicy::F32),
             },
             "rows",
@@ -548,7 +553,7 @@ fn a_count_over_its_limit_is_refused_with_the_field_named() {
             Frame::Decode {
                 session: 1,
                 position: 0,
-                batch: Batch::alone(1),
+                batch: Batch::alone(1, 1),
                 rows: Activations::encode(&vec![0.0; 65537], 65537, CodecPolicy::F32),
             },
             "values per row",
@@ -590,11 +595,11 @@ fn an_activation_byte_count_that_does_not_match_the_shape_is_refused() {
     let frame = encode_to_vec(&Frame::Decode {
         session: 1,
         position: 0,
-        batch: Batch::alone(1),
+        batch: Batch::alone(1, 1),
         rows: Activations::encode(&[1.0, 2.0], 2, CodecPolicy::F32),
     });
-    // Layout: 5 header bytes, session 8, position 4, batch 6, rows 4, width 4, codec 1, then the byte count.
-    let count_at = 5 + 8 + 4 + 6 + 4 + 4 + 1;
+    // Layout: 5 header bytes, session 8, position 4, batch 10, rows 4, width 4, codec 1, then the byte count.
+    let count_at = 5 + 8 + 4 + 10 + 4 + 4 + 1;
     for declared in [4u32, 12] {
         let mut bytes = frame.clone();
         bytes[count_at..count_at + 4].copy_from_slice(&declared.to_le_bytes());
@@ -659,7 +664,7 @@ fn a_frame_that_declares_the_largest_length_and_sends_little_holds_little() {
     let mut bytes = encode_to_vec(&Frame::Decode {
         session: 1,
         position: 0,
-        batch: Batch::alone(1),
+        batch: Batch::alone(1, 4000),
         rows: Activations::encode(&vec![0.5; 4000 * 4096], 4096, CodecPolicy::F32),
     });
     bytes.truncate(1000);

@@ -73,13 +73,17 @@ fn examples() -> Vec<Frame> {
             session: 5,
             position: 0,
             last: false,
-            batch: Batch { id: 3, frames: 2 },
+            batch: Batch {
+                id: 3,
+                frames: 2,
+                rows: 3,
+            },
             rows: Activations::encode(&[1.0, -2.0, 0.5, 3.0], 2, CodecPolicy::F32),
         },
         Frame::Decode {
             session: 5,
             position: 12,
-            batch: Batch::alone(4),
+            batch: Batch::alone(4, 1),
             rows: Activations::encode(&[1.0, -2.0, 0.5, 3.0], 4, CodecPolicy::AutoLossless),
         },
         Frame::Trim {
@@ -178,7 +182,7 @@ fn every_decode_error_names_its_field_and_limit() {
     let decode = encode_to_vec(&Frame::Decode {
         session: 1,
         position: 0,
-        batch: Batch::alone(1),
+        batch: Batch::alone(1, 1),
         rows: Activations::encode(&[1.0, 2.0], 2, CodecPolicy::F32),
     });
     let with = |bytes: &[u8], at: usize, patch: &[u8]| {
@@ -223,11 +227,25 @@ fn every_decode_error_names_its_field_and_limit() {
             "bad proof flag",
             with(&hello, 5 + 4 + 2 + 1 + 32 + 2 + 20 + 2 + 4 + 1 + 16, &[2]),
         ),
-        // Decode: header 5, session 8, position 4, batch id 4 and frame count 2, rows 4, width 4, codec 1.
-        ("bad codec", with(&decode, 5 + 8 + 4 + 6 + 8, &[0])),
+        // Decode: header 5, session 8, position 4, batch id 4, frame count 2 and row count 4, rows 4, width 4,
+        // codec 1.
+        ("bad codec", with(&decode, 5 + 8 + 4 + 10 + 8, &[0])),
         (
             "no frames in the batch",
             with(&decode, 5 + 8 + 4 + 4, &[0, 0]),
+        ),
+        (
+            "fewer rows in the batch than frames",
+            with(&decode, 5 + 8 + 4 + 6, &0u32.to_le_bytes()),
+        ),
+        (
+            "more rows in the frame than in its batch",
+            encode_to_vec(&Frame::Decode {
+                session: 1,
+                position: 0,
+                batch: Batch::alone(1, 1),
+                rows: Activations::encode(&[1.0, 2.0, 3.0, 4.0], 2, CodecPolicy::F32),
+            }),
         ),
         ("bad log-probability flag", {
             let configure = encode_to_vec(&Frame::Configure {
@@ -262,7 +280,7 @@ fn every_decode_error_names_its_field_and_limit() {
         }),
         (
             "rows mismatch",
-            with(&decode, 5 + 8 + 4 + 6 + 9, &12u32.to_le_bytes()),
+            with(&decode, 5 + 8 + 4 + 10 + 9, &12u32.to_le_bytes()),
         ),
     ];
     let mut text = String::new();

@@ -775,9 +775,13 @@ impl Chain {
         )?;
         let width = self.stage.stage.width();
         // Ids wrap: the next stage only compares those of frames close in time.
+        let frames = u16::try_from(step.chunks.max(1)).unwrap_or(u16::MAX);
         let batch = Batch {
             id: step.id as u32,
-            frames: u16::try_from(step.chunks.max(1)).unwrap_or(u16::MAX),
+            frames,
+            rows: u32::try_from(step.rows)
+                .unwrap_or(u32::MAX)
+                .max(u32::from(frames)),
         };
         match output {
             StageOutput::Activations(values) => Ok((

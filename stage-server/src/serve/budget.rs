@@ -227,7 +227,7 @@ mod tests {
             session: 1,
             position: 0,
             last: false,
-            batch: crate::wire::Batch::alone(1),
+            batch: crate::wire::Batch::alone(1, rows as u32),
             rows: Activations::encode(&vec![0.5; rows * width], width as u32, CodecPolicy::F32),
         }
     }

@@ -33,6 +33,20 @@ use crate::wire::{Batch, ErrorCode};
 /// (its session failed upstream after the step).
 const BATCH_WAIT: Duration = Duration::from_millis(3);
 
+/// A late frame of a batch is waited for longer than [`BATCH_WAIT`] when the batch is long: up to this share
+/// (1/N) of what the batch's rows cost here. Run without it, the frames that came would go on, come round again
+/// and wait behind the late frame's pass anyway, at this stage and at every one after: streams in a batch with
+/// a long prompt chunk would stall once per stage instead of once (seen on a loaded host, where a 457-row
+/// frame came 4 to 11 ms after its step's one-row frames).
+const LATE_FRAME_SHARE: u32 = 10;
+
+/// The longest a batch's frames wait for a late one however long the batch: what a frame that never comes (its
+/// session failed upstream after the step) costs the others at most.
+const BATCH_WAIT_MAX: Duration = Duration::from_millis(250);
+
+/// Steps of at least this many rows measure what a row costs here (a pass of fewer is mostly fixed cost).
+const ROW_COST_MIN_ROWS: usize = 16;
+
 /// The completion token with which the compute thread wakes a link session.
 pub(crate) const COMPUTE_TOKEN: u64 = 1;
 
@@ -343,8 +357,10 @@ struct Owner {
     steps: u32,
     /// Keeps counted so far: the order in which kept lanes are taken back.
     keeps: u64,
-    /// How long a batch's first frame waits for the rest ([`BATCH_WAIT`]; longer in tests).
+    /// How long a batch's first frame waits for the rest at least ([`BATCH_WAIT`]; longer in tests).
     batch_wait: Duration,
+    /// What a row costs in a pass here, a moving average over steps of [`ROW_COST_MIN_ROWS`] rows or more.
+    row_cost: Option<Duration>,
 }
 
 /// Starts the compute thread over `stage`; it runs until every [`ComputeHandle`] is dropped.
@@ -363,6 +379,7 @@ pub(crate) fn start(stage: Stage) -> std::io::Result<(ComputeHandle, JoinHandle<
                 .unwrap_or_default(),
         ),
         batch_wait: BATCH_WAIT,
+        row_cost: None,
         keeps: 0,
     };
     let thread = std::thread::Builder::new()
@@ -388,8 +405,9 @@ impl Owner {
             while let Ok(job) = jobs.try_recv() {
                 waiting.push_back(job);
             }
-            if batch_incomplete(&waiting) {
-                let until = *gather_started.get_or_insert_with(Instant::now) + self.batch_wait;
+            if let Some(batch_rows) = incomplete_batch_rows(&waiting) {
+                let until =
+                    *gather_started.get_or_insert_with(Instant::now) + self.gather_wait(batch_rows);
                 let now = Instant::now();
                 // Timed out (or every handle is gone): run what is here.
                 if now < until
@@ -409,6 +427,32 @@ impl Owner {
             }
             self.chunks(batch);
         }
+    }
+
+    /// How long the frames of a batch of `rows` rows that came wait for the rest (see [`LATE_FRAME_SHARE`]).
+    fn gather_wait(&self, rows: u32) -> Duration {
+        let by_cost = self.row_cost.map_or(Duration::ZERO, |cost| {
+            cost.checked_mul(rows)
+                .unwrap_or(Duration::MAX)
+                .checked_div(LATE_FRAME_SHARE)
+                .unwrap_or(Duration::MAX)
+        });
+        self.batch_wait.max(by_cost.min(BATCH_WAIT_MAX))
+    }
+
+    /// Counts a pass of `rows` rows that took `compute` into [`Owner::row_cost`].
+    fn observe_pass(&mut self, rows: usize, compute: Duration) {
+        if rows < ROW_COST_MIN_ROWS {
+            return;
+        }
+        let Ok(rows) = u32::try_from(rows) else {
+            return;
+        };
+        let cost = compute / rows;
+        self.row_cost = Some(match self.row_cost {
+            None => cost,
+            Some(average) => (average * 3 + cost) / 4,
+        });
     }
 
     /// Runs one job that is not a chunk (open, trim, stop) and delivers its outcome.
@@ -479,6 +523,7 @@ impl Owner {
             })
             .sum();
         if !entries.is_empty() {
+            self.observe_pass(row_count, Duration::from_micros(u64::from(compute_micros)));
             let stage_metrics = &crate::telemetry::registry::STAGE;
             stage_metrics.step(row_count, f64::from(compute_micros) / 1e6);
             stage_metrics.batch.observe(entries.len() as f64);
@@ -522,17 +567,27 @@ impl Owner {
             };
             answers.push((job.mailbox, outcome, frame));
         }
-        // The rows this step sends on carry its id and their count, so the next stage runs them together.
-        let sent_on = answers
+        // The rows this step sends on carry its id, their frame count and their row count, so the next stage
+        // runs them together.
+        let (sent_on, rows_on) = answers
             .iter()
-            .filter(|(_, outcome, _)| matches!(outcome, Outcome::Rows { .. }))
-            .count();
+            .filter_map(|(_, outcome, _)| match outcome {
+                Outcome::Rows { rows, .. } => Some(rows.len() / width),
+                _ => None,
+            })
+            .fold((0usize, 0usize), |(frames, rows), more| {
+                (frames + 1, rows + more)
+            });
         if sent_on > 0 {
             self.steps = self.steps.wrapping_add(1);
         }
+        let frames = u16::try_from(sent_on).unwrap_or(u16::MAX);
         let step = Batch {
             id: self.steps,
-            frames: u16::try_from(sent_on).unwrap_or(u16::MAX),
+            frames,
+            rows: u32::try_from(rows_on)
+                .unwrap_or(u32::MAX)
+                .max(u32::from(frames)),
         };
         for (mailbox, mut outcome, frame) in answers {
             if let Outcome::Rows { batch, .. } = &mut outcome {
@@ -674,7 +729,7 @@ impl Owner {
                 sample,
                 decode,
                 // Set by `chunks` once the step's outcomes are all known.
-                batch: Batch::alone(0),
+                batch: Batch::alone(0, 1),
             },
             StageOutput::Logits(mut logits) if sample => {
                 for &(token, bias) in &lane.logit_bias {
@@ -733,32 +788,34 @@ fn frame_span(
     )
 }
 
-/// Whether a chunk in `waiting` belongs to a batch of the previous stage whose other frames are not all here yet.
-/// Only when the next step would start with chunks (a job that is not a chunk runs alone first).
-fn batch_incomplete(waiting: &VecDeque<Job>) -> bool {
+/// When a chunk in `waiting` belongs to a batch of the previous stage whose other frames are not all here yet,
+/// the rows of the longest such batch in all (its frames here and not). Only when the next step would start
+/// with chunks (a job that is not a chunk runs alone first).
+fn incomplete_batch_rows(waiting: &VecDeque<Job>) -> Option<u32> {
     if !waiting
         .front()
         .is_some_and(|job| matches!(job.work, Work::Chunk { .. }))
     {
-        return false;
+        return None;
     }
     // Most steps have a lone frame or nothing held back: no table to build on the step's path then.
     let batched = waiting
         .iter()
         .any(|job| matches!(&job.work, Work::Chunk { batch, .. } if batch.frames > 1));
     if !batched {
-        return false;
+        return None;
     }
-    let mut counts: HashMap<u32, (usize, u16)> = HashMap::new();
+    let mut counts: HashMap<u32, (usize, Batch)> = HashMap::new();
     for job in waiting {
         if let Work::Chunk { batch, .. } = &job.work {
-            let entry = counts.entry(batch.id).or_insert((0, batch.frames));
-            entry.0 += 1;
+            counts.entry(batch.id).or_insert((0, *batch)).0 += 1;
         }
     }
     counts
         .values()
-        .any(|(here, frames)| *here < usize::from(*frames))
+        .filter(|(here, batch)| *here < usize::from(batch.frames))
+        .map(|(_, batch)| batch.rows)
+        .max()
 }
 
 /// Takes the jobs of the next step off the front of `waiting`: the leading chunks of distinct sessions (a
@@ -895,7 +952,7 @@ mod tests {
             rows: vec![0.5; 4],
             sample: true,
             decode: true,
-            batch: Batch::alone(1),
+            batch: Batch::alone(1, 1),
         }
     }
 
@@ -940,6 +997,7 @@ mod tests {
             free: (0..lanes).rev().collect(),
             steps: 0,
             batch_wait,
+            row_cost: None,
             keeps: 0,
         };
         let (jobs, receiver) = channel();
@@ -1010,13 +1068,31 @@ mod tests {
         // The previous stage's step 40 sent two frames; the second comes 50 ms after the first. They run as
         // one step here, whose two frames go on together.
         jobs.send(job(
-            decode(1, 0, Batch { id: 40, frames: 2 }, width),
+            decode(
+                1,
+                0,
+                Batch {
+                    id: 40,
+                    frames: 2,
+                    rows: 2,
+                },
+                width,
+            ),
             &mailbox,
         ))
         .unwrap();
         std::thread::sleep(Duration::from_millis(50));
         jobs.send(job(
-            decode(2, 0, Batch { id: 40, frames: 2 }, width),
+            decode(
+                2,
+                0,
+                Batch {
+                    id: 40,
+                    frames: 2,
+                    rows: 2,
+                },
+                width,
+            ),
             &mailbox,
         ))
         .unwrap();
@@ -1029,7 +1105,7 @@ mod tests {
         assert_eq!(together[0].frames, 2);
         // A frame alone is not held.
         let started = Instant::now();
-        jobs.send(job(decode(3, 0, Batch::alone(41), width), &mailbox))
+        jobs.send(job(decode(3, 0, Batch::alone(41, 1), width), &mailbox))
             .unwrap();
         assert_eq!(batches_of(&mailbox, 1)[0].frames, 1);
         assert!(
@@ -1039,12 +1115,30 @@ mod tests {
         // A batch of three of which one never comes runs the two that did once the wait is over.
         let started = Instant::now();
         jobs.send(job(
-            decode(1, 1, Batch { id: 42, frames: 3 }, width),
+            decode(
+                1,
+                1,
+                Batch {
+                    id: 42,
+                    frames: 3,
+                    rows: 3,
+                },
+                width,
+            ),
             &mailbox,
         ))
         .unwrap();
         jobs.send(job(
-            decode(2, 1, Batch { id: 42, frames: 3 }, width),
+            decode(
+                2,
+                1,
+                Batch {
+                    id: 42,
+                    frames: 3,
+                    rows: 3,
+                },
+                width,
+            ),
             &mailbox,
         ))
         .unwrap();
@@ -1055,6 +1149,71 @@ mod tests {
         assert!(
             (Duration::from_secs(2)..Duration::from_secs(10)).contains(&waited),
             "waited {waited:?} for the missing frame"
+        );
+        drop(jobs);
+        thread.join().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_late_frame_of_a_long_batch_is_waited_for_in_proportion_to_the_batchs_rows_within_a_bound()
+    {
+        let width =
+            crate::model::testing::TinyModel::llama(candle_core::quantized::GgmlDType::Q4_1)
+                .embedding_length;
+        let floor = Duration::from_millis(20);
+        let late = Duration::from_millis(120);
+        let (dir, jobs, thread) = middle_stage("batch-rows", 3, floor);
+        let (mailbox, _receiver) = mailbox();
+        open_sessions(&jobs, &mailbox, 3);
+        assert!(batches_of(&mailbox, 3).is_empty(), "three sessions open");
+        // A 64-row prompt chunk measures what a row costs here.
+        jobs.send(job(
+            Work::Chunk {
+                session: 3,
+                position: 0,
+                rows: vec![0.25; 64 * width],
+                sample: false,
+                decode: false,
+                batch: Batch::alone(1, 64),
+            },
+            &mailbox,
+        ))
+        .unwrap();
+        assert_eq!(batches_of(&mailbox, 1).len(), 1);
+        let send_two = |id: u32, rows: u32, position: u32| {
+            let batch = Batch {
+                id,
+                frames: 2,
+                rows,
+            };
+            jobs.send(job(decode(1, position, batch, width), &mailbox))
+                .unwrap();
+            std::thread::sleep(late);
+            jobs.send(job(decode(2, position, batch, width), &mailbox))
+                .unwrap();
+            batches_of(&mailbox, 2)
+        };
+        // A batch of two rows is waited for only the floor: its second frame, later than that, runs apart.
+        let short = send_two(2, 2, 0);
+        assert_ne!(short[0], short[1], "a short batch waited {late:?}");
+        // A batch that counts many rows (a long prompt chunk still on its way) is waited for: one step.
+        let long = send_two(3, u32::MAX, 1);
+        assert_eq!(long[0], long[1], "a long batch's late frame ran apart");
+        // However many rows it counts, a frame that never comes holds the others BATCH_WAIT_MAX at most.
+        let started = Instant::now();
+        let batch = Batch {
+            id: 4,
+            frames: 2,
+            rows: u32::MAX,
+        };
+        jobs.send(job(decode(1, 2, batch, width), &mailbox))
+            .unwrap();
+        assert_eq!(batches_of(&mailbox, 1).len(), 1);
+        let waited = started.elapsed();
+        assert!(
+            (BATCH_WAIT_MAX..BATCH_WAIT_MAX * 8).contains(&waited),
+            "waited {waited:?} for a frame that never came"
         );
         drop(jobs);
         thread.join().unwrap();
@@ -1096,7 +1255,16 @@ mod tests {
         // One step of two sessions panics: both get an error naming it.
         for session in 1..=2 {
             jobs.send(job(
-                decode(session, 0, Batch { id: 9, frames: 2 }, width),
+                decode(
+                    session,
+                    0,
+                    Batch {
+                        id: 9,
+                        frames: 2,
+                        rows: 2,
+                    },
+                    width,
+                ),
                 &mailbox,
             ))
             .unwrap();
@@ -1112,7 +1280,7 @@ mod tests {
             }
         }
         // The thread is still there: the third session's step runs.
-        jobs.send(job(decode(3, 0, Batch::alone(10), width), &mailbox))
+        jobs.send(job(decode(3, 0, Batch::alone(10, 1), width), &mailbox))
             .unwrap();
         let next = outcomes_of(&mailbox, 1);
         assert!(

@@ -305,13 +305,24 @@ impl<'a> Reader<'a> {
         }
     }
 
-    /// A row frame's batch: the sender's step id and its frame count, which is never 0 (the frame itself is one).
+    /// A row frame's batch: the sender's step id, its frame count, which is never 0 (the frame itself is one),
+    /// and its row count, which is never below the frame count (every frame carries a row).
     fn batch(&mut self) -> Result<Batch, Stop> {
         let id = self.u32("batch id")?;
-        match self.u16("batch frame count")? {
-            0 => Err(self.bad_value("batch frame count", 0)),
-            frames => Ok(Batch { id, frames }),
+        let frames = match self.u16("batch frame count")? {
+            0 => return Err(self.bad_value("batch frame count", 0)),
+            frames => frames,
+        };
+        let rows = self.u32("batch row count")?;
+        if rows < u32::from(frames) {
+            return Err(Stop::Wire(WireError::BatchRows {
+                kind: self.kind,
+                batch_rows: rows,
+                least: u32::from(frames),
+                why: "a row in each of its frames",
+            }));
         }
+        Ok(Batch { id, frames, rows })
     }
 
     fn optional<const N: usize>(
@@ -448,7 +459,7 @@ fn parse_body(kind: u8, reader: &mut Reader<'_>, limits: &WireLimits) -> Result<
             let position = reader.u32("position")?;
             let last = reader.bool("last flag")?;
             let batch = reader.batch()?;
-            let (rows, range) = parse_activations(reader, limits)?;
+            let (rows, range) = parse_activations(reader, limits, batch.rows)?;
             return Ok((
                 Frame::Prefill {
                     session,
@@ -464,7 +475,7 @@ fn parse_body(kind: u8, reader: &mut Reader<'_>, limits: &WireLimits) -> Result<
             let session = reader.u64("session")?;
             let position = reader.u32("position")?;
             let batch = reader.batch()?;
-            let (rows, range) = parse_activations(reader, limits)?;
+            let (rows, range) = parse_activations(reader, limits, batch.rows)?;
             return Ok((
                 Frame::Decode {
                     session,
@@ -701,12 +712,22 @@ fn parse_configure(reader: &mut Reader<'_>, limits: &WireLimits) -> Result<Frame
 
 /// Reads an activation header and checks its shape; returns the activations with empty bytes and where the
 /// bytes lie in the body.
+/// A row frame's activations, of at most `batch_rows` rows (its batch's rows in all).
 fn parse_activations(
     reader: &mut Reader<'_>,
     limits: &WireLimits,
+    batch_rows: u32,
 ) -> Result<(Activations, std::ops::Range<usize>), Stop> {
     let rows = reader.u32("rows")?;
     reader.count(u64::from(rows), u64::from(limits.max_rows), 0, "rows")?;
+    if rows > batch_rows {
+        return Err(Stop::Wire(WireError::BatchRows {
+            kind: reader.kind,
+            batch_rows,
+            least: rows,
+            why: "this frame's rows",
+        }));
+    }
     let width = reader.u32("values per row")?;
     reader.count(
         u64::from(width),
@@ -758,7 +779,11 @@ mod tests {
             session: 3,
             position: 10,
             last: true,
-            batch: Batch { id: 9, frames: 2 },
+            batch: Batch {
+                id: 9,
+                frames: 2,
+                rows: 3,
+            },
             rows: Activations::encode(&[1.0, 2.0, 3.0, 4.5], 2, CodecPolicy::F32),
         }
     }

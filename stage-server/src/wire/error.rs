@@ -114,6 +114,22 @@ pub enum WireError {
         /// The field.
         field: &'static str,
     },
+    /// A row frame's batch counts fewer rows in all than it must hold: one per frame, and this frame's own.
+    #[error(
+        "{} frame's batch counts {batch_rows} {} in all, fewer than the {least} it holds at least ({why}); the peer wrote a broken frame",
+        with_article(.kind),
+        rows_word(*.batch_rows)
+    )]
+    BatchRows {
+        /// The frame kind's name.
+        kind: &'static str,
+        /// The batch's row count.
+        batch_rows: u32,
+        /// The least it may count.
+        least: u32,
+        /// Where that least comes from.
+        why: &'static str,
+    },
     /// An activation payload's byte count does not match its shape.
     #[error(
         "an activation payload of {rows} x {width} values in {codec} needs {expected} {} but declares {bytes}; the peer wrote a broken frame",
@@ -157,6 +173,10 @@ fn with_article(kind: &str) -> String {
 /// `byte` or `bytes`, for a count.
 fn bytes_word(count: u64) -> &'static str {
     if count == 1 { "byte" } else { "bytes" }
+}
+
+fn rows_word(count: u32) -> &'static str {
+    if count == 1 { "row" } else { "rows" }
 }
 
 /// Bytes as `0x..` hex.

@@ -110,7 +110,8 @@ pub enum ErrorCode {
 ///  address     = family u8 (4: ip [4], 6: ip [16]), port u16; after the presence byte of `address?`, which
 ///                is the family byte itself: 0 for none
 ///
-///  batch       = id u32, frames u16 (1 or more): the sending stage's step and how many row frames it sent
+///  batch       = id u32, frames u16 (1 or more), rows u32 (frames or more): the sending stage's step, and how
+///                many row frames and rows in all it sent the receiver
 ///
 ///  activations = rows u32, width u32, codec u8 (1 f32, 2 f16, 3 bf16), byte_count u32, bytes [byte_count]
 ///                with byte_count == rows x width x bytes per value
@@ -259,12 +260,19 @@ pub struct Batch {
     pub id: u32,
     /// How many row frames the step sent to the receiving stage, this one included: at least 1.
     pub frames: u16,
+    /// How many rows those frames carry in all (at least `frames`): what running the batch costs the receiver,
+    /// and so how long it is worth waiting for a late frame of it rather than splitting it.
+    pub rows: u32,
 }
 
 impl Batch {
-    /// A step that sent one frame: the receiver has nothing to wait for.
-    pub const fn alone(id: u32) -> Batch {
-        Batch { id, frames: 1 }
+    /// A step that sent one frame of `rows` rows: the receiver has nothing to wait for.
+    pub const fn alone(id: u32, rows: u32) -> Batch {
+        Batch {
+            id,
+            frames: 1,
+            rows,
+        }
     }
 }
 
@@ -714,6 +722,7 @@ impl Writer<'_> {
     fn batch(&mut self, batch: Batch) {
         self.u32(batch.id);
         self.u16(batch.frames);
+        self.u32(batch.rows);
     }
 
     fn activations(&mut self, activations: &Activations) {

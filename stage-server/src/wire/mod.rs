@@ -84,7 +84,9 @@ pub const MAGIC: [u8; 4] = *b"SSTG";
 /// Version 5: a hello carries a lane's context length, the chain's least in an answer.
 /// Version 6: `Ping` and `Pong`, a liveness check through the chain's links.
 /// Version 7: an answering hello's lane count is the chain's fewest from that stage on.
-pub const PROTOCOL_VERSION: u16 = 7;
+/// Version 8: a row frame's [`Batch`] carries the step's rows in all, so a stage waits for a late frame of a
+/// long batch instead of splitting it.
+pub const PROTOCOL_VERSION: u16 = 8;
 
 /// Bounds the decoder checks before it allocates anything for a field.
 ///

@@ -201,6 +201,8 @@ pub struct StepTag {
     pub id: u64,
     /// How many chunks ended in the step, this one included.
     pub chunks: usize,
+    /// The rows of those chunks in all (of every step each ran in).
+    pub rows: usize,
 }
 
 #[derive(Debug)]
@@ -720,14 +722,19 @@ fn run_step<'a>(
     state
         .costs
         .observe(decode_rows, rows - decode_rows, seconds);
-    let ended = plan
+    // The chunks that end here go on whole, with the rows of their earlier steps too.
+    let (ended, ended_rows) = plan
         .iter()
         .zip(&results)
         .filter(|(planned, result)| planned.ends && result.is_ok())
-        .count();
+        .filter_map(|(planned, _)| state.lanes[planned.lane].pending.as_ref())
+        .fold((0, 0), |(chunks, rows), pending| {
+            (chunks + 1, rows + pending.input.rows(width))
+        });
     let tag = StepTag {
         id: step,
         chunks: ended,
+        rows: ended_rows,
     };
     let finished = Instant::now();
     for (planned, result) in plan.into_iter().zip(results) {

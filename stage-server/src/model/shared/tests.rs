@@ -593,3 +593,19 @@ fn in_front_of_a_chain_a_prompt_waits_for_one_announced_on_another_lane_and_a_st
     drop(shared);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_chunk_over_several_steps_is_tagged_with_its_rows_of_every_step() {
+    use crate::model::testing::TinyModel;
+    use candle_core::quantized::GgmlDType;
+    let (dir, stage) = TinyModel::llama(GgmlDType::Q4_1).scratch_stage("shared-tag-rows", 1);
+    // A budget of 4 rows a step: a 10-row prompt runs over 3 steps and goes on as one chunk of 10 rows.
+    let shared = SharedStage::start(stage, StepPolicy::new(4, Duration::ZERO)).expect("start");
+    let prompt: Vec<u32> = (0..10).map(|index| 5 + index).collect();
+    let (_, tag) = shared
+        .forward_tagged(0, 0, StageInput::Tokens(&prompt), Logits::Last, true)
+        .expect("forward");
+    assert_eq!((tag.id, tag.chunks, tag.rows), (3, 1, 10), "{tag:?}");
+    drop(shared);
+    let _ = std::fs::remove_dir_all(&dir);
+}
