@@ -20,11 +20,12 @@
 //! joined.
 //!
 //! Two rules keep running streams' inter-token latency bounded while prompts are admitted:
-//! - *admit together*: while a server's queue holds requests for free lanes ([`Backlog`]) or a generation is on
-//!   its way to a lane ([`Arrival`]), a step with no stream to decode waits up to [`ARRIVAL_WAIT`] for them, so
-//!   prompts that can start together prefill in one pass instead of each stalling the streams the one before
-//!   it started (in front of a chain too, where the prompts then also go down together and their streams
-//!   stay in one step);
+//! - *admit together*: while a server's queue holds requests for free lanes ([`Backlog`]), a generation is on
+//!   its way to a lane ([`Arrival`]), or a lane's generation left it moments ago (its client's next request is
+//!   likely on its way), a step with no stream to decode, or one in which a prompt starts, waits up to
+//!   [`ARRIVAL_WAIT`] for them, so prompts that can start together prefill in one pass instead of each
+//!   stalling the streams the one before it started (in front of a chain too, where the prompts then also go
+//!   down together and their streams stay in one step);
 //! - *a prompt's share of a decode step* (when [`StepPolicy::decode_stretch`] is set): while streams decode, a
 //!   step also runs prompt rows only as many as keep it within that many times a decode-only step, by the costs
 //!   measured on the steps so far; a long prompt runs over several steps beside the streams instead of freezing
@@ -172,6 +173,10 @@ struct LaneState {
     /// Whether the lane has handed in a chunk since it became active: its next chunk is not a generation's
     /// first.
     started: bool,
+    /// When the lane's last generation left it, while it stays free: a closed-loop client (an agent's next call,
+    /// a benchmark's worker) sends its next request within milliseconds, so for [`ARRIVAL_WAIT`] the lane counts
+    /// as a generation arriving (see [`State::generations_arriving`]).
+    freed: Option<Instant>,
 }
 
 /// A chunk handed in and not finished yet.
@@ -361,6 +366,12 @@ impl SharedStage {
     pub fn activate(&self, lane: usize, active: bool) {
         let mut state = lock(&self.shared.state);
         if let Some(entry) = state.lanes.get_mut(lane) {
+            // Only a generation that held the lane frees it (a lane deactivated twice keeps its first time).
+            entry.freed = match (active, entry.active) {
+                (true, _) => None,
+                (false, true) => Some(Instant::now()),
+                (false, false) => entry.freed,
+            };
             entry.active = active;
             entry.past_prompt = false;
             entry.out = None;
@@ -643,7 +654,12 @@ fn compute(shared: &Shared) {
         if !policy.gather.is_zero()
             && let Some(wait) = gather_wait(&state, width, policy.gather)
         {
-            let until = *gather_started.get_or_insert_with(Instant::now) + wait;
+            let started = *gather_started.get_or_insert_with(Instant::now);
+            let mut until = started + wait;
+            // A wait only for lanes' next requests ends with their window (the gather for lagging lanes stays).
+            if let Some(window) = state.freed_only_until() {
+                until = until.min(window.max(started + policy.gather));
+            }
             let now = Instant::now();
             if now < until {
                 state = shared
@@ -828,9 +844,43 @@ fn hold_until(state: &mut State, in_flight: usize) -> Option<Instant> {
 }
 
 impl State {
-    /// Whether a generation is on its way to a lane: an [`Arrival`], or a queued request and a free lane to take.
+    /// Whether a generation is on its way to a lane: an [`Arrival`], a queued request and a free lane to take, or
+    /// a lane whose generation left it less than [`ARRIVAL_WAIT`] ago (its client's next request is likely on its
+    /// way).
     fn generations_arriving(&self) -> bool {
-        self.arriving > 0 || (self.backlog > 0 && self.lanes.iter().any(|lane| !lane.active))
+        self.arriving > 0
+            || (self.backlog > 0 && self.lanes.iter().any(|lane| !lane.active))
+            || self.lanes.iter().any(|lane| {
+                !lane.active
+                    && lane
+                        .freed
+                        .is_some_and(|freed| freed.elapsed() < ARRIVAL_WAIT)
+            })
+    }
+
+    /// When the only generations arriving are lanes' next requests after a generation left them (no
+    /// [`Arrival`], no queued request), when the last of their [`ARRIVAL_WAIT`] windows ends: a hold for them
+    /// ends then, whatever its own length.
+    fn freed_only_until(&self) -> Option<Instant> {
+        if self.arriving > 0 || (self.backlog > 0 && self.lanes.iter().any(|lane| !lane.active)) {
+            return None;
+        }
+        self.lanes
+            .iter()
+            .filter(|lane| !lane.active)
+            .filter_map(|lane| lane.freed)
+            .map(|freed| freed + ARRIVAL_WAIT)
+            .max()
+    }
+
+    /// Whether a generation's first chunk of more than one row waits for the step: a prompt about to start,
+    /// which stalls any stream in its step for its rows.
+    fn prompt_starting(&self, width: usize) -> bool {
+        self.lanes.iter().any(|lane| {
+            lane.pending.as_ref().is_some_and(|pending| {
+                pending.first && pending.done == 0 && pending.input.rows(width) > 1
+            })
+        })
     }
 
     /// Whether a stream's next token (a chunk with one row left) waits for the step.
@@ -844,22 +894,29 @@ impl State {
 }
 
 /// Until when a step of a chain's stage 0 (callers run the steps) is held for generations arriving at lanes;
-/// `None` when it may run now. Only a step with no stream to decode holds (a stream is never stalled for a
-/// prompt), for at most `wait` from when it could first have run, as a whole model's gather does.
+/// `None` when it may run now. A step holds when it has no stream to decode, or when a prompt starts in it (its
+/// streams stall for that prompt anyway, and prompts on their way then share the one stall instead of each
+/// stalling them again a step later), for at most `wait` from when it could first have run, as a whole model's
+/// gather does.
 fn arrivals_hold_until(state: &mut State, width: usize, wait: Duration) -> Option<Instant> {
-    if !state.generations_arriving() || state.stream_waiting(width) {
+    if !state.generations_arriving()
+        || (state.stream_waiting(width) && !state.prompt_starting(width))
+    {
         state.arrivals_since = None;
         return None;
     }
-    let until = *state.arrivals_since.get_or_insert_with(Instant::now) + wait;
+    let mut until = *state.arrivals_since.get_or_insert_with(Instant::now) + wait;
+    if let Some(window) = state.freed_only_until() {
+        until = until.min(window);
+    }
     (Instant::now() < until).then_some(until)
 }
 
 /// How long the step about to run may wait for more chunks, counted from the first time it could have run;
 /// `None` when nothing it would wait for is on its way. Active lanes still taking or using their last result
-/// get `gather`; a generation arriving at a lane (an [`Arrival`], or a queued request and a free lane to take)
-/// gets [`ARRIVAL_WAIT`] when no stream waits to decode in the step, so prompts that can start together
-/// prefill together. The caller does not ask with a zero gather (a chain's stage 0, whose callers run the
+/// get `gather`; a generation arriving at a lane (see [`State::generations_arriving`]) gets [`ARRIVAL_WAIT`] when
+/// no stream waits to decode in the step or a prompt starts in it, so prompts that can start together prefill
+/// together (and stall running streams once, not once each). The caller does not ask with a zero gather (a chain's stage 0, whose callers run the
 /// steps and hold them for arrivals in [`arrivals_hold_until`] instead).
 fn gather_wait(state: &State, width: usize, gather: Duration) -> Option<Duration> {
     let arriving = state.generations_arriving();
@@ -869,7 +926,7 @@ fn gather_wait(state: &State, width: usize, gather: Duration) -> Option<Duration
         .any(|lane| lane.active && lane.pending.is_none());
     let decoding = state.stream_waiting(width);
     match (arriving, lagging) {
-        (true, _) if !decoding => Some(ARRIVAL_WAIT.max(gather)),
+        (true, _) if !decoding || state.prompt_starting(width) => Some(ARRIVAL_WAIT.max(gather)),
         (false, false) => None,
         _ => Some(gather),
     }

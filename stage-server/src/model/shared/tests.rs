@@ -22,6 +22,7 @@ fn waiting(rows: usize, order: u64) -> LaneState {
         result: None,
         out: None,
         started: true,
+        freed: None,
     }
 }
 
@@ -606,6 +607,91 @@ fn a_chunk_over_several_steps_is_tagged_with_its_rows_of_every_step() {
         .forward_tagged(0, 0, StageInput::Tokens(&prompt), Logits::Last, true)
         .expect("forward");
     assert_eq!((tag.id, tag.chunks, tag.rows), (3, 1, 10), "{tag:?}");
+    drop(shared);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Waits until `lane` of `shared` has a chunk pending (handed in and not yet run), for at most a second: a
+/// chunk that ran before this looked is not seen, and the caller's attempt then simply goes on.
+fn pending_on(shared: &SharedStage, lane: usize) {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while lock(&shared.shared.state).lanes[lane].pending.is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_micros(100));
+    }
+}
+
+#[test]
+fn a_prompt_waits_briefly_for_the_next_request_of_a_lane_freed_moments_ago_with_or_without_streams()
+{
+    use crate::model::testing::TinyModel;
+    use candle_core::quantized::GgmlDType;
+    let (dir, stage) = TinyModel::llama(GgmlDType::Q4_1).scratch_stage("shared-freed", 3);
+    // A whole model's steps, with a gather far shorter than the test's hand-ins take: whatever joins a step
+    // here joins for the wait for arrivals.
+    let shared =
+        SharedStage::start(stage, StepPolicy::new(512, Duration::from_micros(50))).expect("start");
+    let prompt = |lane: usize, length: u32| {
+        shared.with_stage(|stage| stage.reset(lane)).expect("reset");
+        let tokens: Vec<u32> = (0..length).map(|index| 5 + index).collect();
+        shared
+            .forward_tagged(lane, 0, StageInput::Tokens(&tokens), Logits::Last, false)
+            .expect("forward")
+            .1
+    };
+    // The window is ARRIVAL_WAIT from the lane's freeing: a host that delays this test's threads past it makes
+    // an attempt miss, so each case gets a few; without the rule none would join (the gather is 50 µs).
+    const ATTEMPTS: usize = 5;
+    // Lane 1's generation ends just as lane 0's request starts: lane 0's prompt waits for lane 1's next
+    // request (a closed-loop client's), and the two prefill in one pass.
+    let joined = (0..ATTEMPTS).any(|_| {
+        shared.activate(1, true);
+        shared.activate(1, false);
+        std::thread::scope(|scope| {
+            let first = scope.spawn(|| {
+                shared.activate(0, true);
+                prompt(0, 4)
+            });
+            pending_on(&shared, 0);
+            shared.activate(1, true);
+            let second = prompt(1, 5);
+            shared.activate(0, false);
+            first.join().expect("lane 0").id == second.id
+        })
+    });
+    assert!(joined, "the two prompts ran in different steps every time");
+    // With a stream decoding on lane 0: lane 2's prompt stalls it anyway, so that step waits for lane 1's next
+    // request too, and the stream's row and both prompts run in one step.
+    let joined = (0..ATTEMPTS).any(|_| {
+        shared.activate(0, true);
+        prompt(0, 4);
+        shared.activate(1, false);
+        std::thread::scope(|scope| {
+            let starting = scope.spawn(|| {
+                shared.activate(2, true);
+                prompt(2, 3)
+            });
+            pending_on(&shared, 2);
+            let stream = scope.spawn(|| {
+                shared
+                    .forward_tagged(0, 4, StageInput::Tokens(&[9]), Logits::Last, false)
+                    .expect("the stream's row")
+                    .1
+            });
+            pending_on(&shared, 0);
+            shared.activate(1, true);
+            let joining = prompt(1, 2);
+            let (stream, starting) = (
+                stream.join().expect("lane 0"),
+                starting.join().expect("lane 2"),
+            );
+            shared.activate(2, false);
+            (stream.id, starting.id) == (joining.id, joining.id)
+        })
+    });
+    assert!(
+        joined,
+        "the stream's row and the two prompts ran in different steps every time"
+    );
     drop(shared);
     let _ = std::fs::remove_dir_all(&dir);
 }
