@@ -27,10 +27,10 @@ use crate::model::{
 };
 use crate::wire::{Batch, ErrorCode};
 
-/// How long the compute thread waits for the rest of a batch once one of its frames is here. A previous
+/// How long the compute thread waits at least for the rest of a batch once one of its frames is here. A previous
 /// stage writes a step's frames one after another, each on its own link, so they arrive within tens of
-/// microseconds when both processes run; this bounds the wait for one the host delays, or that never comes
-/// (its session failed upstream after the step).
+/// microseconds when both processes run; a long batch is waited for longer (see [`LATE_FRAME_SHARE`]), up to
+/// [`BATCH_WAIT_MAX`] for a frame that never comes (its session failed upstream after the step).
 const BATCH_WAIT: Duration = Duration::from_millis(3);
 
 /// A late frame of a batch is waited for longer than [`BATCH_WAIT`] when the batch is long: up to this share
@@ -46,6 +46,10 @@ const BATCH_WAIT_MAX: Duration = Duration::from_millis(250);
 
 /// Steps of at least this many rows measure what a row costs here (a pass of fewer is mostly fixed cost).
 const ROW_COST_MIN_ROWS: usize = 16;
+
+/// How many batches whose wait ran out the compute thread remembers, so that their frames still queued behind
+/// other work are not waited for again.
+const GIVEN_UP_BATCHES: usize = 16;
 
 /// The completion token with which the compute thread wakes a link session.
 pub(crate) const COMPUTE_TOKEN: u64 = 1;
@@ -391,10 +395,11 @@ pub(crate) fn start(stage: Stage) -> std::io::Result<(ComputeHandle, JoinHandle<
 impl Owner {
     fn run(mut self, jobs: Receiver<Job>) {
         // Chunks that queued up while a batch ran form the next batch, and a batch of the previous stage whose
-        // frames are not all here yet is waited for (up to BATCH_WAIT): run as they come, its rows would split
+        // frames are not all here yet is waited for (see `gather_wait`): run as they come, its rows would split
         // into smaller passes here and at every stage after.
         let mut waiting: VecDeque<Job> = VecDeque::new();
         let mut gather_started: Option<Instant> = None;
+        let mut given_up: VecDeque<u32> = VecDeque::new();
         loop {
             if waiting.is_empty() {
                 match jobs.recv() {
@@ -405,16 +410,22 @@ impl Owner {
             while let Ok(job) = jobs.try_recv() {
                 waiting.push_back(job);
             }
-            if let Some(batch_rows) = incomplete_batch_rows(&waiting) {
+            if let Some(batch_rows) = incomplete_batch_rows(&waiting, &given_up) {
                 let until =
                     *gather_started.get_or_insert_with(Instant::now) + self.gather_wait(batch_rows);
                 let now = Instant::now();
-                // Timed out (or every handle is gone): run what is here.
                 if now < until
                     && let Ok(job) = jobs.recv_timeout(until - now)
                 {
                     waiting.push_back(job);
                     continue;
+                }
+                // Timed out (or every handle is gone): run what is here, and wait no more for these batches.
+                for id in incomplete_batches(&waiting, &given_up) {
+                    if given_up.len() == GIVEN_UP_BATCHES {
+                        given_up.pop_front();
+                    }
+                    given_up.push_back(id);
                 }
             }
             gather_started = None;
@@ -429,15 +440,9 @@ impl Owner {
         }
     }
 
-    /// How long the frames of a batch of `rows` rows that came wait for the rest (see [`LATE_FRAME_SHARE`]).
+    /// How long the frames of a batch of `rows` rows that came wait for the rest.
     fn gather_wait(&self, rows: u32) -> Duration {
-        let by_cost = self.row_cost.map_or(Duration::ZERO, |cost| {
-            cost.checked_mul(rows)
-                .unwrap_or(Duration::MAX)
-                .checked_div(LATE_FRAME_SHARE)
-                .unwrap_or(Duration::MAX)
-        });
-        self.batch_wait.max(by_cost.min(BATCH_WAIT_MAX))
+        late_frame_wait(self.batch_wait, self.row_cost, rows)
     }
 
     /// Counts a pass of `rows` rows that took `compute` into [`Owner::row_cost`].
@@ -788,34 +793,61 @@ fn frame_span(
     )
 }
 
-/// When a chunk in `waiting` belongs to a batch of the previous stage whose other frames are not all here yet,
-/// the rows of the longest such batch in all (its frames here and not). Only when the next step would start
-/// with chunks (a job that is not a chunk runs alone first).
-fn incomplete_batch_rows(waiting: &VecDeque<Job>) -> Option<u32> {
-    if !waiting
-        .front()
-        .is_some_and(|job| matches!(job.work, Work::Chunk { .. }))
-    {
+/// When a chunk in `waiting` belongs to a batch of the previous stage whose other frames are not all here yet
+/// (and not given up on), the rows in all of the batch of the chunk at the front, or 0 when that one is whole
+/// (a later batch's late frame is waited for only the shortest wait, not at the cost of a whole batch ahead of
+/// it). Only when the next step would start with chunks (a job that is not a chunk runs alone first).
+fn incomplete_batch_rows(waiting: &VecDeque<Job>, given_up: &VecDeque<u32>) -> Option<u32> {
+    let Some(Work::Chunk { batch: front, .. }) = waiting.front().map(|job| &job.work) else {
+        return None;
+    };
+    let incomplete = incomplete_batches(waiting, given_up);
+    if incomplete.is_empty() {
         return None;
     }
+    Some(if incomplete.contains(&front.id) {
+        front.rows
+    } else {
+        0
+    })
+}
+
+/// The ids of the batches of the previous stage with a chunk in `waiting` whose other frames are not all here,
+/// leaving out those in `given_up`.
+fn incomplete_batches(waiting: &VecDeque<Job>, given_up: &VecDeque<u32>) -> Vec<u32> {
     // Most steps have a lone frame or nothing held back: no table to build on the step's path then.
     let batched = waiting
         .iter()
         .any(|job| matches!(&job.work, Work::Chunk { batch, .. } if batch.frames > 1));
     if !batched {
-        return None;
+        return Vec::new();
     }
-    let mut counts: HashMap<u32, (usize, Batch)> = HashMap::new();
+    let mut counts: HashMap<u32, (usize, u16)> = HashMap::new();
     for job in waiting {
-        if let Work::Chunk { batch, .. } = &job.work {
-            counts.entry(batch.id).or_insert((0, *batch)).0 += 1;
+        if let Work::Chunk { batch, .. } = &job.work
+            && !given_up.contains(&batch.id)
+        {
+            counts.entry(batch.id).or_insert((0, batch.frames)).0 += 1;
         }
     }
     counts
-        .values()
-        .filter(|(here, batch)| *here < usize::from(batch.frames))
-        .map(|(_, batch)| batch.rows)
-        .max()
+        .into_iter()
+        .filter(|(_, (here, frames))| *here < usize::from(*frames))
+        .map(|(id, _)| id)
+        .collect()
+}
+
+/// How long the frames of a batch of `rows` rows that came wait for the rest: at least `floor`, and up to
+/// [`BATCH_WAIT_MAX`] a [`LATE_FRAME_SHARE`]th of what the rows cost at `row_cost` each. `rows` comes from the
+/// network: any value gives a wait within those bounds.
+fn late_frame_wait(floor: Duration, row_cost: Option<Duration>, rows: u32) -> Duration {
+    let by_cost = row_cost.map_or(Duration::ZERO, |cost| {
+        cost.checked_mul(rows)
+            .unwrap_or(Duration::MAX)
+            .checked_div(LATE_FRAME_SHARE)
+            .unwrap_or(Duration::MAX)
+    });
+    floor.max(by_cost.min(BATCH_WAIT_MAX))
 }
 
 /// Takes the jobs of the next step off the front of `waiting`: the leading chunks of distinct sessions (a
@@ -1156,8 +1188,31 @@ mod tests {
     }
 
     #[test]
-    fn a_late_frame_of_a_long_batch_is_waited_for_in_proportion_to_the_batchs_rows_within_a_bound()
-    {
+    fn late_frame_waits_follow_a_tenth_of_the_batchs_cost_between_the_floor_and_the_bound() {
+        let floor = BATCH_WAIT;
+        let millisecond = Duration::from_millis(1);
+        assert_eq!(
+            late_frame_wait(floor, Some(millisecond), 100),
+            Duration::from_millis(10)
+        );
+        assert_eq!(late_frame_wait(floor, Some(millisecond), 10), floor);
+        assert_eq!(late_frame_wait(floor, None, 1_000_000), floor);
+        assert_eq!(
+            late_frame_wait(floor, Some(millisecond), u32::MAX),
+            BATCH_WAIT_MAX
+        );
+        assert_eq!(
+            late_frame_wait(floor, Some(Duration::MAX), u32::MAX),
+            BATCH_WAIT_MAX
+        );
+        assert_eq!(
+            late_frame_wait(Duration::from_secs(2), Some(millisecond), 100),
+            Duration::from_secs(2)
+        );
+    }
+
+    #[test]
+    fn a_late_frame_of_a_long_batch_is_waited_for_past_the_floor_within_a_bound() {
         let width =
             crate::model::testing::TinyModel::llama(candle_core::quantized::GgmlDType::Q4_1)
                 .embedding_length;

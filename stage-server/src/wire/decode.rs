@@ -319,7 +319,7 @@ impl<'a> Reader<'a> {
                 kind: self.kind,
                 batch_rows: rows,
                 least: u32::from(frames),
-                why: "a row in each of its frames",
+                this_frame: false,
             }));
         }
         Ok(Batch { id, frames, rows })
@@ -710,9 +710,8 @@ fn parse_configure(reader: &mut Reader<'_>, limits: &WireLimits) -> Result<Frame
     })
 }
 
-/// Reads an activation header and checks its shape; returns the activations with empty bytes and where the
-/// bytes lie in the body.
-/// A row frame's activations, of at most `batch_rows` rows (its batch's rows in all).
+/// Reads an activation header and checks its shape, of at most `batch_rows` rows (the frame's batch's rows in
+/// all); returns the activations with empty bytes and where the bytes lie in the body.
 fn parse_activations(
     reader: &mut Reader<'_>,
     limits: &WireLimits,
@@ -725,7 +724,7 @@ fn parse_activations(
             kind: reader.kind,
             batch_rows,
             least: rows,
-            why: "this frame's rows",
+            this_frame: true,
         }));
     }
     let width = reader.u32("values per row")?;

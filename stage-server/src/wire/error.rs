@@ -116,19 +116,20 @@ pub enum WireError {
     },
     /// A row frame's batch counts fewer rows in all than it must hold: one per frame, and this frame's own.
     #[error(
-        "{} frame's batch counts {batch_rows} {} in all, fewer than the {least} it holds at least ({why}); the peer wrote a broken frame",
+        "{} frame's batch counts {batch_rows} {} in all, {}; the peer wrote a broken frame",
         with_article(.kind),
-        rows_word(*.batch_rows)
+        rows_word(*.batch_rows),
+        batch_shortfall(*.least, *.this_frame)
     )]
     BatchRows {
         /// The frame kind's name.
         kind: &'static str,
         /// The batch's row count.
         batch_rows: u32,
-        /// The least it may count.
+        /// The least it may count: the batch's frame count, or this frame's rows.
         least: u32,
-        /// Where that least comes from.
-        why: &'static str,
+        /// Whether `least` is this frame's rows (else the batch's frame count).
+        this_frame: bool,
     },
     /// An activation payload's byte count does not match its shape.
     #[error(
@@ -177,6 +178,14 @@ fn bytes_word(count: u64) -> &'static str {
 
 fn rows_word(count: u32) -> &'static str {
     if count == 1 { "row" } else { "rows" }
+}
+
+fn batch_shortfall(least: u32, this_frame: bool) -> String {
+    if this_frame {
+        format!("but this frame alone carries {least}")
+    } else {
+        format!("fewer than its frame count of {least} (each frame carries a row)")
+    }
 }
 
 /// Bytes as `0x..` hex.

@@ -42,9 +42,10 @@ use super::{BatchEntry, Logits, ModelError, Stage, StageInput, StageOutput};
 /// more.
 pub const GATHER_WAIT: Duration = Duration::from_millis(2);
 
-/// How long a step with no stream to decode waits for a generation arriving at a lane (a prompt being
-/// tokenized, a queued request taking a free lane): longer than [`GATHER_WAIT`], because a prompt that misses
-/// the pass stalls every stream for its own prefill a step later.
+/// How long a step with no stream to decode, or one in which a prompt starts, waits for a generation arriving at
+/// a lane (a prompt being tokenized, a queued request taking a free lane, a free lane's client's next request):
+/// longer than [`GATHER_WAIT`], because a prompt that misses the pass stalls every stream for its own prefill a
+/// step later. The default of [`StepPolicy::arrival_wait`].
 pub const ARRIVAL_WAIT: Duration = Duration::from_millis(10);
 
 /// The longest a chain's stage 0 holds a step for lanes still out on their round trip (see
@@ -80,10 +81,14 @@ pub struct StepPolicy {
     /// cores, one host); the stage count keeps every stage busy where each has its own. 0: no hold, each step
     /// runs whatever has come back (lanes drift apart into one-row steps).
     pub batches_in_flight: usize,
-    /// Where the callers run the steps (a zero `gather`), how long a step with no stream to decode waits for
-    /// generations announced on lanes ([`SharedStage::expect_arrival_on`]) to hand in their first chunks;
-    /// [`ARRIVAL_WAIT`] by default. (A gathering stage waits [`ARRIVAL_WAIT`] or its gather, the longer.)
+    /// How long a step with no stream to decode, or one in which a prompt starts, waits for generations arriving
+    /// at lanes (announced ones, [`SharedStage::expect_arrival`], to hand in their first chunks);
+    /// [`ARRIVAL_WAIT`] by default. (A gathering stage waits this or its gather, the longer.)
     pub arrival_wait: Duration,
+    /// How long after a generation leaves a lane its client's next request counts as a generation arriving
+    /// (see [`LaneState::freed`]); [`ARRIVAL_WAIT`] by default, zero for never. A step waits for one at most
+    /// `arrival_wait`.
+    pub next_request_wait: Duration,
 }
 
 impl StepPolicy {
@@ -97,6 +102,7 @@ impl StepPolicy {
             decode_stretch: None,
             batches_in_flight: 0,
             arrival_wait: ARRIVAL_WAIT,
+            next_request_wait: ARRIVAL_WAIT,
         }
     }
 }
@@ -173,9 +179,10 @@ struct LaneState {
     /// Whether the lane has handed in a chunk since it became active: its next chunk is not a generation's
     /// first.
     started: bool,
-    /// When the lane's last generation left it, while it stays free: a closed-loop client (an agent's next call,
-    /// a benchmark's worker) sends its next request within milliseconds, so for [`ARRIVAL_WAIT`] the lane counts
-    /// as a generation arriving (see [`State::generations_arriving`]).
+    /// When the lane's last generation left it, while it stays free and no new generation has taken its place:
+    /// a closed-loop client (an agent's next call, a benchmark's worker) sends its next request within
+    /// milliseconds, so for [`StepPolicy::next_request_wait`] the lane counts as a generation arriving (see
+    /// [`State::next_request_until`]).
     freed: Option<Instant>,
 }
 
@@ -304,7 +311,8 @@ impl SharedStage {
 
     /// Announces a generation that will hand in its first chunk on `lane` shortly: it counts as arriving until
     /// that chunk comes (or the guard is dropped), however long the lane takes to get there. Where callers run
-    /// the steps (a chain's stage 0), a step with no stream to decode waits for such arrivals up to
+    /// the steps (a chain's stage 0), a step with no stream to decode (or one a prompt starts in) waits for such
+    /// arrivals up to
     /// [`StepPolicy::arrival_wait`], so prompts that lanes took together prefill in one pass down the chain instead of one
     /// pass each, which would leave their streams a step apart and stall each other's at every later admission.
     pub fn expect_arrival_on(&self, lane: usize) -> Arrival {
@@ -364,14 +372,33 @@ impl SharedStage {
     /// Marks `lane` as in a generation (`true`) or not: the compute thread waits a little for active lanes to
     /// hand in their next chunk before it starts a step.
     pub fn activate(&self, lane: usize, active: bool) {
+        let window = self.shared.policy.next_request_wait;
         let mut state = lock(&self.shared.state);
+        let now = Instant::now();
+        let open = |freed: Option<Instant>| freed.is_some_and(|freed| now < freed + window);
         if let Some(entry) = state.lanes.get_mut(lane) {
+            let own_window = open(entry.freed);
             // Only a generation that held the lane frees it (a lane deactivated twice keeps its first time).
             entry.freed = match (active, entry.active) {
                 (true, _) => None,
-                (false, true) => Some(Instant::now()),
+                (false, true) => Some(now),
                 (false, false) => entry.freed,
             };
+            if active && !own_window {
+                // A new generation on another lane than the one just freed is most likely that lane's client's
+                // next request (a free lane is leased by its cached prefix, or least recently used): it closes
+                // the oldest open window, so a client's next request waits for no one but other clients.
+                if let Some(other) = state
+                    .lanes
+                    .iter_mut()
+                    .filter(|other| !other.active && open(other.freed))
+                    .min_by_key(|other| other.freed)
+                {
+                    other.freed = None;
+                }
+            }
+        }
+        if let Some(entry) = state.lanes.get_mut(lane) {
             entry.active = active;
             entry.past_prompt = false;
             entry.out = None;
@@ -477,12 +504,12 @@ impl SharedStage {
                 return Err(ModelError::Compute("the compute thread stopped".into()));
             }
             if !state.running && self.shared.callers_run_steps() {
-                // Lanes of this step's batch still out on their round trip, or (a step with no stream to decode)
-                // generations on their way to lanes: wait for them (a hand-in runs the step; a lane leaving or
+                // Lanes of this step's batch still out on their round trip, or (a step with no stream to decode,
+                // or one a prompt starts in) generations on their way to lanes: wait for them (a hand-in runs the step; a lane leaving or
                 // a guard dropped wakes this thread), or for the hold to end.
                 let policy = self.shared.policy;
                 let held = hold_until(&mut state, policy.batches_in_flight)
-                    .or_else(|| arrivals_hold_until(&mut state, self.width, policy.arrival_wait));
+                    .or_else(|| arrivals_hold_until(&mut state, self.width, &policy));
                 if let Some(until) = held {
                     let now = Instant::now();
                     state = self
@@ -536,7 +563,8 @@ pub struct Arrival {
 }
 
 /// How many requests wait in a server's queue for a lane: while some do and a lane is free, a step with no stream
-/// to decode waits for the free lane to be taken (up to [`ARRIVAL_WAIT`]), as for an [`Arrival`]. Every lane
+/// to decode (or one a prompt starts in) waits for the free lane to be taken (up to
+/// [`StepPolicy::arrival_wait`]), as for an [`Arrival`]. Every lane
 /// of the stage must have a worker that takes the next queued request when its generation ends.
 #[derive(Clone, Debug)]
 pub struct Backlog {
@@ -638,7 +666,7 @@ fn compute(shared: &Shared) {
         // running it; it keeps the same holds they do, or a wake here would run a lone prompt the callers hold.
         let held = hold_until(&mut state, policy.batches_in_flight).or_else(|| {
             if policy.gather.is_zero() {
-                arrivals_hold_until(&mut state, width, policy.arrival_wait)
+                arrivals_hold_until(&mut state, width, &policy)
             } else {
                 None
             }
@@ -652,14 +680,13 @@ fn compute(shared: &Shared) {
             continue;
         }
         if !policy.gather.is_zero()
-            && let Some(wait) = gather_wait(&state, width, policy.gather)
+            && let Some(until) = gather_until(
+                &state,
+                width,
+                &policy,
+                *gather_started.get_or_insert_with(Instant::now),
+            )
         {
-            let started = *gather_started.get_or_insert_with(Instant::now);
-            let mut until = started + wait;
-            // A wait only for lanes' next requests ends with their window (the gather for lagging lanes stays).
-            if let Some(window) = state.freed_only_until() {
-                until = until.min(window.max(started + policy.gather));
-            }
             let now = Instant::now();
             if now < until {
                 state = shared
@@ -743,7 +770,12 @@ fn run_step<'a>(
         .iter()
         .zip(&results)
         .filter(|(planned, result)| planned.ends && result.is_ok())
-        .filter_map(|(planned, _)| state.lanes[planned.lane].pending.as_ref())
+        .filter_map(|(planned, _)| {
+            state.lanes[planned.lane]
+                .pending
+                .as_ref()
+                .filter(|pending| pending.order == planned.order)
+        })
         .fold((0, 0), |(chunks, rows), pending| {
             (chunks + 1, rows + pending.input.rows(width))
         });
@@ -844,33 +876,30 @@ fn hold_until(state: &mut State, in_flight: usize) -> Option<Instant> {
 }
 
 impl State {
-    /// Whether a generation is on its way to a lane: an [`Arrival`], a queued request and a free lane to take, or
-    /// a lane whose generation left it less than [`ARRIVAL_WAIT`] ago (its client's next request is likely on its
-    /// way).
-    fn generations_arriving(&self) -> bool {
-        self.arriving > 0
-            || (self.backlog > 0 && self.lanes.iter().any(|lane| !lane.active))
-            || self.lanes.iter().any(|lane| {
-                !lane.active
-                    && lane
-                        .freed
-                        .is_some_and(|freed| freed.elapsed() < ARRIVAL_WAIT)
-            })
+    /// Whether a generation is known to be on its way to a lane: an [`Arrival`], or a queued request and a free
+    /// lane to take.
+    fn generation_announced(&self) -> bool {
+        self.arriving > 0 || (self.backlog > 0 && self.lanes.iter().any(|lane| !lane.active))
     }
 
-    /// When the only generations arriving are lanes' next requests after a generation left them (no
-    /// [`Arrival`], no queued request), when the last of their [`ARRIVAL_WAIT`] windows ends: a hold for them
-    /// ends then, whatever its own length.
-    fn freed_only_until(&self) -> Option<Instant> {
-        if self.arriving > 0 || (self.backlog > 0 && self.lanes.iter().any(|lane| !lane.active)) {
-            return None;
-        }
+    /// Until when a free lane's client may still send its next request, counted as arriving: the latest end of
+    /// the `window`s open since a generation left its lane (see [`LaneState::freed`]); `None` when none is open.
+    fn next_request_until(&self, window: Duration) -> Option<Instant> {
+        let now = Instant::now();
         self.lanes
             .iter()
             .filter(|lane| !lane.active)
             .filter_map(|lane| lane.freed)
-            .map(|freed| freed + ARRIVAL_WAIT)
+            .map(|freed| freed + window)
+            .filter(|end| *end > now)
             .max()
+    }
+
+    /// Whether a step with what is pending now may wait for generations arriving: one with no stream to decode,
+    /// or one in which a prompt starts (its streams stall for that prompt anyway, and prompts on their way then
+    /// share the one stall instead of each stalling them again a step later).
+    fn admitting(&self, width: usize) -> bool {
+        !self.stream_waiting(width) || self.prompt_starting(width)
     }
 
     /// Whether a generation's first chunk of more than one row waits for the step: a prompt about to start,
@@ -894,42 +923,56 @@ impl State {
 }
 
 /// Until when a step of a chain's stage 0 (callers run the steps) is held for generations arriving at lanes;
-/// `None` when it may run now. A step holds when it has no stream to decode, or when a prompt starts in it (its
-/// streams stall for that prompt anyway, and prompts on their way then share the one stall instead of each
-/// stalling them again a step later), for at most `wait` from when it could first have run, as a whole model's
-/// gather does.
-fn arrivals_hold_until(state: &mut State, width: usize, wait: Duration) -> Option<Instant> {
-    if !state.generations_arriving()
-        || (state.stream_waiting(width) && !state.prompt_starting(width))
-    {
+/// `None` when it may run now. A step that may wait for arrivals ([`State::admitting`]) holds for an announced
+/// one up to the policy's `arrival_wait` from when it could first have run, as a whole model's gather does, and
+/// for a free lane's next request as long too, but no longer than that lane's `next_request_wait` lasts.
+fn arrivals_hold_until(state: &mut State, width: usize, policy: &StepPolicy) -> Option<Instant> {
+    let wait = policy.arrival_wait;
+    let announced = state.generation_announced();
+    let next_request = state.next_request_until(policy.next_request_wait);
+    if !state.admitting(width) || !(announced || next_request.is_some()) {
         state.arrivals_since = None;
         return None;
     }
     let mut until = *state.arrivals_since.get_or_insert_with(Instant::now) + wait;
-    if let Some(window) = state.freed_only_until() {
+    if !announced && let Some(window) = next_request {
         until = until.min(window);
     }
     (Instant::now() < until).then_some(until)
 }
 
-/// How long the step about to run may wait for more chunks, counted from the first time it could have run;
-/// `None` when nothing it would wait for is on its way. Active lanes still taking or using their last result
-/// get `gather`; a generation arriving at a lane (see [`State::generations_arriving`]) gets [`ARRIVAL_WAIT`] when
-/// no stream waits to decode in the step or a prompt starts in it, so prompts that can start together prefill
-/// together (and stall running streams once, not once each). The caller does not ask with a zero gather (a chain's stage 0, whose callers run the
-/// steps and hold them for arrivals in [`arrivals_hold_until`] instead).
-fn gather_wait(state: &State, width: usize, gather: Duration) -> Option<Duration> {
-    let arriving = state.generations_arriving();
+/// Until when the step about to run, which could first have run at `started`, may wait for more chunks; `None`
+/// when nothing it would wait for is on its way. Active lanes still taking or using their last result, and an
+/// announced generation, get the policy's `gather`. A step that may wait for arrivals ([`State::admitting`])
+/// waits the policy's `arrival_wait` (or its gather, the longer) for an announced generation, and for a free
+/// lane's next request until that lane's window ends, so prompts that can start together prefill together (and
+/// stall running streams once, not once each). The caller does not ask with a zero gather (a chain's stage 0,
+/// whose callers run the steps and hold them for arrivals in [`arrivals_hold_until`] instead).
+fn gather_until(
+    state: &State,
+    width: usize,
+    policy: &StepPolicy,
+    started: Instant,
+) -> Option<Instant> {
+    let announced = state.generation_announced();
     let lagging = state
         .lanes
         .iter()
         .any(|lane| lane.active && lane.pending.is_none());
-    let decoding = state.stream_waiting(width);
-    match (arriving, lagging) {
-        (true, _) if !decoding || state.prompt_starting(width) => Some(ARRIVAL_WAIT.max(gather)),
-        (false, false) => None,
-        _ => Some(gather),
+    let admitting = state.admitting(width);
+    let arrival = started + policy.arrival_wait.max(policy.gather);
+    let mut until: Option<Instant> = None;
+    let mut wait_to = |end: Instant| until = Some(until.map_or(end, |until| until.max(end)));
+    if lagging || announced {
+        wait_to(started + policy.gather);
     }
+    if admitting && announced {
+        wait_to(arrival);
+    }
+    if admitting && let Some(window) = state.next_request_until(policy.next_request_wait) {
+        wait_to(arrival.min(window));
+    }
+    until
 }
 
 /// What the steps so far cost, to size a prompt's share of a decode step: moving averages of a decode row in a

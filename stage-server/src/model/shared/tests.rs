@@ -163,8 +163,9 @@ fn the_prompt_share_follows_the_measured_costs() {
 }
 
 #[test]
-fn a_step_waits_longer_for_arrivals_only_when_no_stream_decodes() {
+fn a_step_waits_longer_for_arrivals_when_no_stream_decodes_or_a_prompt_starts() {
     let gather = Duration::from_millis(2);
+    let policy = StepPolicy::new(512, gather);
     let free = LaneState::default();
     let decoding = waiting(1, 1);
     let prompt = waiting(50, 2);
@@ -176,33 +177,54 @@ fn a_step_waits_longer_for_arrivals_only_when_no_stream_decodes() {
         Some(pending) => waiting(pending.input.rows(1), pending.order),
         None => LaneState::default(),
     };
+    let started = Instant::now();
+    let until = |state: &State| gather_until(state, 1, &policy, started);
     // Nothing on its way: no wait.
-    assert_eq!(
-        gather_wait(&lanes(vec![copy(&prompt), copy(&free)]), 1, gather),
-        None
-    );
+    assert_eq!(until(&lanes(vec![copy(&prompt), copy(&free)])), None);
     // A queued request and a free lane: wait for it, longer when only prompts would run.
     let mut state = lanes(vec![copy(&prompt), copy(&free)]);
     state.backlog = 2;
-    assert_eq!(gather_wait(&state, 1, gather), Some(ARRIVAL_WAIT));
+    assert_eq!(until(&state), Some(started + ARRIVAL_WAIT));
     let mut state = lanes(vec![copy(&decoding), copy(&free)]);
     state.backlog = 2;
-    assert_eq!(gather_wait(&state, 1, gather), Some(gather));
+    assert_eq!(until(&state), Some(started + gather));
     // A queue but every lane taken: no request can arrive.
     let mut state = lanes(vec![copy(&prompt), copy(&decoding)]);
     state.backlog = 2;
-    assert_eq!(gather_wait(&state, 1, gather), None);
+    assert_eq!(until(&state), None);
     // An announced arrival counts whether or not a lane is free.
     let mut state = lanes(vec![copy(&prompt), copy(&decoding)]);
     state.arriving = 1;
-    assert_eq!(gather_wait(&state, 1, gather), Some(gather));
+    assert_eq!(until(&state), Some(started + gather));
+    // ... and a generation's first prompt chunk beside a stream waits for it as long as a prompt alone does.
+    let mut starting = copy(&prompt);
+    if let Some(pending) = starting.pending.as_mut() {
+        pending.first = true;
+    }
+    let mut state = lanes(vec![starting, copy(&decoding)]);
+    state.arriving = 1;
+    assert_eq!(until(&state), Some(started + ARRIVAL_WAIT));
     // An active lane that has not handed in its chunk yet: the short gather.
     let idle_active = || LaneState {
         active: true,
         ..LaneState::default()
     };
     let state = lanes(vec![copy(&prompt), idle_active()]);
-    assert_eq!(gather_wait(&state, 1, gather), Some(gather));
+    assert_eq!(until(&state), Some(started + gather));
+    // A lane freed 4 ms ago: a prompt waits for its client's next request until its window ends, a stream's
+    // row does not wait at all, and a window that ended is not waited for.
+    let freed_at = |ago: Duration| LaneState {
+        freed: Some(Instant::now() - ago),
+        ..LaneState::default()
+    };
+    let recent = freed_at(Duration::from_millis(4));
+    let window_end = recent.freed.map(|freed| freed + ARRIVAL_WAIT);
+    let state = lanes(vec![copy(&prompt), recent]);
+    assert_eq!(until(&state), window_end);
+    let state = lanes(vec![copy(&decoding), freed_at(Duration::from_millis(4))]);
+    assert_eq!(until(&state), None);
+    let state = lanes(vec![copy(&prompt), freed_at(ARRIVAL_WAIT * 2)]);
+    assert_eq!(until(&state), None);
 }
 
 #[test]
@@ -507,7 +529,8 @@ fn a_chunk_longer_than_the_budget_gives_the_rows_of_one_pass() {
 }
 
 #[test]
-fn in_front_of_a_chain_a_prompt_waits_for_one_announced_on_another_lane_and_a_stream_never_does() {
+fn in_front_of_a_chain_a_prompt_waits_for_one_announced_on_another_lane_and_a_stream_alone_never_does()
+ {
     use crate::model::testing::TinyModel;
     use candle_core::quantized::GgmlDType;
     let (dir, stage) = TinyModel::llama(GgmlDType::Q4_1).scratch_stage("shared-arrivals", 3);
@@ -611,25 +634,36 @@ fn a_chunk_over_several_steps_is_tagged_with_its_rows_of_every_step() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Waits until `lane` of `shared` has a chunk pending (handed in and not yet run), for at most a second: a
-/// chunk that ran before this looked is not seen, and the caller's attempt then simply goes on.
+/// Waits until `lane` of `shared` has a chunk pending (handed in and not yet run).
 fn pending_on(shared: &SharedStage, lane: usize) {
-    let deadline = Instant::now() + Duration::from_secs(1);
-    while lock(&shared.shared.state).lanes[lane].pending.is_none() && Instant::now() < deadline {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while lock(&shared.shared.state).lanes[lane].pending.is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "lane {lane} never handed its chunk in"
+        );
         std::thread::sleep(Duration::from_micros(100));
     }
 }
 
 #[test]
-fn a_prompt_waits_briefly_for_the_next_request_of_a_lane_freed_moments_ago_with_or_without_streams()
-{
+fn a_prompt_waits_for_the_next_request_of_a_lane_freed_moments_ago_with_or_without_streams() {
     use crate::model::testing::TinyModel;
     use candle_core::quantized::GgmlDType;
-    let (dir, stage) = TinyModel::llama(GgmlDType::Q4_1).scratch_stage("shared-freed", 3);
-    // A whole model's steps, with a gather far shorter than the test's hand-ins take: whatever joins a step
-    // here joins for the wait for arrivals.
-    let shared =
-        SharedStage::start(stage, StepPolicy::new(512, Duration::from_micros(50))).expect("start");
+    let (dir, stage) = TinyModel::llama(GgmlDType::Q4_1).scratch_stage("shared-freed", 4);
+    // A whole model's steps with a gather far shorter than the test's hand-ins take, and waits for a free lane's
+    // next request far longer: whatever joins a step here joins for that wait, however the threads are
+    // scheduled (a step that waited in vain would run after 30 s, apart).
+    let wait = Duration::from_secs(30);
+    let shared = SharedStage::start(
+        stage,
+        StepPolicy {
+            arrival_wait: wait,
+            next_request_wait: wait,
+            ..StepPolicy::new(512, Duration::from_micros(50))
+        },
+    )
+    .expect("start");
     let prompt = |lane: usize, length: u32| {
         shared.with_stage(|stage| stage.reset(lane)).expect("reset");
         let tokens: Vec<u32> = (0..length).map(|index| 5 + index).collect();
@@ -638,59 +672,70 @@ fn a_prompt_waits_briefly_for_the_next_request_of_a_lane_freed_moments_ago_with_
             .expect("forward")
             .1
     };
-    // The window is ARRIVAL_WAIT from the lane's freeing: a host that delays this test's threads past it makes
-    // an attempt miss, so each case gets a few; without the rule none would join (the gather is 50 µs).
-    const ATTEMPTS: usize = 5;
-    // Lane 1's generation ends just as lane 0's request starts: lane 0's prompt waits for lane 1's next
-    // request (a closed-loop client's), and the two prefill in one pass.
-    let joined = (0..ATTEMPTS).any(|_| {
+    // Generations on `lanes` that end together.
+    let end_together = |lanes: &[usize]| {
+        for &lane in lanes {
+            shared.activate(lane, true);
+        }
+        for &lane in lanes {
+            shared.activate(lane, false);
+        }
+    };
+    // The generations of lanes 0 and 1 end together; lane 0's client's next request comes first: its prompt
+    // waits for lane 1's client's, and the two prefill in one pass.
+    end_together(&[0, 1]);
+    std::thread::scope(|scope| {
+        let first = scope.spawn(|| {
+            shared.activate(0, true);
+            prompt(0, 4)
+        });
+        pending_on(&shared, 0);
         shared.activate(1, true);
-        shared.activate(1, false);
-        std::thread::scope(|scope| {
-            let first = scope.spawn(|| {
-                shared.activate(0, true);
-                prompt(0, 4)
-            });
-            pending_on(&shared, 0);
-            shared.activate(1, true);
-            let second = prompt(1, 5);
-            shared.activate(0, false);
-            first.join().expect("lane 0").id == second.id
-        })
+        let second = prompt(1, 5);
+        assert_eq!(
+            first.join().expect("lane 0").id,
+            second.id,
+            "the two prompts ran in different steps"
+        );
     });
-    assert!(joined, "the two prompts ran in different steps every time");
-    // With a stream decoding on lane 0: lane 2's prompt stalls it anyway, so that step waits for lane 1's next
-    // request too, and the stream's row and both prompts run in one step.
-    let joined = (0..ATTEMPTS).any(|_| {
-        shared.activate(0, true);
-        prompt(0, 4);
-        shared.activate(1, false);
-        std::thread::scope(|scope| {
-            let starting = scope.spawn(|| {
-                shared.activate(2, true);
-                prompt(2, 3)
-            });
-            pending_on(&shared, 2);
-            let stream = scope.spawn(|| {
-                shared
-                    .forward_tagged(0, 4, StageInput::Tokens(&[9]), Logits::Last, false)
-                    .expect("the stream's row")
-                    .1
-            });
-            pending_on(&shared, 0);
-            shared.activate(1, true);
-            let joining = prompt(1, 2);
-            let (stream, starting) = (
-                stream.join().expect("lane 0"),
-                starting.join().expect("lane 2"),
-            );
-            shared.activate(2, false);
-            (stream.id, starting.id) == (joining.id, joining.id)
-        })
+    // With a stream decoding on lane 0: lanes 1 and 2 end together, and lane 2's next prompt stalls the stream
+    // anyway, so the step waits for lane 1's next request too, and the stream's row and both prompts run in it.
+    end_together(&[1, 2]);
+    std::thread::scope(|scope| {
+        let starting = scope.spawn(|| {
+            shared.activate(2, true);
+            prompt(2, 3)
+        });
+        pending_on(&shared, 2);
+        let stream = scope.spawn(|| {
+            shared
+                .forward_tagged(0, 4, StageInput::Tokens(&[9]), Logits::Last, false)
+                .expect("the stream's row")
+                .1
+        });
+        pending_on(&shared, 0);
+        shared.activate(1, true);
+        let joining = prompt(1, 2);
+        let (stream, starting) = (
+            stream.join().expect("lane 0"),
+            starting.join().expect("lane 2"),
+        );
+        assert_eq!(
+            (stream.id, starting.id),
+            (joining.id, joining.id),
+            "the stream's row and the two prompts ran in different steps"
+        );
     });
+    // A new generation on a lane other than the one just freed is taken for that lane's client's next request:
+    // lane 3's prompt does not wait for lane 1's window.
+    end_together(&[1]);
+    let started = Instant::now();
+    shared.activate(3, true);
+    prompt(3, 3);
     assert!(
-        joined,
-        "the stream's row and the two prompts ran in different steps every time"
+        started.elapsed() < wait / 2,
+        "a prompt waited {:?} for a request that had already come",
+        started.elapsed()
     );
     drop(shared);
     let _ = std::fs::remove_dir_all(&dir);
