@@ -1255,14 +1255,38 @@ mod tests {
         // A batch that counts many rows (a long prompt chunk still on its way) is waited for: one step.
         let long = send_two(3, u32::MAX, 1);
         assert_eq!(long[0], long[1], "a long batch's late frame ran apart");
-        // However many rows it counts, a frame that never comes holds the others BATCH_WAIT_MAX at most.
+        // A short batch at the front is waited for only the floor, even with a later long batch's frame queued
+        // behind it (the short one holds the thread while the others queue, so the three run in one step).
         let started = Instant::now();
-        let batch = Batch {
+        let short = Batch {
             id: 4,
+            frames: 2,
+            rows: 2,
+        };
+        jobs.send(job(decode(3, 64, short, width), &mailbox))
+            .unwrap();
+        jobs.send(job(decode(1, 2, Batch::alone(5, 1), width), &mailbox))
+            .unwrap();
+        let long = Batch {
+            id: 6,
             frames: 2,
             rows: u32::MAX,
         };
-        jobs.send(job(decode(1, 2, batch, width), &mailbox))
+        jobs.send(job(decode(2, 2, long, width), &mailbox)).unwrap();
+        assert_eq!(batches_of(&mailbox, 3).len(), 3);
+        let waited = started.elapsed();
+        assert!(
+            waited < BATCH_WAIT_MAX / 2,
+            "the front batch waited {waited:?} for a later batch's frame"
+        );
+        // However many rows it counts, a frame that never comes holds the others BATCH_WAIT_MAX at most.
+        let started = Instant::now();
+        let batch = Batch {
+            id: 7,
+            frames: 2,
+            rows: u32::MAX,
+        };
+        jobs.send(job(decode(1, 3, batch, width), &mailbox))
             .unwrap();
         assert_eq!(batches_of(&mailbox, 1).len(), 1);
         let waited = started.elapsed();
