@@ -1279,19 +1279,27 @@ mod tests {
             waited < BATCH_WAIT_MAX / 2,
             "the front batch waited {waited:?} for a later batch's frame"
         );
-        // However many rows it counts, a frame that never comes holds the others BATCH_WAIT_MAX at most.
+        // However many rows it counts, a frame that never comes holds the others BATCH_WAIT_MAX at most, and
+        // once: a frame of that batch still queued after the wait (a second chunk of one of its sessions, run
+        // in the next step) runs without waiting again.
         let started = Instant::now();
         let batch = Batch {
             id: 7,
-            frames: 2,
+            frames: 3,
             rows: u32::MAX,
         };
         jobs.send(job(decode(1, 3, batch, width), &mailbox))
             .unwrap();
-        assert_eq!(batches_of(&mailbox, 1).len(), 1);
+        jobs.send(job(decode(1, 4, batch, width), &mailbox))
+            .unwrap();
+        let mut outcomes = batches_of(&mailbox, 1);
+        if outcomes.len() < 2 {
+            outcomes.extend(batches_of(&mailbox, 1));
+        }
+        assert_eq!(outcomes.len(), 2);
         let waited = started.elapsed();
         assert!(
-            (BATCH_WAIT_MAX..BATCH_WAIT_MAX * 8).contains(&waited),
+            (BATCH_WAIT_MAX..BATCH_WAIT_MAX * 2).contains(&waited),
             "waited {waited:?} for a frame that never came"
         );
         drop(jobs);
