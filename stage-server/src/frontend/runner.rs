@@ -41,6 +41,18 @@ pub(crate) struct RunError {
     pub message: String,
 }
 
+impl RunError {
+    /// The chain is down for `reason`: a 503 with `Retry-After`, since it may be back in moments.
+    fn chain_down(reason: impl std::fmt::Display) -> RunError {
+        RunError {
+            unavailable: true,
+            context: None,
+            busy: false,
+            message: format!("the chain is down ({reason}); retry shortly"),
+        }
+    }
+}
+
 /// What the chain said in its hello, shared by its lanes and the API: every link that opens sets it, so a stage
 /// restarted with other settings is followed.
 #[derive(Clone, Debug)]
@@ -183,12 +195,7 @@ impl ChainLane {
             Some(link) => link,
             None => {
                 if let Some(reason) = self.health.down_reason() {
-                    return Err(Failure::fresh(RunError {
-                        unavailable: true,
-                        context: None,
-                        busy: false,
-                        message: format!("the chain is down ({reason}); retry shortly"),
-                    }));
+                    return Err(Failure::fresh(RunError::chain_down(reason)));
                 }
                 tracing::debug!(
                     lane = self.share.lane,
@@ -209,12 +216,7 @@ impl ChainLane {
                 .map_err(|error| {
                     let message = format!("stage 1 at {}: {error}", self.next);
                     self.health.mark_down(message.clone());
-                    Failure::fresh(RunError {
-                        unavailable: true,
-                        context: None,
-                        busy: false,
-                        message: format!("the chain is down ({message}); retry shortly"),
-                    })
+                    Failure::fresh(RunError::chain_down(message))
                 })?;
                 // Only a new link's hello is news: one open from before would put back what a stage said
                 // before it restarted (with fewer lanes, say).

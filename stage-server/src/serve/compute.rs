@@ -1076,6 +1076,11 @@ mod tests {
         }
     }
 
+    /// A previous stage's step `id` that sent `frames` row frames of `rows` rows in all.
+    fn batch(id: u32, frames: u16, rows: u32) -> Batch {
+        Batch { id, frames, rows }
+    }
+
     /// Waits for `count` outcomes in `mailbox` and gives the batch of each `Rows` among them.
     fn batches_of(mailbox: &Mailbox, count: usize) -> Vec<Batch> {
         outcomes_of(mailbox, count)
@@ -1099,35 +1104,11 @@ mod tests {
         assert!(batches_of(&mailbox, 3).is_empty(), "three sessions open");
         // The previous stage's step 40 sent two frames; the second comes 50 ms after the first. They run as
         // one step here, whose two frames go on together.
-        jobs.send(job(
-            decode(
-                1,
-                0,
-                Batch {
-                    id: 40,
-                    frames: 2,
-                    rows: 2,
-                },
-                width,
-            ),
-            &mailbox,
-        ))
-        .unwrap();
+        jobs.send(job(decode(1, 0, batch(40, 2, 2), width), &mailbox))
+            .unwrap();
         std::thread::sleep(Duration::from_millis(50));
-        jobs.send(job(
-            decode(
-                2,
-                0,
-                Batch {
-                    id: 40,
-                    frames: 2,
-                    rows: 2,
-                },
-                width,
-            ),
-            &mailbox,
-        ))
-        .unwrap();
+        jobs.send(job(decode(2, 0, batch(40, 2, 2), width), &mailbox))
+            .unwrap();
         let together = batches_of(&mailbox, 2);
         assert_eq!(together.len(), 2, "{together:?}");
         assert_eq!(
@@ -1146,34 +1127,10 @@ mod tests {
         );
         // A batch of three of which one never comes runs the two that did once the wait is over.
         let started = Instant::now();
-        jobs.send(job(
-            decode(
-                1,
-                1,
-                Batch {
-                    id: 42,
-                    frames: 3,
-                    rows: 3,
-                },
-                width,
-            ),
-            &mailbox,
-        ))
-        .unwrap();
-        jobs.send(job(
-            decode(
-                2,
-                1,
-                Batch {
-                    id: 42,
-                    frames: 3,
-                    rows: 3,
-                },
-                width,
-            ),
-            &mailbox,
-        ))
-        .unwrap();
+        jobs.send(job(decode(1, 1, batch(42, 3, 3), width), &mailbox))
+            .unwrap();
+        jobs.send(job(decode(2, 1, batch(42, 3, 3), width), &mailbox))
+            .unwrap();
         let partial = batches_of(&mailbox, 2);
         let waited = started.elapsed();
         assert_eq!(partial[0], partial[1]);
@@ -1237,16 +1194,17 @@ mod tests {
         .unwrap();
         assert_eq!(batches_of(&mailbox, 1).len(), 1);
         let send_two = |id: u32, rows: u32, position: u32| {
-            let batch = Batch {
-                id,
-                frames: 2,
-                rows,
-            };
-            jobs.send(job(decode(1, position, batch, width), &mailbox))
-                .unwrap();
+            jobs.send(job(
+                decode(1, position, batch(id, 2, rows), width),
+                &mailbox,
+            ))
+            .unwrap();
             std::thread::sleep(late);
-            jobs.send(job(decode(2, position, batch, width), &mailbox))
-                .unwrap();
+            jobs.send(job(
+                decode(2, position, batch(id, 2, rows), width),
+                &mailbox,
+            ))
+            .unwrap();
             batches_of(&mailbox, 2)
         };
         // A batch of two rows is waited for only the floor: its second frame, later than that, runs apart.
@@ -1258,20 +1216,12 @@ mod tests {
         // A short batch at the front is waited for only the floor, even with a later long batch's frame queued
         // behind it (the short one holds the thread while the others queue, so the three run in one step).
         let started = Instant::now();
-        let short = Batch {
-            id: 4,
-            frames: 2,
-            rows: 2,
-        };
+        let short = batch(4, 2, 2);
         jobs.send(job(decode(3, 64, short, width), &mailbox))
             .unwrap();
         jobs.send(job(decode(1, 2, Batch::alone(5, 1), width), &mailbox))
             .unwrap();
-        let long = Batch {
-            id: 6,
-            frames: 2,
-            rows: u32::MAX,
-        };
+        let long = batch(6, 2, u32::MAX);
         jobs.send(job(decode(2, 2, long, width), &mailbox)).unwrap();
         assert_eq!(batches_of(&mailbox, 3).len(), 3);
         let waited = started.elapsed();
@@ -1283,14 +1233,10 @@ mod tests {
         // once: a frame of that batch still queued after the wait (a second chunk of one of its sessions, run
         // in the next step) runs without waiting again.
         let started = Instant::now();
-        let batch = Batch {
-            id: 7,
-            frames: 3,
-            rows: u32::MAX,
-        };
-        jobs.send(job(decode(1, 3, batch, width), &mailbox))
+        let never_whole = batch(7, 3, u32::MAX);
+        jobs.send(job(decode(1, 3, never_whole, width), &mailbox))
             .unwrap();
-        jobs.send(job(decode(1, 4, batch, width), &mailbox))
+        jobs.send(job(decode(1, 4, never_whole, width), &mailbox))
             .unwrap();
         let mut outcomes = batches_of(&mailbox, 1);
         if outcomes.len() < 2 {
@@ -1341,20 +1287,8 @@ mod tests {
         );
         // One step of two sessions panics: both get an error naming it.
         for session in 1..=2 {
-            jobs.send(job(
-                decode(
-                    session,
-                    0,
-                    Batch {
-                        id: 9,
-                        frames: 2,
-                        rows: 2,
-                    },
-                    width,
-                ),
-                &mailbox,
-            ))
-            .unwrap();
+            jobs.send(job(decode(session, 0, batch(9, 2, 2), width), &mailbox))
+                .unwrap();
         }
         let failed = outcomes_of(&mailbox, 2);
         for outcome in &failed {
