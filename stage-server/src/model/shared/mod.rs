@@ -384,10 +384,14 @@ impl SharedStage {
                 (false, true) => Some(now),
                 (false, false) => entry.freed,
             };
+            entry.active = active;
+            entry.past_prompt = false;
+            entry.out = None;
+            entry.started = false;
             if active && !own_window {
-                // A new generation on another lane than the one just freed is most likely that lane's client's
-                // next request (a free lane is leased by its cached prefix, or least recently used): it closes
-                // the oldest open window, so a client's next request waits for no one but other clients.
+                // A new generation on another lane than the one just freed is most likely that lane's client's next
+                // request (a free lane is leased by its cached prefix, or least recently used): it closes the oldest
+                // open window, so a client's next request waits for no one but other clients.
                 if let Some(other) = state
                     .lanes
                     .iter_mut()
@@ -397,12 +401,6 @@ impl SharedStage {
                     other.freed = None;
                 }
             }
-        }
-        if let Some(entry) = state.lanes.get_mut(lane) {
-            entry.active = active;
-            entry.past_prompt = false;
-            entry.out = None;
-            entry.started = false;
         }
         drop(state);
         if !active {
@@ -505,8 +503,8 @@ impl SharedStage {
             }
             if !state.running && self.shared.callers_run_steps() {
                 // Lanes of this step's batch still out on their round trip, or (a step with no stream to decode,
-                // or one a prompt starts in) generations on their way to lanes: wait for them (a hand-in runs the step; a lane leaving or
-                // a guard dropped wakes this thread), or for the hold to end.
+                // or one a prompt starts in) generations on their way to lanes: wait for them (a hand-in runs
+                // the step; a lane leaving or a guard dropped wakes this thread), or for the hold to end.
                 let policy = self.shared.policy;
                 let held = hold_until(&mut state, policy.batches_in_flight)
                     .or_else(|| arrivals_hold_until(&mut state, self.width, &policy));
