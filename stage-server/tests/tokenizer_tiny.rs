@@ -342,6 +342,16 @@ fn unsupported_and_malformed_tokenizers_are_clear_errors() {
     insta::assert_snapshot!("tokenizer_load_errors", errors.join("\n"));
 }
 
+#[test]
+fn a_literal_sentencepiece_space_marker_streams_back_as_a_space() {
+    // proptest found it: SentencePiece reads every U+2581 as a space, the one it wrote for a space or not.
+    let tokenizer = &*SPM;
+    let ids = tokenizer.encode("a\u{2581}b", false, false).unwrap();
+    let mut stream = StreamDecoder::new(tokenizer);
+    let joined: String = ids.iter().map(|&id| stream.push(id)).collect();
+    assert_eq!(joined + &stream.finish(), " a b");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, .. ProptestConfig::default() })]
 
@@ -382,8 +392,15 @@ proptest! {
                 joined.push_str(&chunk);
             }
             prop_assert_eq!(stream.finish(), "", "bytes were left over");
-            // The stream keeps SentencePiece's prefixed space; whole-text decode drops it.
-            let expected = if space_prefix && !text.is_empty() { format!(" {text}") } else { text.clone() };
+            // The stream keeps SentencePiece's prefixed space; whole-text decode drops it. SentencePiece writes a
+            // space as U+2581 and reads every U+2581 back as a space (as sentencepiece and llama.cpp do), so a
+            // literal one in the text comes back as a space.
+            let expected = if space_prefix {
+                let spaced = text.replace('\u{2581}', " ");
+                if text.is_empty() { spaced } else { format!(" {spaced}") }
+            } else {
+                text.clone()
+            };
             prop_assert_eq!(joined, expected);
         }
     }
