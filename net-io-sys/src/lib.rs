@@ -13,6 +13,7 @@
 #![cfg_attr(doctest, doc = include_str!("../README.md"))]
 
 pub mod coroutine;
+pub mod cpu;
 pub mod epoll;
 pub mod eventfd;
 pub mod futex;

@@ -124,7 +124,22 @@ struct Shared {
     parked: Vec<AtomicBool>,
     /// Each worker's thread, to unpark it.
     threads: OnceLock<Vec<Thread>>,
+    /// The core the caller ran on when it last began a pass or published a job ([`NO_CORE`] when unknown): a
+    /// worker that finds itself on that core while it waits for a job yields instead of spinning.
+    ///
+    /// Why: the gap between two ops of a pass is microseconds, so a worker spins through it; but on a host
+    /// whose kernel packs threads onto busy cores (these 2-vCPU hosts wake a worker onto its caller's core
+    /// while the other core idles), the worker preempts the caller, and the next op cannot come while it
+    /// spins: every op then cost the whole spin ([`SPIN_INSIDE_PASS`]). Seen with `perf sched` on a 3-process
+    /// SmolLM2 chain with 5 ms links, whose stages wake after every idle gap: a 10-layer pass took 1.9 ms
+    /// instead of 1.0. Yielding only when the cores match, not after some spin, keeps the spin where it pays
+    /// (gemma-3 whole, whose K-quant products run on candle's own spinning pool, lost 15% when its workers
+    /// yielded on every idle look).
+    caller_core: AtomicUsize,
 }
+
+/// [`Shared::caller_core`] when the caller's core is not known.
+const NO_CORE: usize = usize::MAX;
 
 /// The bits of [`Shared::state`] that count the workers inside the current job.
 const INSIDE: u64 = (1 << 16) - 1;
@@ -145,6 +160,7 @@ impl ComputePool {
             stop: AtomicBool::new(false),
             parked: (0..workers).map(|_| AtomicBool::new(false)).collect(),
             threads: OnceLock::new(),
+            caller_core: AtomicUsize::new(NO_CORE),
         });
         let handles: Vec<JoinHandle<()>> = (0..workers)
             .map(|index| {
@@ -197,6 +213,7 @@ impl ComputePool {
         self.shared.passes.fetch_add(1, Ordering::SeqCst);
         PASSES_HERE.with(|passes| passes.set(passes.get() + 1));
         let _ending = Ending(&self.shared);
+        self.shared.note_caller_core();
         self.shared.unpark_all();
         body()
     }
@@ -269,6 +286,7 @@ impl ComputePool {
         shared
             .state
             .store(generation << GENERATION_SHIFT | OPEN, Ordering::Release);
+        shared.note_caller_core();
         shared.unpark_all();
         // Closes the job and waits for the workers inside it even if our own share panics, so that no worker
         // reads `job` after this frame is gone.
@@ -345,6 +363,18 @@ impl Shared {
         self.threads.get().and_then(|threads| threads.get(index))
     }
 
+    /// Records the calling thread's core as the caller's (see [`Shared::caller_core`]).
+    fn note_caller_core(&self) {
+        if let Some(core) = this_core() {
+            self.caller_core.store(core, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the calling worker runs on the core the caller last ran on.
+    fn caller_shares_this_core(&self) -> bool {
+        this_core().is_some_and(|core| self.caller_core.load(Ordering::Relaxed) == core)
+    }
+
     /// Unparks every worker. Unconditional, so no flag has to be read against a worker about to park (a
     /// store-then-load race on two variables): an unpark before a park makes that park return, and one to a
     /// thread that is not parked costs one atomic operation.
@@ -354,6 +384,19 @@ impl Shared {
                 thread.unpark();
             }
         }
+    }
+}
+
+/// The core the calling thread runs on; under loom none, so that the core hint adds no atomic operation to
+/// the interleavings a model explores (it changes no outcome, only who spins).
+fn this_core() -> Option<usize> {
+    #[cfg(not(feature = "loom-models"))]
+    {
+        net_io_sys::cpu::current_cpu()
+    }
+    #[cfg(feature = "loom-models")]
+    {
+        None
     }
 }
 
@@ -404,7 +447,12 @@ fn work_loop(shared: &Shared, index: usize) {
         let spun_enough = idle_since.is_some_and(|since| since.elapsed() >= SPIN_INSIDE_PASS);
         if in_pass && !spun_enough {
             idle_since.get_or_insert_with(Instant::now);
-            spin_loop();
+            if shared.caller_shares_this_core() {
+                // The caller cannot publish the next op while we hold its core: hand the core back.
+                thread::yield_now();
+            } else {
+                spin_loop();
+            }
             continue;
         }
         // Park. A job published or a pass begun after our last look unparks us (every publish and pass start
