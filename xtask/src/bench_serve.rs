@@ -96,6 +96,10 @@ struct Options {
     link_delay: Option<String>,
     /// `--batches-in-flight` for our pipelines of more than one stage, as given (`None`: their default).
     batches_in_flight: Option<usize>,
+    /// `temperature` of every request, as given (`None`: 0, greedy). Above 0 both servers sample with their
+    /// default cuts (top-k 40, top-p 0.95, min-p 0.05: the same in both), as an OpenAI client that sets no
+    /// temperature gets from ours (0.8).
+    temperature: Option<String>,
 }
 
 /// One concurrency's figures for one server.
@@ -156,6 +160,7 @@ impl Options {
             lanes: LANES_DEFAULT,
             link_delay: None,
             batches_in_flight: None,
+            temperature: None,
         };
         let mut iterator = arguments.iter();
         while let Some(argument) = iterator.next() {
@@ -232,10 +237,21 @@ impl Options {
                         format!("--batches-in-flight takes a count (0 or more), not `{text}`")
                     })?);
                 }
+                "--temperature" => {
+                    let text = value("a temperature such as 0.8")?;
+                    let temperature: f64 = text
+                        .parse()
+                        .ok()
+                        .filter(|temperature: &f64| (0.0..=2.0).contains(temperature))
+                        .with_context(|| {
+                            format!("--temperature takes a number from 0 to 2, not `{text}`")
+                        })?;
+                    options.temperature = (temperature > 0.0).then(|| temperature.to_string());
+                }
                 other => bail!(
                     "unknown argument `{other}` to `cargo xtask bench serve` (takes --model smollm2|gemma3, \
                      --concurrency 1,2,4,8, --requests-per-worker N, --tokens N, --stages 1,3, \
-                     --decode-stretch X, --lanes N, --link-delay MS, --batches-in-flight N, --skip-llama, \
+                     --decode-stretch X, --lanes N, --link-delay MS, --batches-in-flight N, --temperature T, --skip-llama, \
                      --skip-ours, --skip-scenarios)"
                 ),
             }
@@ -280,9 +296,14 @@ impl Options {
             .batches_in_flight
             .map(|count| format!(" --batches-in-flight {count}"))
             .unwrap_or_default();
+        let temperature = self
+            .temperature
+            .as_ref()
+            .map(|temperature| format!(" --temperature {temperature}"))
+            .unwrap_or_default();
         format!(
             "cargo xtask bench serve --model {} --concurrency {} --requests-per-worker {} --tokens \
-             {}{stages}{stretch}{lanes}{delay}{in_flight}{skip}{scenarios}",
+             {}{stages}{stretch}{lanes}{delay}{in_flight}{temperature}{skip}{scenarios}",
             self.model,
             levels.join(","),
             self.requests_per_worker,
@@ -424,6 +445,11 @@ fn measure(
         concurrency: 1,
         requests_per_worker: 1,
         max_tokens: options.max_tokens,
+        temperature: options
+            .temperature
+            .as_deref()
+            .and_then(|text| text.parse().ok())
+            .unwrap_or(0.0),
     };
     // One untimed request: first-touch page faults of the weights and lazily built state stay out of the
     // figures. Its worker number is one no load level uses, so its prompt is not repeated later.
@@ -700,7 +726,7 @@ fn write_report(
          never at the same time.\n\
          - Every request: `POST /v1/chat/completions` with the `model` id the server lists first in \
          `GET /v1/models`, `stream: true`, `stream_options.include_usage`, \
-         `max_tokens` {}, `temperature` 0, and a user prompt of about 100 tokens asking for a long explanation. \
+         `max_tokens` {}, `temperature` {}, and a user prompt of about 100 tokens asking for a long explanation. \
          The prompt starts with the worker and request numbers and one of eight topics, so a prompt cache can \
          reuse at most the chat template's prefix. No `ignore_eos`: the tokens actually streamed are counted.\n\
          - Servers: ours whole `stage-server run --stages 1 --model F --http ADDR --lanes {lanes} --threads \
@@ -736,6 +762,13 @@ fn write_report(
         },
         options.requests_per_worker,
         options.max_tokens,
+        options.temperature.as_deref().map_or_else(
+            || "0".to_owned(),
+            |temperature| format!(
+                "{temperature} (both servers' default cuts: top-k 40, top-p 0.95, min-p 0.05; each \
+                 draws with its own generator, so the streams and their lengths differ)"
+            )
+        ),
         match options.scenarios {
             Scenarios::Run => scenarios::method(),
             Scenarios::Skip =>
@@ -765,7 +798,7 @@ mod tests {
     fn the_options_parse_and_print_back_as_the_same_command() {
         let options = Options::parse(&arguments(
             "--model gemma3 --concurrency 1,4 --requests-per-worker 2 --tokens 64 --stages 1 \
-             --decode-stretch 3 --lanes 6 --link-delay 5 --skip-ours --skip-scenarios",
+             --decode-stretch 3 --lanes 6 --link-delay 5 --temperature 0.8 --skip-ours --skip-scenarios",
         ))
         .expect("valid options parse");
         assert_eq!(options.model, "gemma3");
@@ -775,7 +808,19 @@ mod tests {
         assert_eq!(
             options.command(),
             "cargo xtask bench serve --model gemma3 --concurrency 1,4 --requests-per-worker 2 --tokens 64 \
-             --stages 1 --decode-stretch 3 --lanes 6 --link-delay 5 --skip-ours --skip-scenarios"
+             --stages 1 --decode-stretch 3 --lanes 6 --link-delay 5 --temperature 0.8 --skip-ours \
+             --skip-scenarios"
+        );
+        assert!(
+            Options::parse(&arguments("--temperature 2.5")).is_err(),
+            "a temperature above 2 must be refused"
+        );
+        assert_eq!(
+            Options::parse(&arguments("--temperature 0"))
+                .expect("a temperature of 0 parses")
+                .command(),
+            Options::parse(&[]).expect("no arguments parse").command(),
+            "a temperature of 0 is the default, greedy"
         );
         assert_eq!(options.stages, vec![1]);
         assert!(

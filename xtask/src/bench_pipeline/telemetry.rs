@@ -350,6 +350,7 @@ pub(crate) fn measure(
                 concurrency: 1,
                 requests_per_worker: 1,
                 max_tokens: TOKENS,
+                temperature: 0.0,
             };
             client::stream_completion(&load, WARM_UP_WORKER, 0)
                 .with_context(|| format!("a warm-up request failed ({})", mode.label()))?;

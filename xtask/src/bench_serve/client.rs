@@ -52,6 +52,8 @@ pub(crate) struct Load {
     pub(crate) requests_per_worker: usize,
     /// `max_tokens` of every request.
     pub(crate) max_tokens: usize,
+    /// `temperature` of every request (0: greedy).
+    pub(crate) temperature: f64,
 }
 
 /// The timing of one streamed completion, as the client saw it.
@@ -197,7 +199,7 @@ impl Load {
             "stream": true,
             "stream_options": {"include_usage": true},
             "max_tokens": self.max_tokens,
-            "temperature": 0,
+            "temperature": self.temperature,
         })
         .to_string()
     }
@@ -969,6 +971,7 @@ mod tests {
             concurrency: 2,
             requests_per_worker: 2,
             max_tokens: 128,
+            temperature: 0.0,
         };
         let bodies: Vec<String> = (0..2)
             .flat_map(|worker| (0..2).map(move |index| (worker, index)))
