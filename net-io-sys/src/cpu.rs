@@ -3,7 +3,9 @@
 /// The core the calling thread runs on at this instant, or `None` where the kernel cannot tell (the answer may
 /// be stale by the time it is used: the thread can migrate at any moment, so callers use it as a hint only).
 ///
-/// Cheap: glibc answers it from the thread's restartable-sequence area or the vDSO, without a system call.
+/// Cheap: glibc 2.35 and later answer it from the thread's restartable-sequence area, older ones through the
+/// vDSO on x86, neither with a system call. Under `--cfg net_io_shim` it goes through the shim's counter like
+/// every other call here, which is slow but only ever in tests.
 #[inline]
 pub fn current_cpu() -> Option<usize> {
     if crate::shim::enter("sched_getcpu").is_err() {
@@ -20,7 +22,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_current_core_is_one_this_process_may_run_on() {
+    fn the_current_core_is_below_the_machine_s_configured_core_count() {
         let cpu = current_cpu().expect("Linux tells a thread its core");
         let cores = std::thread::available_parallelism()
             .map(usize::from)
@@ -29,10 +31,13 @@ mod tests {
         // cpuset of 4,7), so bound by the machine's configured cores instead.
         // SAFETY: sysconf(3) with a valid name has no memory effects.
         let configured = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
-        assert!(configured >= cores as libc::c_long);
+        assert!(
+            configured >= cores as libc::c_long,
+            "{configured} configured cores, fewer than the {cores} this process may use"
+        );
         assert!(
             (cpu as libc::c_long) < configured,
-            "core {cpu} of {configured}"
+            "core {cpu} is not below the {configured} configured cores"
         );
     }
 }

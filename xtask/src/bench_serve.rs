@@ -99,7 +99,7 @@ struct Options {
     /// `temperature` of every request, as given (`None`: 0, greedy). Above 0 both servers sample with their
     /// default cuts (top-k 40, top-p 0.95, min-p 0.05: the same in both), as an OpenAI client that sets no
     /// temperature gets from ours (0.8).
-    temperature: Option<String>,
+    temperature: Option<f64>,
 }
 
 /// One concurrency's figures for one server.
@@ -246,7 +246,7 @@ impl Options {
                         .with_context(|| {
                             format!("--temperature takes a number from 0 to 2, not `{text}`")
                         })?;
-                    options.temperature = (temperature > 0.0).then(|| temperature.to_string());
+                    options.temperature = (temperature > 0.0).then_some(temperature);
                 }
                 other => bail!(
                     "unknown argument `{other}` to `cargo xtask bench serve` (takes --model smollm2|gemma3, \
@@ -445,11 +445,7 @@ fn measure(
         concurrency: 1,
         requests_per_worker: 1,
         max_tokens: options.max_tokens,
-        temperature: options
-            .temperature
-            .as_deref()
-            .and_then(|text| text.parse().ok())
-            .unwrap_or(0.0),
+        temperature: options.temperature.unwrap_or(0.0),
     };
     // One untimed request: first-touch page faults of the weights and lazily built state stay out of the
     // figures. Its worker number is one no load level uses, so its prompt is not repeated later.
@@ -762,11 +758,12 @@ fn write_report(
         },
         options.requests_per_worker,
         options.max_tokens,
-        options.temperature.as_deref().map_or_else(
+        options.temperature.map_or_else(
             || "0".to_owned(),
             |temperature| format!(
                 "{temperature} (both servers' default cuts: top-k 40, top-p 0.95, min-p 0.05; each \
-                 draws with its own generator, so the streams and their lengths differ)"
+                 draws with its own generator, so the streams and their lengths differ; the prefix-reuse \
+                 scenario's requests and the admission scenario's late request stay at 0)"
             )
         ),
         match options.scenarios {

@@ -40,7 +40,8 @@ tasks:
   bench lifecycle
                 kill, close_door, drain and idle CPU of every net-io-blocking driver against net-io's targets
   bench serve [--model smollm2|gemma3] [--concurrency 1,2,4,8] [--requests-per-worker N] [--tokens N]
-              [--skip-ours] [--skip-llama] [--skip-scenarios]
+              [--stages 1,3] [--lanes N] [--link-delay MS] [--decode-stretch X] [--batches-in-flight N]
+              [--temperature T] [--skip-ours] [--skip-llama] [--skip-scenarios]
                 streaming chat completions under concurrent load, then prefix reuse and admission under
                 load: stage-server's OpenAI API (whole and in three stages) beside llama.cpp's llama-server;
                 writes docs/performance/serve.md

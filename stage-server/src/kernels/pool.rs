@@ -124,17 +124,19 @@ struct Shared {
     parked: Vec<AtomicBool>,
     /// Each worker's thread, to unpark it.
     threads: OnceLock<Vec<Thread>>,
-    /// The core the caller ran on when it last began a pass or published a job ([`NO_CORE`] when unknown): a
-    /// worker that finds itself on that core while it waits for a job yields instead of spinning.
+    /// The core the caller ran on when it last began a pass, published a job or took its pass back from
+    /// [`ComputePool::aside`] ([`NO_CORE`] when unknown): a worker that finds itself on that core while it waits
+    /// for a job yields instead of spinning. One slot for every caller: a second thread's pass overwrites it,
+    /// which costs only a spin or a yield in the wrong place (a stage process has one caller).
     ///
     /// Why: the gap between two ops of a pass is microseconds, so a worker spins through it; but on a host
     /// whose kernel packs threads onto busy cores (these 2-vCPU hosts wake a worker onto its caller's core
     /// while the other core idles), the worker preempts the caller, and the next op cannot come while it
-    /// spins: every op then cost the whole spin ([`SPIN_INSIDE_PASS`]). Seen with `perf sched` on a 3-process
-    /// SmolLM2 chain with 5 ms links, whose stages wake after every idle gap: a 10-layer pass took 1.9 ms
-    /// instead of 1.0. Yielding only when the cores match, not after some spin, keeps the spin where it pays
-    /// (gemma-3 whole, whose K-quant products run on candle's own spinning pool, lost 15% when its workers
-    /// yielded on every idle look).
+    /// spins: the op after each wake waited out the whole spin ([`SPIN_INSIDE_PASS`]). Seen with `perf sched`
+    /// on a 3-process SmolLM2 chain with 5 ms links, whose stages wake after every idle gap: a 10-layer pass
+    /// took 1.8 to 1.9 ms instead of 1.0. Yielding only when the cores match, not after some spin, keeps the
+    /// spin where it pays: a first version that yielded after 20 µs of spinning wherever it ran cost gemma-3
+    /// whole 15%, whose K-quant products run on candle's own spinning pool beside ours.
     caller_core: AtomicUsize,
 }
 
@@ -229,6 +231,8 @@ impl ComputePool {
             fn drop(&mut self) {
                 PASSES_HERE.with(|passes| passes.set(passes.get() + self.1));
                 self.0.passes.fetch_add(self.1, Ordering::SeqCst);
+                // candle's product may have moved the caller to another core.
+                self.0.note_caller_core();
                 self.0.unpark_all();
             }
         }
@@ -365,7 +369,11 @@ impl Shared {
 
     /// Records the calling thread's core as the caller's (see [`Shared::caller_core`]).
     fn note_caller_core(&self) {
-        if let Some(core) = this_core() {
+        // Stored only when it changed: the workers read this word at every look, and a store per op would
+        // take their cache line away each time for nothing.
+        if let Some(core) = this_core()
+            && self.caller_core.load(Ordering::Relaxed) != core
+        {
             self.caller_core.store(core, Ordering::Relaxed);
         }
     }
@@ -387,8 +395,8 @@ impl Shared {
     }
 }
 
-/// The core the calling thread runs on; under loom none, so that the core hint adds no atomic operation to
-/// the interleavings a model explores (it changes no outcome, only who spins).
+/// The core the calling thread runs on; under loom none: a model must replay the same way every time, and
+/// the hint changes no outcome, only who spins (loom's `spin_loop` yields anyway).
 fn this_core() -> Option<usize> {
     #[cfg(not(feature = "loom-models"))]
     {
