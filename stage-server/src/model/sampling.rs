@@ -123,6 +123,11 @@ impl Sampler {
             candidates.truncate(top_k);
         }
         candidates.sort_unstable_by(order);
+        self.cut_and_draw(candidates)
+    }
+
+    /// The cuts after top-k (top-p, then min-p) and the seeded draw, over `candidates` sorted highest first.
+    fn cut_and_draw(&mut self, candidates: &mut Vec<(u32, f32)>) -> u32 {
         if self.params.top_p < 1.0 {
             let probabilities = softmax(candidates, 1.0);
             let mut cumulative = 0.0;
@@ -138,12 +143,15 @@ impl Sampler {
         }
         if self.params.min_p > 0.0 {
             let probabilities = softmax(candidates, 1.0);
-            let threshold = probabilities[0] * f64::from(self.params.min_p);
-            let keep = probabilities
-                .iter()
-                .take_while(|&&probability| probability >= threshold)
-                .count();
-            candidates.truncate(keep.max(1));
+            // An empty list (a vocabulary of none) has nothing to cut.
+            if let Some(&top) = probabilities.first() {
+                let threshold = top * f64::from(self.params.min_p);
+                let keep = probabilities
+                    .iter()
+                    .take_while(|&&probability| probability >= threshold)
+                    .count();
+                candidates.truncate(keep.max(1));
+            }
         }
         let probabilities = softmax(candidates, self.params.temperature);
         let draw = self.random.next_unit();
@@ -417,7 +425,19 @@ mod tests {
         assert_eq!(sampler.sample(&[2.0, 1.0]), 1);
     }
 
-    /// The draw as it was written first, sorting the whole vocabulary: the oracle the faster selection must equal.
+    #[test]
+    fn an_empty_vocabulary_draws_token_zero_instead_of_panicking() {
+        let mut sampler = Sampler::new(SamplingParams {
+            temperature: 0.8,
+            min_p: 0.05,
+            top_p: 0.9,
+            ..SamplingParams::default()
+        });
+        assert_eq!(sampler.sample(&[]), 0);
+    }
+
+    /// The draw as it was written first, sorting the whole vocabulary before the top-k cut: the oracle the faster
+    /// selection must equal (the cuts after it and the draw are the sampler's own, shared).
     mod sorted_reference {
         use super::super::*;
         use proptest::prelude::*;
@@ -436,38 +456,7 @@ mod tests {
             if sampler.params.top_k > 0 {
                 candidates.truncate(sampler.params.top_k);
             }
-            if sampler.params.top_p < 1.0 {
-                let probabilities = softmax(&candidates, 1.0);
-                let mut cumulative = 0.0;
-                let mut keep = candidates.len();
-                for (index, probability) in probabilities.iter().enumerate() {
-                    cumulative += probability;
-                    if cumulative >= f64::from(sampler.params.top_p) {
-                        keep = index + 1;
-                        break;
-                    }
-                }
-                candidates.truncate(keep.max(1));
-            }
-            if sampler.params.min_p > 0.0 {
-                let probabilities = softmax(&candidates, 1.0);
-                let threshold = probabilities[0] * f64::from(sampler.params.min_p);
-                let keep = probabilities
-                    .iter()
-                    .take_while(|&&probability| probability >= threshold)
-                    .count();
-                candidates.truncate(keep.max(1));
-            }
-            let probabilities = softmax(&candidates, sampler.params.temperature);
-            let draw = sampler.random.next_unit();
-            let mut cumulative = 0.0;
-            for (candidate, probability) in candidates.iter().zip(&probabilities) {
-                cumulative += probability;
-                if draw < cumulative {
-                    return candidate.0;
-                }
-            }
-            candidates.last().map_or(0, |candidate| candidate.0)
+            sampler.cut_and_draw(&mut candidates)
         }
 
         /// Logits with many ties (a few distinct values), as quantised heads and penalties make them.
