@@ -1,6 +1,7 @@
 //! Token sampling on the last stage: penalties, top-k, top-p, min-p, temperature and a seeded RNG.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 
 /// Sampler settings, in the order llama.cpp's default chain applies them:
 /// penalties, top-k, top-p, min-p, temperature, then a seeded draw (or argmax when `temperature <= 0`).
@@ -95,18 +96,32 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let mut candidates = std::mem::take(&mut self.candidates.0);
         candidates.clear();
-        candidates.extend(
-            logits
-                .iter()
-                .enumerate()
-                .map(|(id, &logit)| (id as u32, logit)),
-        );
+        let top_k = self.params.top_k;
+        if self.params.temperature > 0.0
+            && top_k > 0
+            && top_k < logits.len()
+            && !self.penalties_apply()
+        {
+            // Only the k best are ever looked at, and without penalties their logits are the raw ones: one
+            // pass over the logits keeps them, instead of listing the whole vocabulary and selecting from it
+            // (about 1 ms a token on gemma-3's 262,144 ids, enough to drop a lane's next token out of a batch
+            // gathered 2 ms after the last step).
+            best_of(logits, top_k, &mut candidates);
+        } else {
+            candidates.extend(
+                logits
+                    .iter()
+                    .enumerate()
+                    .map(|(id, &logit)| (id as u32, logit)),
+            );
+        }
         let token = self.draw(&mut candidates);
         self.candidates = Scratch(candidates);
         token
     }
 
-    /// [`Sampler::sample`] over the (id, logit) list of the vocabulary, which it reorders and cuts.
+    /// [`Sampler::sample`] over the (id, logit) list of the vocabulary (or, without penalties, of the top k
+    /// already), which it reorders and cuts.
     fn draw(&mut self, candidates: &mut Vec<(u32, f32)>) -> u32 {
         self.apply_penalties(candidates);
         if self.params.temperature <= 0.0 {
@@ -165,12 +180,19 @@ impl Sampler {
         candidates.last().map_or(0, |candidate| candidate.0)
     }
 
-    fn apply_penalties(&self, candidates: &mut [(u32, f32)]) {
+    /// Whether the penalties change any logit (else [`Sampler::apply_penalties`] does nothing).
+    fn penalties_apply(&self) -> bool {
         let params = &self.params;
         let neutral = params.repeat_penalty == 1.0
             && params.presence_penalty == 0.0
             && params.frequency_penalty == 0.0;
-        if neutral || params.penalty_last_n == 0 {
+        !neutral && params.penalty_last_n > 0
+    }
+
+    /// Applies the penalties to `candidates`, the whole vocabulary in id order (a candidate's index is its id).
+    fn apply_penalties(&self, candidates: &mut [(u32, f32)]) {
+        let params = &self.params;
+        if !self.penalties_apply() {
             return;
         }
         let recent = &self.history[self.history.len().saturating_sub(params.penalty_last_n)..];
@@ -193,6 +215,41 @@ impl Sampler {
             candidate.1 -= count as f32 * params.frequency_penalty + params.presence_penalty;
         }
     }
+}
+
+/// Fills `best` with the `count` highest (id, logit) pairs of `logits`, in no particular order, by the order
+/// the sampler sorts in (logit, highest first, then the lower id first): one pass that compares each logit with
+/// the worst kept so far, on a min-heap of `count`.
+fn best_of(logits: &[f32], count: usize, best: &mut Vec<(u32, f32)>) {
+    /// A pair ordered by how good it is: the higher logit, then the lower id, is greater.
+    #[derive(Clone, Copy, PartialEq)]
+    struct Ranked(u32, f32);
+    impl Eq for Ranked {}
+    impl PartialOrd for Ranked {
+        fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+            Some(self.cmp(other))
+        }
+    }
+    impl Ord for Ranked {
+        fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+            self.1.total_cmp(&other.1).then(other.0.cmp(&self.0))
+        }
+    }
+    let mut kept: BinaryHeap<Reverse<Ranked>> = BinaryHeap::with_capacity(count + 1);
+    for (id, &logit) in logits.iter().enumerate() {
+        let candidate = Ranked(id as u32, logit);
+        if kept.len() < count {
+            kept.push(Reverse(candidate));
+        } else if let Some(mut worst) = kept.peek_mut()
+            && candidate > worst.0
+        {
+            *worst = Reverse(candidate);
+        }
+    }
+    best.extend(
+        kept.into_iter()
+            .map(|Reverse(Ranked(id, logit))| (id, logit)),
+    );
 }
 
 /// The id of the largest logit; the lowest id wins a tie.
