@@ -532,25 +532,37 @@ mod tests {
         }
 
         fn params() -> impl Strategy<Value = SamplingParams> {
-            (
+            let cuts = (
                 0.0f32..2.0,
                 prop_oneof![Just(0usize), 1usize..60, 300usize..500],
                 prop_oneof![Just(1.0f32), 0.05f32..1.0],
                 prop_oneof![Just(0.0f32), 0.0f32..0.5],
                 any::<u64>(),
+            );
+            // Each penalty off half the time, so the path that keeps the top k in one pass (no penalty at
+            // all) and the one that lists the vocabulary (some penalty) are both drawn often.
+            let penalties = (
                 prop_oneof![Just(1.0f32), 0.5f32..2.0],
+                prop_oneof![Just(0.0f32), -2.0f32..2.0],
+                prop_oneof![Just(0.0f32), -2.0f32..2.0],
+                prop_oneof![Just(64usize), 0usize..8],
+            );
+            (cuts, penalties).prop_map(
+                |(
+                    (temperature, top_k, top_p, min_p, seed),
+                    (repeat_penalty, presence_penalty, frequency_penalty, penalty_last_n),
+                )| SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    min_p,
+                    seed,
+                    repeat_penalty,
+                    presence_penalty,
+                    frequency_penalty,
+                    penalty_last_n,
+                },
             )
-                .prop_map(
-                    |(temperature, top_k, top_p, min_p, seed, repeat_penalty)| SamplingParams {
-                        temperature,
-                        top_k,
-                        top_p,
-                        min_p,
-                        seed,
-                        repeat_penalty,
-                        ..SamplingParams::default()
-                    },
-                )
         }
 
         proptest! {
