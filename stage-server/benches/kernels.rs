@@ -23,7 +23,12 @@ use stage_server::kernels::{
 };
 
 /// (format, out_features, in_features, input rows, what it is).
-const CASES: [(WeightFormat, usize, usize, usize, &str); 20] = [
+const CASES: [(WeightFormat, usize, usize, usize, &str); 25] = [
+    (WeightFormat::Q4_K, 640, 1024, 1, "gemma-attn-output"),
+    (WeightFormat::Q4_K, 640, 2048, 1, "gemma-ffn-down"),
+    (WeightFormat::Q4_K, 640, 2048, 4, "gemma-ffn-down-batch-4"),
+    (WeightFormat::Q6_K, 640, 2048, 1, "gemma-ffn-down"),
+    (WeightFormat::Q6_K, 640, 2048, 4, "gemma-ffn-down-batch-4"),
     (WeightFormat::Q4_1, 1536, 576, 1, "smollm2-ffn-up"),
     (WeightFormat::Q4_1, 1536, 576, 2, "smollm2-ffn-up-batch-2"),
     (WeightFormat::Q4_1, 1536, 576, 4, "smollm2-ffn-up-batch-4"),
@@ -65,16 +70,16 @@ const CASES: [(WeightFormat, usize, usize, usize, &str); 20] = [
 ];
 
 fn random_tensor(format: WeightFormat, rows: usize, columns: usize, rng: &mut StdRng) -> QTensor {
-    let blocks = rows * columns / 32;
-    let mut bytes = vec![0u8; blocks * format.block_bytes()];
+    let mut bytes = vec![0u8; format.bytes_of(rows * columns)];
     rng.fill(bytes.as_mut_slice());
-    let scale_bytes = if matches!(format, WeightFormat::Q4_1 | WeightFormat::Q5_1) {
-        4
-    } else {
-        2
+    // Where each ggml block keeps its f16 scales (random bytes elsewhere are valid values).
+    let scales: &[usize] = match format {
+        WeightFormat::Q4_1 | WeightFormat::Q5_1 | WeightFormat::Q4_K => &[0, 2],
+        WeightFormat::Q6_K => &[208],
+        _ => &[0],
     };
-    for block in bytes.chunks_exact_mut(format.block_bytes()) {
-        for at in (0..scale_bytes).step_by(2) {
+    for block in bytes.chunks_exact_mut(format.ggml_block_bytes()) {
+        for &at in scales {
             let value = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
             block[at..at + 2].copy_from_slice(&value.to_bits().to_le_bytes());
         }
@@ -178,9 +183,7 @@ fn matmul<M: Measurement>(criterion: &mut Criterion<M>) {
         let mut group = criterion.benchmark_group(format!(
             "{name}-{format:?}-{rows}x{columns}-m{batch}-t{threads}"
         ));
-        group.throughput(Throughput::Bytes(
-            (rows * columns / 32 * format.block_bytes()) as u64,
-        ));
+        group.throughput(Throughput::Bytes(format.bytes_of(rows * columns) as u64));
         group.bench_function("candle", |bencher| {
             bencher.iter(|| candle.forward(&input_tensor).unwrap())
         });
@@ -198,8 +201,8 @@ fn matmul<M: Measurement>(criterion: &mut Criterion<M>) {
                 break;
             }
         }
-        if name.contains("head") {
-            // The heads run with wide activations (a residual byte per value): its cost beside one byte.
+        {
+            // Wide activations (a residual byte per value): their cost beside one byte.
             let wide = ours.clone().with_precision(ActivationPrecision::Wide);
             group.bench_function(
                 BenchmarkId::new("ours-wide", format!("{best:?}")),

@@ -35,34 +35,73 @@ const SHAPES: [(usize, usize); 7] = [
     (31, 1536),
 ];
 
+/// (out_features, in_features) for the K-quants, whose rows are whole super-blocks of 256 values.
+const K_SHAPES: [(usize, usize); 6] = [
+    (1, 256),
+    (5, 512),
+    (13, 256),
+    (64, 768),
+    (129, 1024),
+    (31, 2048),
+];
+
+/// The shapes a format is tested at.
+fn shapes(format: WeightFormat) -> &'static [(usize, usize)] {
+    if format.ggml_block_weights() == 32 {
+        &SHAPES
+    } else {
+        &K_SHAPES
+    }
+}
+
 /// Activation rows per product: decode, a small batch, and one that leaves partial tiles at every level.
 const BATCHES: [usize; 3] = [1, 3, 9];
 
-/// Random blocks of `format`: random nibbles, fifth bits and signed bytes, with scales of both signs.
+/// Random ggml blocks of `format`: random nibbles, fifth and high bits, signed bytes and sub-block scales, with
+/// f16 scales of both signs.
 fn random_blocks(format: WeightFormat, blocks: usize, rng: &mut StdRng) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(blocks * format.block_bytes());
+    let block_bytes = format.ggml_block_bytes();
+    let mut bytes = Vec::with_capacity(blocks * block_bytes);
+    let f16_bytes = |value: f32| half::f16::from_f32(value).to_bits().to_le_bytes();
     for _ in 0..blocks {
         let start = bytes.len();
-        let scale = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
-        bytes.extend_from_slice(&scale.to_bits().to_le_bytes());
-        if matches!(format, WeightFormat::Q4_1 | WeightFormat::Q5_1) {
-            let minimum = half::f16::from_f32(rng.random_range(-0.5f32..0.5));
-            bytes.extend_from_slice(&minimum.to_bits().to_le_bytes());
-        }
-        while bytes.len() - start < format.block_bytes() {
-            bytes.push(rng.random());
+        match format {
+            WeightFormat::Q6_K => {
+                // Scales of up to ±128 per 16 weights times `d`.
+                while bytes.len() - start < block_bytes - 2 {
+                    bytes.push(rng.random());
+                }
+                bytes.extend_from_slice(&f16_bytes(rng.random_range(-0.0005f32..0.0005)));
+            }
+            WeightFormat::Q4_K => {
+                // 6-bit scales and minimums of up to 63 times `d` and `dmin`.
+                bytes.extend_from_slice(&f16_bytes(rng.random_range(-0.001f32..0.001)));
+                bytes.extend_from_slice(&f16_bytes(rng.random_range(-0.01f32..0.01)));
+                while bytes.len() - start < block_bytes {
+                    bytes.push(rng.random());
+                }
+            }
+            _ => {
+                bytes.extend_from_slice(&f16_bytes(rng.random_range(-0.05f32..0.05)));
+                if matches!(format, WeightFormat::Q4_1 | WeightFormat::Q5_1) {
+                    bytes.extend_from_slice(&f16_bytes(rng.random_range(-0.5f32..0.5)));
+                }
+                while bytes.len() - start < block_bytes {
+                    bytes.push(rng.random());
+                }
+            }
         }
     }
     assert_eq!(
         bytes.len(),
-        blocks * format.block_bytes(),
+        blocks * block_bytes,
         "block generator wrote the wrong size"
     );
     bytes
 }
 
 fn random_tensor(format: WeightFormat, rows: usize, columns: usize, rng: &mut StdRng) -> QTensor {
-    let bytes = random_blocks(format, rows * columns / 32, rng);
+    let bytes = random_blocks(format, rows * columns / format.ggml_block_weights(), rng);
     let storage = QStorage::from_data(Cow::Owned(bytes), &Device::Cpu, format.ggml()).unwrap();
     QTensor::new(storage, (rows, columns)).unwrap()
 }
@@ -82,9 +121,15 @@ fn f16_at(bytes: &[u8], at: usize) -> f32 {
     half::f16::from_bits(u16::from_le_bytes([bytes[at], bytes[at + 1]])).to_f32()
 }
 
-/// Our own plain dequantisation of one block, written from the ggml layout description, not from the kernels.
-fn dequantize_block(format: WeightFormat, block: &[u8]) -> [f32; 32] {
-    let mut out = [0f32; 32];
+/// Our own plain dequantisation of one ggml block, written from the ggml layout description, not from the kernels.
+fn dequantize_block(format: WeightFormat, block: &[u8]) -> Vec<f32> {
+    if format == WeightFormat::Q4_K {
+        return dequantize_q4_k(block);
+    }
+    if format == WeightFormat::Q6_K {
+        return dequantize_q6_k(block);
+    }
+    let mut out = vec![0f32; 32];
     let d = f16_at(block, 0);
     match format {
         WeightFormat::Q4_0 => {
@@ -129,9 +174,62 @@ fn dequantize_block(format: WeightFormat, block: &[u8]) -> [f32; 32] {
     out
 }
 
+/// A Q4_K super-block as ggml's `dequantize_row_q4_K` walks it: four runs of 64 weights, each the low then the
+/// high nibbles of 32 bytes, with the 6-bit scale and minimum pairs unpacked from the 12 scale bytes.
+fn dequantize_q4_k(block: &[u8]) -> Vec<f32> {
+    let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
+    let scales = &block[4..16];
+    let scale_and_minimum = |index: usize| -> (u8, u8) {
+        if index < 4 {
+            (scales[index] & 63, scales[index + 4] & 63)
+        } else {
+            (
+                (scales[index + 4] & 0xF) | ((scales[index - 4] >> 6) << 4),
+                (scales[index + 4] >> 4) | ((scales[index] >> 6) << 4),
+            )
+        }
+    };
+    let mut out = Vec::with_capacity(256);
+    for run in 0..4 {
+        let bytes = &block[16 + 32 * run..16 + 32 * run + 32];
+        let (low_scale, low_minimum) = scale_and_minimum(2 * run);
+        let (high_scale, high_minimum) = scale_and_minimum(2 * run + 1);
+        let (d1, m1) = (d * low_scale as f32, dmin * low_minimum as f32);
+        let (d2, m2) = (d * high_scale as f32, dmin * high_minimum as f32);
+        out.extend(bytes.iter().map(|b| d1 * (b & 0xF) as f32 - m1));
+        out.extend(bytes.iter().map(|b| d2 * (b >> 4) as f32 - m2));
+    }
+    out
+}
+
+/// A Q6_K super-block as ggml's `dequantize_row_q6_K` walks it: two halves of 128 weights, each from 64 bytes of
+/// low nibbles, 32 bytes of high bit pairs and 8 signed scales of 16 weights.
+fn dequantize_q6_k(block: &[u8]) -> Vec<f32> {
+    let d = f16_at(block, 208);
+    let mut out = vec![0f32; 256];
+    for half in 0..2 {
+        let low = &block[64 * half..64 * half + 64];
+        let high = &block[128 + 32 * half..128 + 32 * half + 32];
+        let scales = &block[192 + 8 * half..192 + 8 * half + 8];
+        let y = &mut out[128 * half..128 * half + 128];
+        for l in 0..32 {
+            let is = l / 16;
+            let q1 = ((low[l] & 0xF) | ((high[l] & 3) << 4)) as i32 - 32;
+            let q2 = ((low[l + 32] & 0xF) | (((high[l] >> 2) & 3) << 4)) as i32 - 32;
+            let q3 = ((low[l] >> 4) | (((high[l] >> 4) & 3) << 4)) as i32 - 32;
+            let q4 = ((low[l + 32] >> 4) | (((high[l] >> 6) & 3) << 4)) as i32 - 32;
+            y[l] = d * (scales[is] as i8) as f32 * q1 as f32;
+            y[l + 32] = d * (scales[is + 2] as i8) as f32 * q2 as f32;
+            y[l + 64] = d * (scales[is + 4] as i8) as f32 * q3 as f32;
+            y[l + 96] = d * (scales[is + 6] as i8) as f32 * q4 as f32;
+        }
+    }
+    out
+}
+
 fn dequantize(format: WeightFormat, bytes: &[u8], rows: usize, columns: usize) -> Vec<f32> {
     let weights: Vec<f32> = bytes
-        .chunks_exact(format.block_bytes())
+        .chunks_exact(format.ggml_block_bytes())
         .flat_map(|block| dequantize_block(format, block))
         .collect();
     assert_eq!(weights.len(), rows * columns, "dequantised size");
@@ -211,7 +309,7 @@ fn threads(count: usize) -> Threads {
 fn every_kernel_matches_the_dequantised_reference_within_the_activation_quantisation_bound() {
     let mut rng = StdRng::seed_from_u64(0x5eed_0001);
     for format in WeightFormat::ALL {
-        for (rows, columns) in SHAPES {
+        for &(rows, columns) in shapes(format) {
             let tensor = random_tensor(format, rows, columns, &mut rng);
             let weights = dequantize(format, &tensor.data().unwrap(), rows, columns);
             let byte = QuantizedMatrix::new(Arc::new(tensor)).unwrap();
@@ -247,7 +345,7 @@ fn every_simd_level_gives_the_scalar_kernels_bits() {
     // named by `levels()`; the scalar kernel runs everywhere.
     let mut rng = StdRng::seed_from_u64(0x5eed_0002);
     for format in WeightFormat::ALL {
-        for (rows, columns) in SHAPES {
+        for &(rows, columns) in shapes(format) {
             let byte =
                 QuantizedMatrix::new(Arc::new(random_tensor(format, rows, columns, &mut rng)))
                     .unwrap();
@@ -282,6 +380,27 @@ fn every_simd_level_gives_the_scalar_kernels_bits() {
     }
 }
 
+/// Whether two quantisations hold the same bytes, integers and float bits (a NaN scale or sum equals itself).
+fn same_bits(a: &QuantizedActivations, b: &QuantizedActivations) -> bool {
+    let bits = |values: &[f32]| {
+        values
+            .iter()
+            .map(|value| value.to_bits())
+            .collect::<Vec<_>>()
+    };
+    a.rows() == b.rows()
+        && a.blocks_per_row() == b.blocks_per_row()
+        && a.is_wide() == b.is_wide()
+        && (0..a.rows()).all(|row| {
+            a.row_values(row) == b.row_values(row)
+                && a.row_residuals(row) == b.row_residuals(row)
+                && a.row_wide_sums(row) == b.row_wide_sums(row)
+                && a.row_quads(row) == b.row_quads(row)
+                && bits(a.row_scales(row)) == bits(b.row_scales(row))
+                && bits(a.row_sums(row)) == bits(b.row_sums(row))
+        })
+}
+
 #[test]
 fn activation_quantisation_is_bit_identical_at_every_simd_level() {
     let mut rng = StdRng::seed_from_u64(11);
@@ -299,18 +418,28 @@ fn activation_quantisation_is_bit_identical_at_every_simd_level() {
         *value = -value.abs();
     }
     input[100] = 3.0e6;
+    // Blocks the vector code hands to the portable code, or must clamp as it does: an infinity, a NaN, values
+    // whose scale is an f16 subnormal (residuals past ±72 steps, held by the clamp), and a maximum whose scale
+    // overflows f16 to infinity.
+    input[160] = f32::INFINITY;
+    input[200] = f32::NAN;
+    for (index, value) in input[224..256].iter_mut().enumerate() {
+        *value = (index as f32 - 15.3) * 1.0e-6;
+    }
+    input[256..288].fill(1.0);
+    input[260] = 1.0e7;
     let scalar = QuantizedActivations::quantize_at(SimdLevel::Scalar, &input, rows, width);
     let scalar_wide =
         QuantizedActivations::quantize_wide_at(SimdLevel::Scalar, &input, rows, width);
     for level in levels() {
         let quantised = QuantizedActivations::quantize_at(level, &input, rows, width);
         assert!(
-            quantised == scalar,
+            same_bits(&quantised, &scalar),
             "quantising activations at {level:?} gave different bytes, scales or sums than the portable code"
         );
         let wide = QuantizedActivations::quantize_wide_at(level, &input, rows, width);
         assert!(
-            wide == scalar_wide,
+            same_bits(&wide, &scalar_wide),
             "quantising activations wide at {level:?} gave different bytes, residuals, scales or sums than the \
              portable code"
         );
@@ -331,17 +460,25 @@ fn activation_quantisation_is_bit_identical_at_every_simd_level() {
             );
             let residuals = &scalar_wide.row_residuals(row)[block * 32..(block + 1) * 32];
             let firsts = &scalar_wide.row_values(row)[block * 32..(block + 1) * 32];
-            assert_eq!(
-                scalar_wide.row_wide_sums(row)[block],
-                firsts
-                    .iter()
-                    .zip(residuals)
-                    .map(|(&q, &r)| WIDE_FACTOR * i32::from(q) + i32::from(r))
-                    .sum::<i32>(),
-                "row {row} block {block}: the wide sum is not the sum of the whole values"
-            );
+            for half in 0..2 {
+                let range = 16 * half..16 * half + 16;
+                assert_eq!(
+                    scalar_wide.row_wide_sums(row)[2 * block + half],
+                    firsts[range.clone()]
+                        .iter()
+                        .zip(&residuals[range])
+                        .map(|(&q, &r)| WIDE_FACTOR * i32::from(q) + i32::from(r))
+                        .sum::<i32>(),
+                    "row {row} block {block} half {half}: the wide sum is not the sum of the half's whole values"
+                );
+            }
             let step = scalar_wide.row_scales(row)[block] / WIDE_FACTOR as f32;
             let maximum = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+            // The special blocks above are not held to the bound: an infinity or a NaN has no finite error, and a
+            // scale that is an f16 subnormal or infinite is not within 2^-11 of `max / 127`.
+            if row == 0 && (5..9).contains(&block) {
+                continue;
+            }
             for (index, &x) in chunk.iter().enumerate() {
                 let at = block * 32 + index;
                 let combined = WIDE_FACTOR * i32::from(scalar_wide.row_values(row)[at])
@@ -415,7 +552,8 @@ fn results_are_bit_identical_for_every_thread_count() {
     let mut rng = StdRng::seed_from_u64(0x5eed_0003);
     for format in WeightFormat::ALL {
         // Large enough to be split across threads (the kernel runs small products on one thread).
-        for (rows, columns, batch) in [(259, 640, 1), (130, 576, 5), (67, 1536, 2)] {
+        for (rows, columns, batch) in [(259, 640usize, 1), (130, 576, 5), (67, 1536, 2)] {
+            let columns: usize = columns.next_multiple_of(format.ggml_block_weights());
             let tensor = random_tensor(format, rows, columns, &mut rng);
             let byte = QuantizedMatrix::new(Arc::new(tensor)).unwrap();
             let input = random_input(batch, columns, &mut rng);
@@ -447,7 +585,8 @@ fn a_row_computed_inside_a_batch_is_bit_identical_to_the_row_computed_alone() {
     let mut rng = StdRng::seed_from_u64(0x5eed_0009);
     for format in WeightFormat::ALL {
         // 67 rows leave a partial quad; 5 blocks per row is odd, 48 is even; the larger shape is split over threads.
-        for (rows, columns) in [(67, 160), (130, 1536)] {
+        for (rows, columns) in [(67, 160usize), (130, 1536)] {
+            let columns: usize = columns.next_multiple_of(format.ggml_block_weights());
             let tensor = random_tensor(format, rows, columns, &mut rng);
             let byte = QuantizedMatrix::new(Arc::new(tensor)).unwrap();
             for batch in [2, 3, 5, 9, 17] {
@@ -487,8 +626,15 @@ fn a_row_computed_inside_a_batch_is_bit_identical_to_the_row_computed_alone() {
 #[test]
 fn linear_matches_candle_dequantize_and_matmul_on_quantised_random_weights() {
     let mut rng = StdRng::seed_from_u64(0x5eed_0004);
-    for dtype in [GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1] {
-        for (rows, columns) in [(7, 640), (64, 576), (33, 1536)] {
+    for dtype in [
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q4K,
+        GgmlDType::Q6K,
+    ] {
+        for (rows, columns) in [(7, 640usize), (64, 576), (33, 1536)] {
+            let columns: usize = columns.next_multiple_of(dtype.block_size());
             let values: Vec<f32> = (0..rows * columns)
                 .map(|_| rng.random_range(-1.0f32..1.0))
                 .collect();
@@ -547,11 +693,12 @@ fn linear_matches_candle_dequantize_and_matmul_on_quantised_random_weights() {
 }
 
 #[test]
-fn linear_leaves_k_quants_and_floats_to_candle_and_gives_its_exact_result() {
+fn linear_leaves_other_k_quants_and_floats_to_candle_and_gives_its_exact_result() {
     let mut rng = StdRng::seed_from_u64(0x5eed_0005);
     for dtype in [
-        GgmlDType::Q4K,
-        GgmlDType::Q6K,
+        GgmlDType::Q2K,
+        GgmlDType::Q3K,
+        GgmlDType::Q5K,
         GgmlDType::F32,
         GgmlDType::F16,
     ] {
@@ -627,7 +774,7 @@ fn a_wide_linear_runs_our_kernels_and_gives_the_wide_matrix_bits_while_candle_la
         &Device::Cpu,
     )
     .unwrap();
-    let k_quant = Linear::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q4K).unwrap())
+    let k_quant = Linear::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q5K).unwrap())
         .unwrap()
         .with_activation_precision(ActivationPrecision::Wide);
     assert!(!k_quant.uses_own_kernels());
@@ -690,7 +837,11 @@ fn linear_gives_a_row_the_same_bits_alone_and_inside_a_batch_at_every_level() {
     // decode step must still give the bits the same position gets in a prefill.
     let mut rng = StdRng::seed_from_u64(0x5eed_000a);
     for format in WeightFormat::ALL {
-        let (rows, columns, batch) = (37, 640, 5);
+        let (rows, columns, batch) = (
+            37,
+            640usize.next_multiple_of(format.ggml_block_weights()),
+            5,
+        );
         let tensor = Arc::new(random_tensor(format, rows, columns, &mut rng));
         let input = random_input(batch, columns, &mut rng);
         for level in levels() {
@@ -754,8 +905,8 @@ fn mismatched_shapes_and_unknown_types_are_errors_not_panics() {
         "unexpected error text: {error}"
     );
     let dense = Tensor::zeros((4, 256), candle_core::DType::F32, &Device::Cpu).unwrap();
-    let q4k = QTensor::quantize(&dense, GgmlDType::Q4K).unwrap();
-    let error = QuantizedMatrix::new(Arc::new(q4k)).unwrap_err();
+    let q5k = QTensor::quantize(&dense, GgmlDType::Q5K).unwrap();
+    let error = QuantizedMatrix::new(Arc::new(q5k)).unwrap_err();
     assert!(
         error.to_string().contains("no kernel for weight type"),
         "unexpected error text: {error}"

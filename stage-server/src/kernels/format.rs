@@ -1,18 +1,28 @@
-//! The ggml block layouts our kernels read, and the scalar decoding of one block.
+//! The ggml block layouts our kernels read, and the scalar decoding of one block of 32 weights.
 //!
-//! Every format stores 32 weights per block. A block decodes to 32 small integers `q` (0..=31 for the 4- and 5-bit
-//! formats, -128..=127 for Q8_0) and two numbers `scale` and `offset` such that weight `j` is
-//! `scale * q[j] + offset`. The kernels compute the integer dot product of `q` with the
-//! quantised activation and apply `scale` and `offset` once per block, which is what makes them cheap.
+//! Every format is read in blocks of 32 weights. A block decodes to 32 small integers `q` (0..=31 for the 4- and
+//! 5-bit formats, -32..=31 for Q6_K, -128..=127 for Q8_0), a scale for each half of 16 and an `offset` such that
+//! weight `j` is `scale[j / 16] * q[j] + offset`. The kernels compute the integer dot product of `q` with the
+//! quantised activation and apply the scales and the offset once per block, which is what makes them cheap.
+//!
+//! The K-quants store 256 weights per ggml block (a super-block) with one f16 scale (and one f16 minimum) for the
+//! super-block and small integer scales for its sub-blocks: Q4_K has 8 sub-blocks of 32 with 6-bit scales and
+//! minimums, Q6_K 16 sub-blocks of 16 with signed 8-bit scales. A block of 32 here is a Q4_K sub-block (scale
+//! `d·sc`, offset `-dmin·m`) or two Q6_K sub-blocks (scales `d·sc₀` and `d·sc₁`); each product of an f16 by a
+//! 6- or 8-bit integer is exact in f32, so these are the weights ggml's dequantisation gives, bit for bit.
 
 use candle_core::quantized::GgmlDType;
 
 /// Weights per block, for every format handled here.
 pub const BLOCK: usize = 32;
 
-/// A weight format our kernels handle.
+/// Weights per K-quant super-block (ggml's `QK_K`).
+const SUPER_BLOCK: usize = 256;
+
+/// A weight format our kernels handle, in ggml's spelling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
+#[allow(non_camel_case_types)] // `Q4_K`, as ggml, llama.cpp and the GGUF files name it.
 pub enum WeightFormat {
     /// `f16 d`, 16 bytes of nibbles: `w = d * (q - 8)`.
     Q4_0,
@@ -24,16 +34,24 @@ pub enum WeightFormat {
     Q5_1,
     /// `f16 d`, 32 signed bytes: `w = d * q`.
     Q8_0,
+    /// Super-blocks of 256: `f16 d`, `f16 dmin`, 12 bytes of 6-bit scales and minimums for 8 sub-blocks of 32,
+    /// 128 bytes of nibbles: `w = d·sc * q - dmin·m`.
+    Q4_K,
+    /// Super-blocks of 256: 128 bytes of low nibbles, 64 bytes of high bit pairs, 16 signed scales (one per 16
+    /// weights), `f16 d`: `w = d·sc * (q - 32)`.
+    Q6_K,
 }
 
 impl WeightFormat {
     /// Every format, in a fixed order (for tests and benchmarks).
-    pub const ALL: [WeightFormat; 5] = [
+    pub const ALL: [WeightFormat; 7] = [
         WeightFormat::Q4_0,
         WeightFormat::Q4_1,
         WeightFormat::Q5_0,
         WeightFormat::Q5_1,
         WeightFormat::Q8_0,
+        WeightFormat::Q4_K,
+        WeightFormat::Q6_K,
     ];
 
     /// The format of a ggml type, if we have kernels for it.
@@ -44,6 +62,8 @@ impl WeightFormat {
             GgmlDType::Q5_0 => Some(Self::Q5_0),
             GgmlDType::Q5_1 => Some(Self::Q5_1),
             GgmlDType::Q8_0 => Some(Self::Q8_0),
+            GgmlDType::Q4K => Some(Self::Q4_K),
+            GgmlDType::Q6K => Some(Self::Q6_K),
             _ => None,
         }
     }
@@ -56,25 +76,65 @@ impl WeightFormat {
             Self::Q5_0 => GgmlDType::Q5_0,
             Self::Q5_1 => GgmlDType::Q5_1,
             Self::Q8_0 => GgmlDType::Q8_0,
+            Self::Q4_K => GgmlDType::Q4K,
+            Self::Q6_K => GgmlDType::Q6K,
         }
     }
 
-    /// Bytes per block of 32 weights.
-    pub const fn block_bytes(self) -> usize {
+    /// Weights per ggml block: 32, or 256 for the K-quants' super-blocks. A row's length must be a multiple.
+    pub const fn ggml_block_weights(self) -> usize {
+        match self {
+            Self::Q4_K | Self::Q6_K => SUPER_BLOCK,
+            _ => BLOCK,
+        }
+    }
+
+    /// Bytes per ggml block ([`WeightFormat::ggml_block_weights`] weights).
+    pub const fn ggml_block_bytes(self) -> usize {
         match self {
             Self::Q4_0 => 18,
             Self::Q4_1 => 20,
             Self::Q5_0 => 22,
             Self::Q5_1 => 24,
             Self::Q8_0 => 34,
+            Self::Q4_K => 144,
+            Self::Q6_K => 210,
         }
     }
 
-    /// Decodes one block (exactly `block_bytes()` long) into the unsigned or signed integers of its 32 weights and
-    /// the `(scale, offset)` that turn them into weights. Used by the scalar kernel and by the tests' reference.
-    pub fn decode_block(self, block: &[u8], q: &mut [i32; BLOCK]) -> (f32, f32) {
-        let d = f16_at(block, 0);
+    /// Bytes of `weights` weights in this format (a multiple of [`WeightFormat::ggml_block_weights`]).
+    pub const fn bytes_of(self, weights: usize) -> usize {
+        weights / self.ggml_block_weights() * self.ggml_block_bytes()
+    }
+
+    /// Whether the format adds an offset per block (`w = scale·q + offset`).
+    pub const fn has_offsets(self) -> bool {
+        matches!(self, Self::Q4_1 | Self::Q5_1 | Self::Q4_K)
+    }
+
+    /// Whether a block's two halves of 16 weights have scales of their own (Q6_K's sub-blocks of 16).
+    pub const fn has_half_scales(self) -> bool {
+        matches!(self, Self::Q6_K)
+    }
+
+    /// Decodes block `sub` (of 32 weights) of one ggml block (exactly `ggml_block_bytes()` long) into the
+    /// unsigned or signed integers of its weights and the scales and offset that turn them into weights. Used
+    /// by the packing, by the scalar kernel's view and by the tests' reference.
+    ///
+    /// Panics if `sub` is not below `ggml_block_weights() / 32`.
+    pub fn decode_block(self, ggml_block: &[u8], sub: usize, q: &mut [i32; BLOCK]) -> BlockScaling {
+        assert!(
+            sub < self.ggml_block_weights() / BLOCK,
+            "block {sub} is past the ggml block"
+        );
         match self {
+            Self::Q4_K => return decode_q4_k(ggml_block, sub, q),
+            Self::Q6_K => return decode_q6_k(ggml_block, sub, q),
+            _ => {}
+        }
+        let block = ggml_block;
+        let d = f16_at(block, 0);
+        let (scale, offset) = match self {
             Self::Q4_0 | Self::Q4_1 => {
                 // Q4_0's zero point is centred in the integers (`q - 8`), as the SIMD kernels do.
                 let (nibbles, centre, offset) = match self {
@@ -108,7 +168,69 @@ impl WeightFormat {
                 }
                 (d, 0.0)
             }
+            Self::Q4_K | Self::Q6_K => unreachable!("decoded above"),
+        };
+        BlockScaling {
+            scales: [scale, scale],
+            offset,
         }
+    }
+}
+
+/// What turns a block's integers into weights: weight `j` is `scales[j / 16] * q[j] + offset`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlockScaling {
+    /// The scale of weights 0..16 and of weights 16..32 (the same number but for Q6_K).
+    pub scales: [f32; 2],
+    /// Added to every weight (0 for the formats without a minimum).
+    pub offset: f32,
+}
+
+/// Sub-block `sub` (0..8) of a Q4_K super-block: ggml's `get_scale_min_k4` for its 6-bit scale and minimum, and
+/// its nibbles (sub-blocks `2i` and `2i + 1` share 32 bytes, low nibbles then high).
+fn decode_q4_k(block: &[u8], sub: usize, q: &mut [i32; BLOCK]) -> BlockScaling {
+    let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
+    let packed = &block[4..16];
+    let (scale, minimum) = if sub < 4 {
+        (packed[sub] & 63, packed[sub + 4] & 63)
+    } else {
+        (
+            (packed[sub + 4] & 0x0F) | ((packed[sub - 4] >> 6) << 4),
+            (packed[sub + 4] >> 4) | ((packed[sub] >> 6) << 4),
+        )
+    };
+    let nibbles = &block[16 + 32 * (sub / 2)..][..32];
+    for (value, byte) in q.iter_mut().zip(nibbles) {
+        *value = i32::from(if sub.is_multiple_of(2) {
+            byte & 0x0F
+        } else {
+            byte >> 4
+        });
+    }
+    let scale = d * f32::from(scale);
+    BlockScaling {
+        scales: [scale, scale],
+        offset: -(dmin * f32::from(minimum)),
+    }
+}
+
+/// Block `sub` (0..8) of a Q6_K super-block: ggml's `dequantize_row_q6_K` lays each half of 128 weights out as
+/// four runs of 32, run `r` taking the low (`r < 2`) or high nibbles of 32 bytes of `ql` and bit pair `r` of the
+/// half's 32 bytes of `qh`; each run has a scale for its first 16 weights and one for the rest.
+fn decode_q6_k(block: &[u8], sub: usize, q: &mut [i32; BLOCK]) -> BlockScaling {
+    let (half, run) = (sub / 4, sub % 4);
+    let low = &block[64 * half + 32 * (run % 2)..][..32];
+    let high = &block[128 + 32 * half..][..32];
+    for (l, value) in q.iter_mut().enumerate() {
+        let nibble = if run < 2 { low[l] & 0x0F } else { low[l] >> 4 };
+        let pair = (high[l] >> (2 * run)) & 3;
+        *value = i32::from(nibble | (pair << 4)) - 32;
+    }
+    let d = f16_at(block, 208);
+    let scale = |index: usize| d * f32::from(block[192 + index] as i8);
+    BlockScaling {
+        scales: [scale(8 * half + 2 * run), scale(8 * half + 2 * run + 1)],
+        offset: 0.0,
     }
 }
 

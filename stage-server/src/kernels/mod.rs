@@ -1,8 +1,9 @@
 //! Quantised linear layers: our own SIMD kernels where candle has none, candle's `QMatMul` elsewhere.
 //!
 //! candle 0.11.1 has no SIMD dot product for Q4_1, Q5_0 and Q5_1 (the formats of SmolLM2 and of gemma-3's
-//! projections), so its matmul falls back to scalar code there. For those formats [`Linear`] runs the kernels of
-//! this module instead; every other format goes to candle's `QMatMul`.
+//! projections), so its matmul falls back to scalar code there. For those formats, Q4_0, Q8_0 and the K-quants
+//! Q4_K and Q6_K (gemma-3's `attn_output` and `ffn_down`) [`Linear`] runs the kernels of this module instead,
+//! on our compute pool; every other format goes to candle's `QMatMul`.
 //!
 //! How a product `y = x · Wᵀ` is computed (the ggml method, on weights repacked at load time):
 //!
@@ -140,11 +141,15 @@ pub enum KernelError {
     },
     /// The row length is not a whole number of blocks.
     #[error(
-        "rows of {columns} values are not a whole number of 32-value blocks; the tensor is malformed"
+        "rows of {columns} values are not a whole number of {format:?}'s {block}-value blocks; the tensor is malformed"
     )]
     PartialBlock {
+        /// Format of the weight.
+        format: WeightFormat,
         /// Input columns.
         columns: usize,
+        /// Weights per block of the format.
+        block: usize,
     },
     /// The input or output slices do not match the matrix.
     #[error(
@@ -279,12 +284,14 @@ impl QuantizedMatrix {
         let &[out_features, in_features] = dims.as_slice() else {
             return Err(KernelError::NotAMatrix { shape: dims });
         };
-        if in_features % BLOCK != 0 {
+        if in_features % format.ggml_block_weights() != 0 {
             return Err(KernelError::PartialBlock {
+                format,
                 columns: in_features,
+                block: format.ggml_block_weights(),
             });
         }
-        let expected = out_features * in_features / BLOCK * format.block_bytes();
+        let expected = out_features * format.bytes_of(in_features);
         let found = tensor.storage_size_in_bytes();
         if found != expected || !tensor.device().is_cpu() {
             return Err(KernelError::WrongSize {
@@ -391,7 +398,9 @@ impl Linear {
     /// - Q8_0: ours, except where candle repacks the weight for AVX-512 VNNI (rows a multiple of 256 values and a
     ///   multiple of 16 rows), which still beats ours there (2048x1536, 2 threads: one row 37.8 against 54.1 µs,
     ///   128 rows 1.96 against 3.05 ms; session 16); neither shipped model has such a tensor;
-    /// - everything else (K-quants, F32, F16, BF16): candle's `QMatMul`.
+    /// - Q4_K and Q6_K: ours, with activations in blocks of 32 (ggml's Q8_K has one scale per 256 values), on our
+    ///   pool rather than candle's (whose spinning worker this host's scheduler packed onto the caller's core);
+    /// - everything else (the other K-quants, F32, F16, BF16): candle's `QMatMul`.
     pub fn from_qtensor(weight: QTensor) -> candle_core::Result<Self> {
         Self::from_arc(Arc::new(weight))
     }

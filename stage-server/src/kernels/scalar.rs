@@ -6,7 +6,7 @@
 //! and, blocks in order,
 //!
 //! ```text
-//!   sum[l] = fma(w_scale · x_scale, partial[l], sum[l])      for l in 0..8
+//!   sum[l] = fma(w_scale[l / 4] · x_scale, partial[l], sum[l])      for l in 0..8
 //!   offset = fma(w_minimum, x_scale · Σx, offset)            (formats with a minimum)
 //!   result = ((sum[0] + sum[4]) + (sum[2] + sum[6])) + ((sum[1] + sum[5]) + (sum[3] + sum[7])) + offset
 //! ```
@@ -16,11 +16,15 @@
 //! units in the last place of llama.cpp's: gemma-3 amplifies any other order into argmax flips at positions
 //! llama.cpp calls confident (a single sum per element, tried, flipped two in the agreement fixtures).
 //!
+//! (`w_scale[0]` covers a block's weights 0..16 and `w_scale[1]` weights 16..32: the same number but for Q6_K,
+//! whose sub-blocks of 16 have scales of their own.)
+//!
 //! With wide activations (a residual byte `r` per value, `activation.rs`, for the output head) a block is one
-//! exact integer instead of eight partials:
+//! exact integer instead of eight partials, or one per half for Q6_K:
 //!
 //! ```text
 //!   sum    = fma(w_scale · x_scale · (1/128), Σ_32 q·(128·x + r), sum)   blocks in order
+//!            (Q6_K: the same for weights 0..16 with w_scale[0], then for 16..32 with w_scale[1])
 //!   offset as above (its sums cover the whole values)
 //!   result = sum + offset
 //! ```
@@ -32,7 +36,7 @@ use std::ops::Range;
 
 use super::Output;
 use super::activation::{QuantizedActivations, RESIDUAL_STEP, WIDE_FACTOR};
-use super::format::{BLOCK, WeightFormat};
+use super::format::BLOCK;
 use super::packed::{GROUP, PackedWeights};
 
 /// Writes `output[x * out_features + o]` for every weight row `o` of the groups `groups` and every activation row.
@@ -43,7 +47,8 @@ pub(super) fn matmul_groups(
     output: &Output<'_>,
 ) {
     let blocks = activations.blocks_per_row();
-    let has_minimums = matches!(weights.format(), WeightFormat::Q4_1 | WeightFormat::Q5_1);
+    let has_minimums = weights.format().has_offsets();
+    let half_scales = weights.format().has_half_scales();
     let mut q = [0i32; BLOCK];
     let rows = groups.start * GROUP..(groups.end * GROUP).min(weights.rows());
     for row in rows {
@@ -56,29 +61,38 @@ pub(super) fn matmul_groups(
             let mut offsets = 0f32;
             let mut wide = 0f32;
             for block in 0..blocks {
-                let (scale, offset) = weights.block(row, block, &mut q);
+                let scaling = weights.block(row, block, &mut q);
                 let x_values = &values[block * BLOCK..(block + 1) * BLOCK];
-                let factor = scale * scales[block];
+                let factors = scaling.scales.map(|scale| scale * scales[block]);
                 if residuals.is_empty() {
                     for (lane, sum) in lanes.iter_mut().enumerate() {
                         let partial: i32 = (4 * lane..4 * lane + 4)
                             .map(|j| q[j] * i32::from(x_values[j]))
                             .sum();
-                        *sum = factor.mul_add(partial as f32, *sum);
+                        *sum = factors[lane / 4].mul_add(partial as f32, *sum);
                     }
                 } else {
                     let x_residuals = &residuals[block * BLOCK..(block + 1) * BLOCK];
                     // |q| <= 128 and |128·x + r| < 2^14: 32 of them stay far inside an i32.
-                    let exact: i32 = (0..BLOCK)
-                        .map(|j| {
-                            q[j] * (WIDE_FACTOR * i32::from(x_values[j])
-                                + i32::from(x_residuals[j]))
-                        })
-                        .sum();
-                    wide = (factor * RESIDUAL_STEP).mul_add(exact as f32, wide);
+                    let exact = |range: Range<usize>| -> i32 {
+                        range
+                            .map(|j| {
+                                q[j] * (WIDE_FACTOR * i32::from(x_values[j])
+                                    + i32::from(x_residuals[j]))
+                            })
+                            .sum()
+                    };
+                    if half_scales {
+                        for (half, factor) in factors.iter().enumerate() {
+                            let integer = exact(16 * half..16 * half + 16);
+                            wide = (factor * RESIDUAL_STEP).mul_add(integer as f32, wide);
+                        }
+                    } else {
+                        wide = (factors[0] * RESIDUAL_STEP).mul_add(exact(0..BLOCK) as f32, wide);
+                    }
                 }
                 if has_minimums {
-                    offsets = offset.mul_add(sums[block], offsets);
+                    offsets = scaling.offset.mul_add(sums[block], offsets);
                 }
             }
             let result = if residuals.is_empty() {

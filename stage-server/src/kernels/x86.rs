@@ -32,6 +32,8 @@ const FORMAT_Q4_1: u8 = 1;
 const FORMAT_Q5_0: u8 = 2;
 const FORMAT_Q5_1: u8 = 3;
 const FORMAT_Q8_0: u8 = 4;
+const FORMAT_Q4_K: u8 = 5;
+const FORMAT_Q6_K: u8 = 6;
 
 /// How far ahead of the block it computes a kernel asks for the packed bytes (every line of the block, into
 /// L2: `_MM_HINT_T1`). A decode step streams every weight once. On the ggml layout a T0 prefetch 2 KiB ahead
@@ -117,6 +119,8 @@ macro_rules! for_each_format {
             FORMAT_Q4_1 => $kernel::<FORMAT_Q4_1, $wide>($weights, $($argument),*),
             FORMAT_Q5_0 => $kernel::<FORMAT_Q5_0, $wide>($weights, $($argument),*),
             FORMAT_Q5_1 => $kernel::<FORMAT_Q5_1, $wide>($weights, $($argument),*),
+            FORMAT_Q4_K => $kernel::<FORMAT_Q4_K, $wide>($weights, $($argument),*),
+            FORMAT_Q6_K => $kernel::<FORMAT_Q6_K, $wide>($weights, $($argument),*),
             _ => $kernel::<FORMAT_Q8_0, $wide>($weights, $($argument),*),
         }
     };
@@ -129,6 +133,8 @@ const fn format_of(tag: u8) -> WeightFormat {
         FORMAT_Q4_1 => WeightFormat::Q4_1,
         FORMAT_Q5_0 => WeightFormat::Q5_0,
         FORMAT_Q5_1 => WeightFormat::Q5_1,
+        FORMAT_Q4_K => WeightFormat::Q4_K,
+        FORMAT_Q6_K => WeightFormat::Q6_K,
         _ => WeightFormat::Q8_0,
     }
 }
@@ -141,6 +147,8 @@ fn tag_of(format: WeightFormat) -> u8 {
         WeightFormat::Q5_0 => FORMAT_Q5_0,
         WeightFormat::Q5_1 => FORMAT_Q5_1,
         WeightFormat::Q8_0 => FORMAT_Q8_0,
+        WeightFormat::Q4_K => FORMAT_Q4_K,
+        WeightFormat::Q6_K => FORMAT_Q6_K,
     }
 }
 
@@ -275,7 +283,8 @@ mod vnni {
         inputs: &Inputs<'_, X>,
     ) -> [[f32; GROUP]; X] {
         let layout = BlockLayout::of(format_of(F));
-        let has_minimums = F == FORMAT_Q4_1 || F == FORMAT_Q5_1;
+        let has_minimums = format_of(F).has_offsets();
+        let half_scales = format_of(F).has_half_scales();
         let mut sums = [[_mm512_setzero_ps(); 8]; X];
         let mut offsets = [_mm512_setzero_ps(); X];
         let mut wide = [_mm512_setzero_ps(); X];
@@ -289,16 +298,18 @@ mod vnni {
                 line += 64;
             }
             // SAFETY: every load below reads inside this block's `layout.bytes` bytes (contract and `packed.rs`).
-            let (scales, minimums, values) = unsafe {
-                let scales = _mm512_cvtph_ps(_mm256_loadu_si256(at as *const __m256i));
+            let (scales, halves, minimums, values) = unsafe {
+                let scales = scale_set(at, layout.wide_scales);
+                let halves = match layout.half_scales {
+                    Some(offset) => scale_set(at.add(offset), layout.wide_scales),
+                    None => scales,
+                };
                 let minimums = match layout.minimums {
-                    Some(offset) => {
-                        _mm512_cvtph_ps(_mm256_loadu_si256(at.add(offset) as *const __m256i))
-                    }
+                    Some(offset) => scale_set(at.add(offset), layout.wide_scales),
                     None => _mm512_setzero_ps(),
                 };
                 let mut values = [_mm512_setzero_si512(); 8];
-                if F == FORMAT_Q8_0 {
+                if layout.byte_values {
                     for (k, value) in values.iter_mut().enumerate() {
                         *value = _mm512_loadu_si512(at.add(layout.values + 64 * k) as *const _);
                     }
@@ -319,17 +330,23 @@ mod vnni {
                         }
                     }
                 }
-                (scales, minimums, values)
+                (scales, halves, minimums, values)
             };
             for j in 0..X {
                 let x_block = inputs.values[j].wrapping_add(block * 32) as *const i32;
-                let factor = _mm512_mul_ps(scales, _mm512_set1_ps(inputs.scales[j][block]));
+                let x_scale = _mm512_set1_ps(inputs.scales[j][block]);
+                let factors = [
+                    _mm512_mul_ps(scales, x_scale),
+                    _mm512_mul_ps(halves, x_scale),
+                ];
                 if WIDE {
                     let r_block = inputs.residuals[j].wrapping_add(block * 32) as *const i32;
-                    // Integers, so the chains' order is free: two per byte kind keep the adds' latency apart.
+                    // Integers, so the chains' order is free: two per byte kind keep the adds' latency apart,
+                    // one per half of the block where the halves are scaled apart.
                     let mut firsts = [_mm512_setzero_si512(); 2];
                     let mut residuals = [_mm512_setzero_si512(); 2];
-                    for k in 0..8 {
+                    for (k, value) in values.iter().enumerate() {
+                        let chain = if half_scales { k / 4 } else { k % 2 };
                         // SAFETY: each activation row holds `blocks` blocks of 32 bytes, and a wide row as many
                         // residual bytes (contract).
                         let (x_quad, r_quad) = unsafe {
@@ -338,29 +355,46 @@ mod vnni {
                                 r_block.add(k).read_unaligned(),
                             )
                         };
-                        firsts[k % 2] = _mm512_dpbusd_epi32(
-                            firsts[k % 2],
-                            values[k],
-                            _mm512_set1_epi32(x_quad),
-                        );
-                        residuals[k % 2] = _mm512_dpbusd_epi32(
-                            residuals[k % 2],
-                            values[k],
+                        firsts[chain] =
+                            _mm512_dpbusd_epi32(firsts[chain], *value, _mm512_set1_epi32(x_quad));
+                        residuals[chain] = _mm512_dpbusd_epi32(
+                            residuals[chain],
+                            *value,
                             _mm512_set1_epi32(r_quad),
                         );
                     }
-                    let exact = _mm512_add_epi32(
+                    let half_sums = &inputs.wide_sums[j][2 * block..2 * block + 2];
+                    let exact = |first: __m512i, residual: __m512i, sum: i32| {
                         _mm512_add_epi32(
-                            _mm512_set1_epi32(-layout.centre * inputs.wide_sums[j][block]),
-                            _mm512_slli_epi32::<WIDE_SHIFT>(_mm512_add_epi32(firsts[0], firsts[1])),
-                        ),
-                        _mm512_add_epi32(residuals[0], residuals[1]),
-                    );
-                    wide[j] = _mm512_fmadd_ps(
-                        _mm512_mul_ps(factor, _mm512_set1_ps(RESIDUAL_STEP)),
-                        _mm512_cvtepi32_ps(exact),
-                        wide[j],
-                    );
+                            _mm512_add_epi32(
+                                _mm512_set1_epi32(-layout.centre * sum),
+                                _mm512_slli_epi32::<WIDE_SHIFT>(first),
+                            ),
+                            residual,
+                        )
+                    };
+                    let step = _mm512_set1_ps(RESIDUAL_STEP);
+                    if half_scales {
+                        for half in 0..2 {
+                            let integer = exact(firsts[half], residuals[half], half_sums[half]);
+                            wide[j] = _mm512_fmadd_ps(
+                                _mm512_mul_ps(factors[half], step),
+                                _mm512_cvtepi32_ps(integer),
+                                wide[j],
+                            );
+                        }
+                    } else {
+                        let integer = exact(
+                            _mm512_add_epi32(firsts[0], firsts[1]),
+                            _mm512_add_epi32(residuals[0], residuals[1]),
+                            half_sums[0] + half_sums[1],
+                        );
+                        wide[j] = _mm512_fmadd_ps(
+                            _mm512_mul_ps(factors[0], step),
+                            _mm512_cvtepi32_ps(integer),
+                            wide[j],
+                        );
+                    }
                 } else {
                     let quads = &inputs.quads[j][block * QUADS..][..QUADS];
                     for k in 0..8 {
@@ -373,8 +407,11 @@ mod vnni {
                         let x_quad = unsafe { x_block.add(k).read_unaligned() };
                         let partial =
                             _mm512_dpbusd_epi32(start, values[k], _mm512_set1_epi32(x_quad));
-                        sums[j][k] =
-                            _mm512_fmadd_ps(factor, _mm512_cvtepi32_ps(partial), sums[j][k]);
+                        sums[j][k] = _mm512_fmadd_ps(
+                            factors[k / 4],
+                            _mm512_cvtepi32_ps(partial),
+                            sums[j][k],
+                        );
                     }
                 }
                 if has_minimums {
@@ -398,6 +435,40 @@ mod vnni {
             unsafe { _mm512_storeu_ps(line.as_mut_ptr(), result) };
         }
         lines
+    }
+}
+
+/// The 16 scales (or minimums) at `at`: f32 for the K-quants, f16 otherwise.
+///
+/// # Safety
+/// The CPU must support AVX-512 F and F16C, and `at` must point at 64 (`wide`) or 32 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn scale_set(at: *const u8, wide: bool) -> __m512 {
+    // SAFETY: the contract's bytes are readable; unaligned loads.
+    unsafe {
+        if wide {
+            _mm512_loadu_ps(at as *const f32)
+        } else {
+            _mm512_cvtph_ps(_mm256_loadu_si256(at as *const __m256i))
+        }
+    }
+}
+
+/// The 8 scales (or minimums) of half `half` of the set of 16 at `at`: f32 for the K-quants, f16 otherwise.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C, and `at` must point at the set's 64 (`wide`) or 32 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn half_scale_set(at: *const u8, half: usize, wide: bool) -> __m256 {
+    // SAFETY: the contract's bytes are readable; unaligned loads of 8 lanes at the half's offset.
+    unsafe {
+        if wide {
+            _mm256_loadu_ps(at.add(32 * half) as *const f32)
+        } else {
+            _mm256_cvtph_ps(_mm_loadu_si128(at.add(16 * half) as *const __m128i))
+        }
     }
 }
 
@@ -473,7 +544,8 @@ mod avx2 {
         inputs: &Inputs<'_, X>,
     ) -> [[f32; 8]; X] {
         let layout = BlockLayout::of(format_of(F));
-        let has_minimums = F == FORMAT_Q4_1 || F == FORMAT_Q5_1;
+        let has_minimums = format_of(F).has_offsets();
+        let half_scales = format_of(F).has_half_scales();
         let mut sums = [[_mm256_setzero_ps(); 8]; X];
         let mut offsets = [_mm256_setzero_ps(); X];
         let mut wide = [_mm256_setzero_ps(); X];
@@ -489,24 +561,29 @@ mod avx2 {
                 }
             }
             // SAFETY: every load below reads inside this block's `layout.bytes` bytes (contract and `packed.rs`).
-            let (scales, minimums, values) = unsafe {
-                let scales = _mm256_cvtph_ps(_mm_loadu_si128(at.add(16 * half) as *const __m128i));
+            let (scales, halves, minimums, values) = unsafe {
+                let scales = half_scale_set(at, half, layout.wide_scales);
+                let halves = match layout.half_scales {
+                    Some(offset) => half_scale_set(at.add(offset), half, layout.wide_scales),
+                    None => scales,
+                };
                 let minimums = match layout.minimums {
-                    Some(offset) => _mm256_cvtph_ps(_mm_loadu_si128(
-                        at.add(offset + 16 * half) as *const __m128i
-                    )),
+                    Some(offset) => half_scale_set(at.add(offset), half, layout.wide_scales),
                     None => _mm256_setzero_ps(),
                 };
                 let mut values = [_mm256_setzero_si256(); 8];
-                if F == FORMAT_Q8_0 {
+                if layout.byte_values {
                     for (k, value) in values.iter_mut().enumerate() {
-                        // Back to the signed weight: `maddubs` of 255 by 127 twice would saturate.
-                        *value = _mm256_xor_si256(
-                            _mm256_loadu_si256(
-                                at.add(layout.values + 64 * k + 32 * half) as *const __m256i
-                            ),
-                            _mm256_set1_epi8(-128),
+                        let stored = _mm256_loadu_si256(
+                            at.add(layout.values + 64 * k + 32 * half) as *const __m256i
                         );
+                        *value = if F == FORMAT_Q8_0 {
+                            // Back to the signed weight: `maddubs` of 255 by 127 twice would saturate.
+                            _mm256_xor_si256(stored, _mm256_set1_epi8(-128))
+                        } else {
+                            // Q6_K's values are at most 63: unsigned, as the 4- and 5-bit ones.
+                            stored
+                        };
                     }
                 } else {
                     for chunk in 0..4 {
@@ -525,18 +602,24 @@ mod avx2 {
                         }
                     }
                 }
-                (scales, minimums, values)
+                (scales, halves, minimums, values)
             };
             for j in 0..X {
-                // Q8_0 went back to signed weights above, so only the 4- and 5-bit centres are subtracted here.
+                // Q8_0 went back to signed weights above, so only the other formats' centres are subtracted here.
                 let centre = if F == FORMAT_Q8_0 { 0 } else { layout.centre };
                 let x_block = inputs.values[j].wrapping_add(block * 32) as *const i32;
-                let factor = _mm256_mul_ps(scales, _mm256_set1_ps(inputs.scales[j][block]));
+                let x_scale = _mm256_set1_ps(inputs.scales[j][block]);
+                let factors = [
+                    _mm256_mul_ps(scales, x_scale),
+                    _mm256_mul_ps(halves, x_scale),
+                ];
                 if WIDE {
                     let r_block = inputs.residuals[j].wrapping_add(block * 32) as *const i32;
-                    let mut firsts = _mm256_setzero_si256();
-                    let mut residuals = _mm256_setzero_si256();
+                    // One chain per half of the block where the halves are scaled apart.
+                    let mut firsts = [_mm256_setzero_si256(); 2];
+                    let mut residuals = [_mm256_setzero_si256(); 2];
                     for (k, value) in values.iter().enumerate() {
+                        let chain = if half_scales { k / 4 } else { 0 };
                         // SAFETY: each activation row holds `blocks` blocks of 32 bytes, and a wide row as many
                         // residual bytes (contract).
                         let (x, r) = unsafe {
@@ -545,21 +628,37 @@ mod avx2 {
                                 _mm256_set1_epi32(r_block.add(k).read_unaligned()),
                             )
                         };
-                        firsts = _mm256_add_epi32(firsts, dot::<F>(*value, x));
-                        residuals = _mm256_add_epi32(residuals, dot::<F>(*value, r));
+                        firsts[chain] = _mm256_add_epi32(firsts[chain], dot::<F>(*value, x));
+                        residuals[chain] = _mm256_add_epi32(residuals[chain], dot::<F>(*value, r));
                     }
-                    let exact = _mm256_add_epi32(
+                    let half_sums = &inputs.wide_sums[j][2 * block..2 * block + 2];
+                    let exact = |first: __m256i, residual: __m256i, sum: i32| {
                         _mm256_add_epi32(
-                            _mm256_set1_epi32(-centre * inputs.wide_sums[j][block]),
-                            _mm256_slli_epi32::<{ WIDE_SHIFT as i32 }>(firsts),
-                        ),
-                        residuals,
-                    );
-                    wide[j] = _mm256_fmadd_ps(
-                        _mm256_mul_ps(factor, _mm256_set1_ps(RESIDUAL_STEP)),
-                        _mm256_cvtepi32_ps(exact),
-                        wide[j],
-                    );
+                            _mm256_add_epi32(
+                                _mm256_set1_epi32(-centre * sum),
+                                _mm256_slli_epi32::<{ WIDE_SHIFT as i32 }>(first),
+                            ),
+                            residual,
+                        )
+                    };
+                    let step = _mm256_set1_ps(RESIDUAL_STEP);
+                    if half_scales {
+                        for half in 0..2 {
+                            let integer = exact(firsts[half], residuals[half], half_sums[half]);
+                            wide[j] = _mm256_fmadd_ps(
+                                _mm256_mul_ps(factors[half], step),
+                                _mm256_cvtepi32_ps(integer),
+                                wide[j],
+                            );
+                        }
+                    } else {
+                        let integer = exact(firsts[0], residuals[0], half_sums[0] + half_sums[1]);
+                        wide[j] = _mm256_fmadd_ps(
+                            _mm256_mul_ps(factors[0], step),
+                            _mm256_cvtepi32_ps(integer),
+                            wide[j],
+                        );
+                    }
                 } else {
                     let quads = &inputs.quads[j][block * QUADS..][..QUADS];
                     for (k, value) in values.iter().enumerate() {
@@ -569,8 +668,11 @@ mod avx2 {
                             _mm256_set1_epi32(-centre * quads[k]),
                             dot::<F>(*value, x),
                         );
-                        sums[j][k] =
-                            _mm256_fmadd_ps(factor, _mm256_cvtepi32_ps(partial), sums[j][k]);
+                        sums[j][k] = _mm256_fmadd_ps(
+                            factors[k / 4],
+                            _mm256_cvtepi32_ps(partial),
+                            sums[j][k],
+                        );
                     }
                 }
                 if has_minimums {
@@ -605,7 +707,7 @@ mod avx2 {
             // |w| times x with w's sign: 2 · 128 · 127 < 32767, no saturation.
             _mm256_maddubs_epi16(_mm256_sign_epi8(value, value), _mm256_sign_epi8(x, value))
         } else {
-            // Unsigned weights of at most 31: 2 · 31 · 127 < 32767.
+            // Unsigned weights of at most 63 (Q6_K; 31 for the 5-bit formats): 2 · 63 · 128 < 32767.
             _mm256_maddubs_epi16(value, x)
         };
         _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))

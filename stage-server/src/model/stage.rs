@@ -811,6 +811,22 @@ impl Stage {
     }
 }
 
+/// How finely a block's products quantise their activations, by architecture (the output head's are always wide).
+///
+/// gemma-3 takes every product wide: with 8-bit activations (ggml's) its 18 layers amplify the rounding into an
+/// argmax against llama.cpp's at a position llama.cpp calls confident (the agreement prompt "After the long
+/// winter", position 28: llama.cpp's margin 0.26, the exact forward's 0.025, ours -0.012), and with every product
+/// wide its logits sit within 2e-6 KL of the exact f64 forward (llama.cpp's: 2e-3 to 3e-3), at no cost to a decode
+/// step, which its 262,144-row head dominates. SmolLM2's 8-bit products already agree with llama.cpp and sit
+/// closer to the exact forward than llama.cpp does (`tests/exact_reference.rs`), and wide ones would cost its
+/// prefill 8% and a batched step up to a fifth of its products' time (docs/PERFORMANCE.md, session 25).
+fn block_precision(architecture: Architecture) -> ActivationPrecision {
+    match architecture {
+        Architecture::Gemma3 => ActivationPrecision::Wide,
+        Architecture::Llama => ActivationPrecision::Byte,
+    }
+}
+
 impl Block {
     fn load(file: &ModelFile, config: &ModelConfig, layer: usize) -> Result<Self, ModelError> {
         let name = |suffix: &str| format!("blk.{layer}.{suffix}.weight");
@@ -818,6 +834,7 @@ impl Block {
         let query_width = config.head_count * config.key_length;
         let kv_width = config.head_count_kv * config.key_length;
         let gemma = config.architecture == Architecture::Gemma3;
+        let precision = block_precision(config.architecture);
         let optional_vector = |suffix: &str, length: usize| {
             if gemma {
                 load_norm(file, &name(suffix), length).map(Some)
@@ -835,8 +852,10 @@ impl Block {
                     (&name("attn_v"), kv_width),
                 ],
                 width,
+                precision,
             )?,
-            output: load_linear(file, &name("attn_output"), query_width, width)?,
+            output: load_linear(file, &name("attn_output"), query_width, width)?
+                .with_activation_precision(precision),
             query_norm: optional_vector("attn_q_norm", config.key_length)?,
             key_norm: optional_vector("attn_k_norm", config.key_length)?,
             post_attention_norm: optional_vector("post_attention_norm", width)?,
@@ -848,8 +867,10 @@ impl Block {
                     (&name("ffn_up"), config.feed_forward_length),
                 ],
                 width,
+                precision,
             )?,
-            down: load_linear(file, &name("ffn_down"), config.feed_forward_length, width)?,
+            down: load_linear(file, &name("ffn_down"), config.feed_forward_length, width)?
+                .with_activation_precision(precision),
             post_ffn_norm: optional_vector("post_ffw_norm", width)?,
             attention: config.layer_attention(layer),
         })
@@ -1220,10 +1241,12 @@ struct Projections {
 }
 
 impl Projections {
+    /// Loads the members, stacking neighbours of one type, with activations quantised at `precision`.
     fn load(
         file: &ModelFile,
         members: &[(&str, usize)],
         in_features: usize,
+        precision: ActivationPrecision,
     ) -> Result<Self, ModelError> {
         let mut pending: Vec<(QTensor, usize)> = Vec::new();
         let mut groups = Vec::new();
@@ -1245,6 +1268,10 @@ impl Projections {
         if !pending.is_empty() {
             groups.push(stack(file, last, pending, in_features)?);
         }
+        let groups = groups
+            .into_iter()
+            .map(|(linear, widths)| (linear.with_activation_precision(precision), widths))
+            .collect();
         Ok(Self { groups })
     }
 
