@@ -201,8 +201,8 @@ fn matmul<M: Measurement>(criterion: &mut Criterion<M>) {
                 break;
             }
         }
+        // Wide activations (a residual byte per value): their cost beside one byte.
         {
-            // Wide activations (a residual byte per value): their cost beside one byte.
             let wide = ours.clone().with_precision(ActivationPrecision::Wide);
             group.bench_function(
                 BenchmarkId::new("ours-wide", format!("{best:?}")),

@@ -28,8 +28,8 @@
 //! each of our layers, found real differences (activation scales not rounded to f16 as ggml stores them, Q5_0
 //! zero points applied as a cancelling float term, RMS norm, RoPE and GELU arithmetic, f16-rounded attention
 //! queries and weights where its flash attention keeps f32, a batch-dependent candle path for one-row Q6_K
-//! products). With those fixed, gemma-3's Q/K/V projections, RoPE, GELU and output head equal llama.cpp's bit for
-//! bit; what remains is summation order in attention and candle's K-quant products, which 8-bit activation
+//! products). With those fixed, gemma-3's Q/K/V projections, RoPE, GELU and output head equalled llama.cpp's bit
+//! for bit; what remained was summation order in attention and candle's K-quant products, which 8-bit activation
 //! quantisation amplifies by one to two orders of magnitude per layer.
 //!
 //! Since session 25 gemma-3 no longer imitates ggml's 8-bit activations: its K-quant products run on our kernels

@@ -35,7 +35,7 @@
 //! products ran on candle with Q8_K activations (one scale per 256 values). Since session 25 they run on our
 //! kernels, and every gemma-3 product takes wide activations (`model::stage::block_precision`): its distance to
 //! the exact forward fell to 2e-7 to 2e-6 (what the f16 KV cache and GELU table leave), a thousandth of
-//! llama.cpp's, which [`gemma3_stays_within_the_f16_cache_s_noise_of_the_exact_forward`] holds it to.
+//! llama.cpp's, which [`gemma3_stays_within_the_f16_caches_noise_of_the_exact_forward`] holds it to.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -442,7 +442,7 @@ fn gemma3_is_no_further_from_the_exact_forward_than_llama_cpp_on_every_prompt() 
 /// of 1e-5 fails if any product falls back to 8-bit activations (one was enough for 1e-4 and more) or to a
 /// quantisation coarser than the model's.
 #[test]
-fn gemma3_stays_within_the_f16_cache_s_noise_of_the_exact_forward() {
+fn gemma3_stays_within_the_f16_caches_noise_of_the_exact_forward() {
     const BOUND: f64 = 1e-5;
     let Some(measurement) = measurement("gemma3") else {
         return;

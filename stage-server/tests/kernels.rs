@@ -194,10 +194,18 @@ fn dequantize_q4_k(block: &[u8]) -> Vec<f32> {
         let bytes = &block[16 + 32 * run..16 + 32 * run + 32];
         let (low_scale, low_minimum) = scale_and_minimum(2 * run);
         let (high_scale, high_minimum) = scale_and_minimum(2 * run + 1);
-        let (d1, m1) = (d * low_scale as f32, dmin * low_minimum as f32);
-        let (d2, m2) = (d * high_scale as f32, dmin * high_minimum as f32);
-        out.extend(bytes.iter().map(|b| d1 * (b & 0xF) as f32 - m1));
-        out.extend(bytes.iter().map(|b| d2 * (b >> 4) as f32 - m2));
+        let (low_step, low_offset) = (d * low_scale as f32, dmin * low_minimum as f32);
+        let (high_step, high_offset) = (d * high_scale as f32, dmin * high_minimum as f32);
+        out.extend(
+            bytes
+                .iter()
+                .map(|b| low_step * (b & 0xF) as f32 - low_offset),
+        );
+        out.extend(
+            bytes
+                .iter()
+                .map(|b| high_step * (b >> 4) as f32 - high_offset),
+        );
     }
     out
 }
@@ -211,17 +219,17 @@ fn dequantize_q6_k(block: &[u8]) -> Vec<f32> {
         let low = &block[64 * half..64 * half + 64];
         let high = &block[128 + 32 * half..128 + 32 * half + 32];
         let scales = &block[192 + 8 * half..192 + 8 * half + 8];
-        let y = &mut out[128 * half..128 * half + 128];
-        for l in 0..32 {
-            let is = l / 16;
-            let q1 = ((low[l] & 0xF) | ((high[l] & 3) << 4)) as i32 - 32;
-            let q2 = ((low[l + 32] & 0xF) | (((high[l] >> 2) & 3) << 4)) as i32 - 32;
-            let q3 = ((low[l] >> 4) | (((high[l] >> 4) & 3) << 4)) as i32 - 32;
-            let q4 = ((low[l + 32] >> 4) | (((high[l] >> 6) & 3) << 4)) as i32 - 32;
-            y[l] = d * (scales[is] as i8) as f32 * q1 as f32;
-            y[l + 32] = d * (scales[is + 2] as i8) as f32 * q2 as f32;
-            y[l + 64] = d * (scales[is + 4] as i8) as f32 * q3 as f32;
-            y[l + 96] = d * (scales[is + 6] as i8) as f32 * q4 as f32;
+        let weights = &mut out[128 * half..128 * half + 128];
+        for at in 0..32 {
+            let scale = at / 16;
+            let q1 = ((low[at] & 0xF) | ((high[at] & 3) << 4)) as i32 - 32;
+            let q2 = ((low[at + 32] & 0xF) | (((high[at] >> 2) & 3) << 4)) as i32 - 32;
+            let q3 = ((low[at] >> 4) | (((high[at] >> 4) & 3) << 4)) as i32 - 32;
+            let q4 = ((low[at + 32] >> 4) | (((high[at] >> 6) & 3) << 4)) as i32 - 32;
+            weights[at] = d * (scales[scale] as i8) as f32 * q1 as f32;
+            weights[at + 32] = d * (scales[scale + 2] as i8) as f32 * q2 as f32;
+            weights[at + 64] = d * (scales[scale + 4] as i8) as f32 * q3 as f32;
+            weights[at + 96] = d * (scales[scale + 6] as i8) as f32 * q4 as f32;
         }
     }
     out

@@ -16,11 +16,12 @@
 //! [`QuantizedActivations::quantize_wide`] carries a second byte per value: the rounding error of the first,
 //! quantised again on a step of `d / 128`. A value is then `(128·q + r) · d/128`, about 15 bits where the first
 //! byte alone is 8. The kernels take, per row and block, the exact integer `Σ w·(128·q + r)` from two integer
-//! products (first bytes, residual bytes) and scale it once by `d / 128`, where 8-bit rows take eight partial
-//! sums through eight float chains (llama.cpp's order): about as many instructions. ggml quantises every
-//! product's activations to 8 bits, and that rounding is nearly all of the distance from its logits (and ours) to
-//! the exact forward (`tests/exact_reference.rs`); the output head is where removing it pays most: it is the
-//! last product, so no later layer amplifies a change of summation order, and its bits need not follow llama.cpp's.
+//! products (first bytes, residual bytes) and scale it once by `d / 128` (once per half for Q6_K), where 8-bit
+//! rows take eight partial sums through eight float chains (llama.cpp's order): about as many instructions. ggml
+//! quantises every product's activations to 8 bits, and that rounding is nearly all of the distance from its
+//! logits (and ours) to the exact forward (`tests/exact_reference.rs`). Every output head takes wide activations
+//! (the last product: no later layer amplifies a change of summation order), and so does every gemma-3 product,
+//! which puts its logits within 2e-6 KL of the exact forward (`model::stage::block_precision`).
 
 use super::SimdLevel;
 use super::format::BLOCK;
@@ -106,12 +107,11 @@ impl QuantizedActivations {
     }
 
     /// Quantises as [`QuantizedActivations::quantize`], then quantises each value's rounding error `x - d·q` again
-    /// on a step of `d / 128` into a residual byte (with this CPU's fastest code for the first part; the second is
-    /// portable and the same everywhere).
+    /// on a step of `d / 128` into a residual byte, both with this CPU's fastest code.
     ///
     /// The first bytes, scales and sums of four stay as they are; the sums become `d/128 · Σ(128·q + r)` (the
-    /// whole value's sum, for the minimum of a Q4_1 or Q5_1 weight), and each block's integer `Σ(128·q + r)` is
-    /// kept for the centre of an unsigned weight. The residual is at most about `0.56·d` (`d` is rounded to f16
+    /// whole value's sum, for the minimum of a Q4_1, Q5_1 or Q4_K weight), and the integer `Σ(128·q + r)` of each
+    /// half of 16 values is kept for the centre of an unsigned weight (Q6_K scales its halves apart). The residual is at most about `0.56·d` (`d` is rounded to f16
     /// after `q` was), so it fits in `±72` steps, except in a block whose `d` is an f16 subnormal (largest value
     /// below about 8e-3), where rounding `d` moves it by more than 2^-11: there the clamp to `±127` holds it, and
     /// such a block is held less finely (a normalised head input has none). An infinite or NaN value gives a
@@ -197,7 +197,7 @@ impl QuantizedActivations {
 
     /// The integer sums of each run of four values of row `row`, [`QUADS`] per block: the kernels multiply an
     /// unsigned stored weight by four values at a time and subtract `centre·Σ` of those four to get the centred
-    /// weight's partial sum, exactly. They cover the first bytes only ([`Self::row_residual_sums`] the rest).
+    /// weight's partial sum, exactly. They cover the first bytes only ([`Self::row_wide_sums`] the whole values).
     pub fn row_quads(&self, row: usize) -> &[i32] {
         let per_row = self.blocks_per_row * QUADS;
         &self.quads[row * per_row..(row + 1) * per_row]
@@ -216,8 +216,8 @@ fn residual_block(chunk: &[f32], values: &[i8], d: f32, residuals: &mut [i8]) ->
     for (j, ((residual, &x), &value)) in residuals.iter_mut().zip(chunk).zip(values).enumerate() {
         if step > 0.0 {
             let error = x - d * f32::from(value);
-            // NaN (from an infinite x) casts to 0; a finite error is within ±72 steps but in the
-            // subnormal-scale blocks above, which the clamp holds.
+            // NaN (from an infinite x) casts to 0; a finite error is within ±72 steps but in a block whose
+            // scale is an f16 subnormal (`quantize_wide`), which the clamp holds.
             *residual = (error / step).round_ties_even().clamp(-127.0, 127.0) as i8;
         }
         halves[j / 16] += WIDE_FACTOR * i32::from(value) + i32::from(*residual);
@@ -242,7 +242,10 @@ unsafe fn residual_block_avx2(
     residuals: &mut [i8],
 ) -> [i32; 2] {
     use std::arch::x86_64::*;
-    assert!(chunk.len() == BLOCK && values.len() == BLOCK && residuals.len() == BLOCK);
+    assert!(
+        chunk.len() == BLOCK && values.len() == BLOCK && residuals.len() == BLOCK,
+        "a residual block is 32 values, 32 first bytes and 32 residual bytes"
+    );
     let step = d / WIDE_FACTOR as f32;
     // SAFETY: `chunk` holds 32 floats (asserted); unaligned loads.
     let lines: [__m256; 4] =

@@ -1,7 +1,8 @@
 //! The ggml block layouts our kernels read, and the scalar decoding of one block of 32 weights.
 //!
-//! Every format is read in blocks of 32 weights. A block decodes to 32 small integers `q` (0..=31 for the 4- and
-//! 5-bit formats, -32..=31 for Q6_K, -128..=127 for Q8_0), a scale for each half of 16 and an `offset` such that
+//! Every format is read in blocks of 32 weights. A block decodes to 32 small integers `q` (0..=15 for Q4_1 and
+//! Q4_K, 0..=31 for Q5_1, centred for the others: -8..=7 for Q4_0, -16..=15 for Q5_0, -32..=31 for Q6_K, -128..=127
+//! for Q8_0), a scale for each half of 16 and an `offset` such that
 //! weight `j` is `scale[j / 16] * q[j] + offset`. The kernels compute the integer dot product of `q` with the
 //! quantised activation and apply the scales and the offset once per block, which is what makes them cheap.
 //!
@@ -119,7 +120,7 @@ impl WeightFormat {
 
     /// Decodes block `sub` (of 32 weights) of one ggml block (exactly `ggml_block_bytes()` long) into the
     /// unsigned or signed integers of its weights and the scales and offset that turn them into weights. Used
-    /// by the packing, by the scalar kernel's view and by the tests' reference.
+    /// by the packing (and by its test, against what the packed bytes read back as).
     ///
     /// Panics if `sub` is not below `ggml_block_weights() / 32`.
     pub fn decode_block(self, ggml_block: &[u8], sub: usize, q: &mut [i32; BLOCK]) -> BlockScaling {
@@ -221,9 +222,13 @@ fn decode_q6_k(block: &[u8], sub: usize, q: &mut [i32; BLOCK]) -> BlockScaling {
     let (half, run) = (sub / 4, sub % 4);
     let low = &block[64 * half + 32 * (run % 2)..][..32];
     let high = &block[128 + 32 * half..][..32];
-    for (l, value) in q.iter_mut().enumerate() {
-        let nibble = if run < 2 { low[l] & 0x0F } else { low[l] >> 4 };
-        let pair = (high[l] >> (2 * run)) & 3;
+    for (index, value) in q.iter_mut().enumerate() {
+        let nibble = if run < 2 {
+            low[index] & 0x0F
+        } else {
+            low[index] >> 4
+        };
+        let pair = (high[index] >> (2 * run)) & 3;
         *value = i32::from(nibble | (pair << 4)) - 32;
     }
     let d = f16_at(block, 208);

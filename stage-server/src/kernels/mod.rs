@@ -1,4 +1,4 @@
-//! Quantised linear layers: our own SIMD kernels where candle has none, candle's `QMatMul` elsewhere.
+//! Quantised linear layers: our own SIMD kernels for the block formats of both shipped models, candle's `QMatMul` for the rest.
 //!
 //! candle 0.11.1 has no SIMD dot product for Q4_1, Q5_0 and Q5_1 (the formats of SmolLM2 and of gemma-3's
 //! projections), so its matmul falls back to scalar code there. For those formats, Q4_0, Q8_0 and the K-quants
@@ -180,16 +180,18 @@ pub enum ActivationPrecision {
     #[default]
     Byte,
     /// A second byte per value for the first one's rounding error, about 15 bits in all
-    /// ([`QuantizedActivations::quantize_wide`]). Each block is one exact integer converted once, instead of
-    /// eight partial sums in llama.cpp's float order: about as many instructions, but not llama.cpp's bits, so
-    /// it suits a product whose differences nothing downstream amplifies: the output head.
+    /// ([`QuantizedActivations::quantize_wide`]). Each block is one exact integer converted once (one per half
+    /// for Q6_K), instead of eight partial sums in llama.cpp's float order: as many instructions for one row,
+    /// up to a quarter more in a batch, and not llama.cpp's bits but close to the exact product's. Every output
+    /// head takes it, and every gemma-3 product (`model::stage::block_precision` says why).
     Wide,
 }
 
 /// A quantised weight matrix `[out_features, in_features]` in one of the [`WeightFormat`]s, with its products.
 ///
-/// It holds the weights repacked ([`PackedWeights`]), as many bytes as the ggml tensor they came from, which the
-/// caller may then drop: a loaded layer keeps one copy of its weights.
+/// It holds the weights repacked ([`PackedWeights`]), as many bytes as the ggml tensor they came from (4/3 as
+/// many for Q4_K, 1.5 for Q6_K, whose scales it keeps as f32), which the caller may then drop: a loaded layer keeps
+/// one copy of its weights.
 #[derive(Debug, Clone)]
 pub struct QuantizedMatrix {
     weights: Arc<PackedWeights>,
@@ -220,7 +222,8 @@ enum Backend {
 /// same position in a prefill by up to a logit after amplification through later layers (and free-running
 /// greedy output left llama.cpp's where the teacher-forced logits agreed). A single row is therefore sent as
 /// two copies of itself and the first result kept: every row takes the same path, at the cost of a second row
-/// on a product whose time is in reading the weights.
+/// on a product whose time is in reading the weights. (Our kernels take Q6_K since session 25, so only a layer
+/// built with [`Linear::candle_only`] still sends one here.)
 ///
 /// Float weights (F32, F16, BF16, which candle keeps as dense tensors) go through its general matrix product,
 /// whose blocking and summation order change with the number of rows. Those are multiplied one row at a time,
@@ -272,8 +275,8 @@ pub(crate) struct Output<'a> {
 impl QuantizedMatrix {
     /// Repacks a weight tensor of one of our formats, checking its shape and size.
     ///
-    /// Cost: one pass over the weights; the result holds as many bytes as the tensor, plus zero rows up to a
-    /// multiple of [`GROUP`] rows.
+    /// Cost: one pass over the weights; the result holds as many bytes as the tensor (more for the K-quants,
+    /// see [`QuantizedMatrix`]), plus zero rows up to a multiple of [`GROUP`] rows.
     pub fn new(tensor: Arc<QTensor>) -> Result<Self, KernelError> {
         let Some(format) = WeightFormat::from_ggml(tensor.dtype()) else {
             return Err(KernelError::UnsupportedFormat {
@@ -448,8 +451,8 @@ impl Linear {
 
     /// The same layer with its activations quantised at `precision`. A Q8_0 weight that candle multiplies (its
     /// repacked VNNI path, 8-bit activations) moves to our kernels for [`ActivationPrecision::Wide`], so a wide
-    /// layer gives the same bits on every CPU; candle's other products (K-quants, float weights) keep their own
-    /// quantisation.
+    /// layer gives the same bits on every CPU; candle's other products (Q2_K, Q3_K, Q5_K, float weights) keep
+    /// their own quantisation.
     pub fn with_activation_precision(self, precision: ActivationPrecision) -> Self {
         let inner = match self.inner {
             Backend::Ours(matrix, level) => Backend::Ours(matrix.with_precision(precision), level),

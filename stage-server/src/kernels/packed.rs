@@ -110,14 +110,10 @@ impl BlockLayout {
         }
     }
 
-    /// Writes `value` as lane `lane` of the scale set at `at` (f32 or f16 as the layout stores them).
-    fn put_scale(&self, target: &mut [u8], at: usize, lane: usize, value: f32) {
-        if self.wide_scales {
-            target[at + 4 * lane..at + 4 * lane + 4].copy_from_slice(&value.to_le_bytes());
-        } else {
-            let bits = half::f16::from_f32(value).to_bits();
-            target[at + 2 * lane..at + 2 * lane + 2].copy_from_slice(&bits.to_le_bytes());
-        }
+    /// Writes `value` as lane `lane` of the f32 scale set at `at` (the K-quants'; the f16 sets are copied from
+    /// the ggml bytes as they are).
+    fn put_wide_scale(target: &mut [u8], at: usize, lane: usize, value: f32) {
+        target[at + 4 * lane..at + 4 * lane + 4].copy_from_slice(&value.to_le_bytes());
     }
 
     /// Reads lane `lane` of the scale set at `at`.
@@ -167,12 +163,12 @@ impl PackedWeights {
                 let target =
                     &mut bytes[(group * blocks_per_row + block) * layout.bytes..][..layout.bytes];
                 if layout.wide_scales {
-                    layout.put_scale(target, 0, lane, scaling.scales[0]);
+                    BlockLayout::put_wide_scale(target, 0, lane, scaling.scales[0]);
                     if let Some(at) = layout.half_scales {
-                        layout.put_scale(target, at, lane, scaling.scales[1]);
+                        BlockLayout::put_wide_scale(target, at, lane, scaling.scales[1]);
                     }
                     if let Some(at) = layout.minimums {
-                        layout.put_scale(target, at, lane, scaling.offset);
+                        BlockLayout::put_wide_scale(target, at, lane, scaling.offset);
                     }
                 } else {
                     // The f16 fields are copied as they are, so every bit pattern (a NaN's too) survives.

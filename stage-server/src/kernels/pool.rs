@@ -136,7 +136,7 @@ struct Shared {
     /// on a 3-process SmolLM2 chain with 5 ms links, whose stages wake after every idle gap: a 10-layer pass
     /// took 1.8 to 1.9 ms instead of 1.0. Yielding only when the cores match, not after some spin, keeps the
     /// spin where it pays: a first version that yielded after 20 µs of spinning wherever it ran cost gemma-3
-    /// whole 15%, whose K-quant products run on candle's own spinning pool beside ours.
+    /// whole 15%, whose K-quant products then ran on candle's own spinning pool beside ours.
     caller_core: AtomicUsize,
 }
 
@@ -222,7 +222,8 @@ impl ComputePool {
 
     /// Runs `body`, which computes on threads of its own (candle's products for the formats our kernels do
     /// not cover), with this pool's workers parked instead of spinning beside it: inside a pass they would
-    /// hold the cores `body`'s threads need (gemma-3's K-quant products ran at 0.65x with them spinning).
+    /// hold the cores `body`'s threads need (gemma-3's K-quant products, on candle until session 25, ran at
+    /// 0.65x with them spinning).
     /// It gives up only the calling thread's own passes (all of them, when passes nest, as a split's stages
     /// do inside the split's pass): while another thread's pass runs, the workers spin for that one.
     pub fn aside<R>(&self, body: impl FnOnce() -> R) -> R {

@@ -12,8 +12,9 @@
 //! Decode is X = 1, one sequential stream of packed bytes per thread, prefetched ahead.
 //!
 //! Wide activations (a residual byte per value, `activation.rs`) take another path through the same tile: per row
-//! and block, two chains of multiply-adds (first bytes, residual bytes) give one exact integer, converted and
-//! accumulated once, as the scalar code states.
+//! and block, two chains of multiply-adds (first bytes, residual bytes) give one exact integer (one per half of
+//! the block for Q6_K, whose halves have scales of their own), converted and accumulated once, as the scalar code
+//! states. The K-quants' scales are f32 in the packed layout; every other format's are f16.
 //!
 //! Batch and level invariance: every tile shape, both SIMD levels and the scalar kernel perform the same
 //! operations per output element in the same order, so a row's output is bit-identical alone, in any batch, at
@@ -158,7 +159,7 @@ struct Inputs<'a, const X: usize> {
     /// The residual bytes of a wide quantisation; for an 8-bit one an empty slice's pointer, never read (only
     /// the wide tiles read it).
     residuals: [*const u8; X],
-    /// The per-block sums `Σ(128·q + r)` of a wide quantisation (empty for an 8-bit one).
+    /// The sums `Σ(128·q + r)` of each half block of a wide quantisation, two per block (empty for an 8-bit one).
     wide_sums: [&'a [i32]; X],
     scales: [&'a [f32]; X],
     sums: [&'a [f32]; X],
@@ -375,10 +376,10 @@ mod vnni {
                     };
                     let step = _mm512_set1_ps(RESIDUAL_STEP);
                     if half_scales {
-                        for half in 0..2 {
-                            let integer = exact(firsts[half], residuals[half], half_sums[half]);
+                        for part in 0..2 {
+                            let integer = exact(firsts[part], residuals[part], half_sums[part]);
                             wide[j] = _mm512_fmadd_ps(
-                                _mm512_mul_ps(factors[half], step),
+                                _mm512_mul_ps(factors[part], step),
                                 _mm512_cvtepi32_ps(integer),
                                 wide[j],
                             );
@@ -436,38 +437,21 @@ mod vnni {
         }
         lines
     }
-}
 
-/// The 16 scales (or minimums) at `at`: f32 for the K-quants, f16 otherwise.
-///
-/// # Safety
-/// The CPU must support AVX-512 F and F16C, and `at` must point at 64 (`wide`) or 32 readable bytes.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-#[inline]
-unsafe fn scale_set(at: *const u8, wide: bool) -> __m512 {
-    // SAFETY: the contract's bytes are readable; unaligned loads.
-    unsafe {
-        if wide {
-            _mm512_loadu_ps(at as *const f32)
-        } else {
-            _mm512_cvtph_ps(_mm256_loadu_si256(at as *const __m256i))
-        }
-    }
-}
-
-/// The 8 scales (or minimums) of half `half` of the set of 16 at `at`: f32 for the K-quants, f16 otherwise.
-///
-/// # Safety
-/// The CPU must support AVX2 and F16C, and `at` must point at the set's 64 (`wide`) or 32 readable bytes.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn half_scale_set(at: *const u8, half: usize, wide: bool) -> __m256 {
-    // SAFETY: the contract's bytes are readable; unaligned loads of 8 lanes at the half's offset.
-    unsafe {
-        if wide {
-            _mm256_loadu_ps(at.add(32 * half) as *const f32)
-        } else {
-            _mm256_cvtph_ps(_mm_loadu_si128(at.add(16 * half) as *const __m128i))
+    /// The 16 scales (or minimums) at `at`: f32 for the K-quants, f16 otherwise.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F and F16C, and `at` must point at 64 (`wide`) or 32 readable bytes.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn scale_set(at: *const u8, wide: bool) -> __m512 {
+        // SAFETY: the contract's bytes are readable; unaligned loads.
+        unsafe {
+            if wide {
+                _mm512_loadu_ps(at as *const f32)
+            } else {
+                _mm512_cvtph_ps(_mm256_loadu_si256(at as *const __m256i))
+            }
         }
     }
 }
@@ -643,10 +627,11 @@ mod avx2 {
                     };
                     let step = _mm256_set1_ps(RESIDUAL_STEP);
                     if half_scales {
-                        for half in 0..2 {
-                            let integer = exact(firsts[half], residuals[half], half_sums[half]);
+                        // `part` is the half of the block's weights; `half` is the half of the group's rows.
+                        for part in 0..2 {
+                            let integer = exact(firsts[part], residuals[part], half_sums[part]);
                             wide[j] = _mm256_fmadd_ps(
-                                _mm256_mul_ps(factors[half], step),
+                                _mm256_mul_ps(factors[part], step),
                                 _mm256_cvtepi32_ps(integer),
                                 wide[j],
                             );
@@ -696,6 +681,23 @@ mod avx2 {
             unsafe { _mm256_storeu_ps(line.as_mut_ptr(), result) };
         }
         lines
+    }
+
+    /// The 8 scales (or minimums) of half `half` of the set of 16 at `at`: f32 for the K-quants, f16 otherwise.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C, and `at` must point at the set's 64 (`wide`) or 32 readable bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn half_scale_set(at: *const u8, half: usize, wide: bool) -> __m256 {
+        // SAFETY: the contract's bytes are readable; unaligned loads of 8 lanes at the half's offset.
+        unsafe {
+            if wide {
+                _mm256_loadu_ps(at.add(32 * half) as *const f32)
+            } else {
+                _mm256_cvtph_ps(_mm_loadu_si128(at.add(16 * half) as *const __m128i))
+            }
+        }
     }
 
     /// The exact sums of four products of each 32-bit lane of `value` (stored weights) with the four bytes of
