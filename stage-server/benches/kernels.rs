@@ -23,7 +23,8 @@ use stage_server::kernels::{
 };
 
 /// (format, out_features, in_features, input rows, what it is).
-const CASES: [(WeightFormat, usize, usize, usize, &str); 25] = [
+const CASES: [(WeightFormat, usize, usize, usize, &str); 26] = [
+    (WeightFormat::Q5_K, 640, 2048, 1, "q5_k-ffn-down"),
     (WeightFormat::Q4_K, 640, 1024, 1, "gemma-attn-output"),
     (WeightFormat::Q4_K, 640, 2048, 1, "gemma-ffn-down"),
     (WeightFormat::Q4_K, 640, 2048, 4, "gemma-ffn-down-batch-4"),
@@ -74,7 +75,9 @@ fn random_tensor(format: WeightFormat, rows: usize, columns: usize, rng: &mut St
     rng.fill(bytes.as_mut_slice());
     // Where each ggml block keeps its f16 scales (random bytes elsewhere are valid values).
     let scales: &[usize] = match format {
-        WeightFormat::Q4_1 | WeightFormat::Q5_1 | WeightFormat::Q4_K => &[0, 2],
+        WeightFormat::Q4_1 | WeightFormat::Q5_1 | WeightFormat::Q4_K | WeightFormat::Q5_K => {
+            &[0, 2]
+        }
         WeightFormat::Q6_K => &[208],
         _ => &[0],
     };

@@ -73,7 +73,7 @@ fn random_blocks(format: WeightFormat, blocks: usize, rng: &mut StdRng) -> Vec<u
                 }
                 bytes.extend_from_slice(&f16_bytes(rng.random_range(-0.0005f32..0.0005)));
             }
-            WeightFormat::Q4_K => {
+            WeightFormat::Q4_K | WeightFormat::Q5_K => {
                 // 6-bit scales and minimums of up to 63 times `d` and `dmin`.
                 bytes.extend_from_slice(&f16_bytes(rng.random_range(-0.001f32..0.001)));
                 bytes.extend_from_slice(&f16_bytes(rng.random_range(-0.01f32..0.01)));
@@ -128,6 +128,9 @@ fn dequantize_block(format: WeightFormat, block: &[u8]) -> Vec<f32> {
     }
     if format == WeightFormat::Q6_K {
         return dequantize_q6_k(block);
+    }
+    if format == WeightFormat::Q5_K {
+        return dequantize_q5_k(block);
     }
     let mut out = vec![0f32; 32];
     let d = f16_at(block, 0);
@@ -206,6 +209,44 @@ fn dequantize_q4_k(block: &[u8]) -> Vec<f32> {
                 .iter()
                 .map(|b| high_step * (b >> 4) as f32 - high_offset),
         );
+    }
+    out
+}
+
+/// A Q5_K super-block as ggml's `dequantize_row_q5_K` walks it: Q4_K's runs of 64 over the 128 nibble bytes that
+/// follow 32 bytes of high bits, run `r` taking bits `2r` (its low nibbles) and `2r + 1` (its high ones) of each.
+fn dequantize_q5_k(block: &[u8]) -> Vec<f32> {
+    let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
+    let scales = &block[4..16];
+    let high = &block[16..48];
+    let scale_and_minimum = |index: usize| -> (u8, u8) {
+        if index < 4 {
+            (scales[index] & 63, scales[index + 4] & 63)
+        } else {
+            (
+                (scales[index + 4] & 0xF) | ((scales[index - 4] >> 6) << 4),
+                (scales[index + 4] >> 4) | ((scales[index] >> 6) << 4),
+            )
+        }
+    };
+    let mut out = Vec::with_capacity(256);
+    let (mut low_bit, mut high_bit) = (1u8, 2u8);
+    for run in 0..4 {
+        let bytes = &block[48 + 32 * run..48 + 32 * run + 32];
+        let (low_scale, low_minimum) = scale_and_minimum(2 * run);
+        let (high_scale, high_minimum) = scale_and_minimum(2 * run + 1);
+        let (low_step, low_offset) = (d * low_scale as f32, dmin * low_minimum as f32);
+        let (high_step, high_offset) = (d * high_scale as f32, dmin * high_minimum as f32);
+        out.extend(bytes.iter().zip(high).map(|(b, h)| {
+            let fifth = if h & low_bit != 0 { 16.0 } else { 0.0 };
+            low_step * ((b & 0xF) as f32 + fifth) - low_offset
+        }));
+        out.extend(bytes.iter().zip(high).map(|(b, h)| {
+            let fifth = if h & high_bit != 0 { 16.0 } else { 0.0 };
+            high_step * ((b >> 4) as f32 + fifth) - high_offset
+        }));
+        low_bit <<= 2;
+        high_bit <<= 2;
     }
     out
 }
@@ -639,6 +680,7 @@ fn linear_matches_candle_dequantize_and_matmul_on_quantised_random_weights() {
         GgmlDType::Q5_0,
         GgmlDType::Q5_1,
         GgmlDType::Q4K,
+        GgmlDType::Q5K,
         GgmlDType::Q6K,
     ] {
         for (rows, columns) in [(7, 640usize), (64, 576), (33, 1536)] {
@@ -706,7 +748,6 @@ fn linear_leaves_other_k_quants_and_floats_to_candle_and_gives_its_exact_result(
     for dtype in [
         GgmlDType::Q2K,
         GgmlDType::Q3K,
-        GgmlDType::Q5K,
         GgmlDType::F32,
         GgmlDType::F16,
     ] {
@@ -782,7 +823,7 @@ fn a_wide_linear_runs_our_kernels_and_gives_the_wide_matrix_bits_while_candle_la
         &Device::Cpu,
     )
     .unwrap();
-    let k_quant = Linear::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q5K).unwrap())
+    let k_quant = Linear::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q3K).unwrap())
         .unwrap()
         .with_activation_precision(ActivationPrecision::Wide);
     assert!(!k_quant.uses_own_kernels());
@@ -913,8 +954,8 @@ fn mismatched_shapes_and_unknown_types_are_errors_not_panics() {
         "unexpected error text: {error}"
     );
     let dense = Tensor::zeros((4, 256), candle_core::DType::F32, &Device::Cpu).unwrap();
-    let q5k = QTensor::quantize(&dense, GgmlDType::Q5K).unwrap();
-    let error = QuantizedMatrix::new(Arc::new(q5k)).unwrap_err();
+    let q3k = QTensor::quantize(&dense, GgmlDType::Q3K).unwrap();
+    let error = QuantizedMatrix::new(Arc::new(q3k)).unwrap_err();
     assert!(
         error.to_string().contains("no kernel for weight type"),
         "unexpected error text: {error}"

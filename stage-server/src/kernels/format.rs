@@ -1,14 +1,15 @@
 //! The ggml block layouts our kernels read, and the scalar decoding of one block of 32 weights.
 //!
 //! Every format is read in blocks of 32 weights. A block decodes to 32 small integers `q` (0..=15 for Q4_1 and
-//! Q4_K, 0..=31 for Q5_1, centred for the others: -8..=7 for Q4_0, -16..=15 for Q5_0, -32..=31 for Q6_K, -128..=127
+//! Q4_K, 0..=31 for Q5_1 and Q5_K, centred for the others: -8..=7 for Q4_0, -16..=15 for Q5_0, -32..=31 for Q6_K, -128..=127
 //! for Q8_0), a scale for each half of 16 and an `offset` such that
 //! weight `j` is `scale[j / 16] * q[j] + offset`. The kernels compute the integer dot product of `q` with the
 //! quantised activation and apply the scales and the offset once per block, which is what makes them cheap.
 //!
 //! The K-quants store 256 weights per ggml block (a super-block) with one f16 scale (and one f16 minimum) for the
-//! super-block and small integer scales for its sub-blocks: Q4_K has 8 sub-blocks of 32 with 6-bit scales and
-//! minimums, Q6_K 16 sub-blocks of 16 with signed 8-bit scales. A block of 32 here is a Q4_K sub-block (scale
+//! super-block and small integer scales for its sub-blocks: Q4_K and Q5_K have 8 sub-blocks of 32 with 6-bit
+//! scales and minimums, Q6_K 16 sub-blocks of 16 with signed 8-bit scales. A block of 32 here is a Q4_K or Q5_K
+//! sub-block (scale
 //! `d·sc`, offset `-dmin·m`) or two Q6_K sub-blocks (scales `d·sc₀` and `d·sc₁`); each product of an f16 by a
 //! 6- or 8-bit integer is exact in f32, so these are the weights ggml's dequantisation gives, bit for bit.
 
@@ -41,11 +42,15 @@ pub enum WeightFormat {
     /// Super-blocks of 256: 128 bytes of low nibbles, 64 bytes of high bit pairs, 16 signed scales (one per 16
     /// weights), `f16 d`: `w = d·sc * (q - 32)`.
     Q6_K,
+    /// Super-blocks of 256: `f16 d`, `f16 dmin`, 12 bytes of 6-bit scales and minimums for 8 sub-blocks of 32,
+    /// 32 bytes of fifth bits (bit `s` of byte `l` for weight `l` of sub-block `s`), 128 bytes of nibbles:
+    /// `w = d·sc * q - dmin·m`.
+    Q5_K,
 }
 
 impl WeightFormat {
     /// Every format, in a fixed order (for tests and benchmarks).
-    pub const ALL: [WeightFormat; 7] = [
+    pub const ALL: [WeightFormat; 8] = [
         WeightFormat::Q4_0,
         WeightFormat::Q4_1,
         WeightFormat::Q5_0,
@@ -53,6 +58,7 @@ impl WeightFormat {
         WeightFormat::Q8_0,
         WeightFormat::Q4_K,
         WeightFormat::Q6_K,
+        WeightFormat::Q5_K,
     ];
 
     /// The format of a ggml type, if we have kernels for it.
@@ -65,6 +71,7 @@ impl WeightFormat {
             GgmlDType::Q8_0 => Some(Self::Q8_0),
             GgmlDType::Q4K => Some(Self::Q4_K),
             GgmlDType::Q6K => Some(Self::Q6_K),
+            GgmlDType::Q5K => Some(Self::Q5_K),
             _ => None,
         }
     }
@@ -79,13 +86,14 @@ impl WeightFormat {
             Self::Q8_0 => GgmlDType::Q8_0,
             Self::Q4_K => GgmlDType::Q4K,
             Self::Q6_K => GgmlDType::Q6K,
+            Self::Q5_K => GgmlDType::Q5K,
         }
     }
 
     /// Weights per ggml block: 32, or 256 for the K-quants' super-blocks. A row's length must be a multiple.
     pub const fn ggml_block_weights(self) -> usize {
         match self {
-            Self::Q4_K | Self::Q6_K => SUPER_BLOCK,
+            Self::Q4_K | Self::Q5_K | Self::Q6_K => SUPER_BLOCK,
             _ => BLOCK,
         }
     }
@@ -100,6 +108,7 @@ impl WeightFormat {
             Self::Q8_0 => 34,
             Self::Q4_K => 144,
             Self::Q6_K => 210,
+            Self::Q5_K => 176,
         }
     }
 
@@ -110,7 +119,7 @@ impl WeightFormat {
 
     /// Whether the format adds an offset per block (`w = scale·q + offset`).
     pub const fn has_offsets(self) -> bool {
-        matches!(self, Self::Q4_1 | Self::Q5_1 | Self::Q4_K)
+        matches!(self, Self::Q4_1 | Self::Q5_1 | Self::Q4_K | Self::Q5_K)
     }
 
     /// Whether a block's two halves of 16 weights have scales of their own (Q6_K's sub-blocks of 16).
@@ -130,6 +139,7 @@ impl WeightFormat {
         );
         match self {
             Self::Q4_K => return decode_q4_k(ggml_block, sub, q),
+            Self::Q5_K => return decode_q5_k(ggml_block, sub, q),
             Self::Q6_K => return decode_q6_k(ggml_block, sub, q),
             _ => {}
         }
@@ -169,7 +179,7 @@ impl WeightFormat {
                 }
                 (d, 0.0)
             }
-            Self::Q4_K | Self::Q6_K => unreachable!("decoded above"),
+            Self::Q4_K | Self::Q5_K | Self::Q6_K => unreachable!("decoded above"),
         };
         BlockScaling {
             scales: [scale, scale],
@@ -190,6 +200,36 @@ pub struct BlockScaling {
 /// Sub-block `sub` (0..8) of a Q4_K super-block: ggml's `get_scale_min_k4` for its 6-bit scale and minimum, and
 /// its nibbles (sub-blocks `2i` and `2i + 1` share 32 bytes, low nibbles then high).
 fn decode_q4_k(block: &[u8], sub: usize, q: &mut [i32; BLOCK]) -> BlockScaling {
+    let nibbles = &block[16 + 32 * (sub / 2)..][..32];
+    for (value, byte) in q.iter_mut().zip(nibbles) {
+        *value = i32::from(if sub.is_multiple_of(2) {
+            byte & 0x0F
+        } else {
+            byte >> 4
+        });
+    }
+    k4_scaling(block, sub)
+}
+
+/// Sub-block `sub` (0..8) of a Q5_K super-block: Q4_K's scales and nibbles (the nibbles after 32 bytes of fifth
+/// bits), and bit `sub` of byte `l` of those as weight `l`'s fifth bit (ggml's `dequantize_row_q5_K`).
+fn decode_q5_k(block: &[u8], sub: usize, q: &mut [i32; BLOCK]) -> BlockScaling {
+    let fifths = &block[16..48];
+    let nibbles = &block[48 + 32 * (sub / 2)..][..32];
+    for ((value, byte), high) in q.iter_mut().zip(nibbles).zip(fifths) {
+        let nibble = if sub.is_multiple_of(2) {
+            byte & 0x0F
+        } else {
+            byte >> 4
+        };
+        *value = i32::from(nibble | (((high >> sub) & 1) << 4));
+    }
+    k4_scaling(block, sub)
+}
+
+/// The scale `d·sc` and offset `-dmin·m` of sub-block `sub` of a Q4_K or Q5_K super-block, whose 6-bit `sc` and
+/// `m` are packed in its 12 bytes after `d` and `dmin` as ggml's `get_scale_min_k4` reads them.
+fn k4_scaling(block: &[u8], sub: usize) -> BlockScaling {
     let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
     let packed = &block[4..16];
     let (scale, minimum) = if sub < 4 {
@@ -200,14 +240,6 @@ fn decode_q4_k(block: &[u8], sub: usize, q: &mut [i32; BLOCK]) -> BlockScaling {
             (packed[sub + 4] >> 4) | ((packed[sub] >> 6) << 4),
         )
     };
-    let nibbles = &block[16 + 32 * (sub / 2)..][..32];
-    for (value, byte) in q.iter_mut().zip(nibbles) {
-        *value = i32::from(if sub.is_multiple_of(2) {
-            byte & 0x0F
-        } else {
-            byte >> 4
-        });
-    }
     let scale = d * f32::from(scale);
     BlockScaling {
         scales: [scale, scale],

@@ -2,7 +2,8 @@
 //!
 //! candle 0.11.1 has no SIMD dot product for Q4_1, Q5_0 and Q5_1 (the formats of SmolLM2 and of gemma-3's
 //! projections), so its matmul falls back to scalar code there. For those formats, Q4_0, Q8_0 and the K-quants
-//! Q4_K and Q6_K (gemma-3's `attn_output` and `ffn_down`) [`Linear`] runs the kernels of this module instead,
+//! Q4_K, Q5_K and Q6_K (gemma-3's `attn_output` and `ffn_down` are Q4_K and Q6_K) [`Linear`] runs the kernels of
+//! this module instead,
 //! on our compute pool; every other format goes to candle's `QMatMul`.
 //!
 //! How a product `y = x · Wᵀ` is computed (the ggml method, on weights repacked at load time):
@@ -190,7 +191,7 @@ pub enum ActivationPrecision {
 /// A quantised weight matrix `[out_features, in_features]` in one of the [`WeightFormat`]s, with its products.
 ///
 /// It holds the weights repacked ([`PackedWeights`]), as many bytes as the ggml tensor they came from (4/3 as
-/// many for Q4_K, 1.5 for Q6_K, whose scales it keeps as f32), which the caller may then drop: a loaded layer keeps
+/// many for Q4_K, 1.27 for Q5_K, 1.5 for Q6_K, whose scales it keeps as f32), which the caller may then drop: a loaded layer keeps
 /// one copy of its weights.
 #[derive(Debug, Clone)]
 pub struct QuantizedMatrix {
@@ -401,7 +402,7 @@ impl Linear {
     /// - Q8_0: ours, except where candle repacks the weight for AVX-512 VNNI (rows a multiple of 256 values and a
     ///   multiple of 16 rows), which still beats ours there (2048x1536, 2 threads: one row 37.8 against 54.1 µs,
     ///   128 rows 1.96 against 3.05 ms; session 16); neither shipped model has such a tensor;
-    /// - Q4_K and Q6_K: ours, with activations in blocks of 32 (ggml's Q8_K has one scale per 256 values), on our
+    /// - Q4_K, Q5_K and Q6_K: ours, with activations in blocks of 32 (ggml's Q8_K has one scale per 256 values), on our
     ///   pool rather than candle's (whose spinning worker this host's scheduler packed onto the caller's core);
     /// - everything else (the other K-quants, F32, F16, BF16): candle's `QMatMul`.
     pub fn from_qtensor(weight: QTensor) -> candle_core::Result<Self> {
@@ -451,7 +452,7 @@ impl Linear {
 
     /// The same layer with its activations quantised at `precision`. A Q8_0 weight that candle multiplies (its
     /// repacked VNNI path, 8-bit activations) moves to our kernels for [`ActivationPrecision::Wide`], so a wide
-    /// layer gives the same bits on every CPU; candle's other products (Q2_K, Q3_K, Q5_K, float weights) keep
+    /// layer gives the same bits on every CPU; candle's other products (Q2_K, Q3_K, float weights) keep
     /// their own quantisation.
     pub fn with_activation_precision(self, precision: ActivationPrecision) -> Self {
         let inner = match self.inner {

@@ -12,8 +12,8 @@
 //!   group g, block b (16 rows x 32 weights), in order:
 //!     scales   16 x f16, or 16 x f32 for the K-quants    (32 or 64 bytes)
 //!     halves   16 x f32, Q6_K only: the scales of weights 16..32 (the first set then covers 0..16)
-//!     minimums 16 x f16 (Q4_1, Q5_1) or f32 (Q4_K)      (32 or 64 bytes)
-//!     fifths   8 x u64, Q5_0 and Q5_1 only   (64 bytes): bit 4r+t of word k is the fifth bit of row r's weight 4k+t
+//!     minimums 16 x f16 (Q4_1, Q5_1) or f32 (Q4_K, Q5_K) (32 or 64 bytes)
+//!     fifths   8 x u64, Q5_0, Q5_1, Q5_K only (64 bytes): bit 4r+t of word k is the fifth bit of row r's weight 4k+t
 //!     values   Q4/Q5: 4 x 64 bytes, byte 4r+t of chunk c holds row r's weight 8c+t (low nibble) and 8c+4+t (high)
 //!              Q8_0, Q6_K: 8 x 64 bytes, byte 4r+t of chunk k holds row r's weight 4k+t plus the centre
 //! ```
@@ -24,7 +24,7 @@
 //! For the 32-weight formats a group holds as many bytes as its 16 rows did in the ggml layout; rows past the
 //! matrix's end (up to 15, in the last group) are zero. The K-quants' scales are products of the super-block's
 //! f16 scale by a sub-block's small integer, exact in f32 but not in f16, so they are stored as f32 and Q6_K's
-//! six-bit values as bytes: a Q4_K group takes 6 bits per weight (4.5 in ggml's layout), a Q6_K group 10 (6.56),
+//! six-bit values as bytes: a Q4_K group takes 6 bits per weight (4.5 in ggml's layout), a Q5_K group 7 (5.5), a Q6_K group 10 (6.56),
 //! for kernels that read them as they read Q4_1 and Q8_0.
 
 use super::arena::WeightBytes;
@@ -70,12 +70,15 @@ impl BlockLayout {
         let (fifths, centre) = match format {
             WeightFormat::Q4_0 => (false, 8),
             WeightFormat::Q5_0 => (true, 16),
-            WeightFormat::Q5_1 => (true, 0),
+            WeightFormat::Q5_1 | WeightFormat::Q5_K => (true, 0),
             WeightFormat::Q8_0 => (false, 128),
             WeightFormat::Q6_K => (false, 32),
             WeightFormat::Q4_1 | WeightFormat::Q4_K => (false, 0),
         };
-        let wide_scales = matches!(format, WeightFormat::Q4_K | WeightFormat::Q6_K);
+        let wide_scales = matches!(
+            format,
+            WeightFormat::Q4_K | WeightFormat::Q5_K | WeightFormat::Q6_K
+        );
         let scale_set = if wide_scales { 4 * GROUP } else { 2 * GROUP };
         let mut at = scale_set;
         let half_scales = if format.has_half_scales() {

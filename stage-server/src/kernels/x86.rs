@@ -35,6 +35,7 @@ const FORMAT_Q5_1: u8 = 3;
 const FORMAT_Q8_0: u8 = 4;
 const FORMAT_Q4_K: u8 = 5;
 const FORMAT_Q6_K: u8 = 6;
+const FORMAT_Q5_K: u8 = 7;
 
 /// How far ahead of the block it computes a kernel asks for the packed bytes (every line of the block, into
 /// L2: `_MM_HINT_T1`). A decode step streams every weight once. On the ggml layout a T0 prefetch 2 KiB ahead
@@ -122,6 +123,7 @@ macro_rules! for_each_format {
             FORMAT_Q5_1 => $kernel::<FORMAT_Q5_1, $wide>($weights, $($argument),*),
             FORMAT_Q4_K => $kernel::<FORMAT_Q4_K, $wide>($weights, $($argument),*),
             FORMAT_Q6_K => $kernel::<FORMAT_Q6_K, $wide>($weights, $($argument),*),
+            FORMAT_Q5_K => $kernel::<FORMAT_Q5_K, $wide>($weights, $($argument),*),
             _ => $kernel::<FORMAT_Q8_0, $wide>($weights, $($argument),*),
         }
     };
@@ -136,6 +138,7 @@ const fn format_of(tag: u8) -> WeightFormat {
         FORMAT_Q5_1 => WeightFormat::Q5_1,
         FORMAT_Q4_K => WeightFormat::Q4_K,
         FORMAT_Q6_K => WeightFormat::Q6_K,
+        FORMAT_Q5_K => WeightFormat::Q5_K,
         _ => WeightFormat::Q8_0,
     }
 }
@@ -150,6 +153,7 @@ fn tag_of(format: WeightFormat) -> u8 {
         WeightFormat::Q8_0 => FORMAT_Q8_0,
         WeightFormat::Q4_K => FORMAT_Q4_K,
         WeightFormat::Q6_K => FORMAT_Q6_K,
+        WeightFormat::Q5_K => FORMAT_Q5_K,
     }
 }
 
