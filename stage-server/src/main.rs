@@ -536,7 +536,7 @@ fn main() {
         environment.push(("RAYON_NUM_THREADS", wanted));
     }
     // Our compute pool spins between the ops of a pass and parks when it ends; candle's barrier pool, which
-    // still runs the products our kernels do not cover (float weights, which no shipped model has; gemma-3's K-quants until
+    // still runs the products our kernels do not cover (float weights, Q2_K, Q3_K, which no shipped model has; gemma-3's K-quants until
     // session 25) and candle's large element-wise ops, spins
     // 25,000 times after each before it parks, on the cores our pool's next op (or, on one host, the next
     // stage process) needs: gemma-3 decoded 48 to 52 tok/s so against 61 to 65 with 2,000. Set for every

@@ -73,7 +73,7 @@ fn chain_of(
     (stages, next.expect("at least one stage"))
 }
 
-/// Runs the prompt `300, 301, ...` of `length` tokens on `chain` for at most `max_tokens`, asking `cancelled`
+/// Runs the prompt `300, 301, ..., 319, 300, ...` of `length` tokens on `chain` for at most `max_tokens`, asking `cancelled`
 /// before each prompt chunk; a token is a failure (`panic`) when `tokens_fail` says so.
 fn prompt_asking(
     chain: &mut Chain,
@@ -423,6 +423,13 @@ fn losing_the_last_stage_during_a_prompt_names_it_though_stage_0_was_writing() {
     let error = prompt_asking(&mut chain, 160, 4, &cancelled, None)
         .expect_err("a prompt whose last stage died must fail");
     assert_names_stage_2_down(&error);
+    // Noticed while the prompt was still going down (at the latest when its 16 credits ran out), not only
+    // after all 40 chunks were written.
+    assert!(
+        asked.get() < 40,
+        "stage 0 wrote the whole prompt ({} chunks asked about) before it noticed the dead stage",
+        asked.get()
+    );
 }
 
 #[test]

@@ -110,7 +110,7 @@ impl QuantizedActivations {
     /// on a step of `d / 128` into a residual byte, both with this CPU's fastest code.
     ///
     /// The first bytes, scales and sums of four stay as they are; the sums become `d/128 · Σ(128·q + r)` (the
-    /// whole value's sum, for the minimum of a Q4_1, Q5_1 or Q4_K weight), and the integer `Σ(128·q + r)` of each
+    /// whole value's sum, for the minimum of a Q4_1, Q5_1, Q4_K or Q5_K weight), and the integer `Σ(128·q + r)` of each
     /// half of 16 values is kept for the centre of an unsigned weight (Q6_K scales its halves apart). The residual is at most about `0.56·d` (`d` is rounded to f16
     /// after `q` was), so it fits in `±72` steps, except in a block whose `d` is an f16 subnormal (largest value
     /// below about 8e-3), where rounding `d` moves it by more than 2^-11: there the clamp to `±127` holds it, and
