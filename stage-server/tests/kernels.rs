@@ -177,21 +177,25 @@ fn dequantize_block(format: WeightFormat, block: &[u8]) -> Vec<f32> {
     out
 }
 
+/// The 6-bit scale and minimum of sub-block `index` of a Q4_K or Q5_K super-block, from its 12 scale bytes as
+/// ggml's `get_scale_min_k4` unpacks them.
+fn scale_and_minimum_k4(scales: &[u8], index: usize) -> (u8, u8) {
+    if index < 4 {
+        (scales[index] & 63, scales[index + 4] & 63)
+    } else {
+        (
+            (scales[index + 4] & 0xF) | ((scales[index - 4] >> 6) << 4),
+            (scales[index + 4] >> 4) | ((scales[index] >> 6) << 4),
+        )
+    }
+}
+
 /// A Q4_K super-block as ggml's `dequantize_row_q4_K` walks it: four runs of 64 weights, each the low then the
 /// high nibbles of 32 bytes, with the 6-bit scale and minimum pairs unpacked from the 12 scale bytes.
 fn dequantize_q4_k(block: &[u8]) -> Vec<f32> {
     let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
     let scales = &block[4..16];
-    let scale_and_minimum = |index: usize| -> (u8, u8) {
-        if index < 4 {
-            (scales[index] & 63, scales[index + 4] & 63)
-        } else {
-            (
-                (scales[index + 4] & 0xF) | ((scales[index - 4] >> 6) << 4),
-                (scales[index + 4] >> 4) | ((scales[index] >> 6) << 4),
-            )
-        }
-    };
+    let scale_and_minimum = |index: usize| scale_and_minimum_k4(scales, index);
     let mut out = Vec::with_capacity(256);
     for run in 0..4 {
         let bytes = &block[16 + 32 * run..16 + 32 * run + 32];
@@ -219,16 +223,7 @@ fn dequantize_q5_k(block: &[u8]) -> Vec<f32> {
     let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
     let scales = &block[4..16];
     let high = &block[16..48];
-    let scale_and_minimum = |index: usize| -> (u8, u8) {
-        if index < 4 {
-            (scales[index] & 63, scales[index + 4] & 63)
-        } else {
-            (
-                (scales[index + 4] & 0xF) | ((scales[index - 4] >> 6) << 4),
-                (scales[index + 4] >> 4) | ((scales[index] >> 6) << 4),
-            )
-        }
-    };
+    let scale_and_minimum = |index: usize| scale_and_minimum_k4(scales, index);
     let mut out = Vec::with_capacity(256);
     let (mut low_bit, mut high_bit) = (1u8, 2u8);
     for run in 0..4 {

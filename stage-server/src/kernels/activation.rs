@@ -125,17 +125,18 @@ impl QuantizedActivations {
         let mut wide = Self::quantize_at(level, input, rows, width);
         let mut residuals = vec![0i8; wide.values.len()];
         let mut wide_sums = vec![0i32; 2 * wide.scales.len()];
+        // Decided once per quantisation, not per block (`is_available` reads the detected features).
+        let vector =
+            matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512Vnni) && level.is_available();
         for (block, chunk) in input.chunks_exact(BLOCK).enumerate() {
             let d = wide.scales[block];
             let values = &wide.values[block * BLOCK..(block + 1) * BLOCK];
             let block_residuals = &mut residuals[block * BLOCK..(block + 1) * BLOCK];
-            let halves = match level {
-                #[cfg(target_arch = "x86_64")]
-                SimdLevel::Avx2 | SimdLevel::Avx512Vnni if level.is_available() => {
-                    // SAFETY: `is_available` checked that the CPU has AVX2 (both levels include it).
-                    unsafe { residual_block_avx2(chunk, values, d, block_residuals) }
-                }
-                _ => residual_block(chunk, values, d, block_residuals),
+            let halves = if vector {
+                // SAFETY: `vector` is set only where `is_available` found AVX2 (both levels include it).
+                unsafe { residual_block_vector(chunk, values, d, block_residuals) }
+            } else {
+                residual_block(chunk, values, d, block_residuals)
             };
             wide.sums[block] = d / WIDE_FACTOR as f32 * (halves[0] + halves[1]) as f32;
             wide_sums[2 * block..2 * block + 2].copy_from_slice(&halves);
@@ -223,6 +224,28 @@ fn residual_block(chunk: &[f32], values: &[i8], d: f32, residuals: &mut [i8]) ->
         halves[j / 16] += WIDE_FACTOR * i32::from(value) + i32::from(*residual);
     }
     halves
+}
+
+/// [`residual_block_avx2`] where it exists, else the portable code.
+///
+/// # Safety
+/// On x86-64 the CPU must support AVX2.
+#[inline(always)]
+unsafe fn residual_block_vector(
+    chunk: &[f32],
+    values: &[i8],
+    d: f32,
+    residuals: &mut [i8],
+) -> [i32; 2] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { residual_block_avx2(chunk, values, d, residuals) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        residual_block(chunk, values, d, residuals)
+    }
 }
 
 /// [`residual_block`] on AVX2 registers, the same operations per value (`x - d·q`, a division by the step, rounding

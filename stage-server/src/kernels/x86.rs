@@ -340,9 +340,15 @@ mod vnni {
             for j in 0..X {
                 let x_block = inputs.values[j].wrapping_add(block * 32) as *const i32;
                 let x_scale = _mm512_set1_ps(inputs.scales[j][block]);
+                // The second half's factor is a product of its own only where the halves are scaled apart (Q6_K).
+                let first = _mm512_mul_ps(scales, x_scale);
                 let factors = [
-                    _mm512_mul_ps(scales, x_scale),
-                    _mm512_mul_ps(halves, x_scale),
+                    first,
+                    if half_scales {
+                        _mm512_mul_ps(halves, x_scale)
+                    } else {
+                        first
+                    },
                 ];
                 if WIDE {
                     let r_block = inputs.residuals[j].wrapping_add(block * 32) as *const i32;
@@ -597,9 +603,15 @@ mod avx2 {
                 let centre = if F == FORMAT_Q8_0 { 0 } else { layout.centre };
                 let x_block = inputs.values[j].wrapping_add(block * 32) as *const i32;
                 let x_scale = _mm256_set1_ps(inputs.scales[j][block]);
+                // The second half's factor is a product of its own only where the halves are scaled apart (Q6_K).
+                let first = _mm256_mul_ps(scales, x_scale);
                 let factors = [
-                    _mm256_mul_ps(scales, x_scale),
-                    _mm256_mul_ps(halves, x_scale),
+                    first,
+                    if half_scales {
+                        _mm256_mul_ps(halves, x_scale)
+                    } else {
+                        first
+                    },
                 ];
                 if WIDE {
                     let r_block = inputs.residuals[j].wrapping_add(block * 32) as *const i32;
