@@ -2,8 +2,8 @@
 //!
 //! This is ggml's Q8_1 idea in our own layout: one scale per block (`d = max|x| / 127`), the rounded values
 //! `round(x / d)` as `i8`, and `d * Σq` so that a weight format with an offset (`w = scale·q + offset`) costs one
-//! extra multiply per block instead of a second pass, and the integer sum of each four values, which the packed
-//! kernels subtract `centre` times from an unsigned weight's partial sum. Values, scales, sums and sums of four sit
+//! extra multiply per block instead of a second pass, and the integer sum of each half of 16 values, which the
+//! packed kernels subtract `centre` times from an unsigned weight's product. Values, scales, sums and half sums sit
 //! in separate arrays so the SIMD kernels load 32 values with one instruction.
 //!
 //! The rounding follows ggml's x86 `quantize_row_q8_0` exactly: `q = round_ties_even(x * (127 / max))`, and the
@@ -16,8 +16,8 @@
 //! [`QuantizedActivations::quantize_wide`] carries a second byte per value: the rounding error of the first,
 //! quantised again on a step of `d / 128`. A value is then `(128·q + r) · d/128`, about 15 bits where the first
 //! byte alone is 8. The kernels take, per row and block, the exact integer `Σ w·(128·q + r)` from two integer
-//! products (first bytes, residual bytes) and scale it once by `d / 128` (once per half for Q6_K), where 8-bit
-//! rows take eight partial sums through eight float chains (llama.cpp's order): about as many instructions. ggml
+//! products (first bytes, residual bytes) and scale it once by `d / 128` (once per half for Q6_K), as they take
+//! `Σ w·q` of an 8-bit row and scale it by `d`. ggml
 //! quantises every product's activations to 8 bits, and that rounding is nearly all of the distance from its
 //! logits (and ours) to the exact forward (`tests/exact_reference.rs`). Every output head takes wide activations
 //! (the last product: no later layer amplifies a change of summation order), and so does every gemma-3 product,
@@ -43,11 +43,11 @@ pub struct QuantizedActivations {
     values: Vec<i8>,
     /// Empty, or one residual byte per value (a wide quantisation).
     residuals: Vec<i8>,
-    /// Empty, or the integer sum `Σ(128·q + r)` of each half of 16 values of each block (a wide quantisation).
-    wide_sums: Vec<i32>,
+    /// The integer sum of each half of 16 values of each block, two per block: `Σq`, or `Σ(128·q + r)` for a
+    /// wide quantisation.
+    half_sums: Vec<i32>,
     scales: Vec<f32>,
     sums: Vec<f32>,
-    quads: Vec<i32>,
 }
 
 impl QuantizedActivations {
@@ -79,12 +79,12 @@ impl QuantizedActivations {
         let mut values = vec![0i8; total_blocks * BLOCK];
         let mut scales = vec![0f32; total_blocks];
         let mut sums = vec![0f32; total_blocks];
-        let mut quads = vec![0i32; total_blocks * QUADS];
+        let mut half_sums = vec![0i32; 2 * total_blocks];
         let mut parts = Parts {
             values: &mut values,
             scales: &mut scales,
             sums: &mut sums,
-            quads: &mut quads,
+            half_sums: &mut half_sums,
         };
         match level {
             #[cfg(target_arch = "x86_64")]
@@ -99,19 +99,19 @@ impl QuantizedActivations {
             blocks_per_row,
             values,
             residuals: Vec::new(),
-            wide_sums: Vec::new(),
+            half_sums,
             scales,
             sums,
-            quads,
         }
     }
 
     /// Quantises as [`QuantizedActivations::quantize`], then quantises each value's rounding error `x - d·q` again
     /// on a step of `d / 128` into a residual byte, both with this CPU's fastest code.
     ///
-    /// The first bytes, scales and sums of four stay as they are; the sums become `d/128 · Σ(128·q + r)` (the
-    /// whole value's sum, for the minimum of a Q4_1, Q5_1, Q4_K or Q5_K weight), and the integer `Σ(128·q + r)` of each
-    /// half of 16 values is kept for the centre of an unsigned weight (Q6_K scales its halves apart). The residual is at most about `0.56·d` (`d` is rounded to f16
+    /// The first bytes and scales stay as they are; the sums become `d/128 · Σ(128·q + r)` (the whole value's sum,
+    /// for the minimum of a Q4_1, Q5_1, Q4_K or Q5_K weight), and the half sums the integer `Σ(128·q + r)` of each
+    /// half of 16 values (for the centre of an unsigned weight; Q6_K scales its halves apart). The residual is at
+    /// most about `0.56·d` (`d` is rounded to f16
     /// after `q` was), so it fits in `±72` steps, except in a block whose `d` is an f16 subnormal (largest value
     /// below about 8e-3), where rounding `d` moves it by more than 2^-11: there the clamp to `±127` holds it, and
     /// such a block is held less finely (a normalised head input has none). An infinite or NaN value gives a
@@ -124,7 +124,6 @@ impl QuantizedActivations {
     pub fn quantize_wide_at(level: SimdLevel, input: &[f32], rows: usize, width: usize) -> Self {
         let mut wide = Self::quantize_at(level, input, rows, width);
         let mut residuals = vec![0i8; wide.values.len()];
-        let mut wide_sums = vec![0i32; 2 * wide.scales.len()];
         // Decided once per quantisation, not per block (`is_available` reads the detected features).
         let vector =
             matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512Vnni) && level.is_available();
@@ -139,10 +138,9 @@ impl QuantizedActivations {
                 residual_block(chunk, values, d, block_residuals)
             };
             wide.sums[block] = d / WIDE_FACTOR as f32 * (halves[0] + halves[1]) as f32;
-            wide_sums[2 * block..2 * block + 2].copy_from_slice(&halves);
+            wide.half_sums[2 * block..2 * block + 2].copy_from_slice(&halves);
         }
         wide.residuals = residuals;
-        wide.wide_sums = wide_sums;
         wide
     }
 
@@ -160,14 +158,11 @@ impl QuantizedActivations {
         &self.residuals[row * width..(row + 1) * width]
     }
 
-    /// The integer sums `Σ(128·q + r)` of the two halves of 16 values of each block in row `row` of a wide
-    /// quantisation, two per block (the kernels subtract `centre` times them from an unsigned weight's product);
-    /// empty for an 8-bit one.
-    pub fn row_wide_sums(&self, row: usize) -> &[i32] {
-        if self.wide_sums.is_empty() {
-            return &[];
-        }
-        &self.wide_sums[2 * row * self.blocks_per_row..2 * (row + 1) * self.blocks_per_row]
+    /// The integer sums of the two halves of 16 values of each block in row `row`, two per block: `Σq`, or
+    /// `Σ(128·q + r)` for a wide quantisation. The kernels multiply an unsigned stored weight `v = w + centre` and
+    /// subtract `centre` times a sum to get the centred weight's product, exactly.
+    pub fn row_half_sums(&self, row: usize) -> &[i32] {
+        &self.half_sums[2 * row * self.blocks_per_row..2 * (row + 1) * self.blocks_per_row]
     }
 
     /// Number of rows.
@@ -195,18 +190,7 @@ impl QuantizedActivations {
     pub fn row_sums(&self, row: usize) -> &[f32] {
         &self.sums[row * self.blocks_per_row..(row + 1) * self.blocks_per_row]
     }
-
-    /// The integer sums of each run of four values of row `row`, [`QUADS`] per block: the kernels multiply an
-    /// unsigned stored weight by four values at a time and subtract `centre·Σ` of those four to get the centred
-    /// weight's partial sum, exactly. They cover the first bytes only ([`Self::row_wide_sums`] the whole values).
-    pub fn row_quads(&self, row: usize) -> &[i32] {
-        let per_row = self.blocks_per_row * QUADS;
-        &self.quads[row * per_row..(row + 1) * per_row]
-    }
 }
-
-/// Runs of four values per block (the values one 32-bit lane multiplies at once).
-pub const QUADS: usize = BLOCK / 4;
 
 /// Quantises the rounding errors `x - d·q` of one block (`chunk`, its first bytes `values`, its scale `d`) on a step
 /// of `d / 128` into `residuals`, and returns each half's `Σ(128·q + r)` (portable code).
@@ -337,18 +321,18 @@ struct Parts<'a> {
     values: &'a mut [i8],
     scales: &'a mut [f32],
     sums: &'a mut [f32],
-    quads: &'a mut [i32],
+    half_sums: &'a mut [i32],
 }
 
-/// Quantises whole blocks of `input` into `values`, `scales`, `sums` and `quads` (portable code).
+/// Quantises whole blocks of `input` into `values`, `scales`, `sums` and `half_sums` (portable code).
 #[inline(always)]
 fn quantize_blocks(input: &[f32], parts: &mut Parts<'_>) {
-    for ((((chunk, block_values), scale), sum), block_quads) in input
+    for ((((chunk, block_values), scale), sum), block_halves) in input
         .chunks_exact(BLOCK)
         .zip(parts.values.chunks_exact_mut(BLOCK))
         .zip(parts.scales.iter_mut())
         .zip(parts.sums.iter_mut())
-        .zip(parts.quads.chunks_exact_mut(QUADS))
+        .zip(parts.half_sums.chunks_exact_mut(2))
     {
         let maximum = chunk.iter().fold(0f32, |acc, x| acc.max(x.abs()));
         let d = maximum / 127.0;
@@ -362,8 +346,8 @@ fn quantize_blocks(input: &[f32], parts: &mut Parts<'_>) {
         }
         *scale = half::f16::from_f32(d).to_f32();
         *sum = *scale * total as f32;
-        for (quad, values) in block_quads.iter_mut().zip(block_values.chunks_exact(4)) {
-            *quad = values.iter().map(|&value| i32::from(value)).sum();
+        for (half, values) in block_halves.iter_mut().zip(block_values.chunks_exact(16)) {
+            *half = values.iter().map(|&value| i32::from(value)).sum();
         }
     }
 }
@@ -375,13 +359,13 @@ fn quantize_one_block(chunk: &[f32], parts: &mut Parts<'_>, block: usize) {
         values: &mut parts.values[block * BLOCK..(block + 1) * BLOCK],
         scales: &mut parts.scales[block..block + 1],
         sums: &mut parts.sums[block..block + 1],
-        quads: &mut parts.quads[block * QUADS..(block + 1) * QUADS],
+        half_sums: &mut parts.half_sums[2 * block..2 * block + 2],
     };
     quantize_blocks(chunk, &mut one);
 }
 
 /// [`quantize_blocks`] on AVX2 registers: a block's 32 values are four registers, its maximum one reduction, its
-/// rounding one instruction per eight values, its bytes and sums of four two instructions each. The operations per
+/// rounding one instruction per eight values, its bytes and half sums a few instructions each. The operations per
 /// value are the portable code's (`x * inverse`, rounded half to even), so the bytes are the same; a block holding
 /// an infinity or a NaN (a NaN is ordered differently by `max`), or values so small that `127 / max` overflows,
 /// where the two would differ, goes to the portable code.
@@ -444,24 +428,25 @@ unsafe fn quantize_blocks_avx2(input: &[f32], parts: &mut Parts<'_>) {
         let words_low = _mm256_packs_epi32(integers[0], integers[1]);
         let words_high = _mm256_packs_epi32(integers[2], integers[3]);
         let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words_low, words_high), order);
+        // The sums of each four bytes, in order: the low 128 bits hold the first half's four, the high the second's.
         let quads = _mm256_madd_epi16(_mm256_maddubs_epi16(one_bytes, bytes), one_words);
-        // SAFETY: both targets hold this block's 32 bytes and 8 integers.
+        // SAFETY: the target holds this block's 32 bytes.
         unsafe {
             _mm256_storeu_si256(
                 parts.values[block * BLOCK..].as_mut_ptr() as *mut __m256i,
                 bytes,
             );
-            _mm256_storeu_si256(
-                parts.quads[block * QUADS..].as_mut_ptr() as *mut __m256i,
-                quads,
-            );
         }
-        let half_sum = _mm_add_epi32(
-            _mm256_castsi256_si128(quads),
-            _mm256_extracti128_si256(quads, 1),
-        );
-        let pair_sum = _mm_add_epi32(half_sum, _mm_unpackhi_epi64(half_sum, half_sum));
-        let total = _mm_cvtsi128_si32(_mm_add_epi32(pair_sum, _mm_shuffle_epi32(pair_sum, 0b01)));
+        let half_sum = |four: __m128i| {
+            let pair = _mm_add_epi32(four, _mm_unpackhi_epi64(four, four));
+            _mm_cvtsi128_si32(_mm_add_epi32(pair, _mm_shuffle_epi32(pair, 0b01)))
+        };
+        let halves = [
+            half_sum(_mm256_castsi256_si128(quads)),
+            half_sum(_mm256_extracti128_si256(quads, 1)),
+        ];
+        parts.half_sums[2 * block..2 * block + 2].copy_from_slice(&halves);
+        let total = halves[0] + halves[1];
         parts.scales[block] = half::f16::from_f32(d).to_f32();
         parts.sums[block] = parts.scales[block] * total as f32;
     }

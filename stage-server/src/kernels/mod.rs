@@ -181,10 +181,9 @@ pub enum ActivationPrecision {
     #[default]
     Byte,
     /// A second byte per value for the first one's rounding error, about 15 bits in all
-    /// ([`QuantizedActivations::quantize_wide`]). Each block is one exact integer converted once (one per half
-    /// for Q6_K), instead of eight partial sums in llama.cpp's float order: as many instructions for one row,
-    /// up to a quarter more in a batch, and not llama.cpp's bits but close to the exact product's. Every output
-    /// head takes it, and every gemma-3 product (`model::stage::block_precision` says why).
+    /// ([`QuantizedActivations::quantize_wide`]): a second integer product per block, about as fast as `Byte`
+    /// on one row and up to half as slow again in a batch or a prefill, and close to the exact product's bits.
+    /// Every output head takes it, and every gemma-3 product (`model::stage::block_precision` says why).
     Wide,
 }
 

@@ -2,19 +2,18 @@
 //!
 //! A group's block (16 rows x 32 weights, `packed.rs`) is loaded as eight registers, register `k` holding weights
 //! `4k..4k+4` of every row, one row per 32-bit lane. Four activation bytes broadcast to every lane and one
-//! unsigned-by-signed multiply-add (`vpdpbusd` on VNNI, `maddubs` + `madd` on AVX2), started from `-centre·Σ` of
-//! those four bytes, give each row's exact partial sum `k`: the integer ggml's x86 kernels hold in lane `k` of a
-//! block's product. Each partial is converted, scaled by the 16 weight scales times the activation's and
-//! accumulated into its own sum, as ggml does with eight float lanes per row (`scalar.rs` states the order and
-//! why it is kept); here one instruction does it for 16 rows, where the ggml layout needs one per row.
+//! unsigned-by-signed multiply-add (`vpdpbusd` on VNNI, `maddubs` + `madd` on AVX2) advance every row's integer
+//! product by those four; the eight of a block go into two integer chains, whose sum less `centre` times the
+//! values' sum is the block's exact product with the centred weights (one per half of the block for Q6_K, whose
+//! halves have scales of their own). That integer is converted, scaled by the 16 weight scales times the
+//! activation's and accumulated once per block, as `scalar.rs` states; one instruction does it for 16 rows.
 //!
 //! A tile is one group by `X` activation rows: the group's block is expanded once and multiplied by each row.
 //! Decode is X = 1, one sequential stream of packed bytes per thread, prefetched ahead.
 //!
-//! Wide activations (a residual byte per value, `activation.rs`) take another path through the same tile: per row
-//! and block, two chains of multiply-adds (first bytes, residual bytes) give one exact integer (one per half of
-//! the block for Q6_K, whose halves have scales of their own), converted and accumulated once, as the scalar code
-//! states. The K-quants' scales are f32 in the packed layout; every other format's are f16.
+//! Wide activations (a residual byte per value, `activation.rs`) add a second chain of multiply-adds over the
+//! residual bytes; the block's integer is then `128 ·` the first bytes' product plus the residuals'. The K-quants'
+//! scales are f32 in the packed layout; every other format's are f16.
 //!
 //! Batch and level invariance: every tile shape, both SIMD levels and the scalar kernel perform the same
 //! operations per output element in the same order, so a row's output is bit-identical alone, in any batch, at
@@ -23,7 +22,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::activation::{QUADS, QuantizedActivations, RESIDUAL_STEP, WIDE_FACTOR};
+use super::activation::{QuantizedActivations, RESIDUAL_STEP, WIDE_FACTOR};
 use super::format::WeightFormat;
 use super::packed::{BlockLayout, GROUP, PackedWeights};
 use super::{Output, SimdLevel};
@@ -163,11 +162,10 @@ struct Inputs<'a, const X: usize> {
     /// The residual bytes of a wide quantisation; for an 8-bit one an empty slice's pointer, never read (only
     /// the wide tiles read it).
     residuals: [*const u8; X],
-    /// The sums `Σ(128·q + r)` of each half block of a wide quantisation, two per block (empty for an 8-bit one).
-    wide_sums: [&'a [i32]; X],
+    /// The integer sums of each half block's values, two per block (`Σ(128·q + r)` for a wide quantisation).
+    half_sums: [&'a [i32]; X],
     scales: [&'a [f32]; X],
     sums: [&'a [f32]; X],
-    quads: [&'a [i32]; X],
 }
 
 impl<'a, const X: usize> Inputs<'a, X> {
@@ -181,10 +179,9 @@ impl<'a, const X: usize> Inputs<'a, X> {
             residuals: std::array::from_fn(|j| {
                 activations.row_residuals(first + j).as_ptr() as *const u8
             }),
-            wide_sums: std::array::from_fn(|j| activations.row_wide_sums(first + j)),
+            half_sums: std::array::from_fn(|j| &activations.row_half_sums(first + j)[..2 * blocks]),
             scales: std::array::from_fn(|j| &activations.row_scales(first + j)[..blocks]),
             sums: std::array::from_fn(|j| &activations.row_sums(first + j)[..blocks]),
-            quads: std::array::from_fn(|j| &activations.row_quads(first + j)[..blocks * QUADS]),
         }
     }
 }
@@ -209,9 +206,11 @@ mod vnni {
     //! AVX-512 F/BW/VL/VNNI (plus AVX2, FMA, F16C): one group of 16 rows per register.
     use super::*;
 
-    /// Activation rows per tile in a batch: eight weight registers and eight sums per row fit the 32 zmm
-    /// registers at two.
-    const TILE_X: usize = 2;
+    /// Activation rows per tile in a batch of 8-bit rows: the eight weight registers, a sum and an offset per row
+    /// and each row's integer chains (live only while its block is computed) fit the 32 zmm registers at four.
+    /// (With ggml's eight float sums per row, before session 26, two fitted.) Wide rows, with twice the chains,
+    /// go in pairs: in fours they spilled (SmolLM2's `ffn_up`, 8 rows: 36 µs in pairs, 41 µs in fours).
+    const TILE_X: usize = 4;
 
     /// Dispatches on the weight format to a kernel specialised for it.
     ///
@@ -230,7 +229,8 @@ mod vnni {
         unsafe { for_each_format!(groups_of, weights, activations, groups, output) }
     }
 
-    /// Walks the groups, and in each the activation rows in tiles of `TILE_X`, then a single row.
+    /// Walks the groups, and in each the activation rows in tiles of `TILE_X` (8-bit rows only), then pairs, then a
+    /// single row.
     ///
     /// # Safety
     /// As for `matmul_groups`.
@@ -245,12 +245,16 @@ mod vnni {
         let blocks = activations.blocks_per_row();
         let group_bytes = blocks * BlockLayout::of(format_of(F)).bytes;
         // The activation rows of each tile, looked up once per product rather than once per group.
-        let tiles: Vec<Inputs<'_, TILE_X>> = (0..activations.rows() / TILE_X)
+        let rows = activations.rows();
+        let tiles: Vec<Inputs<'_, TILE_X>> = (0..if WIDE { 0 } else { rows / TILE_X })
             .map(|tile| Inputs::new(activations, tile * TILE_X))
             .collect();
-        let singles: Vec<Inputs<'_, 1>> = (tiles.len() * TILE_X..activations.rows())
-            .map(|row| Inputs::new(activations, row))
+        let paired = tiles.len() * TILE_X;
+        let pairs: Vec<Inputs<'_, 2>> = (0..(rows - paired) / 2)
+            .map(|pair| Inputs::new(activations, paired + 2 * pair))
             .collect();
+        let rest = paired + 2 * pairs.len();
+        let single = (rest < rows).then(|| Inputs::<'_, 1>::new(activations, rest));
         for group in groups {
             // SAFETY: the group is inside the packed bytes (contract).
             let base = unsafe { weights.bytes().as_ptr().add(group * group_bytes) };
@@ -260,16 +264,21 @@ mod vnni {
                 let lines = unsafe { tile::<F, WIDE, TILE_X>(base, blocks, rows) };
                 write_tile(output, weights.rows(), first_row, index * TILE_X, &lines);
             }
-            for (index, rows) in singles.iter().enumerate() {
-                // SAFETY: as above with one row.
-                let lines = unsafe { tile::<F, WIDE, 1>(base, blocks, rows) };
+            for (index, rows) in pairs.iter().enumerate() {
+                // SAFETY: as above with two rows.
+                let lines = unsafe { tile::<F, WIDE, 2>(base, blocks, rows) };
                 write_tile(
                     output,
                     weights.rows(),
                     first_row,
-                    tiles.len() * TILE_X + index,
+                    paired + 2 * index,
                     &lines,
                 );
+            }
+            if let Some(rows) = &single {
+                // SAFETY: as above with one row.
+                let lines = unsafe { tile::<F, WIDE, 1>(base, blocks, rows) };
+                write_tile(output, weights.rows(), first_row, rest, &lines);
             }
         }
     }
@@ -290,9 +299,8 @@ mod vnni {
         let layout = BlockLayout::of(format_of(F));
         let has_minimums = format_of(F).has_offsets();
         let half_scales = format_of(F).has_half_scales();
-        let mut sums = [[_mm512_setzero_ps(); 8]; X];
+        let mut totals = [_mm512_setzero_ps(); X];
         let mut offsets = [_mm512_setzero_ps(); X];
-        let mut wide = [_mm512_setzero_ps(); X];
         let low_nibbles = _mm512_set1_epi8(0x0F);
         for block in 0..blocks {
             let at = base.wrapping_add(block * layout.bytes);
@@ -340,90 +348,72 @@ mod vnni {
             for j in 0..X {
                 let x_block = inputs.values[j].wrapping_add(block * 32) as *const i32;
                 let x_scale = _mm512_set1_ps(inputs.scales[j][block]);
+                // A wide row's residual bytes are on a step of 1/128 of the first bytes'.
+                let step = |factor: __m512| {
+                    if WIDE {
+                        _mm512_mul_ps(factor, _mm512_set1_ps(RESIDUAL_STEP))
+                    } else {
+                        factor
+                    }
+                };
                 // The second half's factor is a product of its own only where the halves are scaled apart (Q6_K).
-                let first = _mm512_mul_ps(scales, x_scale);
+                let first = step(_mm512_mul_ps(scales, x_scale));
                 let factors = [
                     first,
                     if half_scales {
-                        _mm512_mul_ps(halves, x_scale)
+                        step(_mm512_mul_ps(halves, x_scale))
                     } else {
                         first
                     },
                 ];
-                if WIDE {
-                    let r_block = inputs.residuals[j].wrapping_add(block * 32) as *const i32;
-                    // Integers, so the chains' order is free: two per byte kind keep the adds' latency apart,
-                    // one per half of the block where the halves are scaled apart.
-                    let mut firsts = [_mm512_setzero_si512(); 2];
-                    let mut residuals = [_mm512_setzero_si512(); 2];
-                    for (k, value) in values.iter().enumerate() {
-                        let chain = if half_scales { k / 4 } else { k % 2 };
-                        // SAFETY: each activation row holds `blocks` blocks of 32 bytes, and a wide row as many
-                        // residual bytes (contract).
-                        let (x_quad, r_quad) = unsafe {
-                            (
-                                x_block.add(k).read_unaligned(),
-                                r_block.add(k).read_unaligned(),
-                            )
-                        };
-                        firsts[chain] =
-                            _mm512_dpbusd_epi32(firsts[chain], *value, _mm512_set1_epi32(x_quad));
+                // Integers, so the chains' order is free: two per byte kind keep the adds' latency apart, one per
+                // half of the block where the halves are scaled apart.
+                let mut firsts = [_mm512_setzero_si512(); 2];
+                let mut residuals = [_mm512_setzero_si512(); 2];
+                let r_block = inputs.residuals[j].wrapping_add(block * 32) as *const i32;
+                for (k, value) in values.iter().enumerate() {
+                    let chain = if half_scales { k / 4 } else { k % 2 };
+                    // SAFETY: each activation row holds `blocks` blocks of 32 bytes (contract).
+                    let x_quad = unsafe { x_block.add(k).read_unaligned() };
+                    firsts[chain] =
+                        _mm512_dpbusd_epi32(firsts[chain], *value, _mm512_set1_epi32(x_quad));
+                    if WIDE {
+                        // SAFETY: a wide row holds as many residual bytes as values (contract).
+                        let r_quad = unsafe { r_block.add(k).read_unaligned() };
                         residuals[chain] = _mm512_dpbusd_epi32(
                             residuals[chain],
                             *value,
                             _mm512_set1_epi32(r_quad),
                         );
                     }
-                    let half_sums = &inputs.wide_sums[j][2 * block..2 * block + 2];
-                    let exact = |first: __m512i, residual: __m512i, sum: i32| {
-                        _mm512_add_epi32(
-                            _mm512_add_epi32(
-                                _mm512_set1_epi32(-layout.centre * sum),
-                                _mm512_slli_epi32::<WIDE_SHIFT>(first),
-                            ),
-                            residual,
-                        )
-                    };
-                    let step = _mm512_set1_ps(RESIDUAL_STEP);
-                    if half_scales {
-                        for part in 0..2 {
-                            let integer = exact(firsts[part], residuals[part], half_sums[part]);
-                            wide[j] = _mm512_fmadd_ps(
-                                _mm512_mul_ps(factors[part], step),
-                                _mm512_cvtepi32_ps(integer),
-                                wide[j],
-                            );
-                        }
+                }
+                let half_sums = &inputs.half_sums[j][2 * block..2 * block + 2];
+                // The centred weights' exact product: the stored weights' less `centre` times the values' sum.
+                let exact = |first: __m512i, residual: __m512i, sum: i32| {
+                    let stored = if WIDE {
+                        _mm512_add_epi32(_mm512_slli_epi32::<WIDE_SHIFT>(first), residual)
                     } else {
-                        let integer = exact(
-                            _mm512_add_epi32(firsts[0], firsts[1]),
-                            _mm512_add_epi32(residuals[0], residuals[1]),
-                            half_sums[0] + half_sums[1],
-                        );
-                        wide[j] = _mm512_fmadd_ps(
-                            _mm512_mul_ps(factors[0], step),
-                            _mm512_cvtepi32_ps(integer),
-                            wide[j],
-                        );
+                        first
+                    };
+                    if layout.centre == 0 {
+                        stored
+                    } else {
+                        _mm512_add_epi32(_mm512_set1_epi32(-layout.centre * sum), stored)
+                    }
+                };
+                if half_scales {
+                    for part in 0..2 {
+                        let integer = exact(firsts[part], residuals[part], half_sums[part]);
+                        totals[j] =
+                            _mm512_fmadd_ps(factors[part], _mm512_cvtepi32_ps(integer), totals[j]);
                     }
                 } else {
-                    let quads = &inputs.quads[j][block * QUADS..][..QUADS];
-                    for k in 0..8 {
-                        let start = if layout.centre == 0 {
-                            _mm512_setzero_si512()
-                        } else {
-                            _mm512_set1_epi32(-layout.centre * quads[k])
-                        };
-                        // SAFETY: each activation row holds `blocks` blocks of 32 bytes (contract).
-                        let x_quad = unsafe { x_block.add(k).read_unaligned() };
-                        let partial =
-                            _mm512_dpbusd_epi32(start, values[k], _mm512_set1_epi32(x_quad));
-                        sums[j][k] = _mm512_fmadd_ps(
-                            factors[k / 4],
-                            _mm512_cvtepi32_ps(partial),
-                            sums[j][k],
-                        );
-                    }
+                    let integer = exact(
+                        _mm512_add_epi32(firsts[0], firsts[1]),
+                        _mm512_add_epi32(residuals[0], residuals[1]),
+                        half_sums[0] + half_sums[1],
+                    );
+                    totals[j] = _mm512_fmadd_ps(factors[0], _mm512_cvtepi32_ps(integer), totals[j]);
                 }
                 if has_minimums {
                     offsets[j] = _mm512_fmadd_ps(
@@ -436,12 +426,7 @@ mod vnni {
         }
         let mut lines = [[0f32; GROUP]; X];
         for (j, line) in lines.iter_mut().enumerate() {
-            let s = &sums[j];
-            let total = _mm512_add_ps(
-                _mm512_add_ps(_mm512_add_ps(s[0], s[4]), _mm512_add_ps(s[2], s[6])),
-                _mm512_add_ps(_mm512_add_ps(s[1], s[5]), _mm512_add_ps(s[3], s[7])),
-            );
-            let result = _mm512_add_ps(if WIDE { wide[j] } else { total }, offsets[j]);
+            let result = _mm512_add_ps(totals[j], offsets[j]);
             // SAFETY: `line` is 16 writable floats.
             unsafe { _mm512_storeu_ps(line.as_mut_ptr(), result) };
         }
@@ -540,9 +525,8 @@ mod avx2 {
         let layout = BlockLayout::of(format_of(F));
         let has_minimums = format_of(F).has_offsets();
         let half_scales = format_of(F).has_half_scales();
-        let mut sums = [[_mm256_setzero_ps(); 8]; X];
+        let mut totals = [_mm256_setzero_ps(); X];
         let mut offsets = [_mm256_setzero_ps(); X];
-        let mut wide = [_mm256_setzero_ps(); X];
         let low_nibbles = _mm256_set1_epi8(0x0F);
         for block in 0..blocks {
             let at = base.wrapping_add(block * layout.bytes);
@@ -603,78 +587,70 @@ mod avx2 {
                 let centre = if F == FORMAT_Q8_0 { 0 } else { layout.centre };
                 let x_block = inputs.values[j].wrapping_add(block * 32) as *const i32;
                 let x_scale = _mm256_set1_ps(inputs.scales[j][block]);
+                // A wide row's residual bytes are on a step of 1/128 of the first bytes'.
+                let step = |factor: __m256| {
+                    if WIDE {
+                        _mm256_mul_ps(factor, _mm256_set1_ps(RESIDUAL_STEP))
+                    } else {
+                        factor
+                    }
+                };
                 // The second half's factor is a product of its own only where the halves are scaled apart (Q6_K).
-                let first = _mm256_mul_ps(scales, x_scale);
+                let first = step(_mm256_mul_ps(scales, x_scale));
                 let factors = [
                     first,
                     if half_scales {
-                        _mm256_mul_ps(halves, x_scale)
+                        step(_mm256_mul_ps(halves, x_scale))
                     } else {
                         first
                     },
                 ];
-                if WIDE {
-                    let r_block = inputs.residuals[j].wrapping_add(block * 32) as *const i32;
-                    // One chain per half of the block where the halves are scaled apart.
-                    let mut firsts = [_mm256_setzero_si256(); 2];
-                    let mut residuals = [_mm256_setzero_si256(); 2];
-                    for (k, value) in values.iter().enumerate() {
-                        let chain = if half_scales { k / 4 } else { 0 };
-                        // SAFETY: each activation row holds `blocks` blocks of 32 bytes, and a wide row as many
-                        // residual bytes (contract).
-                        let (x, r) = unsafe {
-                            (
-                                _mm256_set1_epi32(x_block.add(k).read_unaligned()),
-                                _mm256_set1_epi32(r_block.add(k).read_unaligned()),
-                            )
-                        };
-                        firsts[chain] = _mm256_add_epi32(firsts[chain], dot::<F>(*value, x));
+                // One chain per half of the block where the halves are scaled apart (integers: the order is free).
+                let mut firsts = [_mm256_setzero_si256(); 2];
+                let mut residuals = [_mm256_setzero_si256(); 2];
+                let r_block = inputs.residuals[j].wrapping_add(block * 32) as *const i32;
+                for (k, value) in values.iter().enumerate() {
+                    let chain = if half_scales { k / 4 } else { k % 2 };
+                    // SAFETY: each activation row holds `blocks` blocks of 32 bytes (contract).
+                    let x = _mm256_set1_epi32(unsafe { x_block.add(k).read_unaligned() });
+                    firsts[chain] = _mm256_add_epi32(firsts[chain], dot::<F>(*value, x));
+                    if WIDE {
+                        // SAFETY: a wide row holds as many residual bytes as values (contract).
+                        let r = _mm256_set1_epi32(unsafe { r_block.add(k).read_unaligned() });
                         residuals[chain] = _mm256_add_epi32(residuals[chain], dot::<F>(*value, r));
                     }
-                    let half_sums = &inputs.wide_sums[j][2 * block..2 * block + 2];
-                    let exact = |first: __m256i, residual: __m256i, sum: i32| {
+                }
+                let half_sums = &inputs.half_sums[j][2 * block..2 * block + 2];
+                // The centred weights' exact product: the stored weights' less `centre` times the values' sum.
+                let exact = |first: __m256i, residual: __m256i, sum: i32| {
+                    let stored = if WIDE {
                         _mm256_add_epi32(
-                            _mm256_add_epi32(
-                                _mm256_set1_epi32(-centre * sum),
-                                _mm256_slli_epi32::<{ WIDE_SHIFT as i32 }>(first),
-                            ),
+                            _mm256_slli_epi32::<{ WIDE_SHIFT as i32 }>(first),
                             residual,
                         )
-                    };
-                    let step = _mm256_set1_ps(RESIDUAL_STEP);
-                    if half_scales {
-                        // `part` is the half of the block's weights; `half` is the half of the group's rows.
-                        for part in 0..2 {
-                            let integer = exact(firsts[part], residuals[part], half_sums[part]);
-                            wide[j] = _mm256_fmadd_ps(
-                                _mm256_mul_ps(factors[part], step),
-                                _mm256_cvtepi32_ps(integer),
-                                wide[j],
-                            );
-                        }
                     } else {
-                        let integer = exact(firsts[0], residuals[0], half_sums[0] + half_sums[1]);
-                        wide[j] = _mm256_fmadd_ps(
-                            _mm256_mul_ps(factors[0], step),
-                            _mm256_cvtepi32_ps(integer),
-                            wide[j],
-                        );
+                        first
+                    };
+                    if centre == 0 {
+                        stored
+                    } else {
+                        _mm256_add_epi32(_mm256_set1_epi32(-centre * sum), stored)
+                    }
+                };
+                if half_scales {
+                    // `part` is the half of the block's weights; `half` is the half of the group's rows.
+                    for part in 0..2 {
+                        let integer = exact(firsts[part], residuals[part], half_sums[part]);
+                        totals[j] =
+                            _mm256_fmadd_ps(factors[part], _mm256_cvtepi32_ps(integer), totals[j]);
                     }
                 } else {
-                    let quads = &inputs.quads[j][block * QUADS..][..QUADS];
-                    for (k, value) in values.iter().enumerate() {
-                        // SAFETY: each activation row holds `blocks` blocks of 32 bytes (contract).
-                        let x = _mm256_set1_epi32(unsafe { x_block.add(k).read_unaligned() });
-                        let partial = _mm256_add_epi32(
-                            _mm256_set1_epi32(-centre * quads[k]),
-                            dot::<F>(*value, x),
-                        );
-                        sums[j][k] = _mm256_fmadd_ps(
-                            factors[k / 4],
-                            _mm256_cvtepi32_ps(partial),
-                            sums[j][k],
-                        );
-                    }
+                    let integer = exact(
+                        _mm256_add_epi32(firsts[0], firsts[1]),
+                        _mm256_add_epi32(residuals[0], residuals[1]),
+                        half_sums[0] + half_sums[1],
+                    );
+                    totals[j] = _mm256_fmadd_ps(factors[0], _mm256_cvtepi32_ps(integer), totals[j]);
                 }
                 if has_minimums {
                     offsets[j] = _mm256_fmadd_ps(
@@ -687,12 +663,7 @@ mod avx2 {
         }
         let mut lines = [[0f32; 8]; X];
         for (j, line) in lines.iter_mut().enumerate() {
-            let s = &sums[j];
-            let total = _mm256_add_ps(
-                _mm256_add_ps(_mm256_add_ps(s[0], s[4]), _mm256_add_ps(s[2], s[6])),
-                _mm256_add_ps(_mm256_add_ps(s[1], s[5]), _mm256_add_ps(s[3], s[7])),
-            );
-            let result = _mm256_add_ps(if WIDE { wide[j] } else { total }, offsets[j]);
+            let result = _mm256_add_ps(totals[j], offsets[j]);
             // SAFETY: `line` is 8 writable floats.
             unsafe { _mm256_storeu_ps(line.as_mut_ptr(), result) };
         }

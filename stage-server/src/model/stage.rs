@@ -819,7 +819,9 @@ impl Stage {
 /// wide its logits sit within 2e-6 KL of the exact f64 forward (llama.cpp's: 2e-3 to 3e-3), at no cost to a decode
 /// step, which its 262,144-row head dominates. SmolLM2's 8-bit products already agree with llama.cpp and sit
 /// closer to the exact forward than llama.cpp does (`tests/exact_reference.rs`), and wide ones would cost its
-/// prefill 8% and a batched step up to a fifth of its products' time (docs/PERFORMANCE.md, session 25).
+/// prefill 8% and a batched step up to a fifth of its products' time (docs/PERFORMANCE.md, session 25); more
+/// since session 26, when a block of 8-bit products became one integer converted once (a wide 128-row product
+/// takes about 1.5x the 8-bit one's time).
 fn block_precision(architecture: Architecture) -> ActivationPrecision {
     match architecture {
         Architecture::Gemma3 => ActivationPrecision::Wide,
