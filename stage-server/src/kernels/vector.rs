@@ -5,7 +5,10 @@
 //! in a profile). Compiled for the baseline x86-64 target they run on 128-bit registers; the AVX2 versions here
 //! do the same operations in the same order on 256-bit ones: multiplies and adds kept apart (no FMA, which
 //! rounds once where the portable code rounds twice), the dot product's eight running sums in one register
-//! and reduced in the portable code's order. So a row's result does not depend on the CPU's level.
+//! and reduced in the portable code's order. So a row's result does not depend on the CPU's level. The `_heads`
+//! forms serve the query heads that share a key and value head (grouped-query attention: 3 per key head in
+//! SmolLM2, 4 in gemma-3) at once, widening each f16 cache row once for all of them; each head gets the bits the
+//! one-head form gives it. A 950-token prefill took 0.89x (SmolLM2) and 0.87x (gemma-3) of its time with them.
 
 /// The dot product of two equal-length rows in a fixed order: eight running sums over chunks of eight, summed
 /// as `((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7))`, plus the tail summed in order.
@@ -100,6 +103,73 @@ pub fn weighted_sum_f16(out: &mut [f32], weights: &[f32], values: &[u16]) {
     for (&weight, value) in weights.iter().zip(values.chunks_exact(width)) {
         widen(value, &mut row);
         add_scaled(out, weight, &row);
+    }
+}
+
+/// [`dots_f16`] for the query heads that share one key head: `queries` holds `heads` query rows of `width` values
+/// (`heads = queries.len() / width`), `out` as many rows of scores, one per key row of `keys` it has room for. Each
+/// score has the bits [`dots_f16`] gives that query alone; the AVX2 code widens each key once for all the heads
+/// (grouped-query attention reads a key head once per query head otherwise).
+pub fn dots_f16_heads(queries: &[f32], width: usize, keys: &[u16], out: &mut [f32]) {
+    let heads = queries.len() / width.max(1);
+    if heads == 0 {
+        return;
+    }
+    let count = out.len() / heads;
+    #[cfg(target_arch = "x86_64")]
+    if avx2_f16c() && width.is_multiple_of(8) && width > 0 {
+        // SAFETY (each arm): the CPU has AVX2 and F16C (checked above); the width is whole chunks of eight.
+        match heads {
+            1 => return unsafe { x86::dots_f16_heads::<1>(queries, width, keys, out, count) },
+            2 => return unsafe { x86::dots_f16_heads::<2>(queries, width, keys, out, count) },
+            3 => return unsafe { x86::dots_f16_heads::<3>(queries, width, keys, out, count) },
+            4 => return unsafe { x86::dots_f16_heads::<4>(queries, width, keys, out, count) },
+            _ => {}
+        }
+    }
+    for (query, scores) in queries.chunks_exact(width).zip(out.chunks_exact_mut(count)) {
+        dots_f16(query, keys, scores);
+    }
+}
+
+/// [`weighted_sum_f16`] for the query heads that share one value head: `weights` holds `heads` rows of weights
+/// (`heads = out.len() / width`), one per value row, and `out` as many rows of `width` sums. Each row has the bits
+/// [`weighted_sum_f16`] gives that head alone; the AVX2 code widens each value once for all the heads.
+pub fn weighted_sum_f16_heads(out: &mut [f32], width: usize, weights: &[f32], values: &[u16]) {
+    let heads = out.len() / width.max(1);
+    if heads == 0 {
+        return;
+    }
+    let count = weights.len() / heads;
+    #[cfg(target_arch = "x86_64")]
+    if avx2_f16c() && width.is_multiple_of(8) && width > 0 {
+        // SAFETY (each arm): the CPU has AVX2 and F16C (checked above); the width is whole chunks of eight.
+        match heads {
+            1 => {
+                return unsafe {
+                    x86::weighted_sum_f16_heads::<1>(out, width, weights, count, values)
+                };
+            }
+            2 => {
+                return unsafe {
+                    x86::weighted_sum_f16_heads::<2>(out, width, weights, count, values)
+                };
+            }
+            3 => {
+                return unsafe {
+                    x86::weighted_sum_f16_heads::<3>(out, width, weights, count, values)
+                };
+            }
+            4 => {
+                return unsafe {
+                    x86::weighted_sum_f16_heads::<4>(out, width, weights, count, values)
+                };
+            }
+            _ => {}
+        }
+    }
+    for (sums, head_weights) in out.chunks_exact_mut(width).zip(weights.chunks_exact(count)) {
+        weighted_sum_f16(sums, head_weights, values);
     }
 }
 
@@ -286,6 +356,129 @@ mod x86 {
         |at: *const u16| { _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i)) }
     );
 
+    /// The eight f32 values of `at` (eight f16 bits), exactly.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C, and `at` must point at eight readable values.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn widen8(at: *const u16) -> __m256 {
+        // SAFETY: the contract's 16 bytes are readable; an unaligned load.
+        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(at as *const __m128i) })
+    }
+
+    /// `dots_f16` for `HEADS` queries (rows of `width` in `queries`) against the first `count` rows of `keys`,
+    /// scores into `out` (`HEADS` rows of `count`): each key chunk widened once, then each head's eight running
+    /// sums advanced by a multiply and an add, as `dots` does for one.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; `width` must be a positive multiple of 8, `queries` hold `HEADS * width`
+    /// values and `out` `HEADS * count`.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn dots_f16_heads<const HEADS: usize>(
+        queries: &[f32],
+        width: usize,
+        keys: &[u16],
+        out: &mut [f32],
+        count: usize,
+    ) {
+        assert!(queries.len() >= HEADS * width && out.len() >= HEADS * count);
+        let count = count.min(keys.len() / width);
+        for key in 0..count {
+            let mut sums = [_mm256_setzero_ps(); HEADS];
+            for chunk in 0..width / 8 {
+                // SAFETY: key < count <= keys.len() / width and chunk * 8 + 8 <= width.
+                let k = unsafe { widen8(keys.as_ptr().add(key * width + chunk * 8)) };
+                for (head, sum) in sums.iter_mut().enumerate() {
+                    // SAFETY: head * width + chunk * 8 + 8 <= HEADS * width <= queries.len() (asserted).
+                    let q =
+                        unsafe { _mm256_loadu_ps(queries.as_ptr().add(head * width + chunk * 8)) };
+                    *sum = _mm256_add_ps(*sum, _mm256_mul_ps(q, k));
+                }
+            }
+            for (head, sum) in sums.iter().enumerate() {
+                out[head * count + key] = reduce(*sum);
+            }
+        }
+    }
+
+    /// `weighted_sum_f16` for `HEADS` rows of `count` weights over the same value rows, sums into `out` (`HEADS`
+    /// rows of `width`): a few chunks of each value row widened once and added, weighted, into every head's sums,
+    /// as `weighted_sum` does for one (from zero, rows in order, a multiply then an add).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; `width` must be a positive multiple of 8, `out` hold `HEADS * width`
+    /// values and `weights` `HEADS * count`.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn weighted_sum_f16_heads<const HEADS: usize>(
+        out: &mut [f32],
+        width: usize,
+        weights: &[f32],
+        count: usize,
+        values: &[u16],
+    ) {
+        assert!(out.len() >= HEADS * width && weights.len() >= HEADS * count);
+        let rows = count.min(values.len() / width);
+        // Passes over the rows, each for a few chunks of every head's sums, all in registers: four chunks of up
+        // to three heads (12 of the 16), two of four heads; then what the width leaves, two and one at a time.
+        let mut start = 0;
+        while start < width {
+            let left = (width - start) / 8;
+            // SAFETY (each arm): the pass's chunks are inside the width (`left` of them remain); the rest of its
+            // contract is this function's.
+            start += unsafe {
+                if HEADS <= 3 && left >= 4 {
+                    weighted_pass::<HEADS, 4>(out, width, weights, count, values, rows, start)
+                } else if left >= 2 {
+                    weighted_pass::<HEADS, 2>(out, width, weights, count, values, rows, start)
+                } else {
+                    weighted_pass::<HEADS, 1>(out, width, weights, count, values, rows, start)
+                }
+            };
+        }
+    }
+
+    /// One pass of `weighted_sum_f16_heads` over the first `rows` value rows for the `CHUNKS` chunks of eight
+    /// from `start`; returns how many values it covered.
+    ///
+    /// # Safety
+    /// As `weighted_sum_f16_heads`, and `start + 8 * CHUNKS <= width`, `rows <= values.len() / width`,
+    /// `rows <= count`.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn weighted_pass<const HEADS: usize, const CHUNKS: usize>(
+        out: &mut [f32],
+        width: usize,
+        weights: &[f32],
+        count: usize,
+        values: &[u16],
+        rows: usize,
+        start: usize,
+    ) -> usize {
+        let mut sums = [[_mm256_setzero_ps(); CHUNKS]; HEADS];
+        for row in 0..rows {
+            // SAFETY: row < rows <= values.len() / width and start + chunk * 8 + 8 <= width (contract).
+            let lines: [__m256; CHUNKS] = std::array::from_fn(|chunk| unsafe {
+                widen8(values.as_ptr().add(row * width + start + chunk * 8))
+            });
+            for (head, head_sums) in sums.iter_mut().enumerate() {
+                let scale = _mm256_set1_ps(weights[head * count + row]);
+                for (sum, line) in head_sums.iter_mut().zip(&lines) {
+                    *sum = _mm256_add_ps(*sum, _mm256_mul_ps(scale, *line));
+                }
+            }
+        }
+        for (head, head_sums) in sums.iter().enumerate() {
+            for (chunk, sum) in head_sums.iter().enumerate() {
+                // SAFETY: head * width + start + chunk * 8 + 8 <= HEADS * width <= out.len() (contract).
+                unsafe {
+                    _mm256_storeu_ps(out.as_mut_ptr().add(head * width + start + chunk * 8), *sum)
+                };
+            }
+        }
+        8 * CHUNKS
+    }
+
     /// The sum of a dot product's eight running sums in the portable order.
     #[target_feature(enable = "avx2")]
     #[inline]
@@ -410,6 +603,36 @@ mod tests {
                         bits(&wide_summed),
                         "weighted_sum_f16 of length {length}"
                     );
+                    // Several query heads sharing the keys (1 to 6: the grouped AVX2 code takes 1 to 4, the rest
+                    // go head by head) give each head's own bits.
+                    for heads in 1..=6 {
+                        let queries: Vec<f32> = (0..heads * length)
+                            .map(|_| rng.random_range(-4.0..4.0))
+                            .collect();
+                        let mut grouped = vec![0f32; heads * 7];
+                        dots_f16_heads(&queries, length, &narrow, &mut grouped);
+                        let weights: Vec<f32> = (0..heads * 7)
+                            .map(|_| rng.random_range(-2.0..2.0))
+                            .collect();
+                        let mut grouped_sums = vec![0f32; heads * length];
+                        weighted_sum_f16_heads(&mut grouped_sums, length, &weights, &narrow);
+                        for head in 0..heads {
+                            let mut alone = [0f32; 7];
+                            dots_f16(&queries[head * length..][..length], &narrow, &mut alone);
+                            assert_eq!(
+                                bits(&grouped[head * 7..][..7]),
+                                bits(&alone),
+                                "dots_f16_heads of length {length}, head {head} of {heads}"
+                            );
+                            let mut summed_alone = vec![0f32; length];
+                            weighted_sum_f16(&mut summed_alone, &weights[head * 7..][..7], &narrow);
+                            assert_eq!(
+                                bits(&grouped_sums[head * length..][..length]),
+                                bits(&summed_alone),
+                                "weighted_sum_f16_heads of length {length}, head {head} of {heads}"
+                            );
+                        }
+                    }
                 }
             }
         }

@@ -1,7 +1,7 @@
 //! A block's row-wise ops on plain f32 slices between its products: norms, RoPE, attention, GELU, adds.
 
 use super::{LayerCache, Segment};
-use crate::kernels::vector::{dots_f16, weighted_sum_f16};
+use crate::kernels::vector::{dots_f16_heads, weighted_sum_f16_heads};
 
 /// `values += other`, element by element.
 pub(super) fn add_in_place(values: &mut [f32], other: &[f32]) {
@@ -111,34 +111,48 @@ pub(super) fn attend(
         .enumerate()
         .flat_map(|(index, segment)| std::iter::repeat_n(index, segment.rows))
         .collect();
+    // The query heads that share a key head (grouped-query attention) run together: each key and value row is
+    // widened once for all of them, and their outputs sit side by side in the output row.
+    let kv_heads = caches[0].kv_heads;
+    let group = heads / kv_heads;
     let run = |index: usize, out: &mut [f32]| {
-        let (global_row, head) = (index / heads, index % heads);
+        let (global_row, kv_head) = (index / kv_heads, index % kv_heads);
         let owner = owners[global_row];
         let (segment, cache, query) = (&segments[owner], caches[owner], &queries[owner]);
         let row = global_row - segment.offset;
-        let group = heads / cache.kv_heads;
         let query_position = segment.position + row;
         let keys_seen = cache.first_visible(query_position)..query_position + 1;
-        let keys = cache.keys(head / group, keys_seen.clone());
-        let values = cache.values(head / group, keys_seen);
-        let mut scaled = query[(head * segment.rows + row) * width..][..width].to_vec();
+        let keys = cache.keys(kv_head, keys_seen.clone());
+        let values = cache.values(kv_head, keys_seen);
+        let mut scaled = Vec::with_capacity(group * width);
+        for head in kv_head * group..(kv_head + 1) * group {
+            scaled.extend_from_slice(&query[(head * segment.rows + row) * width..][..width]);
+        }
         if scale.query != 1.0 {
             scaled.iter_mut().for_each(|value| *value *= scale.query);
         }
-        let mut weights = vec![0f32; keys.len() / width];
-        dots_f16(&scaled, keys, &mut weights);
+        let count = keys.len() / width;
+        let mut weights = vec![0f32; group * count];
+        dots_f16_heads(&scaled, width, keys, &mut weights);
         if scale.score != 1.0 {
             weights.iter_mut().for_each(|weight| *weight *= scale.score);
         }
-        let maximum = weights.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for weight in &mut weights {
-            *weight = (*weight - maximum).exp();
-            sum += *weight;
+        let mut sums = vec![0f32; group];
+        for (head_weights, sum) in weights.chunks_exact_mut(count.max(1)).zip(sums.iter_mut()) {
+            let maximum = head_weights
+                .iter()
+                .copied()
+                .fold(f32::NEG_INFINITY, f32::max);
+            for weight in head_weights.iter_mut() {
+                *weight = (*weight - maximum).exp();
+                *sum += *weight;
+            }
         }
-        weighted_sum_f16(out, &weights, values);
-        let inverse = 1.0 / sum;
-        out.iter_mut().for_each(|value| *value *= inverse);
+        weighted_sum_f16_heads(out, width, &weights, values);
+        for (head_out, sum) in out.chunks_exact_mut(width).zip(sums.iter()) {
+            let inverse = 1.0 / sum;
+            head_out.iter_mut().for_each(|value| *value *= inverse);
+        }
     };
     let work: usize = segments
         .iter()
@@ -150,10 +164,10 @@ pub(super) fn attend(
         .sum();
     let output = &mut output[..owners.len() * heads * width];
     if work >= PARALLEL_ATTENTION_WORK {
-        crate::kernels::ComputePool::global().for_each_chunk_mut(output, width, run);
+        crate::kernels::ComputePool::global().for_each_chunk_mut(output, group * width, run);
     } else {
         output
-            .chunks_mut(width)
+            .chunks_mut(group * width)
             .enumerate()
             .for_each(|(index, out)| run(index, out));
     }
