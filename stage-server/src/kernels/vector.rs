@@ -118,13 +118,18 @@ pub fn dots_f16_heads(queries: &[f32], width: usize, keys: &[u16], out: &mut [f3
     let count = out.len() / heads;
     #[cfg(target_arch = "x86_64")]
     if avx2_f16c() && width.is_multiple_of(8) && width > 0 {
-        // SAFETY (each arm): the CPU has AVX2 and F16C (checked above); the width is whole chunks of eight.
-        match heads {
-            1 => return unsafe { x86::dots_f16_heads::<1>(queries, width, keys, out, count) },
-            2 => return unsafe { x86::dots_f16_heads::<2>(queries, width, keys, out, count) },
-            3 => return unsafe { x86::dots_f16_heads::<3>(queries, width, keys, out, count) },
-            4 => return unsafe { x86::dots_f16_heads::<4>(queries, width, keys, out, count) },
-            _ => {}
+        type Grouped = unsafe fn(&[f32], usize, &[u16], &mut [f32], usize);
+        let grouped: Option<Grouped> = match heads {
+            1 => Some(x86::dots_f16_heads::<1>),
+            2 => Some(x86::dots_f16_heads::<2>),
+            3 => Some(x86::dots_f16_heads::<3>),
+            4 => Some(x86::dots_f16_heads::<4>),
+            _ => None,
+        };
+        if let Some(grouped) = grouped {
+            // SAFETY: the CPU has AVX2 and F16C (checked above); the width is whole chunks of eight; `queries`
+            // holds `heads` rows and `out` `heads` rows of `count`.
+            return unsafe { grouped(queries, width, keys, out, count) };
         }
     }
     for (query, scores) in queries.chunks_exact(width).zip(out.chunks_exact_mut(count)) {
@@ -143,29 +148,18 @@ pub fn weighted_sum_f16_heads(out: &mut [f32], width: usize, weights: &[f32], va
     let count = weights.len() / heads;
     #[cfg(target_arch = "x86_64")]
     if avx2_f16c() && width.is_multiple_of(8) && width > 0 {
-        // SAFETY (each arm): the CPU has AVX2 and F16C (checked above); the width is whole chunks of eight.
-        match heads {
-            1 => {
-                return unsafe {
-                    x86::weighted_sum_f16_heads::<1>(out, width, weights, count, values)
-                };
-            }
-            2 => {
-                return unsafe {
-                    x86::weighted_sum_f16_heads::<2>(out, width, weights, count, values)
-                };
-            }
-            3 => {
-                return unsafe {
-                    x86::weighted_sum_f16_heads::<3>(out, width, weights, count, values)
-                };
-            }
-            4 => {
-                return unsafe {
-                    x86::weighted_sum_f16_heads::<4>(out, width, weights, count, values)
-                };
-            }
-            _ => {}
+        type Grouped = unsafe fn(&mut [f32], usize, &[f32], usize, &[u16]);
+        let grouped: Option<Grouped> = match heads {
+            1 => Some(x86::weighted_sum_f16_heads::<1>),
+            2 => Some(x86::weighted_sum_f16_heads::<2>),
+            3 => Some(x86::weighted_sum_f16_heads::<3>),
+            4 => Some(x86::weighted_sum_f16_heads::<4>),
+            _ => None,
+        };
+        if let Some(grouped) = grouped {
+            // SAFETY: the CPU has AVX2 and F16C (checked above); the width is whole chunks of eight; `out`
+            // holds `heads` rows and `weights` `heads` rows of `count`.
+            return unsafe { grouped(out, width, weights, count, values) };
         }
     }
     for (sums, head_weights) in out.chunks_exact_mut(width).zip(weights.chunks_exact(count)) {
