@@ -78,6 +78,12 @@ struct RunArgs {
     /// prompt rows up to --batch-tokens however long the streams wait.
     #[arg(long, default_value_t = 0.0, value_parser = parse_stretch)]
     decode_stretch: f64,
+    /// The most decode passes a newly admitted prompt waits for running streams that end within them, instead of
+    /// stalling them for its prefill (only while every running stream ends that soon, and no longer than the
+    /// prompt's rows would add to a pass, by the costs measured so far); 0 never waits. Keeps requests queued
+    /// behind full lanes from admitting, and ending, out of step with the streams beside them.
+    #[arg(long, default_value_t = stage_server::model::PROMPT_HOLD_STEPS)]
+    prompt_hold_steps: usize,
     /// In front of a chain (--stages 2 or more, or --next): how many steps' streams may be out down the chain
     /// at once before a stream whose token came back waits for the others, so streams that went down together
     /// run together at every stage. 1 keeps one batch going round (best when the stages share this host's
@@ -940,6 +946,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     api.queue_timeout = std::time::Duration::from_secs_f64(args.queue_timeout);
     api.batch_tokens = args.batch_tokens as usize;
     api.decode_stretch = (args.decode_stretch > 0.0).then_some(args.decode_stretch);
+    api.prompt_hold_steps = args.prompt_hold_steps;
     api.batches_in_flight = args.batches_in_flight;
     api.max_per_source = args.max_connections_per_source;
     api.context_length = args.context_length;

@@ -96,6 +96,8 @@ struct Options {
     link_delay: Option<String>,
     /// `--batches-in-flight` for our pipelines of more than one stage, as given (`None`: their default).
     batches_in_flight: Option<usize>,
+    /// `--prompt-hold-steps` for our servers, as given (`None`: their default).
+    prompt_hold_steps: Option<usize>,
     /// `temperature` of every request, as given (`None`: 0, greedy). Above 0 both servers sample with their
     /// default cuts (top-k 40, top-p 0.95, min-p 0.05: the same in both), as an OpenAI client that sets no
     /// temperature gets from ours (0.8).
@@ -160,6 +162,7 @@ impl Options {
             lanes: LANES_DEFAULT,
             link_delay: None,
             batches_in_flight: None,
+            prompt_hold_steps: None,
             temperature: None,
         };
         let mut iterator = arguments.iter();
@@ -237,6 +240,12 @@ impl Options {
                         format!("--batches-in-flight takes a count (0 or more), not `{text}`")
                     })?);
                 }
+                "--prompt-hold-steps" => {
+                    let text = value("a count such as 16, or 0 for no hold")?;
+                    options.prompt_hold_steps = Some(text.parse().ok().with_context(|| {
+                        format!("--prompt-hold-steps takes a count (0 or more), not `{text}`")
+                    })?);
+                }
                 "--temperature" => {
                     let text = value("a temperature such as 0.8")?;
                     let temperature: f64 = text
@@ -251,7 +260,7 @@ impl Options {
                 other => bail!(
                     "unknown argument `{other}` to `cargo xtask bench serve` (takes --model smollm2|gemma3, \
                      --concurrency 1,2,4,8, --requests-per-worker N, --tokens N, --stages 1,3, \
-                     --decode-stretch X, --lanes N, --link-delay MS, --batches-in-flight N, --temperature T, --skip-llama, \
+                     --decode-stretch X, --lanes N, --link-delay MS, --batches-in-flight N, --prompt-hold-steps N, --temperature T, --skip-llama, \
                      --skip-ours, --skip-scenarios)"
                 ),
             }
@@ -296,6 +305,10 @@ impl Options {
             .batches_in_flight
             .map(|count| format!(" --batches-in-flight {count}"))
             .unwrap_or_default();
+        let hold = self
+            .prompt_hold_steps
+            .map(|count| format!(" --prompt-hold-steps {count}"))
+            .unwrap_or_default();
         let temperature = self
             .temperature
             .as_ref()
@@ -303,7 +316,7 @@ impl Options {
             .unwrap_or_default();
         format!(
             "cargo xtask bench serve --model {} --concurrency {} --requests-per-worker {} --tokens \
-             {}{stages}{stretch}{lanes}{delay}{in_flight}{temperature}{skip}{scenarios}",
+             {}{stages}{stretch}{lanes}{delay}{in_flight}{hold}{temperature}{skip}{scenarios}",
             self.model,
             levels.join(","),
             self.requests_per_worker,
@@ -525,6 +538,9 @@ fn start(
             }
             if let Some(count) = options.batches_in_flight.filter(|_| stages > 1) {
                 command.args(["--batches-in-flight", &count.to_string()]);
+            }
+            if let Some(count) = options.prompt_hold_steps {
+                command.args(["--prompt-hold-steps", &count.to_string()]);
             }
         }
         Server::Llama => {

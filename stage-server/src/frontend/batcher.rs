@@ -47,15 +47,18 @@ pub(crate) struct Lease {
 
 impl Batcher {
     /// Starts the compute thread for `stage`, whose every lane this batcher leases; a pass runs at most
-    /// `batch_tokens` rows, and prompt rows stretch a decode pass at most `decode_stretch` times.
+    /// `batch_tokens` rows, and prompt rows stretch a decode pass at most `decode_stretch` times; a prompt waits
+    /// at most `prompt_hold_steps` passes for streams about to end.
     pub(crate) fn start(
         stage: Stage,
         batch_tokens: usize,
         decode_stretch: Option<f64>,
+        prompt_hold_steps: usize,
     ) -> Result<Arc<Batcher>, String> {
         let lane_count = stage.lane_count();
         let policy = StepPolicy {
             decode_stretch,
+            prompt_hold_steps,
             ..StepPolicy::new(batch_tokens, GATHER_WAIT)
         };
         let stage = SharedStage::start(stage, policy)
@@ -192,6 +195,13 @@ impl Lease {
     }
 }
 
+impl Lease {
+    /// Says the generation hands in at most `chunks` more chunks (see [`crate::model::SharedStage::expect_end`]).
+    pub(crate) fn expect_end(&self, chunks: usize) {
+        self.batcher.stage.expect_end(self.lane, chunks);
+    }
+}
+
 impl Drop for Lease {
     fn drop(&mut self) {
         self.batcher.stage.activate(self.lane, false);
@@ -219,7 +229,8 @@ mod tests {
     fn a_lease_reuses_the_longest_prefix_a_free_lane_holds_and_gives_the_same_logits() {
         let (dir, stage) = tiny_stage(2);
         let (_, mut reference) = tiny_stage(1);
-        let batcher = Batcher::start(stage, 4, None).expect("start");
+        let batcher =
+            Batcher::start(stage, 4, None, crate::model::PROMPT_HOLD_STEPS).expect("start");
         let first = [1u32, 40, 41, 42, 43, 44, 45];
         {
             let mut lease = batcher.lease(&first, None).expect("lease");

@@ -280,6 +280,7 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
                 stage,
                 state.config.batch_tokens,
                 state.config.decode_stretch,
+                state.config.prompt_hold_steps,
             )?;
             backlog = Some(batcher.backlog());
             let runners = (0..lanes)
@@ -306,6 +307,7 @@ fn load(path: &Path, backend: Backend, state: &ApiState) -> Result<Ready, String
                     stage,
                     model::StepPolicy {
                         decode_stretch: state.config.decode_stretch,
+                        prompt_hold_steps: state.config.prompt_hold_steps,
                         batches_in_flight: state.config.batches_in_flight,
                         ..model::StepPolicy::new(state.config.batch_tokens, Duration::ZERO)
                     },

@@ -446,6 +446,9 @@ fn generate_local(
         if generation.tokens.len() >= options.max_tokens {
             break;
         }
+        // This token's pass and at most one per token still to come: a prompt arriving at another lane may
+        // wait for this stream's end instead of stalling it.
+        lease.expect_end(options.max_tokens - generation.tokens.len());
         row = lease.forward(&[token])?;
     }
     generation.decode_time = decode_started.elapsed();

@@ -41,6 +41,9 @@ pub struct ApiConfig {
     /// decode-only pass (`None`: prompt rows up to `batch_tokens` whatever the streams wait); see
     /// [`crate::model::StepPolicy::decode_stretch`].
     pub decode_stretch: Option<f64>,
+    /// The most decode steps a newly admitted prompt waits for running streams about to end; see
+    /// [`crate::model::StepPolicy::prompt_hold_steps`].
+    pub prompt_hold_steps: usize,
     /// In front of a chain, how many steps' lanes may be out on their round trips at once before a lane that
     /// came back waits for the others (see [`crate::model::StepPolicy::batches_in_flight`]): 1 (the default)
     /// keeps the streams in one batch through every stage, best when the stages share this host's cores.
@@ -70,6 +73,7 @@ impl ApiConfig {
             drain_timeout: Duration::from_secs(30),
             batch_tokens: crate::model::DEFAULT_BATCH_TOKENS,
             decode_stretch: None,
+            prompt_hold_steps: crate::model::PROMPT_HOLD_STEPS,
             batches_in_flight: 1,
             max_per_source: MAX_PER_SOURCE_DEFAULT,
         }

@@ -33,7 +33,7 @@ pub use reference::{ExactLogits, ExactModel};
 pub use sampling::{Sampler, SamplingParams, log_probabilities, wanted_log_probabilities};
 pub use shared::{
     ARRIVAL_WAIT, Arrival, Backlog, DEFAULT_BATCH_TOKENS, GATHER_WAIT, HOLD_WAIT_MAX,
-    HOLD_WAIT_MIN, SharedStage, StepPolicy, StepTag,
+    HOLD_WAIT_MIN, PROMPT_HOLD_STEPS, SharedStage, StepPolicy, StepTag,
 };
 pub use stage::{
     BatchEntry, Logits, SplitError, Stage, StageInput, StageOptions, StageOutput, StageSpec,

@@ -89,7 +89,19 @@ pub struct StepPolicy {
     /// (see [`LaneState::freed`]); [`ARRIVAL_WAIT`] by default, zero for never. A step waits for one at most
     /// `arrival_wait`.
     pub next_request_wait: Duration,
+    /// The most decode steps a prompt about to start waits for the streams beside it to end: a step leaves a
+    /// generation's first prompt chunk out while every running stream has said it ends within that many steps
+    /// ([`SharedStage::expect_end`]) and within as many as the prompt's rows would add to a step (by the costs
+    /// measured so far), so the prompt stalls no stream and its own first token comes at most about a prefill
+    /// later. 0: never. Without it, a prompt that arrives a step or two before the streams beside it end (the
+    /// requests queued behind full lanes take each lane as it frees) stalls them for its whole prefill, and the
+    /// prompts that take their lanes a step later stall it in turn: the lanes' generations end and start out of
+    /// step from then on.
+    pub prompt_hold_steps: usize,
 }
+
+/// The default of [`StepPolicy::prompt_hold_steps`].
+pub const PROMPT_HOLD_STEPS: usize = 16;
 
 impl StepPolicy {
     /// `batch_tokens` and `gather`, with no decode stretch: on a CPU a prompt row costs about as much as a
@@ -103,6 +115,7 @@ impl StepPolicy {
             batches_in_flight: 0,
             arrival_wait: ARRIVAL_WAIT,
             next_request_wait: ARRIVAL_WAIT,
+            prompt_hold_steps: PROMPT_HOLD_STEPS,
         }
     }
 }
@@ -184,6 +197,10 @@ struct LaneState {
     /// milliseconds, so for [`StepPolicy::next_request_wait`] the lane counts as a generation arriving (see
     /// [`State::next_request_until`]).
     freed: Option<Instant>,
+    /// The most chunks the lane's generation still hands in, as its caller last said ([`SharedStage::expect_end`]):
+    /// a stream this close to its end is waited for by a prompt about to start ([`StepPolicy::prompt_hold_steps`]).
+    /// Cleared when the lane leaves or takes a generation.
+    chunks_left: Option<usize>,
 }
 
 /// A chunk handed in and not finished yet.
@@ -369,6 +386,16 @@ impl SharedStage {
         }
     }
 
+    /// Says that `lane`'s generation hands in at most `chunks` more chunks, the next one included (a stream's
+    /// tokens left before its `max_tokens`): a prompt about to start may wait for a stream this close to its end
+    /// rather than stall it ([`StepPolicy::prompt_hold_steps`]). Said before each of the stream's chunks; a lane
+    /// that never says it is never waited for.
+    pub fn expect_end(&self, lane: usize, chunks: usize) {
+        if let Some(entry) = lock(&self.shared.state).lanes.get_mut(lane) {
+            entry.chunks_left = Some(chunks);
+        }
+    }
+
     /// Marks `lane` as in a generation (`true`) or not: the compute thread waits a little for active lanes to
     /// hand in their next chunk before it starts a step.
     pub fn activate(&self, lane: usize, active: bool) {
@@ -388,6 +415,7 @@ impl SharedStage {
             entry.past_prompt = false;
             entry.out = None;
             entry.started = false;
+            entry.chunks_left = None;
             if active && !own_window {
                 // A new generation on another lane than the one just freed is most likely that lane's client's next
                 // request (a free lane is leased by its cached prefix, or least recently used): it closes the oldest
@@ -722,11 +750,18 @@ fn run_step<'a>(
 ) -> (MutexGuard<'a, State>, bool) {
     let width = shared.width;
     let policy = shared.policy;
-    let plan = plan_step(&state, policy.batch_tokens, width, |streams| {
-        policy
-            .decode_stretch
-            .and_then(|stretch| state.costs.prompt_rows_within(stretch, streams))
-    });
+    let hold_prompts = state.prompts_wait_for_ending_streams(width, &policy);
+    let plan = plan_step(
+        &state,
+        policy.batch_tokens,
+        width,
+        hold_prompts,
+        |streams| {
+            policy
+                .decode_stretch
+                .and_then(|stretch| state.costs.prompt_rows_within(stretch, streams))
+        },
+    );
     if plan.is_empty() {
         return (state, false);
     }
@@ -895,9 +930,11 @@ impl State {
 
     /// Whether a step with what is pending now may wait for generations arriving: one with no stream to decode,
     /// or one in which a prompt starts (its streams stall for that prompt anyway, and prompts on their way then
-    /// share the one stall instead of each stalling them again a step later).
-    fn admitting(&self, width: usize) -> bool {
-        !self.stream_waiting(width) || self.prompt_starting(width)
+    /// share the one stall instead of each stalling them again a step later). A prompt that sits the step out for
+    /// ending streams ([`State::prompts_wait_for_ending_streams`]) does not start in it.
+    fn admitting(&self, width: usize, policy: &StepPolicy) -> bool {
+        !self.stream_waiting(width)
+            || (self.prompt_starting(width) && !self.prompts_wait_for_ending_streams(width, policy))
     }
 
     /// Whether a generation's first chunk of more than one row waits for the step: a prompt about to start,
@@ -908,6 +945,51 @@ impl State {
                 pending.first && pending.done == 0 && pending.input.rows(width) > 1
             })
         })
+    }
+
+    /// Whether the generations' first prompt chunks waiting now sit this step out for the streams beside them to
+    /// end ([`StepPolicy::prompt_hold_steps`]): a stream's next token waits for the step, every other active lane
+    /// said it ends within the hold (a lane that did not say, such as one between its own prompt's chunks, keeps
+    /// the prompts in), and waiting those steps costs no more decode steps than the prompts' rows would add to
+    /// one. Never with a decode stretch, which bounds what a prompt adds to a step anyway.
+    fn prompts_wait_for_ending_streams(&self, width: usize, policy: &StepPolicy) -> bool {
+        if policy.prompt_hold_steps == 0 || policy.decode_stretch.is_some() {
+            return false;
+        }
+        let starting = |lane: &LaneState| {
+            lane.pending.as_ref().is_some_and(|pending| {
+                pending.first && pending.done == 0 && pending.input.rows(width) > 1
+            })
+        };
+        let prompt_rows: usize = self
+            .lanes
+            .iter()
+            .filter(|lane| starting(lane))
+            .filter_map(|lane| lane.pending.as_ref())
+            .map(|pending| pending.input.rows(width))
+            .sum();
+        if prompt_rows == 0 || !self.stream_waiting(width) {
+            return false;
+        }
+        let mut streams = 0;
+        let mut longest = 0;
+        for lane in self
+            .lanes
+            .iter()
+            .filter(|lane| lane.active && !starting(lane))
+        {
+            let Some(chunks) = lane.chunks_left else {
+                return false;
+            };
+            streams += 1;
+            longest = longest.max(chunks);
+        }
+        let worth = self
+            .costs
+            .decode_steps_within(prompt_rows, streams)
+            .unwrap_or(0.0)
+            .min(policy.prompt_hold_steps as f64);
+        streams > 0 && longest as f64 <= worth
     }
 
     /// Whether a stream's next token (a chunk with one row left) waits for the step.
@@ -928,7 +1010,7 @@ fn arrivals_hold_until(state: &mut State, width: usize, policy: &StepPolicy) -> 
     let wait = policy.arrival_wait;
     let announced = state.generation_announced();
     let next_request = state.next_request_until(policy.next_request_wait);
-    if !state.admitting(width) || !(announced || next_request.is_some()) {
+    if !state.admitting(width, policy) || !(announced || next_request.is_some()) {
         state.arrivals_since = None;
         return None;
     }
@@ -957,7 +1039,7 @@ fn gather_until(
         .lanes
         .iter()
         .any(|lane| lane.active && lane.pending.is_none());
-    let admitting = state.admitting(width);
+    let admitting = state.admitting(width, policy);
     let arrival = started + policy.arrival_wait.max(policy.gather);
     let mut until: Option<Instant> = None;
     let mut wait_to = |end: Instant| until = Some(until.map_or(end, |until| until.max(end)));
@@ -1024,6 +1106,14 @@ impl StepCosts {
         }
     }
 
+    /// How many decode-only steps of `streams` rows cost what `rows` prompt rows add to a step; `None` before a
+    /// decode-only step and a step with prompt rows have been measured.
+    fn decode_steps_within(&self, rows: usize, streams: usize) -> Option<f64> {
+        let decode = self.decode_row? * streams.max(1) as f64;
+        let row = self.prompt_row_mixed.or(self.prompt_row_alone)?;
+        Some(rows as f64 * row / decode.max(f64::MIN_POSITIVE))
+    }
+
     /// The prompt rows a step with `streams` decode rows may add to stay within `stretch` times a decode-only
     /// step (at least one, so a prompt always moves on); `None` before a decode-only step has been measured.
     fn prompt_rows_within(&self, stretch: f64, streams: usize) -> Option<usize> {
@@ -1044,18 +1134,24 @@ impl StepCosts {
 
 /// Chooses a step: every one-row chunk (a running stream's next token) first, then the other chunks first
 /// come, first served, each cut to what is left of the budget, and, when the step decodes streams, to
-/// `prompt_cap(streams)` rows in all.
+/// `prompt_cap(streams)` rows in all. With `hold_prompts`, generations' first prompt chunks of more than one row
+/// sit the step out ([`State::prompts_wait_for_ending_streams`]).
 fn plan_step(
     state: &State,
     budget: usize,
     width: usize,
+    hold_prompts: bool,
     prompt_cap: impl Fn(usize) -> Option<usize>,
 ) -> Vec<Planned> {
+    let held = |pending: &Pending| {
+        hold_prompts && pending.first && pending.done == 0 && pending.input.rows(width) > 1
+    };
     let mut waiting: Vec<(usize, &Pending)> = state
         .lanes
         .iter()
         .enumerate()
         .filter_map(|(index, lane)| lane.pending.as_ref().map(|pending| (index, pending)))
+        .filter(|(_, pending)| !held(pending))
         .collect();
     let remaining = |pending: &Pending| pending.input.rows(width) - pending.done;
     waiting.sort_by_key(|(_, pending)| (remaining(pending) > 1, pending.order));

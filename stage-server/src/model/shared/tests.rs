@@ -23,6 +23,7 @@ fn waiting(rows: usize, order: u64) -> LaneState {
         out: None,
         started: true,
         freed: None,
+        chunks_left: None,
     }
 }
 
@@ -81,12 +82,12 @@ fn two_streams_and_two_prompts() -> State {
 fn one_row_chunks_run_first_and_longer_ones_share_what_is_left_of_the_budget_in_order() {
     let state = two_streams_and_two_prompts();
     assert_eq!(
-        taken(&plan_step(&state, 512, 1, |_| None)),
+        taken(&plan_step(&state, 512, 1, false, |_| None)),
         [(1, 1, true), (3, 1, true), (0, 300, true), (2, 210, false)]
     );
     // A budget smaller than the streams still runs every stream's token, and nothing else.
     assert_eq!(
-        taken(&plan_step(&state, 1, 1, |_| None)),
+        taken(&plan_step(&state, 1, 1, false, |_| None)),
         [(1, 1, true), (3, 1, true)]
     );
 }
@@ -96,7 +97,7 @@ fn while_streams_decode_prompt_rows_are_cut_to_the_cap_and_alone_they_take_the_b
     let state = two_streams_and_two_prompts();
     // Two streams decode: the prompts share 20 rows, the oldest first.
     assert_eq!(
-        taken(&plan_step(&state, 512, 1, |_| Some(20))),
+        taken(&plan_step(&state, 512, 1, false, |_| Some(20))),
         [(1, 1, true), (3, 1, true), (0, 20, false)]
     );
     // A cap larger than a prompt lets the next one have the rest.
@@ -105,12 +106,12 @@ fn while_streams_decode_prompt_rows_are_cut_to_the_cap_and_alone_they_take_the_b
         ..State::default()
     };
     assert_eq!(
-        taken(&plan_step(&state, 512, 1, |_| Some(8))),
+        taken(&plan_step(&state, 512, 1, false, |_| Some(8))),
         [(1, 1, true), (0, 5, true), (2, 3, false)]
     );
     // A cap of zero still moves a prompt on by a row.
     assert_eq!(
-        taken(&plan_step(&state, 512, 1, |_| Some(0))),
+        taken(&plan_step(&state, 512, 1, false, |_| Some(0))),
         [(1, 1, true), (0, 1, false)]
     );
     // With no stream to decode the cap does not apply: the budget does.
@@ -119,9 +120,89 @@ fn while_streams_decode_prompt_rows_are_cut_to_the_cap_and_alone_they_take_the_b
         ..State::default()
     };
     assert_eq!(
-        taken(&plan_step(&state, 512, 1, |_| Some(20))),
+        taken(&plan_step(&state, 512, 1, false, |_| Some(20))),
         [(0, 300, true), (1, 212, false)]
     );
+}
+
+/// Lane 0 decodes a stream that said it has `chunks_left` chunks to go (`None`: it said nothing); lane 1's
+/// generation hands in its first prompt chunk of 8 rows. A decode row and a prompt row cost a millisecond each,
+/// so the prompt adds 8 decode steps' worth to a step.
+fn a_stream_and_a_prompt_starting(chunks_left: Option<usize>) -> State {
+    let mut stream = waiting(1, 2);
+    stream.chunks_left = chunks_left;
+    let mut prompt = waiting(8, 1);
+    if let Some(pending) = prompt.pending.as_mut() {
+        pending.first = true;
+    }
+    prompt.started = false;
+    State {
+        lanes: vec![stream, prompt],
+        costs: StepCosts {
+            decode_row: Some(0.001),
+            prompt_row_mixed: Some(0.001),
+            prompt_row_alone: None,
+        },
+        ..State::default()
+    }
+}
+
+#[test]
+fn a_prompt_about_to_start_sits_out_the_steps_of_streams_about_to_end_and_no_others() {
+    let policy = StepPolicy::new(512, Duration::from_millis(2));
+    // The stream ends within 2 steps, the prompt would add 8: the prompt waits, the stream runs alone, and the
+    // step is no reason to wait for arrivals (no prompt starts in it).
+    let state = a_stream_and_a_prompt_starting(Some(2));
+    assert!(state.prompts_wait_for_ending_streams(1, &policy));
+    let hold = state.prompts_wait_for_ending_streams(1, &policy);
+    assert_eq!(
+        taken(&plan_step(&state, 512, 1, hold, |_| None)),
+        [(0, 1, true)]
+    );
+    assert!(!state.admitting(1, &policy));
+    // Exactly as many steps as the prompt would add still wait; one more does not.
+    assert!(a_stream_and_a_prompt_starting(Some(8)).prompts_wait_for_ending_streams(1, &policy));
+    let state = a_stream_and_a_prompt_starting(Some(9));
+    assert!(!state.prompts_wait_for_ending_streams(1, &policy));
+    assert_eq!(
+        taken(&plan_step(&state, 512, 1, false, |_| None)),
+        [(0, 1, true), (1, 8, true)]
+    );
+    assert!(state.admitting(1, &policy));
+    // A stream that never said when it ends is not waited for.
+    assert!(!a_stream_and_a_prompt_starting(None).prompts_wait_for_ending_streams(1, &policy));
+    // The policy's cap, a zero cap, and a decode stretch each end the wait.
+    let capped = StepPolicy {
+        prompt_hold_steps: 1,
+        ..policy
+    };
+    assert!(!a_stream_and_a_prompt_starting(Some(2)).prompts_wait_for_ending_streams(1, &capped));
+    let never = StepPolicy {
+        prompt_hold_steps: 0,
+        ..policy
+    };
+    assert!(!a_stream_and_a_prompt_starting(Some(1)).prompts_wait_for_ending_streams(1, &never));
+    let stretched = StepPolicy {
+        decode_stretch: Some(2.0),
+        ..policy
+    };
+    assert!(
+        !a_stream_and_a_prompt_starting(Some(1)).prompts_wait_for_ending_streams(1, &stretched)
+    );
+    // Before the costs are measured nothing waits.
+    let mut state = a_stream_and_a_prompt_starting(Some(1));
+    state.costs = StepCosts::default();
+    assert!(!state.prompts_wait_for_ending_streams(1, &policy));
+    // A prompt already under way (not its first chunk) never waits, and with no stream waiting for the step
+    // there is nothing to stall.
+    let mut state = a_stream_and_a_prompt_starting(Some(1));
+    if let Some(pending) = state.lanes[1].pending.as_mut() {
+        pending.first = false;
+    }
+    assert!(!state.prompts_wait_for_ending_streams(1, &policy));
+    let mut state = a_stream_and_a_prompt_starting(Some(1));
+    state.lanes[0].pending = None;
+    assert!(!state.prompts_wait_for_ending_streams(1, &policy));
 }
 
 #[test]
@@ -237,7 +318,7 @@ fn a_chunk_over_several_steps_resumes_where_it_stopped() {
         lanes: vec![lane],
         ..State::default()
     };
-    let plan = plan_step(&state, 512, 1, |_| Some(3));
+    let plan = plan_step(&state, 512, 1, false, |_| Some(3));
     assert_eq!(taken(&plan), [(0, 188, true)]);
     assert_eq!(plan[0].position, 10 + 512);
 }
