@@ -81,7 +81,9 @@ struct RunArgs {
     /// The most decode passes a newly admitted prompt waits for running streams that end within them, instead of
     /// stalling them for its prefill (only while every running stream ends that soon, and no longer than the
     /// prompt's rows would add to a pass, by the costs measured so far); 0 never waits. Keeps requests queued
-    /// behind full lanes from admitting, and ending, out of step with the streams beside them.
+    /// behind full lanes from admitting, and ending, out of step with the streams beside them. For the whole
+    /// model (--stages 1) only: a chain's stage 0 does not wait yet; and off with --decode-stretch, which bounds
+    /// what a prompt adds to a pass anyway.
     #[arg(long, default_value_t = stage_server::model::PROMPT_HOLD_STEPS)]
     prompt_hold_steps: usize,
     /// In front of a chain (--stages 2 or more, or --next): how many steps' streams may be out down the chain

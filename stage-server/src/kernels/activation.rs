@@ -17,9 +17,9 @@
 //! quantised again on a step of `d / 128`. A value is then `(128·q + r) · d/128`, about 15 bits where the first
 //! byte alone is 8. The kernels take, per row and block, the exact integer `Σ w·(128·q + r)` from two integer
 //! products (first bytes, residual bytes) and scale it once by `d / 128` (once per half for Q6_K), as they take
-//! `Σ w·q` of an 8-bit row and scale it by `d`. ggml
-//! quantises every product's activations to 8 bits, and that rounding is nearly all of the distance from its
-//! logits (and ours) to the exact forward (`tests/exact_reference.rs`). Every output head takes wide activations
+//! `Σ w·q` of an 8-bit row and scale it by `d`. ggml quantises every product's activations to 8 bits, and that
+//! rounding is nearly all of the distance from its logits (and ours) to the exact forward
+//! (`tests/exact_reference.rs`). Every output head takes wide activations
 //! (the last product: no later layer amplifies a change of summation order), and so does every gemma-3 product,
 //! which puts its logits within 2e-6 KL of the exact forward (`model::stage::block_precision`).
 
@@ -111,8 +111,7 @@ impl QuantizedActivations {
     /// The first bytes and scales stay as they are; the sums become `d/128 · Σ(128·q + r)` (the whole value's sum,
     /// for the minimum of a Q4_1, Q5_1, Q4_K or Q5_K weight), and the half sums the integer `Σ(128·q + r)` of each
     /// half of 16 values (for the centre of an unsigned weight; Q6_K scales its halves apart). The residual is at
-    /// most about `0.56·d` (`d` is rounded to f16
-    /// after `q` was), so it fits in `±72` steps, except in a block whose `d` is an f16 subnormal (largest value
+    /// most about `0.56·d` (`d` is rounded to f16 after `q` was), so it fits in `±72` steps, except in a block whose `d` is an f16 subnormal (largest value
     /// below about 8e-3), where rounding `d` moves it by more than 2^-11: there the clamp to `±127` holds it, and
     /// such a block is held less finely (a normalised head input has none). An infinite or NaN value gives a
     /// residual of 0, as it gives its first byte whatever `as i8` makes of it.

@@ -182,7 +182,7 @@ pub enum ActivationPrecision {
     Byte,
     /// A second byte per value for the first one's rounding error, about 15 bits in all
     /// ([`QuantizedActivations::quantize_wide`]): a second integer product per block, about as fast as `Byte`
-    /// on one row and up to half as slow again in a batch or a prefill, and close to the exact product's bits.
+    /// on one row and up to 1.5 times its time in a batch or a prefill, and close to the exact product's bits.
     /// Every output head takes it, and every gemma-3 product (`model::stage::block_precision` says why).
     Wide,
 }

@@ -112,10 +112,10 @@ pub fn weighted_sum_f16(out: &mut [f32], weights: &[f32], values: &[u16]) {
 /// (grouped-query attention reads a key head once per query head otherwise).
 pub fn dots_f16_heads(queries: &[f32], width: usize, keys: &[u16], out: &mut [f32]) {
     let heads = queries.len() / width.max(1);
-    if heads == 0 {
+    let count = out.len() / heads.max(1);
+    if heads == 0 || count == 0 {
         return;
     }
-    let count = out.len() / heads;
     #[cfg(target_arch = "x86_64")]
     if avx2_f16c() && width.is_multiple_of(8) && width > 0 {
         type Grouped = unsafe fn(&[f32], usize, &[u16], &mut [f32], usize);
@@ -146,6 +146,11 @@ pub fn weighted_sum_f16_heads(out: &mut [f32], width: usize, weights: &[f32], va
         return;
     }
     let count = weights.len() / heads;
+    if count == 0 {
+        // A sum of no rows.
+        out.fill(0.0);
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if avx2_f16c() && width.is_multiple_of(8) && width > 0 {
         type Grouped = unsafe fn(&mut [f32], usize, &[f32], usize, &[u16]);
@@ -356,7 +361,7 @@ mod x86 {
     /// The CPU must support AVX2 and F16C, and `at` must point at eight readable values.
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
-    unsafe fn widen8(at: *const u16) -> __m256 {
+    unsafe fn widen_eight(at: *const u16) -> __m256 {
         // SAFETY: the contract's 16 bytes are readable; an unaligned load.
         _mm256_cvtph_ps(unsafe { _mm_loadu_si128(at as *const __m128i) })
     }
@@ -377,12 +382,12 @@ mod x86 {
         count: usize,
     ) {
         assert!(queries.len() >= HEADS * width && out.len() >= HEADS * count);
-        let count = count.min(keys.len() / width);
-        for key in 0..count {
+        // `count` stays each head's row of scores; only the keys there are get one.
+        for key in 0..count.min(keys.len() / width) {
             let mut sums = [_mm256_setzero_ps(); HEADS];
             for chunk in 0..width / 8 {
                 // SAFETY: key < count <= keys.len() / width and chunk * 8 + 8 <= width.
-                let k = unsafe { widen8(keys.as_ptr().add(key * width + chunk * 8)) };
+                let k = unsafe { widen_eight(keys.as_ptr().add(key * width + chunk * 8)) };
                 for (head, sum) in sums.iter_mut().enumerate() {
                     // SAFETY: head * width + chunk * 8 + 8 <= HEADS * width <= queries.len() (asserted).
                     let q =
@@ -453,7 +458,7 @@ mod x86 {
         for row in 0..rows {
             // SAFETY: row < rows <= values.len() / width and start + chunk * 8 + 8 <= width (contract).
             let lines: [__m256; CHUNKS] = std::array::from_fn(|chunk| unsafe {
-                widen8(values.as_ptr().add(row * width + start + chunk * 8))
+                widen_eight(values.as_ptr().add(row * width + start + chunk * 8))
             });
             for (head, head_sums) in sums.iter_mut().enumerate() {
                 let scale = _mm256_set1_ps(weights[head * count + row]);

@@ -249,11 +249,11 @@ mod vnni {
         let tiles: Vec<Inputs<'_, TILE_X>> = (0..if WIDE { 0 } else { rows / TILE_X })
             .map(|tile| Inputs::new(activations, tile * TILE_X))
             .collect();
-        let paired = tiles.len() * TILE_X;
-        let pairs: Vec<Inputs<'_, 2>> = (0..(rows - paired) / 2)
-            .map(|pair| Inputs::new(activations, paired + 2 * pair))
+        let in_fours = tiles.len() * TILE_X;
+        let pairs: Vec<Inputs<'_, 2>> = (0..(rows - in_fours) / 2)
+            .map(|pair| Inputs::new(activations, in_fours + 2 * pair))
             .collect();
-        let rest = paired + 2 * pairs.len();
+        let rest = in_fours + 2 * pairs.len();
         let single = (rest < rows).then(|| Inputs::<'_, 1>::new(activations, rest));
         for group in groups {
             // SAFETY: the group is inside the packed bytes (contract).
@@ -271,7 +271,7 @@ mod vnni {
                     output,
                     weights.rows(),
                     first_row,
-                    paired + 2 * index,
+                    in_fours + 2 * index,
                     &lines,
                 );
             }
@@ -456,7 +456,9 @@ mod avx2 {
     //! pass finds them in cache: a group of SmolLM2's or gemma-3's widest rows is 15 to 22 KiB).
     use super::*;
 
-    /// Activation rows per tile: eight weight registers and eight sums per row already fill the 16 ymm registers.
+    /// Activation rows per tile. Eight weight registers, then per row a sum, an offset and the block's integer
+    /// chains, against 16 ymm registers: one row. (Two might fit now that a row keeps one sum, not ggml's
+    /// eight; not measured.)
     const TILE_X: usize = 1;
 
     /// Dispatches on the weight format to a kernel specialised for it.

@@ -19,7 +19,7 @@
 //! step after the gather time ([`GATHER_WAIT`] for a whole model). A chunk longer than the budget runs over several steps, its output rows
 //! joined.
 //!
-//! Two rules keep running streams' inter-token latency bounded while prompts are admitted:
+//! Three rules keep running streams' inter-token latency bounded while prompts are admitted:
 //! - *admit together*: while a server's queue holds requests for free lanes ([`Backlog`]), a generation is on
 //!   its way to a lane ([`Arrival`]), or a lane's generation left it moments ago (its client's next request is
 //!   likely on its way), a step with no stream to decode, or one in which a prompt starts, waits up to
@@ -29,7 +29,10 @@
 //! - *a prompt's share of a decode step* (when [`StepPolicy::decode_stretch`] is set): while streams decode, a
 //!   step also runs prompt rows only as many as keep it within that many times a decode-only step, by the costs
 //!   measured on the steps so far; a long prompt runs over several steps beside the streams instead of freezing
-//!   them for its whole prefill.
+//!   them for its whole prefill;
+//! - *wait for streams about to end* ([`StepPolicy::prompt_hold_steps`], off with a stretch): a prompt about to
+//!   start sits out the steps of streams that all end within what its prefill would add to a step, so requests
+//!   queued behind full lanes do not admit (and end) out of step with the streams beside them.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -973,11 +976,12 @@ impl State {
         }
         let mut streams = 0;
         let mut longest = 0;
-        for lane in self
+        // Every lane in a generation, or with a chunk waiting (a lane that never said it was active still stalls).
+        let others = self
             .lanes
             .iter()
-            .filter(|lane| lane.active && !starting(lane))
-        {
+            .filter(|lane| (lane.active || lane.pending.is_some()) && !starting(lane));
+        for lane in others {
             let Some(chunks) = lane.chunks_left else {
                 return false;
             };

@@ -203,6 +203,12 @@ fn a_prompt_about_to_start_sits_out_the_steps_of_streams_about_to_end_and_no_oth
     let mut state = a_stream_and_a_prompt_starting(Some(1));
     state.lanes[0].pending = None;
     assert!(!state.prompts_wait_for_ending_streams(1, &policy));
+    // A lane with a chunk waiting that never said when it ends counts, active or not.
+    let mut state = a_stream_and_a_prompt_starting(Some(1));
+    let mut unannounced = waiting(1, 3);
+    unannounced.active = false;
+    state.lanes.push(unannounced);
+    assert!(!state.prompts_wait_for_ending_streams(1, &policy));
 }
 
 #[test]

@@ -111,12 +111,31 @@ pub(super) fn attend(
         .enumerate()
         .flat_map(|(index, segment)| std::iter::repeat_n(index, segment.rows))
         .collect();
-    // The query heads that share a key head (grouped-query attention) run together: each key and value row is
-    // widened once for all of them, and their outputs sit side by side in the output row.
+    let work: usize = segments
+        .iter()
+        .zip(caches)
+        .map(|(segment, cache)| {
+            let end = segment.position + segment.rows;
+            segment.rows * heads * (end - cache.first_visible(segment.position)) * width
+        })
+        .sum();
+    let parallel = work >= PARALLEL_ATTENTION_WORK;
+    // The query heads that share a key head (grouped-query attention) run as one unit: each key and value row
+    // is widened once for all of them, and their outputs sit side by side in the output row. Where that leaves
+    // too few units to share among the pool's threads (gemma-3 has one key head: a decode row would be one
+    // unit), each query head is a unit of its own, as before the grouping.
     let kv_heads = caches[0].kv_heads;
     let group = heads / kv_heads;
+    let unit_heads = if parallel && owners.len() * kv_heads < MIN_GROUPED_UNITS {
+        1
+    } else {
+        group
+    };
+    let units_per_row = heads / unit_heads;
     let run = |index: usize, out: &mut [f32]| {
-        let (global_row, kv_head) = (index / kv_heads, index % kv_heads);
+        let (global_row, unit) = (index / units_per_row, index % units_per_row);
+        let first_head = unit * unit_heads;
+        let kv_head = first_head / group;
         let owner = owners[global_row];
         let (segment, cache, query) = (&segments[owner], caches[owner], &queries[owner]);
         let row = global_row - segment.offset;
@@ -124,20 +143,20 @@ pub(super) fn attend(
         let keys_seen = cache.first_visible(query_position)..query_position + 1;
         let keys = cache.keys(kv_head, keys_seen.clone());
         let values = cache.values(kv_head, keys_seen);
-        let mut scaled = Vec::with_capacity(group * width);
-        for head in kv_head * group..(kv_head + 1) * group {
+        let mut scaled = Vec::with_capacity(unit_heads * width);
+        for head in first_head..first_head + unit_heads {
             scaled.extend_from_slice(&query[(head * segment.rows + row) * width..][..width]);
         }
         if scale.query != 1.0 {
             scaled.iter_mut().for_each(|value| *value *= scale.query);
         }
         let count = keys.len() / width;
-        let mut weights = vec![0f32; group * count];
+        let mut weights = vec![0f32; unit_heads * count];
         dots_f16_heads(&scaled, width, keys, &mut weights);
         if scale.score != 1.0 {
             weights.iter_mut().for_each(|weight| *weight *= scale.score);
         }
-        let mut sums = vec![0f32; group];
+        let mut sums = vec![0f32; unit_heads];
         for (head_weights, sum) in weights.chunks_exact_mut(count.max(1)).zip(sums.iter_mut()) {
             let maximum = head_weights
                 .iter()
@@ -154,20 +173,12 @@ pub(super) fn attend(
             head_out.iter_mut().for_each(|value| *value *= inverse);
         }
     };
-    let work: usize = segments
-        .iter()
-        .zip(caches)
-        .map(|(segment, cache)| {
-            let end = segment.position + segment.rows;
-            segment.rows * heads * (end - cache.first_visible(segment.position)) * width
-        })
-        .sum();
     let output = &mut output[..owners.len() * heads * width];
-    if work >= PARALLEL_ATTENTION_WORK {
-        crate::kernels::ComputePool::global().for_each_chunk_mut(output, group * width, run);
+    if parallel {
+        crate::kernels::ComputePool::global().for_each_chunk_mut(output, unit_heads * width, run);
     } else {
         output
-            .chunks_mut(group * width)
+            .chunks_mut(unit_heads * width)
             .enumerate()
             .for_each(|(index, out)| run(index, out));
     }
@@ -178,6 +189,10 @@ pub(super) fn attend(
 /// product's dispatch: at 1 << 20 a decode step after a 512-token prompt ran its attention on one thread
 /// (SmolLM2 97.0 against 103.1 tok/s split, gemma-3 49.5 against 57.9; 4 interleaved rounds).
 pub(super) const PARALLEL_ATTENTION_WORK: usize = 1 << 16;
+
+/// Below this many units of grouped heads a parallel attention runs each query head as its own unit: a pool of
+/// two threads (and its caller) takes chunks of several units each, so a handful would leave a thread idle.
+const MIN_GROUPED_UNITS: usize = 8;
 
 /// Below this many values a row-wise op (norm, RoPE) runs on the calling thread: a few rows of a decode
 /// step cost less than handing them to the pool.
