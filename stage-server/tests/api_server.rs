@@ -4,6 +4,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::quantized::GgmlDType;
@@ -21,13 +22,88 @@ fn tiny_model(name: &str) -> PathBuf {
     model.write_to_dir(&directory).unwrap()
 }
 
-fn start(name: &str, configure: impl FnOnce(&mut ApiConfig)) -> ApiServer {
+fn start(name: &str, configure: impl FnOnce(&mut ApiConfig)) -> Started {
+    start_in_turn(name, configure, Turn::take(false))
+}
+
+/// [`start`] for a test that counts forward passes on `/metrics`: the stage metrics are one registry per
+/// process, so it waits until no other test's server lives, and holds them off until its own ends.
+fn start_alone(name: &str, configure: impl FnOnce(&mut ApiConfig)) -> Started {
+    start_in_turn(name, configure, Turn::take(true))
+}
+
+fn start_in_turn(name: &str, configure: impl FnOnce(&mut ApiConfig), turn: Turn) -> Started {
     let mut config = ApiConfig::new("127.0.0.1:0".parse().unwrap());
     config.lanes = 1;
     configure(&mut config);
     let server = ApiServer::start(&tiny_model(name), Backend::Whole, config).unwrap();
     server.wait_ready(Duration::from_secs(60)).unwrap();
-    server
+    Started {
+        server,
+        _turn: turn,
+    }
+}
+
+/// How many test servers live (`.0`), and whether one that counts the process-wide forward passes does (`.1`,
+/// [`start_alone`]): it waits for the others to end, and they for it.
+static TURNS: Mutex<(usize, bool)> = Mutex::new((0, false));
+static TURN_ENDED: Condvar = Condvar::new();
+
+/// A test server's turn in [`TURNS`], given back when it drops.
+struct Turn {
+    alone: bool,
+}
+
+impl Turn {
+    fn take(alone: bool) -> Turn {
+        let mut turns = TURNS
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        while turns.1 || (alone && turns.0 > 0) {
+            turns = TURN_ENDED
+                .wait(turns)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+        if alone {
+            turns.1 = true;
+        } else {
+            turns.0 += 1;
+        }
+        Turn { alone }
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        let mut turns = TURNS
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if self.alone {
+            turns.1 = false;
+        } else {
+            turns.0 -= 1;
+        }
+        TURN_ENDED.notify_all();
+    }
+}
+
+/// A started server and its turn, released with it.
+struct Started {
+    server: ApiServer,
+    _turn: Turn,
+}
+
+impl std::ops::Deref for Started {
+    type Target = ApiServer;
+    fn deref(&self) -> &ApiServer {
+        &self.server
+    }
+}
+
+impl Started {
+    fn shutdown(self, deadline: Instant) -> net_io_blocking::DrainReport {
+        self.server.shutdown(deadline)
+    }
 }
 
 /// One response, read whole.
@@ -642,7 +718,7 @@ fn mixed_prompts() -> Vec<Vec<u32>> {
 
 #[test]
 fn concurrent_generations_batched_together_each_equal_the_same_request_alone() {
-    let server = start("batched", |config| config.lanes = 4);
+    let server = start_alone("batched", |config| config.lanes = 4);
     let address = server.local_addr();
     let prompts = mixed_prompts();
     let alone: Vec<_> = prompts
