@@ -190,19 +190,22 @@ fn scale_and_minimum_k4(scales: &[u8], index: usize) -> (u8, u8) {
     }
 }
 
+/// The step `d·scale` and offset `dmin·minimum` of sub-block `index` of a Q4_K or Q5_K super-block (both start
+/// with `d`, `dmin` and the 12 scale bytes).
+fn step_and_offset_k4(block: &[u8], index: usize) -> (f32, f32) {
+    let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
+    let (scale, minimum) = scale_and_minimum_k4(&block[4..16], index);
+    (d * scale as f32, dmin * minimum as f32)
+}
+
 /// A Q4_K super-block as ggml's `dequantize_row_q4_K` walks it: four runs of 64 weights, each the low then the
 /// high nibbles of 32 bytes, with the 6-bit scale and minimum pairs unpacked from the 12 scale bytes.
 fn dequantize_q4_k(block: &[u8]) -> Vec<f32> {
-    let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
-    let scales = &block[4..16];
-    let scale_and_minimum = |index: usize| scale_and_minimum_k4(scales, index);
     let mut out = Vec::with_capacity(256);
     for run in 0..4 {
         let bytes = &block[16 + 32 * run..16 + 32 * run + 32];
-        let (low_scale, low_minimum) = scale_and_minimum(2 * run);
-        let (high_scale, high_minimum) = scale_and_minimum(2 * run + 1);
-        let (low_step, low_offset) = (d * low_scale as f32, dmin * low_minimum as f32);
-        let (high_step, high_offset) = (d * high_scale as f32, dmin * high_minimum as f32);
+        let (low_step, low_offset) = step_and_offset_k4(block, 2 * run);
+        let (high_step, high_offset) = step_and_offset_k4(block, 2 * run + 1);
         out.extend(
             bytes
                 .iter()
@@ -220,18 +223,13 @@ fn dequantize_q4_k(block: &[u8]) -> Vec<f32> {
 /// A Q5_K super-block as ggml's `dequantize_row_q5_K` walks it: Q4_K's runs of 64 over the 128 nibble bytes that
 /// follow 32 bytes of high bits, run `r` taking bits `2r` (its low nibbles) and `2r + 1` (its high ones) of each.
 fn dequantize_q5_k(block: &[u8]) -> Vec<f32> {
-    let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
-    let scales = &block[4..16];
     let high = &block[16..48];
-    let scale_and_minimum = |index: usize| scale_and_minimum_k4(scales, index);
     let mut out = Vec::with_capacity(256);
     let (mut low_bit, mut high_bit) = (1u8, 2u8);
     for run in 0..4 {
         let bytes = &block[48 + 32 * run..48 + 32 * run + 32];
-        let (low_scale, low_minimum) = scale_and_minimum(2 * run);
-        let (high_scale, high_minimum) = scale_and_minimum(2 * run + 1);
-        let (low_step, low_offset) = (d * low_scale as f32, dmin * low_minimum as f32);
-        let (high_step, high_offset) = (d * high_scale as f32, dmin * high_minimum as f32);
+        let (low_step, low_offset) = step_and_offset_k4(block, 2 * run);
+        let (high_step, high_offset) = step_and_offset_k4(block, 2 * run + 1);
         out.extend(bytes.iter().zip(high).map(|(b, h)| {
             let fifth = if h & low_bit != 0 { 16.0 } else { 0.0 };
             low_step * ((b & 0xF) as f32 + fifth) - low_offset

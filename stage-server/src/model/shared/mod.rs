@@ -646,6 +646,22 @@ impl Drop for SharedStage {
     }
 }
 
+impl Pending {
+    /// Whether this is a generation's first chunk, of more than one row, not yet begun: a prompt about to start.
+    fn starts_prompt(&self, width: usize) -> bool {
+        self.first && self.done == 0 && self.input.rows(width) > 1
+    }
+}
+
+impl LaneState {
+    /// Whether the lane's waiting chunk is a prompt about to start ([`Pending::starts_prompt`]).
+    fn starts_prompt(&self, width: usize) -> bool {
+        self.pending
+            .as_ref()
+            .is_some_and(|pending| pending.starts_prompt(width))
+    }
+}
+
 impl OwnedInput {
     fn rows(&self, width: usize) -> usize {
         match self {
@@ -943,11 +959,7 @@ impl State {
     /// Whether a generation's first chunk of more than one row waits for the step: a prompt about to start,
     /// which stalls any stream in its step for its rows.
     fn prompt_starting(&self, width: usize) -> bool {
-        self.lanes.iter().any(|lane| {
-            lane.pending.as_ref().is_some_and(|pending| {
-                pending.first && pending.done == 0 && pending.input.rows(width) > 1
-            })
-        })
+        self.lanes.iter().any(|lane| lane.starts_prompt(width))
     }
 
     /// Whether the generations' first prompt chunks waiting now sit this step out for the streams beside them to
@@ -959,15 +971,10 @@ impl State {
         if policy.prompt_hold_steps == 0 || policy.decode_stretch.is_some() {
             return false;
         }
-        let starting = |lane: &LaneState| {
-            lane.pending.as_ref().is_some_and(|pending| {
-                pending.first && pending.done == 0 && pending.input.rows(width) > 1
-            })
-        };
         let prompt_rows: usize = self
             .lanes
             .iter()
-            .filter(|lane| starting(lane))
+            .filter(|lane| lane.starts_prompt(width))
             .filter_map(|lane| lane.pending.as_ref())
             .map(|pending| pending.input.rows(width))
             .sum();
@@ -980,7 +987,7 @@ impl State {
         let others = self
             .lanes
             .iter()
-            .filter(|lane| (lane.active || lane.pending.is_some()) && !starting(lane));
+            .filter(|lane| (lane.active || lane.pending.is_some()) && !lane.starts_prompt(width));
         for lane in others {
             let Some(chunks) = lane.chunks_left else {
                 return false;
@@ -1147,9 +1154,7 @@ fn plan_step(
     hold_prompts: bool,
     prompt_cap: impl Fn(usize) -> Option<usize>,
 ) -> Vec<Planned> {
-    let held = |pending: &Pending| {
-        hold_prompts && pending.first && pending.done == 0 && pending.input.rows(width) > 1
-    };
+    let held = |pending: &Pending| hold_prompts && pending.starts_prompt(width);
     let mut waiting: Vec<(usize, &Pending)> = state
         .lanes
         .iter()
